@@ -1,0 +1,21 @@
+"""fp8graph: FP8 training and inference for PyTorch as a torch.compile backend.
+
+    compiled = torch.compile(model, backend="fp8")           # every eligible linear in FP8
+    compiled = fp8graph.compile(model, policy=fp8graph.Float8CurrentScaling())
+    print(fp8graph.explain(model, input_ids))                 # what was rewritten, and why not
+"""
+
+from .api import compile, explain
+from .formats import Format
+from .recipes import Float8CurrentScaling
+from .report import ExplainReport, SiteRecord
+
+__all__ = [
+    "ExplainReport",
+    "Float8CurrentScaling",
+    "Format",
+    "SiteRecord",
+    "compile",
+    "explain",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,69 @@
+"""The public entry points: :func:`compile` and :func:`explain`."""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import FP8Backend
+from .passes.module_paths import module_paths_by_id
+from .report import ExplainReport, SiteRecord
+
+__all__ = ["compile", "explain"]
+
+_BACKEND_ATTRIBUTE = "fp8graph_backend"
+
+
+def compile(model, policy=None, compiler: str = "inductor", lowering: str = "auto", **torch_compile_kwargs):
+    """Compile ``model`` with its linear sites in FP8.
+
+    Args:
+        model: an ``nn.Module`` (or a function) to compile.
+        policy: a recipe applied to every eligible site; ``None`` for
+            ``Float8CurrentScaling()``.
+        compiler: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``.
+        lowering: ``"auto"`` (``_scaled_mm`` on CUDA SM >= 8.9, emulation
+            elsewhere), ``"scaled_mm"`` or ``"emulated"``.
+        **torch_compile_kwargs: passed to ``torch.compile`` (``dynamic``, ``mode``, ...).
+
+    Returns:
+        The compiled module, as ``torch.compile`` returns it. Its
+        ``fp8graph_backend.decisions`` lists what was decided for each site.
+
+    Example:
+        >>> compiled = fp8graph.compile(model, policy=fp8graph.Float8CurrentScaling())
+        >>> loss = compiled(input_ids, labels=input_ids).loss
+    """
+    mode = torch_compile_kwargs.pop("mode", None)
+    paths_by_id = module_paths_by_id(model) if isinstance(model, torch.nn.Module) else None
+    backend = FP8Backend(policy, compiler, lowering, paths_by_id=paths_by_id, mode=mode)
+    compiled = torch.compile(model, backend=backend, **torch_compile_kwargs)
+    setattr(compiled, _BACKEND_ATTRIBUTE, backend)
+    return compiled
+
+
+def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> ExplainReport:
+    """Trace ``model(*args, **kwargs)`` and report what fp8graph does with each site.
+
+    A model returned by :func:`compile` is explained with its own policy and
+    lowering. The model runs once, without gradients, on the rewritten graph.
+    Like ``torch._dynamo.explain``, this resets Dynamo's caches first, so
+    compiled models recompile on their next call.
+
+    Returns:
+        An :class:`ExplainReport`: a list of :class:`SiteRecord`; ``print()`` it for a table.
+    """
+    compiled_backend = getattr(model, _BACKEND_ATTRIBUTE, None)
+    if compiled_backend is not None:
+        policy, lowering = compiled_backend.policy, compiled_backend.lowering
+        model = model._orig_mod
+    paths_by_id = module_paths_by_id(model) if isinstance(model, torch.nn.Module) else None
+    backend = FP8Backend(policy, "eager", lowering, paths_by_id=paths_by_id)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(*args, **kwargs)
+    torch._dynamo.reset()
+    if backend.graph_count == 0:
+        raise RuntimeError(
+            f"Dynamo captured no graph of {type(model).__name__}: nothing to explain"
+        )
+    return ExplainReport([SiteRecord.from_decision(d) for d in backend.decisions], backend.graph_count)

@@ -1,0 +1,107 @@
+"""The ``fp8`` torch.compile backend.
+
+Dynamo hands the backend an FX graph of torch-level ops with parameters as
+placeholders. The backend runs the passes (find sites -> annotate -> rewrite)
+and lowers the rewritten graph through AOTAutograd and Inductor (or
+``aot_eager`` for fast tests, or ``eager``)::
+
+    torch.compile(model, backend="fp8")                         # default recipe
+    torch.compile(model, backend="fp8", options={"policy": Float8CurrentScaling(Format.E4M3),
+                                                 "compiler": "aot_eager"})
+
+``backend="fp8"`` is found through the ``torch_dynamo_backends`` entry point.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+import torch.fx
+
+from fp8graph.passes import annotate_sites, find_sites, rewrite_sites
+from fp8graph.passes.annotate import Decision
+
+from .lowering import LOWERING_CHOICES, choose_lowering
+from .policy import normalize_policy
+
+__all__ = ["FP8Backend", "fp8_backend"]
+
+log = logging.getLogger("fp8graph")
+
+COMPILERS = ("inductor", "aot_eager", "eager")
+_OPTION_NAMES = ("policy", "compiler", "lowering")
+
+
+def _graph_device(example_inputs: Sequence[object]) -> torch.device:
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+class FP8Backend:
+    """A Dynamo backend that rewrites linear sites to FP8, then lowers the graph.
+
+    Args:
+        policy: a recipe applied to every eligible site; ``None`` for the default
+            (``Float8CurrentScaling()``).
+        compiler: ``"inductor"``, ``"aot_eager"`` or ``"eager"``.
+        lowering: ``"auto"``, ``"scaled_mm"`` or ``"emulated"`` (see ``fp8graph.lowering``).
+        paths_by_id: ``{str(id(module)): path}`` of the compiled model, for exact
+            module paths; without it paths come from Dynamo's source names.
+        mode: an Inductor mode (``"max-autotune"``, ...), as ``torch.compile(mode=...)`` passes it.
+
+    Every graph's decisions are appended to ``self.decisions``.
+    """
+
+    def __init__(self, policy=None, compiler="inductor", lowering="auto", paths_by_id=None, mode=None):
+        self.policy = normalize_policy(policy)
+        if compiler not in COMPILERS:
+            raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+        if lowering not in LOWERING_CHOICES:
+            raise ValueError(f"lowering must be one of {LOWERING_CHOICES}, got {lowering!r}")
+        self.compiler = compiler
+        self.lowering = lowering
+        self.paths_by_id = paths_by_id
+        self.mode = mode
+        self.decisions: list[Decision] = []
+        self.graph_count = 0
+
+    def run_passes(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> list[Decision]:
+        lowering = choose_lowering(_graph_device(example_inputs), self.lowering)
+        sites = find_sites(gm, example_inputs, self.paths_by_id)
+        decisions = annotate_sites(sites, self.policy, lowering)
+        rewrite_sites(gm)
+        for decision in decisions:
+            what = decision.recipe.name if decision.rewritten else f"kept: {decision.reason}"
+            log.info("fp8graph: %s (%s) -> %s", decision.site.path or "<root>", decision.site.op, what)
+        return decisions
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]):
+        self.graph_count += 1
+        self.decisions.extend(self.run_passes(gm, example_inputs))
+        if self.compiler == "eager":
+            return gm.forward
+        if self.compiler == "aot_eager":
+            from torch._dynamo.backends.registry import lookup_backend
+
+            return lookup_backend("aot_eager")(gm, example_inputs)
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        config_patches = list_mode_options(self.mode) if self.mode else None
+        return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+def fp8_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None):
+    """Entry point of ``torch.compile(..., backend="fp8", options={...})``.
+
+    ``options`` may hold ``policy``, ``compiler`` and ``lowering`` (see :class:`FP8Backend`).
+    """
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(_OPTION_NAMES))
+    if unknown:
+        raise ValueError(f"unknown fp8 backend option(s) {unknown}; known: {list(_OPTION_NAMES)}")
+    return FP8Backend(mode=mode, **options)(gm, example_inputs)

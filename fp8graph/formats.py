@@ -1,0 +1,53 @@
+"""FP8 formats and the tensor roles of a linear layer.
+
+A linear site has three operands that get their own scale: ``input`` and
+``weight`` in the forward GEMM, and ``grad_output`` in the two backward GEMMs.
+A :class:`Format` says which FP8 dtype each role is cast to.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = ["Format", "Role", "fp8_max"]
+
+
+class Role(str, enum.Enum):
+    """The operand of a linear site a tensor plays."""
+
+    INPUT = "input"
+    WEIGHT = "weight"
+    GRAD_OUTPUT = "grad_output"
+
+
+class Format(enum.Enum):
+    """Which FP8 dtype each role uses.
+
+    ``E4M3``: every role in E4M3 (max 448, 3 mantissa bits).
+    ``HYBRID``: E4M3 for input and weight, E5M2 (max 57344, 2 mantissa bits)
+    for grad_output, whose range matters more than its precision.
+    """
+
+    E4M3 = "E4M3"
+    HYBRID = "HYBRID"
+
+    def dtype(self, role: Role) -> torch.dtype:
+        if self is Format.HYBRID and role is Role.GRAD_OUTPUT:
+            return torch.float8_e5m2
+        return torch.float8_e4m3fn
+
+
+_FP8_MAX = {
+    torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max,  # 448
+    torch.float8_e5m2: torch.finfo(torch.float8_e5m2).max,  # 57344
+}
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype."""
+    try:
+        return _FP8_MAX[fp8_dtype]
+    except KeyError:
+        raise ValueError(f"{fp8_dtype} is not a supported FP8 dtype") from None

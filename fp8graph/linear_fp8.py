@@ -1,0 +1,118 @@
+"""The FP8 linear: three scaled GEMMs with high-precision inputs and outputs.
+
+A rewritten site calls ``linear_fp8(input_hp, weight_hp, bias_hp)`` with
+``weight_hp`` of shape (N, K), exactly like ``F.linear``::
+
+    forward   output      = input_fp8 @ weight_fp8_t          (M, N)  + bias in high precision
+    backward  grad_input  = grad_output_fp8 @ weight_fp8      (M, K)
+              grad_weight = grad_output_fp8_t @ input_fp8     (N, K)
+              grad_bias   = grad_output.sum(0)                 high precision
+
+The quantization is plain torch ops inside an ``autograd.Function``.
+AOTAutograd traces through both ``forward`` and ``backward``, so Inductor sees
+the amax, scale and cast as ordinary ops and fuses them with their neighbours;
+only the GEMM is an opaque call. With per-tensor scales the FP8 copies saved
+for backward are reused transposed: transposing a tensor-wise quantized tensor
+is exact.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from .formats import Role
+from .lowering import Lowering, scaled_gemm
+from .quantize import quantize_current
+from .recipes import Recipe
+
+__all__ = ["linear_fp8_target"]
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+class _LinearFP8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_hp, weight_hp, bias_hp, recipe: Recipe, lowering: Lowering):
+        device_type = input_hp.device.type
+        # Under autocast F.linear returns the autocast dtype; so does this.
+        output_dtype = _autocast_dtype(device_type) or input_hp.dtype
+        in_features = weight_hp.shape[1]
+        lead_shape = input_hp.shape[:-1]
+        with torch.autocast(device_type, enabled=False):
+            input_hp_2d = input_hp.reshape(-1, in_features)  # (M, K)
+            input_fp8, input_scale = quantize_current(
+                input_hp_2d, recipe.fp8_dtype(Role.INPUT), recipe.power_2_scales
+            )
+            weight_fp8, weight_scale = quantize_current(
+                weight_hp, recipe.fp8_dtype(Role.WEIGHT), recipe.power_2_scales
+            )
+            # output = input @ weight_t  (M, N); fast accumulation is accurate
+            # enough for the forward GEMM, as Transformer Engine does.
+            output = scaled_gemm(
+                input_fp8, input_scale, weight_fp8.t(), weight_scale,
+                output_dtype, lowering, use_fast_accum=True,
+            )
+            if bias_hp is not None:
+                output = output + bias_hp.to(output_dtype)
+        ctx.save_for_backward(input_fp8, input_scale, weight_fp8, weight_scale)
+        ctx.recipe = recipe
+        ctx.lowering = lowering
+        ctx.input_dtype = input_hp.dtype
+        ctx.weight_dtype = weight_hp.dtype
+        ctx.bias_dtype = None if bias_hp is None else bias_hp.dtype
+        ctx.lead_shape = lead_shape
+        return output.reshape(*lead_shape, weight_hp.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output_hp):
+        input_fp8, input_scale, weight_fp8, weight_scale = ctx.saved_tensors
+        recipe: Recipe = ctx.recipe
+        out_features, in_features = weight_fp8.shape
+        needs_grad_input, needs_grad_weight, needs_grad_bias = ctx.needs_input_grad[:3]
+        grad_input = grad_weight = grad_bias = None
+        with torch.autocast(grad_output_hp.device.type, enabled=False):
+            grad_output_hp_2d = grad_output_hp.reshape(-1, out_features)  # (M, N)
+            grad_output_fp8, grad_output_scale = quantize_current(
+                grad_output_hp_2d, recipe.fp8_dtype(Role.GRAD_OUTPUT), recipe.power_2_scales
+            )
+            if needs_grad_input:
+                # grad_input = grad_output @ weight  (M, K); split accumulation.
+                grad_input = scaled_gemm(
+                    grad_output_fp8, grad_output_scale, weight_fp8, weight_scale,
+                    ctx.input_dtype, ctx.lowering,
+                ).reshape(*ctx.lead_shape, in_features)
+            if needs_grad_weight:
+                # grad_weight = grad_output_t @ input  (N, K)
+                grad_weight = scaled_gemm(
+                    grad_output_fp8.t(), grad_output_scale, input_fp8, input_scale,
+                    ctx.weight_dtype, ctx.lowering,
+                )
+            if needs_grad_bias and ctx.bias_dtype is not None:
+                grad_bias = grad_output_hp_2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+@functools.cache
+def linear_fp8_target(recipe: Recipe, lowering: Lowering) -> Callable[..., torch.Tensor]:
+    """The graph target for sites with ``recipe`` lowered by ``lowering``.
+
+    FX graphs can only hold primitive constants as arguments, so the recipe
+    and lowering are bound into a function with a readable name, which the
+    rewritten graph's code then shows (``fp8graph_linear_current_HYBRID_emulated``).
+    """
+
+    def linear_fp8(input_hp, weight_hp, bias_hp=None):
+        return _LinearFP8.apply(input_hp, weight_hp, bias_hp, recipe, lowering)
+
+    label = "".join(ch if ch.isalnum() else "_" for ch in f"{recipe.name}_{lowering.value}")
+    linear_fp8.__name__ = linear_fp8.__qualname__ = f"fp8graph_linear_{label}".replace("__", "_")
+    linear_fp8.recipe = recipe
+    linear_fp8.lowering = lowering
+    return linear_fp8

@@ -1,0 +1,84 @@
+"""FP8 quantization numerics as small pure functions.
+
+The rewrite and the tests' reference both use these, so what is tested is
+what runs. They are written in plain torch ops so that Inductor can fuse the
+amax reduction, the scale and the cast into the kernels around them.
+
+Conventions: ``scale`` multiplies a high-precision tensor into FP8 range
+(``x_fp8 = cast(x_hp * scale)``); dequantization divides by it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import fp8_max
+
+__all__ = ["amax", "amax_to_scale", "quantize", "dequantize", "quantize_current"]
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_EXPONENT_MASK = 0x7F800000
+
+
+def amax(x_hp: torch.Tensor) -> torch.Tensor:
+    """Largest magnitude in ``x_hp`` as a 0-dim fp32 tensor (NaN if any is NaN)."""
+    return x_hp.abs().amax().to(torch.float32)
+
+
+def amax_to_scale(
+    amax_fp32: torch.Tensor, fp8_dtype: torch.dtype, power_2_scales: bool = False
+) -> torch.Tensor:
+    """Scale that maps ``amax`` onto the FP8 dtype's largest value.
+
+    An amax of 0, inf or NaN gives scale 1: there is nothing to fit, or the
+    tensor is already broken and its non-finite values must pass through
+    rather than shrink every finite value to zero. A tiny amax whose scale
+    would overflow fp32 gets ``FLT_MAX``.
+    """
+    amax_fp32 = amax_fp32.to(torch.float32)
+    usable = torch.isfinite(amax_fp32) & (amax_fp32 > 0)
+    scale = torch.where(usable, fp8_max(fp8_dtype) / amax_fp32, 1.0)
+    scale = scale.clamp(max=_FLOAT32_MAX)
+    if power_2_scales:
+        # Drop the mantissa bits: the largest power of two <= scale. Bit
+        # operations are exact where log2/floor/exp2 can round up. Scales are
+        # >= 448 / FLT_MAX, far above the subnormal range, so no bit is lost.
+        exponent_bits = scale.view(torch.int32) & _FLOAT32_EXPONENT_MASK
+        scale = exponent_bits.view(torch.float32)
+    return scale
+
+
+def quantize(x_hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Cast ``x_hp * scale`` to FP8, rounding to nearest even after saturating.
+
+    Finite values beyond the format's range saturate to +-max. Non-finite
+    values stay non-finite, as plain arithmetic would keep them: inf stays inf
+    in E5M2 and becomes NaN in E4M3, which has no inf (the bare CPU cast
+    would saturate it to 448 instead).
+    """
+    max_value = fp8_max(fp8_dtype)
+    x_scaled = x_hp.to(torch.float32) * scale
+    x_saturated = x_scaled.clamp(-max_value, max_value)  # NaN passes through clamp
+    if fp8_dtype == torch.float8_e4m3fn:
+        x_saturated = torch.where(torch.isinf(x_scaled), float("nan"), x_saturated)
+    else:
+        x_saturated = torch.where(torch.isinf(x_scaled), x_scaled, x_saturated)
+    return x_saturated.to(fp8_dtype)
+
+
+def dequantize(
+    x_fp8: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of :func:`quantize`: ``x_fp8 / scale`` in ``out_dtype``."""
+    return (x_fp8.to(torch.float32) / scale).to(out_dtype)
+
+
+def quantize_current(
+    x_hp: torch.Tensor, fp8_dtype: torch.dtype, power_2_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Current (per-tensor) scaling: scale from this tensor's own amax, then cast.
+
+    Returns ``(x_fp8, scale)``.
+    """
+    scale = amax_to_scale(amax(x_hp), fp8_dtype, power_2_scales)
+    return quantize(x_hp, scale, fp8_dtype), scale

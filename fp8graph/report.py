@@ -1,0 +1,99 @@
+"""What the fp8 backend decided for each site, as records and a readable table."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from fp8graph.passes.annotate import Decision
+
+__all__ = ["ExplainReport", "SiteRecord"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteRecord:
+    """One site: where it is, its GEMM shape, and what fp8graph did with it.
+
+    ``recipe`` is the recipe's name when the site runs in FP8, else ``None``
+    and ``reason`` says why it stays in high precision. ``M`` is a string
+    when the token dimension is symbolic (``dynamic=True``).
+    """
+
+    path: str
+    op: str
+    M: int | str | None
+    K: int | None
+    N: int | None
+    dtype: torch.dtype | None
+    recipe: str | None
+    reason: str | None
+    lowering: str | None
+
+    @property
+    def rewritten(self) -> bool:
+        return self.recipe is not None
+
+    @classmethod
+    def from_decision(cls, decision: Decision) -> "SiteRecord":
+        site = decision.site
+        return cls(
+            path=site.path,
+            op=site.op,
+            M=site.M,
+            K=site.K,
+            N=site.N,
+            dtype=site.dtype,
+            recipe=decision.recipe.name if decision.rewritten else None,
+            reason=decision.reason,
+            lowering=decision.lowering.value if decision.lowering else None,
+        )
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return str(value)
+
+
+class ExplainReport(list):
+    """The sites of a model in graph order, one :class:`SiteRecord` each.
+
+    ``graph_count`` is how many graphs Dynamo produced (more than one means
+    graph breaks).
+    """
+
+    def __init__(self, records, graph_count: int = 0):
+        super().__init__(records)
+        self.graph_count = graph_count
+
+    @property
+    def rewritten(self) -> list[SiteRecord]:
+        return [r for r in self if r.rewritten]
+
+    @property
+    def kept(self) -> list[SiteRecord]:
+        return [r for r in self if not r.rewritten]
+
+    def table(self) -> Table:
+        table = Table(title=f"fp8graph: {len(self.rewritten)} of {len(self)} sites in FP8, "
+                            f"{self.graph_count} graph(s)")
+        for column in ("module path", "op", "M", "K", "N", "dtype", "FP8 recipe / reason kept", "lowering"):
+            table.add_column(column, overflow="fold")
+        for r in self:
+            decision = f"[green]{r.recipe}[/green]" if r.rewritten else f"[yellow]{r.reason}[/yellow]"
+            table.add_row(r.path or "<root>", r.op, _cell(r.M), _cell(r.K), _cell(r.N),
+                          _cell(r.dtype), decision, _cell(r.lowering))
+        return table
+
+    def __str__(self) -> str:
+        buffer = io.StringIO()
+        Console(file=buffer, width=160, color_system=None).print(self.table())
+        return buffer.getvalue()
+
+    __repr__ = list.__repr__

@@ -1,0 +1,193 @@
+"""Find the linear and matmul sites of a Dynamo graph.
+
+Dynamo's IR is not normalized: one ``y = x W^T + b`` can reach the backend as
+
+    torch._C._nn.linear(x, w, b)            nn.Linear, F.linear
+    torch.addmm(b, x2d, w)                  GPT-2's Conv1D, weight stored (K, N)
+    torch.matmul(x, w) / x @ w / x.matmul(w) / torch.mm(x, w) / x @ w.t()
+
+This pass reads each such node into a :class:`Site`: which operand is the
+activation, which is the weight parameter and how it is laid out, the bias,
+and M/K/N. A site that can never become an FP8 linear (no 2-D parameter
+operand, a parameter on the left, a scaled ``addmm``) carries a ``blocker``
+saying why. The pass only reads the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Sequence
+
+import torch
+import torch.fx
+
+from .module_paths import module_path
+
+__all__ = ["Site", "find_sites"]
+
+_LINEAR_TARGETS = {torch._C._nn.linear, torch.nn.functional.linear}
+_MATMUL_TARGETS = {torch.matmul, operator.matmul, torch.mm}
+_ADDMM_TARGETS = {torch.addmm}
+_BATCHED_TARGETS = {torch.bmm, torch.baddbmm}
+_MATMUL_METHODS = {"matmul", "__matmul__", "mm"}
+_TRANSPOSE_TARGETS = {torch.t}
+
+
+@dataclasses.dataclass
+class Site:
+    """One GEMM of the graph, read into linear form ``input @ weight^T + bias``.
+
+    ``weight_is_kn`` is True when the parameter is stored (K, N), as GPT-2's
+    Conv1D stores it; the rewrite then feeds ``weight.t()`` to the FP8 linear.
+    """
+
+    node: torch.fx.Node
+    op: str
+    path: str
+    input_node: torch.fx.Node | None = None
+    weight_node: torch.fx.Node | None = None
+    weight_is_kn: bool = False
+    bias_node: torch.fx.Node | None = None
+    M: int | str | None = None
+    K: int | None = None
+    N: int | None = None
+    dtype: torch.dtype | None = None
+    blocker: str | None = None
+
+
+def _value(node) -> torch.Tensor | None:
+    if isinstance(node, torch.fx.Node):
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def _op_name(node: torch.fx.Node) -> str | None:
+    if node.op == "call_function":
+        if node.target in _LINEAR_TARGETS:
+            return "linear"
+        if node.target in _ADDMM_TARGETS:
+            return "addmm"
+        if node.target in _MATMUL_TARGETS:
+            return "mm" if node.target is torch.mm else "matmul"
+        if node.target in _BATCHED_TARGETS:
+            return node.target.__name__
+    if node.op == "call_method":
+        if node.target in _MATMUL_METHODS:
+            return "mm" if node.target == "mm" else "matmul"
+        if node.target == "addmm":
+            return "addmm"
+    return None
+
+
+def _is_transpose(node: torch.fx.Node) -> bool:
+    if node.op == "call_method" and node.target == "t":
+        return True
+    if node.op == "call_function" and node.target in _TRANSPOSE_TARGETS:
+        return True
+    return node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT")
+
+
+class _Parameters:
+    """Which graph nodes are parameters: placeholders fed a Parameter, or get_attr of one."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self._nodes = {
+            node for node, value in zip(placeholders, example_inputs)
+            if isinstance(value, torch.nn.Parameter)
+        }
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                value = getattr(gm, str(node.target), None)
+                if isinstance(value, torch.nn.Parameter):
+                    self._nodes.add(node)
+
+    def resolve(self, node) -> tuple[torch.fx.Node | None, bool]:
+        """``(parameter node, transposed)`` when ``node`` is a parameter or its ``.t()``."""
+        if not isinstance(node, torch.fx.Node):
+            return None, False
+        if node in self._nodes:
+            return node, False
+        if _is_transpose(node) and node.args[0] in self._nodes:
+            return node.args[0], True
+        return None, False
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _fill_shapes(site: Site) -> None:
+    input_value, weight_value = _value(site.input_node), _value(site.weight_node)
+    if input_value is None or weight_value is None:
+        return
+    site.dtype = input_value.dtype
+    if weight_value.dim() != 2:
+        site.blocker = f"parameter operand is {weight_value.dim()}-D, not 2-D"
+        return
+    n, k = weight_value.shape if not site.weight_is_kn else reversed(weight_value.shape)
+    site.N, site.K = int(n), int(k)
+    lead = input_value.shape[:-1]
+    if all(isinstance(d, int) for d in lead):
+        site.M = math.prod(lead)
+    else:  # symbolic token dimension under dynamic shapes: keep it symbolic
+        site.M = " * ".join(str(d) for d in lead)
+
+
+def _read_site(node: torch.fx.Node, op: str, params: _Parameters, path: str) -> Site:
+    site = Site(node=node, op=op, path=path)
+    if op in ("bmm", "baddbmm"):
+        site.blocker = "batched matmul of activations (no 2-D parameter operand)"
+        return site
+    if op == "linear":
+        site.input_node = _arg(node, 0, "input")
+        weight, transposed = params.resolve(_arg(node, 1, "weight"))
+        site.bias_node = _arg(node, 2, "bias")
+        site.weight_node, site.weight_is_kn = weight, transposed
+        if weight is None:
+            site.blocker = "weight is not a parameter (computed in the graph)"
+    else:
+        offset = 1 if op == "addmm" else 0
+        left = _arg(node, offset, "mat1" if op == "addmm" else "input")
+        right = _arg(node, offset + 1, "mat2" if op == "addmm" else "other")
+        if op == "addmm":
+            site.bias_node = _arg(node, 0, "input")
+            if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+                site.blocker = "addmm with alpha or beta other than 1"
+        weight, transposed = params.resolve(right)
+        site.input_node = left
+        # matmul(x, W) with W stored (K, N) is a linear with weight W^T.
+        site.weight_node, site.weight_is_kn = weight, not transposed
+        if weight is None:
+            left_param, _ = params.resolve(left)
+            site.blocker = site.blocker or (
+                "parameter is the left operand" if left_param is not None
+                else "no 2-D parameter operand (activation x activation)"
+            )
+    if site.weight_node is not None:
+        _fill_shapes(site)
+    else:
+        value = _value(site.input_node)
+        site.dtype = value.dtype if value is not None else None
+    return site
+
+
+def find_sites(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[object],
+    paths_by_id: dict[str, str] | None = None,
+) -> list[Site]:
+    """Every linear or matmul node of ``gm``, in graph order."""
+    params = _Parameters(gm, example_inputs)
+    sites = []
+    for node in gm.graph.nodes:
+        op = _op_name(node)
+        if op is not None:
+            sites.append(_read_site(node, op, params, module_path(node, paths_by_id)))
+    return sites

@@ -1,0 +1,44 @@
+"""Map a graph node to the path of the module that ran it.
+
+This is the only code that reads ``node.meta["nn_module_stack"]``. Dynamo keys
+each stack entry by ``str(id(module))`` (with ``@N`` for repeated calls) and
+stores a source-like path whose root varies (``L['self'].model.layers.0.mlp``,
+``L['fn']...``). When the caller knows the model, identities give the exact
+``named_modules()`` spelling; otherwise the source path is normalized.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch.fx
+
+__all__ = ["module_path", "module_paths_by_id"]
+
+_ROOT = re.compile(r"^[A-Za-z_]+\[['\"][^'\"]+['\"]\]")  # L['self'], G['model'], ...
+_MODULES_ITEM = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]")  # ._modules['mlp'] -> .mlp
+_INDEX = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")  # [3] or ['3'] -> .3
+
+
+def module_paths_by_id(model: torch.nn.Module) -> dict[str, str]:
+    """``{str(id(module)): path}`` for every module of ``model``."""
+    return {str(id(module)): path for path, module in model.named_modules(remove_duplicate=False)}
+
+
+def _normalize_source_path(source_path: str) -> str:
+    path = _ROOT.sub("", source_path, count=1)
+    path = _MODULES_ITEM.sub(r".\1", path)
+    path = _INDEX.sub(r".\1", path)
+    return path.lstrip(".")
+
+
+def module_path(node: torch.fx.Node, paths_by_id: dict[str, str] | None = None) -> str:
+    """Path of the innermost module whose forward ran ``node``; ``""`` for the root."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    key, (source_path, _module_type) = list(stack.items())[-1]
+    module_id = key.split("@")[0]
+    if paths_by_id is not None and module_id in paths_by_id:
+        return paths_by_id[module_id]
+    return _normalize_source_path(source_path)

@@ -1,0 +1,57 @@
+"""Replace each site annotated with a recipe by an FP8 linear.
+
+    before:  y = linear(x, w, b)          | y = addmm(b, x2d, w_kn)   | y = matmul(x, w_kn)
+    after:   y = fp8graph_linear_<recipe>(x, w, b)                    | weight fed as w_kn.t()
+
+The replacement keeps the original node's metadata (module stack, fake value,
+stack trace) so later passes and error messages still point at the user's
+code. Reads only ``node.meta[DECISION_KEY]``; every rewrite bumps
+``counters["fp8graph"]["sites_rewritten"]``.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+from torch._dynamo.utils import counters
+
+from fp8graph.linear_fp8 import linear_fp8_target
+
+from .annotate import DECISION_KEY, Decision
+
+__all__ = ["rewrite_sites"]
+
+
+def _weight_nk(graph: torch.fx.Graph, decision: Decision) -> torch.fx.Node:
+    """The weight as (N, K), transposing a (K, N) parameter in the graph."""
+    weight = decision.site.weight_node
+    if not decision.site.weight_is_kn:
+        return weight
+    weight_t = graph.call_method("t", (weight,))
+    weight_value = weight.meta.get("example_value")
+    if weight_value is not None:
+        weight_t.meta["example_value"] = weight_value.t()
+    return weight_t
+
+
+def rewrite_sites(gm: torch.fx.GraphModule) -> int:
+    """Rewrite every site whose decision carries a recipe; returns how many."""
+    graph = gm.graph
+    rewritten = 0
+    for node in list(graph.nodes):
+        decision = node.meta.get(DECISION_KEY)
+        if decision is None or not decision.rewritten:
+            continue
+        site = decision.site
+        with graph.inserting_before(node):
+            weight_nk = _weight_nk(graph, decision)
+            target = linear_fp8_target(decision.recipe, decision.lowering)
+            fp8_node = graph.call_function(target, (site.input_node, weight_nk, site.bias_node))
+        fp8_node.meta.update(node.meta)
+        node.replace_all_uses_with(fp8_node)
+        graph.erase_node(node)
+        rewritten += 1
+        counters["fp8graph"]["sites_rewritten"] += 1
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    return rewritten
