@@ -83,7 +83,7 @@ class ExplainReport(list):
     def table(self) -> Table:
         table = Table(title=f"fp8graph: {len(self.rewritten)} of {len(self)} sites in FP8, "
                             f"{self.graph_count} graph(s)")
-        for column in ("module path", "op", "M", "K", "N", "dtype", "FP8 recipe / reason kept", "lowering"):
+        for column in ("module path", "op", "M", "K", "N", "input dtype", "FP8 recipe / reason kept", "lowering"):
             table.add_column(column, overflow="fold")
         for r in self:
             decision = f"[green]{r.recipe}[/green]" if r.rewritten else f"[yellow]{r.reason}[/yellow]"

@@ -1,1 +1,39 @@
-"""Model zoo."""
+"""Model zoo: small HuggingFace models (and a toy MLP) built from config.
+
+Real model code from the ``transformers`` package with seeded random weights;
+nothing is downloaded. Each family is one file with named configs: ``tiny``
+for tests, larger ones for the demo and benchmarks.
+
+    >>> from fp8graph.models import build
+    >>> model = build("llama", "tiny")
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+__all__ = ["FAMILIES", "build", "configs"]
+
+FAMILIES = ("llama", "gpt2", "bert", "qwen2", "mlp")
+
+
+def _family(name: str):
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; known: {FAMILIES}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def configs(family: str) -> tuple[str, ...]:
+    """Names of the configs of ``family``."""
+    return tuple(_family(family).CONFIGS)
+
+
+def build(family: str, config: str = "tiny", seed: int = 0) -> torch.nn.Module:
+    """A freshly initialized model of ``family`` with the named ``config``."""
+    module = _family(family)
+    if config not in module.CONFIGS:
+        raise ValueError(f"{family} has no config {config!r}; known: {tuple(module.CONFIGS)}")
+    torch.manual_seed(seed)
+    return module.build(module.CONFIGS[config])
