@@ -53,7 +53,8 @@ class FP8Backend:
             module paths; without it paths come from Dynamo's source names.
         mode: an Inductor mode (``"max-autotune"``, ...), as ``torch.compile(mode=...)`` passes it.
 
-    Every graph's decisions are appended to ``self.decisions``.
+    Every graph's decisions are appended to ``self.decisions`` and each
+    rewritten graph to ``self.graph_modules``.
     """
 
     def __init__(self, policy=None, compiler="inductor", lowering="auto", paths_by_id=None, mode=None):
@@ -67,7 +68,12 @@ class FP8Backend:
         self.paths_by_id = paths_by_id
         self.mode = mode
         self.decisions: list[Decision] = []
-        self.graph_count = 0
+        self.graph_modules: list[torch.fx.GraphModule] = []
+
+    @property
+    def graph_count(self) -> int:
+        """How many graphs this backend compiled (recompiles and graph breaks add one each)."""
+        return len(self.graph_modules)
 
     def run_passes(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> list[Decision]:
         lowering = choose_lowering(_graph_device(example_inputs), self.lowering)
@@ -80,8 +86,8 @@ class FP8Backend:
         return decisions
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]):
-        self.graph_count += 1
         self.decisions.extend(self.run_passes(gm, example_inputs))
+        self.graph_modules.append(gm)
         if self.compiler == "eager":
             return gm.forward
         if self.compiler == "aot_eager":

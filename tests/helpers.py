@@ -1,0 +1,34 @@
+"""Shared test helpers: compile with a handle on the backend's decisions."""
+
+import torch
+
+import fp8graph
+
+
+def compile_fp8(model, compiler="aot_eager", **kwargs):
+    """``fp8graph.compile`` returning ``(compiled, backend)``."""
+    compiled = fp8graph.compile(model, compiler=compiler, **kwargs)
+    return compiled, compiled.fp8graph_backend
+
+
+def decisions_by_path(backend):
+    return {d.site.path: d for d in backend.decisions}
+
+
+def fp8_target_count(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes
+               if n.op == "call_function" and getattr(n.target, "__name__", "").startswith("fp8graph_linear"))
+
+
+def sgd_steps(compiled, model, batches, steps, lr=1e-2):
+    """Plain training loop; returns the loss of every step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        tokens = batches.next()
+        loss = compiled(tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -1,0 +1,84 @@
+"""Exact rewrite counts for every model of the zoo.
+
+The expected sites are derived independently from ``named_modules()``: every
+``nn.Linear`` and GPT-2 ``Conv1D`` is a site, rewritten when both its K and N
+are multiples of 16. The fixed totals guard against both sides drifting together.
+"""
+
+import logging
+
+import pytest
+import torch
+from transformers.pytorch_utils import Conv1D
+
+import fp8graph
+from fp8graph.models import FAMILIES, build
+
+# family: (sites, rewritten, activation x activation matmuls)
+EXPECTED_COUNTS = {
+    "llama": (15, 14, 0),   # 7 per layer + lm_head (N=250 kept)
+    "gpt2": (13, 9, 4),     # 4 Conv1D per layer + lm_head; eager attention's 2 matmuls per layer
+    "bert": (14, 13, 0),    # 6 per layer + pooler + classifier (N=3 kept)
+    "qwen2": (15, 15, 0),   # 7 per layer + tied lm_head
+    "mlp": (3, 2, 0),       # up, mid, head (N=10 kept)
+}
+
+
+def example_input(family):
+    if family == "mlp":
+        return torch.randn(2, 16, 64)
+    return torch.randint(0, 250, (2, 16))
+
+
+def linear_modules(model):
+    """``{path: (K, N)}`` of the model's linear layers."""
+    found = {}
+    for path, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            found[path] = (module.in_features, module.out_features)
+        elif isinstance(module, Conv1D):
+            found[path] = tuple(module.weight.shape)  # stored (in, out)
+    return found
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rewrite_counts_and_reasons(family):
+    model = build(family, "tiny")
+    report = fp8graph.explain(model, example_input(family))
+    sites, rewritten, activation_matmuls = EXPECTED_COUNTS[family]
+    assert len(report) == sites
+    assert len(report.rewritten) == rewritten
+    assert sum("activation x activation" in (r.reason or "") for r in report) == activation_matmuls
+    assert report.graph_count == 1
+
+    expected = linear_modules(model)
+    linear_records = {r.path: r for r in report if "activation" not in (r.reason or "")}
+    assert set(linear_records) == set(expected)
+    for path, (K, N) in expected.items():
+        record = linear_records[path]
+        assert (record.K, record.N) == (K, N)
+        if K % 16 == 0 and N % 16 == 0:
+            assert record.recipe == "current(HYBRID)" and record.lowering == "emulated"
+        else:
+            assert record.recipe is None and "not a multiple of 16" in record.reason
+    named = dict(model.named_modules())
+    assert all(r.path in named for r in report)
+
+
+def test_bare_backend_names_sites_like_named_modules(caplog):
+    """Without the model at hand, paths come from Dynamo's source names; they must agree."""
+    model = build("llama", "tiny")
+    with caplog.at_level(logging.INFO, logger="fp8graph"):
+        torch.compile(model, backend="fp8", options={"compiler": "eager"})(example_input("llama"))
+    logged = [r.getMessage() for r in caplog.records if r.name == "fp8graph"]
+    assert len(logged) == 15
+    report_paths = [r.path for r in fp8graph.explain(model, example_input("llama"))]
+    assert [m.split("fp8graph: ")[1].split(" (")[0] for m in logged] == report_paths
+
+
+def test_report_prints_a_table():
+    report = fp8graph.explain(build("mlp", "tiny"), example_input("mlp"))
+    text = str(report)
+    assert "2 of 3 sites in FP8" in text
+    for piece in ("up", "mid", "head", "current(HYBRID)", "N=10 is not a multiple of 16"):
+        assert piece in text
