@@ -86,8 +86,16 @@ class FP8Backend:
         return decisions
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]):
-        self.decisions.extend(self.run_passes(gm, example_inputs))
+        decisions = self.run_passes(gm, example_inputs)
+        compiled = self._lower(gm, example_inputs)
+        # Recorded only once lowering succeeded: Dynamo may abort a compile by
+        # an exception raised inside it (e.g. to restart analysis with a
+        # Python scalar specialized) and call the backend again.
+        self.decisions.extend(decisions)
         self.graph_modules.append(gm)
+        return compiled
+
+    def _lower(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]):
         if self.compiler == "eager":
             return gm.forward
         if self.compiler == "aot_eager":

@@ -1,0 +1,96 @@
+"""The backend end to end: options, errors, and agreement of eager, aot_eager and inductor."""
+
+import pytest
+import torch
+
+import fp8graph
+from fp8graph import Float8CurrentScaling, Format
+from fp8graph.metrics import sqnr_db
+from fp8graph.models import build
+from helpers import compile_fp8
+
+
+def _forward_backward(compiled, model, x):
+    model.zero_grad(set_to_none=True)
+    out = compiled(x)
+    out.square().mean().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return out.detach(), grads
+
+
+def test_backend_string_works_after_install():
+    model = build("mlp", "tiny")
+    compiled = torch.compile(model, backend="fp8", options={"compiler": "aot_eager"})
+    out = compiled(torch.randn(4, 64))
+    assert out.shape == (4, 10)
+    assert torch._dynamo.utils.counters["fp8graph"]["sites_rewritten"] == 2
+
+
+def test_options_policy_overrides_the_default_recipe():
+    model = build("mlp", "tiny")
+    e4m3 = Float8CurrentScaling(fp8_format=Format.E4M3)
+    compiled, backend = compile_fp8(model, policy=e4m3, compiler="eager")
+    compiled(torch.randn(4, 64))
+    assert {d.recipe for d in backend.decisions if d.rewritten} == {e4m3}
+    report = fp8graph.explain(compiled, torch.randn(4, 64))
+    assert {r.recipe for r in report.rewritten} == {"current(E4M3)"}
+
+
+def test_different_policies_compile_different_graphs():
+    model, x = build("mlp", "tiny"), torch.randn(8, 64)
+    hybrid = fp8graph.compile(model, compiler="aot_eager")
+    e4m3 = fp8graph.compile(model, policy=Float8CurrentScaling(Format.E4M3), compiler="aot_eager")
+    _, grads_hybrid = _forward_backward(hybrid, model, x)
+    _, grads_e4m3 = _forward_backward(e4m3, model, x)
+    # grad_output is E5M2 under HYBRID and E4M3 otherwise: the gradients must differ.
+    assert not torch.equal(grads_hybrid["up.weight"], grads_e4m3["up.weight"])
+
+
+def test_unknown_option_is_an_error():
+    with pytest.raises(Exception, match="unknown fp8 backend option.*'polcy'"):
+        torch.compile(build("mlp", "tiny"), backend="fp8", options={"polcy": None})(torch.randn(2, 64))
+
+
+def test_policy_must_be_a_recipe():
+    with pytest.raises(TypeError, match="policy must be a recipe"):
+        fp8graph.compile(build("mlp", "tiny"), policy="current")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"compiler": "tvm"}, "compiler must be one of"),
+    ({"lowering": "cutlass"}, "lowering must be one of"),
+])
+def test_bad_compile_arguments_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        fp8graph.compile(build("mlp", "tiny"), **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_forcing_scaled_mm_on_cpu_is_refused():
+    compiled = fp8graph.compile(build("mlp", "tiny"), compiler="eager", lowering="scaled_mm")
+    with pytest.raises(Exception, match="needs a CUDA device of compute capability >= 8.9"):
+        compiled(torch.randn(2, 64))
+
+
+def test_eager_and_aot_eager_agree_exactly():
+    model, x = build("mlp", "tiny"), torch.randn(4, 8, 64)
+    out_eager, grads_eager = _forward_backward(fp8graph.compile(model, compiler="eager"), model, x)
+    out_aot, grads_aot = _forward_backward(fp8graph.compile(model, compiler="aot_eager"), model, x)
+    torch.testing.assert_close(out_aot, out_eager, rtol=0, atol=0)
+    for name in grads_eager:
+        torch.testing.assert_close(grads_aot[name], grads_eager[name], rtol=0, atol=0)
+
+
+@pytest.mark.inductor
+def test_inductor_agrees_with_eager_and_tracks_fp32():
+    model, x = build("mlp", "tiny"), torch.randn(4, 8, 64)
+    out_fp32, grads_fp32 = _forward_backward(model, model, x)
+    out_eager, grads_eager = _forward_backward(fp8graph.compile(model, compiler="eager"), model, x)
+    out_ind, grads_ind = _forward_backward(fp8graph.compile(model, compiler="inductor"), model, x)
+    # Inductor fuses and may reorder fp32 arithmetic, which can move a value
+    # across an FP8 rounding boundary: the results agree far beyond FP8 noise.
+    assert sqnr_db(out_eager, out_ind) > 45
+    for name in grads_eager:
+        assert sqnr_db(grads_eager[name], grads_ind[name]) > 40, name
+    assert sqnr_db(out_fp32, out_ind) > 25
+    assert sqnr_db(grads_fp32["up.weight"], grads_ind["up.weight"]) > 18
