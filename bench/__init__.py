@@ -1,0 +1,1 @@
+"""fp8graph benchmarks: ``python -m bench <workload> [--smoke]``; results go to bench/results/."""

@@ -1,0 +1,22 @@
+"""``python -m bench linear [--smoke]``."""
+
+import argparse
+import sys
+
+from . import linear
+
+WORKLOADS = {"linear": linear}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench")
+    commands = parser.add_subparsers(dest="workload", required=True)
+    for name, module in WORKLOADS.items():
+        module.add_arguments(commands.add_parser(name, help=module.__doc__.splitlines()[0]))
+    args = parser.parse_args(argv)
+    WORKLOADS[args.workload].run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

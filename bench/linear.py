@@ -1,0 +1,84 @@
+"""One linear layer, forward + backward: fp8graph against BF16 eager and BF16 torch.compile.
+
+    output = input @ weight^T; then output.backward(grad_output)
+
+Full mode runs the issue's shape (M, K, N = 8192, 4096, 4096) on CUDA with
+Inductor. ``--smoke`` runs a tiny shape on CPU with ``aot_eager`` so the
+script is exercised by the tests (its timings mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import torch
+
+import fp8graph
+
+from .timing import environment, median, time_ms, write_result
+
+FULL_SHAPES = [(8192, 4096, 4096)]
+SMOKE_SHAPES = [(64, 64, 32)]
+
+
+def _step(model, x, grad_output):
+    def run():
+        x.grad = None
+        model.weight.grad = None
+        model(x).backward(grad_output)
+    return run
+
+
+def _contestants(linear: torch.nn.Module, compiler: str) -> dict:
+    return {
+        "bf16 eager": linear,
+        f"bf16 torch.compile ({compiler})": torch.compile(linear, backend=compiler),
+        f"fp8graph current ({compiler})": fp8graph.compile(linear, compiler=compiler),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device("cpu" if args.smoke else "cuda")
+    compiler = "aot_eager" if args.smoke else "inductor"
+    shapes = SMOKE_SHAPES if args.smoke else FULL_SHAPES
+    warmup, repeats = (1, 3) if args.smoke else (10, args.repeats)
+    rows = []
+    for M, K, N in shapes:
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(K, N, bias=False, device=device, dtype=torch.bfloat16)
+        x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
+        grad_output = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+        for name, model in _contestants(linear, compiler).items():
+            timings = time_ms(_step(model, x, grad_output), device, warmup, repeats)
+            flops = 3 * 2 * M * K * N  # three GEMMs
+            rows.append({"contestant": name, "M": M, "K": K, "N": N, "timings_ms": timings,
+                         "median_ms": median(timings), "tflops": flops / median(timings) / 1e9})
+        torch._dynamo.reset()
+    baseline = {(r["M"], r["K"], r["N"]): r["median_ms"] for r in rows if "torch.compile" in r["contestant"]}
+    for r in rows:
+        r["speedup_vs_bf16_compile"] = baseline[(r["M"], r["K"], r["N"])] / r["median_ms"]
+    result = {"workload": "linear_fwd_bwd", "smoke": args.smoke, "compiler": compiler,
+              "environment": environment(device), "warmup": warmup, "repeats": repeats, "rows": rows}
+    path = write_result(result, args.out, "linear")
+    print(summary(result))
+    print(f"raw results: {path}")
+    return result
+
+
+def summary(result: dict) -> str:
+    env = result["environment"]
+    lines = [f"linear fwd+bwd on {env['device']}, torch {env['torch']}, {env['date']}"
+             + (" (smoke: timings not meaningful)" if result["smoke"] else ""), "",
+             "| contestant | M | K | N | median ms | TFLOP/s | vs bf16 compile |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['contestant']} | {r['M']} | {r['K']} | {r['N']} | {r['median_ms']:.3f} | "
+                     f"{r['tflops']:.1f} | {r['speedup_vs_bf16_compile']:.2f}x |")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, for the tests")
+    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))

@@ -1,0 +1,30 @@
+"""The benchmark and the demo run end to end in their smallest CPU configurations."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def test_linear_benchmark_smoke_writes_raw_results(tmp_path):
+    subprocess.run([sys.executable, "-m", "bench", "linear", "--smoke", "--out", str(tmp_path)],
+                   check=True, capture_output=True, text=True)
+    [path] = tmp_path.glob("linear-*.json")
+    result = json.loads(path.read_text())
+    assert result["environment"]["torch"] and result["environment"]["date"]
+    assert {r["contestant"] for r in result["rows"]} == {
+        "bf16 eager", "bf16 torch.compile (aot_eager)", "fp8graph current (aot_eager)"}
+    assert all(len(r["timings_ms"]) == result["repeats"] for r in result["rows"])
+
+
+@pytest.mark.parametrize("steps", [4])
+def test_demo_trains_both_runs_and_writes_the_plot(tmp_path, steps):
+    completed = subprocess.run(
+        [sys.executable, "-m", "fp8graph", "demo", "--steps", str(steps), "--batch-size", "2",
+         "--seq-len", "32", "--out", str(tmp_path)],
+        check=True, capture_output=True, text=True)
+    assert "FP8: final training loss" in completed.stdout
+    assert "BF16: final training loss" in completed.stdout
+    assert "29 of 29 sites in FP8" in completed.stdout
+    assert (tmp_path / "loss_curve.png").stat().st_size > 10_000
