@@ -17,7 +17,7 @@ import enum
 
 import torch
 
-__all__ = ["LOWERING_CHOICES", "Lowering", "choose_lowering", "scaled_gemm"]
+__all__ = ["LOWERING_CHOICES", "Lowering", "choose_lowering", "pad_reduction_dim", "scaled_gemm"]
 
 _MIN_FP8_CAPABILITY = (8, 9)
 
@@ -58,6 +58,29 @@ def choose_lowering(device: torch.device, requested: str = "auto") -> Lowering:
     return lowering
 
 
+_CUBLAS_FP8_DIM_MULTIPLE = 16
+
+
+def pad_reduction_dim(a_fp8: torch.Tensor, b_fp8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-pad the shared K of ``a`` (M, K) and ``b`` (K, N) to a multiple of 16.
+
+    cuBLAS FP8 GEMMs need K and N to be multiples of 16. Site eligibility
+    checks the layer's K and N, but the weight-gradient GEMM reduces over the
+    token dimension M, which is free. Zeros add nothing to the products, so
+    the padded GEMM is exact. The pad goes through a uint8 view (zero bits are
+    +0.0 in both FP8 formats) because padding is not defined for FP8 dtypes.
+    A symbolic K (dynamic shapes) is always padded, by a possibly zero amount,
+    rather than guarded on.
+    """
+    k = a_fp8.shape[1]
+    if isinstance(k, int) and k % _CUBLAS_FP8_DIM_MULTIPLE == 0:
+        return a_fp8, b_fp8
+    pad = (-k) % _CUBLAS_FP8_DIM_MULTIPLE
+    a_padded = torch.nn.functional.pad(a_fp8.view(torch.uint8), (0, pad)).view(a_fp8.dtype)
+    b_padded = torch.nn.functional.pad(b_fp8.view(torch.uint8), (0, 0, 0, pad)).view(b_fp8.dtype)
+    return a_padded, b_padded
+
+
 def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
@@ -83,6 +106,7 @@ def scaled_gemm(
     inverse_scale_a = a_scale.reciprocal()
     inverse_scale_b = b_scale.reciprocal()
     if lowering is Lowering.SCALED_MM:
+        a_fp8, b_fp8 = pad_reduction_dim(a_fp8, b_fp8)
         # cuBLAS FP8 GEMMs take A row-major and B column-major (the "TN" layout).
         return torch._scaled_mm(
             _row_major(a_fp8),

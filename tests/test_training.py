@@ -85,16 +85,21 @@ def test_no_grad_and_eval_give_the_training_forward():
     torch.testing.assert_close(logits_eval, logits_train, rtol=1e-6, atol=1e-6)
 
 
-def test_generate_runs_the_fp8_forward():
-    model = build("llama", "tiny").eval()
-    prompt = torch.randint(0, 250, (1, 8))
-    eager_forward = model.forward
-    model.forward = torch.compile(eager_forward, backend="fp8", options={"compiler": "eager"})
-    reference = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    rewritten = torch._dynamo.utils.counters["fp8graph"]["sites_rewritten"]
+def _greedy_generate(compiler):
+    """Generate with a tiny Llama compiled in place (``nn.Module.compile``), as HF ``generate`` needs."""
     torch._dynamo.reset()
-    model.forward = torch.compile(eager_forward, backend="fp8", options={"compiler": "aot_eager"})
-    generated = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert rewritten >= 14  # prefill and decode graphs were rewritten
+    model = build("llama", "tiny").eval()
+    model.compile(backend="fp8", options={"compiler": compiler})
+    prompt = torch.randint(0, 250, (1, 8), generator=torch.Generator().manual_seed(0))
+    return model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+
+def test_generate_runs_the_fp8_forward():
+    rewrites = torch._dynamo.utils.counters["fp8graph"]
+    reference = _greedy_generate("eager")  # the rewritten graph, run op by op
+    rewritten_in_eager = rewrites["sites_rewritten"]
+    generated = _greedy_generate("aot_eager")
+    assert rewritten_in_eager >= 14  # the prefill graph alone has 14 eligible sites
+    assert rewrites["sites_rewritten"] == 2 * rewritten_in_eager  # same graphs again
     assert generated.shape == (1, 14)
     assert torch.equal(generated, reference)
