@@ -94,3 +94,22 @@ def test_inductor_agrees_with_eager_and_tracks_fp32():
         assert sqnr_db(grads_eager[name], grads_ind[name]) > 40, name
     assert sqnr_db(out_fp32, out_ind) > 25
     assert sqnr_db(grads_fp32["up.weight"], grads_ind["up.weight"]) > 18
+
+
+@pytest.mark.inductor
+def test_inductor_trains_gpt2_conv1d_sites_like_eager():
+    """GPT-2's Conv1D sites (addmm with a (K, N) weight and a bias) through Inductor, forward and backward."""
+    model = build("gpt2", "tiny")
+    tokens = torch.randint(0, 250, (2, 32))
+
+    def loss_and_grads(compiler):
+        model.zero_grad(set_to_none=True)
+        loss = fp8graph.compile(model, compiler=compiler)(tokens, labels=tokens).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_eager, grads_eager = loss_and_grads("eager")
+    loss_inductor, grads_inductor = loss_and_grads("inductor")
+    torch.testing.assert_close(loss_inductor, loss_eager, rtol=1e-5, atol=1e-5)
+    for name, grad in grads_eager.items():
+        assert sqnr_db(grad, grads_inductor[name]) > 40, name
