@@ -35,9 +35,11 @@ _OPTION_NAMES = ("policy", "compiler", "lowering")
 
 
 def _graph_device(example_inputs: Sequence[object]) -> torch.device:
-    for value in example_inputs:
-        if isinstance(value, torch.Tensor):
-            return value.device
+    """Where the graph's GEMMs run: the device of its parameters (else of any tensor input)."""
+    tensors = [value for value in example_inputs if isinstance(value, torch.Tensor)]
+    parameters = [value for value in tensors if isinstance(value, torch.nn.Parameter)]
+    for value in parameters or tensors:
+        return value.device
     return torch.device("cpu")
 
 

@@ -123,7 +123,14 @@ def _arg(node: torch.fx.Node, index: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
-def _fill_shapes(site: Site) -> None:
+def _rows(lead: Sequence) -> int | str:
+    """M of a GEMM whose left operand has leading dims ``lead``; symbolic dims stay symbolic."""
+    if all(isinstance(d, int) for d in lead):
+        return math.prod(lead)
+    return " * ".join(str(d) for d in lead)  # dynamic token dimension: never specialized
+
+
+def _fill_linear_shapes(site: Site) -> None:
     input_value, weight_value = _value(site.input_node), _value(site.weight_node)
     if input_value is None or weight_value is None:
         return
@@ -131,19 +138,30 @@ def _fill_shapes(site: Site) -> None:
     if weight_value.dim() != 2:
         site.blocker = f"parameter operand is {weight_value.dim()}-D, not 2-D"
         return
-    n, k = weight_value.shape if not site.weight_is_kn else reversed(weight_value.shape)
-    site.N, site.K = int(n), int(k)
-    lead = input_value.shape[:-1]
-    if all(isinstance(d, int) for d in lead):
-        site.M = math.prod(lead)
-    else:  # symbolic token dimension under dynamic shapes: keep it symbolic
-        site.M = " * ".join(str(d) for d in lead)
+    rows, columns = weight_value.shape
+    site.N, site.K = (columns, rows) if site.weight_is_kn else (rows, columns)
+    site.M = _rows(input_value.shape[:-1])
+
+
+def _fill_operand_shapes(site: Site, left, right, right_is_nk: bool = False) -> None:
+    """M/K/N of a GEMM that will not be rewritten, for the report."""
+    left_value, right_value = _value(left), _value(right)
+    if left_value is None:
+        return
+    site.dtype = left_value.dtype
+    if right_value is None or left_value.dim() < 1 or right_value.dim() < 2:
+        return
+    site.M = _rows(left_value.shape[:-1])  # batch dims count as rows
+    site.K = left_value.shape[-1]
+    site.N = right_value.shape[-2] if right_is_nk else right_value.shape[-1]
 
 
 def _read_site(node: torch.fx.Node, op: str, params: _Parameters, path: str) -> Site:
     site = Site(node=node, op=op, path=path)
     if op in ("bmm", "baddbmm"):
         site.blocker = "batched matmul of activations (no 2-D parameter operand)"
+        offset = 1 if op == "baddbmm" else 0
+        _fill_operand_shapes(site, _arg(node, offset, "input"), _arg(node, offset + 1, "mat2"))
         return site
     if op == "linear":
         site.input_node = _arg(node, 0, "input")
@@ -171,10 +189,11 @@ def _read_site(node: torch.fx.Node, op: str, params: _Parameters, path: str) -> 
                 else "no 2-D parameter operand (activation x activation)"
             )
     if site.weight_node is not None:
-        _fill_shapes(site)
+        _fill_linear_shapes(site)
+    elif op == "linear":
+        _fill_operand_shapes(site, site.input_node, _arg(node, 1, "weight"), right_is_nk=True)
     else:
-        value = _value(site.input_node)
-        site.dtype = value.dtype if value is not None else None
+        _fill_operand_shapes(site, left, right)
     return site
 
 

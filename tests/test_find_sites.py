@@ -73,7 +73,17 @@ def test_non_linear_gemms_are_kept_with_a_reason(name):
     torch.testing.assert_close(compiled(x), forward(model, x))  # untouched: exact
     [decision] = backend.decisions
     assert not decision.rewritten and reason in decision.reason
+    assert (decision.site.M, decision.site.K, decision.site.N) == (32, 32, 32)
     assert fp8_target_count(backend.graph_modules[0]) == 0
+
+
+def test_batched_attention_matmul_reports_its_shape():
+    q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 16, 8)  # (B, heads, T, head_dim)
+    compiled, backend = compile_fp8(lambda q, k: torch.matmul(q, k.transpose(-1, -2)), compiler="eager")
+    compiled(q, k)
+    [decision] = backend.decisions
+    assert decision.reason == "no 2-D parameter operand (activation x activation)"
+    assert (decision.site.M, decision.site.K, decision.site.N) == (2 * 4 * 16, 8, 16)
 
 
 @pytest.mark.parametrize("K,N,reason", [
