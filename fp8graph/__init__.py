@@ -7,6 +7,7 @@
 
 from .api import compile, explain
 from .formats import Format
+from .policy import Policy
 from .recipes import Float8CurrentScaling
 from .report import ExplainReport, SiteRecord
 
@@ -14,6 +15,7 @@ __all__ = [
     "ExplainReport",
     "Float8CurrentScaling",
     "Format",
+    "Policy",
     "SiteRecord",
     "compile",
     "explain",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .backend import FP8Backend
-from .passes.module_paths import module_paths_by_id
+from .policy import describe_pattern
 from .report import ExplainReport, SiteRecord
 
 __all__ = ["compile", "explain"]
@@ -18,8 +18,9 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
 
     Args:
         model: an ``nn.Module`` (or a function) to compile.
-        policy: a recipe applied to every eligible site; ``None`` for
-            ``Float8CurrentScaling()``.
+        policy: a :class:`fp8graph.Policy`; a bare recipe is shorthand for
+            ``Policy(default=recipe)``; ``None`` gives every eligible linear
+            site ``Float8CurrentScaling()``.
         compiler: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``.
         lowering: ``"auto"`` (``_scaled_mm`` on CUDA SM >= 8.9, emulation
             elsewhere), ``"scaled_mm"`` or ``"emulated"``.
@@ -34,8 +35,7 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
         >>> loss = compiled(input_ids, labels=input_ids).loss
     """
     mode = torch_compile_kwargs.pop("mode", None)
-    paths_by_id = module_paths_by_id(model) if isinstance(model, torch.nn.Module) else None
-    backend = FP8Backend(policy, compiler, lowering, paths_by_id=paths_by_id, mode=mode)
+    backend = FP8Backend(policy, compiler, lowering, model=model, mode=mode)
     compiled = torch.compile(model, backend=backend, **torch_compile_kwargs)
     setattr(compiled, _BACKEND_ATTRIBUTE, backend)
     return compiled
@@ -45,7 +45,8 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
     """Trace ``model(*args, **kwargs)`` and report what fp8graph does with each site.
 
     A model returned by :func:`compile` is explained with its own policy and
-    lowering. The model runs once, without gradients, on the rewritten graph.
+    lowering. Policy rules that match no site are listed in
+    ``report.unmatched_rules`` (a strict policy raises ``ValueError`` instead). The model runs once, without gradients, on the rewritten graph.
     Like ``torch._dynamo.explain``, this resets Dynamo's caches first, so
     compiled models recompile on their next call.
 
@@ -56,8 +57,7 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
     if compiled_backend is not None:
         policy, lowering = compiled_backend.policy, compiled_backend.lowering
         model = model._orig_mod
-    paths_by_id = module_paths_by_id(model) if isinstance(model, torch.nn.Module) else None
-    backend = FP8Backend(policy, "eager", lowering, paths_by_id=paths_by_id)
+    backend = FP8Backend(policy, "eager", lowering, model=model)
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(model, backend=backend)(*args, **kwargs)
@@ -66,4 +66,9 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
         raise RuntimeError(
             f"Dynamo captured no graph of {type(model).__name__}: nothing to explain"
         )
-    return ExplainReport([SiteRecord.from_decision(d) for d in backend.decisions], backend.graph_count)
+    unmatched = [f"rule {i} ({describe_pattern(backend.policy.rules[i][0])})"
+                 for i in backend.unmatched_rules()]
+    if unmatched and backend.policy.strict:
+        raise ValueError(f"fp8graph: policy rules that match no site: {', '.join(unmatched)}")
+    return ExplainReport([SiteRecord.from_decision(d, backend.policy) for d in backend.decisions],
+                         backend.graph_count, unmatched_rules=unmatched)

@@ -22,6 +22,7 @@ import torch.fx
 
 from fp8graph.passes import annotate_sites, find_sites, rewrite_sites
 from fp8graph.passes.annotate import Decision
+from fp8graph.passes.module_paths import module_paths_by_id
 
 from .lowering import LOWERING_CHOICES, choose_lowering
 from .policy import normalize_policy
@@ -47,19 +48,21 @@ class FP8Backend:
     """A Dynamo backend that rewrites linear sites to FP8, then lowers the graph.
 
     Args:
-        policy: a recipe applied to every eligible site; ``None`` for the default
-            (``Float8CurrentScaling()``).
+        policy: a :class:`fp8graph.Policy`, a bare recipe (shorthand for
+            ``Policy(default=recipe)``), or ``None`` for ``Float8CurrentScaling()``
+            on every eligible linear site.
         compiler: ``"inductor"``, ``"aot_eager"`` or ``"eager"``.
         lowering: ``"auto"``, ``"scaled_mm"`` or ``"emulated"`` (see ``fp8graph.lowering``).
-        paths_by_id: ``{str(id(module)): path}`` of the compiled model, for exact
-            module paths; without it paths come from Dynamo's source names.
+        model: the compiled module, when known: module paths then come from
+            module identities and predicates see the module itself; without it
+            paths come from Dynamo's source names.
         mode: an Inductor mode (``"max-autotune"``, ...), as ``torch.compile(mode=...)`` passes it.
 
     Every graph's decisions are appended to ``self.decisions`` and each
     rewritten graph to ``self.graph_modules``.
     """
 
-    def __init__(self, policy=None, compiler="inductor", lowering="auto", paths_by_id=None, mode=None):
+    def __init__(self, policy=None, compiler="inductor", lowering="auto", model=None, mode=None):
         self.policy = normalize_policy(policy)
         if compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
@@ -67,10 +70,17 @@ class FP8Backend:
             raise ValueError(f"lowering must be one of {LOWERING_CHOICES}, got {lowering!r}")
         self.compiler = compiler
         self.lowering = lowering
-        self.paths_by_id = paths_by_id
+        self.paths_by_id = module_paths_by_id(model) if isinstance(model, torch.nn.Module) else None
+        self.modules_by_path = (
+            dict(model.named_modules()) if isinstance(model, torch.nn.Module) else None)
         self.mode = mode
         self.decisions: list[Decision] = []
         self.graph_modules: list[torch.fx.GraphModule] = []
+
+    def unmatched_rules(self) -> list[int]:
+        """Indices of the policy's rules that matched no site in any graph compiled so far."""
+        matched = {d.rule_index for d in self.decisions}
+        return [i for i in range(len(self.policy.rules)) if i not in matched]
 
     @property
     def graph_count(self) -> int:
@@ -80,7 +90,7 @@ class FP8Backend:
     def run_passes(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> list[Decision]:
         lowering = choose_lowering(_graph_device(example_inputs), self.lowering)
         sites = find_sites(gm, example_inputs, self.paths_by_id)
-        decisions = annotate_sites(sites, self.policy, lowering)
+        decisions = annotate_sites(sites, self.policy, lowering, self.modules_by_path)
         rewrite_sites(gm)
         for decision in decisions:
             what = decision.recipe.name if decision.rewritten else f"kept: {decision.reason}"

@@ -1,32 +1,198 @@
-"""Which recipe each site gets.
+"""Which recipe each site gets: ordered rules over module paths, types and site shapes.
 
-For now a policy is one recipe applied to every eligible site (``None`` means
-the default, :data:`DEFAULT_RECIPE`). Resolution is a pure function of the
-policy and the site, so it can be tested with tables of cases.
+    policy = Policy(
+        default=Float8CurrentScaling(),
+        rules=[
+            ("lm_head", None),                                   # keep in high precision
+            ("model.layers.0.*", None),
+            ("*.mlp.*", Float8CurrentScaling(Format.E4M3)),
+            (re.compile(r".*\\.self_attn\\.[qkv]_proj"), Float8CurrentScaling(power_2_scales=True)),
+            (lambda path, module, site: site.N >= 4096, Float8CurrentScaling()),
+        ],
+    )
+
+The first rule whose pattern matches a site decides; sites no rule matches get
+``default``. Resolution is the pure function :func:`resolve`, tested by
+tables of cases without compiling anything.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
+import re
+from typing import Callable, Union
+
+import torch
+
 from .recipes import Float8CurrentScaling, Recipe
 
-__all__ = ["DEFAULT_RECIPE", "normalize_policy", "recipe_for_site"]
+__all__ = ["DEFAULT_RECIPE", "Policy", "Resolution", "SiteInfo", "normalize_policy", "resolve"]
 
 DEFAULT_RECIPE = Float8CurrentScaling()
 
 
-def normalize_policy(policy: object) -> Recipe:
-    """The recipe a ``policy`` argument stands for; raises ``TypeError`` for anything else."""
+@dataclasses.dataclass(frozen=True)
+class SiteInfo:
+    """What a rule can see of a site besides its module: op and GEMM shape.
+
+    ``M`` is a string when the token dimension is symbolic (``dynamic=True``).
+    ``is_linear`` is False for activation-by-activation matmuls, which only
+    an explicit rule can move to FP8.
+    """
+
+    op: str
+    M: int | str | None
+    K: int | None
+    N: int | None
+    dtype: torch.dtype | None
+    is_linear: bool = True
+
+
+Predicate = Callable[[str, Union[torch.nn.Module, None], SiteInfo], bool]
+Pattern = Union[str, "re.Pattern[str]", type, Predicate]
+
+
+def _check_pattern(pattern: object, index: int) -> None:
+    if isinstance(pattern, (str, re.Pattern)):
+        return
+    if isinstance(pattern, type):
+        if not issubclass(pattern, torch.nn.Module):
+            raise ValueError(f"Policy rule {index}: class pattern {pattern.__name__} is not an nn.Module subclass")
+        return
+    if not callable(pattern):
+        raise ValueError(
+            f"Policy rule {index}: pattern must be a glob string, a compiled regex, an nn.Module "
+            f"subclass or a predicate (path, module, site) -> bool, got {pattern!r}"
+        )
+
+
+def _check_recipe(recipe: object, where: str) -> None:
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise ValueError(f"{where} must be a recipe or None, got {recipe!r}")
+
+
+def describe_pattern(pattern: Pattern) -> str:
+    """A short readable form of a rule's pattern, for reports and errors."""
+    if isinstance(pattern, str):
+        return repr(pattern)
+    if isinstance(pattern, re.Pattern):
+        return f"re{pattern.pattern!r}"
+    if isinstance(pattern, type):
+        return pattern.__name__
+    return getattr(pattern, "__name__", repr(pattern))
+
+
+class Policy:
+    """Ordered rules mapping sites to recipes; the first match wins.
+
+    Args:
+        default: the recipe of sites no rule matches; ``None`` keeps them in
+            high precision. Activation-by-activation matmuls never take the
+            default: only a rule that matches them opts them into FP8.
+        rules: ``(pattern, recipe_or_None)`` pairs. A pattern is a glob over the
+            module path (``"*.mlp.*"``, ``"lm_head"``), a compiled regex that
+            must match the whole path, an ``nn.Module`` subclass, or a
+            predicate ``(path, module, site) -> bool``. ``None`` as recipe
+            keeps matching sites in high precision.
+        strict: raise instead of reporting when a rule names a site its recipe
+            cannot apply to, or (in :func:`fp8graph.explain`) matches no site.
+
+    Policies are immutable and compare equal when their rules are equal.
+
+    Example:
+        >>> Policy(default=Float8CurrentScaling(), rules=[("lm_head", None)])
+    """
+
+    __slots__ = ("_default", "_rules", "_strict")
+
+    def __init__(self, default: Recipe | None = DEFAULT_RECIPE, rules=(), strict: bool = False):
+        _check_recipe(default, "Policy.default")
+        if not isinstance(strict, bool):
+            raise ValueError(f"Policy.strict must be bool, got {strict!r}")
+        checked = []
+        for index, rule in enumerate(rules):
+            if not (isinstance(rule, tuple) and len(rule) == 2):
+                raise ValueError(f"Policy rule {index} must be a (pattern, recipe) pair, got {rule!r}")
+            pattern, recipe = rule
+            _check_pattern(pattern, index)
+            _check_recipe(recipe, f"Policy rule {index} ({describe_pattern(pattern)}) recipe")
+            checked.append((pattern, recipe))
+        object.__setattr__(self, "_default", default)
+        object.__setattr__(self, "_rules", tuple(checked))
+        object.__setattr__(self, "_strict", strict)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Policy is immutable; build a new one")
+
+    default = property(lambda self: self._default)
+    rules = property(lambda self: self._rules)
+    strict = property(lambda self: self._strict)
+
+    def _key(self):
+        return (self._default, self._rules, self._strict)
+
+    def __eq__(self, other):
+        return isinstance(other, Policy) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        rules = ", ".join(f"({describe_pattern(p)}, {r.name if r else None})" for p, r in self._rules)
+        default = self._default.name if self._default else None
+        return f"Policy(default={default}, rules=[{rules}], strict={self._strict})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """The recipe for a site (``None``: high precision) and the rule that chose it (``None``: default)."""
+
+    recipe: Recipe | None
+    rule_index: int | None
+
+
+def _matches(pattern: Pattern, path: str, module: torch.nn.Module | None,
+             module_type: type | None, site: SiteInfo) -> bool:
+    if isinstance(pattern, str):
+        return fnmatch.fnmatchcase(path, pattern)
+    if isinstance(pattern, re.Pattern):
+        return pattern.fullmatch(path) is not None
+    if isinstance(pattern, type):
+        owner_type = type(module) if module is not None else module_type
+        return owner_type is not None and issubclass(owner_type, pattern)
+    return bool(pattern(path, module, site))
+
+
+def resolve(policy: Policy, path: str, site: SiteInfo, module: torch.nn.Module | None = None,
+            module_type: type | None = None) -> Resolution:
+    """The recipe ``policy`` gives the site at ``path``.
+
+    ``module`` is the module that runs the site when the model is known;
+    otherwise class patterns match on ``module_type``.
+    """
+    for index, (pattern, recipe) in enumerate(policy.rules):
+        if _matches(pattern, path, module, module_type, site):
+            return Resolution(recipe, index)
+    if not site.is_linear:
+        return Resolution(None, None)
+    return Resolution(policy.default, None)
+
+
+def normalize_policy(policy: object) -> Policy:
+    """The :class:`Policy` a ``policy`` argument stands for.
+
+    ``None`` is the default policy (every eligible linear site with
+    ``Float8CurrentScaling()``); a bare recipe is shorthand for
+    ``Policy(default=recipe)``.
+    """
     if policy is None:
-        return DEFAULT_RECIPE
-    if isinstance(policy, Recipe):
+        return Policy()
+    if isinstance(policy, Policy):
         return policy
+    if isinstance(policy, Recipe):
+        return Policy(default=policy)
     raise TypeError(
-        f"policy must be a recipe such as fp8graph.Float8CurrentScaling() or None, "
-        f"got {type(policy).__name__}"
+        f"policy must be a fp8graph.Policy, a recipe such as fp8graph.Float8CurrentScaling(), "
+        f"or None, got {type(policy).__name__}"
     )
-
-
-def recipe_for_site(policy: Recipe, path: str) -> Recipe | None:
-    """The recipe for the site at module ``path``; ``None`` keeps it in high precision."""
-    del path  # every site gets the policy's recipe until per-module rules exist
-    return policy

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fp8graph.passes.annotate import Decision
+from fp8graph.policy import Policy, describe_pattern
 
 __all__ = ["ExplainReport", "SiteRecord"]
 
@@ -32,14 +33,18 @@ class SiteRecord:
     recipe: str | None
     reason: str | None
     lowering: str | None
+    rule: str = "default"
 
     @property
     def rewritten(self) -> bool:
         return self.recipe is not None
 
     @classmethod
-    def from_decision(cls, decision: Decision) -> "SiteRecord":
+    def from_decision(cls, decision: Decision, policy: Policy | None = None) -> "SiteRecord":
         site = decision.site
+        rule = "default"
+        if decision.rule_index is not None and policy is not None:
+            rule = f"rule {decision.rule_index} ({describe_pattern(policy.rules[decision.rule_index][0])})"
         return cls(
             path=site.path,
             op=site.op,
@@ -50,6 +55,7 @@ class SiteRecord:
             recipe=decision.recipe.name if decision.rewritten else None,
             reason=decision.reason,
             lowering=decision.lowering.value if decision.lowering else None,
+            rule=rule,
         )
 
 
@@ -65,12 +71,13 @@ class ExplainReport(list):
     """The sites of a model in graph order, one :class:`SiteRecord` each.
 
     ``graph_count`` is how many graphs Dynamo produced (more than one means
-    graph breaks).
+    graph breaks); ``unmatched_rules`` lists policy rules that matched no site.
     """
 
-    def __init__(self, records, graph_count: int = 0):
+    def __init__(self, records, graph_count: int = 0, unmatched_rules: list[str] | None = None):
         super().__init__(records)
         self.graph_count = graph_count
+        self.unmatched_rules = list(unmatched_rules or [])
 
     @property
     def rewritten(self) -> list[SiteRecord]:
@@ -83,12 +90,16 @@ class ExplainReport(list):
     def table(self) -> Table:
         table = Table(title=f"fp8graph: {len(self.rewritten)} of {len(self)} sites in FP8, "
                             f"{self.graph_count} graph(s)")
-        for column in ("module path", "op", "M", "K", "N", "input dtype", "FP8 recipe / reason kept", "lowering"):
+        columns = ("module path", "op", "M", "K", "N", "input dtype", "FP8 recipe / reason kept",
+                   "lowering", "decided by")
+        for column in columns:
             table.add_column(column, overflow="fold")
         for r in self:
             decision = f"[green]{r.recipe}[/green]" if r.rewritten else f"[yellow]{r.reason}[/yellow]"
             table.add_row(r.path or "<root>", r.op, _cell(r.M), _cell(r.K), _cell(r.N),
-                          _cell(r.dtype), decision, _cell(r.lowering))
+                          _cell(r.dtype), decision, _cell(r.lowering), r.rule)
+        if self.unmatched_rules:
+            table.caption = "policy rules that matched no site: " + ", ".join(self.unmatched_rules)
         return table
 
     def __str__(self) -> str:

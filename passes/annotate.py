@@ -1,10 +1,12 @@
 """Decide, per site, whether it runs in FP8 and with which recipe.
 
 Writes a :class:`Decision` into ``node.meta[DECISION_KEY]`` of every site and
-changes nothing else. A site stays in high precision, with the reason
+changes nothing else. The policy picks a recipe (first matching rule, else
+the default); the site then stays in high precision, with the reason
 recorded, when it has a structural blocker (see ``find_sites``), its dtype is
-not one FP8 should replace, the policy gives it no recipe, or its K or N is
-not a multiple of 16 (cuBLAS FP8 GEMMs need both; M is free).
+not one FP8 should replace, or its K or N is not a multiple of 16 (cuBLAS FP8
+GEMMs need both; M is free). When a rule named the site explicitly and its
+recipe cannot apply, the reason says so, and a strict policy raises.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import dataclasses
 import torch
 
 from fp8graph.lowering import Lowering
-from fp8graph.policy import recipe_for_site
+from fp8graph.policy import Policy, SiteInfo, describe_pattern, resolve
 from fp8graph.recipes import Recipe
 
 from .find_sites import Site
@@ -28,12 +30,16 @@ _GEMM_DIM_MULTIPLE = 16
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """A site and what happens to it: a recipe (rewritten) or a reason (kept)."""
+    """A site and what happens to it: a recipe (rewritten) or a reason (kept).
+
+    ``rule_index`` is the policy rule that decided (``None``: the default).
+    """
 
     site: Site
     recipe: Recipe | None
     reason: str | None
     lowering: Lowering | None
+    rule_index: int | None = None
 
     @property
     def rewritten(self) -> bool:
@@ -56,15 +62,38 @@ def _reason_to_keep(site: Site, recipe: Recipe | None) -> str | None:
     return None
 
 
-def annotate_sites(sites: list[Site], policy: Recipe, lowering: Lowering) -> list[Decision]:
-    """Attach a decision to each site's node and return the decisions in order."""
+def _site_info(site: Site) -> SiteInfo:
+    return SiteInfo(op=site.op, M=site.M, K=site.K, N=site.N, dtype=site.dtype,
+                    is_linear=site.weight_node is not None)
+
+
+def annotate_sites(
+    sites: list[Site],
+    policy: Policy,
+    lowering: Lowering,
+    modules_by_path: dict[str, torch.nn.Module] | None = None,
+) -> list[Decision]:
+    """Attach a decision to each site's node and return the decisions in order.
+
+    Raises:
+        ValueError: under a strict policy, when a rule gives a recipe to a site
+            it cannot apply to; the message names the module path and the reason.
+    """
     decisions = []
     for site in sites:
-        recipe = None if site.blocker else recipe_for_site(policy, site.path)
+        module = (modules_by_path or {}).get(site.path)
+        resolution = resolve(policy, site.path, _site_info(site), module, site.module_type)
+        recipe = resolution.recipe
         reason = _reason_to_keep(site, recipe)
+        if reason is not None and recipe is not None and resolution.rule_index is not None:
+            pattern = describe_pattern(policy.rules[resolution.rule_index][0])
+            request = f"rule {resolution.rule_index} ({pattern}) asks for {recipe.name}"
+            if policy.strict:
+                raise ValueError(f"fp8graph: {site.path or '<root>'} ({site.op}): {request}, but {reason}")
+            reason = f"{reason}; {request}"
         decision = (
-            Decision(site, recipe, None, lowering) if reason is None
-            else Decision(site, None, reason, None)
+            Decision(site, recipe, None, lowering, resolution.rule_index) if reason is None
+            else Decision(site, None, reason, None, resolution.rule_index)
         )
         site.node.meta[DECISION_KEY] = decision
         decisions.append(decision)

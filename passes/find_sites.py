@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from .module_paths import module_path
+from .module_paths import module_path, module_type
 
 __all__ = ["Site", "find_sites"]
 
@@ -46,6 +46,7 @@ class Site:
     node: torch.fx.Node
     op: str
     path: str
+    module_type: type | None = None
     input_node: torch.fx.Node | None = None
     weight_node: torch.fx.Node | None = None
     weight_is_kn: bool = False
@@ -157,7 +158,7 @@ def _fill_operand_shapes(site: Site, left, right, right_is_nk: bool = False) -> 
 
 
 def _read_site(node: torch.fx.Node, op: str, params: _Parameters, path: str) -> Site:
-    site = Site(node=node, op=op, path=path)
+    site = Site(node=node, op=op, path=path, module_type=module_type(node))
     if op in ("bmm", "baddbmm"):
         site.blocker = "batched matmul of activations (no 2-D parameter operand)"
         offset = 1 if op == "baddbmm" else 0

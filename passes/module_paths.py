@@ -13,7 +13,7 @@ import re
 
 import torch.fx
 
-__all__ = ["module_path", "module_paths_by_id"]
+__all__ = ["module_path", "module_paths_by_id", "module_type"]
 
 _ROOT = re.compile(r"^[A-Za-z_]+\[['\"][^'\"]+['\"]\]")  # L['self'], G['model'], ...
 _MODULES_ITEM = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]")  # ._modules['mlp'] -> .mlp
@@ -42,3 +42,12 @@ def module_path(node: torch.fx.Node, paths_by_id: dict[str, str] | None = None) 
     if paths_by_id is not None and module_id in paths_by_id:
         return paths_by_id[module_id]
     return _normalize_source_path(source_path)
+
+
+def module_type(node: torch.fx.Node) -> type | None:
+    """Class of the innermost module whose forward ran ``node``; ``None`` outside any module."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    _source_path, owner_type = list(stack.values())[-1]
+    return owner_type if isinstance(owner_type, type) else None

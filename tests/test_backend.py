@@ -52,7 +52,7 @@ def test_unknown_option_is_an_error():
 
 
 def test_policy_must_be_a_recipe():
-    with pytest.raises(TypeError, match="policy must be a recipe"):
+    with pytest.raises(TypeError, match="policy must be a fp8graph.Policy, a recipe"):
         fp8graph.compile(build("mlp", "tiny"), policy="current")
 
 

@@ -1,0 +1,148 @@
+"""Policy resolution as a pure function (tables of cases), and policies in compiled models."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import fp8graph
+from fp8graph import Float8CurrentScaling, Format, Policy
+from fp8graph.metrics import sqnr_db
+from fp8graph.models import build
+from fp8graph.policy import SiteInfo, normalize_policy, resolve
+from helpers import compile_fp8, fp8_target_count
+
+HYBRID = Float8CurrentScaling()
+E4M3 = Float8CurrentScaling(Format.E4M3)
+POW2 = Float8CurrentScaling(power_2_scales=True)
+LINEAR = SiteInfo(op="linear", M=32, K=64, N=128, dtype=torch.float32)
+WIDE = SiteInfo(op="linear", M=32, K=64, N=4096, dtype=torch.float32)
+SCORES = SiteInfo(op="matmul", M=128, K=16, N=16, dtype=torch.float32, is_linear=False)
+
+POLICY = Policy(
+    default=HYBRID,
+    rules=[
+        ("lm_head", None),
+        ("model.layers.0.*", None),
+        (re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_proj"), POW2),
+        ("*.mlp.*", E4M3),
+        (nn.Embedding, E4M3),
+        (lambda path, module, site: site.N is not None and site.N >= 4096, E4M3),
+    ],
+)
+
+
+@pytest.mark.parametrize("path,site,module_type,expected_recipe,expected_rule", [
+    ("lm_head", LINEAR, nn.Linear, None, 0),
+    ("model.layers.0.mlp.up_proj", LINEAR, nn.Linear, None, 1),         # first match wins over rule 3
+    ("model.layers.1.self_attn.q_proj", LINEAR, nn.Linear, POW2, 2),
+    ("model.layers.1.self_attn.v_proj", LINEAR, nn.Linear, HYBRID, None),  # regex must match whole path
+    ("model.layers.10.self_attn.k_proj", LINEAR, nn.Linear, POW2, 2),
+    ("model.layers.1.mlp.down_proj", LINEAR, nn.Linear, E4M3, 3),
+    ("model.layers.1.self_attn.o_proj", WIDE, nn.Linear, E4M3, 5),       # predicate on the shape
+    ("model.layers.1.self_attn.o_proj", LINEAR, nn.Linear, HYBRID, None),
+    ("model.embed", LINEAR, nn.Embedding, E4M3, 4),                      # class pattern
+    ("model.layers.1.self_attn", SCORES, None, None, None),              # matmuls never take the default
+])
+def test_resolution_table(path, site, module_type, expected_recipe, expected_rule):
+    resolution = resolve(POLICY, path, site, module_type=module_type)
+    assert (resolution.recipe, resolution.rule_index) == (expected_recipe, expected_rule)
+
+
+def test_class_patterns_match_subclasses_and_prefer_the_module_instance():
+    class MyLinear(nn.Linear):
+        pass
+
+    policy = Policy(default=None, rules=[(nn.Linear, E4M3)])
+    assert resolve(policy, "x", LINEAR, module_type=MyLinear).recipe == E4M3
+    assert resolve(policy, "x", LINEAR, module=MyLinear(16, 16), module_type=None).recipe == E4M3
+    assert resolve(policy, "x", LINEAR, module_type=nn.Conv1d).recipe is None
+
+
+def test_predicates_see_path_module_and_site():
+    seen = []
+    policy = Policy(rules=[(lambda path, module, site: seen.append((path, module, site)) or False, None)])
+    module = nn.Linear(64, 128)
+    resolve(policy, "a.b", LINEAR, module=module)
+    assert seen == [("a.b", module, LINEAR)]
+
+
+def test_an_explicit_rule_opts_activation_matmuls_in():
+    policy = Policy(rules=[("*.self_attn", HYBRID)])
+    assert resolve(policy, "model.layers.1.self_attn", SCORES).recipe == HYBRID
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"default": "fp8"}, "Policy.default must be a recipe or None"),
+    ({"rules": [("*.mlp.*",)]}, r"Policy rule 0 must be a \(pattern, recipe\) pair"),
+    ({"rules": [(42, HYBRID)]}, "Policy rule 0: pattern must be a glob string"),
+    ({"rules": [(int, HYBRID)]}, "Policy rule 0: class pattern int is not an nn.Module subclass"),
+    ({"rules": [("lm_head", None), ("*", "E4M3")]}, r"Policy rule 1 \('\*'\) recipe must be a recipe or None"),
+    ({"strict": 1}, "Policy.strict must be bool"),
+])
+def test_invalid_policies_raise_naming_the_problem(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Policy(**kwargs)
+
+
+def test_policies_are_immutable_values():
+    assert Policy(rules=[("lm_head", None)]) == Policy(rules=[("lm_head", None)])
+    assert hash(Policy()) == hash(Policy())
+    assert Policy() != Policy(default=E4M3)
+    with pytest.raises(AttributeError):
+        Policy().strict = True
+    assert normalize_policy(E4M3) == Policy(default=E4M3)
+    assert normalize_policy(None) == Policy()
+
+
+def test_mixed_recipes_and_high_precision_compile_into_one_graph():
+    model = build("llama", "tiny")
+    policy = Policy(rules=[
+        ("lm_head", None),
+        ("*.mlp.*", E4M3),
+        ("*.self_attn.*", POW2),
+    ])
+    compiled, backend = compile_fp8(model, policy=policy)
+    tokens = torch.randint(0, 250, (2, 16))
+    compiled(tokens, labels=tokens).loss.backward()
+    assert backend.graph_count == 1
+    recipes = {d.site.path: d.recipe for d in backend.decisions}
+    assert recipes["lm_head"] is None
+    assert recipes["model.layers.1.mlp.gate_proj"] == E4M3
+    assert recipes["model.layers.0.self_attn.o_proj"] == POW2
+    assert fp8_target_count(backend.graph_modules[0]) == 14
+    assert sqnr_db(model(tokens).logits, compiled(tokens).logits) > 20
+    report = fp8graph.explain(compiled, tokens)
+    assert [r.rule for r in report if r.path == "lm_head"] == ["rule 0 ('lm_head')"]
+    assert report.unmatched_rules == []
+
+
+def test_explicit_rule_that_cannot_apply_is_reported_or_raises_when_strict():
+    model = build("llama", "tiny")  # lm_head has N=250
+    tokens = torch.randint(0, 250, (2, 16))
+    lenient = Policy(rules=[("lm_head", E4M3)])
+    [record] = [r for r in fp8graph.explain(model, tokens, policy=lenient) if r.path == "lm_head"]
+    assert record.reason == "N=250 is not a multiple of 16; rule 0 ('lm_head') asks for current(E4M3)"
+    strict = Policy(rules=[("lm_head", E4M3)], strict=True)
+    with pytest.raises(Exception, match=r"lm_head \(linear\): rule 0 \('lm_head'\) asks for current\(E4M3\), "
+                                        r"but N=250 is not a multiple of 16"):
+        fp8graph.compile(model, policy=strict, compiler="eager")(tokens)
+
+
+def test_rules_that_match_nothing_are_reported_or_raise_when_strict():
+    model = build("mlp", "tiny")
+    x = torch.randn(4, 64)
+    report = fp8graph.explain(model, x, policy=Policy(rules=[("*.mlp.*", E4M3), ("up", E4M3)]))
+    assert report.unmatched_rules == ["rule 0 ('*.mlp.*')"]
+    assert "policy rules that matched no site: rule 0 ('*.mlp.*')" in str(report)
+    with pytest.raises(ValueError, match=r"policy rules that match no site: rule 0 \('\*.mlp.\*'\)"):
+        fp8graph.explain(model, x, policy=Policy(rules=[("*.mlp.*", E4M3)], strict=True))
+
+
+def test_bare_backend_matches_class_rules_by_module_type():
+    model = build("mlp", "tiny")
+    policy = Policy(default=None, rules=[(nn.Linear, E4M3)])
+    compiled = torch.compile(model, backend="fp8", options={"policy": policy, "compiler": "aot_eager"})
+    compiled(torch.randn(4, 64))
+    assert torch._dynamo.utils.counters["fp8graph"]["sites_rewritten"] == 2
