@@ -28,10 +28,11 @@ from .lowering import Lowering, scaled_gemm
 from .quantize import quantize_current
 from .recipes import Recipe
 
-__all__ = ["linear_fp8_target"]
+__all__ = ["autocast_dtype", "linear_fp8_target", "target_name"]
 
 
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast gives matmuls on ``device_type``, or ``None`` outside autocast."""
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
@@ -42,7 +43,7 @@ class _LinearFP8(torch.autograd.Function):
     def forward(ctx, input_hp, weight_hp, bias_hp, recipe: Recipe, lowering: Lowering):
         device_type = input_hp.device.type
         # Under autocast F.linear returns the autocast dtype; so does this.
-        output_dtype = _autocast_dtype(device_type) or input_hp.dtype
+        output_dtype = autocast_dtype(device_type) or input_hp.dtype
         in_features = weight_hp.shape[1]
         lead_shape = input_hp.shape[:-1]
         with torch.autocast(device_type, enabled=False):
@@ -99,6 +100,14 @@ class _LinearFP8(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None
 
 
+def target_name(kind: str, recipe_name: str, lowering_name: str) -> str:
+    """A graph target's name: ``fp8graph_<kind>_<recipe>_<lowering>`` as an identifier."""
+    label = "".join(ch if ch.isalnum() else "_" for ch in f"{recipe_name}_{lowering_name}")
+    while "__" in label:
+        label = label.replace("__", "_")
+    return f"fp8graph_{kind}_{label.strip('_')}"
+
+
 @functools.cache
 def linear_fp8_target(recipe: Recipe, lowering: Lowering) -> Callable[..., torch.Tensor]:
     """The graph target for sites with ``recipe`` lowered by ``lowering``.
@@ -111,8 +120,7 @@ def linear_fp8_target(recipe: Recipe, lowering: Lowering) -> Callable[..., torch
     def linear_fp8(input_hp, weight_hp, bias_hp=None):
         return _LinearFP8.apply(input_hp, weight_hp, bias_hp, recipe, lowering)
 
-    label = "".join(ch if ch.isalnum() else "_" for ch in f"{recipe.name}_{lowering.value}")
-    linear_fp8.__name__ = linear_fp8.__qualname__ = f"fp8graph_linear_{label}".replace("__", "_")
+    linear_fp8.__name__ = linear_fp8.__qualname__ = target_name("linear", recipe.name, lowering.value)
     linear_fp8.recipe = recipe
     linear_fp8.lowering = lowering
     return linear_fp8

@@ -54,7 +54,11 @@ def _reason_to_keep(site: Site, recipe: Recipe | None) -> str | None:
     if site.dtype not in _REPLACEABLE_DTYPES:
         return f"dtype {site.dtype} is not a 16- or 32-bit float"
     if recipe is None:
+        if not site.is_linear:
+            return "activation x activation matmul (FP8 only when a policy rule names it)"
         return "policy keeps it in high precision"
+    if not site.is_linear:
+        return None  # emulated whatever the device: no cuBLAS shape constraint
     for dim_name in ("K", "N"):
         dim = getattr(site, dim_name)
         if dim % _GEMM_DIM_MULTIPLE:
@@ -64,7 +68,7 @@ def _reason_to_keep(site: Site, recipe: Recipe | None) -> str | None:
 
 def _site_info(site: Site) -> SiteInfo:
     return SiteInfo(op=site.op, M=site.M, K=site.K, N=site.N, dtype=site.dtype,
-                    is_linear=site.weight_node is not None)
+                    is_linear=site.is_linear)
 
 
 def annotate_sites(
@@ -91,8 +95,10 @@ def annotate_sites(
             if policy.strict:
                 raise ValueError(f"fp8graph: {site.path or '<root>'} ({site.op}): {request}, but {reason}")
             reason = f"{reason}; {request}"
+        # cuBLAS FP8 GEMMs are 2-D only: FP8 matmuls of activations are emulated everywhere.
+        site_lowering = lowering if site.is_linear else Lowering.EMULATED
         decision = (
-            Decision(site, recipe, None, lowering, resolution.rule_index) if reason is None
+            Decision(site, recipe, None, site_lowering, resolution.rule_index) if reason is None
             else Decision(site, None, reason, None, resolution.rule_index)
         )
         site.node.meta[DECISION_KEY] = decision

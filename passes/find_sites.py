@@ -8,9 +8,10 @@ Dynamo's IR is not normalized: one ``y = x W^T + b`` can reach the backend as
 
 This pass reads each such node into a :class:`Site`: which operand is the
 activation, which is the weight parameter and how it is laid out, the bias,
-and M/K/N. A site that can never become an FP8 linear (no 2-D parameter
-operand, a parameter on the left, a scaled ``addmm``) carries a ``blocker``
-saying why. The pass only reads the graph.
+and M/K/N. A site that can never run in FP8 (a computed weight, a parameter
+on the left, a scaled ``addmm``) carries a ``blocker`` saying why. A matmul
+of two activations (attention scores) carries none: it is no linear, so it
+runs in FP8 only when a policy rule names it. The pass only reads the graph.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ __all__ = ["Site", "find_sites"]
 _LINEAR_TARGETS = {torch._C._nn.linear, torch.nn.functional.linear}
 _MATMUL_TARGETS = {torch.matmul, operator.matmul, torch.mm}
 _ADDMM_TARGETS = {torch.addmm}
-_BATCHED_TARGETS = {torch.bmm, torch.baddbmm}
+_BATCHED_TARGETS = {torch.bmm, torch.baddbmm}  # named by __name__
 _MATMUL_METHODS = {"matmul", "__matmul__", "mm"}
 _TRANSPOSE_TARGETS = {torch.t}
 
@@ -41,7 +42,14 @@ class Site:
 
     ``weight_is_kn`` is True when the parameter is stored (K, N), as GPT-2's
     Conv1D stores it; the rewrite then feeds ``weight.t()`` to the FP8 linear.
+    An activation-by-activation matmul (attention scores) has no weight: its
+    right operand is ``other_node``, and only an explicit policy rule moves
+    it to FP8.
     """
+
+    @property
+    def is_linear(self) -> bool:
+        return self.weight_node is not None
 
     node: torch.fx.Node
     op: str
@@ -49,6 +57,7 @@ class Site:
     module_type: type | None = None
     input_node: torch.fx.Node | None = None
     weight_node: torch.fx.Node | None = None
+    other_node: torch.fx.Node | None = None
     weight_is_kn: bool = False
     bias_node: torch.fx.Node | None = None
     M: int | str | None = None
@@ -157,44 +166,52 @@ def _fill_operand_shapes(site: Site, left, right, right_is_nk: bool = False) -> 
     site.N = right_value.shape[-2] if right_is_nk else right_value.shape[-1]
 
 
-def _read_site(node: torch.fx.Node, op: str, params: _Parameters, path: str) -> Site:
-    site = Site(node=node, op=op, path=path, module_type=module_type(node))
-    if op in ("bmm", "baddbmm"):
-        site.blocker = "batched matmul of activations (no 2-D parameter operand)"
-        offset = 1 if op == "baddbmm" else 0
-        _fill_operand_shapes(site, _arg(node, offset, "input"), _arg(node, offset + 1, "mat2"))
-        return site
-    if op == "linear":
-        site.input_node = _arg(node, 0, "input")
-        weight, transposed = params.resolve(_arg(node, 1, "weight"))
-        site.bias_node = _arg(node, 2, "bias")
-        site.weight_node, site.weight_is_kn = weight, transposed
-        if weight is None:
-            site.blocker = "weight is not a parameter (computed in the graph)"
-    else:
-        offset = 1 if op == "addmm" else 0
-        left = _arg(node, offset, "mat1" if op == "addmm" else "input")
-        right = _arg(node, offset + 1, "mat2" if op == "addmm" else "other")
-        if op == "addmm":
-            site.bias_node = _arg(node, 0, "input")
-            if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
-                site.blocker = "addmm with alpha or beta other than 1"
-        weight, transposed = params.resolve(right)
-        site.input_node = left
-        # matmul(x, W) with W stored (K, N) is a linear with weight W^T.
-        site.weight_node, site.weight_is_kn = weight, not transposed
-        if weight is None:
-            left_param, _ = params.resolve(left)
-            site.blocker = site.blocker or (
-                "parameter is the left operand" if left_param is not None
-                else "no 2-D parameter operand (activation x activation)"
-            )
-    if site.weight_node is not None:
-        _fill_linear_shapes(site)
-    elif op == "linear":
+def _read_linear(site: Site, node: torch.fx.Node, params: _Parameters) -> None:
+    site.input_node = _arg(node, 0, "input")
+    weight, transposed = params.resolve(_arg(node, 1, "weight"))
+    site.bias_node = _arg(node, 2, "bias")
+    site.weight_node, site.weight_is_kn = weight, transposed
+    if weight is None:
+        site.blocker = "weight is not a parameter (computed in the graph)"
         _fill_operand_shapes(site, site.input_node, _arg(node, 1, "weight"), right_is_nk=True)
     else:
-        _fill_operand_shapes(site, left, right)
+        _fill_linear_shapes(site)
+
+
+def _read_matmul(site: Site, node: torch.fx.Node, params: _Parameters) -> None:
+    """matmul / mm / bmm / addmm / baddbmm: a linear when the right operand is a parameter."""
+    has_addend = site.op in ("addmm", "baddbmm")
+    offset = 1 if has_addend else 0
+    left = _arg(node, offset, "mat1" if site.op == "addmm" else "input")
+    right = _arg(node, offset + 1, "mat2" if has_addend or site.op == "bmm" else "other")
+    if has_addend:
+        site.bias_node = _arg(node, 0, "input")
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            site.blocker = f"{site.op} with alpha or beta other than 1"
+    weight, transposed = params.resolve(right)
+    site.input_node = left
+    if weight is not None and site.op != "baddbmm":
+        # matmul(x, W) with W stored (K, N) is a linear with weight W^T.
+        site.weight_node, site.weight_is_kn = weight, not transposed
+        _fill_linear_shapes(site)
+        return
+    _fill_operand_shapes(site, left, right)
+    site.other_node = right
+    left_value, right_value = _value(left), _value(right)
+    if params.resolve(left)[0] is not None:
+        site.blocker = site.blocker or "parameter is the left operand"
+    elif has_addend:
+        site.blocker = site.blocker or f"{site.op} of activations (an added term)"
+    elif left_value is None or right_value is None or left_value.dim() < 2 or right_value.dim() < 2:
+        site.blocker = "matmul with a 1-D operand"
+
+
+def _read_site(node: torch.fx.Node, op: str, params: _Parameters, path: str) -> Site:
+    site = Site(node=node, op=op, path=path, module_type=module_type(node))
+    if op == "linear":
+        _read_linear(site, node, params)
+    else:
+        _read_matmul(site, node, params)
     return site
 
 

@@ -3,6 +3,9 @@
     before:  y = linear(x, w, b)          | y = addmm(b, x2d, w_kn)   | y = matmul(x, w_kn)
     after:   y = fp8graph_linear_<recipe>(x, w, b)                    | weight fed as w_kn.t()
 
+    before:  s = matmul(q, k_t)           (two activations, opted in by a policy rule)
+    after:   s = fp8graph_matmul_<recipe>(q, k_t)
+
 The replacement keeps the original node's metadata (module stack, fake value,
 stack trace) so later passes and error messages still point at the user's
 code. Reads only ``node.meta[DECISION_KEY]``; every rewrite bumps
@@ -15,6 +18,7 @@ import torch.fx
 from torch._dynamo.utils import counters
 
 from fp8graph.linear_fp8 import linear_fp8_target
+from fp8graph.matmul_fp8 import matmul_fp8_target
 
 from .annotate import DECISION_KEY, Decision
 
@@ -43,9 +47,12 @@ def rewrite_sites(gm: torch.fx.GraphModule) -> int:
             continue
         site = decision.site
         with graph.inserting_before(node):
-            weight_nk = _weight_nk(graph, decision)
-            target = linear_fp8_target(decision.recipe, decision.lowering)
-            fp8_node = graph.call_function(target, (site.input_node, weight_nk, site.bias_node))
+            if site.is_linear:
+                target = linear_fp8_target(decision.recipe, decision.lowering)
+                args = (site.input_node, _weight_nk(graph, decision), site.bias_node)
+            else:
+                target, args = matmul_fp8_target(decision.recipe), (site.input_node, site.other_node)
+            fp8_node = graph.call_function(target, args)
         fp8_node.meta.update(node.meta)
         node.replace_all_uses_with(fp8_node)
         graph.erase_node(node)

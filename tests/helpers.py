@@ -17,7 +17,7 @@ def decisions_by_path(backend):
 
 def fp8_target_count(gm: torch.fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes
-               if n.op == "call_function" and getattr(n.target, "__name__", "").startswith("fp8graph_linear"))
+               if n.op == "call_function" and getattr(n.target, "__name__", "").startswith("fp8graph_"))
 
 
 def sgd_steps(compiled, model, batches, steps, lr=1e-2):
