@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import collections
+
 import torch
+from torch._dynamo.utils import counters
 
 from .backend import FP8Backend
 from .policy import describe_pattern
 from .report import ExplainReport, SiteRecord
+from .report_html import graph_outline
 
 __all__ = ["compile", "explain"]
 
@@ -45,13 +49,17 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
     """Trace ``model(*args, **kwargs)`` and report what fp8graph does with each site.
 
     A model returned by :func:`compile` is explained with its own policy and
-    lowering. Policy rules that match no site are listed in
-    ``report.unmatched_rules`` (a strict policy raises ``ValueError`` instead). The model runs once, without gradients, on the rewritten graph.
+    lowering. The model runs once, without gradients, on the rewritten graph.
+    Policy rules that match no site are listed in ``report.unmatched_rules``
+    (a strict policy raises ``ValueError`` instead).
     Like ``torch._dynamo.explain``, this resets Dynamo's caches first, so
     compiled models recompile on their next call.
 
     Returns:
-        An :class:`ExplainReport`: a list of :class:`SiteRecord`; ``print()`` it for a table.
+        An :class:`ExplainReport`: a list of :class:`SiteRecord` with counts per
+        recipe and reason, the rewritten graphs' code and graph breaks;
+        ``print()`` it for a table, ``report.to_html(path)`` for a page that
+        draws the rewritten graphs.
     """
     compiled_backend = getattr(model, _BACKEND_ATTRIBUTE, None)
     if compiled_backend is not None:
@@ -59,9 +67,11 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
         model = model._orig_mod
     backend = FP8Backend(policy, "eager", lowering, model=model)
     torch._dynamo.reset()
+    graph_breaks_before = collections.Counter(counters["graph_break"])
     with torch.no_grad():
         torch.compile(model, backend=backend)(*args, **kwargs)
     torch._dynamo.reset()
+    graph_breaks = list((collections.Counter(counters["graph_break"]) - graph_breaks_before).elements())
     if backend.graph_count == 0:
         raise RuntimeError(
             f"Dynamo captured no graph of {type(model).__name__}: nothing to explain"
@@ -70,5 +80,11 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
                  for i in backend.unmatched_rules()]
     if unmatched and backend.policy.strict:
         raise ValueError(f"fp8graph: policy rules that match no site: {', '.join(unmatched)}")
-    return ExplainReport([SiteRecord.from_decision(d, backend.policy) for d in backend.decisions],
-                         backend.graph_count, unmatched_rules=unmatched)
+    return ExplainReport(
+        [SiteRecord.from_decision(d, backend.policy) for d in backend.decisions],
+        backend.graph_count,
+        unmatched_rules=unmatched,
+        graph_breaks=graph_breaks,
+        graph_code=[gm.code for gm in backend.graph_modules],
+        graph_outlines=[graph_outline(gm) for gm in backend.graph_modules],
+    )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
+import pathlib
 
 import torch
 from rich.console import Console
@@ -70,14 +72,41 @@ def _cell(value) -> str:
 class ExplainReport(list):
     """The sites of a model in graph order, one :class:`SiteRecord` each.
 
-    ``graph_count`` is how many graphs Dynamo produced (more than one means
-    graph breaks); ``unmatched_rules`` lists policy rules that matched no site.
+    Attributes:
+        graph_count: how many graphs Dynamo produced.
+        graph_breaks: Dynamo's reason for each graph break.
+        graph_code: the Python code of each rewritten FX graph.
+        graph_outlines: each rewritten graph's nodes, for drawing (see ``report_html``).
+        unmatched_rules: policy rules that matched no site.
     """
 
-    def __init__(self, records, graph_count: int = 0, unmatched_rules: list[str] | None = None):
+    def __init__(self, records, graph_count: int = 0, unmatched_rules: list[str] | None = None,
+                 graph_breaks: list[str] | None = None, graph_code: list[str] | None = None,
+                 graph_outlines: list | None = None):
         super().__init__(records)
         self.graph_count = graph_count
         self.unmatched_rules = list(unmatched_rules or [])
+        self.graph_breaks = list(graph_breaks or [])
+        self.graph_code = list(graph_code or [])
+        self.graph_outlines = list(graph_outlines or [])
+
+    @property
+    def recipe_counts(self) -> dict[str, int]:
+        """How many sites run with each recipe."""
+        return dict(collections.Counter(r.recipe for r in self.rewritten))
+
+    @property
+    def reason_counts(self) -> dict[str, int]:
+        """How many sites stay in high precision for each reason."""
+        return dict(collections.Counter(r.reason for r in self.kept))
+
+    def to_html(self, path) -> pathlib.Path:
+        """Write a self-contained HTML page: the table and each rewritten graph, drawn."""
+        from .report_html import render_html
+
+        path = pathlib.Path(path)
+        path.write_text(render_html(self), encoding="utf-8")
+        return path
 
     @property
     def rewritten(self) -> list[SiteRecord]:
@@ -102,9 +131,20 @@ class ExplainReport(list):
             table.caption = "policy rules that matched no site: " + ", ".join(self.unmatched_rules)
         return table
 
+    def summary_lines(self) -> list[str]:
+        """Counts per recipe and per reason, and the graphs Dynamo produced."""
+        lines = [f"{count} site(s) in FP8 with {recipe}" for recipe, count in self.recipe_counts.items()]
+        lines += [f"{count} site(s) kept: {reason}" for reason, count in self.reason_counts.items()]
+        lines.append(f"{self.graph_count} graph(s), {len(self.graph_breaks)} graph break(s)")
+        lines += [f"  graph break: {reason}" for reason in self.graph_breaks]
+        return lines
+
     def __str__(self) -> str:
         buffer = io.StringIO()
-        Console(file=buffer, width=160, color_system=None).print(self.table())
+        console = Console(file=buffer, width=160, color_system=None)
+        console.print(self.table())
+        for line in self.summary_lines():
+            console.print(line, highlight=False)
         return buffer.getvalue()
 
     __repr__ = list.__repr__
