@@ -11,13 +11,15 @@ from .backend import FP8Backend
 from .policy import describe_pattern
 from .report import ExplainReport, SiteRecord
 from .report_html import graph_outline
+from .stats import FP8Stats
 
 __all__ = ["compile", "explain"]
 
 _BACKEND_ATTRIBUTE = "fp8graph_backend"
 
 
-def compile(model, policy=None, compiler: str = "inductor", lowering: str = "auto", **torch_compile_kwargs):
+def compile(model, policy=None, compiler: str = "inductor", lowering: str = "auto", stats: bool = False,
+            **torch_compile_kwargs):
     """Compile ``model`` with its linear sites in FP8.
 
     Args:
@@ -28,20 +30,28 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
         compiler: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``.
         lowering: ``"auto"`` (``_scaled_mm`` on CUDA SM >= 8.9, emulation
             elsewhere), ``"scaled_mm"`` or ``"emulated"``.
+        stats: collect FP8 numerics statistics inside the compiled graphs
+            (see :mod:`fp8graph.stats`); off by default and then free.
         **torch_compile_kwargs: passed to ``torch.compile`` (``dynamic``, ``mode``, ...).
 
     Returns:
         The compiled module, as ``torch.compile`` returns it. Its
-        ``fp8graph_backend.decisions`` lists what was decided for each site.
+        ``fp8graph_backend.decisions`` lists what was decided for each site;
+        with ``stats=True``, ``fp8graph_stats`` is the :class:`~fp8graph.stats.FP8Stats`.
 
     Example:
         >>> compiled = fp8graph.compile(model, policy=fp8graph.Float8CurrentScaling())
         >>> loss = compiled(input_ids, labels=input_ids).loss
     """
     mode = torch_compile_kwargs.pop("mode", None)
-    backend = FP8Backend(policy, compiler, lowering, model=model, mode=mode)
+    if stats and not isinstance(model, torch.nn.Module):
+        raise ValueError("stats=True needs an nn.Module: the statistics live in a buffer of the model")
+    collector = FP8Stats(model) if stats else None
+    backend = FP8Backend(policy, compiler, lowering, model=model, mode=mode, stats=collector)
     compiled = torch.compile(model, backend=backend, **torch_compile_kwargs)
-    setattr(compiled, _BACKEND_ATTRIBUTE, backend)
+    # On the wrapper itself: OptimizedModule's setattr would forward to the user's model.
+    object.__setattr__(compiled, _BACKEND_ATTRIBUTE, backend)
+    object.__setattr__(compiled, "fp8graph_stats", collector)
     return compiled
 
 
@@ -61,7 +71,7 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
         ``print()`` it for a table, ``report.to_html(path)`` for a page that
         draws the rewritten graphs.
     """
-    compiled_backend = getattr(model, _BACKEND_ATTRIBUTE, None)
+    compiled_backend = vars(model).get(_BACKEND_ATTRIBUTE) if hasattr(model, "__dict__") else None
     if compiled_backend is not None:
         policy, lowering = compiled_backend.policy, compiled_backend.lowering
         model = model._orig_mod

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from fp8graph.passes import annotate_sites, find_sites, rewrite_sites
+from fp8graph.passes import annotate_sites, find_sites, rewrite_sites, take_stats_input
 from fp8graph.passes.annotate import Decision
 from fp8graph.passes.module_paths import module_paths_by_id
 
@@ -57,12 +57,13 @@ class FP8Backend:
             module identities and predicates see the module itself; without it
             paths come from Dynamo's source names.
         mode: an Inductor mode (``"max-autotune"``, ...), as ``torch.compile(mode=...)`` passes it.
+        stats: an :class:`fp8graph.stats.FP8Stats` to collect numerics into, or ``None``.
 
     Every graph's decisions are appended to ``self.decisions`` and each
     rewritten graph to ``self.graph_modules``.
     """
 
-    def __init__(self, policy=None, compiler="inductor", lowering="auto", model=None, mode=None):
+    def __init__(self, policy=None, compiler="inductor", lowering="auto", model=None, mode=None, stats=None):
         self.policy = normalize_policy(policy)
         if compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
@@ -74,6 +75,7 @@ class FP8Backend:
         self.modules_by_path = (
             dict(model.named_modules()) if isinstance(model, torch.nn.Module) else None)
         self.mode = mode
+        self.stats = stats
         self.decisions: list[Decision] = []
         self.graph_modules: list[torch.fx.GraphModule] = []
 
@@ -89,9 +91,11 @@ class FP8Backend:
 
     def run_passes(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> list[Decision]:
         lowering = choose_lowering(_graph_device(example_inputs), self.lowering)
+        stats_node = take_stats_input(gm)
         sites = find_sites(gm, example_inputs, self.paths_by_id)
         decisions = annotate_sites(sites, self.policy, lowering, self.modules_by_path)
-        rewrite_sites(gm)
+        stats_slot = self.stats.slot if self.stats is not None else None
+        rewrite_sites(gm, stats_node if stats_slot else None, stats_slot)
         for decision in decisions:
             what = decision.recipe.name if decision.rewritten else f"kept: {decision.reason}"
             log.info("fp8graph: %s (%s) -> %s", decision.site.path or "<root>", decision.site.op, what)

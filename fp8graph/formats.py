@@ -11,7 +11,7 @@ import enum
 
 import torch
 
-__all__ = ["Format", "Role", "fp8_max"]
+__all__ = ["Format", "Role", "fp8_max", "saturation_threshold"]
 
 
 class Role(str, enum.Enum):
@@ -51,3 +51,16 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
         return _FP8_MAX[fp8_dtype]
     except KeyError:
         raise ValueError(f"{fp8_dtype} is not a supported FP8 dtype") from None
+
+
+# Magnitudes above max but below max + half the top step round to max even
+# without saturation; only beyond this does the cast clip information.
+_SATURATION_THRESHOLD = {
+    torch.float8_e4m3fn: 448.0 + 16.0,  # top step 416 -> 448 is 32
+    torch.float8_e5m2: 57344.0 + 4096.0,  # top step 49152 -> 57344 is 8192
+}
+
+
+def saturation_threshold(fp8_dtype: torch.dtype) -> float:
+    """Magnitude beyond which a cast to ``fp8_dtype`` saturates rather than rounds."""
+    return _SATURATION_THRESHOLD[fp8_dtype]

@@ -24,11 +24,12 @@ from typing import Callable
 import torch
 
 from .formats import Role
+from .health import quantization_health
 from .lowering import Lowering, scaled_gemm
 from .quantize import quantize_current
 from .recipes import Recipe
 
-__all__ = ["autocast_dtype", "linear_fp8_target", "target_name"]
+__all__ = ["autocast_dtype", "linear_fp8_target", "record_health", "target_name"]
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -40,7 +41,7 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
 
 class _LinearFP8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, bias_hp, recipe: Recipe, lowering: Lowering):
+    def forward(ctx, input_hp, weight_hp, bias_hp, recipe: Recipe, lowering: Lowering, stats, slot):
         device_type = input_hp.device.type
         # Under autocast F.linear returns the autocast dtype; so does this.
         output_dtype = autocast_dtype(device_type) or input_hp.dtype
@@ -62,6 +63,10 @@ class _LinearFP8(torch.autograd.Function):
             )
             if bias_hp is not None:
                 output = output + bias_hp.to(output_dtype)
+            if stats is not None:
+                record_health(stats, slot, Role.INPUT, input_hp_2d, input_fp8, input_scale, recipe)
+                record_health(stats, slot, Role.WEIGHT, weight_hp, weight_fp8, weight_scale, recipe)
+        ctx.stats, ctx.slot = stats, slot
         ctx.save_for_backward(input_fp8, input_scale, weight_fp8, weight_scale)
         ctx.recipe = recipe
         ctx.lowering = lowering
@@ -83,6 +88,9 @@ class _LinearFP8(torch.autograd.Function):
             grad_output_fp8, grad_output_scale = quantize_current(
                 grad_output_hp_2d, recipe.fp8_dtype(Role.GRAD_OUTPUT), recipe.power_2_scales
             )
+            if ctx.stats is not None:
+                record_health(ctx.stats, ctx.slot, Role.GRAD_OUTPUT, grad_output_hp_2d,
+                              grad_output_fp8, grad_output_scale, recipe)
             if needs_grad_input:
                 # grad_input = grad_output @ weight  (M, K); split accumulation.
                 grad_input = scaled_gemm(
@@ -97,7 +105,14 @@ class _LinearFP8(torch.autograd.Function):
                 )
             if needs_grad_bias and ctx.bias_dtype is not None:
                 grad_bias = grad_output_hp_2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def record_health(stats: torch.Tensor, slot: int, role: Role, x_hp, x_fp8, scale, recipe: Recipe) -> None:
+    """Write the health of one cast into row ``[slot, role]`` of the stats buffer, in place."""
+    role_index = (Role.INPUT, Role.WEIGHT, Role.GRAD_OUTPUT).index(role)
+    health = quantization_health(x_hp, x_fp8, scale, recipe.fp8_dtype(role))
+    stats[slot, role_index].copy_(health)
 
 
 def target_name(kind: str, recipe_name: str, lowering_name: str) -> str:
@@ -117,8 +132,8 @@ def linear_fp8_target(recipe: Recipe, lowering: Lowering) -> Callable[..., torch
     rewritten graph's code then shows (``fp8graph_linear_current_HYBRID_emulated``).
     """
 
-    def linear_fp8(input_hp, weight_hp, bias_hp=None):
-        return _LinearFP8.apply(input_hp, weight_hp, bias_hp, recipe, lowering)
+    def linear_fp8(input_hp, weight_hp, bias_hp=None, stats=None, slot=0):
+        return _LinearFP8.apply(input_hp, weight_hp, bias_hp, recipe, lowering, stats, slot)
 
     linear_fp8.__name__ = linear_fp8.__qualname__ = target_name("linear", recipe.name, lowering.value)
     linear_fp8.recipe = recipe

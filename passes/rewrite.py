@@ -6,6 +6,9 @@
     before:  s = matmul(q, k_t)           (two activations, opted in by a policy rule)
     after:   s = fp8graph_matmul_<recipe>(q, k_t)
 
+With stats on, every FP8 call also takes the stats buffer and its row:
+``fp8graph_linear_<recipe>(x, w, b, stats, slot)``.
+
 The replacement keeps the original node's metadata (module stack, fake value,
 stack trace) so later passes and error messages still point at the user's
 code. Reads only ``node.meta[DECISION_KEY]``; every rewrite bumps
@@ -13,6 +16,8 @@ code. Reads only ``node.meta[DECISION_KEY]``; every rewrite bumps
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch.fx
 from torch._dynamo.utils import counters
@@ -37,8 +42,16 @@ def _weight_nk(graph: torch.fx.Graph, decision: Decision) -> torch.fx.Node:
     return weight_t
 
 
-def rewrite_sites(gm: torch.fx.GraphModule) -> int:
-    """Rewrite every site whose decision carries a recipe; returns how many."""
+def rewrite_sites(
+    gm: torch.fx.GraphModule,
+    stats_node: torch.fx.Node | None = None,
+    stats_slot: Callable[[str], int | None] | None = None,
+) -> int:
+    """Rewrite every site whose decision carries a recipe; returns how many.
+
+    With ``stats_node`` (the stats buffer's placeholder, see ``stats_inputs``)
+    each FP8 site also gets the buffer and its row, ``stats_slot(path)``.
+    """
     graph = gm.graph
     rewritten = 0
     for node in list(graph.nodes):
@@ -52,6 +65,9 @@ def rewrite_sites(gm: torch.fx.GraphModule) -> int:
                 args = (site.input_node, _weight_nk(graph, decision), site.bias_node)
             else:
                 target, args = matmul_fp8_target(decision.recipe), (site.input_node, site.other_node)
+            slot = stats_slot(site.path) if stats_node is not None and stats_slot else None
+            if slot is not None:
+                args = args + (stats_node, slot)
             fp8_node = graph.call_function(target, args)
         fp8_node.meta.update(node.meta)
         node.replace_all_uses_with(fp8_node)

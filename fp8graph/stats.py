@@ -1,0 +1,198 @@
+"""FP8 numerics statistics, collected inside the compiled graphs (off by default).
+
+    compiled = fp8graph.compile(model, stats=True)
+    for step in range(steps):
+        loss = compiled(batch).loss
+        loss.backward()
+        compiled.fp8graph_stats.record(step)       # one device-to-host copy per step
+    stats = compiled.fp8graph_stats
+    print(stats)                                    # latest step, one row per site and role
+    stats.to_csv("stats.csv"); stats.to_tensorboard("runs/fp8"); stats.plot("fp8_health.png")
+
+How it stays in the graph: :class:`FP8Stats` registers one non-persistent
+buffer on the root module, ``fp8graph_stats_buffer`` of shape (modules, 3
+roles, 5 metrics), and on every submodule a forward pre-hook that passes it
+to :func:`stats_anchor` (Dynamo inlines submodules' hooks; the root's own
+hooks run outside the graph). Dynamo therefore lifts the buffer as a graph
+input; the backend removes the
+anchor and hands the buffer to every FP8 site, whose forward writes the
+input and weight rows and whose backward writes the grad_output row, in
+place (AOTAutograd keeps input mutations, also from backward). The slot of
+a site is the index of its module in ``model.named_modules()``, so a module
+called twice in one step reports its last call, and a graph that calls no
+submodule (all code in the root's forward) records nothing. Without
+``stats=True`` none of this exists: no buffer, no hook, no extra graph node.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import math
+import pathlib
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from .formats import Role
+from .health import HEALTH_METRICS
+
+__all__ = ["FP8Stats", "STATS_BUFFER", "StatsRow", "stats_anchor"]
+
+STATS_BUFFER = "fp8graph_stats_buffer"
+ROLES = (Role.INPUT, Role.WEIGHT, Role.GRAD_OUTPUT)
+
+
+@torch._dynamo.allow_in_graph
+def stats_anchor(stats_buffer: torch.Tensor) -> torch.Tensor:
+    """Identity that Dynamo keeps as a graph node, so the stats buffer becomes a graph input."""
+    return stats_buffer
+
+
+def _anchor_hook(root: torch.nn.Module):
+    def reference_stats_buffer(module: torch.nn.Module, args) -> None:
+        stats_anchor(getattr(root, STATS_BUFFER))
+
+    return reference_stats_buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsRow:
+    """The health of one tensor role of one site at one step (see ``fp8graph.health``)."""
+
+    step: int
+    path: str
+    role: str
+    amax: float
+    scale: float
+    underflow: float
+    overflow: float
+    sqnr_db: float
+
+
+class FP8Stats:
+    """Per-site, per-role FP8 health of a model compiled with ``stats=True``.
+
+    Rows accumulate in :attr:`rows` at each :meth:`record`; a site and role
+    appear once they have been cast at least once since the previous record
+    (grad_output rows need a backward pass).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        if hasattr(model, STATS_BUFFER):
+            raise ValueError(f"{type(model).__name__} already has a {STATS_BUFFER!r} attribute")
+        self.model = model
+        self.paths = [path for path, _ in model.named_modules(remove_duplicate=False)]
+        self._slots = {path: slot for slot, path in reversed(list(enumerate(self.paths)))}
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        empty = torch.full((len(self.paths), len(ROLES), len(HEALTH_METRICS)), float("nan"), device=device)
+        model.register_buffer(STATS_BUFFER, empty, persistent=False)
+        # Dynamo runs the root module's own hooks outside the graph, but inlines
+        # those of the modules called inside it: hook every submodule.
+        hook = _anchor_hook(model)
+        self._hooks = [module.register_forward_pre_hook(hook) for module in model.modules()
+                       if module is not model]
+        self.rows: list[StatsRow] = []
+
+    def slot(self, path: str) -> int | None:
+        """The buffer row of the module at ``path`` (``None`` if the model has no such module)."""
+        return self._slots.get(path)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return getattr(self.model, STATS_BUFFER)
+
+    def record(self, step: int) -> list[StatsRow]:
+        """Read what the compiled graphs wrote since the last record, as rows for ``step``."""
+        values = self.buffer.detach().to("cpu", torch.float64)
+        self.buffer.fill_(float("nan"))
+        new_rows = []
+        for slot, path in enumerate(self.paths):
+            for role_index, role in enumerate(ROLES):
+                metrics = values[slot, role_index].tolist()
+                if not math.isnan(metrics[0]) or not math.isnan(metrics[1]):
+                    new_rows.append(StatsRow(step, path, role.value, *metrics))
+        self.rows.extend(new_rows)
+        return new_rows
+
+    def latest(self) -> list[StatsRow]:
+        """The rows of the most recent recorded step."""
+        if not self.rows:
+            return []
+        last_step = self.rows[-1].step
+        return [row for row in self.rows if row.step == last_step]
+
+    def table(self) -> Table:
+        rows = self.latest()
+        step = rows[0].step if rows else "-"
+        table = Table(title=f"fp8graph stats, step {step}")
+        for column in ("module path", "role", *HEALTH_METRICS):
+            table.add_column(column)
+        for row in rows:
+            table.add_row(row.path or "<root>", row.role, f"{row.amax:.4g}", f"{row.scale:.4g}",
+                          f"{row.underflow:.2%}", f"{row.overflow:.2%}", f"{row.sqnr_db:.1f}")
+        return table
+
+    def __str__(self) -> str:
+        buffer = io.StringIO()
+        Console(file=buffer, width=140, color_system=None).print(self.table())
+        return buffer.getvalue()
+
+    def to_csv(self, path) -> pathlib.Path:
+        """Every recorded row, one per step, site and role."""
+        path = pathlib.Path(path)
+        with path.open("w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow([field.name for field in dataclasses.fields(StatsRow)])
+            for row in self.rows:
+                writer.writerow(dataclasses.astuple(row))
+        return path
+
+    def to_tensorboard(self, log_dir) -> pathlib.Path:
+        """Write every row as TensorBoard scalars ``fp8/<metric>/<path>/<role>``."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(log_dir=str(log_dir))
+        for row in self.rows:
+            for metric in HEALTH_METRICS:
+                value = getattr(row, metric)
+                if math.isfinite(value):
+                    writer.add_scalar(f"fp8/{metric}/{row.path or 'root'}/{row.role}", value, row.step)
+        writer.close()
+        return pathlib.Path(log_dir)
+
+    def plot(self, path, role: str = "input") -> pathlib.Path:
+        """PNG of per-site SQNR and underflow over the recorded steps, for one role."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        series: dict[str, list[StatsRow]] = {}
+        for row in self.rows:
+            if row.role == role:
+                series.setdefault(row.path or "<root>", []).append(row)
+        figure, (sqnr_axis, underflow_axis) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+        for site_path, site_rows in series.items():
+            steps = [r.step for r in site_rows]
+            sqnr_axis.plot(steps, [r.sqnr_db for r in site_rows], label=site_path, linewidth=1)
+            underflow_axis.plot(steps, [100 * r.underflow for r in site_rows], label=site_path, linewidth=1)
+        sqnr_axis.set_ylabel(f"{role} SQNR (dB)")
+        underflow_axis.set_ylabel(f"{role} underflow (% of non-zeros)")
+        underflow_axis.set_xlabel("step")
+        sqnr_axis.set_title(f"FP8 health per site ({role})")
+        if len(series) <= 16:
+            sqnr_axis.legend(fontsize=6, ncol=2)
+        figure.tight_layout()
+        path = pathlib.Path(path)
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        return path
+
+    def remove(self) -> None:
+        """Detach from the model: drop the hook and the buffer (compiled graphs recompile)."""
+        for hook in self._hooks:
+            hook.remove()
+        delattr(self.model, STATS_BUFFER)

@@ -1,0 +1,128 @@
+"""FP8 numerics statistics: exact values on small tensors, collection inside compiled graphs, outputs."""
+
+import csv
+import math
+
+import pytest
+import torch
+
+import fp8graph
+from fp8graph.health import quantization_health
+from fp8graph.models import build
+from fp8graph.quantize import quantize, quantize_current
+from fp8graph.stats import STATS_BUFFER
+from helpers import compile_fp8
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def test_health_by_hand_e4m3():
+    x = torch.tensor([0.0, 1e-4, 2.0, 1000.0])
+    scale = torch.tensor(1.0)
+    x_fp8 = quantize(x, scale, E4M3)  # -> [0, 0, 2, 448]: 1e-4 is below half the smallest subnormal
+    amax, used_scale, underflow, overflow, sqnr = quantization_health(x, x_fp8, scale, E4M3).tolist()
+    assert (amax, used_scale) == (1000.0, 1.0)
+    assert underflow == torch.tensor(1 / 3).item()  # exactly 1 of the 3 non-zero values (in fp32)
+    assert overflow == 0.25                             # 1000 > 464: 1 of 4 values saturated
+    expected_sqnr = 10 * math.log10((1e-8 + 4 + 1e6) / (1e-8 + (1000 - 448) ** 2))
+    assert sqnr == pytest.approx(expected_sqnr, rel=1e-5)
+
+
+def test_health_by_hand_e5m2_and_the_rounding_band_above_max():
+    x = torch.tensor([60000.0, 62000.0, -1.0, 3.0])
+    scale = torch.tensor(1.0)
+    x_fp8 = quantize(x, scale, E5M2)  # 60000 rounds to 57344 anyway; 62000 is clipped
+    _, _, underflow, overflow, _ = quantization_health(x, x_fp8, scale, E5M2).tolist()
+    assert underflow == 0.0
+    assert overflow == 0.25
+
+
+def test_exact_cast_has_infinite_sqnr():
+    x = torch.tensor([1.0, -2.0, 0.5, 0.0])
+    x_fp8, scale = quantize_current(x, E4M3, power_2_scales=True)
+    health = quantization_health(x, x_fp8, scale, E4M3).tolist()
+    assert health[2:4] == [0.0, 0.0] and health[4] == float("inf")
+
+
+def _mlp_stats(compiler):
+    model = build("mlp", "tiny")
+    x = torch.randn(32, 64)
+    compiled = fp8graph.compile(model, compiler=compiler, stats=True)
+    compiled(x).sum().backward()
+    return model, x, compiled.fp8graph_stats.record(step=0)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_collected_inside_the_graph_equal_the_eager_values(compiler):
+    model, x, rows = _mlp_stats(compiler)
+    _, _, eager_rows = _mlp_stats("eager")
+    assert [(r.path, r.role) for r in rows] == [
+        (path, role) for path in ("up", "mid") for role in ("input", "weight", "grad_output")]
+    by_key = {(r.path, r.role): r for r in rows}
+    assert by_key["up", "input"].amax == pytest.approx(x.abs().max().item(), rel=1e-6)
+    assert by_key["up", "weight"].amax == pytest.approx(model.up.weight.abs().max().item(), rel=1e-6)
+    input_fp8, input_scale = quantize_current(x, E4M3)
+    expected = quantization_health(x, input_fp8, input_scale, E4M3).tolist()
+    got = by_key["up", "input"]
+    assert [got.amax, got.scale, got.underflow, got.overflow] == pytest.approx(expected[:4], rel=1e-6)
+    assert got.sqnr_db == pytest.approx(expected[4], abs=1e-3)
+    for eager_row, row in zip(eager_rows, rows):
+        assert row.sqnr_db == pytest.approx(eager_row.sqnr_db, abs=0.05)
+        assert row.amax == pytest.approx(eager_row.amax, rel=1e-5)
+
+
+def test_llama_stats_in_one_graph_and_no_grad_rows_without_gradients():
+    model = build("llama", "tiny")
+    compiled = fp8graph.compile(model, compiler="aot_eager", stats=True)
+    tokens = torch.randint(0, 250, (2, 16))
+    compiled(tokens, labels=tokens).loss.backward()
+    rows = compiled.fp8graph_stats.record(step=0)
+    assert compiled.fp8graph_backend.graph_count == 1  # no graph break for the stats
+    assert len(rows) == 14 * 3
+    assert all(r.sqnr_db > 20 and r.underflow < 0.05 for r in rows if r.role != "grad_output")
+    with torch.no_grad():
+        compiled(tokens)
+    assert {r.role for r in compiled.fp8graph_stats.record(step=1)} == {"input", "weight"}
+    assert compiled.fp8graph_stats.record(step=2) == []  # nothing new since the last record
+
+
+def test_stats_off_adds_nothing():
+    model = build("mlp", "tiny")
+    compiled, backend = compile_fp8(model)
+    compiled(torch.randn(4, 64))
+    assert not hasattr(model, STATS_BUFFER)
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    [gm] = backend.graph_modules
+    fp8_nodes = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "").startswith("fp8graph_")]
+    assert len(fp8_nodes) == 2 and all(len(n.args) == 3 for n in fp8_nodes)
+    torch._dynamo.reset()
+    compiled_plain = fp8graph.compile(model, policy=fp8graph.Policy(default=None), compiler="aot_eager")
+    compiled_plain(torch.randn(4, 64))
+    [plain_gm] = compiled_plain.fp8graph_backend.graph_modules
+    assert len(gm.graph.nodes) == len(plain_gm.graph.nodes)  # 1:1 replacement, no extra node
+
+
+def test_csv_tensorboard_and_plot(tmp_path):
+    model = build("mlp", "tiny")
+    compiled = fp8graph.compile(model, compiler="aot_eager", stats=True)
+    stats = compiled.fp8graph_stats
+    for step in range(3):
+        compiled(torch.randn(16, 64) * (step + 1)).sum().backward()
+        stats.record(step)
+    with open(stats.to_csv(tmp_path / "stats.csv")) as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == 3 * 6 and rows[0].keys() >= {"step", "path", "role", "sqnr_db", "underflow"}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(stats.to_tensorboard(tmp_path / "tb")))
+    accumulator.Reload()
+    scalars = accumulator.Tags()["scalars"]
+    assert "fp8/sqnr_db/up/input" in scalars
+    assert [e.step for e in accumulator.Scalars("fp8/amax/mid/grad_output")] == [0, 1, 2]
+    assert stats.plot(tmp_path / "health.png").stat().st_size > 10_000
+    assert "fp8graph stats, step 2" in str(stats)
+
+
+def test_stats_need_a_module():
+    with pytest.raises(ValueError, match="stats=True needs an nn.Module"):
+        fp8graph.compile(lambda x: x, stats=True)
