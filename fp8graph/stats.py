@@ -124,8 +124,9 @@ class FP8Stats:
         last_step = self.rows[-1].step
         return [row for row in self.rows if row.step == last_step]
 
-    def table(self) -> Table:
-        rows = self.latest()
+    def table(self, rows: list[StatsRow] | None = None) -> Table:
+        """A table of ``rows`` (default: the latest step's)."""
+        rows = self.latest() if rows is None else rows
         step = rows[0].step if rows else "-"
         table = Table(title=f"fp8graph stats, step {step}")
         for column in ("module path", "role", *HEALTH_METRICS):
