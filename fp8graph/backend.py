@@ -94,8 +94,7 @@ class FP8Backend:
         stats_node = take_stats_input(gm)
         sites = find_sites(gm, example_inputs, self.paths_by_id)
         decisions = annotate_sites(sites, self.policy, lowering, self.modules_by_path)
-        stats_slot = self.stats.slot if self.stats is not None else None
-        rewrite_sites(gm, stats_node if stats_slot else None, stats_slot)
+        rewrite_sites(gm, stats_node, self.stats.slot if self.stats is not None else None)
         for decision in decisions:
             what = decision.recipe.name if decision.rewritten else f"kept: {decision.reason}"
             log.info("fp8graph: %s (%s) -> %s", decision.site.path or "<root>", decision.site.op, what)
@@ -131,6 +130,9 @@ def fp8_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     ``options`` may hold ``policy``, ``compiler`` and ``lowering`` (see :class:`FP8Backend`).
     """
     options = dict(options or {})
+    if "stats" in options:
+        raise ValueError("stats need fp8graph.compile(model, stats=True): they live in a buffer "
+                         "that must be registered on the model before tracing")
     unknown = sorted(set(options) - set(_OPTION_NAMES))
     if unknown:
         raise ValueError(f"unknown fp8 backend option(s) {unknown}; known: {list(_OPTION_NAMES)}")

@@ -65,7 +65,8 @@ def rewrite_sites(
                 args = (site.input_node, _weight_nk(graph, decision), site.bias_node)
             else:
                 target, args = matmul_fp8_target(decision.recipe), (site.input_node, site.other_node)
-            slot = stats_slot(site.path) if stats_node is not None and stats_slot else None
+            has_stats = stats_node is not None and stats_slot is not None
+            slot = stats_slot(site.path) if has_stats else None
             if slot is not None:
                 args = args + (stats_node, slot)
             fp8_node = graph.call_function(target, args)

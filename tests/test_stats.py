@@ -126,3 +126,22 @@ def test_csv_tensorboard_and_plot(tmp_path):
 def test_stats_need_a_module():
     with pytest.raises(ValueError, match="stats=True needs an nn.Module"):
         fp8graph.compile(lambda x: x, stats=True)
+
+
+def test_bare_backend_refuses_stats_with_a_pointer_to_compile():
+    with pytest.raises(Exception, match=r"stats need fp8graph.compile\(model, stats=True\)"):
+        torch.compile(build("mlp", "tiny"), backend="fp8", options={"stats": True})(torch.randn(2, 64))
+
+
+def test_sampling_stats_every_few_steps_with_a_second_compile():
+    model = build("llama", "tiny")
+    fast = fp8graph.compile(model, compiler="aot_eager")
+    with_stats = fp8graph.compile(model, compiler="aot_eager", stats=True)
+    tokens = torch.randint(0, 250, (2, 16))
+    recorded = []
+    for step in range(6):
+        sample = step % 3 == 0
+        (with_stats if sample else fast)(tokens, labels=tokens).loss.backward()
+        recorded.append(len(with_stats.fp8graph_stats.record(step)))
+    assert recorded == [42, 0, 0, 42, 0, 0]  # the fast graph writes nothing
+    assert fast.fp8graph_backend.graph_count == with_stats.fp8graph_backend.graph_count == 1
