@@ -1,6 +1,6 @@
 """FP8 matmul of two activations (attention scores, weighted values), opted in by a policy rule.
 
-    forward   output  = a_fp8 @ b_fp8                  (..., M, N)
+    forward   output  = a_fp8 @ b_fp8                  (..., M, N)   (+ addend, high precision)
     backward  grad_a  = grad_output_fp8 @ b_fp8^T      (..., M, K)
               grad_b  = a_fp8^T @ grad_output_fp8      (..., K, N)
 
@@ -74,8 +74,10 @@ class _MatmulFP8(torch.autograd.Function):
 def matmul_fp8_target(recipe: Recipe) -> Callable[..., torch.Tensor]:
     """The graph target for activation matmuls with ``recipe``, named for it."""
 
-    def matmul_fp8(a_hp, b_hp, stats=None, slot=0):
-        return _MatmulFP8.apply(a_hp, b_hp, recipe, stats, slot)
+    def matmul_fp8(a_hp, b_hp, addend_hp=None, stats=None, slot=0):
+        output = _MatmulFP8.apply(a_hp, b_hp, recipe, stats, slot)
+        # addmm / baddbmm: the added term joins in high precision.
+        return output if addend_hp is None else addend_hp + output
 
     matmul_fp8.__name__ = matmul_fp8.__qualname__ = target_name("matmul", recipe.name, "emulated")
     matmul_fp8.recipe = recipe

@@ -179,7 +179,11 @@ def _read_linear(site: Site, node: torch.fx.Node, params: _Parameters) -> None:
 
 
 def _read_matmul(site: Site, node: torch.fx.Node, params: _Parameters) -> None:
-    """matmul / mm / bmm / addmm / baddbmm: a linear when the right operand is a parameter."""
+    """matmul / mm / bmm / addmm / baddbmm: a linear when the right operand is a parameter.
+
+    Otherwise a matmul of two activations, whose added term (addmm, baddbmm)
+    is kept in ``bias_node``.
+    """
     has_addend = site.op in ("addmm", "baddbmm")
     offset = 1 if has_addend else 0
     left = _arg(node, offset, "mat1" if site.op == "addmm" else "input")
@@ -200,10 +204,8 @@ def _read_matmul(site: Site, node: torch.fx.Node, params: _Parameters) -> None:
     left_value, right_value = _value(left), _value(right)
     if params.resolve(left)[0] is not None:
         site.blocker = site.blocker or "parameter is the left operand"
-    elif has_addend:
-        site.blocker = site.blocker or f"{site.op} of activations (an added term)"
     elif left_value is None or right_value is None or left_value.dim() < 2 or right_value.dim() < 2:
-        site.blocker = "matmul with a 1-D operand"
+        site.blocker = site.blocker or "matmul with a 1-D operand"
 
 
 def _read_site(node: torch.fx.Node, op: str, params: _Parameters, path: str) -> Site:

@@ -3,11 +3,11 @@
     before:  y = linear(x, w, b)          | y = addmm(b, x2d, w_kn)   | y = matmul(x, w_kn)
     after:   y = fp8graph_linear_<recipe>(x, w, b)                    | weight fed as w_kn.t()
 
-    before:  s = matmul(q, k_t)           (two activations, opted in by a policy rule)
-    after:   s = fp8graph_matmul_<recipe>(q, k_t)
+    before:  s = matmul(q, k_t)           | s = baddbmm(c, q, k_t)   (two activations, opted in by a rule)
+    after:   s = fp8graph_matmul_<recipe>(q, k_t, None)  | s = fp8graph_matmul_<recipe>(q, k_t, c)
 
 With stats on, every FP8 call also takes the stats buffer and its row:
-``fp8graph_linear_<recipe>(x, w, b, stats, slot)``.
+``fp8graph_linear_<recipe>(x, w, b, stats, slot)``, likewise for matmuls.
 
 The replacement keeps the original node's metadata (module stack, fake value,
 stack trace) so later passes and error messages still point at the user's
@@ -64,7 +64,8 @@ def rewrite_sites(
                 target = linear_fp8_target(decision.recipe, decision.lowering)
                 args = (site.input_node, _weight_nk(graph, decision), site.bias_node)
             else:
-                target, args = matmul_fp8_target(decision.recipe), (site.input_node, site.other_node)
+                target = matmul_fp8_target(decision.recipe)
+                args = (site.input_node, site.other_node, site.bias_node)
             has_stats = stats_node is not None and stats_slot is not None
             slot = stats_slot(site.path) if has_stats else None
             if slot is not None:

@@ -67,3 +67,20 @@ def test_a_rule_opts_gpt2_attention_matmuls_into_fp8_and_it_trains():
     for name, param in model.named_parameters():
         if "attn.c_attn" in name:  # q and k reach the loss only through the FP8 score matmul
             assert sqnr_db(param.grad, grads[name]) > 10, name
+
+
+@pytest.mark.parametrize("op", ["baddbmm", "addmm"])
+def test_added_terms_stay_in_high_precision(op):
+    batched = op == "baddbmm"
+    a = torch.randn(3, 64, 32) if batched else torch.randn(64, 32)
+    b = torch.randn(3, 32, 48) if batched else torch.randn(32, 48)
+    c = torch.randn(3, 64, 48) if batched else torch.randn(64, 48)
+    fn = getattr(torch, op)
+    compiled, backend = compile_fp8(lambda c, a, b: fn(c, a, b), compiler="eager", policy=ACTIVATION_MATMULS)
+    out = compiled(c, a, b)
+    [decision] = backend.decisions
+    assert decision.rewritten and decision.site.op == op
+    assert sqnr_db(fn(c, a, b), out) > 28  # the exact addend lifts the SQNR over a bare FP8 product
+    kept, kept_backend = compile_fp8(lambda c, a, b: fn(c, a, b), compiler="eager")
+    torch.testing.assert_close(kept(c, a, b), fn(c, a, b))
+    assert "activation x activation" in kept_backend.decisions[0].reason
