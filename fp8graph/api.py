@@ -74,7 +74,8 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
     compiled_backend = vars(model).get(_BACKEND_ATTRIBUTE) if hasattr(model, "__dict__") else None
     if compiled_backend is not None:
         policy, lowering = compiled_backend.policy, compiled_backend.lowering
-        model = model._orig_mod
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod  # trace the user's module, not the wrapper of another compile
     backend = FP8Backend(policy, "eager", lowering, model=model)
     torch._dynamo.reset()
     graph_breaks_before = collections.Counter(counters["graph_break"])

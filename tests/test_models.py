@@ -82,3 +82,10 @@ def test_report_prints_a_table():
     assert "2 of 3 sites in FP8" in text
     for piece in ("up", "mid", "head", "current(HYBRID)", "N=10 is not a multiple of 16"):
         assert piece in text
+
+
+def test_explain_unwraps_a_model_compiled_with_the_backend_string():
+    model = build("mlp", "tiny")
+    compiled = torch.compile(model, backend="fp8")
+    report = fp8graph.explain(compiled, example_input("mlp"))
+    assert [r.path for r in report] == ["up", "mid", "head"]
