@@ -33,6 +33,14 @@ _MATMUL_TARGETS = {torch.matmul, operator.matmul, torch.mm}
 _ADDMM_TARGETS = {torch.addmm}
 _BATCHED_TARGETS = {torch.bmm, torch.baddbmm}  # named by __name__
 _MATMUL_METHODS = {"matmul", "__matmul__", "mm"}
+# Keyword names of the two GEMM operands, per op (the added term of addmm/baddbmm is "input").
+_OPERAND_KWARGS = {
+    "matmul": ("input", "other"),
+    "mm": ("input", "mat2"),
+    "bmm": ("input", "mat2"),
+    "addmm": ("mat1", "mat2"),
+    "baddbmm": ("batch1", "batch2"),
+}
 _TRANSPOSE_TARGETS = {torch.t}
 
 
@@ -186,8 +194,9 @@ def _read_matmul(site: Site, node: torch.fx.Node, params: _Parameters) -> None:
     """
     has_addend = site.op in ("addmm", "baddbmm")
     offset = 1 if has_addend else 0
-    left = _arg(node, offset, "mat1" if site.op == "addmm" else "input")
-    right = _arg(node, offset + 1, "mat2" if has_addend or site.op == "bmm" else "other")
+    left_name, right_name = _OPERAND_KWARGS[site.op]
+    left = _arg(node, offset, left_name)
+    right = _arg(node, offset + 1, right_name)
     if has_addend:
         site.bias_node = _arg(node, 0, "input")
         if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:

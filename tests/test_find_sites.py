@@ -124,3 +124,11 @@ def test_m_is_free_and_1d_input_works():
 ])
 def test_module_source_paths_normalize_to_named_modules_spelling(source, path):
     assert _normalize_source_path(source) == path
+
+
+def test_operands_passed_by_keyword_are_found():
+    model = OneGemm(lambda m, x: torch.addmm(input=m.bias, mat1=x, mat2=m.weight), weight_kn=True)
+    compiled, backend = compile_fp8(model, compiler="eager")
+    compiled(torch.randn(16, 32))
+    [decision] = backend.decisions
+    assert decision.rewritten and (decision.site.K, decision.site.N) == (32, 48)
