@@ -8,7 +8,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from .backend import FP8Backend
-from .policy import describe_pattern
+from .policy import describe_pattern, normalize_policy
+from .state import register_delayed_state
 from .report import ExplainReport, SiteRecord
 from .report_html import graph_outline
 from .stats import FP8Stats
@@ -47,7 +48,9 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     if stats and not isinstance(model, torch.nn.Module):
         raise ValueError("stats=True needs an nn.Module: the statistics live in a buffer of the model")
     collector = FP8Stats(model) if stats else None
-    backend = FP8Backend(policy, compiler, lowering, model=model, mode=mode, stats=collector)
+    policy = normalize_policy(policy)
+    state = register_delayed_state(model, policy) if policy.needs_state else None
+    backend = FP8Backend(policy, compiler, lowering, model=model, mode=mode, stats=collector, state=state)
     compiled = torch.compile(model, backend=backend, **torch_compile_kwargs)
     # On the wrapper itself: OptimizedModule's setattr would forward to the user's model.
     object.__setattr__(compiled, _BACKEND_ATTRIBUTE, backend)
@@ -72,11 +75,13 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
         draws the rewritten graphs.
     """
     compiled_backend = vars(model).get(_BACKEND_ATTRIBUTE) if hasattr(model, "__dict__") else None
+    state = None
     if compiled_backend is not None:
         policy, lowering = compiled_backend.policy, compiled_backend.lowering
+        state = compiled_backend.state
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         model = model._orig_mod  # trace the user's module, not the wrapper of another compile
-    backend = FP8Backend(policy, "eager", lowering, model=model)
+    backend = FP8Backend(policy, "eager", lowering, model=model, state=state)
     torch._dynamo.reset()
     graph_breaks_before = collections.Counter(counters["graph_break"])
     with torch.no_grad():

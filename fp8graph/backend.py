@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from fp8graph.passes import annotate_sites, find_sites, rewrite_sites, take_stats_input
+from fp8graph.passes import annotate_sites, find_sites, rewrite_sites, take_state_inputs, take_stats_input
 from fp8graph.passes.annotate import Decision
 from fp8graph.passes.module_paths import module_paths_by_id
 
@@ -58,13 +58,23 @@ class FP8Backend:
             paths come from Dynamo's source names.
         mode: an Inductor mode (``"max-autotune"``, ...), as ``torch.compile(mode=...)`` passes it.
         stats: an :class:`fp8graph.stats.FP8Stats` to collect numerics into, or ``None``.
+        state: the delayed-scaling state ``fp8graph.state.register_delayed_state``
+            registered on ``model``; required when the policy uses ``DelayedScaling``.
 
     Every graph's decisions are appended to ``self.decisions`` and each
     rewritten graph to ``self.graph_modules``.
     """
 
-    def __init__(self, policy=None, compiler="inductor", lowering="auto", model=None, mode=None, stats=None):
+    def __init__(self, policy=None, compiler="inductor", lowering="auto", model=None, mode=None, stats=None,
+                 state=None):
         self.policy = normalize_policy(policy)
+        if self.policy.needs_state and state is None:
+            raise ValueError(
+                "the policy uses DelayedScaling, whose amax histories and scales live in buffers that "
+                "fp8graph.compile(model, policy=...) registers on the model before tracing; "
+                "torch.compile(backend='fp8') and explain() of an uncompiled model cannot hold them. "
+                "Use fp8graph.compile, and explain the compiled model")
+        self.state = state or {}
         if compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         if lowering not in LOWERING_CHOICES:
@@ -92,9 +102,23 @@ class FP8Backend:
     def run_passes(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> list[Decision]:
         lowering = choose_lowering(_graph_device(example_inputs), self.lowering)
         stats_node = take_stats_input(gm)
+        state_placeholders = take_state_inputs(gm, example_inputs)
         sites = find_sites(gm, example_inputs, self.paths_by_id)
-        decisions = annotate_sites(sites, self.policy, lowering, self.modules_by_path)
-        rewrite_sites(gm, stats_node, self.stats.slot if self.stats is not None else None)
+        value_of = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
+
+        def state_nodes(site):
+            entry = self.state.get((site.path, id(value_of.get(site.weight_node))))
+            if entry is None:
+                return None
+            history, scale = (state_placeholders.get(id(entry.history)), state_placeholders.get(id(entry.scale)))
+            return None if history is None or scale is None else (history, scale)
+
+        decisions = annotate_sites(sites, self.policy, lowering, self.modules_by_path,
+                                   has_state=lambda site: state_nodes(site) is not None)
+        # Graphs compiled without gradients (inference) read the scales but
+        # leave the histories alone; Dynamo compiles one graph per grad mode.
+        rewrite_sites(gm, stats_node, self.stats.slot if self.stats is not None else None,
+                      state_nodes, update_state=torch.is_grad_enabled())
         for decision in decisions:
             what = decision.recipe.name if decision.rewritten else f"kept: {decision.reason}"
             log.info("fp8graph: %s (%s) -> %s", decision.site.path or "<root>", decision.site.op, what)

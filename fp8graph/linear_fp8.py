@@ -26,10 +26,11 @@ import torch
 from .formats import Role
 from .health import quantization_health
 from .lowering import Lowering, scaled_gemm
+from .delayed_scaling import delayed_cast
 from .quantize import quantize_current
 from .recipes import Recipe
 
-__all__ = ["autocast_dtype", "linear_fp8_target", "record_health", "target_name"]
+__all__ = ["RoleCaster", "autocast_dtype", "linear_fp8_target", "record_health", "target_name"]
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -39,9 +40,40 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
+_ROLE_INDEX = {Role.INPUT: 0, Role.WEIGHT: 1, Role.GRAD_OUTPUT: 2}
+
+
+class RoleCaster:
+    """Casts a site's tensors per role: current scaling, or delayed scaling with its state.
+
+    ``state`` is ``(history, scale)``, the site's buffers of shape (3, len)
+    and (3,). With ``update`` each delayed cast first moves the state one step
+    (new scale from the history, history rolled) and records its amax, all
+    written into the buffers in place; without it the stored scale is used.
+    """
+
+    def __init__(self, recipe: Recipe, state=None, update: bool = True):
+        self.recipe, self.state, self.update = recipe, state, update
+
+    def __call__(self, role: Role, x_hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fp8_dtype = self.recipe.fp8_dtype(role)
+        if self.state is None:
+            return quantize_current(x_hp, fp8_dtype, self.recipe.power_2_scales)
+        history, scale = self.state
+        index = _ROLE_INDEX[role]
+        x_fp8, scale_used, new_history = delayed_cast(
+            x_hp, history[index], scale[index], fp8_dtype,
+            self.recipe.margin, self.recipe.amax_compute_algo, self.update)
+        if self.update:
+            history[index].copy_(new_history)
+            scale[index].copy_(scale_used)
+        return x_fp8, scale_used.clone()  # never the buffer itself: it changes next step
+
+
 class _LinearFP8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, bias_hp, recipe: Recipe, lowering: Lowering, stats, slot):
+    def forward(ctx, input_hp, weight_hp, bias_hp, caster: RoleCaster, lowering: Lowering, stats, slot):
+        recipe = caster.recipe
         device_type = input_hp.device.type
         # Under autocast F.linear returns the autocast dtype; so does this.
         output_dtype = autocast_dtype(device_type) or input_hp.dtype
@@ -49,12 +81,8 @@ class _LinearFP8(torch.autograd.Function):
         lead_shape = input_hp.shape[:-1]
         with torch.autocast(device_type, enabled=False):
             input_hp_2d = input_hp.reshape(-1, in_features)  # (M, K)
-            input_fp8, input_scale = quantize_current(
-                input_hp_2d, recipe.fp8_dtype(Role.INPUT), recipe.power_2_scales
-            )
-            weight_fp8, weight_scale = quantize_current(
-                weight_hp, recipe.fp8_dtype(Role.WEIGHT), recipe.power_2_scales
-            )
+            input_fp8, input_scale = caster(Role.INPUT, input_hp_2d)
+            weight_fp8, weight_scale = caster(Role.WEIGHT, weight_hp)
             # output = input @ weight_t  (M, N); fast accumulation is accurate
             # enough for the forward GEMM, as Transformer Engine does.
             output = scaled_gemm(
@@ -68,7 +96,7 @@ class _LinearFP8(torch.autograd.Function):
                 record_health(stats, slot, Role.WEIGHT, weight_hp, weight_fp8, weight_scale, recipe)
         ctx.stats, ctx.slot = stats, slot
         ctx.save_for_backward(input_fp8, input_scale, weight_fp8, weight_scale)
-        ctx.recipe = recipe
+        ctx.caster = caster
         ctx.lowering = lowering
         ctx.input_dtype = input_hp.dtype
         ctx.weight_dtype = weight_hp.dtype
@@ -79,15 +107,13 @@ class _LinearFP8(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output_hp):
         input_fp8, input_scale, weight_fp8, weight_scale = ctx.saved_tensors
-        recipe: Recipe = ctx.recipe
+        recipe: Recipe = ctx.caster.recipe
         out_features, in_features = weight_fp8.shape
         needs_grad_input, needs_grad_weight, needs_grad_bias = ctx.needs_input_grad[:3]
         grad_input = grad_weight = grad_bias = None
         with torch.autocast(grad_output_hp.device.type, enabled=False):
             grad_output_hp_2d = grad_output_hp.reshape(-1, out_features)  # (M, N)
-            grad_output_fp8, grad_output_scale = quantize_current(
-                grad_output_hp_2d, recipe.fp8_dtype(Role.GRAD_OUTPUT), recipe.power_2_scales
-            )
+            grad_output_fp8, grad_output_scale = ctx.caster(Role.GRAD_OUTPUT, grad_output_hp_2d)
             if ctx.stats is not None:
                 record_health(ctx.stats, ctx.slot, Role.GRAD_OUTPUT, grad_output_hp_2d,
                               grad_output_fp8, grad_output_scale, recipe)
@@ -124,18 +150,23 @@ def target_name(kind: str, recipe_name: str, lowering_name: str) -> str:
 
 
 @functools.cache
-def linear_fp8_target(recipe: Recipe, lowering: Lowering) -> Callable[..., torch.Tensor]:
+def linear_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True) -> Callable[..., torch.Tensor]:
     """The graph target for sites with ``recipe`` lowered by ``lowering``.
 
     FX graphs can only hold primitive constants as arguments, so the recipe
     and lowering are bound into a function with a readable name, which the
     rewritten graph's code then shows (``fp8graph_linear_current_HYBRID_emulated``).
+    Delayed-scaling sites also take their ``history`` and ``scale`` buffers;
+    ``update=False`` (graphs compiled without gradients) only reads them.
     """
 
-    def linear_fp8(input_hp, weight_hp, bias_hp=None, stats=None, slot=0):
-        return _LinearFP8.apply(input_hp, weight_hp, bias_hp, recipe, lowering, stats, slot)
+    def linear_fp8(input_hp, weight_hp, bias_hp=None, stats=None, slot=0, history=None, scale=None):
+        state = None if history is None else (history, scale)
+        caster = RoleCaster(recipe, state, update)
+        return _LinearFP8.apply(input_hp, weight_hp, bias_hp, caster, lowering, stats, slot)
 
-    linear_fp8.__name__ = linear_fp8.__qualname__ = target_name("linear", recipe.name, lowering.value)
+    label = recipe.name if update else f"{recipe.name}_frozen"
+    linear_fp8.__name__ = linear_fp8.__qualname__ = target_name("linear", label, lowering.value)
     linear_fp8.recipe = recipe
     linear_fp8.lowering = lowering
     return linear_fp8

@@ -25,7 +25,7 @@ from typing import Callable, Union
 
 import torch
 
-from .recipes import Float8CurrentScaling, Recipe
+from .recipes import DelayedScaling, Float8CurrentScaling, Recipe
 
 __all__ = ["DEFAULT_RECIPE", "Policy", "Resolution", "SiteInfo", "normalize_policy", "resolve"]
 
@@ -128,6 +128,17 @@ class Policy:
     default = property(lambda self: self._default)
     rules = property(lambda self: self._rules)
     strict = property(lambda self: self._strict)
+
+    @property
+    def recipes(self) -> tuple[Recipe, ...]:
+        """Every recipe the policy can hand out."""
+        candidates = [self._default, *(recipe for _, recipe in self._rules)]
+        return tuple(recipe for recipe in candidates if recipe is not None)
+
+    @property
+    def needs_state(self) -> bool:
+        """Whether some recipe keeps state across steps (delayed scaling)."""
+        return any(isinstance(recipe, DelayedScaling) for recipe in self.recipes)
 
     def _key(self):
         return (self._default, self._rules, self._strict)

@@ -7,10 +7,11 @@ key caches and be compared; variations are made with ``dataclasses.replace``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Union
 
 from .formats import Format, Role
 
-__all__ = ["Float8CurrentScaling", "Recipe"]
+__all__ = ["DelayedScaling", "Float8CurrentScaling", "Recipe"]
 
 
 def _check_type(recipe: object, field: str, expected: type) -> None:
@@ -61,5 +62,68 @@ class Float8CurrentScaling:
         return self.fp8_format.dtype(role)
 
 
-# The recipes a site can be given; later recipes join this union.
-Recipe = Float8CurrentScaling
+_AMAX_ALGOS = ("max", "most_recent")
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+    """Delayed scaling: each cast uses a scale derived from the amaxes of earlier casts.
+
+    Per site and tensor role, a history of the last ``amax_history_len``
+    amaxes and a scale are kept as buffers of the module that owns the site.
+    At each training-mode call, for each role::
+
+        amax      = max(history)            ("max")  | history[0] ("most_recent") | algo(history)
+        scale     = fp8_max / (amax * 2**margin)     only if amax is finite and > 0, else unchanged
+        history   = roll(history, -1); history[0] = 0      (newest moves to the end, oldest dropped)
+        tensor_fp8 = cast(tensor * scale);  history[0] = amax(tensor)
+
+    The cast and the amax read the tensor once (the scale is known before the
+    cast), where current scaling reads it twice. The initial scale is 1.
+
+    Args:
+        margin: scale down by ``2**margin`` to leave headroom (int >= 0).
+        fp8_format: FP8 dtype per role, as for current scaling.
+        amax_history_len: amaxes kept per role (>= 1).
+        amax_compute_algo: ``"max"``, ``"most_recent"``, or a callable taking
+            the history tensor (newest in slot 0) and returning an amax.
+        reduce_amax: max-reduce amaxes across the data-parallel group.
+    """
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: object = "max"
+    reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        _check_type(self, "margin", int)
+        _check_type(self, "fp8_format", Format)
+        _check_type(self, "amax_history_len", int)
+        _check_type(self, "reduce_amax", bool)
+        if self.margin < 0:
+            raise ValueError(f"DelayedScaling.margin must be >= 0, got {self.margin}")
+        if self.amax_history_len < 1:
+            raise ValueError(f"DelayedScaling.amax_history_len must be >= 1, got {self.amax_history_len}")
+        if not (self.amax_compute_algo in _AMAX_ALGOS or callable(self.amax_compute_algo)):
+            raise ValueError(
+                f"DelayedScaling.amax_compute_algo must be 'max', 'most_recent' or a callable, "
+                f"got {self.amax_compute_algo!r}"
+            )
+
+    @property
+    def name(self) -> str:
+        algo = self.amax_compute_algo if isinstance(self.amax_compute_algo, str) else "custom"
+        margin = f", margin {self.margin}" if self.margin else ""
+        return f"delayed({self.fp8_format.value}, {algo}, len {self.amax_history_len}{margin})"
+
+    @property
+    def power_2_scales(self) -> bool:
+        return False
+
+    def fp8_dtype(self, role: Role):
+        return self.fp8_format.dtype(role)
+
+
+# The recipes a site can be given (works with isinstance); later recipes join this union.
+Recipe = Union[Float8CurrentScaling, DelayedScaling]

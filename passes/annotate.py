@@ -12,12 +12,13 @@ recipe cannot apply, the reason says so, and a strict policy raises.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
 from fp8graph.lowering import Lowering
 from fp8graph.policy import Policy, SiteInfo, describe_pattern, resolve
-from fp8graph.recipes import Recipe
+from fp8graph.recipes import DelayedScaling, Recipe
 
 from .find_sites import Site
 
@@ -46,7 +47,7 @@ class Decision:
         return self.recipe is not None
 
 
-def _reason_to_keep(site: Site, recipe: Recipe | None) -> str | None:
+def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site], bool]) -> str | None:
     if site.blocker is not None:
         return site.blocker
     if site.dtype == torch.float64:
@@ -57,6 +58,9 @@ def _reason_to_keep(site: Site, recipe: Recipe | None) -> str | None:
         if not site.is_linear:
             return "activation x activation matmul (FP8 only when a policy rule names it)"
         return "policy keeps it in high precision"
+    if isinstance(recipe, DelayedScaling) and not (site.is_linear and has_state(site)):
+        return ("delayed scaling has no state here: it lives on the module that owns the weight "
+                "(not the root, not an activation matmul), registered by fp8graph.compile")
     if not site.is_linear:
         return None  # emulated whatever the device: no cuBLAS shape constraint
     for dim_name in ("K", "N"):
@@ -76,6 +80,7 @@ def annotate_sites(
     policy: Policy,
     lowering: Lowering,
     modules_by_path: dict[str, torch.nn.Module] | None = None,
+    has_state: Callable[[Site], bool] = lambda site: False,
 ) -> list[Decision]:
     """Attach a decision to each site's node and return the decisions in order.
 
@@ -88,7 +93,7 @@ def annotate_sites(
         module = (modules_by_path or {}).get(site.path)
         resolution = resolve(policy, site.path, _site_info(site), module, site.module_type)
         recipe = resolution.recipe
-        reason = _reason_to_keep(site, recipe)
+        reason = _reason_to_keep(site, recipe, has_state)
         if reason is not None and recipe is not None and resolution.rule_index is not None:
             pattern = describe_pattern(policy.rules[resolution.rule_index][0])
             request = f"rule {resolution.rule_index} ({pattern}) asks for {recipe.name}"

@@ -25,7 +25,10 @@ from torch._dynamo.utils import counters
 from fp8graph.linear_fp8 import linear_fp8_target
 from fp8graph.matmul_fp8 import matmul_fp8_target
 
+from fp8graph.recipes import DelayedScaling
+
 from .annotate import DECISION_KEY, Decision
+from .find_sites import Site
 
 __all__ = ["rewrite_sites"]
 
@@ -46,11 +49,15 @@ def rewrite_sites(
     gm: torch.fx.GraphModule,
     stats_node: torch.fx.Node | None = None,
     stats_slot: Callable[[str], int | None] | None = None,
+    state_nodes: Callable[[Site], tuple[torch.fx.Node, torch.fx.Node] | None] = lambda site: None,
+    update_state: bool = True,
 ) -> int:
     """Rewrite every site whose decision carries a recipe; returns how many.
 
     With ``stats_node`` (the stats buffer's placeholder, see ``stats_inputs``)
     each FP8 site also gets the buffer and its row, ``stats_slot(path)``.
+    Delayed-scaling sites get their ``(history, scale)`` placeholders from
+    ``state_nodes(site)`` and update them unless ``update_state`` is False.
     """
     graph = gm.graph
     rewritten = 0
@@ -61,15 +68,18 @@ def rewrite_sites(
         site = decision.site
         with graph.inserting_before(node):
             if site.is_linear:
-                target = linear_fp8_target(decision.recipe, decision.lowering)
+                state = state_nodes(site) if isinstance(decision.recipe, DelayedScaling) else None
+                target = linear_fp8_target(decision.recipe, decision.lowering, update_state or state is None)
                 args = (site.input_node, _weight_nk(graph, decision), site.bias_node)
             else:
-                target = matmul_fp8_target(decision.recipe)
+                state, target = None, matmul_fp8_target(decision.recipe)
                 args = (site.input_node, site.other_node, site.bias_node)
             has_stats = stats_node is not None and stats_slot is not None
             slot = stats_slot(site.path) if has_stats else None
-            if slot is not None:
-                args = args + (stats_node, slot)
+            if slot is not None or state is not None:
+                args = args + ((stats_node, slot) if slot is not None else (None, 0))
+            if state is not None:
+                args = args + tuple(state)
             fp8_node = graph.call_function(target, args)
         fp8_node.meta.update(node.meta)
         node.replace_all_uses_with(fp8_node)

@@ -1,0 +1,99 @@
+"""Recipe state (delayed scaling) as buffers of the modules that own the sites.
+
+``fp8graph.compile`` calls :func:`register_delayed_state` before anything is
+traced. For every module whose 2-D weight the policy gives a
+``DelayedScaling`` recipe it registers, per weight parameter ``<name>``::
+
+    fp8graph_amax_history_<name>   (3 roles, amax_history_len)   zeros
+    fp8graph_scale_<name>          (3 roles,)                    ones
+
+so ``state_dict()`` and ``load_state_dict()`` carry them, and a forward
+pre-hook that passes them to :func:`state_anchor`. Dynamo inlines the hooks
+of the modules it traces into, so the buffers become graph inputs; the
+backend drops the anchors and hands each site its buffers, which the FP8
+linear updates in place. Roles are ordered input, weight, grad_output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .policy import Policy, SiteInfo, resolve
+from .recipes import DelayedScaling
+
+__all__ = ["HISTORY_PREFIX", "SCALE_PREFIX", "SiteState", "register_delayed_state", "state_anchor"]
+
+HISTORY_PREFIX = "fp8graph_amax_history_"
+SCALE_PREFIX = "fp8graph_scale_"
+ROLE_COUNT = 3
+
+
+@torch._dynamo.allow_in_graph
+def state_anchor(*state_buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Identity that Dynamo keeps as a graph node, so the state buffers become graph inputs."""
+    return state_buffers
+
+
+def _anchor_state(module: torch.nn.Module, args) -> None:
+    state_anchor(*(buffer for name, buffer in module.named_buffers(recurse=False)
+                   if name.startswith((HISTORY_PREFIX, SCALE_PREFIX))))
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteState:
+    """Where the state of one weight lives: its module, and the buffer names."""
+
+    module: torch.nn.Module
+    param_name: str
+
+    @property
+    def history(self) -> torch.Tensor:
+        return getattr(self.module, HISTORY_PREFIX + self.param_name)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return getattr(self.module, SCALE_PREFIX + self.param_name)
+
+
+def _weight_candidates(module: torch.nn.Module):
+    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+        return  # looked up by index, never multiplied
+    for name, param in module.named_parameters(recurse=False):
+        # FP8 GEMMs need both dims of the weight to be multiples of 16, whichever
+        # way round it is stored; other weights stay in high precision anyway.
+        if param.dim() == 2 and param.is_floating_point() and not any(d % 16 for d in param.shape):
+            yield name, param
+
+
+def register_delayed_state(model: torch.nn.Module, policy: Policy) -> dict[tuple[str, int], SiteState]:
+    """Register state for every weight the policy gives delayed scaling.
+
+    Returns ``{(module path, id(weight)): SiteState}``. The root module gets
+    none: Dynamo runs its hooks outside the graph, so its own weights cannot
+    carry in-graph state (their sites stay in high precision, with that reason).
+    """
+    registered = {}
+    for path, module in model.named_modules():
+        if module is model:
+            continue
+        names = []
+        for name, param in _weight_candidates(module):
+            # Shapes as a linear would see them: (N, K) weights, M unknown before tracing.
+            site = SiteInfo(op="linear", M=None, K=param.shape[1], N=param.shape[0], dtype=param.dtype)
+            recipe = resolve(policy, path, site, module).recipe
+            if not isinstance(recipe, DelayedScaling):
+                continue
+            history_name, scale_name = HISTORY_PREFIX + name, SCALE_PREFIX + name
+            if hasattr(module, history_name):
+                raise ValueError(f"{path}.{history_name} already exists: was the model compiled twice "
+                                 "with delayed scaling? Compile it once, or build a fresh model")
+            module.register_buffer(history_name, torch.zeros(
+                ROLE_COUNT, recipe.amax_history_len, device=param.device))
+            module.register_buffer(scale_name, torch.ones(ROLE_COUNT, device=param.device))
+            registered[(path, id(param))] = SiteState(module, name)
+            names.append(name)
+        if names:
+            module.register_forward_pre_hook(_anchor_state)
+    return registered
