@@ -8,10 +8,11 @@
 from .api import compile, explain
 from .formats import Format
 from .policy import Policy
-from .recipes import Float8CurrentScaling
+from .recipes import DelayedScaling, Float8CurrentScaling
 from .report import ExplainReport, SiteRecord
 
 __all__ = [
+    "DelayedScaling",
     "ExplainReport",
     "Float8CurrentScaling",
     "Format",

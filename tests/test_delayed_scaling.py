@@ -1,0 +1,198 @@
+"""Delayed scaling: the compiled state against a plain-Python reference, step by step.
+
+    per training-mode cast:  scale = fp8_max / (algo(history) * 2**margin)  (kept if that amax is 0/inf/NaN)
+                             history = roll(history, -1); history[0] = 0;  cast;  history[0] = amax
+"""
+
+import math
+
+import pytest
+import torch
+
+import fp8graph
+from fp8graph import Format
+from fp8graph.models import build
+from fp8graph.models.text_data import TextBatches
+from fp8graph import DelayedScaling
+from helpers import sgd_steps
+
+E4M3_MAX = 448.0
+
+
+class ReferenceState:
+    """The history semantics in plain Python lists, for one role."""
+
+    def __init__(self, length, margin=0, algo="max"):
+        self.history, self.scale, self.margin, self.algo = [0.0] * length, 1.0, margin, algo
+
+    def cast(self, amax):
+        if self.algo == "max":
+            reference_amax = max(self.history)
+        elif self.algo == "most_recent":
+            reference_amax = self.history[0]
+        else:
+            reference_amax = float(self.algo(torch.tensor(self.history)))
+        if math.isfinite(reference_amax) and reference_amax > 0:
+            self.scale = E4M3_MAX / (reference_amax * 2 ** self.margin)
+        self.history = [0.0] + self.history[2:] + [self.history[0]]
+        self.history[0] = amax
+
+
+def _mean_of_two_newest(history):
+    return (history[0] + history[-1]) / 2
+
+
+@pytest.mark.parametrize("algo,margin", [("max", 0), ("most_recent", 0), ("max", 2), (_mean_of_two_newest, 1)])
+def test_compiled_state_follows_the_reference_step_by_step(algo, margin):
+    model = build("mlp", "tiny")
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=algo, margin=margin)
+    compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager")
+    input_reference = ReferenceState(4, margin, algo)
+    weight_reference = ReferenceState(4, margin, algo)
+    magnitudes = [1.0, 3.0, 0.5, 2.0, 8.0, 1.0, 0.25]
+    for step, magnitude in enumerate(magnitudes):
+        x = torch.randn(8, 64) * magnitude
+        compiled(x).sum().backward()
+        input_reference.cast(x.abs().max().item())
+        weight_reference.cast(model.up.weight.abs().max().item())
+        history, scale = model.up.fp8graph_amax_history_weight, model.up.fp8graph_scale_weight
+        assert history[0].tolist() == pytest.approx(input_reference.history, rel=1e-6), step
+        assert scale[0].item() == pytest.approx(input_reference.scale, rel=1e-6), step
+        assert history[1].tolist() == pytest.approx(weight_reference.history, rel=1e-6), step
+        assert scale[1].item() == pytest.approx(weight_reference.scale, rel=1e-6), step
+    assert compiled.fp8graph_backend.graph_count == 1
+
+
+def test_state_is_in_the_state_dict_and_recipe_fields_are_checked():
+    model = build("llama", "tiny")
+    fp8graph.compile(model, policy=DelayedScaling(amax_history_len=16), compiler="aot_eager")
+    state = model.state_dict()
+    history = state["model.layers.0.mlp.down_proj.fp8graph_amax_history_weight"]
+    assert history.shape == (3, 16)
+    assert state["model.layers.1.self_attn.q_proj.fp8graph_scale_weight"].tolist() == [1.0, 1.0, 1.0]
+    assert not any(key.startswith("lm_head.fp8graph") for key in state)  # N=250: stays in high precision
+    for kwargs, field in [({"margin": -1}, "margin"), ({"amax_history_len": 0}, "amax_history_len"),
+                          ({"amax_compute_algo": "mean"}, "amax_compute_algo"), ({"margin": 1.5}, "margin"),
+                          ({"fp8_format": "E4M3"}, "fp8_format"), ({"reduce_amax": 1}, "reduce_amax")]:
+        with pytest.raises(ValueError, match=f"DelayedScaling.{field}"):
+            DelayedScaling(**kwargs)
+
+
+def test_checkpoint_resume_is_bit_exact():
+    recipe = DelayedScaling(amax_history_len=16)
+
+    def fresh():
+        model = build("llama", "tiny", seed=0)
+        compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager")
+        return model, compiled, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    def train(model, compiled, optimizer, batches, steps):
+        losses = []
+        for _ in range(steps):
+            tokens = batches.next()
+            loss = compiled(tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    model, compiled, optimizer = fresh()
+    uninterrupted = train(model, compiled, optimizer, TextBatches(4, 32, vocab_size=250), 20)
+
+    torch._dynamo.reset()
+    model, compiled, optimizer = fresh()
+    batches = TextBatches(4, 32, vocab_size=250)
+    first = train(model, compiled, optimizer, batches, 10)
+    checkpoint = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                  "optimizer": optimizer.state_dict()}
+    torch._dynamo.reset()
+    model, compiled, optimizer = fresh()
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    second = train(model, compiled, optimizer, batches, 10)
+    assert first + second == uninterrupted  # bit for bit
+
+
+def test_a_history_of_the_wrong_length_is_refused_naming_the_buffer():
+    model = build("mlp", "tiny")
+    fp8graph.compile(model, policy=DelayedScaling(amax_history_len=8), compiler="aot_eager")
+    state = model.state_dict()
+    state["up.fp8graph_amax_history_weight"] = torch.zeros(3, 4)
+    with pytest.raises(RuntimeError, match="up.fp8graph_amax_history_weight"):
+        model.load_state_dict(state)
+
+
+def test_inference_reads_scales_without_updating_history():
+    model = build("mlp", "tiny")
+    compiled = fp8graph.compile(model, policy=DelayedScaling(amax_history_len=4), compiler="aot_eager")
+    for _ in range(2):
+        compiled(torch.randn(8, 64)).sum().backward()
+    history = model.up.fp8graph_amax_history_weight.clone()
+    scale = model.up.fp8graph_scale_weight.clone()
+    with torch.no_grad():
+        compiled(torch.randn(8, 64) * 100)
+    assert torch.equal(model.up.fp8graph_amax_history_weight, history)
+    assert torch.equal(model.up.fp8graph_scale_weight, scale)
+
+
+def test_two_calls_per_step_and_micro_batches_record_every_amax():
+    model = build("mlp", "tiny")
+    compiled = fp8graph.compile(model, policy=DelayedScaling(amax_history_len=8), compiler="aot_eager")
+    micro_batches = [torch.randn(4, 64) * scale for scale in (1.0, 2.0, 4.0)]
+    for x in micro_batches:  # gradient accumulation: three forwards and backwards, one step
+        compiled(x).sum().backward()
+    newest_first = [micro_batches[2], micro_batches[1], micro_batches[0]]
+    recorded = model.up.fp8graph_amax_history_weight[0]
+    assert recorded[0].item() == pytest.approx(newest_first[0].abs().max().item())
+    assert recorded[-1].item() == pytest.approx(newest_first[1].abs().max().item())
+    assert recorded[-2].item() == pytest.approx(newest_first[2].abs().max().item())
+
+
+@pytest.mark.parametrize("bad,algo", [(float("inf"), "max"), (float("nan"), "max"), (0.0, "most_recent")])
+def test_inf_nan_and_zero_amax_keep_the_previous_scale_and_training_continues(bad, algo):
+    model = build("mlp", "tiny")
+    recipe = DelayedScaling(amax_history_len=2, amax_compute_algo=algo)
+    compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager")
+    compiled(torch.randn(8, 64)).sum().backward()
+    compiled(torch.randn(8, 64)).sum().backward()
+    x = torch.zeros(8, 64) if bad == 0.0 else torch.randn(8, 64)
+    x[0, 0] = bad
+    compiled(x)
+    scale_before = model.up.fp8graph_scale_weight[0].item()
+    recorded = model.up.fp8graph_amax_history_weight[0, 0].item()  # the bad amax stays visible
+    assert math.isnan(recorded) if math.isnan(bad) else recorded == bad
+    out = compiled(torch.randn(8, 64))  # its scale comes from a history holding the bad amax
+    assert model.up.fp8graph_scale_weight[0].item() == scale_before, bad
+    assert torch.isfinite(out).all()
+    for _ in range(2):  # the bad value rolls out of the 2-entry history
+        out = compiled(torch.randn(8, 64))
+    assert torch.isfinite(out).all()
+    assert model.up.fp8graph_scale_weight[0].item() != scale_before  # updating again
+
+
+def test_no_recompiles_across_100_steps():
+    model = build("mlp", "tiny")
+    compiled = fp8graph.compile(model, policy=DelayedScaling(amax_history_len=16), compiler="aot_eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(100):
+        compiled(torch.randn(8, 64)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert compiled.fp8graph_backend.graph_count == 1
+
+
+def test_the_bare_backend_refuses_stateful_policies():
+    with pytest.raises(Exception, match=r"Use fp8graph.compile"):
+        torch.compile(build("mlp", "tiny"), backend="fp8",
+                      options={"policy": DelayedScaling(), "compiler": "eager"})(torch.randn(2, 64))
+
+
+def test_delayed_llama_trains_close_to_fp32():
+    fp32_model = build("llama", "tiny", seed=0)
+    fp32_losses = sgd_steps(fp32_model, fp32_model, TextBatches(8, 64, vocab_size=250), 30, lr=3e-3)
+    model = build("llama", "tiny", seed=0)
+    compiled = fp8graph.compile(model, policy=DelayedScaling(amax_history_len=16, fp8_format=Format.HYBRID),
+                                compiler="aot_eager")
+    fp8_losses = sgd_steps(compiled, model, TextBatches(8, 64, vocab_size=250), 30, lr=3e-3)
+    assert abs(sum(fp8_losses[-10:]) / sum(fp32_losses[-10:]) - 1) < 0.03
