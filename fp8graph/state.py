@@ -7,7 +7,9 @@ traced. For every module whose 2-D weight the policy gives a
     fp8graph_amax_history_<name>   (3 roles, amax_history_len)   zeros
     fp8graph_scale_<name>          (3 roles,)                    ones
 
-so ``state_dict()`` and ``load_state_dict()`` carry them, and a forward
+so ``state_dict()`` and ``load_state_dict()`` carry them (a checkpoint
+saved without them loads with fresh state and a logged notice; one whose
+history has another length is refused, naming the buffer), and a forward
 pre-hook that passes them to :func:`state_anchor`. Dynamo inlines the hooks
 of the modules it traces into, so the buffers become graph inputs; the
 backend drops the anchors and hands each site its buffers, which the FP8
@@ -17,6 +19,7 @@ linear updates in place. Roles are ordered input, weight, grad_output.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -24,6 +27,8 @@ from .policy import Policy, SiteInfo, resolve
 from .recipes import DelayedScaling
 
 __all__ = ["HISTORY_PREFIX", "SCALE_PREFIX", "SiteState", "register_delayed_state", "state_anchor"]
+
+log = logging.getLogger("fp8graph")
 
 HISTORY_PREFIX = "fp8graph_amax_history_"
 SCALE_PREFIX = "fp8graph_scale_"
@@ -55,6 +60,17 @@ class SiteState:
     @property
     def scale(self) -> torch.Tensor:
         return getattr(self.module, SCALE_PREFIX + self.param_name)
+
+
+def _fill_missing_state(module: torch.nn.Module, state_dict, prefix, *args) -> None:
+    """Load-state-dict pre-hook: a checkpoint without FP8 state starts fresh histories."""
+    for name, buffer in module.named_buffers(recurse=False):
+        if not name.startswith((HISTORY_PREFIX, SCALE_PREFIX)) or prefix + name in state_dict:
+            continue
+        fresh = torch.ones_like(buffer) if name.startswith(SCALE_PREFIX) else torch.zeros_like(buffer)
+        state_dict[prefix + name] = fresh
+        log.info("fp8graph: checkpoint has no %s%s; starting a fresh %s", prefix, name,
+                 "scale (1)" if name.startswith(SCALE_PREFIX) else "amax history (zeros)")
 
 
 def _weight_candidates(module: torch.nn.Module):
@@ -96,4 +112,5 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> dict[tuple
             names.append(name)
         if names:
             module.register_forward_pre_hook(_anchor_state)
+            module._register_load_state_dict_pre_hook(_fill_missing_state, with_module=True)
     return registered

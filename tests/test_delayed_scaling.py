@@ -196,3 +196,17 @@ def test_delayed_llama_trains_close_to_fp32():
                                 compiler="aot_eager")
     fp8_losses = sgd_steps(compiled, model, TextBatches(8, 64, vocab_size=250), 30, lr=3e-3)
     assert abs(sum(fp8_losses[-10:]) / sum(fp32_losses[-10:]) - 1) < 0.03
+
+
+def test_a_checkpoint_without_fp8_state_loads_with_fresh_state_and_a_notice(caplog):
+    plain = build("mlp", "tiny", seed=1)
+    checkpoint = plain.state_dict()  # saved by a model that never had FP8 state
+    model = build("mlp", "tiny")
+    compiled = fp8graph.compile(model, policy=DelayedScaling(amax_history_len=4), compiler="aot_eager")
+    compiled(torch.randn(8, 64)).sum().backward()  # some state to be replaced
+    with caplog.at_level("INFO", logger="fp8graph"):
+        model.load_state_dict(checkpoint)
+    assert torch.equal(model.up.weight, plain.up.weight)
+    assert torch.equal(model.up.fp8graph_amax_history_weight, torch.zeros(3, 4))
+    assert torch.equal(model.up.fp8graph_scale_weight, torch.ones(3))
+    assert any("checkpoint has no up.fp8graph_amax_history_weight" in r.getMessage() for r in caplog.records)
