@@ -46,12 +46,14 @@ def roll_history(history: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(rolled[:1]), rolled[1:]])
 
 
-def delayed_cast(x_hp, history, scale, fp8_dtype, margin: int, algo, update: bool):
+def delayed_cast(x_hp, history, scale, fp8_dtype, margin: int, algo, update: bool, reduce_amax=None):
     """Cast ``x_hp`` with delayed scaling.
 
     Returns ``(x_fp8, scale_used, new_history)``. With ``update`` the scale is
     first recomputed from the history and the history rolled; without it
     (inference) the stored scale is used and the history returned unchanged.
+    ``reduce_amax`` (e.g. a max all-reduce across data-parallel ranks) is
+    applied to the new amax before it is recorded.
     """
     if not update:
         return quantize(x_hp, scale, fp8_dtype), scale, history
@@ -59,5 +61,8 @@ def delayed_cast(x_hp, history, scale, fp8_dtype, margin: int, algo, update: boo
     new_history = roll_history(history)
     x_fp8 = quantize(x_hp, new_scale, fp8_dtype)
     # The amax rides along with the cast: Inductor computes both in one read of x.
-    new_history = torch.cat([amax(x_hp.detach()).reshape(1), new_history[1:]])
+    new_amax = amax(x_hp.detach())
+    if reduce_amax is not None:
+        new_amax = reduce_amax(new_amax)
+    new_history = torch.cat([new_amax.reshape(1), new_history[1:]])
     return x_fp8, new_scale, new_history

@@ -43,6 +43,21 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
 _ROLE_INDEX = {Role.INPUT: 0, Role.WEIGHT: 1, Role.GRAD_OUTPUT: 2}
 
 
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _max_across_ranks(amax_fp32: torch.Tensor) -> torch.Tensor:
+    """Max-reduce an amax over the default process group with a functional
+    collective, which Dynamo and AOTAutograd trace into the graph."""
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_reduce(amax_fp32, "max", dist.group.WORLD)
+
+
 class RoleCaster:
     """Casts a site's tensors per role: current scaling, or delayed scaling with its state.
 
@@ -63,7 +78,8 @@ class RoleCaster:
         index = _ROLE_INDEX[role]
         x_fp8, scale_used, new_history = delayed_cast(
             x_hp, history[index], scale[index], fp8_dtype,
-            self.recipe.margin, self.recipe.amax_compute_algo, self.update)
+            self.recipe.margin, self.recipe.amax_compute_algo, self.update,
+            reduce_amax=_max_across_ranks if self.recipe.reduce_amax and _distributed() else None)
         if self.update:
             history[index].copy_(new_history)
             scale[index].copy_(scale_used)
