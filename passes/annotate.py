@@ -60,7 +60,8 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
         return "policy keeps it in high precision"
     if isinstance(recipe, DelayedScaling) and not (site.is_linear and has_state(site)):
         return ("delayed scaling has no state here: it lives on the module that owns the weight "
-                "(not the root, not an activation matmul), registered by fp8graph.compile")
+                "(not the root, not an activation matmul, not inside a torch.utils.checkpoint "
+                "region), registered by fp8graph.compile")
     if not site.is_linear:
         return None  # emulated whatever the device: no cuBLAS shape constraint
     for dim_name in ("K", "N"):

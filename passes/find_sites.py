@@ -42,6 +42,8 @@ _OPERAND_KWARGS = {
     "baddbmm": ("batch1", "batch2"),
 }
 _TRANSPOSE_TARGETS = {torch.t}
+# Higher-order ops called as op(body, *operands): their bodies are searched for sites too.
+_BODY_FIRST_HOPS = {torch.ops.higher_order.tag_activation_checkpoint, torch.ops.higher_order.wrap}
 
 
 @dataclasses.dataclass
@@ -73,6 +75,8 @@ class Site:
     N: int | None = None
     dtype: torch.dtype | None = None
     blocker: str | None = None
+    graph_module: torch.fx.GraphModule | None = None
+    in_subgraph: bool = False
 
 
 def _value(node) -> torch.Tensor | None:
@@ -112,12 +116,8 @@ def _is_transpose(node: torch.fx.Node) -> bool:
 class _Parameters:
     """Which graph nodes are parameters: placeholders fed a Parameter, or get_attr of one."""
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]):
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self._nodes = {
-            node for node, value in zip(placeholders, example_inputs)
-            if isinstance(value, torch.nn.Parameter)
-        }
+    def __init__(self, gm: torch.fx.GraphModule, parameter_placeholders: set[torch.fx.Node]):
+        self._nodes = set(parameter_placeholders)
         for node in gm.graph.nodes:
             if node.op == "get_attr":
                 value = getattr(gm, str(node.target), None)
@@ -226,16 +226,52 @@ def _read_site(node: torch.fx.Node, op: str, params: _Parameters, path: str) -> 
     return site
 
 
+def subgraph_calls(gm: torch.fx.GraphModule):
+    """``(node, body)`` for each call of a higher-order op whose body runs on the
+    node's remaining arguments, placeholder by placeholder (``torch.utils.checkpoint``
+    regions, ``wrap``)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _BODY_FIRST_HOPS and node.args \
+                and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "get_attr":
+            body = getattr(gm, str(node.args[0].target))
+            if isinstance(body, torch.fx.GraphModule):
+                yield node, body
+
+
+def graphs_with_parameters(gm: torch.fx.GraphModule, example_inputs: Sequence[object]):
+    """``(graph module, its parameter placeholders)`` for ``gm`` and every subgraph body inside it."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    top_parameters = {n for n, v in zip(placeholders, example_inputs) if isinstance(v, torch.nn.Parameter)}
+    pending = [(gm, top_parameters)]
+    while pending:
+        graph_module, parameters = pending.pop(0)
+        yield graph_module, parameters
+        for node, body in subgraph_calls(graph_module):
+            body_placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+            operands = node.args[1:]
+            pending.append((body, {ph for ph, operand in zip(body_placeholders, operands)
+                                   if operand in parameters}))
+
+
 def find_sites(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[object],
     paths_by_id: dict[str, str] | None = None,
 ) -> list[Site]:
-    """Every linear or matmul node of ``gm``, in graph order."""
-    params = _Parameters(gm, example_inputs)
+    """Every linear or matmul node of ``gm`` and of the subgraphs it calls, in graph order.
+
+    Sites inside a subgraph (a ``torch.utils.checkpoint`` region) record
+    their ``graph_module``; their parameters are found through the operands
+    the outer graph passes in.
+    """
     sites = []
-    for node in gm.graph.nodes:
-        op = _op_name(node)
-        if op is not None:
-            sites.append(_read_site(node, op, params, module_path(node, paths_by_id)))
+    for graph_module, parameters in graphs_with_parameters(gm, example_inputs):
+        params = _Parameters(graph_module, parameters)
+        for node in graph_module.graph.nodes:
+            op = _op_name(node)
+            if op is not None:
+                site = _read_site(node, op, params, module_path(node, paths_by_id))
+                site.graph_module = graph_module
+                site.in_subgraph = graph_module is not gm
+                sites.append(site)
     return sites

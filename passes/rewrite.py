@@ -28,7 +28,7 @@ from fp8graph.matmul_fp8 import matmul_fp8_target
 from fp8graph.recipes import DelayedScaling
 
 from .annotate import DECISION_KEY, Decision
-from .find_sites import Site
+from .find_sites import Site, subgraph_calls
 
 __all__ = ["rewrite_sites"]
 
@@ -59,6 +59,21 @@ def rewrite_sites(
     Delayed-scaling sites get their ``(history, scale)`` placeholders from
     ``state_nodes(site)`` and update them unless ``update_state`` is False.
     """
+    rewritten = 0
+    for graph_module in [gm, *(body for _, body in subgraph_calls_recursive(gm))]:
+        rewritten += _rewrite_graph(graph_module, stats_node if graph_module is gm else None,
+                                    stats_slot, state_nodes, update_state)
+    return rewritten
+
+
+def subgraph_calls_recursive(gm: torch.fx.GraphModule):
+    for node, body in subgraph_calls(gm):
+        yield node, body
+        yield from subgraph_calls_recursive(body)
+
+
+def _rewrite_graph(gm, stats_node, stats_slot, state_nodes, update_state) -> int:
+    """The rewrite of one graph module; subgraph bodies get no stats (the buffer is an outer input)."""
     graph = gm.graph
     rewritten = 0
     for node in list(graph.nodes):
