@@ -20,9 +20,9 @@ def fp8_target_count(gm: torch.fx.GraphModule) -> int:
                if n.op == "call_function" and getattr(n.target, "__name__", "").startswith("fp8graph_"))
 
 
-def sgd_steps(compiled, model, batches, steps, lr=1e-2):
-    """Plain training loop; returns the loss of every step."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+def sgd_steps(compiled, model, batches, steps, lr=1e-2, optimizer=None):
+    """Plain training loop (AdamW unless ``optimizer`` is given); returns the loss of every step."""
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for _ in range(steps):
         tokens = batches.next()

@@ -87,15 +87,7 @@ def test_checkpoint_resume_is_bit_exact():
         return model, compiled, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     def train(model, compiled, optimizer, batches, steps):
-        losses = []
-        for _ in range(steps):
-            tokens = batches.next()
-            loss = compiled(tokens, labels=tokens).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        return losses
+        return sgd_steps(compiled, model, batches, steps, optimizer=optimizer)
 
     model, compiled, optimizer = fresh()
     uninterrupted = train(model, compiled, optimizer, TextBatches(4, 32, vocab_size=250), 20)
