@@ -107,7 +107,7 @@ class FP8Backend:
         value_of = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
 
         def state_nodes(site):
-            entry = self.state.get((site.path, id(value_of.get(site.weight_node))))
+            entry = self.state.get(id(value_of.get(site.weight_node)))
             if entry is None:
                 return None
             history, scale = (state_placeholders.get(id(entry.history)), state_placeholders.get(id(entry.scale)))

@@ -1,8 +1,8 @@
 """Recipe state (delayed scaling) as buffers of the modules that own the sites.
 
 ``fp8graph.compile`` calls :func:`register_delayed_state` before anything is
-traced. For every module whose 2-D weight the policy gives a
-``DelayedScaling`` recipe it registers, per weight parameter ``<name>``::
+traced. For every module (the root included) whose 2-D weight the policy
+gives a ``DelayedScaling`` recipe it registers, per weight parameter ``<name>``::
 
     fp8graph_amax_history_<name>   (3 roles, amax_history_len)   zeros
     fp8graph_scale_<name>          (3 roles,)                    ones
@@ -48,7 +48,7 @@ def _anchor_state(module: torch.nn.Module, args) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SiteState:
-    """Where the state of one weight lives: its module, and the buffer names."""
+    """Where the state of one weight lives: the module that owns the weight, and the buffer names."""
 
     module: torch.nn.Module
     param_name: str
@@ -83,19 +83,28 @@ def _weight_candidates(module: torch.nn.Module):
             yield name, param
 
 
-def register_delayed_state(model: torch.nn.Module, policy: Policy) -> dict[tuple[str, int], SiteState]:
+def _anchor_root_state(root: torch.nn.Module):
+    def anchor_root_state(module: torch.nn.Module, args) -> None:
+        _anchor_state(root, args)
+
+    return anchor_root_state
+
+
+def register_delayed_state(model: torch.nn.Module, policy: Policy) -> dict[int, SiteState]:
     """Register state for every weight the policy gives delayed scaling.
 
-    Returns ``{(module path, id(weight)): SiteState}``. The root module gets
-    none: Dynamo runs its hooks outside the graph, so its own weights cannot
-    carry in-graph state (their sites stay in high precision, with that reason).
+    Returns ``{id(weight): SiteState}``: a weight has one state wherever it is
+    used (a module called twice, a functional call on a submodule's weight).
+    The root module's own weights keep their state on the root; Dynamo runs
+    the root's hooks outside the graph, so every submodule's pre-hook anchors it.
     """
-    registered = {}
+    registered: dict[int, SiteState] = {}
+    owners = []
     for path, module in model.named_modules():
-        if module is model:
-            continue
         names = []
         for name, param in _weight_candidates(module):
+            if id(param) in registered:  # a tied weight: one state
+                continue
             # Shapes as a linear would see them: (N, K) weights, M unknown before tracing.
             site = SiteInfo(op="linear", M=None, K=param.shape[1], N=param.shape[0], dtype=param.dtype)
             recipe = resolve(policy, path, site, module).recipe
@@ -103,14 +112,22 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> dict[tuple
                 continue
             history_name, scale_name = HISTORY_PREFIX + name, SCALE_PREFIX + name
             if hasattr(module, history_name):
-                raise ValueError(f"{path}.{history_name} already exists: was the model compiled twice "
-                                 "with delayed scaling? Compile it once, or build a fresh model")
+                raise ValueError(f"{path or '<root>'}.{history_name} already exists: was the model compiled "
+                                 "twice with delayed scaling? Compile it once, or build a fresh model")
             module.register_buffer(history_name, torch.zeros(
                 ROLE_COUNT, recipe.amax_history_len, device=param.device))
             module.register_buffer(scale_name, torch.ones(ROLE_COUNT, device=param.device))
-            registered[(path, id(param))] = SiteState(module, name)
+            registered[id(param)] = SiteState(module, name)
             names.append(name)
         if names:
-            module.register_forward_pre_hook(_anchor_state)
+            owners.append(module)
             module._register_load_state_dict_pre_hook(_fill_missing_state, with_module=True)
+    for module in owners:
+        if module is not model:
+            module.register_forward_pre_hook(_anchor_state)
+    if model in owners:
+        anchor_root = _anchor_root_state(model)
+        for submodule in model.modules():
+            if submodule is not model:
+                submodule.register_forward_pre_hook(anchor_root)
     return registered

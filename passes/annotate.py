@@ -59,9 +59,8 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
             return "activation x activation matmul (FP8 only when a policy rule names it)"
         return "policy keeps it in high precision"
     if isinstance(recipe, DelayedScaling) and not (site.is_linear and has_state(site)):
-        return ("delayed scaling has no state here: it lives on the module that owns the weight "
-                "(not the root, not an activation matmul, not inside a torch.utils.checkpoint "
-                "region), registered by fp8graph.compile")
+        return ("delayed scaling has no state here: fp8graph.compile registers it per weight, "
+                "which activation matmuls lack, and it cannot reach a torch.utils.checkpoint region yet")
     if not site.is_linear:
         return None  # emulated whatever the device: no cuBLAS shape constraint
     for dim_name in ("K", "N"):

@@ -17,6 +17,7 @@ code. Reads only ``node.meta[DECISION_KEY]``; every rewrite bumps
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch.fx
@@ -76,11 +77,17 @@ def _rewrite_graph(gm, stats_node, stats_slot, state_nodes, update_state) -> int
     """The rewrite of one graph module; subgraph bodies get no stats (the buffer is an outer input)."""
     graph = gm.graph
     rewritten = 0
+    # A site's operands were read before any rewrite: one may be an earlier
+    # site's node (x @ w1 @ w2), replaced since. Look operands up here.
+    replaced: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in list(graph.nodes):
         decision = node.meta.get(DECISION_KEY)
         if decision is None or not decision.rewritten:
             continue
-        site = decision.site
+        site = dataclasses.replace(decision.site, **{
+            field: replaced.get(getattr(decision.site, field), getattr(decision.site, field))
+            for field in ("input_node", "other_node", "bias_node")})
+        decision = dataclasses.replace(decision, site=site)
         with graph.inserting_before(node):
             if site.is_linear:
                 state = state_nodes(site) if isinstance(decision.recipe, DelayedScaling) else None
@@ -97,6 +104,7 @@ def _rewrite_graph(gm, stats_node, stats_slot, state_nodes, update_state) -> int
                 args = args + tuple(state)
             fp8_node = graph.call_function(target, args)
         fp8_node.meta.update(node.meta)
+        replaced[node] = fp8_node
         node.replace_all_uses_with(fp8_node)
         graph.erase_node(node)
         rewritten += 1

@@ -202,3 +202,26 @@ def test_a_checkpoint_without_fp8_state_loads_with_fresh_state_and_a_notice(capl
     assert torch.equal(model.up.fp8graph_amax_history_weight, torch.zeros(3, 4))
     assert torch.equal(model.up.fp8graph_scale_weight, torch.ones(3))
     assert any("checkpoint has no up.fp8graph_amax_history_weight" in r.getMessage() for r in caplog.records)
+
+
+class RootWeight(torch.nn.Module):
+    """A weight on the root, used by a functional matmul in the root's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(32, 64) / 8)
+        self.body = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.body(x @ self.weight.t())
+
+
+def test_root_weights_keep_their_state_on_the_root():
+    model = RootWeight()
+    compiled = fp8graph.compile(model, policy=DelayedScaling(amax_history_len=4), compiler="aot_eager")
+    x = torch.randn(8, 64)
+    compiled(x).sum().backward()
+    decisions = {d.site.path: d for d in compiled.fp8graph_backend.decisions}
+    assert decisions[""].rewritten and decisions["body"].rewritten
+    assert model.fp8graph_amax_history_weight[0, 0].item() == pytest.approx(x.abs().max().item())
+    assert "fp8graph_scale_weight" in model.state_dict()
