@@ -20,12 +20,14 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from fp8graph.passes import annotate_sites, find_sites, rewrite_sites, take_state_inputs, take_stats_input
+from fp8graph.passes import annotate_sites, find_sites, rewrite_sites, take_anchored_inputs
 from fp8graph.passes.annotate import Decision
 from fp8graph.passes.module_paths import module_paths_by_id
 
 from .lowering import LOWERING_CHOICES, choose_lowering
 from .policy import normalize_policy
+from .state import state_anchor
+from .stats import stats_anchor
 
 __all__ = ["FP8Backend", "fp8_backend"]
 
@@ -101,10 +103,10 @@ class FP8Backend:
 
     def run_passes(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> list[Decision]:
         lowering = choose_lowering(_graph_device(example_inputs), self.lowering)
-        stats_node = take_stats_input(gm)
-        state_placeholders = take_state_inputs(gm, example_inputs)
-        sites = find_sites(gm, example_inputs, self.paths_by_id)
         value_of = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
+        stats_node = next(iter(take_anchored_inputs(gm, stats_anchor)), None)
+        state_placeholders = {id(value_of[n]): n for n in take_anchored_inputs(gm, state_anchor)}
+        sites = find_sites(gm, example_inputs, self.paths_by_id)
 
         def state_nodes(site):
             entry = self.state.get(id(value_of.get(site.weight_node)))

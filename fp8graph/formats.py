@@ -11,7 +11,7 @@ import enum
 
 import torch
 
-__all__ = ["Format", "Role", "fp8_max", "saturation_threshold"]
+__all__ = ["Format", "ROLES", "Role", "fp8_max", "saturation_threshold"]
 
 
 class Role(str, enum.Enum):
@@ -20,6 +20,10 @@ class Role(str, enum.Enum):
     INPUT = "input"
     WEIGHT = "weight"
     GRAD_OUTPUT = "grad_output"
+
+
+# The order in which per-role state and statistics are stored (row 0, 1, 2).
+ROLES = (Role.INPUT, Role.WEIGHT, Role.GRAD_OUTPUT)
 
 
 class Format(enum.Enum):

@@ -23,10 +23,10 @@ from typing import Callable
 
 import torch
 
-from .formats import Role
+from .delayed_scaling import delayed_cast
+from .formats import ROLES, Role
 from .health import quantization_health
 from .lowering import Lowering, scaled_gemm
-from .delayed_scaling import delayed_cast
 from .quantize import quantize_current
 from .recipes import Recipe
 
@@ -38,9 +38,6 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
-
-
-_ROLE_INDEX = {Role.INPUT: 0, Role.WEIGHT: 1, Role.GRAD_OUTPUT: 2}
 
 
 def _distributed() -> bool:
@@ -75,7 +72,7 @@ class RoleCaster:
         if self.state is None:
             return quantize_current(x_hp, fp8_dtype, self.recipe.power_2_scales)
         history, scale = self.state
-        index = _ROLE_INDEX[role]
+        index = ROLES.index(role)
         x_fp8, scale_used, new_history = delayed_cast(
             x_hp, history[index], scale[index], fp8_dtype,
             self.recipe.margin, self.recipe.amax_compute_algo, self.update,
@@ -152,9 +149,8 @@ class _LinearFP8(torch.autograd.Function):
 
 def record_health(stats: torch.Tensor, slot: int, role: Role, x_hp, x_fp8, scale, recipe: Recipe) -> None:
     """Write the health of one cast into row ``[slot, role]`` of the stats buffer, in place."""
-    role_index = (Role.INPUT, Role.WEIGHT, Role.GRAD_OUTPUT).index(role)
     health = quantization_health(x_hp, x_fp8, scale, recipe.fp8_dtype(role))
-    stats[slot, role_index].copy_(health)
+    stats[slot, ROLES.index(role)].copy_(health)
 
 
 def target_name(kind: str, recipe_name: str, lowering_name: str) -> str:

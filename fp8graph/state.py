@@ -23,6 +23,7 @@ import logging
 
 import torch
 
+from .formats import ROLES
 from .policy import Policy, SiteInfo, resolve
 from .recipes import DelayedScaling
 
@@ -32,7 +33,6 @@ log = logging.getLogger("fp8graph")
 
 HISTORY_PREFIX = "fp8graph_amax_history_"
 SCALE_PREFIX = "fp8graph_scale_"
-ROLE_COUNT = 3
 
 
 @torch._dynamo.allow_in_graph
@@ -115,8 +115,8 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> dict[int, 
                 raise ValueError(f"{path or '<root>'}.{history_name} already exists: was the model compiled "
                                  "twice with delayed scaling? Compile it once, or build a fresh model")
             module.register_buffer(history_name, torch.zeros(
-                ROLE_COUNT, recipe.amax_history_len, device=param.device))
-            module.register_buffer(scale_name, torch.ones(ROLE_COUNT, device=param.device))
+                len(ROLES), recipe.amax_history_len, device=param.device))
+            module.register_buffer(scale_name, torch.ones(len(ROLES), device=param.device))
             registered[id(param)] = SiteState(module, name)
             names.append(name)
         if names:

@@ -36,13 +36,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .formats import Role
+from .formats import ROLES
 from .health import HEALTH_METRICS
 
 __all__ = ["FP8Stats", "STATS_BUFFER", "StatsRow", "stats_anchor"]
 
 STATS_BUFFER = "fp8graph_stats_buffer"
-ROLES = (Role.INPUT, Role.WEIGHT, Role.GRAD_OUTPUT)
 
 
 @torch._dynamo.allow_in_graph

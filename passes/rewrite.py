@@ -55,7 +55,7 @@ def rewrite_sites(
 ) -> int:
     """Rewrite every site whose decision carries a recipe; returns how many.
 
-    With ``stats_node`` (the stats buffer's placeholder, see ``stats_inputs``)
+    With ``stats_node`` (the stats buffer's placeholder, see ``anchored_inputs``)
     each FP8 site also gets the buffer and its row, ``stats_slot(path)``.
     Delayed-scaling sites get their ``(history, scale)`` placeholders from
     ``state_nodes(site)`` and update them unless ``update_state`` is False.
