@@ -109,7 +109,7 @@ class FP8Backend:
         sites = find_sites(gm, example_inputs, self.paths_by_id)
 
         def state_nodes(site):
-            entry = self.state.get(id(value_of.get(site.weight_node)))
+            entry = self.state.get(id(value_of.get(site.weight_input)))
             if entry is None:
                 return None
             history, scale = (state_placeholders.get(id(entry.history)), state_placeholders.get(id(entry.scale)))

@@ -29,6 +29,7 @@ from .health import quantization_health
 from .lowering import Lowering, scaled_gemm
 from .quantize import quantize_current
 from .recipes import Recipe
+from .recompute import state_snapshot
 
 __all__ = ["RoleCaster", "autocast_dtype", "linear_fp8_target", "record_health", "target_name"]
 
@@ -62,10 +63,12 @@ class RoleCaster:
     and (3,). With ``update`` each delayed cast first moves the state one step
     (new scale from the history, history rolled) and records its amax, all
     written into the buffers in place; without it the stored scale is used.
+    With ``snapshot`` (sites in a ``torch.utils.checkpoint`` region, see
+    ``fp8graph.recompute``) forward casts read the state through a saved copy.
     """
 
-    def __init__(self, recipe: Recipe, state=None, update: bool = True):
-        self.recipe, self.state, self.update = recipe, state, update
+    def __init__(self, recipe: Recipe, state=None, update: bool = True, snapshot: bool = False):
+        self.recipe, self.state, self.update, self.snapshot = recipe, state, update, snapshot
 
     def __call__(self, role: Role, x_hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         fp8_dtype = self.recipe.fp8_dtype(role)
@@ -73,8 +76,13 @@ class RoleCaster:
             return quantize_current(x_hp, fp8_dtype, self.recipe.power_2_scales)
         history, scale = self.state
         index = ROLES.index(role)
+        # Backward casts read the live buffers: an earlier backward of the same
+        # step (a module called twice) may have recorded into them.
+        history_read, scale_read = (
+            (state_snapshot(history), state_snapshot(scale)) if self.snapshot and role is not Role.GRAD_OUTPUT
+            else (history, scale))
         x_fp8, scale_used, new_history = delayed_cast(
-            x_hp, history[index], scale[index], fp8_dtype,
+            x_hp, history_read[index], scale_read[index], fp8_dtype,
             self.recipe.margin, self.recipe.amax_compute_algo, self.update,
             reduce_amax=_max_across_ranks if self.recipe.reduce_amax and _distributed() else None)
         if self.update:
@@ -162,7 +170,8 @@ def target_name(kind: str, recipe_name: str, lowering_name: str) -> str:
 
 
 @functools.cache
-def linear_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True) -> Callable[..., torch.Tensor]:
+def linear_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
+                      in_checkpoint: bool = False) -> Callable[..., torch.Tensor]:
     """The graph target for sites with ``recipe`` lowered by ``lowering``.
 
     FX graphs can only hold primitive constants as arguments, so the recipe
@@ -170,14 +179,17 @@ def linear_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True) -
     rewritten graph's code then shows (``fp8graph_linear_current_HYBRID_emulated``).
     Delayed-scaling sites also take their ``history`` and ``scale`` buffers;
     ``update=False`` (graphs compiled without gradients) only reads them.
+    ``in_checkpoint`` marks sites inside a ``torch.utils.checkpoint`` region,
+    whose forward casts read the state through a saved snapshot.
     """
 
     def linear_fp8(input_hp, weight_hp, bias_hp=None, stats=None, slot=0, history=None, scale=None):
         state = None if history is None else (history, scale)
-        caster = RoleCaster(recipe, state, update)
+        caster = RoleCaster(recipe, state, update, snapshot=in_checkpoint and state is not None)
         return _LinearFP8.apply(input_hp, weight_hp, bias_hp, caster, lowering, stats, slot)
 
     label = recipe.name if update else f"{recipe.name}_frozen"
+    label = f"{label}_checkpointed" if in_checkpoint else label
     linear_fp8.__name__ = linear_fp8.__qualname__ = target_name("linear", label, lowering.value)
     linear_fp8.recipe = recipe
     linear_fp8.lowering = lowering

@@ -8,7 +8,9 @@ identity Dynamo keeps as a graph node, so Dynamo lifts them as graph inputs:
     after:   s = placeholder(..._buffers_fp8graph_stats_buffer_);  ...
 
 Once the graph exists the anchors have done their job; the rewrite passes the
-placeholders to the FP8 sites. Without stats or delayed scaling there are no
+placeholders to the FP8 sites. A hook that ran inside a ``torch.utils.checkpoint``
+region anchors the body's placeholders; they are reported as the top-level
+nodes they stand for. Without stats or delayed scaling there are no
 anchors and this pass changes nothing.
 """
 
@@ -18,16 +20,22 @@ from typing import Callable
 
 import torch.fx
 
+from .subgraphs import Subgraphs
+
 __all__ = ["take_anchored_inputs"]
 
 
 def take_anchored_inputs(gm: torch.fx.GraphModule, anchor: Callable) -> list[torch.fx.Node]:
-    """Remove every call of ``anchor`` from ``gm``; return the nodes passed to it, first seen first."""
+    """Remove every call of ``anchor`` from ``gm`` and its bodies; return the top-level
+    nodes passed to it, first seen first."""
     anchored: dict[torch.fx.Node, None] = {}
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is anchor:
-            anchored.update(dict.fromkeys(node.args))
-            for user in list(node.users):  # getitem nodes of the unused result
-                gm.graph.erase_node(user)
-            gm.graph.erase_node(node)
+    subgraphs = Subgraphs(gm)
+    for graph_module in subgraphs:
+        for node in list(graph_module.graph.nodes):
+            if node.op == "call_function" and node.target is anchor:
+                top_nodes = (subgraphs.top_node(arg, graph_module) for arg in node.args)
+                anchored.update(dict.fromkeys(n for n in top_nodes if n is not None))
+                for user in list(node.users):  # getitem nodes of the unused result
+                    graph_module.graph.erase_node(user)
+                graph_module.graph.erase_node(node)
     return list(anchored)

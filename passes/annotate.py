@@ -19,6 +19,7 @@ import torch
 from fp8graph.lowering import Lowering
 from fp8graph.policy import Policy, SiteInfo, describe_pattern, resolve
 from fp8graph.recipes import DelayedScaling, Recipe
+from fp8graph.recompute import CONTEXT_FN_KEY
 
 from .find_sites import Site
 
@@ -59,8 +60,12 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
             return "activation x activation matmul (FP8 only when a policy rule names it)"
         return "policy keeps it in high precision"
     if isinstance(recipe, DelayedScaling) and not (site.is_linear and has_state(site)):
-        return ("delayed scaling has no state here: fp8graph.compile registers it per weight, "
-                "which activation matmuls lack, and it cannot reach a torch.utils.checkpoint region yet")
+        return ("delayed scaling has no state here: fp8graph.compile registers it per weight parameter, "
+                "which activation matmuls lack")
+    if isinstance(recipe, DelayedScaling) and site.checkpoint_region is not None \
+            and CONTEXT_FN_KEY in site.checkpoint_region.meta:
+        return ("delayed scaling in a torch.utils.checkpoint region with its own context_fn: its replayed "
+                "casts would need fp8graph's policy to save the state they read (fp8graph.recompute)")
     if not site.is_linear:
         return None  # emulated whatever the device: no cuBLAS shape constraint
     for dim_name in ("K", "N"):

@@ -25,6 +25,7 @@ import torch
 import torch.fx
 
 from .module_paths import module_path, module_type
+from .subgraphs import Subgraphs
 
 __all__ = ["Site", "find_sites"]
 
@@ -42,8 +43,6 @@ _OPERAND_KWARGS = {
     "baddbmm": ("batch1", "batch2"),
 }
 _TRANSPOSE_TARGETS = {torch.t}
-# Higher-order ops called as op(body, *operands): their bodies are searched for sites too.
-_BODY_FIRST_HOPS = {torch.ops.higher_order.tag_activation_checkpoint, torch.ops.higher_order.wrap}
 
 
 @dataclasses.dataclass
@@ -77,6 +76,8 @@ class Site:
     blocker: str | None = None
     graph_module: torch.fx.GraphModule | None = None
     in_subgraph: bool = False
+    weight_input: torch.fx.Node | None = None  # the top-level placeholder the weight arrives through
+    checkpoint_region: torch.fx.GraphModule | None = None  # body of the enclosing torch.utils.checkpoint
 
 
 def _value(node) -> torch.Tensor | None:
@@ -226,33 +227,6 @@ def _read_site(node: torch.fx.Node, op: str, params: _Parameters, path: str) -> 
     return site
 
 
-def subgraph_calls(gm: torch.fx.GraphModule):
-    """``(node, body)`` for each call of a higher-order op whose body runs on the
-    node's remaining arguments, placeholder by placeholder (``torch.utils.checkpoint``
-    regions, ``wrap``)."""
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _BODY_FIRST_HOPS and node.args \
-                and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "get_attr":
-            body = getattr(gm, str(node.args[0].target))
-            if isinstance(body, torch.fx.GraphModule):
-                yield node, body
-
-
-def graphs_with_parameters(gm: torch.fx.GraphModule, example_inputs: Sequence[object]):
-    """``(graph module, its parameter placeholders)`` for ``gm`` and every subgraph body inside it."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    top_parameters = {n for n, v in zip(placeholders, example_inputs) if isinstance(v, torch.nn.Parameter)}
-    pending = [(gm, top_parameters)]
-    while pending:
-        graph_module, parameters = pending.pop(0)
-        yield graph_module, parameters
-        for node, body in subgraph_calls(graph_module):
-            body_placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-            operands = node.args[1:]
-            pending.append((body, {ph for ph, operand in zip(body_placeholders, operands)
-                                   if operand in parameters}))
-
-
 def find_sites(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[object],
@@ -264,14 +238,22 @@ def find_sites(
     their ``graph_module``; their parameters are found through the operands
     the outer graph passes in.
     """
+    top_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    top_parameters = {n for n, v in zip(top_placeholders, example_inputs) if isinstance(v, torch.nn.Parameter)}
+    subgraphs = Subgraphs(gm)
     sites = []
-    for graph_module, parameters in graphs_with_parameters(gm, example_inputs):
-        params = _Parameters(graph_module, parameters)
+    for graph_module in subgraphs:
+        body_parameters = {n for n in graph_module.graph.nodes if n.op == "placeholder"
+                           and subgraphs.top_node(n, graph_module) in top_parameters}
+        params = _Parameters(graph_module, body_parameters)
         for node in graph_module.graph.nodes:
             op = _op_name(node)
             if op is not None:
                 site = _read_site(node, op, params, module_path(node, paths_by_id))
                 site.graph_module = graph_module
                 site.in_subgraph = graph_module is not gm
+                site.checkpoint_region = subgraphs.checkpoint_region(graph_module)
+                if site.weight_node is not None:
+                    site.weight_input = subgraphs.top_node(site.weight_node, graph_module)
                 sites.append(site)
     return sites

@@ -9,6 +9,11 @@
 With stats on, every FP8 call also takes the stats buffer and its row:
 ``fp8graph_linear_<recipe>(x, w, b, stats, slot)``, likewise for matmuls.
 
+Sites inside ``torch.utils.checkpoint`` bodies get the top-level stats and
+state placeholders threaded in as extra operands of the region (see
+``subgraphs``). Recomputation in backward then replays the casts on the
+same functional inputs: the scales the first forward used, and one update.
+
 The replacement keeps the original node's metadata (module stack, fake value,
 stack trace) so later passes and error messages still point at the user's
 code. Reads only ``node.meta[DECISION_KEY]``; every rewrite bumps
@@ -27,9 +32,11 @@ from fp8graph.linear_fp8 import linear_fp8_target
 from fp8graph.matmul_fp8 import matmul_fp8_target
 
 from fp8graph.recipes import DelayedScaling
+from fp8graph.recompute import CONTEXT_FN_KEY, checkpoint_context_fn
 
 from .annotate import DECISION_KEY, Decision
-from .find_sites import Site, subgraph_calls
+from .find_sites import Site
+from .subgraphs import Subgraphs
 
 __all__ = ["rewrite_sites"]
 
@@ -60,21 +67,27 @@ def rewrite_sites(
     Delayed-scaling sites get their ``(history, scale)`` placeholders from
     ``state_nodes(site)`` and update them unless ``update_state`` is False.
     """
-    rewritten = 0
-    for graph_module in [gm, *(body for _, body in subgraph_calls_recursive(gm))]:
-        rewritten += _rewrite_graph(graph_module, stats_node if graph_module is gm else None,
-                                    stats_slot, state_nodes, update_state)
+    subgraphs = Subgraphs(gm)
+    rewritten = sum(_rewrite_graph(subgraphs, graph_module, stats_node, stats_slot, state_nodes, update_state)
+                    for graph_module in subgraphs)
+    subgraphs.recompile()
     return rewritten
 
 
-def subgraph_calls_recursive(gm: torch.fx.GraphModule):
-    for node, body in subgraph_calls(gm):
-        yield node, body
-        yield from subgraph_calls_recursive(body)
+def _prepare_checkpoint_region(site: Site) -> bool:
+    """Give the checkpoint region around a delayed-scaling site the policy that saves
+    its state snapshots (see ``fp8graph.recompute``); True when there is such a region."""
+    region = site.checkpoint_region
+    if region is None:
+        return False
+    if region.meta.get(CONTEXT_FN_KEY, checkpoint_context_fn) is not checkpoint_context_fn:
+        raise AssertionError("annotate keeps delayed scaling out of regions with their own context_fn")
+    region.meta[CONTEXT_FN_KEY] = checkpoint_context_fn
+    return True
 
 
-def _rewrite_graph(gm, stats_node, stats_slot, state_nodes, update_state) -> int:
-    """The rewrite of one graph module; subgraph bodies get no stats (the buffer is an outer input)."""
+def _rewrite_graph(subgraphs: Subgraphs, gm, stats_node, stats_slot, state_nodes, update_state) -> int:
+    """The rewrite of one graph module; top-level buffers are threaded into bodies that need them."""
     graph = gm.graph
     rewritten = 0
     # A site's operands were read before any rewrite: one may be an earlier
@@ -88,20 +101,22 @@ def _rewrite_graph(gm, stats_node, stats_slot, state_nodes, update_state) -> int
             field: replaced.get(getattr(decision.site, field), getattr(decision.site, field))
             for field in ("input_node", "other_node", "bias_node")})
         decision = dataclasses.replace(decision, site=site)
+        state = state_nodes(site) if site.is_linear and isinstance(decision.recipe, DelayedScaling) else None
+        state = None if state is None else tuple(subgraphs.lift(n, gm) for n in state)
+        slot = stats_slot(site.path) if stats_node is not None and stats_slot is not None else None
         with graph.inserting_before(node):
             if site.is_linear:
-                state = state_nodes(site) if isinstance(decision.recipe, DelayedScaling) else None
-                target = linear_fp8_target(decision.recipe, decision.lowering, update_state or state is None)
+                in_checkpoint = state is not None and update_state and _prepare_checkpoint_region(site)
+                target = linear_fp8_target(decision.recipe, decision.lowering, update_state or state is None,
+                                           in_checkpoint)
                 args = (site.input_node, _weight_nk(graph, decision), site.bias_node)
             else:
-                state, target = None, matmul_fp8_target(decision.recipe)
+                target = matmul_fp8_target(decision.recipe)
                 args = (site.input_node, site.other_node, site.bias_node)
-            has_stats = stats_node is not None and stats_slot is not None
-            slot = stats_slot(site.path) if has_stats else None
             if slot is not None or state is not None:
-                args = args + ((stats_node, slot) if slot is not None else (None, 0))
+                args = args + ((subgraphs.lift(stats_node, gm), slot) if slot is not None else (None, 0))
             if state is not None:
-                args = args + tuple(state)
+                args = args + state
             fp8_node = graph.call_function(target, args)
         fp8_node.meta.update(node.meta)
         replaced[node] = fp8_node
@@ -110,6 +125,4 @@ def _rewrite_graph(gm, stats_node, stats_slot, state_nodes, update_state) -> int
         rewritten += 1
         counters["fp8graph"]["sites_rewritten"] += 1
     graph.eliminate_dead_code()
-    graph.lint()
-    gm.recompile()
     return rewritten
