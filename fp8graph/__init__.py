@@ -8,14 +8,17 @@
 from .api import compile, explain
 from .formats import Format
 from .policy import Policy
-from .recipes import DelayedScaling, Float8CurrentScaling
+from .recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling
 from .report import ExplainReport, SiteRecord
 
 __all__ = [
     "DelayedScaling",
     "ExplainReport",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
+    "Float8RowwiseScaling",
     "Format",
+    "MXFP8BlockScaling",
     "Policy",
     "SiteRecord",
     "compile",

@@ -102,7 +102,7 @@ class FP8Backend:
         return len(self.graph_modules)
 
     def run_passes(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> list[Decision]:
-        lowering = choose_lowering(_graph_device(example_inputs), self.lowering)
+        device = _graph_device(example_inputs)
         value_of = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
         stats_node = next(iter(take_anchored_inputs(gm, stats_anchor)), None)
         state_placeholders = {id(value_of[n]): n for n in take_anchored_inputs(gm, state_anchor)}
@@ -115,7 +115,8 @@ class FP8Backend:
             history, scale = (state_placeholders.get(id(entry.history)), state_placeholders.get(id(entry.scale)))
             return None if history is None or scale is None else (history, scale)
 
-        decisions = annotate_sites(sites, self.policy, lowering, self.modules_by_path,
+        decisions = annotate_sites(sites, self.policy, lambda recipe: choose_lowering(device, self.lowering, recipe),
+                                   self.modules_by_path,
                                    has_state=lambda site: state_nodes(site) is not None)
         # Graphs compiled without gradients (inference) read the scales but
         # leave the histories alone; Dynamo compiles one graph per grad mode.

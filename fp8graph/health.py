@@ -1,7 +1,8 @@
 """How well an FP8 cast kept a tensor: the five numbers fp8graph.stats records per tensor.
 
     amax       largest magnitude of the high-precision tensor
-    scale      the scale the cast used (x_fp8 = cast(x_hp * scale))
+    scale      the scale the cast used (x_fp8 = cast(x_hp * scale)); with one scale per
+               row or tile, the smallest (the tile holding the amax)
     underflow  fraction of the non-zero values that became zero
     overflow   fraction of the finite values the cast saturated: beyond max + half the top
                step (464 for E4M3, 61440 for E5M2); values closer to max round to it anyway
@@ -24,7 +25,10 @@ HEALTH_METRICS = ("amax", "scale", "underflow", "overflow", "sqnr_db")
 def quantization_health(
     x_hp: torch.Tensor, x_fp8: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
 ) -> torch.Tensor:
-    """The :data:`HEALTH_METRICS` of one cast, as a float32 tensor of 5 values."""
+    """The :data:`HEALTH_METRICS` of one cast, as a float32 tensor of 5 values.
+
+    ``scale`` is 0-dim (per-tensor) or the per-element scale of a tiled cast.
+    """
     x = x_hp.detach().to(torch.float32)
     x_q = x_fp8.to(torch.float32)
     scale = scale.detach().to(torch.float32)
@@ -37,4 +41,4 @@ def quantization_health(
     signal_power = x.pow(2).sum()
     sqnr_db = torch.where(noise_power > 0, 10 * torch.log10(signal_power / noise_power),
                           torch.full_like(noise_power, float("inf")))
-    return torch.stack([x.abs().amax(), scale.reshape(()), underflow.float(), overflow.float(), sqnr_db])
+    return torch.stack([x.abs().amax(), scale.amin(), underflow.float(), overflow.float(), sqnr_db])

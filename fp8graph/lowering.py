@@ -14,10 +14,14 @@ and recorded in the report; tests can force it.
 from __future__ import annotations
 
 import enum
+from typing import Callable
 
 import torch
 
-__all__ = ["LOWERING_CHOICES", "Lowering", "choose_lowering", "pad_reduction_dim", "scaled_gemm"]
+from .tiles import Tiling, dequantize_tiled
+
+__all__ = ["LOWERING_CHOICES", "Lowering", "choose_lowering", "native_requirement", "pad_reduction_dim",
+           "scaled_gemm", "tiled_scaled_gemm"]
 
 _MIN_FP8_CAPABILITY = (8, 9)
 
@@ -30,31 +34,54 @@ class Lowering(str, enum.Enum):
 LOWERING_CHOICES = ("auto", Lowering.SCALED_MM.value, Lowering.EMULATED.value)
 
 
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
 def device_supports_scaled_mm(device: torch.device) -> bool:
-    return (
-        device.type == "cuda"
-        and torch.cuda.is_available()
-        and torch.cuda.get_device_capability(device) >= _MIN_FP8_CAPABILITY
-    )
+    capability = _capability(device)
+    return capability is not None and capability >= _MIN_FP8_CAPABILITY
 
 
-def choose_lowering(device: torch.device, requested: str = "auto") -> Lowering:
-    """Pick the GEMM lowering for a compile on ``device``.
+def native_requirement(recipe=None) -> tuple[str, Callable[[tuple[int, int]], bool]]:
+    """What a recipe's native GEMM needs: a description and a test of the compute capability.
 
-    ``requested`` is ``"auto"`` (scaled_mm where the device has FP8 GEMMs,
-    else emulation), ``"scaled_mm"`` or ``"emulated"``. Asking for scaled_mm
-    on a device without FP8 GEMMs raises rather than silently emulating.
+    Per-tensor and row-wise scaling: ``torch._scaled_mm`` on SM >= 8.9.
+    Block scaling (1x128 x 128x128): ``torch.nn.functional.scaled_mm`` on SM90
+    (cuBLASLt's block-scaled FP8 GEMM is Hopper-only). MXFP8: the same API
+    with E8M0 scales on SM100.
     """
-    if requested == "auto":
-        return Lowering.SCALED_MM if device_supports_scaled_mm(device) else Lowering.EMULATED
+    from .recipes import Float8BlockScaling, MXFP8BlockScaling
+
+    has_v2 = hasattr(torch.nn.functional, "scaled_mm")
+    if isinstance(recipe, Float8BlockScaling):
+        return "a CUDA device of compute capability 9.x (SM90)", lambda cc: has_v2 and cc[0] == 9
+    if isinstance(recipe, MXFP8BlockScaling):
+        return "a CUDA device of compute capability 10.x (SM100)", lambda cc: has_v2 and cc[0] == 10
+    return "a CUDA device of compute capability >= 8.9", lambda cc: cc >= _MIN_FP8_CAPABILITY
+
+
+def choose_lowering(device: torch.device, requested: str = "auto", recipe=None) -> Lowering:
+    """Pick the GEMM lowering of ``recipe`` (default: per-tensor scaling) for a compile on ``device``.
+
+    ``requested`` is ``"auto"`` (scaled_mm where the device has the recipe's
+    native FP8 GEMM, else emulation), ``"scaled_mm"`` or ``"emulated"``.
+    Asking for scaled_mm where there is none raises rather than silently emulating.
+    """
     if requested not in LOWERING_CHOICES:
         raise ValueError(f"lowering must be one of {LOWERING_CHOICES}, got {requested!r}")
+    needs, supported = native_requirement(recipe)
+    capability = _capability(device)
+    native = capability is not None and supported(capability)
+    if requested == "auto":
+        return Lowering.SCALED_MM if native else Lowering.EMULATED
     lowering = Lowering(requested)
-    if lowering is Lowering.SCALED_MM and not device_supports_scaled_mm(device):
-        raise ValueError(
-            f"lowering='scaled_mm' needs a CUDA device of compute capability >= 8.9; "
-            f"the graph runs on {device}"
-        )
+    if lowering is Lowering.SCALED_MM and not native:
+        what = f"{recipe.name} " if recipe is not None else ""
+        raise ValueError(f"lowering='scaled_mm' of {what}needs {needs}; the graph runs on "
+                         f"{device}{f' (SM{capability[0]}{capability[1]})' if capability else ''}")
     return lowering
 
 
@@ -118,3 +145,27 @@ def scaled_gemm(
         )
     product_fp32 = torch.mm(a_fp8.to(torch.float32), b_fp8.to(torch.float32))
     return (product_fp32 * (inverse_scale_a * inverse_scale_b)).to(out_dtype)
+
+
+def tiled_scaled_gemm(
+    a_fp8: torch.Tensor,
+    a_scale: torch.Tensor,
+    a_tiling: Tiling,
+    b_fp8: torch.Tensor,
+    b_scale: torch.Tensor,
+    b_tiling: Tiling,
+    out_dtype: torch.dtype,
+    lowering: Lowering,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """``a @ b^T`` for a (M, K) and b (N, K), both quantized tile by tile along K.
+
+    Emulated: each operand is dequantized tile by tile in fp32, then multiplied.
+    """
+    if lowering is Lowering.SCALED_MM:
+        from .native_tiled_gemm import native_tiled_gemm
+
+        return native_tiled_gemm(a_fp8, a_scale, a_tiling, b_fp8, b_scale, b_tiling, out_dtype, use_fast_accum)
+    a_fp32 = dequantize_tiled(a_fp8, a_scale, a_tiling)
+    b_fp32 = dequantize_tiled(b_fp8, b_scale, b_tiling)
+    return torch.mm(a_fp32, b_fp32.t()).to(out_dtype)

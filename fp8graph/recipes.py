@@ -9,9 +9,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Union
 
-from .formats import Format, Role
+import torch
 
-__all__ = ["DelayedScaling", "Float8CurrentScaling", "Recipe"]
+from .formats import Format, Role
+from .tiles import ScaleKind, Tiling
+
+__all__ = ["DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling", "Float8RowwiseScaling",
+           "MXFP8BlockScaling", "Recipe", "TiledRecipe"]
 
 
 def _check_type(recipe: object, field: str, expected: type) -> None:
@@ -125,5 +129,111 @@ class DelayedScaling:
         return self.fp8_format.dtype(role)
 
 
-# The recipes a site can be given (works with isinstance); later recipes join this union.
-Recipe = Union[Float8CurrentScaling, DelayedScaling]
+class _TiledScaling:
+    """What the recipes with one scale per row, tile or block share.
+
+    Every operand is E4M3. ``tiling(role)`` gives the tiles of an operand laid
+    out (rows, reduction dim); each GEMM quantizes its operands along its own
+    reduction dimension, from high precision (see ``fp8graph.linear_tiled``).
+    A site is eligible when K and N are multiples of ``dim_multiple``.
+    """
+
+    dim_multiple: int = 16
+    fp8_format = Format.E4M3
+
+    def fp8_dtype(self, role: Role):
+        return torch.float8_e4m3fn
+
+    def tiling(self, role: Role) -> Tiling:
+        raise NotImplementedError
+
+    @property
+    def weight_tiles_are_square(self) -> bool:
+        """The weight's tiles group the same elements either way round: its
+        quantization can be transposed for the backward GEMM instead of redone."""
+        tiling = self.tiling(Role.WEIGHT)
+        return tiling.cols is not None and tiling.rows == tiling.cols
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8RowwiseScaling(_TiledScaling):
+    """One scale per row of each operand along the GEMM's reduction dimension.
+
+    The forward GEMM scales the input per token row and the weight per output
+    channel; the gradient GEMMs requantize along their own reduction
+    dimension from high precision (grad_output per row for grad_input, per
+    column for grad_weight). Rows of very different magnitude no longer share
+    one scale.
+
+    Args:
+        power_2_scales: round each scale down to a power of two (exact scaling).
+    """
+
+    power_2_scales: bool = True
+
+    def __post_init__(self) -> None:
+        _check_type(self, "power_2_scales", bool)
+
+    @property
+    def name(self) -> str:
+        return "rowwise(E4M3, pow2)" if self.power_2_scales else "rowwise(E4M3)"
+
+    def tiling(self, role: Role) -> Tiling:
+        return Tiling(1, None, ScaleKind.POWER_2 if self.power_2_scales else ScaleKind.EXACT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling(_TiledScaling):
+    """DeepSeek-V3 block scaling: 1x128 tiles for activations and gradients, 128x128 for weights.
+
+    Activations and gradients needed along the other dimension in backward
+    are requantized from high precision; the weight's 128x128 tiles are the
+    same tiles transposed, so its quantization is reused. K and N must be
+    multiples of 128.
+
+    Args:
+        power_2_scales: round each scale down to a power of two.
+    """
+
+    power_2_scales: bool = True
+    dim_multiple = 128
+
+    def __post_init__(self) -> None:
+        _check_type(self, "power_2_scales", bool)
+
+    @property
+    def name(self) -> str:
+        return "block(1x128/128x128, pow2)" if self.power_2_scales else "block(1x128/128x128)"
+
+    def tiling(self, role: Role) -> Tiling:
+        kind = ScaleKind.POWER_2 if self.power_2_scales else ScaleKind.EXACT
+        return Tiling(128, 128, kind) if role is Role.WEIGHT else Tiling(1, 128, kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling(_TiledScaling):
+    """MXFP8 (OCP microscaling): blocks of 32 along the reduction dimension, one E8M0 scale each.
+
+    The scale of a block is the power of two at or above ``amax / 448``, so no
+    element saturates. Every GEMM quantizes its operands along its own
+    reduction dimension from high precision. K and N must be multiples of 32.
+    """
+
+    dim_multiple = 32
+
+    @property
+    def power_2_scales(self) -> bool:
+        return True
+
+    @property
+    def name(self) -> str:
+        return "mxfp8(E4M3, 1x32, E8M0)"
+
+    def tiling(self, role: Role) -> Tiling:
+        return Tiling(1, 32, ScaleKind.E8M0)
+
+
+# The recipes with one scale per row, tile or block (works with isinstance).
+TiledRecipe = Union[Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling]
+# The recipes a site can be given (works with isinstance).
+Recipe = Union[Float8CurrentScaling, DelayedScaling, Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling]

@@ -11,6 +11,9 @@ _COMMON = dict(rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation
 CONFIGS = {
     "tiny": dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    # Every projection a multiple of 128, for block scaling's 128x128 weight tiles.
+    "tiny-blocks": dict(vocab_size=250, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256),
     # Byte-level language model for the demo: every projection is FP8-eligible.
     "demo": dict(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),

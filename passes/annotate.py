@@ -18,7 +18,7 @@ import torch
 
 from fp8graph.lowering import Lowering
 from fp8graph.policy import Policy, SiteInfo, describe_pattern, resolve
-from fp8graph.recipes import DelayedScaling, Recipe
+from fp8graph.recipes import DelayedScaling, Recipe, TiledRecipe
 from fp8graph.recompute import CONTEXT_FN_KEY
 
 from .find_sites import Site
@@ -66,13 +66,24 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
             and CONTEXT_FN_KEY in site.checkpoint_region.meta:
         return ("delayed scaling in a torch.utils.checkpoint region with its own context_fn: its replayed "
                 "casts would need fp8graph's policy to save the state they read (fp8graph.recompute)")
+    if isinstance(recipe, TiledRecipe) and not site.is_linear:
+        return f"{recipe.name} applies to linear sites (a parameter operand), not activation matmuls"
     if not site.is_linear:
         return None  # emulated whatever the device: no cuBLAS shape constraint
+    multiple = recipe.dim_multiple if isinstance(recipe, TiledRecipe) else _GEMM_DIM_MULTIPLE
     for dim_name in ("K", "N"):
         dim = getattr(site, dim_name)
-        if dim % _GEMM_DIM_MULTIPLE:
-            return f"{dim_name}={dim} is not a multiple of {_GEMM_DIM_MULTIPLE}"
+        if dim % multiple:
+            why = f"{recipe.name} tiles" if multiple != _GEMM_DIM_MULTIPLE else "FP8 GEMMs"
+            return f"{dim_name}={dim} is not a multiple of {multiple} ({why})"
     return None
+
+
+def _site_lowering(site: Site, recipe: Recipe, lowering_for: Callable[[Recipe], Lowering]) -> Lowering:
+    try:
+        return lowering_for(recipe)
+    except ValueError as error:
+        raise ValueError(f"fp8graph: {site.path or '<root>'} ({site.op}): {error}") from None
 
 
 def _site_info(site: Site) -> SiteInfo:
@@ -83,11 +94,14 @@ def _site_info(site: Site) -> SiteInfo:
 def annotate_sites(
     sites: list[Site],
     policy: Policy,
-    lowering: Lowering,
+    lowering_for: Callable[[Recipe], Lowering],
     modules_by_path: dict[str, torch.nn.Module] | None = None,
     has_state: Callable[[Site], bool] = lambda site: False,
 ) -> list[Decision]:
     """Attach a decision to each site's node and return the decisions in order.
+
+    ``lowering_for(recipe)`` says how a recipe's GEMMs run on the graph's
+    device (see ``fp8graph.lowering.choose_lowering``).
 
     Raises:
         ValueError: under a strict policy, when a rule gives a recipe to a site
@@ -106,7 +120,9 @@ def annotate_sites(
                 raise ValueError(f"fp8graph: {site.path or '<root>'} ({site.op}): {request}, but {reason}")
             reason = f"{reason}; {request}"
         # cuBLAS FP8 GEMMs are 2-D only: FP8 matmuls of activations are emulated everywhere.
-        site_lowering = lowering if site.is_linear else Lowering.EMULATED
+        site_lowering = None
+        if reason is None:
+            site_lowering = _site_lowering(site, recipe, lowering_for) if site.is_linear else Lowering.EMULATED
         decision = (
             Decision(site, recipe, None, site_lowering, resolution.rule_index) if reason is None
             else Decision(site, None, reason, None, resolution.rule_index)

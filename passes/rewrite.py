@@ -29,9 +29,10 @@ import torch.fx
 from torch._dynamo.utils import counters
 
 from fp8graph.linear_fp8 import linear_fp8_target
+from fp8graph.linear_tiled import linear_tiled_target
 from fp8graph.matmul_fp8 import matmul_fp8_target
 
-from fp8graph.recipes import DelayedScaling
+from fp8graph.recipes import DelayedScaling, TiledRecipe
 from fp8graph.recompute import CONTEXT_FN_KEY, checkpoint_context_fn
 
 from .annotate import DECISION_KEY, Decision
@@ -105,7 +106,10 @@ def _rewrite_graph(subgraphs: Subgraphs, gm, stats_node, stats_slot, state_nodes
         state = None if state is None else tuple(subgraphs.lift(n, gm) for n in state)
         slot = stats_slot(site.path) if stats_node is not None and stats_slot is not None else None
         with graph.inserting_before(node):
-            if site.is_linear:
+            if isinstance(decision.recipe, TiledRecipe):
+                target = linear_tiled_target(decision.recipe, decision.lowering)
+                args = (site.input_node, _weight_nk(graph, decision), site.bias_node)
+            elif site.is_linear:
                 in_checkpoint = state is not None and update_state and _prepare_checkpoint_region(site)
                 target = linear_fp8_target(decision.recipe, decision.lowering, update_state or state is None,
                                            in_checkpoint)
