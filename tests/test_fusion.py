@@ -50,3 +50,32 @@ def test_a_delayed_cast_reads_its_tensor_once_a_current_cast_twice():
     assert _passes_over(lambda x: quantize_current(x, e4m3), x, numel=x.numel()) == 2
     delayed = lambda x, h, s: delayed_cast(x, h, s, e4m3, 0, "max", True)  # noqa: E731
     assert _passes_over(delayed, x, history, scale, numel=x.numel()) == 1
+
+
+def _loops_reading(code: str, numel_tiles: int) -> int:
+    """Outer loops of the generated C++ that walk the input tile by tile (one tile per
+    iteration, an inner loop over its elements); the loop that turns amaxes into
+    scales walks tiles 16 at a time and reads no input."""
+    return len(re.findall(rf"x0<static_cast<int64_t>\({numel_tiles}L\); x0\+=static_cast<int64_t>\(1L\)", code))
+
+
+@pytest.mark.parametrize("recipe_name", ["rowwise", "block", "mxfp8"])
+def test_each_tiled_quantize_is_one_kernel(recipe_name):
+    """What Inductor makes of a tiled quantize (amax per tile, scale, cast): one fused kernel.
+
+    Measured on the C++ backend: two loops over the tiles (amax, then cast), so
+    the tensor is read twice from memory when it exceeds the cache; E8M0
+    scales compile from their integer operations like any other op.
+    """
+    from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
+    from fp8graph.formats import Role
+    from fp8graph.tiles import quantize_tiled
+
+    recipe = {"rowwise": Float8RowwiseScaling(), "block": Float8BlockScaling(),
+              "mxfp8": MXFP8BlockScaling()}[recipe_name]
+    tiling = recipe.tiling(Role.INPUT)
+    x = torch.randn(1024, 2048)
+    _, [code] = run_and_get_code(torch.compile(lambda x: quantize_tiled(x, tiling), backend="inductor"), x)
+    assert len(set(re.findall(r"(cpp_fused_\w+)\(", code))) == 1
+    tiles = x.numel() // tiling.tile_cols(x)
+    assert _loops_reading(code, tiles) == 2, code

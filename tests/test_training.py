@@ -1,5 +1,6 @@
 """Training and inference through the fp8 backend on a tiny Llama."""
 
+import pytest
 import torch
 
 import fp8graph
@@ -103,3 +104,20 @@ def test_generate_runs_the_fp8_forward():
     assert rewrites["sites_rewritten"] == 2 * rewritten_in_eager  # same graphs again
     assert generated.shape == (1, 14)
     assert torch.equal(generated, reference)
+
+
+@pytest.mark.parametrize("recipe,config", [
+    (fp8graph.Float8RowwiseScaling(), "tiny"),
+    (fp8graph.Float8BlockScaling(), "tiny-blocks"),  # every projection a multiple of 128
+    (fp8graph.MXFP8BlockScaling(), "tiny"),
+], ids=["rowwise", "block", "mxfp8"])
+def test_fifty_steps_with_each_tiled_recipe_stay_within_3_percent_of_fp32(recipe, config):
+    fp32_model = build("llama", config, seed=0)
+    fp8_model = build("llama", config, seed=0)
+    fp32_losses = sgd_steps(fp32_model, fp32_model, TextBatches(8, 64, vocab_size=250), 50, lr=3e-3)
+    compiled, backend = compile_fp8(fp8_model, policy=recipe)
+    fp8_losses = sgd_steps(compiled, fp8_model, TextBatches(8, 64, vocab_size=250), 50, lr=3e-3)
+    assert fp32_losses[-1] < 0.7 * fp32_losses[0]
+    assert sum(d.rewritten for d in backend.decisions) == 14
+    fp32_final, fp8_final = sum(fp32_losses[-10:]) / 10, sum(fp8_losses[-10:]) / 10
+    assert abs(fp8_final / fp32_final - 1) < 0.03, (fp8_final, fp32_final)
