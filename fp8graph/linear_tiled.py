@@ -27,6 +27,7 @@ import torch
 
 from .formats import ROLES, Role
 from .health import quantization_health
+from .kernels.quantize_tiles import triton_available
 from .linear_fp8 import autocast_dtype, target_name
 from .lowering import Lowering, tiled_scaled_gemm
 from .recipes import TiledRecipe
@@ -40,7 +41,13 @@ class _TiledOperand:
 
     def __init__(self, x_hp: torch.Tensor, tiling: Tiling):
         self.tiling = tiling
-        self.fp8, self.scale = quantize_tiled(x_hp, tiling)
+        if x_hp.device.type == "cuda" and triton_available():
+            # One read of each tile (see fp8graph.kernels.quantize_tiles); elsewhere
+            # the plain-torch version, which Inductor fuses with its producer.
+            self.fp8, self.scale = torch.ops.fp8graph.quantize_tiles(
+                x_hp, tiling.rows, tiling.cols or 0, tiling.scale_kind.value)
+        else:
+            self.fp8, self.scale = quantize_tiled(x_hp, tiling)
 
     @classmethod
     def of(cls, fp8: torch.Tensor, scale: torch.Tensor, tiling: Tiling) -> "_TiledOperand":

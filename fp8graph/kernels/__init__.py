@@ -1,0 +1,1 @@
+"""Hand-written kernels, each a ``torch.library`` custom op with a plain-torch reference."""
