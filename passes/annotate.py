@@ -74,8 +74,8 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
     for dim_name in ("K", "N"):
         dim = getattr(site, dim_name)
         if dim % multiple:
-            why = f"{recipe.name} tiles" if multiple != _GEMM_DIM_MULTIPLE else "FP8 GEMMs"
-            return f"{dim_name}={dim} is not a multiple of {multiple} ({why})"
+            tiles = f" ({recipe.name} tiles)" if isinstance(recipe, TiledRecipe) else ""
+            return f"{dim_name}={dim} is not a multiple of {multiple}{tiles}"
     return None
 
 

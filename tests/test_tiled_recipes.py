@@ -239,3 +239,24 @@ def test_activation_matmuls_are_not_given_tiled_recipes(recipe):
     compiled(tokens)
     matmuls = [d for d in compiled.fp8graph_backend.decisions if not d.site.is_linear]
     assert matmuls and all("applies to linear sites" in d.reason for d in matmuls)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_native_gemm_calls_pass_torchs_own_layout_checks(recipe):
+    """The native GEMMs cannot run here, but their meta kernels check what cuBLAS
+    needs (scale shapes, strides, padding, dtypes): every GEMM of the linear passes."""
+    from fp8graph.native_tiled_gemm import native_tiled_gemm
+
+    input_tiling, weight_tiling = recipe.tiling(Role.INPUT), recipe.tiling(Role.WEIGHT)
+    x, weight, grad_output = torch.randn(200, 512), torch.randn(384, 512), torch.randn(200, 384)
+    gemms = {  # (a, a tiling, b, b tiling): a @ b^T, each quantized along its reduction dim
+        "output": (x, input_tiling, weight, weight_tiling),
+        "grad_input": (grad_output, input_tiling, weight.t().contiguous(), weight_tiling),
+        "grad_weight": (grad_output.t().contiguous(), input_tiling, x.t().contiguous(), input_tiling),
+    }
+    for name, (a, a_tiling, b, b_tiling) in gemms.items():
+        (a_fp8, a_scale), (b_fp8, b_scale) = quantize_tiled(a, a_tiling), quantize_tiled(b, b_tiling)
+        on_meta = [t.to("meta") for t in (a_fp8, a_scale, b_fp8, b_scale)]
+        output = native_tiled_gemm(on_meta[0], on_meta[1], a_tiling, on_meta[2], on_meta[3], b_tiling,
+                                   torch.float32)
+        assert output.shape == (a_fp8.shape[0], b_fp8.shape[0]) and output.dtype == torch.float32, name
