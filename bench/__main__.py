@@ -1,11 +1,11 @@
-"""``python -m bench linear [--smoke]``."""
+"""``python -m bench {linear,quantize} [--smoke]``."""
 
 import argparse
 import sys
 
-from . import linear
+from . import linear, quantize
 
-WORKLOADS = {"linear": linear}
+WORKLOADS = {"linear": linear, "quantize": quantize}
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""One linear layer, forward + backward: fp8graph against BF16 eager and BF16 torch.compile.
+"""One linear layer, forward + backward: fp8graph per recipe against BF16 eager and BF16 torch.compile.
 
     output = input @ weight^T; then output.backward(grad_output)
 
@@ -19,7 +19,7 @@ import fp8graph
 from .timing import environment, median, time_ms, write_result
 
 FULL_SHAPES = [(8192, 4096, 4096)]
-SMOKE_SHAPES = [(64, 64, 32)]
+SMOKE_SHAPES = [(128, 128, 128)]  # block scaling needs multiples of 128
 
 
 def _step(model, x, grad_output):
@@ -30,12 +30,19 @@ def _step(model, x, grad_output):
     return run
 
 
+RECIPES = {"current": fp8graph.Float8CurrentScaling(), "rowwise": fp8graph.Float8RowwiseScaling(),
+           "block": fp8graph.Float8BlockScaling(), "mxfp8": fp8graph.MXFP8BlockScaling()}
+
+
 def _contestants(linear: torch.nn.Module, compiler: str) -> dict:
-    return {
+    contestants = {
         "bf16 eager": linear,
         f"bf16 torch.compile ({compiler})": torch.compile(linear, backend=compiler),
-        f"fp8graph current ({compiler})": fp8graph.compile(linear, compiler=compiler),
     }
+    for name, recipe in RECIPES.items():
+        compiled = fp8graph.compile(linear, policy=recipe, compiler=compiler)
+        contestants[f"fp8graph {name} ({compiler})"] = compiled
+    return contestants
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -14,8 +14,19 @@ def test_linear_benchmark_smoke_writes_raw_results(tmp_path):
     result = json.loads(path.read_text())
     assert result["environment"]["torch"] and result["environment"]["date"]
     assert {r["contestant"] for r in result["rows"]} == {
-        "bf16 eager", "bf16 torch.compile (aot_eager)", "fp8graph current (aot_eager)"}
+        "bf16 eager", "bf16 torch.compile (aot_eager)", "fp8graph current (aot_eager)",
+        "fp8graph rowwise (aot_eager)", "fp8graph block (aot_eager)", "fp8graph mxfp8 (aot_eager)"}
     assert all(len(r["timings_ms"]) == result["repeats"] for r in result["rows"])
+
+
+def test_quantize_benchmark_smoke_writes_raw_results(tmp_path):
+    subprocess.run([sys.executable, "-m", "bench", "quantize", "--smoke", "--out", str(tmp_path)],
+                   check=True, capture_output=True, text=True)
+    [path] = tmp_path.glob("quantize-*.json")
+    result = json.loads(path.read_text())
+    contestants = [r["contestant"] for r in result["rows"]]
+    assert contestants[0] == "device-to-device copy" and len(contestants) == 6
+    assert all(r["gb_per_s"] > 0 and len(r["timings_ms"]) == result["repeats"] for r in result["rows"])
 
 
 @pytest.mark.parametrize("steps", [4])

@@ -1,0 +1,93 @@
+"""Quantize kernels per recipe: achieved bandwidth against a device-to-device copy.
+
+    bandwidth = (bytes read + bytes written) / time     read: the BF16 tensor; written: FP8 values + scales
+
+Full mode: a 16384x8192 BF16 tensor on CUDA; each recipe's quantize compiled
+by Inductor, and for the tiled recipes also fp8graph's Triton kernel
+(``fp8graph::quantize_tiles``), against a copy of the same tensor timed in the
+same run. ``--smoke`` runs a small tensor on CPU with ``aot_eager`` so the
+script is exercised by the tests (its timings mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import pathlib
+
+import torch
+
+from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
+from fp8graph.formats import Role
+from fp8graph.kernels.quantize_tiles import quantize_tiles_triton, triton_available
+from fp8graph.quantize import quantize_current
+from fp8graph.tiles import quantize_tiled
+
+from .timing import environment, median, time_ms, write_result
+
+FULL_SHAPE = (16384, 8192)
+SMOKE_SHAPE = (256, 512)
+TILED = {"rowwise": Float8RowwiseScaling(), "block 1x128": Float8BlockScaling(),
+         "mxfp8 1x32": MXFP8BlockScaling()}
+
+
+def _contestants(compiler: str, on_cuda: bool) -> dict:
+    contestants = {"current (per tensor)": torch.compile(
+        functools.partial(quantize_current, fp8_dtype=torch.float8_e4m3fn), backend=compiler)}
+    for name, recipe in TILED.items():
+        tiling = recipe.tiling(Role.INPUT)
+        contestants[f"{name} ({compiler})"] = torch.compile(
+            functools.partial(quantize_tiled, tiling=tiling), backend=compiler)
+        if on_cuda and triton_available():
+            contestants[f"{name} (fp8graph Triton kernel)"] = functools.partial(quantize_tiles_triton,
+                                                                                  tiling=tiling)
+    contestants["block 128x128 weight tiles" + f" ({compiler})"] = torch.compile(
+        functools.partial(quantize_tiled, tiling=Float8BlockScaling().tiling(Role.WEIGHT)), backend=compiler)
+    return contestants
+
+
+def _bytes_moved(x: torch.Tensor, outputs) -> int:
+    return x.numel() * x.element_size() + sum(t.numel() * t.element_size() for t in outputs)
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device("cpu" if args.smoke else "cuda")
+    compiler = "aot_eager" if args.smoke else "inductor"
+    warmup, repeats = (1, 3) if args.smoke else (10, args.repeats)
+    rows_count, columns = SMOKE_SHAPE if args.smoke else FULL_SHAPE
+    x = torch.randn(rows_count, columns, device=device, dtype=torch.bfloat16)
+    copy_target = torch.empty_like(x)
+    copy_timings = time_ms(lambda: copy_target.copy_(x), device, warmup, repeats)
+    copy_gbps = 2 * x.numel() * x.element_size() / median(copy_timings) / 1e6
+    rows = [{"contestant": "device-to-device copy", "timings_ms": copy_timings,
+             "median_ms": median(copy_timings), "gb_per_s": copy_gbps, "fraction_of_copy": 1.0}]
+    for name, quantize in _contestants(compiler, device.type == "cuda").items():
+        outputs = quantize(x)
+        timings = time_ms(lambda: quantize(x), device, warmup, repeats)
+        gbps = _bytes_moved(x, outputs) / median(timings) / 1e6
+        rows.append({"contestant": name, "timings_ms": timings, "median_ms": median(timings),
+                     "gb_per_s": gbps, "fraction_of_copy": gbps / copy_gbps})
+    torch._dynamo.reset()
+    result = {"workload": "quantize", "smoke": args.smoke, "compiler": compiler, "shape": [rows_count, columns],
+              "dtype": "bfloat16", "environment": environment(device), "warmup": warmup, "repeats": repeats,
+              "rows": rows}
+    path = write_result(result, args.out, "quantize")
+    print(summary(result))
+    print(f"raw results: {path}")
+    return result
+
+
+def summary(result: dict) -> str:
+    env = result["environment"]
+    lines = [f"quantize {result['shape'][0]}x{result['shape'][1]} BF16 on {env['device']}, torch {env['torch']}, "
+             f"triton {env['triton']}, {env['date']}" + (" (smoke: timings not meaningful)" if result["smoke"] else ""),
+             "", "| contestant | median ms | GB/s | of copy bandwidth |", "| --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['contestant']} | {r['median_ms']:.3f} | {r['gb_per_s']:.0f} | {r['fraction_of_copy']:.0%} |")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--smoke", action="store_true", help="a small tensor on CPU, for the tests")
+    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
