@@ -16,7 +16,7 @@ import torch
 
 import fp8graph
 
-from .timing import environment, median, time_ms, write_result
+from .timing import environment, median, report, time_ms, title
 
 FULL_SHAPES = [(8192, 4096, 4096)]
 SMOKE_SHAPES = [(128, 128, 128)]  # block scaling needs multiples of 128
@@ -67,16 +67,11 @@ def run(args: argparse.Namespace) -> dict:
         r["speedup_vs_bf16_compile"] = baseline[(r["M"], r["K"], r["N"])] / r["median_ms"]
     result = {"workload": "linear_fwd_bwd", "smoke": args.smoke, "compiler": compiler,
               "environment": environment(device), "warmup": warmup, "repeats": repeats, "rows": rows}
-    path = write_result(result, args.out, "linear")
-    print(summary(result))
-    print(f"raw results: {path}")
-    return result
+    return report(result, args.out, "linear", summary)
 
 
 def summary(result: dict) -> str:
-    env = result["environment"]
-    lines = [f"linear fwd+bwd on {env['device']}, torch {env['torch']}, {env['date']}"
-             + (" (smoke: timings not meaningful)" if result["smoke"] else ""), "",
+    lines = [title("linear fwd+bwd", result), "",
              "| contestant | M | K | N | median ms | TFLOP/s | vs bf16 compile |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:

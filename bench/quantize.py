@@ -23,7 +23,7 @@ from fp8graph.kernels.quantize_tiles import quantize_tiles_triton, triton_availa
 from fp8graph.quantize import quantize_current
 from fp8graph.tiles import quantize_tiled
 
-from .timing import environment, median, time_ms, write_result
+from .timing import environment, median, report, time_ms, title
 
 FULL_SHAPE = (16384, 8192)
 SMOKE_SHAPE = (256, 512)
@@ -71,16 +71,11 @@ def run(args: argparse.Namespace) -> dict:
     result = {"workload": "quantize", "smoke": args.smoke, "compiler": compiler, "shape": [rows_count, columns],
               "dtype": "bfloat16", "environment": environment(device), "warmup": warmup, "repeats": repeats,
               "rows": rows}
-    path = write_result(result, args.out, "quantize")
-    print(summary(result))
-    print(f"raw results: {path}")
-    return result
+    return report(result, args.out, "quantize", summary)
 
 
 def summary(result: dict) -> str:
-    env = result["environment"]
-    lines = [f"quantize {result['shape'][0]}x{result['shape'][1]} BF16 on {env['device']}, torch {env['torch']}, "
-             f"triton {env['triton']}, {env['date']}" + (" (smoke: timings not meaningful)" if result["smoke"] else ""),
+    lines = [title(f"quantize {result['shape'][0]}x{result['shape'][1]} BF16", result),
              "", "| contestant | median ms | GB/s | of copy bandwidth |", "| --- | --- | --- | --- |"]
     for r in result["rows"]:
         lines.append(f"| {r['contestant']} | {r['median_ms']:.3f} | {r['gb_per_s']:.0f} | {r['fraction_of_copy']:.0%} |")

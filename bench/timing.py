@@ -65,3 +65,18 @@ def write_result(result: dict, out_dir: pathlib.Path, name: str) -> pathlib.Path
     path = out_dir / f"{name}-{stamp}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
+
+
+def report(result: dict, out_dir: pathlib.Path, name: str, summary: Callable[[dict], str]) -> dict:
+    """Write ``result`` as raw JSON, print its Markdown summary and where the JSON went."""
+    path = write_result(result, out_dir, name)
+    print(summary(result))
+    print(f"raw results: {path}")
+    return result
+
+
+def title(what: str, result: dict) -> str:
+    """The summary's first line: what ran, on which device and versions, when."""
+    env = result["environment"]
+    smoke = " (smoke: timings not meaningful)" if result["smoke"] else ""
+    return f"{what} on {env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}{smoke}"
