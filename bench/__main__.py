@@ -1,11 +1,11 @@
-"""``python -m bench {linear,quantize} [--smoke]``."""
+"""``python -m bench {linear,quantize,decoder,compile} [--smoke]``."""
 
 import argparse
 import sys
 
-from . import linear, quantize
+from . import compile_time, decoder, linear, quantize
 
-WORKLOADS = {"linear": linear, "quantize": quantize}
+WORKLOADS = {"linear": linear, "quantize": quantize, "decoder": decoder, "compile": compile_time}
 
 
 def main(argv=None) -> int:

@@ -2,14 +2,17 @@
 
     output = input @ weight^T; then output.backward(grad_output)
 
-Full mode runs the issue's shape (M, K, N = 8192, 4096, 4096) on CUDA with
-Inductor. ``--smoke`` runs a tiny shape on CPU with ``aot_eager`` so the
+Full mode runs Llama-3-8B shapes (M = 16384 tokens; K, N = 4096x4096,
+4096x14336, 14336x4096) and two small shapes where FP8 may lose, on CUDA with
+Inductor; torchao's float8 training (tensorwise and rowwise, module swap +
+torch.compile) joins when torchao is installed. ``--smoke`` runs a tiny shape on CPU with ``aot_eager`` so the
 script is exercised by the tests (its timings mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import pathlib
 
 import torch
@@ -18,7 +21,8 @@ import fp8graph
 
 from .timing import environment, median, report, time_ms, title
 
-FULL_SHAPES = [(8192, 4096, 4096)]
+FULL_SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096),
+               (1024, 1024, 1024), (4096, 1024, 1024)]
 SMOKE_SHAPES = [(128, 128, 128)]  # block scaling needs multiples of 128
 
 
@@ -42,7 +46,34 @@ def _contestants(linear: torch.nn.Module, compiler: str) -> dict:
     for name, recipe in RECIPES.items():
         compiled = fp8graph.compile(linear, policy=recipe, compiler=compiler)
         contestants[f"fp8graph {name} ({compiler})"] = compiled
+    contestants.update(_torchao_contestants(linear, compiler))
     return contestants
+
+
+def _torchao_contestants(linear: torch.nn.Module, compiler: str) -> dict:
+    """torchao float8 training, tensorwise and rowwise, where torchao is installed (none otherwise)."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return {}
+    contestants = {}
+    for recipe_name in ("tensorwise", "rowwise"):
+        swapped = convert_to_float8_training(
+            torch.nn.Sequential(copy.deepcopy(linear)), config=Float8LinearConfig.from_recipe_name(recipe_name))
+        contestants[f"torchao {recipe_name} ({compiler})"] = _SameWeight(swapped, compiler)
+    return contestants
+
+
+class _SameWeight(torch.nn.Module):
+    """A swapped copy of the linear, compiled, exposing ``.weight`` as the step function expects."""
+
+    def __init__(self, swapped: torch.nn.Sequential, compiler: str):
+        super().__init__()
+        self.compiled = torch.compile(swapped, backend=compiler)
+        self.weight = swapped[0].weight
+
+    def forward(self, x):
+        return self.compiled(x)
 
 
 def run(args: argparse.Namespace) -> dict:

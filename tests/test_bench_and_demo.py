@@ -39,3 +39,26 @@ def test_demo_trains_both_runs_and_writes_the_plot(tmp_path, steps):
     assert "BF16: final training loss" in completed.stdout
     assert "29 of 29 sites in FP8" in completed.stdout
     assert (tmp_path / "loss_curve.png").stat().st_size > 10_000
+
+
+def test_decoder_benchmark_smoke_writes_raw_results(tmp_path):
+    subprocess.run([sys.executable, "-m", "bench", "decoder", "--smoke", "--out", str(tmp_path)],
+                   check=True, capture_output=True, text=True)
+    [path] = tmp_path.glob("decoder-*.json")
+    result = json.loads(path.read_text())
+    assert [r["contestant"] for r in result["rows"]] == ["bf16", "current", "rowwise", "block"]
+    for row in result["rows"]:
+        assert row["train_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0
+        assert row["compile_cold_s"] > 0 and row["compile_warm_s"] > 0
+        assert len(row["train_timings_ms"]) == result["repeats"]
+
+
+def test_compile_time_benchmark_smoke_measures_cold_and_warm(tmp_path):
+    subprocess.run([sys.executable, "-m", "bench", "compile", "--smoke", "--out", str(tmp_path)],
+                   check=True, capture_output=True, text=True)
+    [path] = tmp_path.glob("compile-*.json")
+    result = json.loads(path.read_text())
+    assert [r["backend"] for r in result["rows"]] == ["inductor", "fp8"]
+    for row in result["rows"]:
+        # A warm start reuses the cache the cold one filled.
+        assert 0 < row["compile_warm_s"] < row["compile_cold_s"]

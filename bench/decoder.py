@@ -1,0 +1,122 @@
+"""A Llama decoder stack (transformers): training tokens/s, peak memory, compile time, and prefill.
+
+Full mode: the ``bench-8b-layer`` config (hidden 4096, FFN 14336, 32 heads,
+8 KV heads; ``--layers`` decoder layers), batch 1, sequence 4096, BF16 on
+CUDA with Inductor. Per contestant:
+
+    compile_cold_s   first training step, compile included, after torch._dynamo.reset()
+    compile_warm_s   the same after another reset, with Inductor's caches filled by the cold run
+    train            steps of forward + backward + SGD; tokens/s from the median step
+    peak_memory_gb   torch.cuda.max_memory_allocated over the training steps
+    prefill          forward under torch.no_grad(); tokens/s from the median call
+
+``--smoke`` runs the tiny Llama on CPU with ``aot_eager`` (timings mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import time
+
+import torch
+
+import fp8graph
+from fp8graph.models import build
+
+from .timing import environment, median, report, time_ms, title
+
+RECIPES = {"current": fp8graph.Float8CurrentScaling(), "rowwise": fp8graph.Float8RowwiseScaling(),
+           "block": fp8graph.Float8BlockScaling()}
+
+
+def _compile(model, contestant: str, compiler: str):
+    if contestant == "bf16":
+        return torch.compile(model, backend=compiler)
+    return fp8graph.compile(model, policy=RECIPES[contestant], compiler=compiler)
+
+
+def _train_step(compiled, model, tokens):
+    def step():
+        loss = compiled(tokens, labels=tokens).loss
+        loss.backward()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(parameter.grad, alpha=-1e-5)
+                parameter.grad = None
+    return step
+
+
+def _first_call_seconds(step, device) -> float:
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _measure(contestant: str, args, device, compiler, config, batch, sequence, warmup, repeats) -> dict:
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    model = build("llama", config).to(device=device, dtype=dtype)
+    if not args.smoke:
+        model.model.layers = model.model.layers[:args.layers]
+        model.config.num_hidden_layers = args.layers
+    tokens = torch.randint(0, model.config.vocab_size, (batch, sequence), device=device)
+    row = {"contestant": contestant}
+    for phase in ("compile_cold_s", "compile_warm_s"):
+        torch._dynamo.reset()
+        step = _train_step(_compile(model, contestant, compiler), model, tokens)
+        row[phase] = _first_call_seconds(step, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    row["train_timings_ms"] = time_ms(step, device, warmup, repeats)
+    row["train_tokens_per_s"] = batch * sequence / (median(row["train_timings_ms"]) / 1e3)
+    row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    compiled = _compile(model, contestant, compiler)
+
+    def prefill():
+        with torch.no_grad():
+            compiled(tokens)
+    row["prefill_timings_ms"] = time_ms(prefill, device, warmup, repeats)
+    row["prefill_tokens_per_s"] = batch * sequence / (median(row["prefill_timings_ms"]) / 1e3)
+    return row
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device("cpu" if args.smoke else "cuda")
+    compiler = "aot_eager" if args.smoke else "inductor"
+    config, batch, sequence = ("tiny", 2, 32) if args.smoke else ("bench-8b-layer", 1, 4096)
+    warmup, repeats = (1, 2) if args.smoke else (3, args.repeats)
+    rows = [_measure(name, args, device, compiler, config, batch, sequence, warmup, repeats)
+            for name in ("bf16", *RECIPES)]
+    torch._dynamo.reset()
+    baseline = rows[0]
+    for row in rows:
+        row["train_speedup_vs_bf16_compile"] = row["train_tokens_per_s"] / baseline["train_tokens_per_s"]
+        row["prefill_speedup_vs_bf16_compile"] = row["prefill_tokens_per_s"] / baseline["prefill_tokens_per_s"]
+        row["compile_cold_vs_bf16"] = row["compile_cold_s"] / baseline["compile_cold_s"]
+    result = {"workload": "decoder_stack", "smoke": args.smoke, "compiler": compiler, "config": config,
+              "layers": None if args.smoke else args.layers, "batch": batch, "sequence": sequence,
+              "environment": environment(device), "warmup": warmup, "repeats": repeats, "rows": rows}
+    return report(result, args.out, "decoder", summary)
+
+
+def summary(result: dict) -> str:
+    lines = [title(f"Llama decoder stack ({result['config']}, batch {result['batch']}, "
+                   f"sequence {result['sequence']})", result), "",
+             "| contestant | train tokens/s | vs bf16 | prefill tokens/s | vs bf16 | peak GB "
+             "| compile cold s | warm s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        peak = "-" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.1f}"
+        lines.append(f"| {r['contestant']} | {r['train_tokens_per_s']:.0f} | {r['train_speedup_vs_bf16_compile']:.2f}x "
+                     f"| {r['prefill_tokens_per_s']:.0f} | {r['prefill_speedup_vs_bf16_compile']:.2f}x | {peak} "
+                     f"| {r['compile_cold_s']:.1f} | {r['compile_warm_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--smoke", action="store_true", help="the tiny Llama on CPU, for the tests")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the full config")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
