@@ -260,3 +260,32 @@ def test_native_gemm_calls_pass_torchs_own_layout_checks(recipe):
         output = native_tiled_gemm(on_meta[0], on_meta[1], a_tiling, on_meta[2], on_meta[3], b_tiling,
                                    torch.float32)
         assert output.shape == (a_fp8.shape[0], b_fp8.shape[0]) and output.dtype == torch.float32, name
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(128, 256)
+        self.down = torch.nn.Linear(256, 128, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+@pytest.mark.inductor
+def test_inductor_compiles_the_tiled_recipes_to_what_aot_eager_computes():
+    """Inductor's code for the bit operations (power-of-2 and E8M0 scales) and
+    the tiled casts: outputs and gradients as the uncompiled ops give them,
+    up to fp32 rounding (measured: 139 dB output, 155 dB or exact gradients)."""
+    for recipe in RECIPES:
+        results = []
+        for compiler in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = _TwoLayers()
+            x = torch.randn(4, 50, 128) * torch.logspace(-3, 3, 128)  # 200 tokens: padded tiles along M
+            output = fp8graph.compile(model, policy=recipe, compiler=compiler)(x)
+            output.square().sum().backward()
+            results.append((output.detach(), model.up.weight.grad, model.down.weight.grad))
+        for name, eager, inductor in zip(("output", "up.grad", "down.grad"), *results):
+            assert sqnr_db(eager, inductor) > 100, (recipe.name, name)
