@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .timing import environment, report, title
+from .timing import environment, markdown_table, report, title
 
 BACKENDS = ("inductor", "fp8")
 
@@ -69,12 +69,11 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def summary(result: dict) -> str:
-    lines = [title(f"compile time, {result['model']}, first forward + backward", result), "",
-             "| backend | cold s | vs inductor | warm s | vs inductor |", "| --- | --- | --- | --- | --- |"]
-    for r in result["rows"]:
-        lines.append(f"| {r['backend']} | {r['compile_cold_s']:.1f} | {r['cold_vs_inductor']:.2f}x "
-                     f"| {r['compile_warm_s']:.1f} | {r['warm_vs_inductor']:.2f}x |")
-    return "\n".join(lines)
+    rows = [[r["backend"], f"{r['compile_cold_s']:.1f}", f"{r['cold_vs_inductor']:.2f}x",
+             f"{r['compile_warm_s']:.1f}", f"{r['warm_vs_inductor']:.2f}x"] for r in result["rows"]]
+    columns = ["backend", "cold s", "vs inductor", "warm s", "vs inductor"]
+    return "\n".join([title(f"compile time, {result['model']}, first forward + backward", result), "",
+                      *markdown_table(columns, rows)])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ import torch
 import fp8graph
 from fp8graph.models import build
 
-from .timing import environment, median, report, time_ms, title
+from .timing import environment, markdown_table, median, report, time_ms, title
 
 RECIPES = {"current": fp8graph.Float8CurrentScaling(), "rowwise": fp8graph.Float8RowwiseScaling(),
            "block": fp8graph.Float8BlockScaling()}
@@ -102,17 +102,14 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def summary(result: dict) -> str:
-    lines = [title(f"Llama decoder stack ({result['config']}, batch {result['batch']}, "
-                   f"sequence {result['sequence']})", result), "",
-             "| contestant | train tokens/s | vs bf16 | prefill tokens/s | vs bf16 | peak GB "
-             "| compile cold s | warm s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in result["rows"]:
-        peak = "-" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.1f}"
-        lines.append(f"| {r['contestant']} | {r['train_tokens_per_s']:.0f} | {r['train_speedup_vs_bf16_compile']:.2f}x "
-                     f"| {r['prefill_tokens_per_s']:.0f} | {r['prefill_speedup_vs_bf16_compile']:.2f}x | {peak} "
-                     f"| {r['compile_cold_s']:.1f} | {r['compile_warm_s']:.1f} |")
-    return "\n".join(lines)
+    rows = [[r["contestant"], f"{r['train_tokens_per_s']:.0f}", f"{r['train_speedup_vs_bf16_compile']:.2f}x",
+             f"{r['prefill_tokens_per_s']:.0f}", f"{r['prefill_speedup_vs_bf16_compile']:.2f}x",
+             "-" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.1f}",
+             f"{r['compile_cold_s']:.1f}", f"{r['compile_warm_s']:.1f}"] for r in result["rows"]]
+    columns = ["contestant", "train tokens/s", "vs bf16", "prefill tokens/s", "vs bf16", "peak GB",
+               "compile cold s", "warm s"]
+    heading = f"Llama decoder stack ({result['config']}, batch {result['batch']}, sequence {result['sequence']})"
+    return "\n".join([title(heading, result), "", *markdown_table(columns, rows)])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

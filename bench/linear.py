@@ -19,7 +19,7 @@ import torch
 
 import fp8graph
 
-from .timing import environment, median, report, time_ms, title
+from .timing import environment, markdown_table, median, report, time_ms, title
 
 FULL_SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096),
                (1024, 1024, 1024), (4096, 1024, 1024)]
@@ -102,13 +102,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def summary(result: dict) -> str:
-    lines = [title("linear fwd+bwd", result), "",
-             "| contestant | M | K | N | median ms | TFLOP/s | vs bf16 compile |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in result["rows"]:
-        lines.append(f"| {r['contestant']} | {r['M']} | {r['K']} | {r['N']} | {r['median_ms']:.3f} | "
-                     f"{r['tflops']:.1f} | {r['speedup_vs_bf16_compile']:.2f}x |")
-    return "\n".join(lines)
+    rows = [[r["contestant"], str(r["M"]), str(r["K"]), str(r["N"]), f"{r['median_ms']:.3f}",
+             f"{r['tflops']:.1f}", f"{r['speedup_vs_bf16_compile']:.2f}x"] for r in result["rows"]]
+    columns = ["contestant", "M", "K", "N", "median ms", "TFLOP/s", "vs bf16 compile"]
+    return "\n".join([title("linear fwd+bwd", result), "", *markdown_table(columns, rows)])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

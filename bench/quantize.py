@@ -23,7 +23,7 @@ from fp8graph.kernels.quantize_tiles import quantize_tiles_triton, triton_availa
 from fp8graph.quantize import quantize_current
 from fp8graph.tiles import quantize_tiled
 
-from .timing import environment, median, report, time_ms, title
+from .timing import environment, markdown_table, median, report, time_ms, title
 
 FULL_SHAPE = (16384, 8192)
 SMOKE_SHAPE = (256, 512)
@@ -75,11 +75,11 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def summary(result: dict) -> str:
-    lines = [title(f"quantize {result['shape'][0]}x{result['shape'][1]} BF16", result),
-             "", "| contestant | median ms | GB/s | of copy bandwidth |", "| --- | --- | --- | --- |"]
-    for r in result["rows"]:
-        lines.append(f"| {r['contestant']} | {r['median_ms']:.3f} | {r['gb_per_s']:.0f} | {r['fraction_of_copy']:.0%} |")
-    return "\n".join(lines)
+    rows = [[r["contestant"], f"{r['median_ms']:.3f}", f"{r['gb_per_s']:.0f}", f"{r['fraction_of_copy']:.0%}"]
+            for r in result["rows"]]
+    columns = ["contestant", "median ms", "GB/s", "of copy bandwidth"]
+    return "\n".join([title(f"quantize {result['shape'][0]}x{result['shape'][1]} BF16", result), "",
+                      *markdown_table(columns, rows)])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -80,3 +80,9 @@ def title(what: str, result: dict) -> str:
     env = result["environment"]
     smoke = " (smoke: timings not meaningful)" if result["smoke"] else ""
     return f"{what} on {env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}{smoke}"
+
+
+def markdown_table(columns: list[str], rows: list[list[str]]) -> list[str]:
+    """Lines of a Markdown table."""
+    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
