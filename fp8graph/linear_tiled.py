@@ -25,10 +25,9 @@ from typing import Callable
 
 import torch
 
-from .formats import ROLES, Role
-from .health import quantization_health
+from .formats import Role
 from .kernels.quantize_tiles import triton_available
-from .linear_fp8 import autocast_dtype, target_name
+from .linear_fp8 import autocast_dtype, record_health, target_name
 from .lowering import Lowering, tiled_scaled_gemm
 from .recipes import TiledRecipe
 from .tiles import Tiling, expand_scale, quantize_tiled
@@ -82,8 +81,8 @@ class _LinearTiled(torch.autograd.Function):
             if bias_hp is not None:
                 output = output + bias_hp.to(output_dtype)
             if stats is not None:
-                record_tiled_health(stats, slot, Role.INPUT, input_hp_2d, input_q)
-                record_tiled_health(stats, slot, Role.WEIGHT, weight_hp, weight_q)
+                record_tiled_health(stats, slot, Role.INPUT, input_hp_2d, input_q, recipe)
+                record_tiled_health(stats, slot, Role.WEIGHT, weight_hp, weight_q, recipe)
             # Operands of the gradient GEMMs, quantized along M and N from high precision.
             input_t_q = _TiledOperand(input_hp_2d.t(), input_tiling)  # (K, M)
             weight_t_q = (weight_q.transposed() if recipe.weight_tiles_are_square
@@ -111,7 +110,8 @@ class _LinearTiled(torch.autograd.Function):
             if needs_grad_input or ctx.stats is not None:
                 grad_output_q = _TiledOperand(grad_output_hp_2d, grad_tiling)  # along N
                 if ctx.stats is not None:
-                    record_tiled_health(ctx.stats, ctx.slot, Role.GRAD_OUTPUT, grad_output_hp_2d, grad_output_q)
+                    record_tiled_health(ctx.stats, ctx.slot, Role.GRAD_OUTPUT, grad_output_hp_2d, grad_output_q,
+                                        recipe)
             if needs_grad_input:
                 grad_input = _gemm(grad_output_q, weight_t_q, ctx.input_dtype, ctx.lowering)
                 grad_input = grad_input.reshape(*ctx.lead_shape, in_features)
@@ -125,12 +125,13 @@ class _LinearTiled(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
-def record_tiled_health(stats: torch.Tensor, slot: int, role: Role, x_hp: torch.Tensor, x_q: _TiledOperand) -> None:
-    """Row ``[slot, role]`` of the stats buffer for a tiled cast; its scale is the smallest tile scale."""
+def record_tiled_health(stats: torch.Tensor, slot: int, role: Role, x_hp: torch.Tensor, x_q: _TiledOperand,
+                        recipe: TiledRecipe) -> None:
+    """Row ``[slot, role]`` of the stats buffer for a tiled cast (padding left out): its
+    health with each element's own tile scale; the scale recorded is the smallest."""
     columns = x_hp.shape[1]
     scale = expand_scale(x_q.scale, x_q.tiling, x_q.fp8.shape)[:, :columns]
-    health = quantization_health(x_hp, x_q.fp8[:, :columns], scale, x_q.fp8.dtype)
-    stats[slot, ROLES.index(role)].copy_(health)
+    record_health(stats, slot, role, x_hp, x_q.fp8[:, :columns], scale, recipe)
 
 
 @functools.cache

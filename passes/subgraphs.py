@@ -65,9 +65,6 @@ class Subgraphs:
     def __iter__(self) -> Iterator[torch.fx.GraphModule]:
         return iter(self.modules)
 
-    def is_body(self, graph_module: torch.fx.GraphModule) -> bool:
-        return graph_module is not self.top
-
     def checkpoint_region(self, graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
         """The body of the innermost ``torch.utils.checkpoint`` region ``graph_module`` runs in, if any."""
         while graph_module is not self.top:

@@ -289,3 +289,20 @@ def test_inductor_compiles_the_tiled_recipes_to_what_aot_eager_computes():
             results.append((output.detach(), model.up.weight.grad, model.down.weight.grad))
         for name, eager, inductor in zip(("output", "up.grad", "down.grad"), *results):
             assert sqnr_db(eager, inductor) > 100, (recipe.name, name)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_stats_of_tiled_casts_use_each_tiles_scale(recipe):
+    model = _TwoLayers()
+    compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager", stats=True)
+    x = torch.randn(2, 64, 128) * torch.logspace(-3, 3, 128)
+    compiled(x).sum().backward()
+    rows = {(r.path, r.role): r for r in compiled.fp8graph_stats.record(step=0)}
+    input_row = rows["up", "input"]
+    tiling = recipe.tiling(Role.INPUT)
+    x_fp8, scale = quantize_tiled(x.reshape(-1, 128), tiling)
+    assert input_row.amax == pytest.approx(x.abs().max().item(), rel=1e-6)
+    assert input_row.scale == pytest.approx(scale.min().item(), rel=1e-6)  # the tile holding the amax
+    expected_db = sqnr_db(x.reshape(-1, 128), dequantize_tiled(x_fp8, scale, tiling))
+    assert input_row.sqnr_db == pytest.approx(expected_db, abs=0.01)
+    assert all(rows["down", role].sqnr_db > 25 for role in ("input", "weight", "grad_output"))
