@@ -19,6 +19,18 @@ __all__ = ["compile", "explain"]
 _BACKEND_ATTRIBUTE = "fp8graph_backend"
 
 
+def unwrap_data_parallel(model):
+    """The user's module inside a ``DistributedDataParallel`` (or ``DataParallel``) wrapper.
+
+    Policies, module paths, state buffers and statistics refer to it, so they
+    read the same with and without DDP (``model.layers.0``, not
+    ``module.model.layers.0``). FSDP2's ``fully_shard`` wraps nothing.
+    """
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        return model.module
+    return model
+
+
 def compile(model, policy=None, compiler: str = "inductor", lowering: str = "auto", stats: bool = False,
             **torch_compile_kwargs):
     """Compile ``model`` with its linear sites in FP8.
@@ -47,10 +59,11 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     mode = torch_compile_kwargs.pop("mode", None)
     if stats and not isinstance(model, torch.nn.Module):
         raise ValueError("stats=True needs an nn.Module: the statistics live in a buffer of the model")
-    collector = FP8Stats(model) if stats else None
+    user_model = unwrap_data_parallel(model)
+    collector = FP8Stats(user_model) if stats else None
     policy = normalize_policy(policy)
-    state = register_delayed_state(model, policy) if policy.needs_state else None
-    backend = FP8Backend(policy, compiler, lowering, model=model, mode=mode, stats=collector, state=state)
+    state = register_delayed_state(user_model, policy) if policy.needs_state else None
+    backend = FP8Backend(policy, compiler, lowering, model=user_model, mode=mode, stats=collector, state=state)
     compiled = torch.compile(model, backend=backend, **torch_compile_kwargs)
     # On the wrapper itself: OptimizedModule's setattr would forward to the user's model.
     object.__setattr__(compiled, _BACKEND_ATTRIBUTE, backend)
@@ -81,7 +94,7 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
         state = compiled_backend.state
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         model = model._orig_mod  # trace the user's module, not the wrapper of another compile
-    backend = FP8Backend(policy, "eager", lowering, model=model, state=state)
+    backend = FP8Backend(policy, "eager", lowering, model=unwrap_data_parallel(model), state=state)
     torch._dynamo.reset()
     graph_breaks_before = collections.Counter(counters["graph_break"])
     with torch.no_grad():

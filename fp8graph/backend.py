@@ -26,7 +26,7 @@ from fp8graph.passes.module_paths import module_paths_by_id
 
 from .lowering import LOWERING_CHOICES, choose_lowering
 from .policy import normalize_policy
-from .state import state_anchor
+from .state import DelayedState, state_anchor
 from .stats import stats_anchor
 
 __all__ = ["FP8Backend", "fp8_backend"]
@@ -44,6 +44,22 @@ def _graph_device(example_inputs: Sequence[object]) -> torch.device:
     for value in parameters or tensors:
         return value.device
     return torch.device("cpu")
+
+
+def _placeholder_values(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> dict:
+    """The real tensor behind each placeholder.
+
+    DDP's graph splitting compiles each piece with fake example inputs; the
+    ``GraphArg`` Dynamo leaves in a placeholder's meta still refers (weakly)
+    to the real parameter or buffer, which is what identifies a weight's state.
+    """
+    values = {}
+    for node, example in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs):
+        grapharg = node.meta.get("grapharg")
+        real = getattr(grapharg, "_example", None)
+        real = real() if callable(real) else real  # a TensorWeakRef, or the value itself
+        values[node] = real if isinstance(real, torch.Tensor) else example
+    return values
 
 
 class FP8Backend:
@@ -76,7 +92,7 @@ class FP8Backend:
                 "fp8graph.compile(model, policy=...) registers on the model before tracing; "
                 "torch.compile(backend='fp8') and explain() of an uncompiled model cannot hold them. "
                 "Use fp8graph.compile, and explain the compiled model")
-        self.state = state or {}
+        self.state = state if state is not None else DelayedState()
         if compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         if lowering not in LOWERING_CHOICES:
@@ -103,13 +119,14 @@ class FP8Backend:
 
     def run_passes(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> list[Decision]:
         device = _graph_device(example_inputs)
-        value_of = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
-        stats_node = next(iter(take_anchored_inputs(gm, stats_anchor)), None)
+        value_of = _placeholder_values(gm, example_inputs)
+        stats_placeholders = {id(value_of[n]): n for n in take_anchored_inputs(gm, stats_anchor)}
         state_placeholders = {id(value_of[n]): n for n in take_anchored_inputs(gm, state_anchor)}
         sites = find_sites(gm, example_inputs, self.paths_by_id)
+        state_by_weight = self.state.by_weight()
 
         def state_nodes(site):
-            entry = self.state.get(id(value_of.get(site.weight_input)))
+            entry = state_by_weight.get(id(value_of.get(site.weight_input)))
             if entry is None:
                 return None
             history, scale = (state_placeholders.get(id(entry.history)), state_placeholders.get(id(entry.scale)))
@@ -120,8 +137,11 @@ class FP8Backend:
                                    has_state=lambda site: state_nodes(site) is not None)
         # Graphs compiled without gradients (inference) read the scales but
         # leave the histories alone; Dynamo compiles one graph per grad mode.
-        rewrite_sites(gm, stats_node, self.stats.slot if self.stats is not None else None,
-                      state_nodes, update_state=torch.is_grad_enabled())
+        def stats_nodes(site):
+            buffer = self.stats.buffer_of(site.path) if self.stats is not None else None
+            return stats_placeholders.get(id(buffer))
+
+        rewrite_sites(gm, stats_nodes, state_nodes, update_state=torch.is_grad_enabled())
         for decision in decisions:
             what = decision.recipe.name if decision.rewritten else f"kept: {decision.reason}"
             log.info("fp8graph: %s (%s) -> %s", decision.site.path or "<root>", decision.site.op, what)

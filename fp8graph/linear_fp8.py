@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from .delayed_scaling import delayed_cast
+from .distributed import amax_reduction
 from .formats import ROLES, Role
 from .health import quantization_health
 from .lowering import Lowering, scaled_gemm
@@ -39,21 +40,6 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _max_across_ranks(amax_fp32: torch.Tensor) -> torch.Tensor:
-    """Max-reduce an amax over the default process group with a functional
-    collective, which Dynamo and AOTAutograd trace into the graph."""
-    import torch.distributed as dist
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol.all_reduce(amax_fp32, "max", dist.group.WORLD)
 
 
 class RoleCaster:
@@ -84,7 +70,7 @@ class RoleCaster:
         x_fp8, scale_used, new_history = delayed_cast(
             x_hp, history_read[index], scale_read[index], fp8_dtype,
             self.recipe.margin, self.recipe.amax_compute_algo, self.update,
-            reduce_amax=_max_across_ranks if self.recipe.reduce_amax and _distributed() else None)
+            reduce_amax=amax_reduction(self.recipe.reduce_amax))
         if self.update:
             history[index].copy_(new_history)
             scale[index].copy_(scale_used)
@@ -93,7 +79,7 @@ class RoleCaster:
 
 class _LinearFP8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, bias_hp, caster: RoleCaster, lowering: Lowering, stats, slot):
+    def forward(ctx, input_hp, weight_hp, bias_hp, caster: RoleCaster, lowering: Lowering, stats):
         recipe = caster.recipe
         device_type = input_hp.device.type
         # Under autocast F.linear returns the autocast dtype; so does this.
@@ -113,9 +99,9 @@ class _LinearFP8(torch.autograd.Function):
             if bias_hp is not None:
                 output = output + bias_hp.to(output_dtype)
             if stats is not None:
-                record_health(stats, slot, Role.INPUT, input_hp_2d, input_fp8, input_scale, recipe)
-                record_health(stats, slot, Role.WEIGHT, weight_hp, weight_fp8, weight_scale, recipe)
-        ctx.stats, ctx.slot = stats, slot
+                record_health(stats, Role.INPUT, input_hp_2d, input_fp8, input_scale, recipe)
+                record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, weight_scale, recipe)
+        ctx.stats = stats
         ctx.save_for_backward(input_fp8, input_scale, weight_fp8, weight_scale)
         ctx.caster = caster
         ctx.lowering = lowering
@@ -136,7 +122,7 @@ class _LinearFP8(torch.autograd.Function):
             grad_output_hp_2d = grad_output_hp.reshape(-1, out_features)  # (M, N)
             grad_output_fp8, grad_output_scale = ctx.caster(Role.GRAD_OUTPUT, grad_output_hp_2d)
             if ctx.stats is not None:
-                record_health(ctx.stats, ctx.slot, Role.GRAD_OUTPUT, grad_output_hp_2d,
+                record_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp_2d,
                               grad_output_fp8, grad_output_scale, recipe)
             if needs_grad_input:
                 # grad_input = grad_output @ weight  (M, K); split accumulation.
@@ -152,13 +138,13 @@ class _LinearFP8(torch.autograd.Function):
                 )
             if needs_grad_bias and ctx.bias_dtype is not None:
                 grad_bias = grad_output_hp_2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
-def record_health(stats: torch.Tensor, slot: int, role: Role, x_hp, x_fp8, scale, recipe: Recipe) -> None:
-    """Write the health of one cast into row ``[slot, role]`` of the stats buffer, in place."""
+def record_health(stats: torch.Tensor, role: Role, x_hp, x_fp8, scale, recipe: Recipe) -> None:
+    """Write the health of one cast into row ``role`` of the module's stats buffer, in place."""
     health = quantization_health(x_hp, x_fp8, scale, recipe.fp8_dtype(role))
-    stats[slot, ROLES.index(role)].copy_(health)
+    stats[ROLES.index(role)].copy_(health)
 
 
 def target_name(kind: str, recipe_name: str, lowering_name: str) -> str:
@@ -183,10 +169,10 @@ def linear_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     whose forward casts read the state through a saved snapshot.
     """
 
-    def linear_fp8(input_hp, weight_hp, bias_hp=None, stats=None, slot=0, history=None, scale=None):
+    def linear_fp8(input_hp, weight_hp, bias_hp=None, stats=None, history=None, scale=None):
         state = None if history is None else (history, scale)
         caster = RoleCaster(recipe, state, update, snapshot=in_checkpoint and state is not None)
-        return _LinearFP8.apply(input_hp, weight_hp, bias_hp, caster, lowering, stats, slot)
+        return _LinearFP8.apply(input_hp, weight_hp, bias_hp, caster, lowering, stats)
 
     label = recipe.name if update else f"{recipe.name}_frozen"
     label = f"{label}_checkpointed" if in_checkpoint else label

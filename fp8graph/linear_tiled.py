@@ -66,7 +66,7 @@ def _gemm(a: _TiledOperand, b: _TiledOperand, out_dtype, lowering, use_fast_accu
 
 class _LinearTiled(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, bias_hp, recipe: TiledRecipe, lowering: Lowering, stats, slot):
+    def forward(ctx, input_hp, weight_hp, bias_hp, recipe: TiledRecipe, lowering: Lowering, stats):
         device_type = input_hp.device.type
         output_dtype = autocast_dtype(device_type) or input_hp.dtype
         out_features, in_features = weight_hp.shape
@@ -81,14 +81,14 @@ class _LinearTiled(torch.autograd.Function):
             if bias_hp is not None:
                 output = output + bias_hp.to(output_dtype)
             if stats is not None:
-                record_tiled_health(stats, slot, Role.INPUT, input_hp_2d, input_q, recipe)
-                record_tiled_health(stats, slot, Role.WEIGHT, weight_hp, weight_q, recipe)
+                record_tiled_health(stats, Role.INPUT, input_hp_2d, input_q, recipe)
+                record_tiled_health(stats, Role.WEIGHT, weight_hp, weight_q, recipe)
             # Operands of the gradient GEMMs, quantized along M and N from high precision.
             input_t_q = _TiledOperand(input_hp_2d.t(), input_tiling)  # (K, M)
             weight_t_q = (weight_q.transposed() if recipe.weight_tiles_are_square
                           else _TiledOperand(weight_hp.t(), weight_tiling))  # (K, N)
         ctx.save_for_backward(input_t_q.fp8, input_t_q.scale, weight_t_q.fp8, weight_t_q.scale)
-        ctx.recipe, ctx.lowering, ctx.stats, ctx.slot = recipe, lowering, stats, slot
+        ctx.recipe, ctx.lowering, ctx.stats = recipe, lowering, stats
         ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
         ctx.bias_dtype = None if bias_hp is None else bias_hp.dtype
         ctx.lead_shape = lead_shape
@@ -110,7 +110,7 @@ class _LinearTiled(torch.autograd.Function):
             if needs_grad_input or ctx.stats is not None:
                 grad_output_q = _TiledOperand(grad_output_hp_2d, grad_tiling)  # along N
                 if ctx.stats is not None:
-                    record_tiled_health(ctx.stats, ctx.slot, Role.GRAD_OUTPUT, grad_output_hp_2d, grad_output_q,
+                    record_tiled_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp_2d, grad_output_q,
                                         recipe)
             if needs_grad_input:
                 grad_input = _gemm(grad_output_q, weight_t_q, ctx.input_dtype, ctx.lowering)
@@ -122,24 +122,24 @@ class _LinearTiled(torch.autograd.Function):
                 grad_weight = _gemm(grad_output_t_q, input_t_q, ctx.weight_dtype, ctx.lowering)
             if needs_grad_bias and ctx.bias_dtype is not None:
                 grad_bias = grad_output_hp_2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
-def record_tiled_health(stats: torch.Tensor, slot: int, role: Role, x_hp: torch.Tensor, x_q: _TiledOperand,
+def record_tiled_health(stats: torch.Tensor, role: Role, x_hp: torch.Tensor, x_q: _TiledOperand,
                         recipe: TiledRecipe) -> None:
-    """Row ``[slot, role]`` of the stats buffer for a tiled cast (padding left out): its
+    """Row ``role`` of the module's stats buffer for a tiled cast (padding left out): its
     health with each element's own tile scale; the scale recorded is the smallest."""
     columns = x_hp.shape[1]
     scale = expand_scale(x_q.scale, x_q.tiling, x_q.fp8.shape)[:, :columns]
-    record_health(stats, slot, role, x_hp, x_q.fp8[:, :columns], scale, recipe)
+    record_health(stats, role, x_hp, x_q.fp8[:, :columns], scale, recipe)
 
 
 @functools.cache
 def linear_tiled_target(recipe: TiledRecipe, lowering: Lowering) -> Callable[..., torch.Tensor]:
     """The graph target for sites with a row-wise, block or MX ``recipe``, named for it."""
 
-    def linear_tiled(input_hp, weight_hp, bias_hp=None, stats=None, slot=0):
-        return _LinearTiled.apply(input_hp, weight_hp, bias_hp, recipe, lowering, stats, slot)
+    def linear_tiled(input_hp, weight_hp, bias_hp=None, stats=None):
+        return _LinearTiled.apply(input_hp, weight_hp, bias_hp, recipe, lowering, stats)
 
     linear_tiled.__name__ = linear_tiled.__qualname__ = target_name("linear", recipe.name, lowering.value)
     linear_tiled.recipe = recipe

@@ -33,7 +33,7 @@ def _fp8_matmul(a_fp8, a_scale, b_fp8, b_scale, out_dtype):
 
 class _MatmulFP8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a_hp, b_hp, recipe: Recipe, stats, slot):
+    def forward(ctx, a_hp, b_hp, recipe: Recipe, stats):
         device_type = a_hp.device.type
         output_dtype = autocast_dtype(device_type) or torch.promote_types(a_hp.dtype, b_hp.dtype)
         with torch.autocast(device_type, enabled=False):
@@ -41,9 +41,9 @@ class _MatmulFP8(torch.autograd.Function):
             b_fp8, b_scale = quantize_current(b_hp, recipe.fp8_dtype(Role.WEIGHT), recipe.power_2_scales)
             output = _fp8_matmul(a_fp8, a_scale, b_fp8, b_scale, output_dtype)
             if stats is not None:  # a is recorded as the input role, b as the weight role
-                record_health(stats, slot, Role.INPUT, a_hp, a_fp8, a_scale, recipe)
-                record_health(stats, slot, Role.WEIGHT, b_hp, b_fp8, b_scale, recipe)
-        ctx.stats, ctx.slot = stats, slot
+                record_health(stats, Role.INPUT, a_hp, a_fp8, a_scale, recipe)
+                record_health(stats, Role.WEIGHT, b_hp, b_fp8, b_scale, recipe)
+        ctx.stats = stats
         ctx.save_for_backward(a_fp8, a_scale, b_fp8, b_scale)
         ctx.recipe = recipe
         ctx.a_shape, ctx.a_dtype = a_hp.shape, a_hp.dtype
@@ -59,7 +59,7 @@ class _MatmulFP8(torch.autograd.Function):
             grad_output_fp8, grad_output_scale = quantize_current(
                 grad_output_hp, recipe.fp8_dtype(Role.GRAD_OUTPUT), recipe.power_2_scales)
             if ctx.stats is not None:
-                record_health(ctx.stats, ctx.slot, Role.GRAD_OUTPUT, grad_output_hp,
+                record_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp,
                               grad_output_fp8, grad_output_scale, recipe)
             if ctx.needs_input_grad[0]:
                 grad_a = _fp8_matmul(grad_output_fp8, grad_output_scale, b_fp8.mT, b_scale, ctx.a_dtype)
@@ -67,15 +67,15 @@ class _MatmulFP8(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 grad_b = _fp8_matmul(a_fp8.mT, a_scale, grad_output_fp8, grad_output_scale, ctx.b_dtype)
                 grad_b = grad_b.sum_to_size(ctx.b_shape)
-        return grad_a, grad_b, None, None, None
+        return grad_a, grad_b, None, None
 
 
 @functools.cache
 def matmul_fp8_target(recipe: Recipe) -> Callable[..., torch.Tensor]:
     """The graph target for activation matmuls with ``recipe``, named for it."""
 
-    def matmul_fp8(a_hp, b_hp, addend_hp=None, stats=None, slot=0):
-        output = _MatmulFP8.apply(a_hp, b_hp, recipe, stats, slot)
+    def matmul_fp8(a_hp, b_hp, addend_hp=None, stats=None):
+        output = _MatmulFP8.apply(a_hp, b_hp, recipe, stats)
         # addmm / baddbmm: the added term joins in high precision.
         return output if addend_hp is None else addend_hp + output
 

@@ -27,7 +27,7 @@ from .formats import ROLES
 from .policy import Policy, SiteInfo, resolve
 from .recipes import DelayedScaling
 
-__all__ = ["HISTORY_PREFIX", "SCALE_PREFIX", "SiteState", "register_delayed_state", "state_anchor"]
+__all__ = ["HISTORY_PREFIX", "SCALE_PREFIX", "DelayedState", "SiteState", "register_delayed_state", "state_anchor"]
 
 log = logging.getLogger("fp8graph")
 
@@ -41,7 +41,7 @@ def state_anchor(*state_buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return state_buffers
 
 
-def _anchor_state(module: torch.nn.Module, args) -> None:
+def _anchor_state(module: torch.nn.Module, args, output=None) -> None:
     state_anchor(*(buffer for name, buffer in module.named_buffers(recurse=False)
                    if name.startswith((HISTORY_PREFIX, SCALE_PREFIX))))
 
@@ -84,26 +84,45 @@ def _weight_candidates(module: torch.nn.Module):
 
 
 def _anchor_root_state(root: torch.nn.Module):
-    def anchor_root_state(module: torch.nn.Module, args) -> None:
+    def anchor_root_state(module: torch.nn.Module, args, output) -> None:
         _anchor_state(root, args)
 
     return anchor_root_state
 
 
-def register_delayed_state(model: torch.nn.Module, policy: Policy) -> dict[int, SiteState]:
+class DelayedState:
+    """Every registered :class:`SiteState`, found by the weight tensor a graph multiplies."""
+
+    def __init__(self) -> None:
+        # (module, parameter name, state): a tied weight appears under each of its names.
+        self._holders: list[tuple[torch.nn.Module, str, SiteState]] = []
+
+    def add(self, module: torch.nn.Module, param_name: str, site_state: SiteState) -> None:
+        self._holders.append((module, param_name, site_state))
+
+    def by_weight(self) -> dict[int, SiteState]:
+        """``{id(weight): SiteState}`` for the tensors the owning modules hold now."""
+        return {id(module._parameters[name]): site_state for module, name, site_state in self._holders
+                if module._parameters.get(name) is not None}
+
+
+def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedState:
     """Register state for every weight the policy gives delayed scaling.
 
-    Returns ``{id(weight): SiteState}``: a weight has one state wherever it is
-    used (a module called twice, a functional call on a submodule's weight).
-    The root module's own weights keep their state on the root; Dynamo runs
-    the root's hooks outside the graph, so every submodule's pre-hook anchors it.
+    A weight has one state wherever it is used (a module called twice, a
+    functional call on a submodule's weight, a weight tied to another
+    module's). The root module's own weights keep their state on the root;
+    Dynamo runs the root's hooks outside the graph, so every submodule's
+    forward hook anchors it.
     """
     registered: dict[int, SiteState] = {}
+    delayed_state = DelayedState()
     owners = []
     for path, module in model.named_modules():
         names = []
         for name, param in _weight_candidates(module):
             if id(param) in registered:  # a tied weight: one state
+                delayed_state.add(module, name, registered[id(param)])
                 continue
             # Shapes as a linear would see them: (N, K) weights, M unknown before tracing.
             site = SiteInfo(op="linear", M=None, K=param.shape[1], N=param.shape[0], dtype=param.dtype)
@@ -118,16 +137,17 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> dict[int, 
                 len(ROLES), recipe.amax_history_len, device=param.device))
             module.register_buffer(scale_name, torch.ones(len(ROLES), device=param.device))
             registered[id(param)] = SiteState(module, name)
+            delayed_state.add(module, name, registered[id(param)])
             names.append(name)
         if names:
             owners.append(module)
             module._register_load_state_dict_pre_hook(_fill_missing_state, with_module=True)
     for module in owners:
         if module is not model:
-            module.register_forward_pre_hook(_anchor_state)
+            module.register_forward_hook(_anchor_state)
     if model in owners:
         anchor_root = _anchor_root_state(model)
         for submodule in model.modules():
             if submodule is not model:
-                submodule.register_forward_pre_hook(anchor_root)
-    return registered
+                submodule.register_forward_hook(anchor_root)
+    return delayed_state

@@ -9,19 +9,25 @@
     print(stats)                                    # latest step, one row per site and role
     stats.to_csv("stats.csv"); stats.to_tensorboard("runs/fp8"); stats.plot("fp8_health.png")
 
-How it stays in the graph: :class:`FP8Stats` registers one non-persistent
-buffer on the root module, ``fp8graph_stats_buffer`` of shape (modules, 3
-roles, 5 metrics), and on every submodule a forward pre-hook that passes it
-to :func:`stats_anchor` (Dynamo inlines submodules' hooks; the root's own
-hooks run outside the graph). Dynamo therefore lifts the buffer as a graph
-input; the backend removes the
-anchor and hands the buffer to every FP8 site, whose forward writes the
-input and weight rows and whose backward writes the grad_output row, in
-place (AOTAutograd keeps input mutations, also from backward). The slot of
-a site is the index of its module in ``model.named_modules()``, so a module
-called twice in one step reports its last call, and a graph that calls no
-submodule (all code in the root's forward) records nothing. Without
-``stats=True`` none of this exists: no buffer, no hook, no extra graph node.
+How it stays in the graph: :class:`FP8Stats` registers on every module a
+non-persistent buffer ``fp8graph_stats`` of shape (3 roles, 5 metrics), and
+on every submodule a forward hook that passes the module's buffer (and the
+root's, for sites in the root's own forward, whose hooks Dynamo runs outside
+the graph) to :func:`stats_anchor`. Dynamo therefore lifts the buffers as
+graph inputs; the backend removes the anchors and hands each FP8 site the
+buffer of its module, whose forward writes the input and weight rows and
+whose backward writes the grad_output row, in place (AOTAutograd keeps input
+mutations, also from backward). A module called twice in one step reports
+its last call. Without ``stats=True`` none of this exists: no buffer, no
+hook, no extra graph node.
+
+Why a buffer per module and not one for the model: a buffer that backward
+writes is saved for backward, and autograd refuses a saved tensor that
+changed since. With one shared buffer, a model compiled into several graphs
+(a graph break, FSDP2's per-layer graphs, DDP's bucket split) would have
+the second graph's forward change what the first graph's backward saved.
+The hook runs after the module's forward, so DDP's graph split keeps it in
+the same piece as the module's GEMM (see ``fp8graph.state``).
 """
 
 from __future__ import annotations
@@ -41,20 +47,20 @@ from .health import HEALTH_METRICS
 
 __all__ = ["FP8Stats", "STATS_BUFFER", "StatsRow", "stats_anchor"]
 
-STATS_BUFFER = "fp8graph_stats_buffer"
+STATS_BUFFER = "fp8graph_stats"
 
 
 @torch._dynamo.allow_in_graph
-def stats_anchor(stats_buffer: torch.Tensor) -> torch.Tensor:
-    """Identity that Dynamo keeps as a graph node, so the stats buffer becomes a graph input."""
-    return stats_buffer
+def stats_anchor(*stats_buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Identity that Dynamo keeps as a graph node, so the stats buffers become graph inputs."""
+    return stats_buffers
 
 
 def _anchor_hook(root: torch.nn.Module):
-    def reference_stats_buffer(module: torch.nn.Module, args) -> None:
-        stats_anchor(getattr(root, STATS_BUFFER))
+    def reference_stats_buffers(module: torch.nn.Module, args, output) -> None:
+        stats_anchor(getattr(module, STATS_BUFFER), getattr(root, STATS_BUFFER))
 
-    return reference_stats_buffer
+    return reference_stats_buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,35 +86,36 @@ class FP8Stats:
     """
 
     def __init__(self, model: torch.nn.Module):
-        if hasattr(model, STATS_BUFFER):
-            raise ValueError(f"{type(model).__name__} already has a {STATS_BUFFER!r} attribute")
         self.model = model
-        self.paths = [path for path, _ in model.named_modules(remove_duplicate=False)]
-        self._slots = {path: slot for slot, path in reversed(list(enumerate(self.paths)))}
+        self.modules = dict(model.named_modules())  # a module reached by two paths reports under the first
+        for path, module in self.modules.items():
+            if hasattr(module, STATS_BUFFER):
+                raise ValueError(f"{path or '<root>'} already has a {STATS_BUFFER!r} attribute")
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        empty = torch.full((len(self.paths), len(ROLES), len(HEALTH_METRICS)), float("nan"), device=device)
-        model.register_buffer(STATS_BUFFER, empty, persistent=False)
+        for module in self.modules.values():
+            module.register_buffer(STATS_BUFFER, torch.full((len(ROLES), len(HEALTH_METRICS)), float("nan"),
+                                                            device=device), persistent=False)
         # Dynamo runs the root module's own hooks outside the graph, but inlines
         # those of the modules called inside it: hook every submodule.
         hook = _anchor_hook(model)
-        self._hooks = [module.register_forward_pre_hook(hook) for module in model.modules()
+        self._hooks = [module.register_forward_hook(hook) for module in model.modules()
                        if module is not model]
         self.rows: list[StatsRow] = []
 
-    def slot(self, path: str) -> int | None:
-        """The buffer row of the module at ``path`` (``None`` if the model has no such module)."""
-        return self._slots.get(path)
-
-    @property
-    def buffer(self) -> torch.Tensor:
-        return getattr(self.model, STATS_BUFFER)
+    def buffer_of(self, path: str) -> torch.Tensor | None:
+        """The stats buffer of the module at ``path`` (``None`` if the model has no such module)."""
+        module = self.modules.get(path)
+        return None if module is None else getattr(module, STATS_BUFFER)
 
     def record(self, step: int) -> list[StatsRow]:
         """Read what the compiled graphs wrote since the last record, as rows for ``step``."""
-        values = self.buffer.detach().to("cpu", torch.float64)
-        self.buffer.fill_(float("nan"))
+        buffers = [getattr(module, STATS_BUFFER) for module in self.modules.values()]
+        with torch.no_grad():
+            values = torch.stack(buffers).to("cpu", torch.float64)  # one device-to-host copy
+            for buffer in buffers:
+                buffer.fill_(float("nan"))
         new_rows = []
-        for slot, path in enumerate(self.paths):
+        for slot, path in enumerate(self.modules):
             for role_index, role in enumerate(ROLES):
                 metrics = values[slot, role_index].tolist()
                 if not math.isnan(metrics[0]) or not math.isnan(metrics[1]):
@@ -192,7 +199,8 @@ class FP8Stats:
         return path
 
     def remove(self) -> None:
-        """Detach from the model: drop the hook and the buffer (compiled graphs recompile)."""
+        """Detach from the model: drop the hooks and the buffers (compiled graphs recompile)."""
         for hook in self._hooks:
             hook.remove()
-        delattr(self.model, STATS_BUFFER)
+        for module in self.modules.values():
+            delattr(module, STATS_BUFFER)

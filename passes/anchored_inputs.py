@@ -1,11 +1,11 @@
 """Find the buffers that anchors made graph inputs, and drop the anchors.
 
 Statistics (``fp8graph.stats``) and delayed-scaling state (``fp8graph.state``)
-live in buffers of the model. Forward pre-hooks pass them to an anchor, an
+live in buffers of the model. Forward hooks pass them to an anchor, an
 identity Dynamo keeps as a graph node, so Dynamo lifts them as graph inputs:
 
-    before:  s = placeholder(..._buffers_fp8graph_stats_buffer_);  stats_anchor(s);  ...
-    after:   s = placeholder(..._buffers_fp8graph_stats_buffer_);  ...
+    before:  s = placeholder(..._buffers_fp8graph_stats_);  stats_anchor(s, r);  ...
+    after:   s = placeholder(..._buffers_fp8graph_stats_);  ...
 
 Once the graph exists the anchors have done their job; the rewrite passes the
 placeholders to the FP8 sites. A hook that ran inside a ``torch.utils.checkpoint``

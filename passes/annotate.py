@@ -59,7 +59,7 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
         if not site.is_linear:
             return "activation x activation matmul (FP8 only when a policy rule names it)"
         return "policy keeps it in high precision"
-    if isinstance(recipe, DelayedScaling) and not (site.is_linear and has_state(site)):
+    if isinstance(recipe, DelayedScaling) and not site.is_linear:
         return ("delayed scaling has no state here: fp8graph.compile registers it per weight parameter, "
                 "which activation matmuls lack")
     if isinstance(recipe, DelayedScaling) and site.checkpoint_region is not None \
@@ -76,6 +76,10 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
         if dim % multiple:
             tiles = f" ({recipe.name} tiles)" if isinstance(recipe, TiledRecipe) else ""
             return f"{dim_name}={dim} is not a multiple of {multiple}{tiles}"
+    if isinstance(recipe, DelayedScaling) and not has_state(site):
+        return ("delayed scaling has no state in this graph: the weight's amax history and scale are not "
+                "among the graph's inputs (registered after compiling, or a graph split between the GEMM "
+                "and the forward hook of the module that owns them)")
     return None
 
 

@@ -6,8 +6,8 @@
     before:  s = matmul(q, k_t)           | s = baddbmm(c, q, k_t)   (two activations, opted in by a rule)
     after:   s = fp8graph_matmul_<recipe>(q, k_t, None)  | s = fp8graph_matmul_<recipe>(q, k_t, c)
 
-With stats on, every FP8 call also takes the stats buffer and its row:
-``fp8graph_linear_<recipe>(x, w, b, stats, slot)``, likewise for matmuls.
+With stats on, every FP8 call also takes its module's stats buffer:
+``fp8graph_linear_<recipe>(x, w, b, stats)``, likewise for matmuls.
 
 Sites inside ``torch.utils.checkpoint`` bodies get the top-level stats and
 state placeholders threaded in as extra operands of the region (see
@@ -56,20 +56,19 @@ def _weight_nk(graph: torch.fx.Graph, decision: Decision) -> torch.fx.Node:
 
 def rewrite_sites(
     gm: torch.fx.GraphModule,
-    stats_node: torch.fx.Node | None = None,
-    stats_slot: Callable[[str], int | None] | None = None,
+    stats_nodes: Callable[[Site], torch.fx.Node | None] = lambda site: None,
     state_nodes: Callable[[Site], tuple[torch.fx.Node, torch.fx.Node] | None] = lambda site: None,
     update_state: bool = True,
 ) -> int:
     """Rewrite every site whose decision carries a recipe; returns how many.
 
-    With ``stats_node`` (the stats buffer's placeholder, see ``anchored_inputs``)
-    each FP8 site also gets the buffer and its row, ``stats_slot(path)``.
+    Each FP8 site gets the stats buffer placeholder ``stats_nodes(site)``
+    (see ``anchored_inputs``), when there is one.
     Delayed-scaling sites get their ``(history, scale)`` placeholders from
     ``state_nodes(site)`` and update them unless ``update_state`` is False.
     """
     subgraphs = Subgraphs(gm)
-    rewritten = sum(_rewrite_graph(subgraphs, graph_module, stats_node, stats_slot, state_nodes, update_state)
+    rewritten = sum(_rewrite_graph(subgraphs, graph_module, stats_nodes, state_nodes, update_state)
                     for graph_module in subgraphs)
     subgraphs.recompile()
     return rewritten
@@ -87,7 +86,7 @@ def _prepare_checkpoint_region(site: Site) -> bool:
     return True
 
 
-def _rewrite_graph(subgraphs: Subgraphs, gm, stats_node, stats_slot, state_nodes, update_state) -> int:
+def _rewrite_graph(subgraphs: Subgraphs, gm, stats_nodes, state_nodes, update_state) -> int:
     """The rewrite of one graph module; top-level buffers are threaded into bodies that need them."""
     graph = gm.graph
     rewritten = 0
@@ -104,7 +103,8 @@ def _rewrite_graph(subgraphs: Subgraphs, gm, stats_node, stats_slot, state_nodes
         decision = dataclasses.replace(decision, site=site)
         state = state_nodes(site) if site.is_linear and isinstance(decision.recipe, DelayedScaling) else None
         state = None if state is None else tuple(subgraphs.lift(n, gm) for n in state)
-        slot = stats_slot(site.path) if stats_node is not None and stats_slot is not None else None
+        stats = stats_nodes(site)
+        stats = None if stats is None else subgraphs.lift(stats, gm)
         with graph.inserting_before(node):
             if isinstance(decision.recipe, TiledRecipe):
                 target = linear_tiled_target(decision.recipe, decision.lowering)
@@ -117,8 +117,8 @@ def _rewrite_graph(subgraphs: Subgraphs, gm, stats_node, stats_slot, state_nodes
             else:
                 target = matmul_fp8_target(decision.recipe)
                 args = (site.input_node, site.other_node, site.bias_node)
-            if slot is not None or state is not None:
-                args = args + ((subgraphs.lift(stats_node, gm), slot) if slot is not None else (None, 0))
+            if stats is not None or state is not None:
+                args = args + (stats,)
             if state is not None:
                 args = args + state
             fp8_node = graph.call_function(target, args)

@@ -6,17 +6,14 @@ DDP broadcasting buffers, and the losses match one process that sees the
 whole batch.
 """
 
-import datetime
-import time
-
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fp8graph
 from fp8graph import DelayedScaling
 from fp8graph.models import build
+
+from gloo_ranks import init_gloo, spawn_ranks
 
 STEPS, GLOBAL_BATCH = 5, 16
 RECIPE = DelayedScaling(amax_history_len=4)
@@ -40,9 +37,7 @@ def _train(compiled, model, batches):
 
 
 def _rank_main(rank, world_size, out_dir):
-    # A file rendezvous needs no port; the timeout turns a stuck collective into an error.
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    init_gloo(rank, world_size, out_dir)
     try:
         model = build("mlp", "tiny", seed=0)
         compiled = fp8graph.compile(model, policy=RECIPE, compiler="aot_eager")
@@ -61,20 +56,8 @@ def _rank_main(rank, world_size, out_dir):
         dist.destroy_process_group()
 
 
-def _spawn(fn, world_size, out_dir, deadline_s=300):
-    """Run ``fn(rank, world_size, out_dir)`` on ``world_size`` processes; fail (not hang) past the deadline."""
-    context = mp.spawn(fn, args=(world_size, out_dir), nprocs=world_size, join=False)
-    deadline = time.monotonic() + deadline_s
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{world_size} ranks did not finish within {deadline_s} s")
-
-
-
 def test_two_ranks_hold_identical_state_and_match_one_process(tmp_path):
-    _spawn(_rank_main, 2, str(tmp_path))
+    spawn_ranks(_rank_main, 2, str(tmp_path))
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert rank0["state"].keys() == rank1["state"].keys() and rank0["state"]
     for key in rank0["state"]:

@@ -86,12 +86,38 @@ def test_llama_stats_in_one_graph_and_no_grad_rows_without_gradients():
     assert compiled.fp8graph_stats.record(step=2) == []  # nothing new since the last record
 
 
+class _TwoLinearsWithABreak(torch.nn.Module):
+    """linear -> graph break -> linear: two compiled graphs, each with its own backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        x = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(x)
+
+
+def test_stats_across_graph_breaks_record_every_site_and_role():
+    # One buffer shared by both graphs would be written by the second forward
+    # after the first graph saved it for its backward: autograd refuses that.
+    compiled = fp8graph.compile(_TwoLinearsWithABreak(), compiler="aot_eager", stats=True)
+    for step in range(2):
+        compiled(torch.randn(16, 32)).sum().backward()
+        rows = compiled.fp8graph_stats.record(step)
+        assert [(r.path, r.role) for r in rows] == [
+            (path, role) for path in ("first", "second") for role in ("input", "weight", "grad_output")]
+    assert compiled.fp8graph_backend.graph_count == 2
+
+
 def test_stats_off_adds_nothing():
     model = build("mlp", "tiny")
     compiled, backend = compile_fp8(model)
     compiled(torch.randn(4, 64))
     assert not hasattr(model, STATS_BUFFER)
-    assert all(not m._forward_pre_hooks for m in model.modules())
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    assert not any(hasattr(m, STATS_BUFFER) for m in model.modules())
     [gm] = backend.graph_modules
     fp8_nodes = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "").startswith("fp8graph_")]
     assert len(fp8_nodes) == 2 and all(len(n.args) == 3 for n in fp8_nodes)
