@@ -22,12 +22,12 @@ import time
 import torch
 
 import fp8graph
+from fp8graph.recipes import PRESETS
 from fp8graph.models import build
 
 from .timing import environment, markdown_table, median, report, time_ms, title
 
-RECIPES = {"current": fp8graph.Float8CurrentScaling(), "rowwise": fp8graph.Float8RowwiseScaling(),
-           "block": fp8graph.Float8BlockScaling()}
+RECIPES = {name: PRESETS[name] for name in ("current", "rowwise", "block")}
 
 
 def _compile(model, contestant: str, compiler: str):

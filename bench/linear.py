@@ -18,6 +18,7 @@ import pathlib
 import torch
 
 import fp8graph
+from fp8graph.recipes import PRESETS
 
 from .timing import environment, markdown_table, median, report, time_ms, title
 
@@ -34,8 +35,7 @@ def _step(model, x, grad_output):
     return run
 
 
-RECIPES = {"current": fp8graph.Float8CurrentScaling(), "rowwise": fp8graph.Float8RowwiseScaling(),
-           "block": fp8graph.Float8BlockScaling(), "mxfp8": fp8graph.MXFP8BlockScaling()}
+RECIPES = {name: PRESETS[name] for name in ("current", "rowwise", "block", "mxfp8")}
 
 
 def _contestants(linear: torch.nn.Module, compiler: str) -> dict:

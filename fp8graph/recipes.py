@@ -15,7 +15,7 @@ from .formats import Format, Role
 from .tiles import ScaleKind, Tiling
 
 __all__ = ["DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling", "Float8RowwiseScaling",
-           "MXFP8BlockScaling", "Recipe", "TiledRecipe"]
+           "MXFP8BlockScaling", "PRESETS", "Recipe", "TiledRecipe"]
 
 
 def _check_type(recipe: object, field: str, expected: type) -> None:
@@ -237,3 +237,12 @@ class MXFP8BlockScaling(_TiledScaling):
 TiledRecipe = Union[Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling]
 # The recipes a site can be given (works with isinstance).
 Recipe = Union[Float8CurrentScaling, DelayedScaling, Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling]
+
+# Each recipe with its defaults, by the short name command lines and benchmarks use.
+PRESETS: dict[str, Recipe] = {
+    "current": Float8CurrentScaling(),
+    "delayed": DelayedScaling(),
+    "rowwise": Float8RowwiseScaling(),
+    "block": Float8BlockScaling(),
+    "mxfp8": MXFP8BlockScaling(),
+}

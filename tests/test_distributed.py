@@ -9,23 +9,26 @@ Every run is compared with one process that sees the same global batches.
 
 The loss is world-size invariant: each rank sums its tokens' losses and
 divides by the global token count, and gradients are summed over ranks, not
-averaged (FSDP2's gradient divide factor is 1; DDP gets a summing
-communication hook). Then grad_output is the same
+averaged (``fp8graph.train_distributed.parallelize``). Then grad_output is the same
 tensor, token for token, whatever the world size, so delayed scaling's
 grad_output history means the same after resuming on another world size.
 """
+
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import fp8graph
 from fp8graph import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling
 from fp8graph.models import build
+from fp8graph.train_distributed import parallelize, summed_loss
 
 from gloo_ranks import collectives_issued, init_gloo, spawn_ranks
 
@@ -54,15 +57,8 @@ def _local(tokens, rank, world_size):
     return tokens[rank * shard:(rank + 1) * shard]
 
 
-def _summed_loss(compiled, tokens):
-    """Next-token cross entropy of ``tokens``, summed over them and divided by the global token count."""
-    logits = compiled(tokens).logits  # (B, T, V)
-    loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum")
-    return loss_sum / (GLOBAL_BATCH * (SEQUENCE - 1))
-
-
 def _step(compiled, optimizer, tokens):
-    loss = _summed_loss(compiled, tokens)
+    loss = summed_loss(compiled(tokens).logits, tokens, GLOBAL_BATCH * (SEQUENCE - 1))
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -80,13 +76,7 @@ def _fp8_state(model):
 
 def _sharded_model(recipe, stats=False):
     model = build("llama", CONFIG, seed=0)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)  # sum the ranks' gradients: see the module docstring
-            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    parallelize(model, "fsdp2")  # each layer, then the model; gradients summed over ranks
     compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager", stats=stats)
     return model, compiled, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -227,18 +217,11 @@ def test_fsdp2_checkpoint_from_two_ranks_resumes_on_four(fsdp_runs):
 
 # --- DDP, 2 ranks, compile around DDP: Dynamo cuts the graph at bucket boundaries ----------------
 
-def _sum_gradients(process_group, bucket):
-    """DDP communication hook: sum the ranks' gradients instead of averaging them."""
-    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
-    return work.get_future().then(lambda future: future.value()[0])
-
-
 def _ddp_rank(rank, world_size, out_dir):
     init_gloo(rank, world_size, out_dir)
     try:
         model = build("llama", CONFIG, seed=0)
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
-        ddp.register_comm_hook(None, _sum_gradients)  # see the module docstring
+        ddp = parallelize(model, "ddp", bucket_cap_mb=1)  # gradients summed over ranks
         compiled = fp8graph.compile(ddp, policy=RECIPES["delayed"], compiler="aot_eager")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         batches = [_local(tokens, rank, world_size) for tokens in _global_batches()]
@@ -274,3 +257,24 @@ def test_ddp_graph_split_at_buckets_rewrites_every_piece(tmp_path):
     single, _ = _single_process_losses(RECIPES["delayed"], STEPS)
     # Amaxes are reduced and gradients summed: the scales are the whole batch's (measured 1.2e-7).
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single), rtol=1e-5, atol=0)
+
+
+# --- The README's torchrun commands ---------------------------------------------------------------
+
+def _torchrun(nproc, *args):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "-m", "fp8graph", "train-distributed", "--seq-len", "32", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+def test_torchrun_trains_on_two_ranks_and_resumes_on_four(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    two = _torchrun(2, "--recipe", "delayed", "--steps", "2", "--checkpoint", str(checkpoint))
+    assert re.findall(r"^step +(\d+)", two, re.M) == ["1", "2"]
+    assert "fsdp2 on 2 ranks, delayed: 14 of 15 sites in FP8" in two
+    four = _torchrun(4, "--recipe", "delayed", "--steps", "3", "--checkpoint", str(checkpoint))
+    assert re.findall(r"^step +(\d+)", four, re.M) == ["3"]
+    assert "fsdp2 on 4 ranks" in four and "saved step 3" in four
