@@ -32,7 +32,7 @@ def unwrap_data_parallel(model):
 
 
 def compile(model, policy=None, compiler: str = "inductor", lowering: str = "auto", stats: bool = False,
-            **torch_compile_kwargs):
+            freeze_weights: bool = False, **torch_compile_kwargs):
     """Compile ``model`` with its linear sites in FP8.
 
     Args:
@@ -45,6 +45,14 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             elsewhere), ``"scaled_mm"`` or ``"emulated"``.
         stats: collect FP8 numerics statistics inside the compiled graphs
             (see :mod:`fp8graph.stats`); off by default and then free.
+        freeze_weights: for inference: graphs compiled under ``torch.no_grad()``
+            quantize each weight once, when compiling (Inductor's freezing
+            folds the weight's FP8 copy into a constant), instead of on
+            every call. Only for weights that no longer change: after an
+            in-place update the frozen graphs mix folded old values with
+            live new ones (Inductor's freezing contract), so compile again
+            after loading new weights. Training graphs are unaffected.
+            Needs ``compiler="inductor"``.
         **torch_compile_kwargs: passed to ``torch.compile`` (``dynamic``, ``mode``, ...).
 
     Returns:
@@ -57,6 +65,9 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
         >>> loss = compiled(input_ids, labels=input_ids).loss
     """
     mode = torch_compile_kwargs.pop("mode", None)
+    if freeze_weights and (compiler != "inductor" or not isinstance(model, torch.nn.Module)):
+        raise ValueError("freeze_weights needs an nn.Module and compiler='inductor' (Inductor's freezing pass), "
+                         f"got {type(model).__name__} and {compiler!r}")
     if stats and not isinstance(model, torch.nn.Module):
         raise ValueError("stats=True needs an nn.Module: the statistics live in a buffer of the model")
     user_model = unwrap_data_parallel(model)
@@ -65,10 +76,30 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     state = register_delayed_state(user_model, policy) if policy.needs_state else None
     backend = FP8Backend(policy, compiler, lowering, model=user_model, mode=mode, stats=collector, state=state)
     compiled = torch.compile(model, backend=backend, **torch_compile_kwargs)
+    if freeze_weights:
+        _trace_with_freezing(compiled)
     # On the wrapper itself: OptimizedModule's setattr would forward to the user's model.
     object.__setattr__(compiled, _BACKEND_ATTRIBUTE, backend)
     object.__setattr__(compiled, "fp8graph_stats", collector)
     return compiled
+
+
+def _trace_with_freezing(compiled) -> None:
+    """Make ``compiled`` trace and compile with Inductor's ``freezing`` on.
+
+    Dynamo reads the flag too: only with it does a graph compiled without
+    gradients get its parameters as constants (graph attributes) rather than
+    inputs. The flag is set for the duration of each call, not globally.
+    """
+    from torch._inductor import config as inductor_config
+
+    forward = compiled.forward
+
+    def forward_with_freezing(*args, **kwargs):
+        with inductor_config.patch(freezing=True):
+            return forward(*args, **kwargs)
+
+    object.__setattr__(compiled, "forward", forward_with_freezing)
 
 
 def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> ExplainReport:

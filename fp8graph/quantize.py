@@ -37,7 +37,10 @@ def amax_to_scale(
     """
     amax_fp32 = amax_fp32.to(torch.float32)
     usable = torch.isfinite(amax_fp32) & (amax_fp32 > 0)
-    scale = torch.where(usable, fp8_max(fp8_dtype) / amax_fp32, 1.0)
+    # The fallback 1.0 is derived from a tensor, not a constant: Inductor's
+    # freezing folds only computations of constants and tensors, never of
+    # constructors, and this lets it fold a frozen weight's whole quantization.
+    scale = torch.where(usable, fp8_max(fp8_dtype) / amax_fp32, (~usable).to(torch.float32))
     scale = scale.clamp(max=_FLOAT32_MAX)
     if power_2_scales:
         # Drop the mantissa bits: the largest power of two <= scale. Bit
@@ -60,7 +63,8 @@ def quantize(x_hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) ->
     x_scaled = x_hp.to(torch.float32) * scale
     x_saturated = x_scaled.clamp(-max_value, max_value)  # NaN passes through clamp
     if fp8_dtype == torch.float8_e4m3fn:
-        x_saturated = torch.where(torch.isinf(x_scaled), float("nan"), x_saturated)
+        # NaN as (inf - inf), not a constant (see amax_to_scale); abs() clears its sign bit.
+        x_saturated = torch.where(torch.isinf(x_scaled), (x_scaled - x_scaled).abs(), x_saturated)
     else:
         x_saturated = torch.where(torch.isinf(x_scaled), x_scaled, x_saturated)
     return x_saturated.to(fp8_dtype)

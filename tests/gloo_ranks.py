@@ -16,16 +16,23 @@ COLLECTIVE_EVENTS = ("c10d::", "_c10d_functional::all_reduce", "_c10d_functional
                      "_c10d_functional::reduce_scatter")
 
 
-def init_gloo(rank: int, world_size: int, out_dir: str) -> None:
+def _rank_entry(rank: int, fn, world_size: int, out_dir: str) -> None:
     # A file rendezvous needs no port; the timeout turns a stuck collective into an error.
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous-{world_size}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)  # ranks share the machine's cores
+    try:
+        fn(rank, world_size, out_dir)
+    finally:
+        # Only once fn's frame, and the DDP module in it, is gone: a DDP module
+        # destroyed after its process group can hang the process at exit.
+        dist.destroy_process_group()
 
 
 def spawn_ranks(fn, world_size: int, out_dir: str, deadline_s: float = 300) -> None:
-    """Run ``fn(rank, world_size, out_dir)`` on ``world_size`` processes; fail (not hang) past the deadline."""
-    context = mp.spawn(fn, args=(world_size, out_dir), nprocs=world_size, join=False)
+    """Run ``fn(rank, world_size, out_dir)`` in a gloo process group of ``world_size`` processes;
+    fail (not hang) past the deadline."""
+    context = mp.spawn(_rank_entry, args=(fn, world_size, out_dir), nprocs=world_size, join=False)
     deadline = time.monotonic() + deadline_s
     while not context.join(timeout=2):
         if time.monotonic() > deadline:

@@ -13,7 +13,7 @@ import fp8graph
 from fp8graph import DelayedScaling
 from fp8graph.models import build
 
-from gloo_ranks import init_gloo, spawn_ranks
+from gloo_ranks import spawn_ranks
 
 STEPS, GLOBAL_BATCH = 5, 16
 RECIPE = DelayedScaling(amax_history_len=4)
@@ -37,23 +37,19 @@ def _train(compiled, model, batches):
 
 
 def _rank_main(rank, world_size, out_dir):
-    init_gloo(rank, world_size, out_dir)
-    try:
-        model = build("mlp", "tiny", seed=0)
-        compiled = fp8graph.compile(model, policy=RECIPE, compiler="aot_eager")
-        # No buffer broadcast: identical state must come from the in-graph all-reduce.
-        ddp = torch.nn.parallel.DistributedDataParallel(compiled, broadcast_buffers=False)
-        shard = GLOBAL_BATCH // world_size
-        local = [x[rank * shard:(rank + 1) * shard] for x in _batches()]
-        local_losses = _train(ddp, model, local)
-        global_losses = []
-        for loss in local_losses:  # the global batch's mean loss
-            dist.all_reduce(loss)
-            global_losses.append(loss / world_size)
-        state = {k: v for k, v in model.state_dict().items() if "fp8graph" in k}
-        torch.save({"losses": torch.stack(global_losses), "state": state}, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    model = build("mlp", "tiny", seed=0)
+    compiled = fp8graph.compile(model, policy=RECIPE, compiler="aot_eager")
+    # No buffer broadcast: identical state must come from the in-graph all-reduce.
+    ddp = torch.nn.parallel.DistributedDataParallel(compiled, broadcast_buffers=False)
+    shard = GLOBAL_BATCH // world_size
+    local = [x[rank * shard:(rank + 1) * shard] for x in _batches()]
+    local_losses = _train(ddp, model, local)
+    global_losses = []
+    for loss in local_losses:  # the global batch's mean loss
+        dist.all_reduce(loss)
+        global_losses.append(loss / world_size)
+    state = {k: v for k, v in model.state_dict().items() if "fp8graph" in k}
+    torch.save({"losses": torch.stack(global_losses), "state": state}, f"{out_dir}/rank{rank}.pt")
 
 
 def test_two_ranks_hold_identical_state_and_match_one_process(tmp_path):

@@ -30,7 +30,7 @@ from fp8graph import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, F
 from fp8graph.models import build
 from fp8graph.train_distributed import parallelize, summed_loss
 
-from gloo_ranks import collectives_issued, init_gloo, spawn_ranks
+from gloo_ranks import collectives_issued, spawn_ranks
 
 # tiny-blocks: every projection a multiple of 128, for block scaling, and
 # parameters large enough (1.5 MB) for DDP to cut them into two 1 MB buckets.
@@ -91,51 +91,43 @@ def _single_process_losses(recipe, steps):
 # --- FSDP2, 2 ranks -------------------------------------------------------------------------------
 
 def _fsdp_rank(rank, world_size, out_dir):
-    init_gloo(rank, world_size, out_dir)
-    try:
-        batches = [_local(tokens, rank, world_size) for tokens in _global_batches()]
-        results = {}
-        for name, recipe in RECIPES.items():
-            model, compiled, optimizer = _sharded_model(recipe, stats=name == "current")
-            losses = [_global_loss(_step(compiled, optimizer, tokens)) for tokens in batches[:STEPS - 1]]
-            collectives = collectives_issued(
-                lambda: losses.append(_global_loss(_step(compiled, optimizer, batches[STEPS - 1]))))
-            backend = compiled.fp8graph_backend
-            results[name] = {
-                "losses": losses,
-                "collectives": collectives,
-                "rewritten": sorted(d.site.path for d in backend.decisions if d.rewritten),
-                "state": _fp8_state(model),
-            }
-            if name == "current":
-                # Under FSDP2 the weight is gathered before the graph quantizes it: same scale on every rank.
-                results[name]["weight_scales"] = {
-                    row.path: row.scale for row in compiled.fp8graph_stats.record(STEPS) if row.role == "weight"}
-            if name == "delayed":
-                model_state, optimizer_state = get_state_dict(model, optimizer)
-                dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=f"{out_dir}/checkpoint")
-                results[name]["continued"] = [_global_loss(_step(compiled, optimizer, tokens))
-                                              for tokens in batches[STEPS:]]
-        torch.save(results, f"{out_dir}/fsdp-rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    batches = [_local(tokens, rank, world_size) for tokens in _global_batches()]
+    results = {}
+    for name, recipe in RECIPES.items():
+        model, compiled, optimizer = _sharded_model(recipe, stats=name == "current")
+        losses = [_global_loss(_step(compiled, optimizer, tokens)) for tokens in batches[:STEPS - 1]]
+        collectives = collectives_issued(
+            lambda: losses.append(_global_loss(_step(compiled, optimizer, batches[STEPS - 1]))))
+        backend = compiled.fp8graph_backend
+        results[name] = {
+            "losses": losses,
+            "collectives": collectives,
+            "rewritten": sorted(d.site.path for d in backend.decisions if d.rewritten),
+            "state": _fp8_state(model),
+        }
+        if name == "current":
+            # Under FSDP2 the weight is gathered before the graph quantizes it: same scale on every rank.
+            results[name]["weight_scales"] = {
+                row.path: row.scale for row in compiled.fp8graph_stats.record(STEPS) if row.role == "weight"}
+        if name == "delayed":
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=f"{out_dir}/checkpoint")
+            results[name]["continued"] = [_global_loss(_step(compiled, optimizer, tokens))
+                                          for tokens in batches[STEPS:]]
+    torch.save(results, f"{out_dir}/fsdp-rank{rank}.pt")
 
 
 def _resume_rank(rank, world_size, out_dir):
-    init_gloo(rank, world_size, out_dir)
-    try:
-        model, compiled, optimizer = _sharded_model(RECIPES["delayed"])
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=f"{out_dir}/checkpoint")
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        loaded = _fp8_state(model)
-        batches = [_local(tokens, rank, world_size) for tokens in _global_batches()]
-        losses = [_global_loss(_step(compiled, optimizer, tokens)) for tokens in batches[STEPS:]]
-        torch.save({"loaded": loaded, "losses": losses, "state": _fp8_state(model)},
-                   f"{out_dir}/resume-rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    model, compiled, optimizer = _sharded_model(RECIPES["delayed"])
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=f"{out_dir}/checkpoint")
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    loaded = _fp8_state(model)
+    batches = [_local(tokens, rank, world_size) for tokens in _global_batches()]
+    losses = [_global_loss(_step(compiled, optimizer, tokens)) for tokens in batches[STEPS:]]
+    torch.save({"loaded": loaded, "losses": losses, "state": _fp8_state(model)},
+               f"{out_dir}/resume-rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -208,9 +200,12 @@ def test_fsdp2_checkpoint_from_two_ranks_resumes_on_four(fsdp_runs):
         assert rank["loaded"].keys() == saved.keys()
         for key in saved:
             assert torch.equal(rank["loaded"][key], saved[key]), key
-    # Same global batches, same state: four ranks continue as two did (fp32 summation order only).
+    # Same global batches, same state: four ranks continue as two did, and as one process
+    # that trained all the steps (fp32 summation order only, as above).
     torch.testing.assert_close(torch.tensor(four[0]["losses"]), torch.tensor(two[0]["delayed"]["continued"]),
                                rtol=1e-5, atol=0)
+    single, _ = _single_process_losses(RECIPES["delayed"], STEPS + RESUMED_STEPS)
+    torch.testing.assert_close(torch.tensor(four[0]["losses"]), torch.tensor(single[STEPS:]), rtol=1e-5, atol=0)
     for key in four[0]["state"]:
         assert all(torch.equal(rank["state"][key], four[0]["state"][key]) for rank in four), key
 
@@ -218,26 +213,22 @@ def test_fsdp2_checkpoint_from_two_ranks_resumes_on_four(fsdp_runs):
 # --- DDP, 2 ranks, compile around DDP: Dynamo cuts the graph at bucket boundaries ----------------
 
 def _ddp_rank(rank, world_size, out_dir):
-    init_gloo(rank, world_size, out_dir)
-    try:
-        model = build("llama", CONFIG, seed=0)
-        ddp = parallelize(model, "ddp", bucket_cap_mb=1)  # gradients summed over ranks
-        compiled = fp8graph.compile(ddp, policy=RECIPES["delayed"], compiler="aot_eager")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        batches = [_local(tokens, rank, world_size) for tokens in _global_batches()]
+    model = build("llama", CONFIG, seed=0)
+    ddp = parallelize(model, "ddp", bucket_cap_mb=1)  # gradients summed over ranks
+    compiled = fp8graph.compile(ddp, policy=RECIPES["delayed"], compiler="aot_eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [_local(tokens, rank, world_size) for tokens in _global_batches()]
 
-        losses = [_global_loss(_step(compiled, optimizer, tokens)) for tokens in batches[:STEPS - 1]]
-        collectives = collectives_issued(
-            lambda: losses.append(_global_loss(_step(compiled, optimizer, batches[STEPS - 1]))))
-        backend = compiled.fp8graph_backend
-        report = fp8graph.explain(compiled, batches[0])
-        torch.save({"losses": losses, "collectives": collectives, "graph_count": backend.graph_count,
-                    "compiled_paths": [d.site.path for d in backend.decisions if d.rewritten],
-                    "explained_paths": [r.path for r in report if r.recipe is not None],
-                    "explain_graphs": report.graph_count, "state": _fp8_state(model)},
-                   f"{out_dir}/ddp-rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    losses = [_global_loss(_step(compiled, optimizer, tokens)) for tokens in batches[:STEPS - 1]]
+    collectives = collectives_issued(
+        lambda: losses.append(_global_loss(_step(compiled, optimizer, batches[STEPS - 1]))))
+    backend = compiled.fp8graph_backend
+    report = fp8graph.explain(compiled, batches[0])
+    torch.save({"losses": losses, "collectives": collectives, "graph_count": backend.graph_count,
+                "compiled_paths": [d.site.path for d in backend.decisions if d.rewritten],
+                "explained_paths": [r.path for r in report if r.recipe is not None],
+                "explain_graphs": report.graph_count, "state": _fp8_state(model)},
+               f"{out_dir}/ddp-rank{rank}.pt")
 
 
 def test_ddp_graph_split_at_buckets_rewrites_every_piece(tmp_path):

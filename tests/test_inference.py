@@ -1,0 +1,51 @@
+"""Inference with ``freeze_weights``: each weight quantized once, when compiling.
+
+    linear -> gelu -> linear -> gelu -> linear (the tiny MLP, two FP8 sites)
+
+Under ``torch.no_grad()`` Inductor's freezing turns the parameters into
+constants and folds what depends on them alone, the weights' amax, scale and
+FP8 copy, so a call quantizes only its activations.
+"""
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import fp8graph
+from fp8graph.models import build
+
+# A reduction over a tensor compiles to C++ that calls max_propagate_nan once per reduced vector.
+AMAX_REDUCTION = "max_propagate_nan"
+
+
+def _compile_and_run(model, x, **kwargs):
+    torch._dynamo.reset()
+    compiled = fp8graph.compile(model, compiler="inductor", **kwargs)
+    output, code = run_and_get_code(compiled, x)
+    return compiled, output, "\n".join(code)
+
+
+@pytest.mark.inductor
+def test_frozen_weights_are_quantized_once_when_compiling():
+    model = build("mlp", "tiny")
+    x = torch.randn(32, 64)
+    with torch.no_grad():
+        _, output, code = _compile_and_run(model, x)
+        _, frozen_output, frozen_code = _compile_and_run(model, x, freeze_weights=True)
+    torch.testing.assert_close(frozen_output, output)  # the same FP8 numerics
+    # Per call, the frozen graph reduces only the two inputs, not the two weights.
+    assert code.count(AMAX_REDUCTION) == 2 * frozen_code.count(AMAX_REDUCTION) > 0
+
+
+@pytest.mark.inductor
+def test_freezing_leaves_training_graphs_alone():
+    model = build("mlp", "tiny")
+    x = torch.randn(32, 64)
+    compiled = fp8graph.compile(model, compiler="inductor", freeze_weights=True)
+    compiled(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_freeze_weights_needs_inductor():
+    with pytest.raises(ValueError, match="freeze_weights needs an nn.Module and compiler='inductor'"):
+        fp8graph.compile(build("mlp", "tiny"), compiler="aot_eager", freeze_weights=True)
