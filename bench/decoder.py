@@ -20,6 +20,7 @@ import pathlib
 import time
 
 import torch
+from torch._inductor import config as inductor_config
 
 import fp8graph
 from fp8graph.recipes import PRESETS
@@ -30,10 +31,17 @@ from .timing import environment, markdown_table, median, report, time_ms, title
 RECIPES = {name: PRESETS[name] for name in ("current", "rowwise", "block")}
 
 
-def _compile(model, contestant: str, compiler: str):
+def _compile(model, contestant: str, compiler: str, freeze_weights: bool = False):
     if contestant == "bf16":
-        return torch.compile(model, backend=compiler)
-    return fp8graph.compile(model, policy=RECIPES[contestant], compiler=compiler)
+        compiled = torch.compile(model, backend=compiler)
+        if not freeze_weights:
+            return compiled
+
+        def frozen(*args, **kwargs):  # what fp8graph's freeze_weights does, for the baseline
+            with inductor_config.patch(freezing=True):
+                return compiled(*args, **kwargs)
+        return frozen
+    return fp8graph.compile(model, policy=RECIPES[contestant], compiler=compiler, freeze_weights=freeze_weights)
 
 
 def _train_step(compiled, model, tokens):
@@ -72,7 +80,12 @@ def _measure(contestant: str, args, device, compiler, config, batch, sequence, w
     row["train_timings_ms"] = time_ms(step, device, warmup, repeats)
     row["train_tokens_per_s"] = batch * sequence / (median(row["train_timings_ms"]) / 1e3)
     row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-    compiled = _compile(model, contestant, compiler)
+    # Inference with frozen weights (Inductor only): every contestant folds
+    # what depends on weights alone, so fp8graph quantizes each weight once.
+    freeze_weights = compiler == "inductor"
+    row["prefill_frozen_weights"] = freeze_weights
+    torch._dynamo.reset()
+    compiled = _compile(model, contestant, compiler, freeze_weights)
 
     def prefill():
         with torch.no_grad():
