@@ -11,7 +11,7 @@ import enum
 
 import torch
 
-__all__ = ["Format", "ROLES", "Role", "fp8_max", "saturation_threshold"]
+__all__ = ["Format", "ROLES", "Role", "fp8_max", "fp8_max_exponent", "saturation_threshold"]
 
 
 class Role(str, enum.Enum):
@@ -55,6 +55,11 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
         return _FP8_MAX[fp8_dtype]
     except KeyError:
         raise ValueError(f"{fp8_dtype} is not a supported FP8 dtype") from None
+
+
+def fp8_max_exponent(fp8_dtype: torch.dtype) -> int:
+    """``p`` with ``fp8_max = 1.75 * 2**p``: 8 for E4M3 (448), 15 for E5M2 (57344)."""
+    return int(fp8_max(fp8_dtype) / 1.75).bit_length() - 1
 
 
 # Magnitudes above max but below max + half the top step round to max even

@@ -156,7 +156,24 @@ class _TiledScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class Float8RowwiseScaling(_TiledScaling):
+class _ExactOrPower2Scaling(_TiledScaling):
+    """Tiled recipes whose scales are exact or, by default, rounded down to powers of two."""
+
+    power_2_scales: bool = True
+
+    def __post_init__(self) -> None:
+        _check_type(self, "power_2_scales", bool)
+
+    @property
+    def scale_kind(self) -> ScaleKind:
+        return ScaleKind.POWER_2 if self.power_2_scales else ScaleKind.EXACT
+
+    def _named(self, name: str) -> str:
+        return f"{name[:-1]}, pow2)" if self.power_2_scales else name
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8RowwiseScaling(_ExactOrPower2Scaling):
     """One scale per row of each operand along the GEMM's reduction dimension.
 
     The forward GEMM scales the input per token row and the weight per output
@@ -169,21 +186,16 @@ class Float8RowwiseScaling(_TiledScaling):
         power_2_scales: round each scale down to a power of two (exact scaling).
     """
 
-    power_2_scales: bool = True
-
-    def __post_init__(self) -> None:
-        _check_type(self, "power_2_scales", bool)
-
     @property
     def name(self) -> str:
-        return "rowwise(E4M3, pow2)" if self.power_2_scales else "rowwise(E4M3)"
+        return self._named("rowwise(E4M3)")
 
     def tiling(self, role: Role) -> Tiling:
-        return Tiling(1, None, ScaleKind.POWER_2 if self.power_2_scales else ScaleKind.EXACT)
+        return Tiling(1, None, self.scale_kind)
 
 
 @dataclasses.dataclass(frozen=True)
-class Float8BlockScaling(_TiledScaling):
+class Float8BlockScaling(_ExactOrPower2Scaling):
     """DeepSeek-V3 block scaling: 1x128 tiles for activations and gradients, 128x128 for weights.
 
     Activations and gradients needed along the other dimension in backward
@@ -195,19 +207,14 @@ class Float8BlockScaling(_TiledScaling):
         power_2_scales: round each scale down to a power of two.
     """
 
-    power_2_scales: bool = True
     dim_multiple = 128
-
-    def __post_init__(self) -> None:
-        _check_type(self, "power_2_scales", bool)
 
     @property
     def name(self) -> str:
-        return "block(1x128/128x128, pow2)" if self.power_2_scales else "block(1x128/128x128)"
+        return self._named("block(1x128/128x128)")
 
     def tiling(self, role: Role) -> Tiling:
-        kind = ScaleKind.POWER_2 if self.power_2_scales else ScaleKind.EXACT
-        return Tiling(128, 128, kind) if role is Role.WEIGHT else Tiling(1, 128, kind)
+        return Tiling(128, 128, self.scale_kind) if role is Role.WEIGHT else Tiling(1, 128, self.scale_kind)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ import enum
 
 import torch
 
-from .formats import fp8_max
+from .formats import fp8_max_exponent
 from .quantize import amax_to_scale, quantize
 
 __all__ = ["ScaleKind", "Tiling", "dequantize_tiled", "e8m0_to_scale", "expand_scale", "mx_scale_e8m0",
@@ -93,7 +93,7 @@ def mx_scale_e8m0(amax_fp32: torch.Tensor, fp8_dtype: torch.dtype = torch.float8
     for amaxes so small that a smaller power would be needed; 255 (E8M0 NaN)
     for inf or NaN.
     """
-    p = int(fp8_max(fp8_dtype) / 1.75).bit_length() - 1
+    p = fp8_max_exponent(fp8_dtype)
     bits = amax_fp32.to(torch.float32).view(torch.int32)
     biased_exponent = (bits >> _MANTISSA_BITS) & 0xFF
     mantissa = bits & _MANTISSA_MASK

@@ -1,6 +1,6 @@
 """DDP and FSDP2 with the fp8 backend: gloo processes on this CPU, tiny Llama.
 
-    DDP:    fp8graph.compile(DistributedDataParallel(model))     2 ranks, graph split at buckets
+    DDP:    fp8graph.compile(DistributedDataParallel(model))     2 and 4 ranks, graph split at buckets
     FSDP2:  fully_shard(each layer), fully_shard(model), then fp8graph.compile
             current, row-wise, block, delayed                     2 ranks
             delayed: distributed checkpoint saved on 2 ranks      -> loaded on 4 ranks, training resumes
@@ -14,6 +14,7 @@ tensor, token for token, whatever the world size, so delayed scaling's
 grad_output history means the same after resuming on another world size.
 """
 
+import functools
 import os
 import re
 import subprocess
@@ -81,11 +82,13 @@ def _sharded_model(recipe, stats=False):
     return model, compiled, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _single_process_losses(recipe, steps):
+@functools.cache
+def _single_process_losses(name):
+    """Losses of one process that sees every global batch, for ``RECIPES[name]``."""
     model = build("llama", CONFIG, seed=0)
-    compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager")
+    compiled = fp8graph.compile(model, policy=RECIPES[name], compiler="aot_eager")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return [_step(compiled, optimizer, tokens).item() for tokens in _global_batches()[:steps]], model
+    return [_step(compiled, optimizer, tokens).item() for tokens in _global_batches()]
 
 
 # --- FSDP2, 2 ranks -------------------------------------------------------------------------------
@@ -160,7 +163,7 @@ def test_fsdp2_losses_match_one_process(fsdp_runs, name):
     assert two[0][name]["losses"] == two[1][name]["losses"]  # reduced: every rank reports the same
     assert two[0][name]["rewritten"] == two[1][name]["rewritten"]
     assert len(two[0][name]["rewritten"]) == LINEAR_SITES, two[0][name]["rewritten"]
-    single, _ = _single_process_losses(RECIPES[name], STEPS)
+    single = _single_process_losses(name)[:STEPS]
     torch.testing.assert_close(torch.tensor(two[0][name]["losses"]), torch.tensor(single),
                                rtol=LOSS_RTOL[name], atol=0)
 
@@ -204,8 +207,8 @@ def test_fsdp2_checkpoint_from_two_ranks_resumes_on_four(fsdp_runs):
     # that trained all the steps (fp32 summation order only, as above).
     torch.testing.assert_close(torch.tensor(four[0]["losses"]), torch.tensor(two[0]["delayed"]["continued"]),
                                rtol=1e-5, atol=0)
-    single, _ = _single_process_losses(RECIPES["delayed"], STEPS + RESUMED_STEPS)
-    torch.testing.assert_close(torch.tensor(four[0]["losses"]), torch.tensor(single[STEPS:]), rtol=1e-5, atol=0)
+    single = _single_process_losses("delayed")[STEPS:]
+    torch.testing.assert_close(torch.tensor(four[0]["losses"]), torch.tensor(single), rtol=1e-5, atol=0)
     for key in four[0]["state"]:
         assert all(torch.equal(rank["state"][key], four[0]["state"][key]) for rank in four), key
 
@@ -231,9 +234,10 @@ def _ddp_rank(rank, world_size, out_dir):
                f"{out_dir}/ddp-rank{rank}.pt")
 
 
-def test_ddp_graph_split_at_buckets_rewrites_every_piece(tmp_path):
-    spawn_ranks(_ddp_rank, 2, str(tmp_path))
-    ranks = [torch.load(tmp_path / f"ddp-rank{r}.pt") for r in range(2)]
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ddp_graph_split_at_buckets_rewrites_every_piece(tmp_path, world_size):
+    spawn_ranks(_ddp_rank, world_size, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"ddp-rank{r}.pt") for r in range(world_size)]
     result = ranks[0]
     assert result["graph_count"] >= 2  # DDPOptimizer handed the backend one graph per bucket
     assert result["explain_graphs"] == result["graph_count"]
@@ -243,9 +247,9 @@ def test_ddp_graph_split_at_buckets_rewrites_every_piece(tmp_path):
     assert sorted(result["explained_paths"]) == sorted(result["compiled_paths"])
     assert all(path.startswith("model.layers.") for path in result["compiled_paths"])
     for key in result["state"]:
-        assert torch.equal(result["state"][key], ranks[1]["state"][key]), key
+        assert all(torch.equal(result["state"][key], rank["state"][key]) for rank in ranks), key
     assert result["collectives"]["_c10d_functional::all_reduce"] == 3 * LINEAR_SITES - 2 * (2 + 1)
-    single, _ = _single_process_losses(RECIPES["delayed"], STEPS)
+    single = _single_process_losses("delayed")[:STEPS]
     # Amaxes are reduced and gradients summed: the scales are the whole batch's (measured 1.2e-7).
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single), rtol=1e-5, atol=0)
 

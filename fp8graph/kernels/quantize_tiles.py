@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8graph.formats import fp8_max
+from fp8graph.formats import fp8_max, fp8_max_exponent
 from fp8graph.tiles import ScaleKind, Tiling, quantize_tiled
 
 __all__ = ["quantize_tiles", "quantize_tiles_triton", "triton_available"]
@@ -80,6 +80,6 @@ def quantize_tiles_triton(x_hp: torch.Tensor, tiling: Tiling) -> tuple[torch.Ten
         x_hp, x_fp8.view(torch.uint8), scale, columns, padded, x_hp.stride(0), x_hp.stride(1),
         TILE_ROWS=tiling.rows, TILE_COLS=tile_cols, CHUNK=chunk,
         SCALE_KIND=_SCALE_KINDS[tiling.scale_kind.value], FP8_MAX=fp8_max(fp8_dtype),
-        FP8_MAX_EXPONENT=int(fp8_max(fp8_dtype) / 1.75).bit_length() - 1,
+        FP8_MAX_EXPONENT=fp8_max_exponent(fp8_dtype),
     )
     return x_fp8, scale
