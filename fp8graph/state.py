@@ -10,7 +10,7 @@ gives a ``DelayedScaling`` recipe it registers, per weight parameter ``<name>``:
 so ``state_dict()`` and ``load_state_dict()`` carry them (a checkpoint
 saved without them loads with fresh state and a logged notice; one whose
 history has another length is refused, naming the buffer), and a forward
-pre-hook that passes them to :func:`state_anchor`. Dynamo inlines the hooks
+hook that passes them to :func:`state_anchor`. Dynamo inlines the hooks
 of the modules it traces into, so the buffers become graph inputs; the
 backend drops the anchors and hands each site its buffers, which the FP8
 linear updates in place. Roles are ordered input, weight, grad_output.
