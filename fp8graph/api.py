@@ -51,8 +51,9 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             every call. Only for weights that no longer change: after an
             in-place update the frozen graphs mix folded old values with
             live new ones (Inductor's freezing contract), so compile again
-            after loading new weights. Training graphs are unaffected.
-            Needs ``compiler="inductor"``.
+            after loading new weights. Delayed-scaling scales and ``stats``
+            work as without freezing; the scales fold with the weights.
+            Training graphs are unaffected. Needs ``compiler="inductor"``.
         **torch_compile_kwargs: passed to ``torch.compile`` (``dynamic``, ``mode``, ...).
 
     Returns:

@@ -15,6 +15,7 @@ and lowers the rewritten graph through AOTAutograd and Inductor (or
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Sequence
 
 import torch
@@ -59,6 +60,8 @@ def _placeholder_values(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
         real = getattr(grapharg, "_example", None)
         real = real() if callable(real) else real  # a TensorWeakRef, or the value itself
         values[node] = real if isinstance(real, torch.Tensor) else example
+    for node in gm.graph.find_nodes(op="get_attr"):
+        values[node] = operator.attrgetter(node.target)(gm)
     return values
 
 

@@ -7,6 +7,8 @@ identity Dynamo keeps as a graph node, so Dynamo lifts them as graph inputs:
     before:  s = placeholder(..._buffers_fp8graph_stats_);  stats_anchor(s, r);  ...
     after:   s = placeholder(..._buffers_fp8graph_stats_);  ...
 
+(With ``freeze_weights`` they are ``get_attr`` nodes instead of placeholders.)
+
 Once the graph exists the anchors have done their job; the rewrite passes the
 placeholders to the FP8 sites. A hook that ran inside a ``torch.utils.checkpoint``
 region anchors the body's placeholders; they are reported as the top-level
@@ -38,4 +40,11 @@ def take_anchored_inputs(gm: torch.fx.GraphModule, anchor: Callable) -> list[tor
                 for user in list(node.users):  # getitem nodes of the unused result
                     graph_module.graph.erase_node(user)
                 graph_module.graph.erase_node(node)
+    # Under Inductor's freezing Dynamo makes buffers graph attributes, read where
+    # first used (after the module's forward, where the hook ran): move them to
+    # the top so every site can take them.
+    first = next(iter(gm.graph.nodes))
+    for node in anchored:
+        if node.op == "get_attr" and node is not first:
+            first.prepend(node)
     return list(anchored)

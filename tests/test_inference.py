@@ -7,6 +7,9 @@ constants and folds what depends on them alone, the weights' amax, scale and
 FP8 copy, so a call quantizes only its activations.
 """
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -49,3 +52,35 @@ def test_freezing_leaves_training_graphs_alone():
 def test_freeze_weights_needs_inductor():
     with pytest.raises(ValueError, match="freeze_weights needs an nn.Module and compiler='inductor'"):
         fp8graph.compile(build("mlp", "tiny"), compiler="aot_eager", freeze_weights=True)
+
+
+def _train_then_infer(model, x, **kwargs):
+    """Two training steps, then one inference call on inputs of another range; its output and stats."""
+    torch._dynamo.reset()
+    compiled = fp8graph.compile(model, compiler="inductor", stats=True, **kwargs)
+    for _ in range(2):
+        compiled(x).sum().backward()
+    compiled.fp8graph_stats.record(0)
+    with torch.no_grad():
+        output = compiled(3 * x)
+    return output, compiled.fp8graph_stats.record(1)
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("recipe", [fp8graph.Float8CurrentScaling(), fp8graph.DelayedScaling()],
+                         ids=lambda r: r.name)
+def test_frozen_graphs_keep_stats_and_delayed_scales(recipe):
+    """Frozen graphs take buffers as graph attributes, not inputs: stats and delayed
+    scales must reach their sites all the same and give what unfrozen graphs give."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    model = build("mlp", "tiny")
+    frozen_model = copy.deepcopy(model)
+    output, rows = _train_then_infer(model, x, policy=recipe)
+    frozen_output, frozen_rows = _train_then_infer(frozen_model, x, policy=recipe, freeze_weights=True)
+    torch.testing.assert_close(frozen_output, output, rtol=0, atol=0)
+    assert [(r.path, r.role) for r in frozen_rows] == [(r.path, r.role) for r in rows] == [
+        ("up", "input"), ("up", "weight"), ("mid", "input"), ("mid", "weight")]
+    for frozen_row, row in zip(frozen_rows, rows):
+        # Folded at compile time, a weight's SQNR may round differently in the last bits.
+        assert dataclasses.astuple(frozen_row)[3:] == pytest.approx(dataclasses.astuple(row)[3:], rel=1e-5)
