@@ -72,8 +72,15 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     if stats and not isinstance(model, torch.nn.Module):
         raise ValueError("stats=True needs an nn.Module: the statistics live in a buffer of the model")
     user_model = unwrap_data_parallel(model)
-    collector = FP8Stats(user_model) if stats else None
     policy = normalize_policy(policy)
+    if (stats or policy.needs_state) and isinstance(user_model, torch.nn.Module) \
+            and next(user_model.children(), None) is None:
+        what = "stats=True" if stats else "delayed scaling"
+        raise ValueError(
+            f"fp8graph: {what} needs a model with submodules, and this {type(user_model).__name__} has none: "
+            "its buffers reach the graph through forward hooks, and Dynamo runs the compiled root module's "
+            "hooks outside the graph. Wrap it, e.g. fp8graph.compile(torch.nn.Sequential(model), ...)")
+    collector = FP8Stats(user_model) if stats else None
     state = register_delayed_state(user_model, policy) if policy.needs_state else None
     backend = FP8Backend(policy, compiler, lowering, model=user_model, mode=mode, stats=collector, state=state)
     compiled = torch.compile(model, backend=backend, **torch_compile_kwargs)

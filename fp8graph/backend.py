@@ -108,6 +108,7 @@ class FP8Backend:
         self.mode = mode
         self.stats = stats
         self.decisions: list[Decision] = []
+        self._buffer_frames: dict[int, int | None] = {}  # id(state or stats buffer) -> Dynamo frame id
         self.graph_modules: list[torch.fx.GraphModule] = []
 
     def unmatched_rules(self) -> list[int]:
@@ -145,10 +146,36 @@ class FP8Backend:
             return stats_placeholders.get(id(buffer))
 
         rewrite_sites(gm, stats_nodes, state_nodes, update_state=torch.is_grad_enabled())
+        if torch.is_grad_enabled():
+            self._claim_written_buffers([
+                (d.site.path, node) for d in decisions if d.rewritten
+                for node in (stats_nodes(d.site), *(state_nodes(d.site) or ())) if node is not None], value_of)
         for decision in decisions:
             what = decision.recipe.name if decision.rewritten else f"kept: {decision.reason}"
             log.info("fp8graph: %s (%s) -> %s", decision.site.path or "<root>", decision.site.op, what)
         return decisions
+
+    def _claim_written_buffers(self, path_and_node, value_of) -> None:
+        """Refuse a state or stats buffer that training graphs of two code locations write.
+
+        A buffer that backward writes is written back whole, as it was after
+        the graph's forward: with ``a(x); graph_break(); a(x)`` the first
+        graph's backward would undo what the second graph recorded, and
+        autograd refuses the buffer the second forward changed. Recompiles of
+        one frame (new shapes) and DDP's pieces of one graph share a frame id
+        and are fine: they do not interleave forwards and backwards.
+        """
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        frame = None if compile_id is None else compile_id.frame_id
+        for path, node in path_and_node:
+            claimed_by = self._buffer_frames.setdefault(id(value_of[node]), frame)
+            if claimed_by != frame:
+                raise ValueError(
+                    f"fp8graph: module {path or '<root>'!r} has FP8 sites in two compiled graphs (a graph "
+                    "break between its calls, or calls from two compiled functions) and its delayed-scaling "
+                    "state or stats buffer is written by both graphs' backward passes, which would overwrite "
+                    "each other. Remove the graph break (see torch._dynamo.explain), or use a recipe without "
+                    "state and stats=False for this module")
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]):
         decisions = self.run_passes(gm, example_inputs)

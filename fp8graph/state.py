@@ -83,6 +83,14 @@ def _weight_candidates(module: torch.nn.Module):
             yield name, param
 
 
+def _anchor_owners_state(weight_owners: list[torch.nn.Module]):
+    def anchor_owners_state(module: torch.nn.Module, args, output) -> None:
+        for owner in weight_owners:
+            _anchor_state(owner, args)
+
+    return anchor_owners_state
+
+
 def _anchor_root_state(root: torch.nn.Module):
     def anchor_root_state(module: torch.nn.Module, args, output) -> None:
         _anchor_state(root, args)
@@ -118,11 +126,13 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedSta
     registered: dict[int, SiteState] = {}
     delayed_state = DelayedState()
     owners = []
+    tied_holders: dict[torch.nn.Module, list[torch.nn.Module]] = {}  # module -> owners of its tied weights
     for path, module in model.named_modules():
         names = []
         for name, param in _weight_candidates(module):
-            if id(param) in registered:  # a tied weight: one state
+            if id(param) in registered:  # a tied weight: one state, kept by the first module
                 delayed_state.add(module, name, registered[id(param)])
+                tied_holders.setdefault(module, []).append(registered[id(param)].module)
                 continue
             # Shapes as a linear would see them: (N, K) weights, M unknown before tracing.
             site = SiteInfo(op="linear", M=None, K=param.shape[1], N=param.shape[0], dtype=param.dtype)
@@ -145,6 +155,9 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedSta
     for module in owners:
         if module is not model:
             module.register_forward_hook(_anchor_state)
+    for module, weight_owners in tied_holders.items():
+        if module is not model:  # the owner's buffers must reach a graph that only calls this module
+            module.register_forward_hook(_anchor_owners_state(weight_owners))
     if model in owners:
         anchor_root = _anchor_root_state(model)
         for submodule in model.modules():

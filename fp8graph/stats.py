@@ -17,15 +17,20 @@ the graph) to :func:`stats_anchor`. Dynamo therefore lifts the buffers as
 graph inputs; the backend removes the anchors and hands each FP8 site the
 buffer of its module, whose forward writes the input and weight rows and
 whose backward writes the grad_output row, in place (AOTAutograd keeps input
-mutations, also from backward). A module called twice in one step reports
-its last call. Without ``stats=True`` none of this exists: no buffer, no
+mutations, also from backward). A module called twice in one graph reports
+its last call; one whose sites land in two training graphs is refused (see
+``FP8Backend._claim_written_buffers``). A module reachable by two paths
+reports under its first (``named_modules()``). Without ``stats=True`` none of this exists: no buffer, no
 hook, no extra graph node.
 
 Why a buffer per module and not one for the model: a buffer that backward
 writes is saved for backward, and autograd refuses a saved tensor that
 changed since. With one shared buffer, a model compiled into several graphs
-(a graph break, FSDP2's per-layer graphs, DDP's bucket split) would have
-the second graph's forward change what the first graph's backward saved.
+(a graph break between layers, FSDP2's per-layer graphs) would have the
+second graph's forward change what the first graph's backward saved. The
+root's buffer is anchored in every graph but only written by sites in the
+root's own forward; a model with no submodules has only the root's, and
+Dynamo runs the root's hooks outside the graph, so its stats stay empty.
 The hook runs after the module's forward, so DDP's graph split keeps it in
 the same piece as the module's GEMM (see ``fp8graph.state``).
 """
@@ -87,7 +92,7 @@ class FP8Stats:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.modules = dict(model.named_modules())  # a module reached by two paths reports under the first
+        self.modules = dict(model.named_modules())  # a module reached by two paths: its first
         for path, module in self.modules.items():
             if hasattr(module, STATS_BUFFER):
                 raise ValueError(f"{path or '<root>'} already has a {STATS_BUFFER!r} attribute")

@@ -78,8 +78,9 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
             return f"{dim_name}={dim} is not a multiple of {multiple}{tiles}"
     if isinstance(recipe, DelayedScaling) and not has_state(site):
         return ("delayed scaling has no state in this graph: the weight's amax history and scale are not "
-                "among the graph's inputs (registered after compiling, or a graph split between the GEMM "
-                "and the forward hook of the module that owns them)")
+                "among the graph's inputs (registered after compiling, a graph split between the GEMM "
+                "and the forward hook of the module that owns them, or a weight whose owner's hooks "
+                "did not run in this graph)")
     return None
 
 

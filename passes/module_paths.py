@@ -21,8 +21,13 @@ _INDEX = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")  # [3] or ['3'] -> .3
 
 
 def module_paths_by_id(model: torch.nn.Module) -> dict[str, str]:
-    """``{str(id(module)): path}`` for every module of ``model``."""
-    return {str(id(module)): path for path, module in model.named_modules(remove_duplicate=False)}
+    """``{str(id(module)): path}`` for every module of ``model``.
+
+    A module reachable by two paths (``model.b = model.a``) is named by the
+    first, as ``named_modules()`` names it: policies, state and statistics
+    all use that spelling.
+    """
+    return {str(id(module)): path for path, module in model.named_modules()}
 
 
 def _normalize_source_path(source_path: str) -> str:

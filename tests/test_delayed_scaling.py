@@ -225,3 +225,29 @@ def test_root_weights_keep_their_state_on_the_root():
     assert decisions[""].rewritten and decisions["body"].rewritten
     assert model.fp8graph_amax_history_weight[0, 0].item() == pytest.approx(x.abs().max().item())
     assert "fp8graph_scale_weight" in model.state_dict()
+
+
+class _TiedLinears(torch.nn.Module):
+    """Two Linears holding one weight; the graph calls only the second."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        self.second.weight = self.first.weight
+
+    def forward(self, x):
+        return self.second(x)
+
+
+def test_a_tied_weight_used_only_through_its_second_module_keeps_one_state():
+    model = _TiedLinears()
+    compiled = fp8graph.compile(model, policy=DelayedScaling(amax_history_len=4), compiler="aot_eager")
+    x = torch.randn(16, 32)
+    compiled(x).sum().backward()
+    [decision] = compiled.fp8graph_backend.decisions
+    assert decision.rewritten, decision.reason
+    assert not hasattr(model.second, "fp8graph_amax_history_weight")  # the first holder keeps the state
+    history = model.first.fp8graph_amax_history_weight
+    assert history[0, 0].item() == pytest.approx(x.abs().max().item(), rel=1e-6)
+    assert history[1, 0].item() == pytest.approx(model.first.weight.abs().max().item(), rel=1e-6)
+    assert history[2, 0].item() == 1.0  # grad_output of sum() is all ones

@@ -154,6 +154,16 @@ def test_stats_need_a_module():
         fp8graph.compile(lambda x: x, stats=True)
 
 
+@pytest.mark.parametrize("options", [dict(stats=True), dict(policy=fp8graph.DelayedScaling())],
+                         ids=["stats", "delayed"])
+def test_a_model_without_submodules_is_refused_with_the_way_out(options):
+    with pytest.raises(ValueError, match="has none.*torch.nn.Sequential"):
+        fp8graph.compile(torch.nn.Linear(32, 32), **options)
+    compiled = fp8graph.compile(torch.nn.Sequential(torch.nn.Linear(32, 32)), compiler="aot_eager", **options)
+    compiled(torch.randn(16, 32)).sum().backward()
+    assert [d.rewritten for d in compiled.fp8graph_backend.decisions] == [True]
+
+
 def test_bare_backend_refuses_stats_with_a_pointer_to_compile():
     with pytest.raises(Exception, match=r"stats need fp8graph.compile\(model, stats=True\)"):
         torch.compile(build("mlp", "tiny"), backend="fp8", options={"stats": True})(torch.randn(2, 64))
@@ -171,3 +181,22 @@ def test_sampling_stats_every_few_steps_with_a_second_compile():
         recorded.append(len(with_stats.fp8graph_stats.record(step)))
     assert recorded == [42, 0, 0, 42, 0, 0]  # the fast graph writes nothing
     assert fast.fp8graph_backend.graph_count == with_stats.fp8graph_backend.graph_count == 1
+
+
+class _ReachableByTwoPaths(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(32, 32)
+        self.b = self.a  # one module, two names; named_modules() calls it "a"
+
+    def forward(self, x):
+        return self.b(x)
+
+
+def test_a_module_reachable_by_two_paths_reports_under_its_first_name():
+    compiled = fp8graph.compile(_ReachableByTwoPaths(), compiler="aot_eager", stats=True,
+                                policy=fp8graph.DelayedScaling())
+    compiled(torch.randn(16, 32)).sum().backward()
+    assert [d.site.path for d in compiled.fp8graph_backend.decisions] == ["a"]
+    assert [(r.path, r.role) for r in compiled.fp8graph_stats.record(0)] == [
+        ("a", role) for role in ("input", "weight", "grad_output")]
