@@ -92,6 +92,18 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     return compiled
 
 
+def _find_compiled(model):
+    """The :func:`compile` result in ``model`` (itself, or inside DDP and torch.compile layers), or ``None``."""
+    while model is not None:
+        if _BACKEND_ATTRIBUTE in getattr(model, "__dict__", {}):
+            return model
+        inner = unwrap_data_parallel(model)
+        if inner is model and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            inner = model._orig_mod
+        model = None if inner is model else inner
+    return None
+
+
 def _trace_with_freezing(compiled) -> None:
     """Make ``compiled`` trace and compile with Inductor's ``freezing`` on.
 
@@ -113,8 +125,8 @@ def _trace_with_freezing(compiled) -> None:
 def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> ExplainReport:
     """Trace ``model(*args, **kwargs)`` and report what fp8graph does with each site.
 
-    A model returned by :func:`compile` is explained with its own policy and
-    lowering. The model runs once, without gradients, on the rewritten graph.
+    A model returned by :func:`compile` (also inside a DDP wrapper) is
+    explained with its own policy and lowering. The model runs once, without gradients, on the rewritten graph.
     Policy rules that match no site are listed in ``report.unmatched_rules``
     (a strict policy raises ``ValueError`` instead).
     Like ``torch._dynamo.explain``, this resets Dynamo's caches first, so
@@ -126,11 +138,13 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
         ``print()`` it for a table, ``report.to_html(path)`` for a page that
         draws the rewritten graphs.
     """
-    compiled_backend = vars(model).get(_BACKEND_ATTRIBUTE) if hasattr(model, "__dict__") else None
+    compiled = _find_compiled(model)
     state = None
-    if compiled_backend is not None:
+    if compiled is not None:
+        compiled_backend = vars(compiled)[_BACKEND_ATTRIBUTE]
         policy, lowering = compiled_backend.policy, compiled_backend.lowering
         state = compiled_backend.state
+        model = compiled  # what was compiled, without the wrappers around it (DDP(compiled), ...)
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         model = model._orig_mod  # trace the user's module, not the wrapper of another compile
     backend = FP8Backend(policy, "eager", lowering, model=unwrap_data_parallel(model), state=state)

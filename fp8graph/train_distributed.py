@@ -59,6 +59,10 @@ def parallelize(model: torch.nn.Module, parallel: str, **ddp_kwargs) -> torch.nn
     Either way the ranks' gradients are summed, not averaged (see the module docstring).
     """
     if parallel == "ddp":
+        # No buffer broadcast from rank 0 before each forward: fp8graph's state is
+        # already identical on every rank (amaxes reduced in the graph), and a
+        # broadcast would cost a collective per step and hide a divergence.
+        ddp_kwargs.setdefault("broadcast_buffers", False)
         ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
         ddp.register_comm_hook(None, sum_gradients)
         return ddp

@@ -49,7 +49,10 @@ def _rank_main(rank, world_size, out_dir):
         dist.all_reduce(loss)
         global_losses.append(loss / world_size)
     state = {k: v for k, v in model.state_dict().items() if "fp8graph" in k}
-    torch.save({"losses": torch.stack(global_losses), "state": state}, f"{out_dir}/rank{rank}.pt")
+    # explain finds the compiled model's policy through the DDP wrapper.
+    explained = [(r.path, r.recipe) for r in fp8graph.explain(ddp, local[0])]
+    torch.save({"losses": torch.stack(global_losses), "state": state, "explained": explained},
+               f"{out_dir}/rank{rank}.pt")
 
 
 def test_two_ranks_hold_identical_state_and_match_one_process(tmp_path):
@@ -58,6 +61,7 @@ def test_two_ranks_hold_identical_state_and_match_one_process(tmp_path):
     assert rank0["state"].keys() == rank1["state"].keys() and rank0["state"]
     for key in rank0["state"]:
         assert torch.equal(rank0["state"][key], rank1["state"][key]), key
+    assert rank0["explained"] == [("up", RECIPE.name), ("mid", RECIPE.name), ("head", None)]
 
     model = build("mlp", "tiny", seed=0)
     compiled = fp8graph.compile(model, policy=RECIPE, compiler="aot_eager")
