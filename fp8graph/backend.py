@@ -53,6 +53,9 @@ def _placeholder_values(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
     DDP's graph splitting compiles each piece with fake example inputs; the
     ``GraphArg`` Dynamo leaves in a placeholder's meta still refers (weakly)
     to the real parameter or buffer, which is what identifies a weight's state.
+    ``GraphArg._example`` is private (torch 2.11 to 2.13 hold it); without it the
+    example input is used, which is the real tensor outside DDP's split. Under
+    Inductor's freezing, parameters and buffers are ``get_attr`` nodes instead.
     """
     values = {}
     for node, example in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs):
