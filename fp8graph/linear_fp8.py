@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from .cache_hash import register_target
 from .delayed_scaling import delayed_cast
 from .distributed import amax_reduction
 from .formats import ROLES, Role
@@ -176,7 +177,7 @@ def linear_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
 
     label = recipe.name if update else f"{recipe.name}_frozen"
     label = f"{label}_checkpointed" if in_checkpoint else label
-    linear_fp8.__name__ = linear_fp8.__qualname__ = target_name("linear", label, lowering.value)
+    linear_fp8.__name__ = target_name("linear", label, lowering.value)
     linear_fp8.recipe = recipe
     linear_fp8.lowering = lowering
-    return linear_fp8
+    return register_target(linear_fp8, recipe, lowering, update, in_checkpoint)

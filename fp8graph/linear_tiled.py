@@ -30,6 +30,7 @@ from .kernels.quantize_tiles import triton_available
 from .linear_fp8 import autocast_dtype, record_health, target_name
 from .lowering import Lowering, tiled_scaled_gemm
 from .recipes import TiledRecipe
+from .cache_hash import register_target
 from .tiles import Tiling, expand_scale, quantize_tiled
 
 __all__ = ["linear_tiled_target", "record_tiled_health"]
@@ -141,7 +142,7 @@ def linear_tiled_target(recipe: TiledRecipe, lowering: Lowering) -> Callable[...
     def linear_tiled(input_hp, weight_hp, bias_hp=None, stats=None):
         return _LinearTiled.apply(input_hp, weight_hp, bias_hp, recipe, lowering, stats)
 
-    linear_tiled.__name__ = linear_tiled.__qualname__ = target_name("linear", recipe.name, lowering.value)
+    linear_tiled.__name__ = target_name("linear", recipe.name, lowering.value)
     linear_tiled.recipe = recipe
     linear_tiled.lowering = lowering
-    return linear_tiled
+    return register_target(linear_tiled, recipe, lowering)

@@ -21,6 +21,7 @@ import torch
 from .formats import Role
 from .linear_fp8 import autocast_dtype, record_health, target_name
 from .quantize import quantize_current
+from .cache_hash import register_target
 from .recipes import Recipe
 
 __all__ = ["matmul_fp8_target"]
@@ -79,6 +80,6 @@ def matmul_fp8_target(recipe: Recipe) -> Callable[..., torch.Tensor]:
         # addmm / baddbmm: the added term joins in high precision.
         return output if addend_hp is None else addend_hp + output
 
-    matmul_fp8.__name__ = matmul_fp8.__qualname__ = target_name("matmul", recipe.name, "emulated")
+    matmul_fp8.__name__ = target_name("matmul", recipe.name, "emulated")
     matmul_fp8.recipe = recipe
-    return matmul_fp8
+    return register_target(matmul_fp8, recipe)

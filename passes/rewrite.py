@@ -28,6 +28,7 @@ from typing import Callable
 import torch.fx
 from torch._dynamo.utils import counters
 
+from fp8graph.cache_hash import mark_cacheable
 from fp8graph.linear_fp8 import linear_fp8_target
 from fp8graph.linear_tiled import linear_tiled_target
 from fp8graph.matmul_fp8 import matmul_fp8_target
@@ -123,6 +124,7 @@ def _rewrite_graph(subgraphs: Subgraphs, gm, stats_nodes, state_nodes, update_st
                 args = args + state
             fp8_node = graph.call_function(target, args)
         fp8_node.meta.update(node.meta)
+        mark_cacheable(fp8_node, target)
         replaced[node] = fp8_node
         node.replace_all_uses_with(fp8_node)
         graph.erase_node(node)

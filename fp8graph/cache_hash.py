@@ -1,0 +1,57 @@
+"""Cache keys for fp8graph's graph targets, so AOTAutograd's cache can store their graphs.
+
+A rewritten graph calls Python functions (``fp8graph_linear_...``) that
+AOTAutograd traces into its forward and backward graphs. Its cache refuses
+functions it cannot vouch for, unless a node carries a ``user_cache_hash``
+that identifies what the function computes (the mechanism ``torch.fx.wrap``
+functions use). The hash covers the target's name and parameters, fp8graph's
+source and torch's version, so a changed recipe or a new fp8graph misses the
+cache instead of reusing a stale graph. Parameters whose ``repr`` holds a
+memory address (a custom ``amax_compute_algo`` function) never match across
+processes: those graphs recompile, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import pathlib
+from typing import Callable
+
+import torch
+import torch.fx
+
+__all__ = ["mark_cacheable", "register_target"]
+
+_PACKAGE = pathlib.Path(__file__).resolve().parent
+
+
+@functools.cache
+def _source_hash() -> str:
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        digest.update(str(path.relative_to(_PACKAGE)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def register_target(target: Callable, *parameters: object) -> Callable:
+    """Give ``target`` (named already) its cache hash and an importable name.
+
+    The cache key pickles the graph, and pickle finds a function by module and
+    qualified name: each target is published here as ``<name>_<hash prefix>``,
+    unique even for recipes whose names agree. ``__name__`` stays readable
+    for the graph's code.
+    """
+    identity = "\n".join([_source_hash(), target.__name__, *map(repr, parameters)])
+    target.cache_hash = hashlib.sha256(identity.encode()).hexdigest()
+    target.__module__ = __name__
+    target.__qualname__ = f"{target.__name__}_{target.cache_hash[:16]}"
+    globals()[target.__qualname__] = target
+    return target
+
+
+def mark_cacheable(node: torch.fx.Node, target: Callable) -> None:
+    """Let AOTAutograd's cache store graphs that call ``target`` at ``node``."""
+    node.meta["is_wrapped"] = True
+    node.meta["user_cache_hash"] = target.cache_hash
