@@ -5,6 +5,7 @@
     print(fp8graph.explain(model, input_ids))                 # what was rewritten, and why not
 """
 
+from . import policies
 from .api import compile, explain
 from .formats import Format
 from .policy import Policy
@@ -23,5 +24,6 @@ __all__ = [
     "SiteRecord",
     "compile",
     "explain",
+    "policies",
 ]
 __version__ = "0.1.0"
