@@ -13,6 +13,7 @@ from .state import register_delayed_state
 from .report import ExplainReport, SiteRecord
 from .report_html import graph_outline
 from .stats import FP8Stats
+from .weight_cache import register_weight_cache
 
 __all__ = ["compile", "explain"]
 
@@ -32,7 +33,7 @@ def unwrap_data_parallel(model):
 
 
 def compile(model, policy=None, compiler: str = "inductor", lowering: str = "auto", stats: bool = False,
-            freeze_weights: bool = False, **torch_compile_kwargs):
+            freeze_weights: bool = False, cache_weights: bool = False, **torch_compile_kwargs):
     """Compile ``model`` with its linear sites in FP8.
 
     Args:
@@ -54,6 +55,12 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             after loading new weights. Delayed-scaling scales and ``stats``
             work as without freezing; the scales fold with the weights.
             Training graphs are unaffected. Needs ``compiler="inductor"``.
+        cache_weights: keep each current-scaling weight's FP8 copy across calls
+            while the weight does not change (gradient accumulation, inference),
+            so only the first call after a change quantizes it; changes are
+            seen through the weights' version counters (see
+            :mod:`fp8graph.weight_cache`). Costs one byte per cached weight
+            element. Not with ``freeze_weights``, which folds the copies instead.
         **torch_compile_kwargs: passed to ``torch.compile`` (``dynamic``, ``mode``, ...).
 
     Returns:
@@ -69,23 +76,31 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     if freeze_weights and (compiler != "inductor" or not isinstance(model, torch.nn.Module)):
         raise ValueError("freeze_weights needs an nn.Module and compiler='inductor' (Inductor's freezing pass), "
                          f"got {type(model).__name__} and {compiler!r}")
-    if stats and not isinstance(model, torch.nn.Module):
-        raise ValueError("stats=True needs an nn.Module: the statistics live in a buffer of the model")
+    if freeze_weights and cache_weights:
+        raise ValueError("freeze_weights and cache_weights both keep the weights' FP8 copies (folded into the "
+                         "graph, or in buffers refreshed when a weight changes): choose one")
+    for flag, value in (("stats", stats), ("cache_weights", cache_weights)):
+        if value and not isinstance(model, torch.nn.Module):
+            raise ValueError(f"{flag}=True needs an nn.Module: it keeps buffers on the model's modules")
     user_model = unwrap_data_parallel(model)
     policy = normalize_policy(policy)
-    if (stats or policy.needs_state) and isinstance(user_model, torch.nn.Module) \
+    if (stats or cache_weights or policy.needs_state) and isinstance(user_model, torch.nn.Module) \
             and next(user_model.children(), None) is None:
-        what = "stats=True" if stats else "delayed scaling"
+        what = "stats=True" if stats else "cache_weights=True" if cache_weights else "delayed scaling"
         raise ValueError(
             f"fp8graph: {what} needs a model with submodules, and this {type(user_model).__name__} has none: "
             "its buffers reach the graph through forward hooks, and Dynamo runs the compiled root module's "
             "hooks outside the graph. Wrap it, e.g. fp8graph.compile(torch.nn.Sequential(model), ...)")
     collector = FP8Stats(user_model) if stats else None
     state = register_delayed_state(user_model, policy) if policy.needs_state else None
-    backend = FP8Backend(policy, compiler, lowering, model=user_model, mode=mode, stats=collector, state=state)
+    weight_cache = register_weight_cache(user_model, policy) if cache_weights else None
+    backend = FP8Backend(policy, compiler, lowering, model=user_model, mode=mode, stats=collector, state=state,
+                         weight_cache=weight_cache)
     compiled = torch.compile(model, backend=backend, **torch_compile_kwargs)
     if freeze_weights:
         _trace_with_freezing(compiled)
+    if weight_cache is not None:
+        _choose_weight_cache_mode(compiled, weight_cache)
     # On the wrapper itself: OptimizedModule's setattr would forward to the user's model.
     object.__setattr__(compiled, _BACKEND_ATTRIBUTE, backend)
     object.__setattr__(compiled, "fp8graph_stats", collector)
@@ -102,6 +117,19 @@ def _find_compiled(model):
             inner = model._orig_mod
         model = None if inner is model else inner
     return None
+
+
+def _choose_weight_cache_mode(compiled, weight_cache) -> None:
+    """Before each call of ``compiled``, decide whether it fills or reuses the weights' FP8 copies."""
+    forward = compiled.forward
+
+    def forward_with_weight_cache(*args, **kwargs):
+        weight_cache.before_call()
+        output = forward(*args, **kwargs)
+        weight_cache.after_call()
+        return output
+
+    object.__setattr__(compiled, "forward", forward_with_weight_cache)
 
 
 def _trace_with_freezing(compiled) -> None:
@@ -139,15 +167,16 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
         draws the rewritten graphs.
     """
     compiled = _find_compiled(model)
-    state = None
+    state = weight_cache = None
     if compiled is not None:
         compiled_backend = vars(compiled)[_BACKEND_ATTRIBUTE]
         policy, lowering = compiled_backend.policy, compiled_backend.lowering
-        state = compiled_backend.state
+        state, weight_cache = compiled_backend.state, compiled_backend.weight_cache
         model = compiled  # what was compiled, without the wrappers around it (DDP(compiled), ...)
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         model = model._orig_mod  # trace the user's module, not the wrapper of another compile
-    backend = FP8Backend(policy, "eager", lowering, model=unwrap_data_parallel(model), state=state)
+    backend = FP8Backend(policy, "eager", lowering, model=unwrap_data_parallel(model), state=state,
+                         weight_cache=weight_cache)
     torch._dynamo.reset()
     graph_breaks_before = collections.Counter(counters["graph_break"])
     with torch.no_grad():

@@ -29,6 +29,7 @@ from .lowering import LOWERING_CHOICES, choose_lowering
 from .policy import normalize_policy
 from .state import DelayedState, state_anchor
 from .stats import stats_anchor
+from .weight_cache import WeightCache, fill_anchor, reuse_anchor
 
 __all__ = ["FP8Backend", "fp8_backend"]
 
@@ -84,13 +85,15 @@ class FP8Backend:
         stats: an :class:`fp8graph.stats.FP8Stats` to collect numerics into, or ``None``.
         state: the delayed-scaling state ``fp8graph.state.register_delayed_state``
             registered on ``model``; required when the policy uses ``DelayedScaling``.
+        weight_cache: the :class:`fp8graph.weight_cache.WeightCache` registered on
+            ``model`` (``cache_weights=True``), or ``None``.
 
     Every graph's decisions are appended to ``self.decisions`` and each
     rewritten graph to ``self.graph_modules``.
     """
 
     def __init__(self, policy=None, compiler="inductor", lowering="auto", model=None, mode=None, stats=None,
-                 state=None):
+                 state=None, weight_cache=None):
         self.policy = normalize_policy(policy)
         if self.policy.needs_state and state is None:
             raise ValueError(
@@ -99,6 +102,7 @@ class FP8Backend:
                 "torch.compile(backend='fp8') and explain() of an uncompiled model cannot hold them. "
                 "Use fp8graph.compile, and explain the compiled model")
         self.state = state if state is not None else DelayedState()
+        self.weight_cache = weight_cache if weight_cache is not None else WeightCache()
         if compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         if lowering not in LOWERING_CHOICES:
@@ -129,8 +133,17 @@ class FP8Backend:
         value_of = _placeholder_values(gm, example_inputs)
         stats_placeholders = {id(value_of[n]): n for n in take_anchored_inputs(gm, stats_anchor)}
         state_placeholders = {id(value_of[n]): n for n in take_anchored_inputs(gm, state_anchor)}
+        # A call fills the weights' FP8 copies or reuses them, never both: one kind of anchor per graph.
+        fill, reuse = take_anchored_inputs(gm, fill_anchor), take_anchored_inputs(gm, reuse_anchor)
+        cache_placeholders = {id(value_of[n]): n for n in fill + reuse}
         sites = find_sites(gm, example_inputs, self.paths_by_id)
         state_by_weight = self.state.by_weight()
+        cache_by_weight = self.weight_cache.by_weight()
+
+        def cache_nodes(site):
+            buffers = cache_by_weight.get(id(value_of.get(site.weight_input)), ())
+            nodes = tuple(cache_placeholders.get(id(buffer)) for buffer in buffers)
+            return nodes if nodes and None not in nodes else None
 
         def state_nodes(site):
             entry = state_by_weight.get(id(value_of.get(site.weight_input)))
@@ -148,7 +161,8 @@ class FP8Backend:
             buffer = self.stats.buffer_of(site.path) if self.stats is not None else None
             return stats_placeholders.get(id(buffer))
 
-        rewrite_sites(gm, stats_nodes, state_nodes, update_state=torch.is_grad_enabled())
+        rewrite_sites(gm, stats_nodes, state_nodes, update_state=torch.is_grad_enabled(), cache_nodes=cache_nodes,
+                      weight_cache="reuse" if reuse else "fill")
         if torch.is_grad_enabled():
             self._claim_written_buffers([
                 (d.site.path, node) for d in decisions if d.rewritten

@@ -54,11 +54,15 @@ class RoleCaster:
     ``fp8graph.recompute``) forward casts read the state through a saved copy.
     """
 
-    def __init__(self, recipe: Recipe, state=None, update: bool = True, snapshot: bool = False):
+    def __init__(self, recipe: Recipe, state=None, update: bool = True, snapshot: bool = False,
+                 weight_cache=None):
         self.recipe, self.state, self.update, self.snapshot = recipe, state, update, snapshot
+        self.weight_cache = weight_cache
 
     def __call__(self, role: Role, x_hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         fp8_dtype = self.recipe.fp8_dtype(role)
+        if role is Role.WEIGHT and self.weight_cache is not None:
+            return self._cached_weight(x_hp, fp8_dtype)
         if self.state is None:
             return quantize_current(x_hp, fp8_dtype, self.recipe.power_2_scales)
         history, scale = self.state
@@ -76,6 +80,16 @@ class RoleCaster:
             history[index].copy_(new_history)
             scale[index].copy_(scale_used)
         return x_fp8, scale_used.clone()  # never the buffer itself: it changes next step
+
+    def _cached_weight(self, weight_hp: torch.Tensor, fp8_dtype: torch.dtype):
+        """The weight's FP8 copy: read from the cache, or quantized and written into it (``fp8graph.weight_cache``)."""
+        mode, cached_weight, cached_scale = self.weight_cache
+        if mode == "reuse":
+            return cached_weight, cached_scale.clone()
+        weight_fp8, weight_scale = quantize_current(weight_hp, fp8_dtype, self.recipe.power_2_scales)
+        cached_weight.copy_(weight_fp8)
+        cached_scale.copy_(weight_scale)
+        return weight_fp8, weight_scale
 
 
 class _LinearFP8(torch.autograd.Function):
@@ -158,7 +172,7 @@ def target_name(kind: str, recipe_name: str, lowering_name: str) -> str:
 
 @functools.cache
 def linear_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
-                      in_checkpoint: bool = False) -> Callable[..., torch.Tensor]:
+                      in_checkpoint: bool = False, weight_cache: str | None = None) -> Callable[..., torch.Tensor]:
     """The graph target for sites with ``recipe`` lowered by ``lowering``.
 
     FX graphs can only hold primitive constants as arguments, so the recipe
@@ -168,16 +182,21 @@ def linear_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     ``update=False`` (graphs compiled without gradients) only reads them.
     ``in_checkpoint`` marks sites inside a ``torch.utils.checkpoint`` region,
     whose forward casts read the state through a saved snapshot.
+    ``weight_cache`` (``"fill"`` or ``"reuse"``) makes the site take the
+    buffers of its weight's FP8 copy and write or read them (``fp8graph.weight_cache``).
     """
 
-    def linear_fp8(input_hp, weight_hp, bias_hp=None, stats=None, history=None, scale=None):
+    def linear_fp8(input_hp, weight_hp, bias_hp=None, stats=None, history=None, scale=None,
+                   cached_weight=None, cached_weight_scale=None):
         state = None if history is None else (history, scale)
-        caster = RoleCaster(recipe, state, update, snapshot=in_checkpoint and state is not None)
+        cache = None if weight_cache is None else (weight_cache, cached_weight, cached_weight_scale)
+        caster = RoleCaster(recipe, state, update, snapshot=in_checkpoint and state is not None, weight_cache=cache)
         return _LinearFP8.apply(input_hp, weight_hp, bias_hp, caster, lowering, stats)
 
     label = recipe.name if update else f"{recipe.name}_frozen"
     label = f"{label}_checkpointed" if in_checkpoint else label
+    label = f"{label}_{weight_cache}_cached_weight" if weight_cache else label
     linear_fp8.__name__ = target_name("linear", label, lowering.value)
     linear_fp8.recipe = recipe
     linear_fp8.lowering = lowering
-    return register_target(linear_fp8, recipe, lowering, update, in_checkpoint)
+    return register_target(linear_fp8, recipe, lowering, update, in_checkpoint, weight_cache)

@@ -73,7 +73,7 @@ def _fill_missing_state(module: torch.nn.Module, state_dict, prefix, *args) -> N
                  "scale (1)" if name.startswith(SCALE_PREFIX) else "amax history (zeros)")
 
 
-def _weight_candidates(module: torch.nn.Module):
+def weight_candidates(module: torch.nn.Module):
     if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
         return  # looked up by index, never multiplied
     for name, param in module.named_parameters(recurse=False):
@@ -129,7 +129,7 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedSta
     tied_holders: dict[torch.nn.Module, list[torch.nn.Module]] = {}  # module -> owners of its tied weights
     for path, module in model.named_modules():
         names = []
-        for name, param in _weight_candidates(module):
+        for name, param in weight_candidates(module):
             if id(param) in registered:  # a tied weight: one state, kept by the first module
                 delayed_state.add(module, name, registered[id(param)])
                 tied_holders.setdefault(module, []).append(registered[id(param)].module)

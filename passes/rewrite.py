@@ -23,6 +23,7 @@ code. Reads only ``node.meta[DECISION_KEY]``; every rewrite bumps
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import torch.fx
@@ -33,7 +34,7 @@ from fp8graph.linear_fp8 import linear_fp8_target
 from fp8graph.linear_tiled import linear_tiled_target
 from fp8graph.matmul_fp8 import matmul_fp8_target
 
-from fp8graph.recipes import DelayedScaling, TiledRecipe
+from fp8graph.recipes import DelayedScaling, Float8CurrentScaling, TiledRecipe
 from fp8graph.recompute import CONTEXT_FN_KEY, checkpoint_context_fn
 
 from .annotate import DECISION_KEY, Decision
@@ -60,6 +61,8 @@ def rewrite_sites(
     stats_nodes: Callable[[Site], torch.fx.Node | None] = lambda site: None,
     state_nodes: Callable[[Site], tuple[torch.fx.Node, torch.fx.Node] | None] = lambda site: None,
     update_state: bool = True,
+    cache_nodes: Callable[[Site], tuple[torch.fx.Node, torch.fx.Node] | None] = lambda site: None,
+    weight_cache: str | None = None,
 ) -> int:
     """Rewrite every site whose decision carries a recipe; returns how many.
 
@@ -67,10 +70,14 @@ def rewrite_sites(
     (see ``anchored_inputs``), when there is one.
     Delayed-scaling sites get their ``(history, scale)`` placeholders from
     ``state_nodes(site)`` and update them unless ``update_state`` is False.
+    Current-scaling sites whose weight has an FP8 copy get its ``(copy, scale)``
+    placeholders from ``cache_nodes(site)`` and ``weight_cache`` (``"fill"``
+    or ``"reuse"``) says what they do with it (see ``fp8graph.weight_cache``).
     """
     subgraphs = Subgraphs(gm)
-    rewritten = sum(_rewrite_graph(subgraphs, graph_module, stats_nodes, state_nodes, update_state)
-                    for graph_module in subgraphs)
+    rewrite = functools.partial(_rewrite_graph, subgraphs, stats_nodes=stats_nodes, state_nodes=state_nodes,
+                                update_state=update_state, cache_nodes=cache_nodes, weight_cache=weight_cache)
+    rewritten = sum(rewrite(graph_module) for graph_module in subgraphs)
     subgraphs.recompile()
     return rewritten
 
@@ -87,7 +94,8 @@ def _prepare_checkpoint_region(site: Site) -> bool:
     return True
 
 
-def _rewrite_graph(subgraphs: Subgraphs, gm, stats_nodes, state_nodes, update_state) -> int:
+def _rewrite_graph(subgraphs: Subgraphs, gm, stats_nodes, state_nodes, update_state, cache_nodes,
+                   weight_cache) -> int:
     """The rewrite of one graph module; top-level buffers are threaded into bodies that need them."""
     graph = gm.graph
     rewritten = 0
@@ -106,6 +114,9 @@ def _rewrite_graph(subgraphs: Subgraphs, gm, stats_nodes, state_nodes, update_st
         state = None if state is None else tuple(subgraphs.lift(n, gm) for n in state)
         stats = stats_nodes(site)
         stats = None if stats is None else subgraphs.lift(stats, gm)
+        cache = cache_nodes(site) if site.is_linear and type(decision.recipe) is Float8CurrentScaling else None
+        cache = None if cache is None else tuple(subgraphs.lift(n, gm) for n in cache)
+        kwargs = {} if cache is None else dict(zip(("cached_weight", "cached_weight_scale"), cache))
         with graph.inserting_before(node):
             if isinstance(decision.recipe, TiledRecipe):
                 target = linear_tiled_target(decision.recipe, decision.lowering)
@@ -113,7 +124,7 @@ def _rewrite_graph(subgraphs: Subgraphs, gm, stats_nodes, state_nodes, update_st
             elif site.is_linear:
                 in_checkpoint = state is not None and update_state and _prepare_checkpoint_region(site)
                 target = linear_fp8_target(decision.recipe, decision.lowering, update_state or state is None,
-                                           in_checkpoint)
+                                           in_checkpoint, weight_cache if cache is not None else None)
                 args = (site.input_node, _weight_nk(graph, decision), site.bias_node)
             else:
                 target = matmul_fp8_target(decision.recipe)
@@ -122,7 +133,7 @@ def _rewrite_graph(subgraphs: Subgraphs, gm, stats_nodes, state_nodes, update_st
                 args = args + (stats,)
             if state is not None:
                 args = args + state
-            fp8_node = graph.call_function(target, args)
+            fp8_node = graph.call_function(target, args, kwargs)
         fp8_node.meta.update(node.meta)
         mark_cacheable(fp8_node, target)
         replaced[node] = fp8_node
