@@ -15,7 +15,8 @@ def test_linear_benchmark_smoke_writes_raw_results(tmp_path):
     assert result["environment"]["torch"] and result["environment"]["date"]
     assert {r["contestant"] for r in result["rows"]} == {
         "bf16 eager", "bf16 torch.compile (aot_eager)", "fp8graph current (aot_eager)",
-        "fp8graph rowwise (aot_eager)", "fp8graph block (aot_eager)", "fp8graph mxfp8 (aot_eager)"}
+        "fp8graph rowwise (aot_eager)", "fp8graph block (aot_eager)", "fp8graph mxfp8 (aot_eager)",
+        "fp8graph current, cached weight (aot_eager)"}
     assert all(len(r["timings_ms"]) == result["repeats"] for r in result["rows"])
 
 
