@@ -61,6 +61,27 @@ def test_inductor_compiled_model_on_gpu_uses_scaled_mm():
     assert lowerings == {Lowering.SCALED_MM}
 
 
+def test_cached_weights_on_gpu_equal_uncached():
+    """cache_weights with _scaled_mm: the reuse graph reads the FP8 copy the fill graph wrote."""
+    results = []
+    for cache_weights in (False, True):
+        torch._dynamo.reset()
+        model = build("llama", "tiny").cuda()
+        compiled = fp8graph.compile(model, cache_weights=cache_weights)
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        losses = []
+        for _ in range(3):  # fill, reuse, reuse
+            tokens = torch.randint(0, 250, (2, 64), device="cuda", generator=generator)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = compiled(tokens, labels=tokens).loss
+            loss.backward()
+            losses.append(loss.item())
+        results.append((losses, [p.grad for p in model.parameters()]))
+    (losses, grads), (cached_losses, cached_grads) = results
+    assert cached_losses == losses
+    assert all(torch.equal(cached, plain) for cached, plain in zip(cached_grads, grads, strict=True))
+
+
 def _tiled_recipes_native_here():
     from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
     from fp8graph.lowering import native_requirement
