@@ -177,6 +177,9 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
         model = model._orig_mod  # trace the user's module, not the wrapper of another compile
     backend = FP8Backend(policy, "eager", lowering, model=unwrap_data_parallel(model), state=state,
                          weight_cache=weight_cache)
+    if weight_cache is not None:  # explain's run fills the copies: they may be stale or empty
+        weight_cache.invalidate()
+        weight_cache.before_call()
     torch._dynamo.reset()
     graph_breaks_before = collections.Counter(counters["graph_break"])
     with torch.no_grad():

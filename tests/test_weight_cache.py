@@ -167,3 +167,21 @@ def test_cached_weights_under_activation_checkpointing_match_uncached():
     assert cached_losses == losses
     assert all(torch.equal(cached, plain) for cached, plain in zip(cached_grads, grads, strict=True))
     assert len(compiled.fp8graph_backend.weight_cache) == 14  # every projection; lm_head's N=250 is not FP8
+
+
+def test_explain_after_a_reusing_call_fills_and_reports_every_site():
+    model = build("mlp", "tiny")
+    compiled = fp8graph.compile(model, compiler="aot_eager", cache_weights=True)
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        expected = compiled(x)
+        compiled(x)
+    assert compiled.fp8graph_backend.weight_cache.reuse
+    with torch.no_grad():
+        model.up.weight.zero_()  # a change the explain run must not read stale copies over
+        model.up.weight.add_(1)
+    report = fp8graph.explain(compiled, x)
+    assert [r.recipe is not None for r in report] == [True, True, False]
+    assert getattr(model.up, CACHED_WEIGHT_PREFIX + "weight").float().unique().numel() == 1  # all ones, scaled
+    with torch.no_grad():
+        assert not torch.equal(compiled(x), expected)
