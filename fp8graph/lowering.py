@@ -4,8 +4,13 @@
 capability 8.9 and later (Ada, Hopper, Blackwell). Everywhere else the GEMM is
 emulated: both FP8 operands are widened to fp32 and multiplied. A product of
 two FP8 values is exact in fp32, so the emulation equals the FP8 GEMM up to
-the order of the fp32 accumulation. (``_scaled_mm`` exists on CPU too, but is
-about 1000x slower than an fp32 matmul: 3.6 s against 1.3 ms at 512x256x512.)
+the order of the fp32 accumulation.
+
+``_scaled_mm`` has a CPU kernel too, for per-tensor and row-wise scales, about
+1000x slower than an fp32 matmul (3.6 s against 1.3 ms at 512x256x512), so
+``"auto"`` emulates on CPU; asking for ``lowering="scaled_mm"`` there runs the
+GPU's graph (padding, layouts, ``_scaled_mm`` calls) on the CPU kernel, which
+is how the tests check that path without a GPU.
 
 The choice is made once per compile, from the device of the graph's inputs,
 and recorded in the report; tests can force it.
@@ -20,7 +25,7 @@ import torch
 
 from .tiles import Tiling, dequantize_tiled
 
-__all__ = ["LOWERING_CHOICES", "Lowering", "choose_lowering", "native_requirement", "pad_reduction_dim",
+__all__ = ["LOWERING_CHOICES", "Lowering", "choose_lowering", "has_cpu_kernel", "native_requirement", "pad_reduction_dim",
            "scaled_gemm", "tiled_scaled_gemm"]
 
 _MIN_FP8_CAPABILITY = (8, 9)
@@ -38,11 +43,6 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_capability(device)
-
-
-def device_supports_scaled_mm(device: torch.device) -> bool:
-    capability = _capability(device)
-    return capability is not None and capability >= _MIN_FP8_CAPABILITY
 
 
 def native_requirement(recipe=None) -> tuple[str, Callable[[tuple[int, int]], bool]]:
@@ -63,12 +63,21 @@ def native_requirement(recipe=None) -> tuple[str, Callable[[tuple[int, int]], bo
     return "a CUDA device of compute capability >= 8.9", lambda cc: cc >= _MIN_FP8_CAPABILITY
 
 
+def has_cpu_kernel(recipe=None) -> bool:
+    """Whether ``torch._scaled_mm``'s CPU kernel runs ``recipe``'s GEMMs: per-tensor and row-wise scales."""
+    from .recipes import Float8BlockScaling, MXFP8BlockScaling
+
+    return not isinstance(recipe, (Float8BlockScaling, MXFP8BlockScaling))
+
+
 def choose_lowering(device: torch.device, requested: str = "auto", recipe=None) -> Lowering:
     """Pick the GEMM lowering of ``recipe`` (default: per-tensor scaling) for a compile on ``device``.
 
     ``requested`` is ``"auto"`` (scaled_mm where the device has the recipe's
     native FP8 GEMM, else emulation), ``"scaled_mm"`` or ``"emulated"``.
-    Asking for scaled_mm where there is none raises rather than silently emulating.
+    ``"scaled_mm"`` on CPU runs ``_scaled_mm``'s slow CPU kernel (per-tensor
+    and row-wise recipes only). Asking for scaled_mm where there is none
+    raises rather than silently emulating.
     """
     if requested not in LOWERING_CHOICES:
         raise ValueError(f"lowering must be one of {LOWERING_CHOICES}, got {requested!r}")
@@ -78,7 +87,8 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None) 
     if requested == "auto":
         return Lowering.SCALED_MM if native else Lowering.EMULATED
     lowering = Lowering(requested)
-    if lowering is Lowering.SCALED_MM and not native:
+    on_cpu_kernel = device.type == "cpu" and has_cpu_kernel(recipe)
+    if lowering is Lowering.SCALED_MM and not native and not on_cpu_kernel:
         what = f"{recipe.name} " if recipe is not None else ""
         raise ValueError(f"lowering='scaled_mm' of {what}needs {needs}; the graph runs on "
                          f"{device}{f' (SM{capability[0]}{capability[1]})' if capability else ''}")

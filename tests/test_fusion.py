@@ -79,3 +79,28 @@ def test_each_tiled_quantize_is_one_kernel(recipe_name):
     assert len(set(re.findall(r"(cpp_fused_\w+)\(", code))) == 1
     tiles = x.numel() // tiling.tile_cols(x)
     assert _loops_reading(code, tiles) == 2, code
+
+
+def test_scaled_mm_operands_are_cast_straight_into_the_layouts_the_gemms_read():
+    """The GPU's graph (``lowering="scaled_mm"``, run on the CPU kernel), forward and backward.
+
+    ``_scaled_mm`` reads A row-major and B column-major, so each of the three
+    GEMMs wants some operand transposed (``grad_input = grad_output @ weight``
+    reads the weight column-major, ``grad_weight = grad_output_t @ input`` reads
+    grad_output transposed). Inductor writes every FP8 operand from its
+    high-precision source by the cast kernel, in the layout its GEMM reads:
+    no kernel reads FP8 data, so no FP8 tensor is ever copied to transpose it.
+    """
+    model = torch.nn.Sequential(torch.nn.Linear(256, 384, bias=False), torch.nn.GELU(),
+                                torch.nn.Linear(384, 128, bias=False)).to(torch.bfloat16)
+    compiled = fp8graph.compile(model, lowering="scaled_mm")
+    x = torch.randn(512, 256, dtype=torch.bfloat16, requires_grad=True)
+    _, [forward, backward] = run_and_get_code(lambda: compiled(x).float().sum().backward())
+    for code in (forward, backward):
+        kernel_arguments = re.findall(r"cpp_fused_\w+ = async_compile\.cpp_pybinding\(\[([^\]]*)\]", code)
+        assert kernel_arguments, code
+        assert not [args for args in kernel_arguments if "const at::Float8" in args], kernel_arguments
+        # Writers of FP8 data exist: the casts are in these kernels, not library calls.
+        assert any("at::Float8" in args for args in kernel_arguments)
+    assert forward.count("extern_kernels._scaled_mm(") == 2
+    assert backward.count("extern_kernels._scaled_mm(") == 4  # grad_input and grad_weight of each layer
