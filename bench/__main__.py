@@ -1,11 +1,24 @@
-"""``python -m bench {linear,quantize,decoder,compile} [--smoke]``."""
+"""``python -m bench {linear,quantize,decoder,compile} [--smoke]``; ``python -m bench show FILE...``."""
 
 import argparse
+import json
+import pathlib
 import sys
 
 from . import compile_time, decoder, linear, quantize
+from .targets import judge
+from .timing import with_verdicts
 
 WORKLOADS = {"linear": linear, "quantize": quantize, "decoder": decoder, "compile": compile_time}
+BY_RESULT_NAME = {"linear_fwd_bwd": linear, "quantize": quantize, "decoder_stack": decoder, "compile_time": compile_time}
+
+
+def show(paths: list[pathlib.Path]) -> None:
+    """Print the summary of stored results, judged against today's targets."""
+    for path in paths:
+        result = json.loads(path.read_text())
+        result["targets"] = judge(result)
+        print(f"{path}:\n{with_verdicts(BY_RESULT_NAME[result['workload']].summary(result), result)}\n")
 
 
 def main(argv=None) -> int:
@@ -13,8 +26,13 @@ def main(argv=None) -> int:
     commands = parser.add_subparsers(dest="workload", required=True)
     for name, module in WORKLOADS.items():
         module.add_arguments(commands.add_parser(name, help=module.__doc__.splitlines()[0]))
+    show_parser = commands.add_parser("show", help="summaries and target verdicts of stored results")
+    show_parser.add_argument("paths", nargs="+", type=pathlib.Path)
     args = parser.parse_args(argv)
-    WORKLOADS[args.workload].run(args)
+    if args.workload == "show":
+        show(args.paths)
+    else:
+        WORKLOADS[args.workload].run(args)
     return 0
 
 

@@ -8,14 +8,19 @@ CUDA with Inductor. Per contestant:
     compile_warm_s   the same after another reset, with Inductor's caches filled by the cold run
     train            steps of forward + backward + SGD; tokens/s from the median step
     peak_memory_gb   torch.cuda.max_memory_allocated over the training steps
+    saved_gb         what one training step's forward saves for its backward (bench.memory; any device)
     prefill          forward under torch.no_grad(); tokens/s from the median call
 
-``--smoke`` runs the tiny Llama on CPU with ``aot_eager`` (timings mean nothing).
+Contestants: BF16 ``torch.compile``, fp8graph per recipe, and torchao's float8
+training (tensorwise and rowwise, module swap + ``torch.compile``) when
+torchao is installed. ``--smoke`` runs the tiny Llama on CPU with
+``aot_eager`` (timings mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import pathlib
 import time
 
@@ -26,13 +31,31 @@ import fp8graph
 from fp8graph.recipes import PRESETS
 from fp8graph.models import build
 
+from .memory import saved_for_backward_bytes
 from .timing import environment, markdown_table, median, report, time_ms, title
 
 RECIPES = {name: PRESETS[name] for name in ("current", "rowwise", "block")}
+TORCHAO_RECIPES = ("tensorwise", "rowwise")
+
+
+def contestants() -> list[str]:
+    """BF16, fp8graph's recipes, and torchao's where it is installed."""
+    torchao = [f"torchao {name}" for name in TORCHAO_RECIPES] if importlib.util.find_spec("torchao") else []
+    return ["bf16", *RECIPES, *torchao]
+
+
+def _swap_in_torchao(model, contestant: str) -> None:
+    """torchao's float8 training: its Float8Linear in place of every nn.Linear whose K and N suit FP8."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    recipe = contestant.removeprefix("torchao ")
+    convert_to_float8_training(
+        model, config=Float8LinearConfig.from_recipe_name(recipe),
+        module_filter_fn=lambda module, name: module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
 def _compile(model, contestant: str, compiler: str, freeze_weights: bool = False):
-    if contestant == "bf16":
+    if contestant == "bf16" or contestant.startswith("torchao"):
         compiled = torch.compile(model, backend=compiler)
         if not freeze_weights:
             return compiled
@@ -69,17 +92,24 @@ def _measure(contestant: str, args, device, compiler, config, batch, sequence, w
     if not args.smoke:
         model.model.layers = model.model.layers[:args.layers]
         model.config.num_hidden_layers = args.layers
+    if contestant.startswith("torchao"):
+        _swap_in_torchao(model, contestant)
     tokens = torch.randint(0, model.config.vocab_size, (batch, sequence), device=device)
     row = {"contestant": contestant}
     for phase in ("compile_cold_s", "compile_warm_s"):
         torch._dynamo.reset()
-        step = _train_step(_compile(model, contestant, compiler), model, tokens)
+        compiled_model = _compile(model, contestant, compiler)
+        step = _train_step(compiled_model, model, tokens)
         row[phase] = _first_call_seconds(step, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     row["train_timings_ms"] = time_ms(step, device, warmup, repeats)
     row["train_tokens_per_s"] = batch * sequence / (median(row["train_timings_ms"]) / 1e3)
     row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    row["saved_gb"] = saved_for_backward_bytes(
+        lambda: compiled_model(tokens, labels=tokens).loss, model.parameters()) / 1e9
+    for parameter in model.parameters():
+        parameter.grad = None
     # Inference with frozen weights (Inductor only): every contestant folds
     # what depends on weights alone, so fp8graph quantizes each weight once.
     freeze_weights = compiler == "inductor"
@@ -101,13 +131,14 @@ def run(args: argparse.Namespace) -> dict:
     config, batch, sequence = ("tiny", 2, 32) if args.smoke else ("bench-8b-layer", 1, 4096)
     warmup, repeats = (1, 2) if args.smoke else (3, args.repeats)
     rows = [_measure(name, args, device, compiler, config, batch, sequence, warmup, repeats)
-            for name in ("bf16", *RECIPES)]
+            for name in contestants()]
     torch._dynamo.reset()
     baseline = rows[0]
     for row in rows:
         row["train_speedup_vs_bf16_compile"] = row["train_tokens_per_s"] / baseline["train_tokens_per_s"]
         row["prefill_speedup_vs_bf16_compile"] = row["prefill_tokens_per_s"] / baseline["prefill_tokens_per_s"]
         row["compile_cold_vs_bf16"] = row["compile_cold_s"] / baseline["compile_cold_s"]
+        row["saved_vs_bf16"] = row["saved_gb"] / baseline["saved_gb"]
     result = {"workload": "decoder_stack", "smoke": args.smoke, "compiler": compiler, "config": config,
               "layers": None if args.smoke else args.layers, "batch": batch, "sequence": sequence,
               "environment": environment(device), "warmup": warmup, "repeats": repeats, "rows": rows}
@@ -118,9 +149,10 @@ def summary(result: dict) -> str:
     rows = [[r["contestant"], f"{r['train_tokens_per_s']:.0f}", f"{r['train_speedup_vs_bf16_compile']:.2f}x",
              f"{r['prefill_tokens_per_s']:.0f}", f"{r['prefill_speedup_vs_bf16_compile']:.2f}x",
              "-" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.1f}",
-             f"{r['compile_cold_s']:.1f}", f"{r['compile_warm_s']:.1f}"] for r in result["rows"]]
+             f"{r['saved_gb']:.3g}", f"{r['compile_cold_s']:.1f}", f"{r['compile_warm_s']:.1f}"]
+            for r in result["rows"]]
     columns = ["contestant", "train tokens/s", "vs bf16", "prefill tokens/s", "vs bf16", "peak GB",
-               "compile cold s", "warm s"]
+               "saved for backward GB", "compile cold s", "warm s"]
     heading = f"Llama decoder stack ({result['config']}, batch {result['batch']}, sequence {result['sequence']})"
     return "\n".join([title(heading, result), "", *markdown_table(columns, rows)])
 

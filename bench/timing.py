@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from .targets import judge, verdict_table
+
 
 def environment(device: torch.device) -> dict:
     try:
@@ -68,11 +70,22 @@ def write_result(result: dict, out_dir: pathlib.Path, name: str) -> pathlib.Path
 
 
 def report(result: dict, out_dir: pathlib.Path, name: str, summary: Callable[[dict], str]) -> dict:
-    """Write ``result`` as raw JSON, print its Markdown summary and where the JSON went."""
+    """Judge ``result`` against the targets, write it as raw JSON, print its summary and where the JSON went."""
+    result["targets"] = judge(result)
     path = write_result(result, out_dir, name)
-    print(summary(result))
+    print(with_verdicts(summary(result), result))
     print(f"raw results: {path}")
     return result
+
+
+def with_verdicts(summary_text: str, result: dict) -> str:
+    """The summary followed by the table of its targets' verdicts, if the workload has targets."""
+    if not result.get("targets"):
+        return summary_text
+    columns = ["target", "case", "measured", "bound", "verdict"]
+    caveat = " (smoke run: not meaningful)" if result["smoke"] else ""
+    return "\n".join([summary_text, "", f"Targets{caveat}:", "",
+                      *markdown_table(columns, verdict_table(result["targets"]))])
 
 
 def title(what: str, result: dict) -> str:

@@ -16,8 +16,9 @@ def test_linear_benchmark_smoke_writes_raw_results(tmp_path):
     assert {r["contestant"] for r in result["rows"]} == {
         "bf16 eager", "bf16 torch.compile (aot_eager)", "fp8graph current (aot_eager)",
         "fp8graph rowwise (aot_eager)", "fp8graph block (aot_eager)", "fp8graph mxfp8 (aot_eager)",
-        "fp8graph current, cached weight (aot_eager)"}
+        "fp8graph current, cached weight (aot_eager)", "torchao tensorwise (aot_eager)", "torchao rowwise (aot_eager)"}
     assert all(len(r["timings_ms"]) == result["repeats"] for r in result["rows"])
+    assert result["targets"] == []  # the smoke shape is none of the Llama-3-8B shapes the target names
 
 
 def test_quantize_benchmark_smoke_writes_raw_results(tmp_path):
@@ -28,6 +29,7 @@ def test_quantize_benchmark_smoke_writes_raw_results(tmp_path):
     contestants = [r["contestant"] for r in result["rows"]]
     assert contestants[0] == "device-to-device copy" and len(contestants) == 6
     assert all(r["gb_per_s"] > 0 and len(r["timings_ms"]) == result["repeats"] for r in result["rows"])
+    assert [v["case"] for v in result["targets"]] == contestants[1:]
 
 
 @pytest.mark.parametrize("steps", [4])
@@ -47,11 +49,16 @@ def test_decoder_benchmark_smoke_writes_raw_results(tmp_path):
                    check=True, capture_output=True, text=True)
     [path] = tmp_path.glob("decoder-*.json")
     result = json.loads(path.read_text())
-    assert [r["contestant"] for r in result["rows"]] == ["bf16", "current", "rowwise", "block"]
+    assert [r["contestant"] for r in result["rows"]] == [
+        "bf16", "current", "rowwise", "block", "torchao tensorwise", "torchao rowwise"]
     for row in result["rows"]:
         assert row["train_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0
         assert row["compile_cold_s"] > 0 and row["compile_warm_s"] > 0
+        assert row["saved_gb"] > 0
         assert len(row["train_timings_ms"]) == result["repeats"]
+    judged = {(v["target"], v["case"]) for v in result["targets"]}
+    assert ("training tokens/s over torchao tensorwise", "block") in judged
+    assert not any("peak memory" in target for target, _ in judged)  # no peak memory off CUDA
 
 
 def test_compile_time_benchmark_smoke_measures_cold_and_warm(tmp_path):
@@ -63,3 +70,14 @@ def test_compile_time_benchmark_smoke_measures_cold_and_warm(tmp_path):
     for row in result["rows"]:
         # A warm start reuses the cache the cold one filled.
         assert 0 < row["compile_warm_s"] < row["compile_cold_s"]
+    assert [v["case"] for v in result["targets"]] == ["cold", "warm"]
+
+
+def test_show_prints_stored_results_with_their_verdicts(tmp_path):
+    subprocess.run([sys.executable, "-m", "bench", "quantize", "--smoke", "--out", str(tmp_path)],
+                   check=True, capture_output=True, text=True)
+    [path] = tmp_path.glob("quantize-*.json")
+    shown = subprocess.run([sys.executable, "-m", "bench", "show", str(path)],
+                           check=True, capture_output=True, text=True).stdout
+    assert "| contestant | median ms |" in shown
+    assert "Targets (smoke run: not meaningful):" in shown and "fraction of copy bandwidth" in shown

@@ -1,0 +1,141 @@
+"""The speed targets, judged against a result: met or missed, and by how much.
+
+    quantize   every quantize kernel              >= 0.90 of a device-to-device copy's bandwidth
+    linear     fp8graph at the Llama-3-8B shapes  >= 1.60x BF16 torch.compile, forward + backward
+    decoder    fp8graph training step             >= 1.35x BF16 torch.compile
+               fp8graph training step             >= 1.05x torchao tensorwise (when torchao ran)
+               peak memory                        <= BF16 torch.compile's
+               memory saved for backward          <= BF16 torch.compile's (also on CPU)
+               compile time, cold                 <= 1.30x BF16 torch.compile's
+               compile time, warm                 <  cold (the warm start reuses the caches)
+    compile    backend="fp8" compile time         <= 1.30x plain Inductor's, cold and warm (CPU)
+
+Every result file carries its verdicts (``"targets"``) and every summary
+prints them, so a miss is stated with its size in the same place as the
+timings. A smoke run is judged too, but its timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+__all__ = ["TARGETS", "Target", "judge", "verdict_table"]
+
+LLAMA_3_8B_SHAPES = {(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)}
+
+Measurements = Callable[[dict], Iterator[tuple[str, float]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One target: ``measure(result)`` yields ``(case, value)`` pairs, each held to ``bound``."""
+
+    workload: str
+    what: str
+    bound: float
+    higher_is_better: bool
+    measure: Measurements
+    strict: bool = False  # "<" or ">" rather than "<=" or ">="
+
+    def met(self, value: float) -> bool:
+        if self.higher_is_better:
+            return value > self.bound if self.strict else value >= self.bound
+        return value < self.bound if self.strict else value <= self.bound
+
+
+def _quantize_fractions(result):
+    for row in result["rows"][1:]:  # row 0 is the copy itself
+        yield row["contestant"], row["fraction_of_copy"]
+
+
+def _linear_speedups(result):
+    for row in result["rows"]:
+        if row["contestant"].startswith("fp8graph") and (row["M"], row["K"], row["N"]) in LLAMA_3_8B_SHAPES:
+            yield f"{row['contestant']} {row['M']}x{row['K']}x{row['N']}", row["speedup_vs_bf16_compile"]
+
+
+def _fp8graph_rows(result):
+    return [row for row in result["rows"] if row["contestant"] != "bf16" and not row["contestant"].startswith("torchao")]
+
+
+def _decoder_speedups(result):
+    for row in _fp8graph_rows(result):
+        yield row["contestant"], row["train_speedup_vs_bf16_compile"]
+
+
+def _decoder_vs_torchao(result):
+    torchao = [row for row in result["rows"] if row["contestant"] == "torchao tensorwise"]
+    for reference in torchao:
+        for row in _fp8graph_rows(result):
+            yield row["contestant"], row["train_tokens_per_s"] / reference["train_tokens_per_s"]
+
+
+def _decoder_memory(result):
+    bf16 = result["rows"][0]
+    if bf16["peak_memory_gb"] is None:  # not measured off CUDA
+        return
+    for row in _fp8graph_rows(result):
+        yield row["contestant"], row["peak_memory_gb"] / bf16["peak_memory_gb"]
+
+
+def _decoder_saved(result):
+    for row in _fp8graph_rows(result):
+        yield row["contestant"], row["saved_vs_bf16"]
+
+
+def _decoder_cold_compile(result):
+    for row in _fp8graph_rows(result):
+        yield row["contestant"], row["compile_cold_vs_bf16"]
+
+
+def _decoder_warm_over_cold(result):
+    for row in _fp8graph_rows(result):
+        yield row["contestant"], row["compile_warm_s"] / row["compile_cold_s"]
+
+
+def _compile_ratios(result):
+    fp8 = next(row for row in result["rows"] if row["backend"] == "fp8")
+    yield "cold", fp8["cold_vs_inductor"]
+    yield "warm", fp8["warm_vs_inductor"]
+
+
+TARGETS = (
+    Target("quantize", "fraction of copy bandwidth", 0.90, True, _quantize_fractions),
+    Target("linear_fwd_bwd", "speedup over BF16 torch.compile at Llama-3-8B shapes", 1.60, True, _linear_speedups),
+    Target("decoder_stack", "training speedup over BF16 torch.compile", 1.35, True, _decoder_speedups),
+    Target("decoder_stack", "training tokens/s over torchao tensorwise", 1.05, True, _decoder_vs_torchao),
+    Target("decoder_stack", "peak memory over BF16 torch.compile", 1.00, False, _decoder_memory),
+    # The part of the memory a recipe changes, measurable on CPU as well (bench.memory).
+    Target("decoder_stack", "memory saved for backward over BF16 torch.compile", 1.00, False, _decoder_saved),
+    Target("decoder_stack", "cold compile time over BF16 torch.compile", 1.30, False, _decoder_cold_compile),
+    Target("decoder_stack", "warm compile time over cold (caches reused)", 1.00, False, _decoder_warm_over_cold,
+           strict=True),
+    Target("compile_time", "compile time over plain Inductor", 1.30, False, _compile_ratios),
+)
+
+
+def judge(result: dict) -> list[dict]:
+    """The verdict on every target of ``result``'s workload, one row per measured case."""
+    verdicts = []
+    for target in TARGETS:
+        if target.workload != result["workload"]:
+            continue
+        for case, value in target.measure(result):
+            met = target.met(value)
+            # How far from the bound, in the measured quantity's own units (a ratio).
+            shortfall = (target.bound - value) if target.higher_is_better else (value - target.bound)
+            verdicts.append({"target": target.what, "case": case, "measured": value, "bound": target.bound,
+                             "comparison": _comparison(target), "met": met,
+                             "missed_by": None if met else shortfall})
+    return verdicts
+
+
+def _comparison(target: Target) -> str:
+    return (">" if target.higher_is_better else "<") + ("" if target.strict else "=")
+
+
+def verdict_table(verdicts: list[dict]) -> list[list[str]]:
+    """Rows of the summary's target table: target, case, measured, bound, verdict."""
+    return [[v["target"], v["case"], f"{v['measured']:.2f}", f"{v['comparison']} {v['bound']:.2f}",
+             "met" if v["met"] else f"missed by {v['missed_by']:.2f}"] for v in verdicts]

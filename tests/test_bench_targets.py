@@ -1,0 +1,88 @@
+"""The targets' verdicts on hand-made results: which cases each target judges, and the margins."""
+
+import pytest
+
+from bench.targets import judge, verdict_table
+
+
+def _verdicts(result):
+    return {(v["target"], v["case"]): v for v in judge(result)}
+
+
+def test_quantize_kernels_are_held_to_90_percent_of_the_copy():
+    result = {"workload": "quantize", "rows": [
+        {"contestant": "device-to-device copy", "fraction_of_copy": 1.0},
+        {"contestant": "current", "fraction_of_copy": 0.90},
+        {"contestant": "rowwise", "fraction_of_copy": 0.75}]}
+    verdicts = _verdicts(result)
+    assert set(verdicts) == {("fraction of copy bandwidth", "current"), ("fraction of copy bandwidth", "rowwise")}
+    assert verdicts["fraction of copy bandwidth", "current"]["met"]  # the bound itself meets it
+    rowwise = verdicts["fraction of copy bandwidth", "rowwise"]
+    assert not rowwise["met"] and rowwise["missed_by"] == pytest.approx(0.15)
+
+
+def test_linear_is_judged_at_the_llama_shapes_only():
+    def row(contestant, M, K, N, speedup):
+        return {"contestant": contestant, "M": M, "K": K, "N": N, "speedup_vs_bf16_compile": speedup}
+
+    result = {"workload": "linear_fwd_bwd", "rows": [
+        row("bf16 torch.compile (inductor)", 16384, 4096, 4096, 1.0),
+        row("fp8graph current (inductor)", 16384, 4096, 4096, 1.7),
+        row("fp8graph current (inductor)", 16384, 14336, 4096, 1.5),
+        row("fp8graph current (inductor)", 1024, 1024, 1024, 0.6),  # a small shape: no target
+        row("torchao tensorwise (inductor)", 16384, 4096, 4096, 1.4)]}
+    verdicts = judge(result)
+    assert [(v["case"], v["met"]) for v in verdicts] == [
+        ("fp8graph current (inductor) 16384x4096x4096", True),
+        ("fp8graph current (inductor) 16384x14336x4096", False)]
+    assert verdicts[1]["missed_by"] == pytest.approx(0.1)
+    assert verdict_table(verdicts)[1][-1] == "missed by 0.10"
+
+
+def _decoder_row(contestant, tokens_per_s, peak_gb, saved_gb, cold, warm):
+    return {"contestant": contestant, "train_tokens_per_s": tokens_per_s, "peak_memory_gb": peak_gb,
+            "saved_gb": saved_gb, "compile_cold_s": cold, "compile_warm_s": warm}
+
+
+def _decoder_result(*rows):
+    rows = list(rows)
+    for row in rows:  # as bench.decoder derives them
+        row["train_speedup_vs_bf16_compile"] = row["train_tokens_per_s"] / rows[0]["train_tokens_per_s"]
+        row["compile_cold_vs_bf16"] = row["compile_cold_s"] / rows[0]["compile_cold_s"]
+        row["saved_vs_bf16"] = row["saved_gb"] / rows[0]["saved_gb"]
+    return {"workload": "decoder_stack", "rows": rows}
+
+
+def test_decoder_targets_judge_fp8graph_against_bf16_and_torchao():
+    verdicts = _verdicts(_decoder_result(
+        _decoder_row("bf16", 1000, 40.0, 10.0, 60, 20),
+        _decoder_row("current", 1400, 38.0, 8.0, 90, 10),
+        _decoder_row("torchao tensorwise", 1350, 37.0, 7.0, 70, 15)))
+    assert {case for _, case in verdicts} == {"current"}  # torchao is a reference, not judged
+    assert verdicts["training speedup over BF16 torch.compile", "current"]["met"]
+    vs_torchao = verdicts["training tokens/s over torchao tensorwise", "current"]
+    assert vs_torchao["measured"] == pytest.approx(1400 / 1350) and not vs_torchao["met"]
+    assert verdicts["peak memory over BF16 torch.compile", "current"]["met"]
+    assert verdicts["memory saved for backward over BF16 torch.compile", "current"]["measured"] == 0.8
+    cold = verdicts["cold compile time over BF16 torch.compile", "current"]
+    assert not cold["met"] and cold["missed_by"] == pytest.approx(0.2)
+    assert verdicts["warm compile time over cold (caches reused)", "current"]["met"]
+
+
+def test_decoder_without_torchao_or_cuda_memory_skips_those_targets():
+    verdicts = _verdicts(_decoder_result(
+        _decoder_row("bf16", 1000, None, 10.0, 60, 20),
+        _decoder_row("block", 900, None, 11.0, 60, 60)))
+    targets = {target for target, _ in verdicts}
+    assert "training tokens/s over torchao tensorwise" not in targets
+    assert "peak memory over BF16 torch.compile" not in targets
+    # A warm start no faster than the cold one did not reuse the caches.
+    assert not verdicts["warm compile time over cold (caches reused)", "block"]["met"]
+    assert not verdicts["memory saved for backward over BF16 torch.compile", "block"]["met"]
+
+
+def test_compile_time_is_judged_cold_and_warm():
+    result = {"workload": "compile_time", "rows": [
+        {"backend": "inductor", "cold_vs_inductor": 1.0, "warm_vs_inductor": 1.0},
+        {"backend": "fp8", "cold_vs_inductor": 1.61, "warm_vs_inductor": 1.21}]}
+    assert [(v["case"], v["met"]) for v in judge(result)] == [("cold", False), ("warm", True)]
