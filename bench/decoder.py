@@ -4,8 +4,9 @@ Full mode: the ``bench-8b-layer`` config (hidden 4096, FFN 14336, 32 heads,
 8 KV heads; ``--layers`` decoder layers), batch 1, sequence 4096, BF16 on
 CUDA with Inductor. Per contestant:
 
-    compile_cold_s   first training step, compile included, after torch._dynamo.reset()
-    compile_warm_s   the same after another reset, with Inductor's caches filled by the cold run
+    compile_cold_s   first training step, compile included, with empty compile caches
+    compile_warm_s   the same again, in-memory caches cleared, on-disk caches as the cold run left them
+                     (what a new process finds); each contestant has caches of its own
     train            steps of forward + backward + SGD; tokens/s from the median step
     peak_memory_gb   torch.cuda.max_memory_allocated over the training steps
     saved_gb         what one training step's forward saves for its backward (bench.memory; any device)
@@ -20,8 +21,11 @@ torchao is installed. ``--smoke`` runs the tiny Llama on CPU with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import os
 import pathlib
+import tempfile
 import time
 
 import torch
@@ -32,7 +36,7 @@ from fp8graph.recipes import PRESETS
 from fp8graph.models import build
 
 from .memory import saved_for_backward_bytes
-from .timing import environment, markdown_table, median, report, time_ms, title
+from .timing import attempt, environment, failed, markdown_table, median, report, time_ms, title
 
 RECIPES = {name: PRESETS[name] for name in ("current", "rowwise", "block")}
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
@@ -78,6 +82,26 @@ def _train_step(compiled, model, tokens):
     return step
 
 
+@contextlib.contextmanager
+def _compile_caches_in(directory: str):
+    """Inductor's and Triton's on-disk caches in ``directory``, in-memory caches emptied: a new process's start."""
+    from torch._inductor.utils import clear_caches
+
+    names = {"TORCHINDUCTOR_CACHE_DIR": directory, "TRITON_CACHE_DIR": os.path.join(directory, "triton")}
+    before = {name: os.environ.get(name) for name in names}
+    os.environ.update(names)
+    torch._dynamo.reset()
+    clear_caches()
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
 def _first_call_seconds(step, device) -> float:
     start = time.perf_counter()
     step()
@@ -96,11 +120,12 @@ def _measure(contestant: str, args, device, compiler, config, batch, sequence, w
         _swap_in_torchao(model, contestant)
     tokens = torch.randint(0, model.config.vocab_size, (batch, sequence), device=device)
     row = {"contestant": contestant}
-    for phase in ("compile_cold_s", "compile_warm_s"):
-        torch._dynamo.reset()
-        compiled_model = _compile(model, contestant, compiler)
-        step = _train_step(compiled_model, model, tokens)
-        row[phase] = _first_call_seconds(step, device)
+    with tempfile.TemporaryDirectory() as cache_dir:
+        for phase in ("compile_cold_s", "compile_warm_s"):
+            with _compile_caches_in(cache_dir):
+                compiled_model = _compile(model, contestant, compiler)
+                step = _train_step(compiled_model, model, tokens)
+                row[phase] = _first_call_seconds(step, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     row["train_timings_ms"] = time_ms(step, device, warmup, repeats)
@@ -130,11 +155,23 @@ def run(args: argparse.Namespace) -> dict:
     compiler = "aot_eager" if args.smoke else "inductor"
     config, batch, sequence = ("tiny", 2, 32) if args.smoke else ("bench-8b-layer", 1, 4096)
     warmup, repeats = (1, 2) if args.smoke else (3, args.repeats)
-    rows = [_measure(name, args, device, compiler, config, batch, sequence, warmup, repeats)
-            for name in contestants()]
+    wanted = ["bf16", *(name for name in args.contestants or contestants() if name != "bf16")]
+    known = ["bf16", *RECIPES, *(f"torchao {name}" for name in TORCHAO_RECIPES)]
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        raise SystemExit(f"unknown contestants {unknown}; known: {known}")
+    missing = [name for name in wanted if name not in contestants()]
+    if missing:
+        print(f"torchao is not installed: {missing} left out")
+        wanted = [name for name in wanted if name not in missing]
+    rows = [attempt({"contestant": name},
+                    lambda name=name: _measure(name, args, device, compiler, config, batch, sequence, warmup, repeats))
+            for name in wanted]
     torch._dynamo.reset()
     baseline = rows[0]
-    for row in rows:
+    if "error" in baseline:
+        raise SystemExit(f"the BF16 baseline failed, so nothing can be compared: {baseline['error']}")
+    for row in (r for r in rows if "error" not in r):
         row["train_speedup_vs_bf16_compile"] = row["train_tokens_per_s"] / baseline["train_tokens_per_s"]
         row["prefill_speedup_vs_bf16_compile"] = row["prefill_tokens_per_s"] / baseline["prefill_tokens_per_s"]
         row["compile_cold_vs_bf16"] = row["compile_cold_s"] / baseline["compile_cold_s"]
@@ -150,15 +187,18 @@ def summary(result: dict) -> str:
              f"{r['prefill_tokens_per_s']:.0f}", f"{r['prefill_speedup_vs_bf16_compile']:.2f}x",
              "-" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.1f}",
              f"{r['saved_gb']:.3g}", f"{r['compile_cold_s']:.1f}", f"{r['compile_warm_s']:.1f}"]
-            for r in result["rows"]]
+            for r in result["rows"] if "error" not in r]
     columns = ["contestant", "train tokens/s", "vs bf16", "prefill tokens/s", "vs bf16", "peak GB",
                "saved for backward GB", "compile cold s", "warm s"]
     heading = f"Llama decoder stack ({result['config']}, batch {result['batch']}, sequence {result['sequence']})"
-    return "\n".join([title(heading, result), "", *markdown_table(columns, rows)])
+    return "\n".join([title(heading, result), "", *markdown_table(columns, rows), *failed(result["rows"])])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="the tiny Llama on CPU, for the tests")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the full config")
+    parser.add_argument("--contestants", nargs="+", metavar="NAME",
+                        help="run these (and the BF16 baseline) only, e.g. current 'torchao tensorwise'; "
+                             "default: all available")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))

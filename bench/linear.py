@@ -20,7 +20,7 @@ import torch
 import fp8graph
 from fp8graph.recipes import PRESETS
 
-from .timing import environment, markdown_table, median, report, time_ms, title
+from .timing import attempt, environment, failed, markdown_table, median, report, time_ms, title
 
 FULL_SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096),
                (1024, 1024, 1024), (4096, 1024, 1024)]
@@ -94,13 +94,15 @@ def run(args: argparse.Namespace) -> dict:
         x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
         grad_output = torch.randn(M, N, device=device, dtype=torch.bfloat16)
         for name, model in _contestants(linear, compiler).items():
-            timings = time_ms(_step(model, x, grad_output), device, warmup, repeats)
-            flops = 3 * 2 * M * K * N  # three GEMMs
-            rows.append({"contestant": name, "M": M, "K": K, "N": N, "timings_ms": timings,
-                         "median_ms": median(timings), "tflops": flops / median(timings) / 1e9})
+            def measure(model=model):
+                timings = time_ms(_step(model, x, grad_output), device, warmup, repeats)
+                flops = 3 * 2 * M * K * N  # three GEMMs
+                return {"timings_ms": timings, "median_ms": median(timings), "tflops": flops / median(timings) / 1e9}
+            rows.append(attempt({"contestant": name, "M": M, "K": K, "N": N}, measure))
         torch._dynamo.reset()
-    baseline = {(r["M"], r["K"], r["N"]): r["median_ms"] for r in rows if "torch.compile" in r["contestant"]}
-    for r in rows:
+    measured = [r for r in rows if "error" not in r]
+    baseline = {(r["M"], r["K"], r["N"]): r["median_ms"] for r in measured if "torch.compile" in r["contestant"]}
+    for r in measured:
         r["speedup_vs_bf16_compile"] = baseline[(r["M"], r["K"], r["N"])] / r["median_ms"]
     result = {"workload": "linear_fwd_bwd", "smoke": args.smoke, "compiler": compiler,
               "environment": environment(device), "warmup": warmup, "repeats": repeats, "rows": rows}
@@ -109,9 +111,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def summary(result: dict) -> str:
     rows = [[r["contestant"], str(r["M"]), str(r["K"]), str(r["N"]), f"{r['median_ms']:.3f}",
-             f"{r['tflops']:.1f}", f"{r['speedup_vs_bf16_compile']:.2f}x"] for r in result["rows"]]
+             f"{r['tflops']:.1f}", f"{r['speedup_vs_bf16_compile']:.2f}x"] for r in result["rows"] if "error" not in r]
     columns = ["contestant", "M", "K", "N", "median ms", "TFLOP/s", "vs bf16 compile"]
-    return "\n".join([title("linear fwd+bwd", result), "", *markdown_table(columns, rows)])
+    return "\n".join([title("linear fwd+bwd", result), "", *markdown_table(columns, rows), *failed(result["rows"])])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ from fp8graph.kernels.quantize_tiles import quantize_tiles_triton, triton_availa
 from fp8graph.quantize import quantize_current
 from fp8graph.tiles import quantize_tiled
 
-from .timing import environment, markdown_table, median, report, time_ms, title
+from .timing import attempt, environment, failed, markdown_table, median, report, time_ms, title
 
 FULL_SHAPE = (16384, 8192)
 SMOKE_SHAPE = (256, 512)
@@ -62,11 +62,13 @@ def run(args: argparse.Namespace) -> dict:
     rows = [{"contestant": "device-to-device copy", "timings_ms": copy_timings,
              "median_ms": median(copy_timings), "gb_per_s": copy_gbps, "fraction_of_copy": 1.0}]
     for name, quantize in _contestants(compiler, device.type == "cuda").items():
-        outputs = quantize(x)
-        timings = time_ms(lambda: quantize(x), device, warmup, repeats)
-        gbps = _bytes_moved(x, outputs) / median(timings) / 1e6
-        rows.append({"contestant": name, "timings_ms": timings, "median_ms": median(timings),
-                     "gb_per_s": gbps, "fraction_of_copy": gbps / copy_gbps})
+        def measure(quantize=quantize):
+            outputs = quantize(x)
+            timings = time_ms(lambda: quantize(x), device, warmup, repeats)
+            gbps = _bytes_moved(x, outputs) / median(timings) / 1e6
+            return {"timings_ms": timings, "median_ms": median(timings), "gb_per_s": gbps,
+                    "fraction_of_copy": gbps / copy_gbps}
+        rows.append(attempt({"contestant": name}, measure))
     torch._dynamo.reset()
     result = {"workload": "quantize", "smoke": args.smoke, "compiler": compiler, "shape": [rows_count, columns],
               "dtype": "bfloat16", "environment": environment(device), "warmup": warmup, "repeats": repeats,
@@ -76,10 +78,10 @@ def run(args: argparse.Namespace) -> dict:
 
 def summary(result: dict) -> str:
     rows = [[r["contestant"], f"{r['median_ms']:.3f}", f"{r['gb_per_s']:.0f}", f"{r['fraction_of_copy']:.0%}"]
-            for r in result["rows"]]
+            for r in result["rows"] if "error" not in r]
     columns = ["contestant", "median ms", "GB/s", "of copy bandwidth"]
     return "\n".join([title(f"quantize {result['shape'][0]}x{result['shape'][1]} BF16", result), "",
-                      *markdown_table(columns, rows)])
+                      *markdown_table(columns, rows), *failed(result["rows"])])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

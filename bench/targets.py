@@ -116,7 +116,11 @@ TARGETS = (
 
 
 def judge(result: dict) -> list[dict]:
-    """The verdict on every target of ``result``'s workload, one row per measured case."""
+    """The verdict on every target of ``result``'s workload, one row per measured case.
+
+    Rows whose measurement failed (``"error"``) are left out: the summary lists them.
+    """
+    result = {**result, "rows": [row for row in result["rows"] if "error" not in row]}
     verdicts = []
     for target in TARGETS:
         if target.workload != result["workload"]:

@@ -8,6 +8,7 @@ import pathlib
 import platform
 import statistics
 import time
+import traceback
 from typing import Callable
 
 import torch
@@ -55,6 +56,32 @@ def time_ms(step: Callable[[], object], device: torch.device, warmup: int, repea
         step()
         timings.append((time.perf_counter() - start) * 1e3)
     return timings
+
+
+def attempt(row: dict, measure: Callable[[], dict]) -> dict:
+    """``row`` updated with ``measure()``'s numbers, or with the error that stopped it.
+
+    One contestant that fails (an unsupported shape, out of memory) must not
+    lose a GPU run's other timings: the error is printed, kept in the row and
+    shown in the summary, and the targets skip the row.
+    """
+    try:
+        return {**row, **measure()}
+    except Exception as error:  # noqa: BLE001 - any failure is recorded, never dropped
+        traceback.print_exc()
+        torch._dynamo.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {**row, "error": f"{type(error).__name__}: {error}"[:2000]}
+
+
+def failed(rows: list[dict]) -> list[str]:
+    """Summary lines of the rows whose measurement failed."""
+    return [f"- {r['contestant']}{_shape(r)} failed: {r['error'].splitlines()[0]}" for r in rows if "error" in r]
+
+
+def _shape(row: dict) -> str:
+    return f" at {row['M']}x{row['K']}x{row['N']}" if "M" in row else ""
 
 
 def median(values: list[float]) -> float:

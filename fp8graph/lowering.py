@@ -19,6 +19,7 @@ and recorded in the report; tests can force it.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Callable
 
 import torch
@@ -64,10 +65,28 @@ def native_requirement(recipe=None) -> tuple[str, Callable[[tuple[int, int]], bo
 
 
 def has_cpu_kernel(recipe=None) -> bool:
-    """Whether ``torch._scaled_mm``'s CPU kernel runs ``recipe``'s GEMMs: per-tensor and row-wise scales."""
-    from .recipes import Float8BlockScaling, MXFP8BlockScaling
+    """Whether ``torch._scaled_mm``'s CPU kernel runs ``recipe``'s GEMMs.
 
-    return not isinstance(recipe, (Float8BlockScaling, MXFP8BlockScaling))
+    Per-tensor scales: every supported torch. Row-wise scales: torch 2.13 has
+    them, torch 2.11 refuses them ("only supports per-tensor scaling for CPU
+    backend"), so they are probed once. Block and MX scales: never.
+    """
+    from .recipes import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
+
+    if isinstance(recipe, (Float8BlockScaling, MXFP8BlockScaling)):
+        return False
+    return not isinstance(recipe, Float8RowwiseScaling) or _cpu_kernel_takes_rowwise_scales()
+
+
+@functools.cache
+def _cpu_kernel_takes_rowwise_scales() -> bool:
+    a_fp8 = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a_fp8, a_fp8.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
 
 
 def choose_lowering(device: torch.device, requested: str = "auto", recipe=None) -> Lowering:

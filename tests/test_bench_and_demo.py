@@ -7,11 +7,17 @@ import sys
 import pytest
 
 
+def _errors(result):
+    """Failed contestants: the benchmark records them and goes on; a smoke run must have none."""
+    return [(row["contestant"], row["error"]) for row in result["rows"] if "error" in row]
+
+
 def test_linear_benchmark_smoke_writes_raw_results(tmp_path):
     subprocess.run([sys.executable, "-m", "bench", "linear", "--smoke", "--out", str(tmp_path)],
                    check=True, capture_output=True, text=True)
     [path] = tmp_path.glob("linear-*.json")
     result = json.loads(path.read_text())
+    assert _errors(result) == []
     assert result["environment"]["torch"] and result["environment"]["date"]
     assert {r["contestant"] for r in result["rows"]} == {
         "bf16 eager", "bf16 torch.compile (aot_eager)", "fp8graph current (aot_eager)",
@@ -26,6 +32,7 @@ def test_quantize_benchmark_smoke_writes_raw_results(tmp_path):
                    check=True, capture_output=True, text=True)
     [path] = tmp_path.glob("quantize-*.json")
     result = json.loads(path.read_text())
+    assert _errors(result) == []
     contestants = [r["contestant"] for r in result["rows"]]
     assert contestants[0] == "device-to-device copy" and len(contestants) == 6
     assert all(r["gb_per_s"] > 0 and len(r["timings_ms"]) == result["repeats"] for r in result["rows"])
@@ -49,6 +56,7 @@ def test_decoder_benchmark_smoke_writes_raw_results(tmp_path):
                    check=True, capture_output=True, text=True)
     [path] = tmp_path.glob("decoder-*.json")
     result = json.loads(path.read_text())
+    assert _errors(result) == []
     assert [r["contestant"] for r in result["rows"]] == [
         "bf16", "current", "rowwise", "block", "torchao tensorwise", "torchao rowwise"]
     for row in result["rows"]:

@@ -86,3 +86,20 @@ def test_compile_time_is_judged_cold_and_warm():
         {"backend": "inductor", "cold_vs_inductor": 1.0, "warm_vs_inductor": 1.0},
         {"backend": "fp8", "cold_vs_inductor": 1.61, "warm_vs_inductor": 1.21}]}
     assert [(v["case"], v["met"]) for v in judge(result)] == [("cold", False), ("warm", True)]
+
+
+def test_failed_rows_are_listed_not_judged():
+    from bench.quantize import summary
+    from bench.timing import attempt
+
+    def broken():
+        raise RuntimeError("no kernel for this shape")
+
+    row = attempt({"contestant": "mxfp8 1x32 (fp8graph Triton kernel)"}, broken)
+    assert row["error"] == "RuntimeError: no kernel for this shape"
+    result = {"workload": "quantize", "smoke": False, "shape": [16384, 8192],
+              "environment": {"device": "H100", "torch": "2.11", "triton": "3.6", "date": "today"},
+              "rows": [{"contestant": "device-to-device copy", "median_ms": 1.0, "gb_per_s": 3000,
+                        "fraction_of_copy": 1.0}, row]}
+    assert judge(result) == []
+    assert "- mxfp8 1x32 (fp8graph Triton kernel) failed: RuntimeError: no kernel for this shape" in summary(result)

@@ -13,7 +13,7 @@ import fp8graph
 from fp8graph import Float8CurrentScaling, Float8RowwiseScaling
 from fp8graph.linear_fp8 import linear_fp8_target
 from fp8graph.linear_tiled import linear_tiled_target
-from fp8graph.lowering import Lowering, choose_lowering, pad_reduction_dim, scaled_gemm
+from fp8graph.lowering import Lowering, choose_lowering, has_cpu_kernel, pad_reduction_dim, scaled_gemm
 from fp8graph.metrics import sqnr_db
 from fp8graph.models import build
 from fp8graph.quantize import quantize_current
@@ -24,11 +24,23 @@ def test_auto_lowering_emulates_on_cpu():
     assert choose_lowering(torch.device("cpu"), "emulated") is Lowering.EMULATED
 
 
-def test_scaled_mm_can_be_asked_for_on_cpu_for_per_tensor_and_rowwise_recipes():
+# torch 2.13's CPU kernel takes row-wise scales; torch 2.11's takes per-tensor scales only.
+ROWWISE_ON_CPU = has_cpu_kernel(Float8RowwiseScaling())
+needs_rowwise_on_cpu = pytest.mark.skipif(not ROWWISE_ON_CPU, reason="this torch's CPU _scaled_mm takes "
+                                                                      "per-tensor scales only")
+
+
+def test_scaled_mm_can_be_asked_for_on_cpu_where_its_kernel_runs_the_recipe():
     cpu = torch.device("cpu")
     for recipe in (None, Float8CurrentScaling(), Float8RowwiseScaling()):
-        assert choose_lowering(cpu, "scaled_mm", recipe) is Lowering.SCALED_MM
         assert choose_lowering(cpu, "auto", recipe) is Lowering.EMULATED  # the CPU kernel is slow
+    for recipe in (None, Float8CurrentScaling()):
+        assert choose_lowering(cpu, "scaled_mm", recipe) is Lowering.SCALED_MM
+    if ROWWISE_ON_CPU:
+        assert choose_lowering(cpu, "scaled_mm", Float8RowwiseScaling()) is Lowering.SCALED_MM
+    else:
+        with pytest.raises(ValueError, match=r"rowwise.* needs a CUDA device"):
+            choose_lowering(cpu, "scaled_mm", Float8RowwiseScaling())
 
 
 def test_unknown_lowering_is_refused():
@@ -63,9 +75,9 @@ def _three_gemms(target, tokens, generator_seed=0):
 
 
 @pytest.mark.parametrize("tokens", [512, 17])  # 17: the weight-gradient GEMM's K is zero-padded to 32
-@pytest.mark.parametrize("recipe, target_of", [(Float8CurrentScaling(), linear_fp8_target),
-                                               (Float8RowwiseScaling(), linear_tiled_target)],
-                         ids=["current", "rowwise"])
+@pytest.mark.parametrize("recipe, target_of", [
+    pytest.param(Float8CurrentScaling(), linear_fp8_target, id="current"),
+    pytest.param(Float8RowwiseScaling(), linear_tiled_target, id="rowwise", marks=needs_rowwise_on_cpu)])
 def test_scaled_mm_path_matches_emulation_on_cpu(recipe, target_of, tokens):
     native = _three_gemms(target_of(recipe, Lowering.SCALED_MM), tokens)
     emulated = _three_gemms(target_of(recipe, Lowering.EMULATED), tokens)
