@@ -38,7 +38,7 @@ from fp8graph.models import build
 from .memory import saved_for_backward_bytes
 from .timing import attempt, environment, failed, markdown_table, median, report, time_ms, title
 
-RECIPES = {name: PRESETS[name] for name in ("current", "rowwise", "block")}
+RECIPES = {name: PRESETS[name] for name in ("current", "delayed", "rowwise", "block")}
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 
 

@@ -46,6 +46,11 @@ def _contestants(linear: torch.nn.Module, compiler: str) -> dict:
     for name, recipe in RECIPES.items():
         compiled = fp8graph.compile(linear, policy=recipe, compiler=compiler)
         contestants[f"fp8graph {name} ({compiler})"] = compiled
+    # Delayed scaling keeps its amax history on the module that owns the weight,
+    # anchored through a submodule's hook: the linear goes inside a Sequential.
+    wrapped = torch.nn.Sequential(copy.deepcopy(linear))
+    delayed = fp8graph.compile(wrapped, policy=PRESETS["delayed"], compiler=compiler)
+    contestants[f"fp8graph delayed ({compiler})"] = _SameWeight(delayed, wrapped[0].weight)
     # Micro-batches 2..n of gradient accumulation: the weight's FP8 copy is reused
     # (the weight never changes between the timed steps, so every step after the first reuses).
     wrapped = torch.nn.Sequential(copy.deepcopy(linear))

@@ -114,6 +114,41 @@ class DelayedState:
                 if module._parameters.get(name) is not None}
 
 
+_REGISTERED_ATTRIBUTE = "_fp8graph_delayed_state"
+
+
+def _delayed_recipe(policy: Policy, path: str, module: torch.nn.Module, param: torch.Tensor):
+    """The ``DelayedScaling`` recipe the policy gives a linear on ``param``, else ``None``."""
+    # Shapes as a linear would see them: (N, K) weights, M unknown before tracing.
+    site = SiteInfo(op="linear", M=None, K=param.shape[1], N=param.shape[0], dtype=param.dtype)
+    recipe = resolve(policy, path, site, module).recipe
+    return recipe if isinstance(recipe, DelayedScaling) else None
+
+
+def _reuse_registered_state(model: torch.nn.Module, policy: Policy, delayed_state: DelayedState) -> DelayedState:
+    """The state an earlier ``fp8graph.compile`` registered, if it serves ``policy`` as it is.
+
+    Compiling a model again (for inference with ``freeze_weights``, with
+    another compiler) keeps training's histories and scales, and the hooks
+    that anchor them. A policy that wants state for another weight, or
+    another history length, is refused.
+    """
+    by_weight = delayed_state.by_weight()
+    for path, module in model.named_modules():
+        for name, param in weight_candidates(module):
+            recipe = _delayed_recipe(policy, path, module, param)
+            site_state = by_weight.get(id(param))
+            if recipe is None or (site_state is not None and
+                                  site_state.history.shape[1] == recipe.amax_history_len):
+                continue
+            there = "none" if site_state is None else f"a history of length {site_state.history.shape[1]}"
+            raise ValueError(
+                f"{path or '<root>'}.{name}: the model was compiled before, and its delayed-scaling state "
+                f"cannot serve this policy (a history of length {recipe.amax_history_len} is asked for; "
+                f"there is {there}). Compile it with the first policy again, or build a fresh model")
+    return delayed_state
+
+
 def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedState:
     """Register state for every weight the policy gives delayed scaling.
 
@@ -121,8 +156,12 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedSta
     functional call on a submodule's weight, a weight tied to another
     module's). The root module's own weights keep their state on the root;
     Dynamo runs the root's hooks outside the graph, so every submodule's
-    forward hook anchors it.
+    forward hook anchors it. A model compiled before keeps the state of its
+    first compile (see :func:`_reuse_registered_state`).
     """
+    earlier = model.__dict__.get(_REGISTERED_ATTRIBUTE)
+    if earlier is not None:
+        return _reuse_registered_state(model, policy, earlier)
     registered: dict[int, SiteState] = {}
     delayed_state = DelayedState()
     owners = []
@@ -134,15 +173,13 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedSta
                 delayed_state.add(module, name, registered[id(param)])
                 tied_holders.setdefault(module, []).append(registered[id(param)].module)
                 continue
-            # Shapes as a linear would see them: (N, K) weights, M unknown before tracing.
-            site = SiteInfo(op="linear", M=None, K=param.shape[1], N=param.shape[0], dtype=param.dtype)
-            recipe = resolve(policy, path, site, module).recipe
-            if not isinstance(recipe, DelayedScaling):
+            recipe = _delayed_recipe(policy, path, module, param)
+            if recipe is None:
                 continue
             history_name, scale_name = HISTORY_PREFIX + name, SCALE_PREFIX + name
             if hasattr(module, history_name):
-                raise ValueError(f"{path or '<root>'}.{history_name} already exists: was the model compiled "
-                                 "twice with delayed scaling? Compile it once, or build a fresh model")
+                raise ValueError(f"{path or '<root>'}.{history_name} already exists, but not from an earlier "
+                                 "fp8graph.compile of this model: build a fresh model")
             module.register_buffer(history_name, torch.zeros(
                 len(ROLES), recipe.amax_history_len, device=param.device))
             module.register_buffer(scale_name, torch.ones(len(ROLES), device=param.device))
@@ -163,4 +200,5 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedSta
         for submodule in model.modules():
             if submodule is not model:
                 submodule.register_forward_hook(anchor_root)
+    model.__dict__[_REGISTERED_ATTRIBUTE] = delayed_state
     return delayed_state

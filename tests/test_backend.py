@@ -66,9 +66,11 @@ def test_bad_compile_arguments_raise(kwargs, message):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
-def test_forcing_scaled_mm_on_cpu_is_refused():
-    compiled = fp8graph.compile(build("mlp", "tiny"), compiler="eager", lowering="scaled_mm")
-    with pytest.raises(Exception, match="needs a CUDA device of compute capability >= 8.9"):
+def test_forcing_scaled_mm_on_cpu_is_refused_for_a_recipe_its_cpu_kernel_lacks():
+    # Per-tensor scales run on _scaled_mm's CPU kernel (tests/test_lowering.py); MX scales do not.
+    compiled = fp8graph.compile(build("mlp", "tiny"), compiler="eager", lowering="scaled_mm",
+                                policy=fp8graph.MXFP8BlockScaling())
+    with pytest.raises(Exception, match=r"mxfp8.* needs a CUDA device of compute capability 10\.x"):
         compiled(torch.randn(2, 64))
 
 

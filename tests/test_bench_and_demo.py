@@ -22,7 +22,8 @@ def test_linear_benchmark_smoke_writes_raw_results(tmp_path):
     assert {r["contestant"] for r in result["rows"]} == {
         "bf16 eager", "bf16 torch.compile (aot_eager)", "fp8graph current (aot_eager)",
         "fp8graph rowwise (aot_eager)", "fp8graph block (aot_eager)", "fp8graph mxfp8 (aot_eager)",
-        "fp8graph current, cached weight (aot_eager)", "torchao tensorwise (aot_eager)", "torchao rowwise (aot_eager)"}
+        "fp8graph delayed (aot_eager)", "fp8graph current, cached weight (aot_eager)",
+        "torchao tensorwise (aot_eager)", "torchao rowwise (aot_eager)"}
     assert all(len(r["timings_ms"]) == result["repeats"] for r in result["rows"])
     assert result["targets"] == []  # the smoke shape is none of the Llama-3-8B shapes the target names
 
@@ -34,7 +35,7 @@ def test_quantize_benchmark_smoke_writes_raw_results(tmp_path):
     result = json.loads(path.read_text())
     assert _errors(result) == []
     contestants = [r["contestant"] for r in result["rows"]]
-    assert contestants[0] == "device-to-device copy" and len(contestants) == 6
+    assert contestants[0] == "device-to-device copy" and len(contestants) == 7
     assert all(r["gb_per_s"] > 0 and len(r["timings_ms"]) == result["repeats"] for r in result["rows"])
     assert [v["case"] for v in result["targets"]] == contestants[1:]
 
@@ -52,20 +53,20 @@ def test_demo_trains_both_runs_and_writes_the_plot(tmp_path, steps):
 
 
 def test_decoder_benchmark_smoke_writes_raw_results(tmp_path):
-    subprocess.run([sys.executable, "-m", "bench", "decoder", "--smoke", "--out", str(tmp_path)],
-                   check=True, capture_output=True, text=True)
+    # One contestant of each kind of code path: fp8graph, fp8graph with state, torchao.
+    subprocess.run([sys.executable, "-m", "bench", "decoder", "--smoke", "--contestants", "current", "delayed",
+                    "torchao tensorwise", "--out", str(tmp_path)], check=True, capture_output=True, text=True)
     [path] = tmp_path.glob("decoder-*.json")
     result = json.loads(path.read_text())
     assert _errors(result) == []
-    assert [r["contestant"] for r in result["rows"]] == [
-        "bf16", "current", "rowwise", "block", "torchao tensorwise", "torchao rowwise"]
+    assert [r["contestant"] for r in result["rows"]] == ["bf16", "current", "delayed", "torchao tensorwise"]
     for row in result["rows"]:
         assert row["train_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0
         assert row["compile_cold_s"] > 0 and row["compile_warm_s"] > 0
         assert row["saved_gb"] > 0
         assert len(row["train_timings_ms"]) == result["repeats"]
     judged = {(v["target"], v["case"]) for v in result["targets"]}
-    assert ("training tokens/s over torchao tensorwise", "block") in judged
+    assert ("training tokens/s over torchao tensorwise", "delayed") in judged
     assert not any("peak memory" in target for target, _ in judged)  # no peak memory off CUDA
 
 

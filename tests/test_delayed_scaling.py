@@ -251,3 +251,29 @@ def test_a_tied_weight_used_only_through_its_second_module_keeps_one_state():
     assert history[0, 0].item() == pytest.approx(x.abs().max().item(), rel=1e-6)
     assert history[1, 0].item() == pytest.approx(model.first.weight.abs().max().item(), rel=1e-6)
     assert history[2, 0].item() == 1.0  # grad_output of sum() is all ones
+
+
+def test_a_second_compile_continues_the_first_compiles_state():
+    """Compiling again (another compiler, or for inference) keeps the histories, scales and hooks."""
+    recipe = DelayedScaling(amax_history_len=8)
+    inputs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) * (i + 1) for i in range(3)]
+    once, twice = build("mlp", "tiny"), build("mlp", "tiny")
+    compiled_once = fp8graph.compile(once, policy=recipe, compiler="aot_eager")
+    for x in inputs:
+        compiled_once(x).sum().backward()
+    first = fp8graph.compile(twice, policy=recipe, compiler="aot_eager")
+    for x in inputs[:2]:
+        first(x).sum().backward()
+    second = fp8graph.compile(twice, policy=recipe, compiler="eager")
+    second(inputs[2]).sum().backward()
+    assert second.fp8graph_backend.state is first.fp8graph_backend.state
+    for name, buffer in once.named_buffers():
+        assert torch.equal(dict(twice.named_buffers())[name], buffer), name  # each amax recorded once
+    assert len(twice.up._forward_hooks) == len(once.up._forward_hooks)
+
+
+def test_a_second_compile_that_needs_other_state_is_refused_naming_the_weight():
+    model = build("mlp", "tiny")
+    fp8graph.compile(model, policy=DelayedScaling(amax_history_len=8), compiler="aot_eager")
+    with pytest.raises(ValueError, match=r"up\.weight: the model was compiled before.*length 16.*length 8"):
+        fp8graph.compile(model, policy=DelayedScaling(amax_history_len=16), compiler="aot_eager")

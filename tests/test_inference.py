@@ -83,7 +83,12 @@ def test_frozen_graphs_keep_stats_and_delayed_scales(recipe):
     frozen_model = copy.deepcopy(model)
     output, rows = _train_then_infer(model, x, policy=recipe)
     frozen_output, frozen_rows = _train_then_infer(frozen_model, x, policy=recipe, freeze_weights=True)
-    torch.testing.assert_close(frozen_output, output, rtol=0, atol=0)
+    # Freezing folds the weight's amax, scale and cast into constants computed by ATen when
+    # compiling, where the unfrozen graph computes them in Inductor's kernel: the fp32 scale
+    # may differ in its last bit (measured on an AVX2 CPU: outputs within 1.5e-7, exact on
+    # AVX-512), far below FP8's own error. A scale or stat that did not reach its site would
+    # be off by whole percents.
+    torch.testing.assert_close(frozen_output, output, rtol=1e-5, atol=1e-6)
     assert [(r.path, r.role) for r in frozen_rows] == [(r.path, r.role) for r in rows] == [
         ("up", "input"), ("up", "weight"), ("mid", "input"), ("mid", "weight")]
     for frozen_row, row in zip(frozen_rows, rows):
