@@ -7,16 +7,21 @@ import sys
 import pytest
 
 
+def _run_bench(workload, out_dir, *options):
+    """``python -m bench WORKLOAD --smoke OPTIONS``; the raw result it wrote."""
+    subprocess.run([sys.executable, "-m", "bench", workload, "--smoke", *options, "--out", str(out_dir)],
+                   check=True, capture_output=True, text=True)
+    [path] = out_dir.glob("*.json")
+    return json.loads(path.read_text())
+
+
 def _errors(result):
     """Failed contestants: the benchmark records them and goes on; a smoke run must have none."""
     return [(row["contestant"], row["error"]) for row in result["rows"] if "error" in row]
 
 
 def test_linear_benchmark_smoke_writes_raw_results(tmp_path):
-    subprocess.run([sys.executable, "-m", "bench", "linear", "--smoke", "--out", str(tmp_path)],
-                   check=True, capture_output=True, text=True)
-    [path] = tmp_path.glob("linear-*.json")
-    result = json.loads(path.read_text())
+    result = _run_bench("linear", tmp_path)
     assert _errors(result) == []
     assert result["environment"]["torch"] and result["environment"]["date"]
     assert {r["contestant"] for r in result["rows"]} == {
@@ -29,10 +34,7 @@ def test_linear_benchmark_smoke_writes_raw_results(tmp_path):
 
 
 def test_quantize_benchmark_smoke_writes_raw_results(tmp_path):
-    subprocess.run([sys.executable, "-m", "bench", "quantize", "--smoke", "--out", str(tmp_path)],
-                   check=True, capture_output=True, text=True)
-    [path] = tmp_path.glob("quantize-*.json")
-    result = json.loads(path.read_text())
+    result = _run_bench("quantize", tmp_path)
     assert _errors(result) == []
     contestants = [r["contestant"] for r in result["rows"]]
     assert contestants[0] == "device-to-device copy" and len(contestants) == 7
@@ -54,10 +56,7 @@ def test_demo_trains_both_runs_and_writes_the_plot(tmp_path, steps):
 
 def test_decoder_benchmark_smoke_writes_raw_results(tmp_path):
     # One contestant of each kind of code path: fp8graph, fp8graph with state, torchao.
-    subprocess.run([sys.executable, "-m", "bench", "decoder", "--smoke", "--contestants", "current", "delayed",
-                    "torchao tensorwise", "--out", str(tmp_path)], check=True, capture_output=True, text=True)
-    [path] = tmp_path.glob("decoder-*.json")
-    result = json.loads(path.read_text())
+    result = _run_bench("decoder", tmp_path, "--contestants", "current", "delayed", "torchao tensorwise")
     assert _errors(result) == []
     assert [r["contestant"] for r in result["rows"]] == ["bf16", "current", "delayed", "torchao tensorwise"]
     for row in result["rows"]:
@@ -71,10 +70,7 @@ def test_decoder_benchmark_smoke_writes_raw_results(tmp_path):
 
 
 def test_compile_time_benchmark_smoke_measures_cold_and_warm(tmp_path):
-    subprocess.run([sys.executable, "-m", "bench", "compile", "--smoke", "--out", str(tmp_path)],
-                   check=True, capture_output=True, text=True)
-    [path] = tmp_path.glob("compile-*.json")
-    result = json.loads(path.read_text())
+    result = _run_bench("compile", tmp_path)
     assert [r["backend"] for r in result["rows"]] == ["inductor", "fp8"]
     for row in result["rows"]:
         # A warm start reuses the cache the cold one filled.
@@ -83,8 +79,7 @@ def test_compile_time_benchmark_smoke_measures_cold_and_warm(tmp_path):
 
 
 def test_show_prints_stored_results_with_their_verdicts(tmp_path):
-    subprocess.run([sys.executable, "-m", "bench", "quantize", "--smoke", "--out", str(tmp_path)],
-                   check=True, capture_output=True, text=True)
+    _run_bench("quantize", tmp_path)
     [path] = tmp_path.glob("quantize-*.json")
     shown = subprocess.run([sys.executable, "-m", "bench", "show", str(path)],
                            check=True, capture_output=True, text=True).stdout
