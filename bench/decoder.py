@@ -119,7 +119,15 @@ def _measure(contestant: str, args, device, compiler, config, batch, sequence, w
     if contestant.startswith("torchao"):
         _swap_in_torchao(model, contestant)
     tokens = torch.randint(0, model.config.vocab_size, (batch, sequence), device=device)
-    row = {"contestant": contestant}
+    row = {"contestant": contestant, **_measure_training(model, contestant, compiler, tokens, device, warmup, repeats)}
+    # A prefill that fails (a compile with freezing) keeps the training numbers; its error stands beside them.
+    prefill = attempt({}, lambda: _measure_prefill(model, contestant, compiler, tokens, device, warmup, repeats))
+    row.update({"prefill_error": prefill["error"]} if "error" in prefill else prefill)
+    return row
+
+
+def _measure_training(model, contestant, compiler, tokens, device, warmup, repeats) -> dict:
+    row = {}
     with tempfile.TemporaryDirectory() as cache_dir:
         for phase in ("compile_cold_s", "compile_warm_s"):
             with _compile_caches_in(cache_dir):
@@ -129,25 +137,28 @@ def _measure(contestant: str, args, device, compiler, config, batch, sequence, w
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     row["train_timings_ms"] = time_ms(step, device, warmup, repeats)
-    row["train_tokens_per_s"] = batch * sequence / (median(row["train_timings_ms"]) / 1e3)
+    row["train_tokens_per_s"] = tokens.numel() / (median(row["train_timings_ms"]) / 1e3)
     row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
     row["saved_gb"] = saved_for_backward_bytes(
         lambda: compiled_model(tokens, labels=tokens).loss, model.parameters()) / 1e9
     for parameter in model.parameters():
         parameter.grad = None
-    # Inference with frozen weights (Inductor only): every contestant folds
-    # what depends on weights alone, so fp8graph quantizes each weight once.
+    return row
+
+
+def _measure_prefill(model, contestant, compiler, tokens, device, warmup, repeats) -> dict:
+    """Inference with frozen weights (Inductor only): every contestant folds
+    what depends on weights alone, so fp8graph quantizes each weight once."""
     freeze_weights = compiler == "inductor"
-    row["prefill_frozen_weights"] = freeze_weights
     torch._dynamo.reset()
     compiled = _compile(model, contestant, compiler, freeze_weights)
 
     def prefill():
         with torch.no_grad():
             compiled(tokens)
-    row["prefill_timings_ms"] = time_ms(prefill, device, warmup, repeats)
-    row["prefill_tokens_per_s"] = batch * sequence / (median(row["prefill_timings_ms"]) / 1e3)
-    return row
+    timings = time_ms(prefill, device, warmup, repeats)
+    return {"prefill_frozen_weights": freeze_weights, "prefill_timings_ms": timings,
+            "prefill_tokens_per_s": tokens.numel() / (median(timings) / 1e3)}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -173,7 +184,8 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"the BF16 baseline failed, so nothing can be compared: {baseline['error']}")
     for row in (r for r in rows if "error" not in r):
         row["train_speedup_vs_bf16_compile"] = row["train_tokens_per_s"] / baseline["train_tokens_per_s"]
-        row["prefill_speedup_vs_bf16_compile"] = row["prefill_tokens_per_s"] / baseline["prefill_tokens_per_s"]
+        if "prefill_tokens_per_s" in row and "prefill_tokens_per_s" in baseline:
+            row["prefill_speedup_vs_bf16_compile"] = row["prefill_tokens_per_s"] / baseline["prefill_tokens_per_s"]
         row["compile_cold_vs_bf16"] = row["compile_cold_s"] / baseline["compile_cold_s"]
         row["saved_vs_bf16"] = row["saved_gb"] / baseline["saved_gb"]
     result = {"workload": "decoder_stack", "smoke": args.smoke, "compiler": compiler, "config": config,
@@ -184,14 +196,21 @@ def run(args: argparse.Namespace) -> dict:
 
 def summary(result: dict) -> str:
     rows = [[r["contestant"], f"{r['train_tokens_per_s']:.0f}", f"{r['train_speedup_vs_bf16_compile']:.2f}x",
-             f"{r['prefill_tokens_per_s']:.0f}", f"{r['prefill_speedup_vs_bf16_compile']:.2f}x",
+             _number(r, "prefill_tokens_per_s", "{:.0f}"), _number(r, "prefill_speedup_vs_bf16_compile", "{:.2f}x"),
              "-" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.1f}",
              f"{r['saved_gb']:.3g}", f"{r['compile_cold_s']:.1f}", f"{r['compile_warm_s']:.1f}"]
             for r in result["rows"] if "error" not in r]
     columns = ["contestant", "train tokens/s", "vs bf16", "prefill tokens/s", "vs bf16", "peak GB",
                "saved for backward GB", "compile cold s", "warm s"]
     heading = f"Llama decoder stack ({result['config']}, batch {result['batch']}, sequence {result['sequence']})"
-    return "\n".join([title(heading, result), "", *markdown_table(columns, rows), *failed(result["rows"])])
+    prefill_failed = [f"- {r['contestant']} prefill failed: {r['prefill_error'].splitlines()[0]}"
+                      for r in result["rows"] if "prefill_error" in r]
+    return "\n".join([title(heading, result), "", *markdown_table(columns, rows), *failed(result["rows"]),
+                      *prefill_failed])
+
+
+def _number(row: dict, key: str, form: str) -> str:
+    return form.format(row[key]) if key in row else "-"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
