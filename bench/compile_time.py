@@ -3,6 +3,10 @@
     cold   a fresh process and an empty Inductor cache directory: first forward + backward
     warm   a fresh process reusing that cache directory (FX graph cache, AOTAutograd cache)
 
+The medians of ``--repeats`` cold and warm measurements are compared (a warm
+start takes a few seconds, and one sample of it moves by a third from run to
+run on a 2-core machine).
+
 Each measurement runs in its own process so nothing stays in memory between
 them. Full mode: the tiny Llama (the figure the README reports, target <= 1.3x);
 ``--smoke``: the toy MLP, for the tests.
@@ -21,7 +25,7 @@ import time
 
 import torch
 
-from .timing import environment, markdown_table, report, title
+from .timing import environment, markdown_table, median, report, title
 
 BACKENDS = ("inductor", "fp8")
 
@@ -53,12 +57,17 @@ def _measure_in_child(family: str, config: str, backend: str, cache_dir: str) ->
 
 def run(args: argparse.Namespace) -> dict:
     family, config = ("mlp", "tiny") if args.smoke else ("llama", "tiny")
-    rows = []
-    for backend in BACKENDS:
-        with tempfile.TemporaryDirectory() as cache_dir:
-            cold = _measure_in_child(family, config, backend, cache_dir)
-            warm = _measure_in_child(family, config, backend, cache_dir)
-        rows.append({"backend": backend, "compile_cold_s": cold, "compile_warm_s": warm})
+    repeats = 1 if args.smoke else args.repeats
+    timings = {backend: {"cold_timings_s": [], "warm_timings_s": []} for backend in BACKENDS}
+    # Backends take turns, so a slow spell of the machine does not fall on one of them only.
+    for _ in range(repeats):
+        for backend in BACKENDS:
+            with tempfile.TemporaryDirectory() as cache_dir:
+                timings[backend]["cold_timings_s"].append(_measure_in_child(family, config, backend, cache_dir))
+                timings[backend]["warm_timings_s"].append(_measure_in_child(family, config, backend, cache_dir))
+    rows = [{"backend": backend, **timings[backend],
+             "compile_cold_s": median(timings[backend]["cold_timings_s"]),
+             "compile_warm_s": median(timings[backend]["warm_timings_s"])} for backend in BACKENDS]
     for row in rows:
         row["cold_vs_inductor"] = row["compile_cold_s"] / rows[0]["compile_cold_s"]
         row["warm_vs_inductor"] = row["compile_warm_s"] / rows[0]["compile_warm_s"]
@@ -77,5 +86,6 @@ def summary(result: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--smoke", action="store_true", help="the toy MLP, for the tests")
+    parser.add_argument("--smoke", action="store_true", help="the toy MLP, for the tests (one repeat)")
+    parser.add_argument("--repeats", type=int, default=3, help="cold and warm measurements per backend")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
