@@ -36,7 +36,7 @@ from fp8graph.recipes import PRESETS
 from fp8graph.models import build
 
 from .memory import saved_for_backward_bytes
-from .timing import attempt, environment, failed, markdown_table, median, report, time_ms, title
+from .timing import attempt, environment, failed, markdown_table, median, report, time_ms, title, write_partial
 
 RECIPES = {name: PRESETS[name] for name in ("current", "delayed", "rowwise", "block")}
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
@@ -175,9 +175,14 @@ def run(args: argparse.Namespace) -> dict:
     if missing:
         print(f"torchao is not installed: {missing} left out")
         wanted = [name for name in wanted if name not in missing]
-    rows = [attempt({"contestant": name},
-                    lambda name=name: _measure(name, args, device, compiler, config, batch, sequence, warmup, repeats))
-            for name in wanted]
+    rows = []
+    result = {"workload": "decoder_stack", "smoke": args.smoke, "compiler": compiler, "config": config,
+              "layers": None if args.smoke else args.layers, "batch": batch, "sequence": sequence,
+              "environment": environment(device), "warmup": warmup, "repeats": repeats, "rows": rows}
+    for name in wanted:
+        rows.append(attempt({"contestant": name}, lambda name=name: _measure(
+            name, args, device, compiler, config, batch, sequence, warmup, repeats)))
+        write_partial(result, args.out, "decoder")
     torch._dynamo.reset()
     baseline = rows[0]
     if "error" in baseline:
@@ -188,9 +193,6 @@ def run(args: argparse.Namespace) -> dict:
             row["prefill_speedup_vs_bf16_compile"] = row["prefill_tokens_per_s"] / baseline["prefill_tokens_per_s"]
         row["compile_cold_vs_bf16"] = row["compile_cold_s"] / baseline["compile_cold_s"]
         row["saved_vs_bf16"] = row["saved_gb"] / baseline["saved_gb"]
-    result = {"workload": "decoder_stack", "smoke": args.smoke, "compiler": compiler, "config": config,
-              "layers": None if args.smoke else args.layers, "batch": batch, "sequence": sequence,
-              "environment": environment(device), "warmup": warmup, "repeats": repeats, "rows": rows}
     return report(result, args.out, "decoder", summary)
 
 

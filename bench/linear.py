@@ -20,7 +20,7 @@ import torch
 import fp8graph
 from fp8graph.recipes import PRESETS
 
-from .timing import attempt, environment, failed, markdown_table, median, report, time_ms, title
+from .timing import attempt, environment, failed, markdown_table, median, report, time_ms, title, write_partial
 
 FULL_SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096),
                (1024, 1024, 1024), (4096, 1024, 1024)]
@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> dict:
     shapes = SMOKE_SHAPES if args.smoke else FULL_SHAPES
     warmup, repeats = (1, 3) if args.smoke else (10, args.repeats)
     rows = []
+    result = {"workload": "linear_fwd_bwd", "smoke": args.smoke, "compiler": compiler,
+              "environment": environment(device), "warmup": warmup, "repeats": repeats, "rows": rows}
     for M, K, N in shapes:
         torch.manual_seed(0)
         linear = torch.nn.Linear(K, N, bias=False, device=device, dtype=torch.bfloat16)
@@ -105,12 +107,11 @@ def run(args: argparse.Namespace) -> dict:
                 return {"timings_ms": timings, "median_ms": median(timings), "tflops": flops / median(timings) / 1e9}
             rows.append(attempt({"contestant": name, "M": M, "K": K, "N": N}, measure))
         torch._dynamo.reset()
+        write_partial(result, args.out, "linear")
     measured = [r for r in rows if "error" not in r]
     baseline = {(r["M"], r["K"], r["N"]): r["median_ms"] for r in measured if "torch.compile" in r["contestant"]}
     for r in measured:
         r["speedup_vs_bf16_compile"] = baseline[(r["M"], r["K"], r["N"])] / r["median_ms"]
-    result = {"workload": "linear_fwd_bwd", "smoke": args.smoke, "compiler": compiler,
-              "environment": environment(device), "warmup": warmup, "repeats": repeats, "rows": rows}
     return report(result, args.out, "linear", summary)
 
 

@@ -96,8 +96,17 @@ def write_result(result: dict, out_dir: pathlib.Path, name: str) -> pathlib.Path
     return path
 
 
+def write_partial(result: dict, out_dir: pathlib.Path, name: str) -> None:
+    """Write the rows measured so far, marked incomplete, to the file :func:`report` completes.
+
+    A GPU call stopped at its time limit then still leaves what it measured.
+    """
+    write_result({**result, "complete": False}, out_dir, name)
+
+
 def report(result: dict, out_dir: pathlib.Path, name: str, summary: Callable[[dict], str]) -> dict:
     """Judge ``result`` against the targets, write it as raw JSON, print its summary and where the JSON went."""
+    result["complete"] = True
     result["targets"] = judge(result)
     path = write_result(result, out_dir, name)
     print(with_verdicts(summary(result), result))
