@@ -48,16 +48,22 @@ def _contestants(linear: torch.nn.Module, compiler: str) -> dict:
         contestants[f"fp8graph {name} ({compiler})"] = compiled
     # Delayed scaling keeps its amax history on the module that owns the weight,
     # anchored through a submodule's hook: the linear goes inside a Sequential.
-    wrapped = torch.nn.Sequential(copy.deepcopy(linear))
-    delayed = fp8graph.compile(wrapped, policy=PRESETS["delayed"], compiler=compiler)
-    contestants[f"fp8graph delayed ({compiler})"] = _SameWeight(delayed, wrapped[0].weight)
+    contestants[f"fp8graph delayed ({compiler})"] = _on_a_copy(
+        linear, lambda wrapped: fp8graph.compile(wrapped, policy=PRESETS["delayed"], compiler=compiler))
     # Micro-batches 2..n of gradient accumulation: the weight's FP8 copy is reused
     # (the weight never changes between the timed steps, so every step after the first reuses).
-    wrapped = torch.nn.Sequential(copy.deepcopy(linear))
-    cached = fp8graph.compile(wrapped, policy=RECIPES["current"], compiler=compiler, cache_weights=True)
-    contestants[f"fp8graph current, cached weight ({compiler})"] = _SameWeight(cached, wrapped[0].weight)
+    contestants[f"fp8graph current, cached weight ({compiler})"] = _on_a_copy(
+        linear, lambda wrapped: fp8graph.compile(wrapped, policy=RECIPES["current"], compiler=compiler,
+                                                 cache_weights=True))
     contestants.update(_torchao_contestants(linear, compiler))
     return contestants
+
+
+def _on_a_copy(linear: torch.nn.Module, compile_wrapped) -> "_SameWeight":
+    """``compile_wrapped(Sequential(copy of linear))``, for contestants that add state or swap modules."""
+    wrapped = torch.nn.Sequential(copy.deepcopy(linear))
+    compiled = compile_wrapped(wrapped)
+    return _SameWeight(compiled, wrapped[0].weight)  # read after compile_wrapped, which may swap the module
 
 
 def _torchao_contestants(linear: torch.nn.Module, compiler: str) -> dict:
@@ -68,10 +74,10 @@ def _torchao_contestants(linear: torch.nn.Module, compiler: str) -> dict:
         return {}
     contestants = {}
     for recipe_name in ("tensorwise", "rowwise"):
-        swapped = convert_to_float8_training(
-            torch.nn.Sequential(copy.deepcopy(linear)), config=Float8LinearConfig.from_recipe_name(recipe_name))
-        contestants[f"torchao {recipe_name} ({compiler})"] = _SameWeight(
-            torch.compile(swapped, backend=compiler), swapped[0].weight)
+        config = Float8LinearConfig.from_recipe_name(recipe_name)
+        contestants[f"torchao {recipe_name} ({compiler})"] = _on_a_copy(
+            linear, lambda wrapped, config=config: torch.compile(
+                convert_to_float8_training(wrapped, config=config), backend=compiler))
     return contestants
 
 
