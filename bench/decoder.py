@@ -42,10 +42,13 @@ RECIPES = {name: PRESETS[name] for name in ("current", "delayed", "rowwise", "bl
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 
 
+KNOWN = ["bf16", *RECIPES, *(f"torchao {name}" for name in TORCHAO_RECIPES)]
+
+
 def contestants() -> list[str]:
     """BF16, fp8graph's recipes, and torchao's where it is installed."""
-    torchao = [f"torchao {name}" for name in TORCHAO_RECIPES] if importlib.util.find_spec("torchao") else []
-    return ["bf16", *RECIPES, *torchao]
+    torchao_installed = importlib.util.find_spec("torchao") is not None
+    return [name for name in KNOWN if torchao_installed or not name.startswith("torchao")]
 
 
 def _swap_in_torchao(model, contestant: str) -> None:
@@ -166,15 +169,15 @@ def run(args: argparse.Namespace) -> dict:
     compiler = "aot_eager" if args.smoke else "inductor"
     config, batch, sequence = ("tiny", 2, 32) if args.smoke else ("bench-8b-layer", 1, 4096)
     warmup, repeats = (1, 2) if args.smoke else (3, args.repeats)
-    wanted = ["bf16", *(name for name in args.contestants or contestants() if name != "bf16")]
-    known = ["bf16", *RECIPES, *(f"torchao {name}" for name in TORCHAO_RECIPES)]
-    unknown = sorted(set(wanted) - set(known))
+    available = contestants()
+    wanted = ["bf16", *(name for name in args.contestants or available if name != "bf16")]
+    unknown = sorted(set(wanted) - set(KNOWN))
     if unknown:
-        raise SystemExit(f"unknown contestants {unknown}; known: {known}")
-    missing = [name for name in wanted if name not in contestants()]
+        raise SystemExit(f"unknown contestants {unknown}; known: {KNOWN}")
+    missing = [name for name in wanted if name not in available]
     if missing:
         print(f"torchao is not installed: {missing} left out")
-        wanted = [name for name in wanted if name not in missing]
+        wanted = [name for name in wanted if name in available]
     rows = []
     result = {"workload": "decoder_stack", "smoke": args.smoke, "compiler": compiler, "config": config,
               "layers": None if args.smoke else args.layers, "batch": batch, "sequence": sequence,
@@ -205,10 +208,8 @@ def summary(result: dict) -> str:
     columns = ["contestant", "train tokens/s", "vs bf16", "prefill tokens/s", "vs bf16", "peak GB",
                "saved for backward GB", "compile cold s", "warm s"]
     heading = f"Llama decoder stack ({result['config']}, batch {result['batch']}, sequence {result['sequence']})"
-    prefill_failed = [f"- {r['contestant']} prefill failed: {r['prefill_error'].splitlines()[0]}"
-                      for r in result["rows"] if "prefill_error" in r]
     return "\n".join([title(heading, result), "", *markdown_table(columns, rows), *failed(result["rows"]),
-                      *prefill_failed])
+                      *failed(result["rows"], "prefill_error", " prefill")])
 
 
 def _number(row: dict, key: str, form: str) -> str:

@@ -41,7 +41,7 @@ TILED = {"rowwise": Float8RowwiseScaling(), "block 1x128": Float8BlockScaling(),
          "mxfp8 1x32": MXFP8BlockScaling()}
 
 
-def _contestants(compiler: str, on_cuda: bool, device: torch.device) -> dict:
+def _contestants(compiler: str, device: torch.device) -> dict:
     e4m3 = torch.float8_e4m3fn
     contestants = {"current (per tensor)": torch.compile(
         functools.partial(quantize_current, fp8_dtype=e4m3), backend=compiler)}
@@ -55,7 +55,7 @@ def _contestants(compiler: str, on_cuda: bool, device: torch.device) -> dict:
         tiling = recipe.tiling(Role.INPUT)
         contestants[f"{name} ({compiler})"] = torch.compile(
             functools.partial(quantize_tiled, tiling=tiling), backend=compiler)
-        if on_cuda and triton_available():
+        if device.type == "cuda" and triton_available():
             contestants[f"{name} (fp8graph Triton kernel)"] = functools.partial(quantize_tiles_triton,
                                                                                   tiling=tiling)
     contestants["block 128x128 weight tiles" + f" ({compiler})"] = torch.compile(
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> dict:
     copy_gbps = 2 * x.numel() * x.element_size() / median(copy_timings) / 1e6
     rows = [{"contestant": "device-to-device copy", "timings_ms": copy_timings,
              "median_ms": median(copy_timings), "gb_per_s": copy_gbps, "fraction_of_copy": 1.0}]
-    for name, quantize in _contestants(compiler, device.type == "cuda", device).items():
+    for name, quantize in _contestants(compiler, device).items():
         def measure(quantize=quantize):
             outputs = quantize(x)
             timings = time_ms(lambda: quantize(x), device, warmup, repeats)

@@ -75,9 +75,9 @@ def attempt(row: dict, measure: Callable[[], dict]) -> dict:
         return {**row, "error": f"{type(error).__name__}: {error}"[:2000]}
 
 
-def failed(rows: list[dict]) -> list[str]:
-    """Summary lines of the rows whose measurement failed."""
-    return [f"- {r['contestant']}{_shape(r)} failed: {r['error'].splitlines()[0]}" for r in rows if "error" in r]
+def failed(rows: list[dict], key: str = "error", what: str = "") -> list[str]:
+    """Summary lines of the rows whose measurement (or the part ``what`` of it, under ``key``) failed."""
+    return [f"- {r['contestant']}{_shape(r)}{what} failed: {r[key].splitlines()[0]}" for r in rows if key in r]
 
 
 def _shape(row: dict) -> str:
