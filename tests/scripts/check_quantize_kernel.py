@@ -1,14 +1,20 @@
-"""Run by tests/test_quantize_kernel.py under TRITON_INTERPRET=1: kernel vs reference, exact."""
+"""Run by tests/test_quantize_kernel.py under TRITON_INTERPRET=1: every kernel launch vs the reference, exact.
+
+The cases are the launches ``tests/test_kernels_compile.py`` compiles for the
+GPU: every tiling of every recipe, contiguous and transposed operands, and
+both layouts from one read for 1x128 and 128x128 tiles.
+"""
 
 import torch
 
-from fp8graph.kernels.quantize_tiles import quantize_tiles_triton
-from fp8graph.tiles import ScaleKind, Tiling, quantize_tiled
+from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
+from fp8graph.formats import ROLES
+from fp8graph.kernels.quantize_tiles import quantize_tiles_both_triton, quantize_tiles_triton
+from fp8graph.tiles import quantize_tiled
 
-TILINGS = [Tiling(1, None, ScaleKind.POWER_2), Tiling(1, None, ScaleKind.EXACT),
-           Tiling(1, 128, ScaleKind.POWER_2), Tiling(128, 128, ScaleKind.POWER_2),
-           Tiling(128, 128, ScaleKind.EXACT), Tiling(1, 128, ScaleKind.EXACT),
-           Tiling(1, 32, ScaleKind.E8M0), Tiling(1, 32, ScaleKind.E8M0)]
+RECIPES = [Float8RowwiseScaling(), Float8RowwiseScaling(power_2_scales=False), Float8BlockScaling(),
+           Float8BlockScaling(power_2_scales=False), MXFP8BlockScaling()]
+TILINGS = sorted({recipe.tiling(role) for recipe in RECIPES for role in ROLES}, key=repr)
 
 
 def _input(generator, rows, columns):
@@ -21,19 +27,34 @@ def _input(generator, rows, columns):
     return x
 
 
+def _assert_equal(outputs, references, label):
+    assert len(outputs) == len(references), label
+    for output, reference in zip(outputs, references):
+        assert output.shape == reference.shape, f"{label}: {output.shape} != {reference.shape}"
+        if output.dtype == torch.float32:  # scales: NaN where a tile holds NaN or inf (E8M0)
+            assert torch.equal(output.nan_to_num(-1.0), reference.nan_to_num(-1.0)), label
+        else:
+            assert torch.equal(output.view(torch.uint8), reference.view(torch.uint8)), label
+
+
 def main():
     generator = torch.Generator().manual_seed(0)
     checked = 0
     for tiling in TILINGS:
+        # 128-row tiles need 128 rows either way round; other tiles get ragged sizes (masks, padding).
+        shape = (256, 384) if tiling.rows > 1 else (200, 300)
         for transposed in (False, True):  # transposed: strided reads, as for input_t and grad_output_t
-            # 128-row tiles need 128 rows either way round; other tiles get a ragged width.
-            x = _input(generator, 256, 256) if tiling.rows > 1 else _input(generator, 48, 160)
-            x = x.t() if transposed else x
-            kernel_fp8, kernel_scale = quantize_tiles_triton(x, tiling)
-            reference_fp8, reference_scale = quantize_tiled(x.contiguous(), tiling)
+            x = _input(generator, *shape)
+            if transposed:
+                x = _input(generator, shape[1], shape[0]).t() if tiling.rows == 1 else _input(generator, 384, 256).t()
             label = f"{tiling.label} {tiling.scale_kind.value} transposed={transposed}"
-            assert torch.equal(kernel_fp8.view(torch.uint8), reference_fp8.view(torch.uint8)), label
-            assert torch.equal(kernel_scale.nan_to_num(-1.0), reference_scale.nan_to_num(-1.0)), label
+            _assert_equal(quantize_tiles_triton(x, tiling), quantize_tiled(x.contiguous(), tiling), label)
+            checked += 1
+        if tiling.cols == 128:
+            x = _input(generator, *shape)
+            _assert_equal(quantize_tiles_both_triton(x, tiling),
+                          (*quantize_tiled(x, tiling), *quantize_tiled(x.t().contiguous(), tiling)),
+                          f"{tiling.label} {tiling.scale_kind.value} both layouts")
             checked += 1
     print(f"cases checked: {checked}")
 
