@@ -2,20 +2,25 @@
 
     bandwidth = (bytes read + bytes written) / time     read: the BF16 tensor; written: FP8 values + scales
 
-Full mode: a 16384x8192 BF16 tensor on CUDA; each recipe's quantize compiled
-by Inductor, and for the tiled recipes also fp8graph's Triton kernel
-(``fp8graph::quantize_tiles``), against a copy of the same tensor timed in the
-same run. ``--smoke`` runs a small tensor on CPU with ``aot_eager`` so the
-script is exercised by the tests (its timings mean nothing).
+Full mode: a 16384x8192 BF16 tensor on CUDA. Per-tensor current and delayed
+casts compiled by Inductor; every tiling (row-wise, 1x128, 128x128, MX 1x32)
+both ways, Inductor's code for ``fp8graph.tiles.quantize_tiled`` and
+fp8graph's Triton kernel (``fp8graph.kernels.quantize_tiles``); and for the
+tilings the linear quantizes in both layouts, the two layouts from one call
+(``quantize_tiles_both`` for 1x128 and 128x128, against Inductor compiling
+both casts together for every tiling).
+Each row says which of them fp8graph runs on CUDA (``kernel_quantizes``), and
+the targets judge those rows. ``--smoke`` runs a small tensor on CPU with
+``aot_eager`` so the script is exercised by the tests (its timings mean nothing).
 
 What the formula allows: a copy moves 4 bytes an element (2 read, 2
-written), a quantize counts 3 (2 read, 1 written). One pass over the tensor
-can reach the copy's rate. Per-tensor current scaling needs the whole
-tensor's amax before its first cast, so on a tensor larger than the cache it
-reads every element twice: 5 bytes moved for the 3 counted, at most 3/5 = 60%
-of the copy. Delayed scaling (scale known before the cast, amax recorded in
-the same pass) and the tiled recipes (each tile's amax before its cast) need
-one pass. Inside a model the first pass can often fuse into the producer.
+written), a one-layout quantize counts 3 (2 read, 1 written), a two-layout one
+4 (2 read, 2 written). One pass over the tensor can reach the copy's rate.
+Per-tensor current scaling needs the whole tensor's amax before its first
+cast, so on a tensor larger than the cache it reads every element twice: 5
+bytes moved for the 3 counted, at most 3/5 = 60% of the copy. Delayed scaling
+(scale known before the cast, amax recorded in the same pass) and the tiled
+recipes (each tile's amax before its cast) need one pass.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import torch
 from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
 from fp8graph.delayed_scaling import delayed_cast
 from fp8graph.formats import Role
-from fp8graph.kernels.quantize_tiles import quantize_tiles_triton, triton_available
+from fp8graph.kernels.quantize_tiles import (kernel_quantizes, quantize_tiles_both_triton, quantize_tiles_triton,
+                                             triton_available)
 from fp8graph.quantize import quantize_current
 from fp8graph.tiles import quantize_tiled
 
@@ -37,29 +43,43 @@ from .timing import attempt, environment, failed, markdown_table, median, report
 
 FULL_SHAPE = (16384, 8192)
 SMOKE_SHAPE = (256, 512)
-TILED = {"rowwise": Float8RowwiseScaling(), "block 1x128": Float8BlockScaling(),
-         "mxfp8 1x32": MXFP8BlockScaling()}
+# The tilings, named as the targets name them: each recipe's activation tiles, and block scaling's weight tiles.
+TILINGS = {"rowwise": Float8RowwiseScaling().tiling(Role.INPUT), "1x128": Float8BlockScaling().tiling(Role.INPUT),
+           "128x128": Float8BlockScaling().tiling(Role.WEIGHT), "mxfp8 1x32": MXFP8BlockScaling().tiling(Role.INPUT)}
 
 
-def _contestants(compiler: str, device: torch.device) -> dict:
+def _both_layouts_by_inductor(x, tiling):
+    return (*quantize_tiled(x, tiling), *quantize_tiled(x.t(), tiling))
+
+
+def _contestants(compiler: str, device: torch.device) -> list[dict]:
+    """Each contestant: name, the function, its tiling, code, layouts, and whether fp8graph runs it on CUDA."""
     e4m3 = torch.float8_e4m3fn
-    contestants = {"current (per tensor)": torch.compile(
-        functools.partial(quantize_current, fp8_dtype=e4m3), backend=compiler)}
+    contestants = [{"contestant": "current (per tensor)", "tiling": "tensor", "code": compiler, "layouts": 1,
+                    "fp8graph_uses": True,
+                    "fn": torch.compile(functools.partial(quantize_current, fp8_dtype=e4m3), backend=compiler)}]
     # Delayed scaling knows its scale before the cast, so the cast and the amax it
     # records share one read (current scaling reads twice: amax, then cast).
     history, scale = torch.ones(1024, device=device), torch.ones((), device=device)
-    contestants["delayed (per tensor)"] = torch.compile(functools.partial(
-        delayed_cast, history=history, scale=scale, fp8_dtype=e4m3, margin=0, algo="max", update=True),
-        backend=compiler)
-    for name, recipe in TILED.items():
-        tiling = recipe.tiling(Role.INPUT)
-        contestants[f"{name} ({compiler})"] = torch.compile(
-            functools.partial(quantize_tiled, tiling=tiling), backend=compiler)
-        if device.type == "cuda" and triton_available():
-            contestants[f"{name} (fp8graph Triton kernel)"] = functools.partial(quantize_tiles_triton,
-                                                                                  tiling=tiling)
-    contestants["block 128x128 weight tiles" + f" ({compiler})"] = torch.compile(
-        functools.partial(quantize_tiled, tiling=Float8BlockScaling().tiling(Role.WEIGHT)), backend=compiler)
+    contestants.append({"contestant": "delayed (per tensor)", "tiling": "tensor", "code": compiler, "layouts": 1,
+                        "fp8graph_uses": True, "fn": torch.compile(functools.partial(
+                            delayed_cast, history=history, scale=scale, fp8_dtype=e4m3, margin=0, algo="max",
+                            update=True), backend=compiler)})
+    with_kernel = device.type == "cuda" and triton_available()
+    for name, tiling in TILINGS.items():
+        uses_kernel = kernel_quantizes(tiling)
+        for count in (1, 2):
+            both = count == 2
+            label = f"{name}{', both layouts' if both else ''}"
+            inductor_fn = _both_layouts_by_inductor if both else quantize_tiled
+            contestants.append({"contestant": f"{label} ({compiler})", "tiling": name, "code": compiler,
+                                "layouts": count, "fp8graph_uses": not uses_kernel,
+                                "fn": torch.compile(functools.partial(inductor_fn, tiling=tiling), backend=compiler)})
+            if with_kernel and (not both or tiling.cols == 128):  # the kernel writes both layouts of 128-wide tiles
+                kernel_fn = quantize_tiles_both_triton if both else quantize_tiles_triton
+                contestants.append({"contestant": f"{label} (fp8graph Triton kernel)", "tiling": name,
+                                    "code": "fp8graph kernel", "layouts": count, "fp8graph_uses": uses_kernel,
+                                    "fn": functools.partial(kernel_fn, tiling=tiling)})
     return contestants
 
 
@@ -78,14 +98,16 @@ def run(args: argparse.Namespace) -> dict:
     copy_gbps = 2 * x.numel() * x.element_size() / median(copy_timings) / 1e6
     rows = [{"contestant": "device-to-device copy", "timings_ms": copy_timings,
              "median_ms": median(copy_timings), "gb_per_s": copy_gbps, "fraction_of_copy": 1.0}]
-    for name, quantize in _contestants(compiler, device).items():
+    for contestant in _contestants(compiler, device):
+        quantize = contestant.pop("fn")
+
         def measure(quantize=quantize):
             outputs = quantize(x)
             timings = time_ms(lambda: quantize(x), device, warmup, repeats)
             gbps = _bytes_moved(x, outputs) / median(timings) / 1e6
             return {"timings_ms": timings, "median_ms": median(timings), "gb_per_s": gbps,
                     "fraction_of_copy": gbps / copy_gbps}
-        rows.append(attempt({"contestant": name}, measure))
+        rows.append(attempt(contestant, measure))
     torch._dynamo.reset()
     result = {"workload": "quantize", "smoke": args.smoke, "compiler": compiler, "shape": [rows_count, columns],
               "dtype": "bfloat16", "environment": environment(device), "warmup": warmup, "repeats": repeats,
@@ -94,11 +116,17 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def summary(result: dict) -> str:
-    rows = [[r["contestant"], f"{r['median_ms']:.3f}", f"{r['gb_per_s']:.0f}", f"{r['fraction_of_copy']:.0%}"]
-            for r in result["rows"] if "error" not in r]
-    columns = ["contestant", "median ms", "GB/s", "of copy bandwidth"]
+    rows = [[r["contestant"], f"{r['median_ms']:.3f}", f"{r['gb_per_s']:.0f}", f"{r['fraction_of_copy']:.0%}",
+             _used(r)] for r in result["rows"] if "error" not in r]
+    columns = ["contestant", "median ms", "GB/s", "of copy bandwidth", "fp8graph runs it on CUDA"]
     return "\n".join([title(f"quantize {result['shape'][0]}x{result['shape'][1]} BF16", result), "",
                       *markdown_table(columns, rows), *failed(result["rows"])])
+
+
+def _used(row: dict) -> str:
+    if "fp8graph_uses" not in row:  # the copy, or a result stored before rows said so
+        return "-"
+    return "yes" if row["fp8graph_uses"] else "no"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

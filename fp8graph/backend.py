@@ -152,7 +152,9 @@ class FP8Backend:
             history, scale = (state_placeholders.get(id(entry.history)), state_placeholders.get(id(entry.scale)))
             return None if history is None or scale is None else (history, scale)
 
-        decisions = annotate_sites(sites, self.policy, lambda recipe: choose_lowering(device, self.lowering, recipe),
+        decisions = annotate_sites(sites, self.policy,
+                                   lambda recipe, is_linear: choose_lowering(device, self.lowering, recipe,
+                                                                             batched=not is_linear),
                                    self.modules_by_path,
                                    has_state=lambda site: state_nodes(site) is not None)
         # Graphs compiled without gradients (inference) read the scales but

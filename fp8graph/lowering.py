@@ -12,8 +12,14 @@ the order of the fp32 accumulation.
 GPU's graph (padding, layouts, ``_scaled_mm`` calls) on the CPU kernel, which
 is how the tests check that path without a GPU.
 
-The choice is made once per compile, from the device of the graph's inputs,
-and recorded in the report; tests can force it.
+The choice is made once per compile and recipe, from the device of the
+graph's inputs, and recorded in the report; tests can force it. On a CUDA
+device without a native FP8 GEMM for a recipe (MXFP8 below SM 10.0, block
+scaling outside SM 9.x, any FP8 below SM 8.9, FP8 activation matmuls, which
+cuBLAS has no batched FP8 GEMM for) the emulation would run many times
+slower than BF16, so ``"auto"`` refuses it (:class:`NoNativeGemm`: the site
+stays in high precision with the reason, a strict policy raises); only
+``lowering="emulated"`` emulates there. The CPU always emulates exactly.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 
 from .tiles import Tiling, dequantize_tiled
 
-__all__ = ["LOWERING_CHOICES", "Lowering", "choose_lowering", "has_cpu_kernel", "native_requirement", "pad_reduction_dim",
+__all__ = ["LOWERING_CHOICES", "Lowering", "NoNativeGemm", "choose_lowering", "has_cpu_kernel", "native_requirement", "pad_reduction_dim",
            "scaled_gemm", "tiled_scaled_gemm"]
 
 _MIN_FP8_CAPABILITY = (8, 9)
@@ -89,29 +95,52 @@ def _cpu_kernel_takes_rowwise_scales() -> bool:
     return True
 
 
-def choose_lowering(device: torch.device, requested: str = "auto", recipe=None) -> Lowering:
+class NoNativeGemm(ValueError):
+    """A CUDA device without a native FP8 GEMM for a site, where emulation was not asked for."""
+
+
+def _device_name(device: torch.device, capability: tuple[int, int] | None) -> str:
+    return f"{device} (compute capability {capability[0]}.{capability[1]})" if capability else str(device)
+
+
+def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
+                    capability: tuple[int, int] | None = None, batched: bool = False) -> Lowering:
     """Pick the GEMM lowering of ``recipe`` (default: per-tensor scaling) for a compile on ``device``.
 
     ``requested`` is ``"auto"`` (scaled_mm where the device has the recipe's
-    native FP8 GEMM, else emulation), ``"scaled_mm"`` or ``"emulated"``.
+    native FP8 GEMM; on CPU emulation), ``"scaled_mm"`` or ``"emulated"``.
     ``"scaled_mm"`` on CPU runs ``_scaled_mm``'s slow CPU kernel (per-tensor
-    and row-wise recipes only). Asking for scaled_mm where there is none
-    raises rather than silently emulating.
+    and row-wise recipes only). ``capability`` stands for the device's
+    compute capability (read from the device when ``None``; tests give it).
+    ``batched``: an activation matmul, which has no FP8 GEMM on any device.
+
+    Raises:
+        NoNativeGemm: on a CUDA device without the recipe's native GEMM, unless
+            ``"emulated"`` was requested (the emulation would be a cliff).
+        ValueError: ``"scaled_mm"`` requested where there is none.
     """
     if requested not in LOWERING_CHOICES:
         raise ValueError(f"lowering must be one of {LOWERING_CHOICES}, got {requested!r}")
+    if capability is None:
+        capability = _capability(device)
     needs, supported = native_requirement(recipe)
-    capability = _capability(device)
+    what = recipe.name if recipe is not None else "FP8"
+    if batched:
+        needs, supported = "a 2-D GEMM (cuBLAS has no batched FP8 GEMM): an activation matmul", lambda cc: False
     native = capability is not None and supported(capability)
-    if requested == "auto":
-        return Lowering.SCALED_MM if native else Lowering.EMULATED
-    lowering = Lowering(requested)
-    on_cpu_kernel = device.type == "cpu" and has_cpu_kernel(recipe)
-    if lowering is Lowering.SCALED_MM and not native and not on_cpu_kernel:
-        what = f"{recipe.name} " if recipe is not None else ""
-        raise ValueError(f"lowering='scaled_mm' of {what}needs {needs}; the graph runs on "
-                         f"{device}{f' (SM{capability[0]}{capability[1]})' if capability else ''}")
-    return lowering
+    if requested == "emulated" or (device.type != "cuda" and (batched or requested == "auto")):
+        return Lowering.EMULATED
+    if native:
+        return Lowering.SCALED_MM
+    if device.type == "cuda":
+        problem = (f"{what} has no native FP8 GEMM on {_device_name(device, capability)}: it needs {needs}; "
+                   "emulating it would run many times slower than BF16")
+        if requested == "auto" or batched:
+            raise NoNativeGemm(f"{problem} (lowering='emulated' asks for the emulation anyway)")
+        raise ValueError(f"lowering='scaled_mm': {problem}")
+    if has_cpu_kernel(recipe):
+        return Lowering.SCALED_MM  # _scaled_mm's CPU kernel, asked for
+    raise ValueError(f"lowering='scaled_mm' of {what} needs {needs}; the graph runs on {device}")
 
 
 _CUBLAS_FP8_DIM_MULTIPLE = 16

@@ -5,8 +5,11 @@ changes nothing else. The policy picks a recipe (first matching rule, else
 the default); the site then stays in high precision, with the reason
 recorded, when it has a structural blocker (see ``find_sites``), its dtype is
 not one FP8 should replace, or its K or N is not a multiple of 16 (cuBLAS FP8
-GEMMs need both; M is free). When a rule named the site explicitly and its
-recipe cannot apply, the reason says so, and a strict policy raises.
+GEMMs need both; M is free), or the graph's CUDA device has no native FP8
+GEMM for its recipe (``fp8graph.lowering.choose_lowering``). When a rule
+named the site explicitly and its recipe cannot apply, the reason says so,
+and a strict policy raises; a strict policy also raises when the device has
+no native GEMM for a site's recipe.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from fp8graph.lowering import Lowering
+from fp8graph.lowering import Lowering, NoNativeGemm
 from fp8graph.policy import Policy, SiteInfo, describe_pattern, resolve
 from fp8graph.recipes import DelayedScaling, Recipe, TiledRecipe
 from fp8graph.recompute import CONTEXT_FN_KEY
@@ -84,13 +87,6 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
     return None
 
 
-def _site_lowering(site: Site, recipe: Recipe, lowering_for: Callable[[Recipe], Lowering]) -> Lowering:
-    try:
-        return lowering_for(recipe)
-    except ValueError as error:
-        raise ValueError(f"fp8graph: {site.path or '<root>'} ({site.op}): {error}") from None
-
-
 def _site_info(site: Site) -> SiteInfo:
     return SiteInfo(op=site.op, M=site.M, K=site.K, N=site.N, dtype=site.dtype,
                     is_linear=site.is_linear)
@@ -99,35 +95,45 @@ def _site_info(site: Site) -> SiteInfo:
 def annotate_sites(
     sites: list[Site],
     policy: Policy,
-    lowering_for: Callable[[Recipe], Lowering],
+    lowering_for: Callable[[Recipe, bool], Lowering],
     modules_by_path: dict[str, torch.nn.Module] | None = None,
     has_state: Callable[[Site], bool] = lambda site: False,
 ) -> list[Decision]:
     """Attach a decision to each site's node and return the decisions in order.
 
-    ``lowering_for(recipe)`` says how a recipe's GEMMs run on the graph's
-    device (see ``fp8graph.lowering.choose_lowering``).
+    ``lowering_for(recipe, is_linear)`` says how a recipe's GEMMs run on the
+    graph's device (see ``fp8graph.lowering.choose_lowering``); where the
+    device has no native GEMM for it (``NoNativeGemm``) the site stays in high
+    precision with that reason.
 
     Raises:
         ValueError: under a strict policy, when a rule gives a recipe to a site
-            it cannot apply to; the message names the module path and the reason.
+            it cannot apply to, or the device has no native GEMM for a site's
+            recipe; the message names the module path and the reason.
     """
     decisions = []
     for site in sites:
         module = (modules_by_path or {}).get(site.path)
         resolution = resolve(policy, site.path, _site_info(site), module, site.module_type)
         recipe = resolution.recipe
+        where = f"fp8graph: {site.path or '<root>'} ({site.op})"
         reason = _reason_to_keep(site, recipe, has_state)
+        site_lowering = None
+        if reason is None:
+            try:
+                site_lowering = lowering_for(recipe, site.is_linear)
+            except NoNativeGemm as error:
+                if policy.strict:
+                    raise ValueError(f"{where}: {error}") from None
+                reason = str(error)
+            except ValueError as error:
+                raise ValueError(f"{where}: {error}") from None
         if reason is not None and recipe is not None and resolution.rule_index is not None:
             pattern = describe_pattern(policy.rules[resolution.rule_index][0])
             request = f"rule {resolution.rule_index} ({pattern}) asks for {recipe.name}"
             if policy.strict:
-                raise ValueError(f"fp8graph: {site.path or '<root>'} ({site.op}): {request}, but {reason}")
+                raise ValueError(f"{where}: {request}, but {reason}")
             reason = f"{reason}; {request}"
-        # cuBLAS FP8 GEMMs are 2-D only: FP8 matmuls of activations are emulated everywhere.
-        site_lowering = None
-        if reason is None:
-            site_lowering = _site_lowering(site, recipe, lowering_for) if site.is_linear else Lowering.EMULATED
         decision = (
             Decision(site, recipe, None, site_lowering, resolution.rule_index) if reason is None
             else Decision(site, None, reason, None, resolution.rule_index)

@@ -9,16 +9,41 @@ def _verdicts(result):
     return {(v["target"], v["case"]): v for v in judge(result)}
 
 
-def test_quantize_kernels_are_held_to_90_percent_of_the_copy():
+def test_quantize_kernels_are_held_to_their_tilings_share_of_the_copy():
     result = {"workload": "quantize", "rows": [
         {"contestant": "device-to-device copy", "fraction_of_copy": 1.0},
-        {"contestant": "current", "fraction_of_copy": 0.90},
-        {"contestant": "rowwise", "fraction_of_copy": 0.75}]}
+        {"contestant": "current", "tiling": "tensor", "fp8graph_uses": True, "fraction_of_copy": 0.90},
+        {"contestant": "rowwise (inductor)", "tiling": "rowwise", "layouts": 1, "fp8graph_uses": True,
+         "fraction_of_copy": 0.75},
+        {"contestant": "rowwise, both (inductor)", "tiling": "rowwise", "layouts": 2, "fp8graph_uses": True,
+         "fraction_of_copy": 0.60},
+        {"contestant": "rowwise (kernel)", "tiling": "rowwise", "layouts": 1, "fp8graph_uses": False,
+         "fraction_of_copy": 0.10},
+        {"contestant": "128x128 (kernel)", "tiling": "128x128", "layouts": 1, "fp8graph_uses": True,
+         "fraction_of_copy": 0.50},
+        {"contestant": "128x128, both (kernel)", "tiling": "128x128", "layouts": 2, "fp8graph_uses": True,
+         "fraction_of_copy": 0.81}]}
     verdicts = _verdicts(result)
-    assert set(verdicts) == {("fraction of copy bandwidth", "current"), ("fraction of copy bandwidth", "rowwise")}
-    assert verdicts["fraction of copy bandwidth", "current"]["met"]  # the bound itself meets it
-    rowwise = verdicts["fraction of copy bandwidth", "rowwise"]
-    assert not rowwise["met"] and rowwise["missed_by"] == pytest.approx(0.15)
+    # Measured, not judged: the row-wise kernel fp8graph does not run on CUDA, both layouts of row-wise
+    # (a column amax must precede the transposed cast), one layout of the weight tiles.
+    assert set(verdicts) == {("per-tensor cast, fraction of copy bandwidth", "current"),
+                             ("row-wise, 1x128 and MX 1x32 tiles, fraction of copy bandwidth", "rowwise (inductor)"),
+                             ("128x128 weight tiles, fraction of copy bandwidth", "128x128, both (kernel)")}
+    assert verdicts["per-tensor cast, fraction of copy bandwidth", "current"]["met"]  # the bound itself meets it
+    rowwise = verdicts["row-wise, 1x128 and MX 1x32 tiles, fraction of copy bandwidth", "rowwise (inductor)"]
+    assert not rowwise["met"] and rowwise["missed_by"] == pytest.approx(0.10)
+    assert verdicts["128x128 weight tiles, fraction of copy bandwidth", "128x128, both (kernel)"]["met"]
+
+
+def test_quantize_results_stored_before_rows_named_their_tiling_are_judged_by_name():
+    result = {"workload": "quantize", "rows": [
+        {"contestant": "device-to-device copy", "fraction_of_copy": 1.0},
+        {"contestant": "mxfp8 1x32 (inductor)", "fraction_of_copy": 0.99},
+        {"contestant": "block 128x128 weight tiles (inductor)", "fraction_of_copy": 0.11}]}
+    verdicts = _verdicts(result)
+    assert verdicts["row-wise, 1x128 and MX 1x32 tiles, fraction of copy bandwidth", "mxfp8 1x32 (inductor)"]["met"]
+    weight = verdicts["128x128 weight tiles, fraction of copy bandwidth", "block 128x128 weight tiles (inductor)"]
+    assert weight["missed_by"] == pytest.approx(0.69)
 
 
 def test_linear_is_judged_at_the_llama_shapes_only():

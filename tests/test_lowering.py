@@ -6,14 +6,18 @@ products of FP8 values are exact in fp32, so it agrees with the emulation up
 to accumulation order.
 """
 
+import re
+
 import pytest
 import torch
 
 import fp8graph
+import fp8graph.backend
+import fp8graph.lowering
 from fp8graph import Float8CurrentScaling, Float8RowwiseScaling
 from fp8graph.linear_fp8 import linear_fp8_target
 from fp8graph.linear_tiled import linear_tiled_target
-from fp8graph.lowering import Lowering, choose_lowering, has_cpu_kernel, pad_reduction_dim, scaled_gemm
+from fp8graph.lowering import Lowering, NoNativeGemm, choose_lowering, has_cpu_kernel, pad_reduction_dim, scaled_gemm
 from fp8graph.metrics import sqnr_db
 from fp8graph.models import build
 from fp8graph.quantize import quantize_current
@@ -41,6 +45,66 @@ def test_scaled_mm_can_be_asked_for_on_cpu_where_its_kernel_runs_the_recipe():
     else:
         with pytest.raises(ValueError, match=r"rowwise.* needs a CUDA device"):
             choose_lowering(cpu, "scaled_mm", Float8RowwiseScaling())
+
+
+CUDA = torch.device("cuda")
+CURRENT, ROWWISE, BLOCK, MX = (Float8CurrentScaling(), Float8RowwiseScaling(), fp8graph.Float8BlockScaling(),
+                               fp8graph.MXFP8BlockScaling())
+
+
+@pytest.mark.parametrize("recipe,capability,native", [
+    (CURRENT, (8, 0), False), (CURRENT, (8, 9), True), (CURRENT, (9, 0), True), (CURRENT, (10, 0), True),
+    (ROWWISE, (8, 6), False), (ROWWISE, (9, 0), True),
+    (BLOCK, (8, 9), False), (BLOCK, (9, 0), True), (BLOCK, (10, 0), False),
+    (MX, (9, 0), False), (MX, (10, 0), True), (MX, (12, 0), False),
+])
+def test_a_cuda_device_without_the_recipes_gemm_gets_no_silent_emulation(recipe, capability, native):
+    """The decision, given a compute capability: native GEMM, or a refusal naming recipe and device."""
+    if native:
+        assert choose_lowering(CUDA, "auto", recipe, capability=capability) is Lowering.SCALED_MM
+        assert choose_lowering(CUDA, "scaled_mm", recipe, capability=capability) is Lowering.SCALED_MM
+    else:
+        with pytest.raises(NoNativeGemm, match=rf"{re.escape(recipe.name)} has no native FP8 GEMM on cuda "
+                                                rf"\(compute capability {capability[0]}\.{capability[1]}\)"):
+            choose_lowering(CUDA, "auto", recipe, capability=capability)
+        with pytest.raises(ValueError, match=r"lowering='scaled_mm': .* many times slower than BF16") as raised:
+            choose_lowering(CUDA, "scaled_mm", recipe, capability=capability)
+        assert not isinstance(raised.value, NoNativeGemm)  # asked for explicitly: an error, not a reason
+    # Emulation only when asked for; the CPU always emulates.
+    assert choose_lowering(CUDA, "emulated", recipe, capability=capability) is Lowering.EMULATED
+    assert choose_lowering(torch.device("cpu"), "auto", recipe) is Lowering.EMULATED
+
+
+def test_activation_matmuls_are_emulated_on_cuda_only_when_asked():
+    with pytest.raises(NoNativeGemm, match="activation matmul"):
+        choose_lowering(CUDA, "auto", CURRENT, capability=(9, 0), batched=True)
+    assert choose_lowering(CUDA, "emulated", CURRENT, capability=(9, 0), batched=True) is Lowering.EMULATED
+    assert choose_lowering(torch.device("cpu"), "scaled_mm", CURRENT, batched=True) is Lowering.EMULATED
+
+
+def _passes_on_a_pretend_gpu(monkeypatch, capability, policy):
+    """Run fp8graph's passes over a tiny Llama's graph as if its parameters were on a GPU of ``capability``."""
+    monkeypatch.setattr(fp8graph.backend, "_graph_device", lambda example_inputs: CUDA)
+    monkeypatch.setattr(fp8graph.lowering, "_capability", lambda device: capability)
+    backend = fp8graph.backend.FP8Backend(policy=policy, compiler="eager", model=(model := build("llama", "tiny-blocks")))
+    tokens = torch.randint(0, 250, (2, 16))
+    torch._dynamo.optimize(backend)(model)(tokens)
+    return backend.decisions
+
+
+def test_sites_stay_in_high_precision_with_the_reason_when_the_device_lacks_the_recipes_gemm(monkeypatch):
+    decisions = _passes_on_a_pretend_gpu(monkeypatch, (9, 0), fp8graph.Policy(default=MX))
+    down_proj = next(d for d in decisions if d.site.path == "model.layers.0.mlp.down_proj")
+    assert not down_proj.rewritten
+    assert down_proj.reason.startswith("mxfp8(E4M3, 1x32, E8M0) has no native FP8 GEMM on cuda (compute capability "
+                                       "9.0): it needs a CUDA device of compute capability 10.x (SM100)")
+    assert not any(d.rewritten for d in decisions)
+
+
+def test_a_strict_policy_raises_naming_the_module_when_the_device_lacks_the_recipes_gemm(monkeypatch):
+    with pytest.raises(Exception, match=r"model.layers.0.self_attn.q_proj \(linear\): block\(1x128/128x128, "
+                                        r"pow2\) has no native FP8 GEMM on cuda \(compute capability 10.0\)"):
+        _passes_on_a_pretend_gpu(monkeypatch, (10, 0), fp8graph.Policy(default=BLOCK, strict=True))
 
 
 def test_unknown_lowering_is_refused():
