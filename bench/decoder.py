@@ -1,16 +1,21 @@
-"""A Llama decoder stack (transformers): training tokens/s, peak memory, compile time, and prefill.
+"""A Llama decoder stack (transformers): training tokens/s, peak memory, compile time, prefill, and where time goes.
 
-Full mode: the ``bench-8b-layer`` config (hidden 4096, FFN 14336, 32 heads,
-8 KV heads; ``--layers`` decoder layers), batch 1, sequence 4096, BF16 on
-CUDA with Inductor. Per contestant:
+Full mode, BF16 on CUDA with Inductor, batch 1, sequence 4096: ``--config
+bench-8b-layer`` (Llama-3-8B layers, hidden 4096, FFN 14336, 32 heads, 8 KV
+heads, a 32000-token vocabulary; 4 layers unless ``--layers`` says) or
+``--config llama3-8b`` (the whole model: 32 layers, vocabulary 128256).
+Each contestant runs in a process of its own (a fresh CUDA context, so peak
+memory is the contestant's alone) and reports:
 
     compile_cold_s   first training step, compile included, with empty compile caches
     compile_warm_s   the same again, in-memory caches cleared, on-disk caches as the cold run left them
                      (what a new process finds); each contestant has caches of its own
-    train            steps of forward + backward + SGD; tokens/s from the median step
+    train            steps of forward + backward + SGD, timed with recompiles refused; tokens/s from the median
     peak_memory_gb   torch.cuda.max_memory_allocated over the training steps
     saved_gb         what one training step's forward saves for its backward (bench.memory; any device)
-    prefill          forward under torch.no_grad(); tokens/s from the median call
+    profile          with --profile: kernel time per step by category and the top kernels (bench.profile)
+    prefill          forward under torch.no_grad() with frozen weights; tokens/s from the median call
+                     (--skip-prefill leaves it out: a compile with freezing per contestant)
 
 Contestants: BF16 ``torch.compile``, fp8graph per recipe, and torchao's float8
 training (tensorwise and rowwise, module swap + ``torch.compile``) when
@@ -23,8 +28,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
 import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -32,15 +40,17 @@ import torch
 from torch._inductor import config as inductor_config
 
 import fp8graph
-from fp8graph.recipes import PRESETS
 from fp8graph.models import build
+from fp8graph.recipes import PRESETS
 
 from .memory import saved_for_backward_bytes
-from .timing import attempt, environment, failed, markdown_table, median, report, time_ms, title, write_partial
+from .profile import CATEGORIES, profile_steps
+from .timing import (attempt, environment, failed, markdown_table, median, report, time_compiled, time_ms, title,
+                     write_partial)
 
 RECIPES = {name: PRESETS[name] for name in ("current", "delayed", "rowwise", "block")}
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
-
+CONFIGS = ("bench-8b-layer", "llama3-8b")
 
 KNOWN = ["bf16", *RECIPES, *(f"torchao {name}" for name in TORCHAO_RECIPES)]
 
@@ -113,35 +123,57 @@ def _first_call_seconds(step, device) -> float:
     return time.perf_counter() - start
 
 
-def _measure(contestant: str, args, device, compiler, config, batch, sequence, warmup, repeats) -> dict:
-    dtype = torch.float32 if args.smoke else torch.bfloat16
-    model = build("llama", config).to(device=device, dtype=dtype)
-    if not args.smoke:
-        model.model.layers = model.model.layers[:args.layers]
-        model.config.num_hidden_layers = args.layers
+def _settings(args) -> dict:
+    """Device, compiler, model config and loop sizes of this run."""
+    if args.smoke:
+        return {"device": torch.device("cpu"), "compiler": "aot_eager", "config": "tiny", "layers": None,
+                "batch": 2, "sequence": 32, "warmup": 2, "repeats": 2, "dtype": torch.float32}
+    return {"device": torch.device("cuda"), "compiler": "inductor", "config": args.config, "layers": args.layers,
+            "batch": 1, "sequence": 4096, "warmup": 3, "repeats": args.repeats, "dtype": torch.bfloat16}
+
+
+def build_model(settings: dict) -> torch.nn.Module:
+    """The run's Llama, built on its device in its dtype, with ``settings["layers"]`` layers if given."""
+    overrides = {} if settings["layers"] is None else {"num_hidden_layers": settings["layers"]}
+    return build("llama", settings["config"], device=settings["device"], dtype=settings["dtype"], **overrides)
+
+
+def measure_contestant(contestant: str, args) -> dict:
+    """One contestant's row, measured in this process."""
+    settings = _settings(args)
+    device, compiler = settings["device"], settings["compiler"]
+    model = build_model(settings)
     if contestant.startswith("torchao"):
         _swap_in_torchao(model, contestant)
-    tokens = torch.randint(0, model.config.vocab_size, (batch, sequence), device=device)
-    row = {"contestant": contestant, **_measure_training(model, contestant, compiler, tokens, device, warmup, repeats)}
+    tokens = torch.randint(0, model.config.vocab_size, (settings["batch"], settings["sequence"]), device=device)
+    row = {"contestant": contestant, "layers_built": len(model.model.layers),
+           **_measure_training(model, contestant, compiler, tokens, device, settings["warmup"], settings["repeats"],
+                               args.profile)}
+    if args.skip_prefill:
+        return row
     # A prefill that fails (a compile with freezing) keeps the training numbers; its error stands beside them.
-    prefill = attempt({}, lambda: _measure_prefill(model, contestant, compiler, tokens, device, warmup, repeats))
+    prefill = attempt({}, lambda: _measure_prefill(model, contestant, compiler, tokens, device, settings["warmup"],
+                                                   settings["repeats"]))
     row.update({"prefill_error": prefill["error"]} if "error" in prefill else prefill)
     return row
 
 
-def _measure_training(model, contestant, compiler, tokens, device, warmup, repeats) -> dict:
+def _measure_training(model, contestant, compiler, tokens, device, warmup, repeats, profile) -> dict:
     row = {}
     with tempfile.TemporaryDirectory() as cache_dir:
         for phase in ("compile_cold_s", "compile_warm_s"):
             with _compile_caches_in(cache_dir):
+                torch._dynamo.utils.counters.clear()
                 compiled_model = _compile(model, contestant, compiler)
                 step = _train_step(compiled_model, model, tokens)
                 row[phase] = _first_call_seconds(step, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    row["train_timings_ms"] = time_ms(step, device, warmup, repeats)
+    row["train_timings_ms"] = time_compiled(step, device, warmup, repeats)
     row["train_tokens_per_s"] = tokens.numel() / (median(row["train_timings_ms"]) / 1e3)
     row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    if profile:
+        row["profile"] = profile_steps(step, device)
     row["saved_gb"] = saved_for_backward_bytes(
         lambda: compiled_model(tokens, labels=tokens).loss, model.parameters()) / 1e9
     for parameter in model.parameters():
@@ -164,11 +196,38 @@ def _measure_prefill(model, contestant, compiler, tokens, device, warmup, repeat
             "prefill_tokens_per_s": tokens.numel() / (median(timings) / 1e3)}
 
 
+def _in_own_process(contestant: str, args) -> dict:
+    """``measure_contestant`` in a child process: its own CUDA context, so its own peak memory.
+
+    A child that crashes or outlives ``--contestant-timeout`` leaves an error
+    row with the end of its output; the other contestants go on.
+    """
+    with tempfile.TemporaryDirectory() as scratch:
+        row_file = pathlib.Path(scratch) / "row.json"
+        command = [sys.executable, "-m", "bench", "decoder", "--one", contestant, "--row-file", str(row_file),
+                   "--config", args.config, "--repeats", str(args.repeats)]
+        command += (["--layers", str(args.layers)] if args.layers is not None else [])
+        command += [flag for flag, wanted in (("--smoke", args.smoke), ("--profile", args.profile),
+                                              ("--skip-prefill", args.skip_prefill)) if wanted]
+        try:
+            finished = subprocess.run(command, capture_output=True, text=True, timeout=args.contestant_timeout)
+        except subprocess.TimeoutExpired as expired:
+            output = expired.stdout or ""
+            output = output.decode(errors="replace") if isinstance(output, bytes) else output
+            return {"contestant": contestant,
+                    "error": f"timed out after {args.contestant_timeout} s; last output: {output[-2000:]}"}
+        if finished.returncode != 0 or not row_file.exists():
+            return {"contestant": contestant, "error": f"exited with code {finished.returncode}: "
+                                                       f"{(finished.stdout + finished.stderr)[-2000:]}"}
+        return json.loads(row_file.read_text())
+
+
 def run(args: argparse.Namespace) -> dict:
-    device = torch.device("cpu" if args.smoke else "cuda")
-    compiler = "aot_eager" if args.smoke else "inductor"
-    config, batch, sequence = ("tiny", 2, 32) if args.smoke else ("bench-8b-layer", 1, 4096)
-    warmup, repeats = (1, 2) if args.smoke else (3, args.repeats)
+    if args.one:  # a child process of a run: one contestant's row into --row-file
+        row = attempt({"contestant": args.one}, lambda: measure_contestant(args.one, args))
+        args.row_file.write_text(json.dumps(row))
+        return row
+    settings = _settings(args)
     available = contestants()
     wanted = ["bf16", *(name for name in args.contestants or available if name != "bf16")]
     unknown = sorted(set(wanted) - set(KNOWN))
@@ -179,17 +238,19 @@ def run(args: argparse.Namespace) -> dict:
         print(f"torchao is not installed: {missing} left out")
         wanted = [name for name in wanted if name in available]
     rows = []
-    result = {"workload": "decoder_stack", "smoke": args.smoke, "compiler": compiler, "config": config,
-              "layers": None if args.smoke else args.layers, "batch": batch, "sequence": sequence,
-              "environment": environment(device), "warmup": warmup, "repeats": repeats, "rows": rows}
+    result = {"workload": "decoder_stack", "smoke": args.smoke, "compiler": settings["compiler"],
+              "config": settings["config"], "layers": settings["layers"], "batch": settings["batch"],
+              "sequence": settings["sequence"], "environment": environment(settings["device"]),
+              "warmup": settings["warmup"], "repeats": settings["repeats"], "process_per_contestant": True,
+              "rows": rows}
     for name in wanted:
-        rows.append(attempt({"contestant": name}, lambda name=name: _measure(
-            name, args, device, compiler, config, batch, sequence, warmup, repeats)))
+        rows.append(_in_own_process(name, args))
+        print(f"{name}: {'error' if 'error' in rows[-1] else 'measured'}", flush=True)
         write_partial(result, args.out, "decoder")
-    torch._dynamo.reset()
     baseline = rows[0]
     if "error" in baseline:
         raise SystemExit(f"the BF16 baseline failed, so nothing can be compared: {baseline['error']}")
+    result["layers"] = baseline["layers_built"]
     for row in (r for r in rows if "error" not in r):
         row["train_speedup_vs_bf16_compile"] = row["train_tokens_per_s"] / baseline["train_tokens_per_s"]
         if "prefill_tokens_per_s" in row and "prefill_tokens_per_s" in baseline:
@@ -207,9 +268,28 @@ def summary(result: dict) -> str:
             for r in result["rows"] if "error" not in r]
     columns = ["contestant", "train tokens/s", "vs bf16", "prefill tokens/s", "vs bf16", "peak GB",
                "saved for backward GB", "compile cold s", "warm s"]
-    heading = f"Llama decoder stack ({result['config']}, batch {result['batch']}, sequence {result['sequence']})"
+    layers = f", {result['layers']} layers" if result.get("layers") else ""
+    heading = (f"Llama decoder stack ({result['config']}{layers}, batch {result['batch']}, "
+               f"sequence {result['sequence']})")
     return "\n".join([title(heading, result), "", *markdown_table(columns, rows), *failed(result["rows"]),
-                      *failed(result["rows"], "prefill_error", " prefill")])
+                      *failed(result["rows"], "prefill_error", " prefill"), *_profile_tables(result["rows"])])
+
+
+def _profile_tables(rows: list[dict]) -> list[str]:
+    """Kernel time per training step by category, one column per contestant, then each one's top kernels."""
+    profiled = [row for row in rows if "profile" in row]
+    if not profiled:
+        return []
+    timed = profiled[0]["profile"]["timed"]
+    lines = ["", f"Where a training step's time goes, ms per step ({timed}):", ""]
+    table = [[name, *(f"{row['profile']['by_category_ms'][name]:.2f}" for row in profiled)] for name in CATEGORIES]
+    table.append(["total", *(f"{row['profile']['total_ms']:.2f}" for row in profiled)])
+    lines += markdown_table(["category", *(row["contestant"] for row in profiled)], table)
+    for row in profiled:
+        lines += ["", f"Top kernels, {row['contestant']}:", ""]
+        lines += markdown_table(["kernel", "ms per step", "calls per step"],
+                                [[name[:100], f"{ms:.2f}", f"{calls:g}"] for name, ms, calls in row["profile"]["top"][:10]])
+    return lines
 
 
 def _number(row: dict, key: str, form: str) -> str:
@@ -218,9 +298,16 @@ def _number(row: dict, key: str, form: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="the tiny Llama on CPU, for the tests")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the full config")
+    parser.add_argument("--config", choices=CONFIGS, default="bench-8b-layer",
+                        help="Llama-3-8B layers (bench-8b-layer) or the whole Llama-3-8B (llama3-8b)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: the config's)")
     parser.add_argument("--contestants", nargs="+", metavar="NAME",
                         help="run these (and the BF16 baseline) only, e.g. current 'torchao tensorwise'; "
                              "default: all available")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--profile", action="store_true", help="also profile training steps: kernel time by category")
+    parser.add_argument("--skip-prefill", action="store_true", help="training only (a GPU call's time is bounded)")
+    parser.add_argument("--contestant-timeout", type=float, default=900, help="seconds one contestant may take")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    parser.add_argument("--one", metavar="NAME", help=argparse.SUPPRESS)  # a child process's contestant
+    parser.add_argument("--row-file", type=pathlib.Path, help=argparse.SUPPRESS)

@@ -3,9 +3,13 @@
     quantize   per-tensor cast                    >= 0.90 of a device-to-device copy's bandwidth
                row-wise, 1x128 and MX 1x32 tiles  >= 0.85 of it     one layout, by the code fp8graph runs on CUDA
                128x128 weight tiles               >= 0.80 of it     weight and transpose, by that code
-    linear     fp8graph at the Llama-3-8B shapes  >= 1.60x BF16 torch.compile, forward + backward
+    linear     fp8graph at the Llama-3-8B shapes, forward + backward, over BF16 torch.compile:
+                 per-tensor (current, delayed)    >= 1.60x
+                 row-wise                         >= 1.35x, and >= torchao row-wise
+                 block                            >= 1.25x
     decoder    fp8graph training step             >= 1.35x BF16 torch.compile
                fp8graph training step             >= 1.05x torchao tensorwise (when torchao ran)
+               fp8graph row-wise training step    >= torchao row-wise (when both ran)
                peak memory                        <= BF16 torch.compile's
                memory saved for backward          <= BF16 torch.compile's (also on CPU)
                compile time, cold                 <= 1.30x BF16 torch.compile's
@@ -68,10 +72,31 @@ def _quantize_fractions(tilings: tuple[str, ...], layouts: int):
     return measure
 
 
-def _linear_speedups(result):
-    for row in result["rows"]:
-        if row["contestant"].startswith("fp8graph") and (row["M"], row["K"], row["N"]) in LLAMA_3_8B_SHAPES:
-            yield f"{row['contestant']} {row['M']}x{row['K']}x{row['N']}", row["speedup_vs_bf16_compile"]
+def _recipe_of(contestant: str) -> str | None:
+    """``"rowwise"`` of ``"fp8graph rowwise (inductor)"``, ``"current"`` of ``"fp8graph current, cached weight (...)"``."""
+    words = contestant.split()
+    return words[1].rstrip(",") if words[0] == "fp8graph" else None
+
+
+def _llama_rows(result):
+    return [row for row in result["rows"] if (row["M"], row["K"], row["N"]) in LLAMA_3_8B_SHAPES]
+
+
+def _linear_speedups(*recipes: str):
+    def measure(result):
+        for row in _llama_rows(result):
+            if _recipe_of(row["contestant"]) in recipes and "speedup_vs_bf16_compile" in row:
+                yield f"{row['contestant']} {row['M']}x{row['K']}x{row['N']}", row["speedup_vs_bf16_compile"]
+    return measure
+
+
+def _linear_rowwise_vs_torchao(result):
+    rows = _llama_rows(result)
+    for torchao in (row for row in rows if row["contestant"].startswith("torchao rowwise")):
+        shape = (torchao["M"], torchao["K"], torchao["N"])
+        for row in rows:
+            if _recipe_of(row["contestant"]) == "rowwise" and (row["M"], row["K"], row["N"]) == shape:
+                yield f"{row['contestant']} {'x'.join(map(str, shape))}", torchao["median_ms"] / row["median_ms"]
 
 
 def _fp8graph_rows(result):
@@ -88,6 +113,14 @@ def _decoder_vs_torchao(result):
     for reference in torchao:
         for row in _fp8graph_rows(result):
             yield row["contestant"], row["train_tokens_per_s"] / reference["train_tokens_per_s"]
+
+
+def _decoder_rowwise_vs_torchao(result):
+    torchao = [row for row in result["rows"] if row["contestant"] == "torchao rowwise"]
+    for reference in torchao:
+        for row in result["rows"]:
+            if row["contestant"] == "rowwise":
+                yield row["contestant"], row["train_tokens_per_s"] / reference["train_tokens_per_s"]
 
 
 def _decoder_memory(result):
@@ -128,9 +161,17 @@ TARGETS = (
     # The weight and its transpose from one read.
     Target("quantize", "128x128 weight tiles, fraction of copy bandwidth", 0.80, True,
            _quantize_fractions(("128x128",), 2)),
-    Target("linear_fwd_bwd", "speedup over BF16 torch.compile at Llama-3-8B shapes", 1.60, True, _linear_speedups),
+    Target("linear_fwd_bwd", "per-tensor: speedup over BF16 torch.compile at Llama-3-8B shapes", 1.60, True,
+           _linear_speedups("current", "delayed")),
+    Target("linear_fwd_bwd", "row-wise: speedup over BF16 torch.compile at Llama-3-8B shapes", 1.35, True,
+           _linear_speedups("rowwise")),
+    Target("linear_fwd_bwd", "block: speedup over BF16 torch.compile at Llama-3-8B shapes", 1.25, True,
+           _linear_speedups("block")),
+    Target("linear_fwd_bwd", "row-wise: speedup over torchao row-wise at Llama-3-8B shapes", 1.00, True,
+           _linear_rowwise_vs_torchao),
     Target("decoder_stack", "training speedup over BF16 torch.compile", 1.35, True, _decoder_speedups),
     Target("decoder_stack", "training tokens/s over torchao tensorwise", 1.05, True, _decoder_vs_torchao),
+    Target("decoder_stack", "row-wise training tokens/s over torchao row-wise", 1.00, True, _decoder_rowwise_vs_torchao),
     Target("decoder_stack", "peak memory over BF16 torch.compile", 1.00, False, _decoder_memory),
     # The part of the memory a recipe changes, measurable on CPU as well (bench.memory).
     Target("decoder_stack", "memory saved for backward over BF16 torch.compile", 1.00, False, _decoder_saved),

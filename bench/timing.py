@@ -58,6 +58,32 @@ def time_ms(step: Callable[[], object], device: torch.device, warmup: int, repea
     return timings
 
 
+class NotCompiled(RuntimeError):
+    """A compiled contestant that ran eagerly, recompiled while timed, or put nothing in FP8."""
+
+
+def time_compiled(step: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """:func:`time_ms` of a step that runs a ``torch.compile``-d contestant compiled alone.
+
+    Call it after ``torch._dynamo.reset()`` and before compiling anything
+    else. Every contestant compiling the same code (``Linear.forward``) in one
+    process, once an H100 run took the 9th past Dynamo's recompile limit and
+    timed it running eagerly (torchao at 0.37-0.48x BF16 there, 1.57x alone).
+    Here hitting the limit during warm-up raises, a warm-up that compiled no
+    frame raises, and a recompile while timed raises: each is recorded as the
+    contestant's error, never as a number.
+    """
+    from torch._dynamo.utils import counters
+
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for _ in range(max(warmup, 1)):
+            step()
+    if counters["frames"]["ok"] == 0:
+        raise NotCompiled("the warm-up compiled no frame: the contestant ran eagerly")
+    with torch.compiler.set_stance("fail_on_recompile"):
+        return time_ms(step, device, 0, repeats)
+
+
 def attempt(row: dict, measure: Callable[[], dict]) -> dict:
     """``row`` updated with ``measure()``'s numbers, or with the error that stopped it.
 

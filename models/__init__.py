@@ -30,10 +30,25 @@ def configs(family: str) -> tuple[str, ...]:
     return tuple(_family(family).CONFIGS)
 
 
-def build(family: str, config: str = "tiny", seed: int = 0) -> torch.nn.Module:
-    """A freshly initialized model of ``family`` with the named ``config``."""
+def build(family: str, config: str = "tiny", seed: int = 0, device=None, dtype: torch.dtype | None = None,
+          **overrides) -> torch.nn.Module:
+    """A freshly initialized model of ``family`` with the named ``config``.
+
+    Args:
+        device, dtype: where and in which dtype the parameters are created (a
+            32-layer Llama-3-8B is built straight on the GPU in BF16, never in
+            fp32 on the host first).
+        overrides: config fields to change, e.g. ``num_hidden_layers=8``.
+    """
     module = _family(family)
     if config not in module.CONFIGS:
         raise ValueError(f"{family} has no config {config!r}; known: {tuple(module.CONFIGS)}")
     torch.manual_seed(seed)
-    return module.build(module.CONFIGS[config])
+    default_dtype = torch.get_default_dtype()
+    try:
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        with torch.device(device or "cpu"):
+            return module.build({**module.CONFIGS[config], **overrides})
+    finally:
+        torch.set_default_dtype(default_dtype)

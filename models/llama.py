@@ -17,10 +17,15 @@ CONFIGS = {
     # Byte-level language model for the demo: every projection is FP8-eligible.
     "demo": dict(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
-    # Benchmark shapes of a Llama-3-8B layer.
+    # Benchmark shapes of Llama-3-8B layers, a few of them (``bench decoder --layers`` sets how many).
     "bench-8b-layer": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                           num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+                           num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
                            max_position_embeddings=4096),
+    # The whole Llama-3-8B shape: 32 layers, its 128256-token vocabulary (about 40 GB peak
+    # training at sequence 4096 in BF16).
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=8192),
 }
 
 

@@ -64,6 +64,31 @@ def test_linear_is_judged_at_the_llama_shapes_only():
     assert verdict_table(verdicts)[1][-1] == "missed by 0.10"
 
 
+def test_linear_targets_depend_on_the_recipe_and_rowwise_meets_torchao_rowwise():
+    def row(contestant, median_ms, speedup):
+        return {"contestant": contestant, "M": 16384, "K": 4096, "N": 14336, "median_ms": median_ms,
+                "speedup_vs_bf16_compile": speedup}
+
+    verdicts = _verdicts({"workload": "linear_fwd_bwd", "rows": [
+        row("bf16 torch.compile (inductor)", 8.0, 1.0),
+        row("fp8graph rowwise (inductor)", 5.8, 1.38),
+        row("fp8graph block (inductor)", 6.5, 1.23),
+        row("fp8graph current, cached weight (inductor)", 5.0, 1.6),
+        row("fp8graph mxfp8 (inductor)", 7.0, 1.14),  # no target names MX
+        row("torchao rowwise (inductor)", 6.2, 1.29)]})
+    shape = "16384x4096x14336"
+    assert verdicts["row-wise: speedup over BF16 torch.compile at Llama-3-8B shapes",
+                    f"fp8graph rowwise (inductor) {shape}"]["met"]
+    block = verdicts["block: speedup over BF16 torch.compile at Llama-3-8B shapes", f"fp8graph block (inductor) {shape}"]
+    assert not block["met"] and block["missed_by"] == pytest.approx(0.02)
+    assert verdicts["per-tensor: speedup over BF16 torch.compile at Llama-3-8B shapes",
+                    f"fp8graph current, cached weight (inductor) {shape}"]["met"]
+    vs_torchao = verdicts["row-wise: speedup over torchao row-wise at Llama-3-8B shapes",
+                          f"fp8graph rowwise (inductor) {shape}"]
+    assert vs_torchao["measured"] == pytest.approx(6.2 / 5.8) and vs_torchao["met"]
+    assert not any("mxfp8" in case for _, case in verdicts)
+
+
 def _decoder_row(contestant, tokens_per_s, peak_gb, saved_gb, cold, warm):
     return {"contestant": contestant, "train_tokens_per_s": tokens_per_s, "peak_memory_gb": peak_gb,
             "saved_gb": saved_gb, "compile_cold_s": cold, "compile_warm_s": warm}
@@ -92,6 +117,15 @@ def test_decoder_targets_judge_fp8graph_against_bf16_and_torchao():
     cold = verdicts["cold compile time over BF16 torch.compile", "current"]
     assert not cold["met"] and cold["missed_by"] == pytest.approx(0.2)
     assert verdicts["warm compile time over cold (caches reused)", "current"]["met"]
+
+
+def test_decoder_rowwise_is_held_to_torchao_rowwise():
+    verdicts = _verdicts(_decoder_result(
+        _decoder_row("bf16", 1000, 40.0, 10.0, 60, 20),
+        _decoder_row("rowwise", 1100, 38.0, 8.0, 90, 10),
+        _decoder_row("torchao rowwise", 1150, 37.0, 7.0, 70, 15)))
+    rowwise = verdicts["row-wise training tokens/s over torchao row-wise", "rowwise"]
+    assert not rowwise["met"] and rowwise["measured"] == pytest.approx(1100 / 1150)
 
 
 def test_decoder_without_torchao_or_cuda_memory_skips_those_targets():
