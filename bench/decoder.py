@@ -268,7 +268,9 @@ def summary(result: dict) -> str:
             for r in result["rows"] if "error" not in r]
     columns = ["contestant", "train tokens/s", "vs bf16", "prefill tokens/s", "vs bf16", "peak GB",
                "saved for backward GB", "compile cold s", "warm s"]
-    layers = f", {result['layers']} layers" if result.get("layers") else ""
+    # Layers as built; results stored before rows recorded them asked for --layers but built the config's 2.
+    built = {row["layers_built"] for row in result["rows"] if "layers_built" in row}
+    layers = f", {built.pop()} layers" if len(built) == 1 else ""
     heading = (f"Llama decoder stack ({result['config']}{layers}, batch {result['batch']}, "
                f"sequence {result['sequence']})")
     return "\n".join([title(heading, result), "", *markdown_table(columns, rows), *failed(result["rows"]),
