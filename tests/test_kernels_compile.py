@@ -2,9 +2,10 @@
 
 Each case builds the launch fp8graph would make (``plan_quantize_tiles``,
 ``plan_quantize_tiles_both``) for an operand of a recipe's role, contiguous or
-transposed, at a token count divisible by 16 and at one that is not (Triton
-specializes integer arguments on divisibility), then compiles it to a cubin
-with the launch's own specialization (``tests/triton_targets.py``).
+transposed, BF16, fp32 or fp16, at a token count divisible by 16 and at one
+that is not (Triton specializes integer arguments on divisibility), then
+compiles it to a cubin with the launch's own specialization
+(``tests/triton_targets.py``).
 
 What this proves: the kernels compile for the GPU (the interpreter, which the
 numerics tests use, accepts code a GPU compile refuses, such as a
@@ -33,32 +34,40 @@ TILINGS = sorted({recipe.tiling(role) for recipe in RECIPES for role in ROLES}, 
 SHAPES = {1: [(4096, 1024), (200, 384)], 128: [(1024, 512), (256, 384)]}
 
 
+# Operand dtypes: BF16 models, and fp32 ones (master weights and fp32 inputs under autocast reach the
+# linear in fp32: it quantizes with autocast off); fp16 for the plain layout.
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
 def _launch_cases():
     for tiling in TILINGS:
         for rows, columns in SHAPES[tiling.rows]:
-            for layout in ("contiguous", "transposed"):
-                yield pytest.param(tiling, (rows, columns), layout, "one layout",
-                                   id=f"{tiling.label}-{tiling.scale_kind.value}-{rows}x{columns}-{layout}")
-            if tiling.cols == 128:
-                yield pytest.param(tiling, (rows, columns), "contiguous", "both layouts",
-                                   id=f"{tiling.label}-{tiling.scale_kind.value}-{rows}x{columns}-both")
+            for dtype in DTYPES:
+                layouts = [("contiguous", "one layout")] if dtype == "fp16" else [
+                    ("contiguous", "one layout"), ("transposed", "one layout")]
+                if tiling.cols == 128 and dtype != "fp16":
+                    layouts.append(("contiguous", "both layouts"))
+                for layout, count in layouts:
+                    yield pytest.param(tiling, (rows, columns), dtype, layout, count,
+                                       id=f"{tiling.label}-{tiling.scale_kind.value}-{rows}x{columns}-{dtype}-"
+                                          f"{layout if count == 'one layout' else 'both'}")
 
 
-def _launch(tiling, shape, layout, layouts):
+def _launch(tiling, shape, dtype, layout, layouts):
     rows, columns = shape
     if layout == "transposed":  # an (R, C) operand that is the transpose of a row-major (C, R) tensor
-        x = torch.empty(columns, rows, dtype=torch.bfloat16).t()
+        x = torch.empty(columns, rows, dtype=DTYPES[dtype]).t()
     else:
-        x = torch.empty(rows, columns, dtype=torch.bfloat16)
+        x = torch.empty(rows, columns, dtype=DTYPES[dtype])
     plan = plan_quantize_tiles_both if layouts == "both layouts" else plan_quantize_tiles
     launch, _ = plan(x, tiling)
     return launch
 
 
 @pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
-@pytest.mark.parametrize("tiling,shape,layout,layouts", list(_launch_cases()))
-def test_every_quantize_launch_compiles_to_a_cubin_without_spills(tiling, shape, layout, layouts, capability):
-    launch = _launch(tiling, shape, layout, layouts)
+@pytest.mark.parametrize("tiling,shape,dtype,layout,layouts", list(_launch_cases()))
+def test_every_quantize_launch_compiles_to_a_cubin_without_spills(tiling, shape, dtype, layout, layouts, capability):
+    launch = _launch(tiling, shape, dtype, layout, layouts)
     assert launch.constexprs["SOFTWARE_ROUNDING"] is False  # what a GPU runs
     compiled = compile_launch(launch, capability)
     assert compiled.asm["cubin"], "no cubin"
@@ -69,7 +78,7 @@ def test_every_quantize_launch_compiles_to_a_cubin_without_spills(tiling, shape,
 
 
 def test_the_cast_is_the_hardwares_saturating_round_to_nearest_even():
-    launch = _launch(Tiling(1, 128, ScaleKind.POWER_2), (4096, 1024), "contiguous", "both layouts")
+    launch = _launch(Tiling(1, 128, ScaleKind.POWER_2), (4096, 1024), "bf16", "contiguous", "both layouts")
     assert "cvt.rn.satfinite.e4m3x2.f32" in compile_launch(launch, 90).asm["ptx"]
 
 
