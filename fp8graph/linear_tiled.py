@@ -74,8 +74,7 @@ def _quantize(x_hp: torch.Tensor, tiling: Tiling, along_rows: bool, along_column
     x_q = _TiledOperand(*quantize_tiled(x_hp, tiling), tiling) if along_rows else None
     x_t_q = None
     if along_columns:
-        square = tiling.cols is not None and tiling.rows == tiling.cols
-        x_t_q = (x_q.transposed() if square and x_q is not None
+        x_t_q = (x_q.transposed() if tiling.is_square and x_q is not None
                  else _TiledOperand(*quantize_tiled(x_hp.t(), tiling), tiling))
     return x_q, x_t_q
 

@@ -147,13 +147,6 @@ class _TiledScaling:
     def tiling(self, role: Role) -> Tiling:
         raise NotImplementedError
 
-    @property
-    def weight_tiles_are_square(self) -> bool:
-        """The weight's tiles group the same elements either way round: its
-        quantization can be transposed for the backward GEMM instead of redone."""
-        tiling = self.tiling(Role.WEIGHT)
-        return tiling.cols is not None and tiling.rows == tiling.cols
-
 
 @dataclasses.dataclass(frozen=True)
 class _ExactOrPower2Scaling(_TiledScaling):

@@ -53,6 +53,12 @@ class Tiling:
         return x.shape[1] if self.cols is None else self.cols
 
     @property
+    def is_square(self) -> bool:
+        """The tiles group the same elements either way round: transposed, a quantization along
+        the rows is the quantization along the columns (block scaling's 128x128 weight tiles)."""
+        return self.cols is not None and self.rows == self.cols
+
+    @property
     def label(self) -> str:
         return "row" if self.cols is None else f"{self.rows}x{self.cols}"
 

@@ -115,7 +115,7 @@ def _plan_blocks(x: torch.Tensor, tiling: Tiling, row_major: bool, transposed: b
     from ._quantize_tiles_triton import quantize_blocks_kernel
 
     rows, columns = x.shape
-    square = tiling.rows == _BLOCK
+    square = tiling.is_square
     if square and (rows % _BLOCK or (transposed and columns % _BLOCK)):
         raise ValueError(f"{rows}x{columns} does not divide into {_BLOCK}x{_BLOCK} tiles")
     rows_padded, columns_padded = _padded(rows, _BLOCK), _padded(columns, _BLOCK)
