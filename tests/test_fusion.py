@@ -33,25 +33,6 @@ def test_gelu_output_is_quantized_in_the_kernel_that_computes_it():
     assert code.count("extern_kernels.addmm(") == 1
 
 
-def _passes_over(fn, *args, numel):
-    _, [code] = run_and_get_code(torch.compile(fn, backend="inductor"), *args)
-    return len(re.findall(rf"x0<static_cast<int64_t>\({numel}L\)", code))
-
-
-def test_a_delayed_cast_reads_its_tensor_once_a_current_cast_twice():
-    from fp8graph.delayed_scaling import delayed_cast
-    from fp8graph.quantize import quantize_current
-
-    x, history, scale = torch.randn(4096, 1024), torch.zeros(16), torch.ones(())
-    e4m3 = torch.float8_e4m3fn
-    # Current scaling needs the amax before it can cast: one loop for the
-    # amax, one for the cast. Delayed scaling knows its scale: the cast and the
-    # amax it records share one loop.
-    assert _passes_over(lambda x: quantize_current(x, e4m3), x, numel=x.numel()) == 2
-    delayed = lambda x, h, s: delayed_cast(x, h, s, e4m3, 0, "max", True)  # noqa: E731
-    assert _passes_over(delayed, x, history, scale, numel=x.numel()) == 1
-
-
 def _loops_reading(code: str, numel_tiles: int) -> int:
     """Outer loops of the generated C++ that walk the input tile by tile (one tile per
     iteration, an inner loop over its elements); the loop that turns amaxes into
