@@ -69,3 +69,11 @@ def test_the_linear_quantizes_through_the_kernel_ops_as_through_inductors_code(t
     graph = make_fx(lambda x: [t for pair in quantized(True) if pair for t in pair])(x).graph
     ops = [str(node.target) for node in graph.nodes if node.op == "call_function" and "fp8graph" in str(node.target)]
     assert ops == (["fp8graph.quantize_tiles_both.default"] if all(along) else ["fp8graph.quantize_tiles.default"])
+
+
+def test_the_block_kernel_refuses_dimensions_its_32_bit_offsets_cannot_reach():
+    from fp8graph.kernels.quantize_tiles import plan_quantize_tiles_both
+
+    plan_quantize_tiles_both(torch.empty(2**24 - 128, 256, device="meta"), Tiling(1, 128, ScaleKind.POWER_2))
+    with pytest.raises(ValueError, match=r"dimensions and strides below 16777216, got 16777344"):
+        plan_quantize_tiles_both(torch.empty(2**24 + 1, 256, device="meta"), Tiling(1, 128, ScaleKind.POWER_2))

@@ -17,6 +17,11 @@ are in ``fp8graph.kernels.quantize_tiles``::
 Rules these kernels keep, which ``tests/test_kernels_compile.py`` checks by
 compiling each for sm_90 and sm_100 without a GPU:
 
+- Addresses are 64-bit from the program ids on: a tensor of 2**31 elements
+  or more (a 4 GB BF16 activation) would overflow 32-bit offsets. The block
+  kernel keeps 64-bit pointers to its block and 32-bit offsets inside it
+  (fewer registers); its launcher refuses strides and lengths they cannot reach.
+
 - Triton kernels may read module globals only as ``tl.constexpr``; a plain
   Python float compiles under ``TRITON_INTERPRET=1`` but not for a GPU.
 - The amax is an integer max over ``|x|``'s fp32 bits: magnitudes order as
@@ -114,8 +119,8 @@ def quantize_row_tiles_kernel(x_ptr, x_fp8_ptr, scale_ptr, n_rows, n_cols, n_col
     The block is loaded as (rows, tiles, columns of a tile), so each tile's
     amax is a reduction over the last axis, with no reshape.
     """
-    row_ids = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]  # (BLOCK_ROWS, 1)
-    tile_ids = tl.program_id(1) * TILES_PER_BLOCK + tl.arange(0, TILES_PER_BLOCK)[None, :]  # (1, TILES)
+    row_ids = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]  # (BLOCK_ROWS, 1)
+    tile_ids = tl.program_id(1).to(tl.int64) * TILES_PER_BLOCK + tl.arange(0, TILES_PER_BLOCK)[None, :]
     rows = row_ids[:, :, None]
     cols = tile_ids[:, :, None] * TILE_COLS + tl.arange(0, TILE_COLS)[None, None, :]
     x = tl.load(x_ptr + rows * stride_row + cols * stride_col, mask=(rows < n_rows) & (cols < n_cols),
@@ -138,9 +143,9 @@ def quantize_rows_kernel(x_ptr, x_fp8_ptr, scale_ptr, n_rows, n_cols, stride_row
     twice, for its amax and for the cast: the second walk reads from L2,
     where the program's few rows still are, so DRAM sees each element once.
     """
-    row_ids = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ids = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     rows = row_ids[:, None]
-    chunk_cols = tl.arange(0, CHUNK)[None, :]
+    chunk_cols = tl.arange(0, CHUNK)[None, :].to(tl.int64)
     if ONE_CHUNK:
         in_bounds = (rows < n_rows) & (chunk_cols < n_cols)
         x = tl.load(x_ptr + rows * stride_row + chunk_cols * stride_col, mask=in_bounds, other=0.0).to(tl.float32)
@@ -188,52 +193,59 @@ def quantize_blocks_kernel(x_ptr, x_fp8_ptr, scale_ptr, x_t_fp8_ptr, scale_t_ptr
     moments before), so DRAM sees each element once. Transposed stores are
     coalesced along x's rows: Triton moves the FP8 chunk through shared memory.
     """
-    block_row = tl.program_id(0)
-    block_col = tl.program_id(1)
-    block_rows = block_row * BLOCK + tl.arange(0, BLOCK)[:, None]  # (BLOCK, 1)
-    block_cols = block_col * BLOCK + tl.arange(0, BLOCK)[None, :]  # (1, BLOCK)
+    block_row = tl.program_id(0).to(tl.int64)
+    block_col = tl.program_id(1).to(tl.int64)
+    first_row, first_col = block_row * BLOCK, block_col * BLOCK
+    # 64-bit pointers to the block, 32-bit offsets inside it (the launcher keeps them in range).
+    x_block = x_ptr + first_row * stride_row + first_col * stride_col
+    x_fp8_block = x_fp8_ptr + first_row * n_cols_padded + first_col
+    x_t_fp8_block = x_t_fp8_ptr + first_col * n_rows_padded + first_row
+    rows_left, cols_left, padded_cols_left = n_rows - first_row, n_cols - first_col, n_cols_padded - first_col
+    block_rows = tl.arange(0, BLOCK)[:, None]  # (BLOCK, 1), in the block
+    block_cols = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK)
     if SQUARE:  # the block's amax first, then both casts with its scale
         max_bits = tl.zeros([CHUNK, BLOCK], dtype=tl.int32)
         for start in tl.static_range(0, BLOCK, CHUNK):
-            rows = block_row * BLOCK + start + tl.arange(0, CHUNK)[:, None]
-            x = tl.load(x_ptr + rows * stride_row + block_cols * stride_col,
-                        mask=(rows < n_rows) & (block_cols < n_cols), other=0.0).to(tl.float32)
+            rows = start + tl.arange(0, CHUNK)[:, None]
+            x = tl.load(x_block + rows * stride_row + block_cols * stride_col,
+                        mask=(rows < rows_left) & (block_cols < cols_left), other=0.0).to(tl.float32)
             max_bits = tl.maximum(max_bits, _magnitude_bits(x))
         amax = tl.max(tl.max(max_bits, axis=1), axis=0).to(tl.float32, bitcast=True)
         scale = _scale_of(amax, SCALE_KIND, FP8_MAX, FP8_MAX_EXPONENT)
         for start in tl.static_range(0, BLOCK, CHUNK):
-            cols = block_col * BLOCK + start + tl.arange(0, CHUNK)[None, :]
-            x = tl.load(x_ptr + block_rows * stride_row + cols * stride_col,
-                        mask=(block_rows < n_rows) & (cols < n_cols), other=0.0).to(tl.float32)
+            cols = start + tl.arange(0, CHUNK)[None, :]
+            x = tl.load(x_block + block_rows * stride_row + cols * stride_col,
+                        mask=(block_rows < rows_left) & (cols < cols_left), other=0.0).to(tl.float32)
             x_fp8_bits = _e4m3_bits(x * scale, FP8_MAX, SOFTWARE_ROUNDING)
             if ROW_MAJOR:
-                tl.store(x_fp8_ptr + block_rows * n_cols_padded + cols, x_fp8_bits, mask=cols < n_cols_padded)
+                tl.store(x_fp8_block + block_rows * n_cols_padded + cols, x_fp8_bits, mask=cols < padded_cols_left)
             if TRANSPOSED:  # C and R are multiples of BLOCK here
-                tl.store(x_t_fp8_ptr + cols * n_rows_padded + block_rows, x_fp8_bits)
+                tl.store(x_t_fp8_block + cols * n_rows_padded + block_rows, x_fp8_bits)
         if ROW_MAJOR:
             tl.store(scale_ptr + block_row * (n_cols_padded // BLOCK) + block_col, scale)
         if TRANSPOSED:
             tl.store(scale_t_ptr + block_col * (n_rows_padded // BLOCK) + block_row, scale)
     else:
         if ROW_MAJOR:  # 1 x BLOCK tiles along x's rows
+            row_scale_block = scale_ptr + first_row * (n_cols_padded // BLOCK) + block_col
             for start in tl.static_range(0, BLOCK, CHUNK):
-                row_ids = block_row * BLOCK + start + tl.arange(0, CHUNK)
+                row_ids = start + tl.arange(0, CHUNK)
                 rows = row_ids[:, None]
-                x = tl.load(x_ptr + rows * stride_row + block_cols * stride_col,
-                            mask=(rows < n_rows) & (block_cols < n_cols), other=0.0).to(tl.float32)
+                x = tl.load(x_block + rows * stride_row + block_cols * stride_col,
+                            mask=(rows < rows_left) & (block_cols < cols_left), other=0.0).to(tl.float32)
                 row_scale = _scale_of(_amax_from_bits(_magnitude_bits(x), 1), SCALE_KIND, FP8_MAX, FP8_MAX_EXPONENT)
-                tl.store(x_fp8_ptr + rows * n_cols_padded + block_cols,
+                tl.store(x_fp8_block + rows * n_cols_padded + block_cols,
                          _e4m3_bits(x * row_scale[:, None], FP8_MAX, SOFTWARE_ROUNDING),
-                         mask=(rows < n_rows) & (block_cols < n_cols_padded))
-                tl.store(scale_ptr + row_ids * (n_cols_padded // BLOCK) + block_col, row_scale, mask=row_ids < n_rows)
+                         mask=(rows < rows_left) & (block_cols < padded_cols_left))
+                tl.store(row_scale_block + row_ids * (n_cols_padded // BLOCK), row_scale, mask=row_ids < rows_left)
         if TRANSPOSED:  # 1 x BLOCK tiles along x's columns: the rows of x_t
+            col_scale_block = scale_t_ptr + first_col * (n_rows_padded // BLOCK) + block_row
             for start in tl.static_range(0, BLOCK, CHUNK):
-                col_ids = block_col * BLOCK + start + tl.arange(0, CHUNK)
+                col_ids = start + tl.arange(0, CHUNK)
                 cols = col_ids[None, :]
-                x = tl.load(x_ptr + block_rows * stride_row + cols * stride_col,
-                            mask=(block_rows < n_rows) & (cols < n_cols), other=0.0).to(tl.float32)
+                x = tl.load(x_block + block_rows * stride_row + cols * stride_col,
+                            mask=(block_rows < rows_left) & (cols < cols_left), other=0.0).to(tl.float32)
                 col_scale = _scale_of(_amax_from_bits(_magnitude_bits(x), 0), SCALE_KIND, FP8_MAX, FP8_MAX_EXPONENT)
-                tl.store(x_t_fp8_ptr + cols * n_rows_padded + block_rows,
-                         _e4m3_bits(x * col_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING), mask=cols < n_cols)
-                tl.store(scale_t_ptr + col_ids * (n_rows_padded // BLOCK) + block_row, col_scale,
-                         mask=col_ids < n_cols)
+                tl.store(x_t_fp8_block + cols * n_rows_padded + block_rows,
+                         _e4m3_bits(x * col_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING), mask=cols < cols_left)
+                tl.store(col_scale_block + col_ids * (n_rows_padded // BLOCK), col_scale, mask=col_ids < cols_left)

@@ -119,6 +119,11 @@ def _plan_blocks(x: torch.Tensor, tiling: Tiling, row_major: bool, transposed: b
     if square and (rows % _BLOCK or (transposed and columns % _BLOCK)):
         raise ValueError(f"{rows}x{columns} does not divide into {_BLOCK}x{_BLOCK} tiles")
     rows_padded, columns_padded = _padded(rows, _BLOCK), _padded(columns, _BLOCK)
+    # Offsets inside a block are 32-bit: up to BLOCK times a stride or a row length.
+    largest = max(abs(x.stride(0)), abs(x.stride(1)), rows_padded, columns_padded)
+    if largest * _BLOCK >= 2**31:
+        raise ValueError(f"quantize_blocks_kernel takes dimensions and strides below {2**31 // _BLOCK}, "
+                         f"got {largest} (x of shape {tuple(x.shape)}, strides {x.stride()})")
     tile_rows_of_x = _BLOCK if square else 1
 
     def empty(shape, dtype, wanted):
