@@ -3,8 +3,8 @@
     model -> Dynamo -> fp8graph passes -> AOTAutograd (Inductor's decompositions) -> [forward, backward]
 
 The graphs are captured where Inductor would receive them (``aot_autograd``
-with Inductor's decomposition table), so what is pinned here is what any
-Inductor backend starts from. What it does not prove: how the GPU's Triton
+with Inductor's decomposition table and min-cut partitioner), so what is
+pinned here is what any Inductor backend starts from. What it does not prove: how the GPU's Triton
 code tiles and fuses those graphs (kernel counts and passes over memory are
 for ``python -m bench quantize`` and ``bench decoder --profile`` on a GPU).
 """
@@ -12,6 +12,7 @@ for ``python -m bench quantize`` and ``bench decoder --profile`` on a GPU).
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 
 from fp8graph import DelayedScaling, Float8CurrentScaling
@@ -30,8 +31,10 @@ def aot_graphs(model, policy, loss_of) -> list[torch.fx.GraphModule]:
         graphs.append(gm)
         return gm.forward
 
+    # As compile_fx hands graphs to Inductor: its decompositions, its min-cut partitioner (what the
+    # backward recomputes), input mutations (delayed-scaling state updates) kept in the graph.
     to_aten = aot_autograd(fw_compiler=keep, bw_compiler=keep, decompositions=select_decomp_table(),
-                           keep_inference_input_mutations=True)  # as compile_fx: state updates stay in the graph
+                           partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True)
     compiled = fp8_compile(model, policy=policy, compiler="eager")
     backend: FP8Backend = compiled.fp8graph_backend
     backend._lower = lambda gm, example_inputs: to_aten(gm, example_inputs)
@@ -57,7 +60,9 @@ def test_every_per_tensor_amax_is_a_per_row_partial_then_a_small_max(recipe):
     tokens = torch.randint(0, 250, (2, 32))
     graphs = aot_graphs(model, recipe, lambda compiled: compiled(tokens, labels=tokens).loss)
     assert len(graphs) == 2  # forward, backward
-    for graph, casts in zip(graphs, (14 * 2, 14)):  # forward: input and weight of 14 sites; backward: grad_output
+    # Forward: the 14 weights and the 8 distinct inputs (q, k and v share one, gate and up another; the
+    # partitioner's CSE casts each once); backward: the 14 grad_outputs.
+    for graph, casts in zip(graphs, (14 + 8, 14)):
         partials = []
         for node in _cast_amax_nodes(graph):
             source = node.args[0].meta["val"]
