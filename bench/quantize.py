@@ -3,7 +3,9 @@
     bandwidth = (bytes read + bytes written) / time     read: the BF16 tensor; written: FP8 values + scales
 
 Full mode: a 16384x8192 BF16 tensor on CUDA. Per-tensor current and delayed
-casts compiled by Inductor; every tiling (row-wise, 1x128, 128x128, MX 1x32)
+casts as fp8graph's linear emits them, compiled by Inductor: one layout, both
+layouts (the tensor and its transpose, as the GEMMs read them), and fused
+after the RMSNorm that produces it, timed against the RMSNorm alone; every tiling (row-wise, 1x128, 128x128, MX 1x32)
 both ways, Inductor's code for ``fp8graph.tiles.quantize_tiled`` and
 fp8graph's Triton kernel (``fp8graph.kernels.quantize_tiles``); and for the
 tilings the linear quantizes in both layouts, the two layouts from one call
@@ -52,19 +54,50 @@ def _both_layouts_by_inductor(x, tiling):
     return (*quantize_tiled(x, tiling), *quantize_tiled(x.t(), tiling))
 
 
-def _contestants(compiler: str, device: torch.device) -> list[dict]:
-    """Each contestant: name, the function, its tiling, code, layouts, and whether fp8graph runs it on CUDA."""
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Llama's RMSNorm (transformers' formula): the producer of most linear inputs in a decoder layer."""
+    x_fp32 = x.float()
+    return weight * (x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+
+def _per_tensor_contestants(compiler: str, device: torch.device, columns: int) -> list[dict]:
+    """The per-tensor casts as fp8graph's linear emits them: one layout or both (the GEMMs read the
+    input and grad_output transposed too), alone or after the RMSNorm that produces the tensor."""
     e4m3 = torch.float8_e4m3fn
-    contestants = [{"contestant": "current (per tensor)", "tiling": "tensor", "code": compiler, "layouts": 1,
-                    "fp8graph_uses": True,
-                    "fn": torch.compile(functools.partial(quantize_current, fp8_dtype=e4m3), backend=compiler)}]
-    # Delayed scaling knows its scale before the cast, so the cast and the amax it
-    # records share one read (current scaling reads twice: amax, then cast).
     history, scale = torch.ones(1024, device=device), torch.ones((), device=device)
-    contestants.append({"contestant": "delayed (per tensor)", "tiling": "tensor", "code": compiler, "layouts": 1,
-                        "fp8graph_uses": True, "fn": torch.compile(functools.partial(
-                            delayed_cast, history=history, scale=scale, fp8_dtype=e4m3, margin=0, algo="max",
-                            update=True), backend=compiler)})
+    norm_weight = torch.ones(columns, device=device, dtype=torch.bfloat16)
+
+    def current(x):
+        return quantize_current(x, e4m3)
+
+    def delayed(x):
+        # Delayed scaling knows its scale before the cast, so the cast and the amax it records
+        # can share one read (current scaling reads twice: amax, then cast).
+        return delayed_cast(x, history, scale, e4m3, 0, "max", True)
+
+    def both_layouts(cast):
+        def cast_both(x):
+            x_fp8, *rest = cast(x)
+            return x_fp8, x_fp8.t().contiguous(), *rest
+        return cast_both
+
+    def after_rms_norm(cast):
+        return lambda x: cast(_rms_norm(x, norm_weight))
+
+    rows = [("rmsnorm alone (BF16 output, the reference)", None, 1, "rmsnorm", lambda x: _rms_norm(x, norm_weight))]
+    for scaling, cast in (("current", current), ("delayed", delayed)):
+        rows += [(f"{scaling} (per tensor)", scaling, 1, None, cast),
+                 (f"{scaling} (per tensor), both layouts", scaling, 2, None, both_layouts(cast)),
+                 (f"rmsnorm + {scaling} cast", scaling, 1, "rmsnorm", after_rms_norm(cast))]
+    return [{"contestant": name, "tiling": "tensor", "scaling": scaling, "code": compiler, "layouts": layouts,
+             "producer": producer, "fp8graph_uses": True if scaling else None,  # None: the reference
+             "fn": torch.compile(fn, backend=compiler)}
+            for name, scaling, layouts, producer, fn in rows]
+
+
+def _contestants(compiler: str, device: torch.device, columns: int) -> list[dict]:
+    """Each contestant: name, the function, its tiling, code, layouts, and whether fp8graph runs it on CUDA."""
+    contestants = _per_tensor_contestants(compiler, device, columns)
     with_kernel = device.type == "cuda" and triton_available()
     for name, tiling in TILINGS.items():
         uses_kernel = kernel_quantizes(tiling)
@@ -98,7 +131,7 @@ def run(args: argparse.Namespace) -> dict:
     copy_gbps = 2 * x.numel() * x.element_size() / median(copy_timings) / 1e6
     rows = [{"contestant": "device-to-device copy", "timings_ms": copy_timings,
              "median_ms": median(copy_timings), "gb_per_s": copy_gbps, "fraction_of_copy": 1.0}]
-    for contestant in _contestants(compiler, device):
+    for contestant in _contestants(compiler, device, columns):
         quantize = contestant.pop("fn")
 
         def measure(quantize=quantize):
@@ -124,7 +157,7 @@ def summary(result: dict) -> str:
 
 
 def _used(row: dict) -> str:
-    if "fp8graph_uses" not in row:  # the copy, or a result stored before rows said so
+    if row.get("fp8graph_uses") is None:  # the copy, a reference, or a result stored before rows said so
         return "-"
     return "yes" if row["fp8graph_uses"] else "no"
 

@@ -37,12 +37,14 @@ def test_quantize_benchmark_smoke_writes_raw_results(tmp_path):
     result = _run_bench("quantize", tmp_path)
     assert _errors(result) == []
     contestants = [r["contestant"] for r in result["rows"]]
-    # The copy, two per-tensor casts, four tilings by Inductor in one and two layouts (no kernel off CUDA).
-    assert contestants[0] == "device-to-device copy" and len(contestants) == 11
+    # The copy; the RMSNorm alone and the current and delayed casts (one layout, two, after the RMSNorm);
+    # four tilings by Inductor in one and two layouts (no kernel off CUDA).
+    assert contestants[0] == "device-to-device copy" and len(contestants) == 16
     assert all(r["gb_per_s"] > 0 and len(r["timings_ms"]) == result["repeats"] for r in result["rows"])
     # Judged: what fp8graph runs on CUDA (here the code Inductor writes for per-tensor, row-wise and MX).
     assert [v["case"] for v in result["targets"]] == [
-        "current (per tensor)", "delayed (per tensor)", "rowwise (aot_eager)", "mxfp8 1x32 (aot_eager)"]
+        "current (per tensor)", "delayed (per tensor)", "delayed (per tensor), both layouts",
+        "rmsnorm + delayed cast", "rowwise (aot_eager)", "mxfp8 1x32 (aot_eager)"]
 
 
 @pytest.mark.parametrize("steps", [4])

@@ -12,7 +12,8 @@ def _verdicts(result):
 def test_quantize_kernels_are_held_to_their_tilings_share_of_the_copy():
     result = {"workload": "quantize", "rows": [
         {"contestant": "device-to-device copy", "fraction_of_copy": 1.0},
-        {"contestant": "current", "tiling": "tensor", "fp8graph_uses": True, "fraction_of_copy": 0.90},
+        {"contestant": "current", "tiling": "tensor", "scaling": "current", "fp8graph_uses": True,
+         "fraction_of_copy": 0.55},
         {"contestant": "rowwise (inductor)", "tiling": "rowwise", "layouts": 1, "fp8graph_uses": True,
          "fraction_of_copy": 0.75},
         {"contestant": "rowwise, both (inductor)", "tiling": "rowwise", "layouts": 2, "fp8graph_uses": True,
@@ -26,13 +27,33 @@ def test_quantize_kernels_are_held_to_their_tilings_share_of_the_copy():
     verdicts = _verdicts(result)
     # Measured, not judged: the row-wise kernel fp8graph does not run on CUDA, both layouts of row-wise
     # (a column amax must precede the transposed cast), one layout of the weight tiles.
-    assert set(verdicts) == {("per-tensor cast, fraction of copy bandwidth", "current"),
+    assert set(verdicts) == {("per-tensor current cast, fraction of copy bandwidth", "current"),
                              ("row-wise, 1x128 and MX 1x32 tiles, fraction of copy bandwidth", "rowwise (inductor)"),
                              ("128x128 weight tiles, fraction of copy bandwidth", "128x128, both (kernel)")}
-    assert verdicts["per-tensor cast, fraction of copy bandwidth", "current"]["met"]  # the bound itself meets it
+    assert verdicts["per-tensor current cast, fraction of copy bandwidth", "current"]["met"]  # the bound meets it
     rowwise = verdicts["row-wise, 1x128 and MX 1x32 tiles, fraction of copy bandwidth", "rowwise (inductor)"]
     assert not rowwise["met"] and rowwise["missed_by"] == pytest.approx(0.10)
     assert verdicts["128x128 weight tiles, fraction of copy bandwidth", "128x128, both (kernel)"]["met"]
+
+
+def test_per_tensor_casts_are_judged_by_scaling_and_layouts_and_the_rmsnorm_fusion_by_its_time():
+    def row(name, scaling, layouts, fraction, producer=None, median_ms=1.0):
+        return {"contestant": name, "tiling": "tensor", "scaling": scaling, "layouts": layouts, "producer": producer,
+                "fp8graph_uses": scaling is not None, "fraction_of_copy": fraction, "median_ms": median_ms}
+
+    verdicts = _verdicts({"workload": "quantize", "rows": [
+        {"contestant": "device-to-device copy", "fraction_of_copy": 1.0},
+        row("rmsnorm alone", None, 1, 1.0, "rmsnorm", median_ms=0.182),
+        row("delayed", "delayed", 1, 0.83), row("delayed, both", "delayed", 2, 0.61),
+        row("current, both", "current", 2, 0.5),  # no target: two reads of the tensor by construction
+        row("rmsnorm + delayed cast", "delayed", 1, 0.81, "rmsnorm", median_ms=0.169),
+        row("rmsnorm + current cast", "current", 1, 0.55, "rmsnorm", median_ms=0.250)]})
+    assert verdicts["per-tensor delayed cast with its amax, fraction of copy bandwidth", "delayed"]["met"]
+    both = verdicts["per-tensor delayed cast, both layouts from one read, fraction of copy bandwidth", "delayed, both"]
+    assert both["missed_by"] == pytest.approx(0.14)
+    fused = verdicts["RMSNorm + delayed cast over RMSNorm alone (time)", "rmsnorm + delayed cast"]
+    assert fused["met"] and fused["measured"] == pytest.approx(0.169 / 0.182)
+    assert {case for _, case in verdicts} == {"delayed", "delayed, both", "rmsnorm + delayed cast"}
 
 
 def test_quantize_results_stored_before_rows_named_their_tiling_are_judged_by_name():
