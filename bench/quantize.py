@@ -41,7 +41,7 @@ from fp8graph.kernels.quantize_tiles import (kernel_quantizes, quantize_tiles_bo
 from fp8graph.quantize import quantize_current
 from fp8graph.tiles import quantize_tiled
 
-from .timing import attempt, environment, failed, markdown_table, median, report, time_ms, title
+from .timing import attempt, environment, failed, markdown_table, median, report, time_ms, title, write_partial
 
 FULL_SHAPE = (16384, 8192)
 SMOKE_SHAPE = (256, 512)
@@ -131,6 +131,9 @@ def run(args: argparse.Namespace) -> dict:
     copy_gbps = 2 * x.numel() * x.element_size() / median(copy_timings) / 1e6
     rows = [{"contestant": "device-to-device copy", "timings_ms": copy_timings,
              "median_ms": median(copy_timings), "gb_per_s": copy_gbps, "fraction_of_copy": 1.0}]
+    result = {"workload": "quantize", "smoke": args.smoke, "compiler": compiler, "shape": [rows_count, columns],
+              "dtype": "bfloat16", "environment": environment(device), "warmup": warmup, "repeats": repeats,
+              "rows": rows}
     for contestant in _contestants(compiler, device, columns):
         quantize = contestant.pop("fn")
 
@@ -141,10 +144,8 @@ def run(args: argparse.Namespace) -> dict:
             return {"timings_ms": timings, "median_ms": median(timings), "gb_per_s": gbps,
                     "fraction_of_copy": gbps / copy_gbps}
         rows.append(attempt(contestant, measure))
+        write_partial(result, args.out, "quantize")
     torch._dynamo.reset()
-    result = {"workload": "quantize", "smoke": args.smoke, "compiler": compiler, "shape": [rows_count, columns],
-              "dtype": "bfloat16", "environment": environment(device), "warmup": warmup, "repeats": repeats,
-              "rows": rows}
     return report(result, args.out, "quantize", summary)
 
 
