@@ -50,7 +50,8 @@ def _torchao(recipe_name: str, compiler: str) -> Callable[[torch.nn.Module], tor
 
 def contestants(compiler: str) -> dict[str, Callable[[torch.nn.Module], torch.nn.Module] | None]:
     """Name -> how to build the contestant from a ``Sequential(Linear)`` copy (``None``: BF16 eager)."""
-    builders = {"bf16 eager": None, f"bf16 torch.compile ({compiler})": lambda layer: torch.compile(layer, backend=compiler)}
+    builders = {"bf16 eager": None,
+                f"bf16 torch.compile ({compiler})": lambda layer: torch.compile(layer, backend=compiler)}
     for name in RECIPES:
         # Delayed scaling keeps its amax history on the module that owns the weight, anchored
         # through a submodule's hook: hence every contestant gets the linear inside a Sequential.

@@ -32,7 +32,8 @@ import torch
 
 from .tiles import Tiling, dequantize_tiled
 
-__all__ = ["LOWERING_CHOICES", "Lowering", "NoNativeGemm", "choose_lowering", "has_cpu_kernel", "native_requirement", "pad_reduction_dim",
+__all__ = ["LOWERING_CHOICES", "Lowering", "NoNativeGemm", "choose_lowering", "has_cpu_kernel", "native_requirement",
+           "pad_reduction_dim",
            "scaled_gemm", "tiled_scaled_gemm"]
 
 _MIN_FP8_CAPABILITY = (8, 9)

@@ -93,7 +93,8 @@ def test_cached_weights_on_gpu_equal_uncached():
     without timing; then the runs must be equal. Two uncached runs are
     compared first, so a failure says whether the platform or the cache differs.
     """
-    deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)  # warn_only: cuBLAS needs no workspace setting
     try:
         plain_losses, plain_grads = _three_accumulated_micro_batches(cache_weights=False)

@@ -173,7 +173,8 @@ def plan_quantize_tiles(x_hp: torch.Tensor, tiling: Tiling) -> tuple[KernelLaunc
         raise ValueError(f"no kernel for {tiling.label} tiles")
     tile_cols = tiling.cols
     columns_padded = _padded(columns, tile_cols)
-    tiles_per_block = max(1, min(_ROW_TILE_ELEMENTS // 8 // tile_cols, triton.next_power_of_2(columns_padded // tile_cols)))
+    tiles_per_block = max(1, min(_ROW_TILE_ELEMENTS // 8 // tile_cols,
+                                 triton.next_power_of_2(columns_padded // tile_cols)))
     block_rows = max(1, min(_ROW_TILE_ELEMENTS // (tiles_per_block * tile_cols), triton.next_power_of_2(rows)))
     x_fp8 = torch.empty((rows, columns_padded), dtype=torch.float8_e4m3fn, device=x_hp.device)
     scale = torch.empty((rows, columns_padded // tile_cols), dtype=torch.float32, device=x_hp.device)
