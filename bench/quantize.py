@@ -5,8 +5,8 @@
 Full mode: a 16384x8192 BF16 tensor on CUDA. Per-tensor current and delayed
 casts as fp8graph's linear emits them, compiled by Inductor: one layout, both
 layouts (the tensor and its transpose, as the GEMMs read them), and fused
-after the RMSNorm that produces it, timed against the RMSNorm alone; every tiling (row-wise, 1x128, 128x128, MX 1x32)
-both ways, Inductor's code for ``fp8graph.tiles.quantize_tiled`` and
+after the RMSNorm that produces it, timed against the RMSNorm alone; every
+tiling (row-wise, 1x128, 128x128, MX 1x32) both ways, Inductor's code for ``fp8graph.tiles.quantize_tiled`` and
 fp8graph's Triton kernel (``fp8graph.kernels.quantize_tiles``); and for the
 tilings the linear quantizes in both layouts, the two layouts from one call
 (``quantize_tiles_both`` for 1x128 and 128x128, against Inductor compiling
@@ -39,7 +39,7 @@ from fp8graph.formats import Role
 from fp8graph.kernels.quantize_tiles import (kernel_quantizes, quantize_tiles_both_triton, quantize_tiles_triton,
                                              triton_available)
 from fp8graph.quantize import quantize_current
-from fp8graph.tiles import quantize_tiled
+from fp8graph.tiles import quantize_tiled, quantize_tiled_both
 
 from .timing import attempt, environment, failed, markdown_table, median, report, time_ms, title, write_partial
 
@@ -48,10 +48,6 @@ SMOKE_SHAPE = (256, 512)
 # The tilings, named as the targets name them: each recipe's activation tiles, and block scaling's weight tiles.
 TILINGS = {"rowwise": Float8RowwiseScaling().tiling(Role.INPUT), "1x128": Float8BlockScaling().tiling(Role.INPUT),
            "128x128": Float8BlockScaling().tiling(Role.WEIGHT), "mxfp8 1x32": MXFP8BlockScaling().tiling(Role.INPUT)}
-
-
-def _both_layouts_by_inductor(x, tiling):
-    return (*quantize_tiled(x, tiling), *quantize_tiled(x.t(), tiling))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -104,7 +100,7 @@ def _contestants(compiler: str, device: torch.device, columns: int) -> list[dict
         for count in (1, 2):
             both = count == 2
             label = f"{name}{', both layouts' if both else ''}"
-            inductor_fn = _both_layouts_by_inductor if both else quantize_tiled
+            inductor_fn = quantize_tiled_both if both else quantize_tiled
             contestants.append({"contestant": f"{label} ({compiler})", "tiling": name, "code": compiler,
                                 "layouts": count, "fp8graph_uses": not uses_kernel,
                                 "fn": torch.compile(functools.partial(inductor_fn, tiling=tiling), backend=compiler)})

@@ -32,7 +32,7 @@ from .formats import fp8_max_exponent
 from .quantize import amax_to_scale, quantize
 
 __all__ = ["ScaleKind", "Tiling", "dequantize_tiled", "e8m0_to_scale", "expand_scale", "mx_scale_e8m0",
-           "quantize_tiled", "tile_amax"]
+           "quantize_tiled", "quantize_tiled_both", "tile_amax"]
 
 
 class ScaleKind(str, enum.Enum):
@@ -136,6 +136,18 @@ def quantize_tiled(
     x_tiles = _as_tiles(x_hp, tiling.rows, cols)
     x_fp8 = quantize(x_tiles, scale[:, None, :, None], fp8_dtype)
     return x_fp8.reshape(x_hp.shape), scale
+
+
+def quantize_tiled_both(
+    x_hp: torch.Tensor, tiling: Tiling
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_tiled` of ``x_hp`` (R, C) and of its transpose: ``(x_fp8, scale, x_t_fp8, scale_t)``.
+
+    The two layouts the linear needs of an operand (each GEMM reduces along its
+    own dimension), every output row-major, as ``fp8graph::quantize_tiles_both``
+    writes them: the reference that op and its kernel are held to.
+    """
+    return tuple(t.contiguous() for t in (*quantize_tiled(x_hp, tiling), *quantize_tiled(x_hp.t(), tiling)))
 
 
 def expand_scale(scale: torch.Tensor, tiling: Tiling, shape) -> torch.Tensor:

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from fp8graph.formats import fp8_max, fp8_max_exponent
-from fp8graph.tiles import ScaleKind, Tiling, quantize_tiled
+from fp8graph.tiles import ScaleKind, Tiling, quantize_tiled, quantize_tiled_both
 
 __all__ = ["KernelLaunch", "kernel_quantizes", "plan_quantize_tiles", "plan_quantize_tiles_both", "quantize_tiles",
            "quantize_tiles_both", "quantize_tiles_both_triton", "quantize_tiles_triton", "triton_available"]
@@ -239,12 +239,7 @@ def _(x_hp, tile_rows, tile_cols, scale_kind):
 def quantize_tiles_both(x_hp: torch.Tensor, tile_rows: int, tile_cols: int,
                         scale_kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_tiles`` of ``x_hp`` and of ``x_hp.t()``: ``(x_fp8, scale, x_t_fp8, scale_t)``."""
-    return _quantize_both_reference(x_hp, _tiling(tile_rows, tile_cols, scale_kind))
-
-
-def _quantize_both_reference(x_hp: torch.Tensor, tiling: Tiling):
-    # Row-major outputs, as the kernel writes them (the transposed read would keep x's strides).
-    return tuple(t.contiguous() for t in (*quantize_tiled(x_hp, tiling), *quantize_tiled(x_hp.t(), tiling)))
+    return quantize_tiled_both(x_hp, _tiling(tile_rows, tile_cols, scale_kind))
 
 
 @quantize_tiles_both.register_fake
@@ -260,5 +255,5 @@ def _(x_hp, tile_rows, tile_cols, scale_kind):
 @quantize_tiles_both.register_kernel("cuda")
 def _(x_hp, tile_rows, tile_cols, scale_kind):
     if not triton_available():
-        return _quantize_both_reference(x_hp, _tiling(tile_rows, tile_cols, scale_kind))
+        return quantize_tiled_both(x_hp, _tiling(tile_rows, tile_cols, scale_kind))
     return quantize_tiles_both_triton(x_hp, _tiling(tile_rows, tile_cols, scale_kind))
