@@ -45,8 +45,8 @@ from fp8graph.recipes import PRESETS
 
 from .memory import saved_for_backward_bytes
 from .profile import CATEGORIES, profile_steps
-from .timing import (attempt, environment, failed, markdown_table, median, report, time_compiled, time_ms, title,
-                     write_partial)
+from .timing import (attempt, environment, failed, markdown_table, median, report, require_fp8_sites, time_compiled,
+                     time_ms, title, write_partial)
 
 RECIPES = {name: PRESETS[name] for name in ("current", "delayed", "rowwise", "block")}
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
@@ -167,6 +167,7 @@ def _measure_training(model, contestant, compiler, tokens, device, warmup, repea
                 compiled_model = _compile(model, contestant, compiler)
                 step = _train_step(compiled_model, model, tokens)
                 row[phase] = _first_call_seconds(step, device)
+                require_fp8_sites(compiled_model)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     row["train_timings_ms"] = time_compiled(step, device, warmup, repeats)

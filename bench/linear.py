@@ -25,8 +25,8 @@ import torch
 import fp8graph
 from fp8graph.recipes import PRESETS
 
-from .timing import (NotCompiled, attempt, environment, failed, markdown_table, median, report, time_compiled, time_ms,
-                     title, write_partial)
+from .timing import (attempt, environment, failed, markdown_table, median, report, require_fp8_sites,
+                     time_compiled, time_ms, title, write_partial)
 
 FULL_SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096),
                (1024, 1024, 1024), (4096, 1024, 1024)]
@@ -68,16 +68,6 @@ def contestants(compiler: str) -> dict[str, Callable[[torch.nn.Module], torch.nn
     return builders
 
 
-def _in_fp8(model: torch.nn.Module) -> None:
-    """Raise unless fp8graph rewrote a site of ``model`` (an fp8graph contestant) into FP8."""
-    backend = getattr(model, "fp8graph_backend", None)
-    if backend is None:
-        return
-    if not any(decision.rewritten for decision in backend.decisions):
-        reasons = sorted({decision.reason for decision in backend.decisions})
-        raise NotCompiled(f"no site in FP8 on this device: {'; '.join(reasons) or 'no site found'}")
-
-
 def _measure(build, layer, x, grad_output, device, warmup, repeats) -> dict:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -94,7 +84,7 @@ def _measure(build, layer, x, grad_output, device, warmup, repeats) -> dict:
         timings = time_ms(step, device, warmup, repeats)
     else:
         step()  # compiles: fp8graph's decisions are known from here
-        _in_fp8(compiled)
+        require_fp8_sites(compiled)
         timings = time_compiled(step, device, warmup, repeats)
     return {"timings_ms": timings, "median_ms": median(timings)}
 

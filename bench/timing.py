@@ -84,6 +84,21 @@ def time_compiled(step: Callable[[], object], device: torch.device, warmup: int,
         return time_ms(step, device, 0, repeats)
 
 
+def require_fp8_sites(compiled: object) -> None:
+    """Raise unless fp8graph put a site of ``compiled`` (an fp8graph contestant, once called) in FP8.
+
+    On a device without a recipe's FP8 GEMM every site stays in high precision
+    (``fp8graph.lowering``): timing it would report BF16's speed under the recipe's name.
+    Contestants that are not fp8graph's pass.
+    """
+    backend = getattr(compiled, "fp8graph_backend", None)
+    if backend is None:
+        return
+    if not any(decision.rewritten for decision in backend.decisions):
+        reasons = sorted({decision.reason for decision in backend.decisions})
+        raise NotCompiled(f"no site in FP8 on this device: {'; '.join(reasons) or 'no site found'}")
+
+
 def attempt(row: dict, measure: Callable[[], dict]) -> dict:
     """``row`` updated with ``measure()``'s numbers, or with the error that stopped it.
 

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.linear import _in_fp8
 from bench.profile import CATEGORIES, category
-from bench.timing import NotCompiled, time_compiled
+from bench.timing import NotCompiled, require_fp8_sites, time_compiled
 
 import fp8graph
 
@@ -60,7 +59,7 @@ def test_an_fp8graph_contestant_with_no_site_in_fp8_is_an_error():
     compiled = fp8graph.compile(layer, compiler="aot_eager")
     compiled(torch.randn(8, 100))
     with pytest.raises(NotCompiled, match="no site in FP8 on this device: K=100 is not a multiple of 16"):
-        _in_fp8(compiled)
+        require_fp8_sites(compiled)
 
 
 def test_kernel_names_fall_in_their_categories():
