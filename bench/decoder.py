@@ -19,7 +19,11 @@ memory is the contestant's alone) and reports:
 
 Contestants: BF16 ``torch.compile``, fp8graph per recipe, and torchao's float8
 training (tensorwise and rowwise, module swap + ``torch.compile``) when
-torchao is installed. ``--smoke`` runs the tiny Llama on CPU with
+torchao is installed. A contestant's name may end in Inductor settings,
+``+name`` on and ``-name`` off (``"current +combo_kernels"``, ``"delayed
++cooperative_reductions"``, ``"bf16 -loop_ordering_after_fusion"``; see
+``INDUCTOR_SETTINGS``), each run compiled under them, so a GPU run measures
+what a setting changes against the same contestant without it. ``--smoke`` runs the tiny Llama on CPU with
 ``aot_eager`` (timings mean nothing).
 """
 
@@ -53,6 +57,25 @@ TORCHAO_RECIPES = ("tensorwise", "rowwise")
 CONFIGS = ("bench-8b-layer", "llama3-8b")
 
 KNOWN = ["bf16", *RECIPES, *(f"torchao {name}" for name in TORCHAO_RECIPES)]
+# Inductor settings a contestant's name may switch, each worth a measurement for quantization-heavy graphs:
+# reductions spread over all SMs, horizontal fusion of independent kernels, loop reordering after fusion.
+INDUCTOR_SETTINGS = {"cooperative_reductions": "triton.cooperative_reductions", "combo_kernels": "combo_kernels",
+                     "loop_ordering_after_fusion": "loop_ordering_after_fusion"}
+
+
+def parse_contestant(name: str) -> tuple[str, dict[str, bool]]:
+    """``("current", {"combo_kernels": True})`` of ``"current +combo_kernels"``; raises on unknown names."""
+    words = name.split()
+    suffix = [word for word in words if word[:1] in "+-" and len(word) > 1]
+    base = " ".join(word for word in words if word not in suffix)
+    if base not in KNOWN:
+        raise ValueError(f"unknown contestant {base!r} in {name!r}; known: {KNOWN}")
+    patches = {}
+    for word in suffix:
+        if word[1:] not in INDUCTOR_SETTINGS:
+            raise ValueError(f"unknown Inductor setting {word[1:]!r} in {name!r}; known: {sorted(INDUCTOR_SETTINGS)}")
+        patches[INDUCTOR_SETTINGS[word[1:]]] = word[0] == "+"
+    return base, patches
 
 
 def contestants() -> list[str]:
@@ -138,8 +161,15 @@ def build_model(settings: dict) -> torch.nn.Module:
     return build("llama", settings["config"], device=settings["device"], dtype=settings["dtype"], **overrides)
 
 
-def measure_contestant(contestant: str, args) -> dict:
-    """One contestant's row, measured in this process."""
+def measure_contestant(name: str, args) -> dict:
+    """One contestant's row, measured in this process (under its Inductor settings, if its name has any)."""
+    contestant, patches = parse_contestant(name)
+    with inductor_config.patch(patches):
+        row = _measure_contestant(contestant, args)
+    return {**row, "contestant": name, "inductor_settings": patches}
+
+
+def _measure_contestant(contestant: str, args) -> dict:
     settings = _settings(args)
     device, compiler = settings["device"], settings["compiler"]
     model = build_model(settings)
@@ -231,10 +261,12 @@ def run(args: argparse.Namespace) -> dict:
     settings = _settings(args)
     available = contestants()
     wanted = ["bf16", *(name for name in args.contestants or available if name != "bf16")]
-    unknown = sorted(set(wanted) - set(KNOWN))
-    if unknown:
-        raise SystemExit(f"unknown contestants {unknown}; known: {KNOWN}")
-    missing = [name for name in wanted if name not in available]
+    for name in wanted:
+        try:
+            parse_contestant(name)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+    missing = [name for name in wanted if parse_contestant(name)[0] not in available]
     if missing:
         print(f"torchao is not installed: {missing} left out")
         wanted = [name for name in wanted if name in available]

@@ -36,6 +36,7 @@ import torch
 from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
 from fp8graph.delayed_scaling import delayed_cast
 from fp8graph.formats import Role
+from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.kernels.quantize_tiles import (kernel_quantizes, quantize_tiles_both_triton, quantize_tiles_triton,
                                              triton_available)
 from fp8graph.quantize import quantize_current
@@ -71,24 +72,35 @@ def _per_tensor_contestants(compiler: str, device: torch.device, columns: int) -
         # can share one read (current scaling reads twice: amax, then cast).
         return delayed_cast(x, history, scale, e4m3, 0, "max", True)
 
-    def both_layouts(cast):
+    def both_layouts(cast, transposed_by):
         def cast_both(x):
             x_fp8, *rest = cast(x)
-            return x_fp8, x_fp8.t().contiguous(), *rest
+            if transposed_by == "fp8graph::transpose_fp8":
+                return x_fp8, transpose_fp8(x_fp8), *rest
+            return x_fp8, x_fp8.t().contiguous(), *rest  # Inductor recomputes it from x, beside the cast
         return cast_both
 
     def after_rms_norm(cast):
         return lambda x: cast(_rms_norm(x, norm_weight))
 
-    rows = [("rmsnorm alone (BF16 output, the reference)", None, 1, "rmsnorm", lambda x: _rms_norm(x, norm_weight))]
+    # (name, scaling, layouts, producer, whether fp8graph emits it on CUDA, function). Both ways of writing the
+    # transposed copy are timed for both scalings, so a GPU run can confirm or reverse fp8graph's choice
+    # (fp8graph.linear_fp8: Inductor's for current scaling, the FP8 transpose op for delayed).
+    rows = [("rmsnorm alone (BF16 output, the reference)", None, 1, "rmsnorm", None,
+             lambda x: _rms_norm(x, norm_weight))]
     for scaling, cast in (("current", current), ("delayed", delayed)):
-        rows += [(f"{scaling} (per tensor)", scaling, 1, None, cast),
-                 (f"{scaling} (per tensor), both layouts", scaling, 2, None, both_layouts(cast)),
-                 (f"rmsnorm + {scaling} cast", scaling, 1, "rmsnorm", after_rms_norm(cast))]
+        fp8graph_transposes = "fp8graph::transpose_fp8" if scaling == "delayed" else "inductor"
+        rows.append((f"{scaling} (per tensor)", scaling, 1, None, True, cast))
+        for transposed_by in ("inductor", "fp8graph::transpose_fp8"):
+            rows.append((f"{scaling} (per tensor), both layouts, transposed by {transposed_by}", scaling, 2, None,
+                         transposed_by == fp8graph_transposes, both_layouts(cast, transposed_by)))
+        rows += [(f"rmsnorm + {scaling} cast", scaling, 1, "rmsnorm", True, after_rms_norm(cast)),
+                 (f"rmsnorm + {scaling} cast, both layouts", scaling, 2, "rmsnorm", True,
+                  after_rms_norm(both_layouts(cast, fp8graph_transposes)))]
     return [{"contestant": name, "tiling": "tensor", "scaling": scaling, "code": compiler, "layouts": layouts,
-             "producer": producer, "fp8graph_uses": True if scaling else None,  # None: the reference
+             "producer": producer, "fp8graph_uses": uses,  # None: the reference
              "fn": torch.compile(fn, backend=compiler)}
-            for name, scaling, layouts, producer, fn in rows]
+            for name, scaling, layouts, producer, uses, fn in rows]
 
 
 def _contestants(compiler: str, device: torch.device, columns: int) -> list[dict]:

@@ -14,6 +14,27 @@ the amax, scale and cast as ordinary ops and fuses them with their neighbours;
 only the GEMM is an opaque call. With per-tensor scales the FP8 copies saved
 for backward are reused transposed: transposing a tensor-wise quantized tensor
 is exact.
+
+Layouts. cuBLAS's FP8 GEMMs on Hopper read A row-major and B column-major,
+so each operand is needed in both layouts: the input by the forward GEMM and,
+transposed, by grad_weight's; grad_output by grad_input's and, transposed, by
+grad_weight's; the weight by the forward and, transposed, by grad_input's.
+
+- Current scaling: the transposed copy is written by Inductor's code from the
+  high-precision tensor in the same kernel as the row-major cast, after the
+  amax reduction (H100: 55-57% of a copy for amax and both layouts, as fast as
+  any split that was measured).
+- Delayed scaling (``lowering`` scaled_mm): the row-major cast records its amax
+  in the same pass and fuses into the tensor's producer; the transposed copy
+  is ``fp8graph::transpose_fp8`` of the FP8 bytes. Left to Inductor it is
+  recomputed from the high-precision tensor inside the amax's kernel, which
+  the GPU ran at 29-61% of a copy instead of 80-83%
+  (``bench/results/2026-11-23-h100/quantize-structure-probe.txt``).
+- Weights: the forward casts them; the backward casts the transposed copy again
+  from the parameter, with the forward's scale, rather than keeping FP8 weights
+  saved from forward to backward (1 byte a parameter, 7 GB at 8B parameters,
+  which would lift peak memory above BF16's). ``cache_weights`` keeps both
+  across steps where the weights do not change between them.
 """
 
 from __future__ import annotations
@@ -28,6 +49,7 @@ from .delayed_scaling import delayed_cast
 from .distributed import amax_reduction
 from .formats import ROLES, Role
 from .health import quantization_health
+from .kernels.transpose_fp8 import transpose_fp8
 from .lowering import Lowering, scaled_gemm
 from .quantize import quantize_current
 from .recipes import Recipe
@@ -58,6 +80,11 @@ class RoleCaster:
                  weight_cache=None):
         self.recipe, self.state, self.update, self.snapshot = recipe, state, update, snapshot
         self.weight_cache = weight_cache
+
+    def transposes_fp8(self, lowering: Lowering) -> bool:
+        """Whether the transposed layouts of input and grad_output are read from their FP8 copies
+        (``fp8graph::transpose_fp8``): delayed casts for cuBLAS, which reads both layouts (see the module's doc)."""
+        return self.state is not None and lowering is Lowering.SCALED_MM
 
     def __call__(self, role: Role, x_hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         fp8_dtype = self.recipe.fp8_dtype(role)
@@ -117,6 +144,9 @@ class _LinearFP8(torch.autograd.Function):
                 record_health(stats, Role.INPUT, input_hp_2d, input_fp8, input_scale, recipe)
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, weight_scale, recipe)
         ctx.stats = stats
+        if caster.transposes_fp8(lowering) and ctx.needs_input_grad[1]:
+            # grad_weight's GEMM reads the input column-major: keep that copy, not the row-major one.
+            input_fp8 = transpose_fp8(input_fp8).t()
         ctx.save_for_backward(input_fp8, input_scale, weight_fp8, weight_scale)
         ctx.caster = caster
         ctx.lowering = lowering
@@ -147,8 +177,10 @@ class _LinearFP8(torch.autograd.Function):
                 ).reshape(*ctx.lead_shape, in_features)
             if needs_grad_weight:
                 # grad_weight = grad_output_t @ input  (N, K)
+                grad_output_fp8_t = (transpose_fp8(grad_output_fp8) if ctx.caster.transposes_fp8(ctx.lowering)
+                                     else grad_output_fp8.t())
                 grad_weight = scaled_gemm(
-                    grad_output_fp8.t(), grad_output_scale, input_fp8, input_scale,
+                    grad_output_fp8_t, grad_output_scale, input_fp8, input_scale,
                     ctx.weight_dtype, ctx.lowering,
                 )
             if needs_grad_bias and ctx.bias_dtype is not None:

@@ -37,13 +37,15 @@ def test_quantize_benchmark_smoke_writes_raw_results(tmp_path):
     result = _run_bench("quantize", tmp_path)
     assert _errors(result) == []
     contestants = [r["contestant"] for r in result["rows"]]
-    # The copy; the RMSNorm alone and the current and delayed casts (one layout, two, after the RMSNorm);
-    # four tilings by Inductor in one and two layouts (no kernel off CUDA).
-    assert contestants[0] == "device-to-device copy" and len(contestants) == 16
+    # The copy; the RMSNorm alone and the current and delayed casts (one layout; two, transposed by Inductor's
+    # code and by fp8graph's FP8 transpose; after the RMSNorm, in one and two layouts); four tilings by Inductor
+    # in one and two layouts (no kernel off CUDA).
+    assert contestants[0] == "device-to-device copy" and len(contestants) == 20
     assert all(r["gb_per_s"] > 0 and len(r["timings_ms"]) == result["repeats"] for r in result["rows"])
     # Judged: what fp8graph runs on CUDA (here the code Inductor writes for per-tensor, row-wise and MX).
     assert [v["case"] for v in result["targets"]] == [
-        "current (per tensor)", "delayed (per tensor)", "delayed (per tensor), both layouts",
+        "current (per tensor)", "delayed (per tensor)",
+        "delayed (per tensor), both layouts, transposed by fp8graph::transpose_fp8",
         "rmsnorm + delayed cast", "rowwise (aot_eager)", "mxfp8 1x32 (aot_eager)"]
 
 
@@ -60,12 +62,14 @@ def test_demo_trains_both_runs_and_writes_the_plot(tmp_path, steps):
 
 
 def test_decoder_benchmark_smoke_writes_raw_results(tmp_path):
-    # One contestant of each kind of code path: fp8graph, fp8graph with state, torchao.
-    # Each contestant in a process of its own, profiled.
-    result = _run_bench("decoder", tmp_path, "--contestants", "current", "delayed", "torchao tensorwise",
-                        "--profile")
+    # One contestant of each kind of code path: fp8graph (under an Inductor setting named with it), fp8graph
+    # with state, torchao. Each contestant in a process of its own, profiled.
+    result = _run_bench("decoder", tmp_path, "--contestants", "current +combo_kernels", "delayed",
+                        "torchao tensorwise", "--profile")
     assert _errors(result) == [] and result["complete"] and result["process_per_contestant"]
-    assert [r["contestant"] for r in result["rows"]] == ["bf16", "current", "delayed", "torchao tensorwise"]
+    assert [r["contestant"] for r in result["rows"]] == ["bf16", "current +combo_kernels", "delayed",
+                                                         "torchao tensorwise"]
+    assert result["rows"][1]["inductor_settings"] == {"combo_kernels": True}
     assert result["layers"] == 2  # the tiny config's
     for row in result["rows"]:
         assert row["train_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0
@@ -76,6 +80,19 @@ def test_decoder_benchmark_smoke_writes_raw_results(tmp_path):
     judged = {(v["target"], v["case"]) for v in result["targets"]}
     assert ("training tokens/s over torchao tensorwise", "delayed") in judged
     assert not any("peak memory" in target for target, _ in judged)  # no peak memory off CUDA
+
+
+def test_decoder_contestant_names_carry_inductor_settings_and_bad_ones_are_refused():
+    from bench.decoder import parse_contestant
+
+    assert parse_contestant("torchao tensorwise -loop_ordering_after_fusion") == (
+        "torchao tensorwise", {"loop_ordering_after_fusion": False})
+    assert parse_contestant("delayed +cooperative_reductions +combo_kernels") == (
+        "delayed", {"triton.cooperative_reductions": True, "combo_kernels": True})
+    with pytest.raises(ValueError, match="unknown contestant 'currant'"):
+        parse_contestant("currant +combo_kernels")
+    with pytest.raises(ValueError, match="unknown Inductor setting 'fast'"):
+        parse_contestant("current +fast")
 
 
 @pytest.mark.parametrize("config,layers,expected", [("bench-8b-layer", None, 4), ("bench-8b-layer", 6, 6),

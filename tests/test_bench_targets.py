@@ -115,13 +115,48 @@ def _decoder_row(contestant, tokens_per_s, peak_gb, saved_gb, cold, warm):
             "saved_gb": saved_gb, "compile_cold_s": cold, "compile_warm_s": warm}
 
 
-def _decoder_result(*rows):
+def _decoder_result(*rows, **settings):
     rows = list(rows)
     for row in rows:  # as bench.decoder derives them
         row["train_speedup_vs_bf16_compile"] = row["train_tokens_per_s"] / rows[0]["train_tokens_per_s"]
         row["compile_cold_vs_bf16"] = row["compile_cold_s"] / rows[0]["compile_cold_s"]
         row["saved_vs_bf16"] = row["saved_gb"] / rows[0]["saved_gb"]
-    return {"workload": "decoder_stack", "rows": rows}
+    return {"workload": "decoder_stack", "rows": rows, **settings}
+
+
+def _profiled(row, triton_ms, prefill_tokens_per_s=None):
+    row["profile"] = {"by_category_ms": {"triton (fused elementwise/reduce/quantize)": triton_ms}}
+    if prefill_tokens_per_s is not None:
+        row["prefill_tokens_per_s"] = prefill_tokens_per_s
+    return row
+
+
+def test_decoder_quantization_cost_delayed_over_current_and_prefill_are_judged():
+    rows = [_profiled(_decoder_row("bf16", 1000, 40.0, 10.0, 60, 20), 4.5, 2000),
+            _profiled(_decoder_row("current", 1300, 38.0, 8.0, 90, 10), 11.8, 3200),
+            _profiled(_decoder_row("delayed", 1380, 38.0, 8.0, 90, 10), 7.0, 3000)]
+    result = _decoder_result(*rows, config="bench-8b-layer", layers=4)
+    for row in rows:
+        row["prefill_speedup_vs_bf16_compile"] = row["prefill_tokens_per_s"] / 2000
+    verdicts = _verdicts(result)
+    triton = "Triton kernel ms per step over BF16's (4 layers, profiled)"
+    assert verdicts[triton, "current"]["measured"] == pytest.approx(7.3) and not verdicts[triton, "current"]["met"]
+    assert verdicts[triton, "delayed"]["met"] and verdicts[triton, "delayed"]["measured"] == pytest.approx(2.5)
+    over_current = verdicts["delayed scaling's training tokens/s over current scaling's", "delayed"]
+    assert over_current["measured"] == pytest.approx(1380 / 1300) and over_current["met"]
+    prefill = "prefill (frozen weights) speedup over BF16 torch.compile"
+    assert verdicts[prefill, "current"]["met"] and not verdicts[prefill, "delayed"]["met"]
+    assert "Llama-3-8B (32 layers) training speedup over BF16 torch.compile" not in {t for t, _ in verdicts}
+
+
+def test_the_32_layer_llama_is_held_to_its_own_speedup():
+    verdicts = _verdicts(_decoder_result(_decoder_row("bf16", 1000, 40.0, 10.0, 60, 20),
+                                         _decoder_row("current", 1320, 38.0, 8.0, 90, 10),
+                                         config="llama3-8b", layers=32))
+    assert verdicts["Llama-3-8B (32 layers) training speedup over BF16 torch.compile", "current"]["met"]
+    assert ("training speedup over BF16 torch.compile", "current") not in verdicts  # the 1.35x is the stack's
+    # No profile: the Triton kernel time is not judged.
+    assert not any(target.startswith("Triton kernel ms") for target, _ in verdicts)
 
 
 def test_decoder_targets_judge_fp8graph_against_bf16_and_torchao():

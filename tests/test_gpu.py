@@ -198,3 +198,14 @@ def test_quantize_kernels_are_exact_on_the_gpu():
                     assert torch.equal(got.nan_to_num(-1.0), expected.nan_to_num(-1.0)), tiling
                 else:
                     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), tiling
+
+
+def test_the_fp8_transpose_is_exact_on_the_gpu():
+    """``fp8graph::transpose_fp8`` on CUDA (the Triton kernel) equals ``x.t().contiguous()`` byte for byte."""
+    from fp8graph.kernels.transpose_fp8 import transpose_fp8
+
+    for rows, columns in ((4096, 1024), (200, 384), (130, 70)):
+        x_fp8 = torch.randint(0, 256, (rows, columns), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        x_t_fp8 = transpose_fp8(x_fp8)
+        assert x_t_fp8.is_contiguous()
+        assert torch.equal(x_t_fp8.view(torch.uint8), x_fp8.t().contiguous().view(torch.uint8)), (rows, columns)

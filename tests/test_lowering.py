@@ -14,7 +14,7 @@ import torch
 import fp8graph
 import fp8graph.backend
 import fp8graph.lowering
-from fp8graph import Float8CurrentScaling, Float8RowwiseScaling
+from fp8graph import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling
 from fp8graph.linear_fp8 import linear_fp8_target
 from fp8graph.linear_tiled import linear_tiled_target
 from fp8graph.lowering import Lowering, NoNativeGemm, choose_lowering, has_cpu_kernel, pad_reduction_dim, scaled_gemm
@@ -138,9 +138,19 @@ def _three_gemms(target, tokens, generator_seed=0):
     return output.detach().float(), input_hp.grad.float(), weight_hp.grad.float()
 
 
+def _delayed_target(recipe, lowering):
+    """A delayed-scaling linear with fresh state (scale 1, empty history): its transposed layouts go through
+    ``fp8graph::transpose_fp8`` on the scaled_mm path."""
+    def linear(input_hp, weight_hp):
+        history, scale = torch.zeros(3, recipe.amax_history_len), torch.ones(3)
+        return linear_fp8_target(recipe, lowering)(input_hp, weight_hp, None, None, history, scale)
+    return linear
+
+
 @pytest.mark.parametrize("tokens", [512, 17])  # 17: the weight-gradient GEMM's K is zero-padded to 32
 @pytest.mark.parametrize("recipe, target_of", [
     pytest.param(Float8CurrentScaling(), linear_fp8_target, id="current"),
+    pytest.param(DelayedScaling(amax_history_len=4), _delayed_target, id="delayed"),
     pytest.param(Float8RowwiseScaling(), linear_tiled_target, id="rowwise", marks=needs_rowwise_on_cpu)])
 def test_scaled_mm_path_matches_emulation_on_cpu(recipe, target_of, tokens):
     native = _three_gemms(target_of(recipe, Lowering.SCALED_MM), tokens)
@@ -151,14 +161,17 @@ def test_scaled_mm_path_matches_emulation_on_cpu(recipe, target_of, tokens):
         assert sqnr_db(reference, on_kernel) > 45, name
 
 
-def test_llama_trains_through_the_scaled_mm_path_on_cpu():
-    """The whole model with the GPU's GEMM calls: token counts that need padding, symbolic under dynamic=True."""
+@pytest.mark.parametrize("policy", [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
+                         ids=["current", "delayed"])
+def test_llama_trains_through_the_scaled_mm_path_on_cpu(policy):
+    """The whole model with the GPU's GEMM calls: token counts that need padding, symbolic under dynamic=True;
+    delayed scaling with its transposed layouts read from FP8 (``fp8graph::transpose_fp8``)."""
     results = {}
     for lowering in ("emulated", "scaled_mm"):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = build("llama", "tiny")
-        compiled = fp8graph.compile(model, compiler="aot_eager", lowering=lowering, dynamic=True)
+        compiled = fp8graph.compile(model, policy=policy, compiler="aot_eager", lowering=lowering, dynamic=True)
         losses = []
         for sequence in (17, 40):
             tokens = torch.randint(0, 250, (2, sequence), generator=torch.Generator().manual_seed(sequence))

@@ -1,0 +1,76 @@
+"""``fp8graph::transpose_fp8``: the transposed, contiguous copy of a row-major FP8 matrix.
+
+Why an op of its own: the H100's FP8 GEMMs read both layouts of an input and
+of a gradient (the forward and grad_input GEMMs one, the grad_weight GEMM the
+other). Written as ``x_fp8.t().contiguous()`` in the graph, Inductor inlines
+the cast into the transposed copy and recomputes it from the high-precision
+tensor, in the same kernel as the amax reduction of a delayed cast, which the
+GPU then runs at 29-61% of a copy's bandwidth instead of 80-83% without it
+(H100, ``bench/results/2026-11-23-h100/quantize-structure-probe.txt``). As an
+op, the transposed copy reads the FP8 bytes already written (1 byte an element
+read, 1 written) in a kernel of its own, and the delayed cast keeps its one
+pass: amax and row-major FP8 from one read, fused into the producer.
+
+On CUDA it runs ``transpose_bytes_kernel`` (``_transpose_fp8_triton``);
+everywhere else, and where Triton is missing, ``x.t().contiguous()``, which
+the tests hold the kernel to bit for bit. A transpose is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quantize_tiles import KernelLaunch, triton_available
+
+__all__ = ["plan_transpose_fp8", "transpose_fp8", "transpose_fp8_triton"]
+
+_BLOCK = 64  # a 64x64 tile of bytes: 16-byte vector loads and stores, 4 KB of shared memory
+_NUM_WARPS = 4
+
+
+def plan_transpose_fp8(x_fp8: torch.Tensor) -> tuple[KernelLaunch, torch.Tensor]:
+    """The launch that writes ``x_fp8.t().contiguous()`` of a 2-D ``x_fp8`` with unit column stride."""
+    from ._transpose_fp8_triton import transpose_bytes_kernel
+
+    if x_fp8.dim() != 2 or x_fp8.element_size() != 1:
+        raise ValueError(f"transpose_fp8 takes a 2-D tensor of 1-byte elements, got {x_fp8.dtype} "
+                         f"of shape {tuple(x_fp8.shape)}")
+    if x_fp8.stride(1) != 1 and x_fp8.shape[1] > 1:
+        x_fp8 = x_fp8.contiguous()
+    rows, columns = x_fp8.shape
+    x_t_fp8 = torch.empty((columns, rows), dtype=x_fp8.dtype, device=x_fp8.device)
+    grid = (_cdiv(rows, _BLOCK), _cdiv(columns, _BLOCK))
+    launch = KernelLaunch(transpose_bytes_kernel, grid,
+                          (x_fp8.view(torch.uint8), x_t_fp8.view(torch.uint8), rows, columns, x_fp8.stride(0)),
+                          {"BLOCK_ROWS": _BLOCK, "BLOCK_COLUMNS": _BLOCK, "num_warps": _NUM_WARPS})
+    return launch, x_t_fp8
+
+
+def _cdiv(length: int, block: int) -> int:
+    return -(-length // block)
+
+
+def transpose_fp8_triton(x_fp8: torch.Tensor) -> torch.Tensor:
+    """Run the Triton kernel: ``x_fp8.t().contiguous()``."""
+    launch, x_t_fp8 = plan_transpose_fp8(x_fp8)
+    if x_fp8.numel():
+        launch()
+    return x_t_fp8
+
+
+@torch.library.custom_op("fp8graph::transpose_fp8", mutates_args=())
+def transpose_fp8(x_fp8: torch.Tensor) -> torch.Tensor:
+    """``x_fp8.t().contiguous()``: the (C, R) row-major copy of an (R, C) FP8 matrix."""
+    return x_fp8.t().clone(memory_format=torch.contiguous_format)
+
+
+@transpose_fp8.register_fake
+def _(x_fp8):
+    return x_fp8.new_empty((x_fp8.shape[1], x_fp8.shape[0]))
+
+
+@transpose_fp8.register_kernel("cuda")
+def _(x_fp8):
+    if not triton_available():
+        return x_fp8.t().clone(memory_format=torch.contiguous_format)
+    return transpose_fp8_triton(x_fp8)

@@ -1,0 +1,20 @@
+"""Run by tests/test_transpose_fp8.py under TRITON_INTERPRET=1: the FP8 transpose kernel against
+``x.t().contiguous()``, byte for byte, at the shapes a linear gives it (ragged and exact tiles, one row,
+one column, a row-strided slice)."""
+
+import torch
+
+from fp8graph.kernels.transpose_fp8 import transpose_fp8_triton
+
+generator = torch.Generator().manual_seed(0)
+cases = 0
+for rows, columns in [(64, 64), (200, 384), (130, 70), (1, 17), (17, 1), (3, 129)]:
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x_fp8 = torch.randint(0, 256, (rows, columns), dtype=torch.uint8, generator=generator).view(dtype)
+        for operand in (x_fp8, x_fp8[:, : max(1, columns // 2)]):  # contiguous, and rows with a longer stride
+            expected = operand.t().contiguous().view(torch.uint8)
+            got = transpose_fp8_triton(operand)
+            assert got.dtype == dtype and got.shape == expected.shape and got.is_contiguous(), (rows, columns)
+            assert torch.equal(got.view(torch.uint8), expected), (rows, columns, dtype)
+            cases += 1
+print(f"cases checked: {cases}")
