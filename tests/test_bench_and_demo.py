@@ -110,6 +110,16 @@ def test_the_decoder_benchmark_builds_the_layers_it_is_asked_for(config, layers,
         assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 8.03
 
 
+def test_the_per_block_compile_backends_are_refused_for_a_model_without_layers(tmp_path):
+    import argparse
+
+    from bench.compile_time import run
+
+    args = argparse.Namespace(smoke=True, deep=False, backends=["inductor", "fp8 per-block"], repeats=1, out=tmp_path)
+    with pytest.raises(SystemExit, match="decoder layers"):
+        run(args)
+
+
 def test_compile_time_benchmark_smoke_measures_cold_and_warm(tmp_path):
     result = _run_bench("compile", tmp_path)
     assert [r["backend"] for r in result["rows"]] == ["inductor", "fp8"]
