@@ -33,8 +33,9 @@ grad_weight's; the weight by the forward and, transposed, by grad_input's.
 - Weights: the forward casts them; the backward casts the transposed copy again
   from the parameter, with the forward's scale, rather than keeping FP8 weights
   saved from forward to backward (1 byte a parameter, 7 GB at 8B parameters,
-  which would lift peak memory above BF16's). ``cache_weights`` keeps both
-  across steps where the weights do not change between them.
+  which would lift peak memory above BF16's). With ``cache_weights``
+  (current scaling) the weight's row-major FP8 copy is kept across calls while
+  the weight does not change.
 """
 
 from __future__ import annotations
