@@ -261,12 +261,11 @@ def run(args: argparse.Namespace) -> dict:
     settings = _settings(args)
     available = contestants()
     wanted = ["bf16", *(name for name in args.contestants or available if name != "bf16")]
-    for name in wanted:
-        try:
-            parse_contestant(name)
-        except ValueError as error:
-            raise SystemExit(str(error)) from None
-    missing = [name for name in wanted if parse_contestant(name)[0] not in available]
+    try:
+        base_of = {name: parse_contestant(name)[0] for name in wanted}
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    missing = [name for name in wanted if base_of[name] not in available]
     if missing:
         print(f"torchao is not installed: {missing} left out")
         wanted = [name for name in wanted if name in available]

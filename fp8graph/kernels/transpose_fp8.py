@@ -30,6 +30,8 @@ _NUM_WARPS = 4
 
 def plan_transpose_fp8(x_fp8: torch.Tensor) -> tuple[KernelLaunch, torch.Tensor]:
     """The launch that writes ``x_fp8.t().contiguous()`` of a 2-D ``x_fp8`` with unit column stride."""
+    from triton import cdiv
+
     from ._transpose_fp8_triton import transpose_bytes_kernel
 
     if x_fp8.dim() != 2 or x_fp8.element_size() != 1:
@@ -39,15 +41,11 @@ def plan_transpose_fp8(x_fp8: torch.Tensor) -> tuple[KernelLaunch, torch.Tensor]
         x_fp8 = x_fp8.contiguous()
     rows, columns = x_fp8.shape
     x_t_fp8 = torch.empty((columns, rows), dtype=x_fp8.dtype, device=x_fp8.device)
-    grid = (_cdiv(rows, _BLOCK), _cdiv(columns, _BLOCK))
+    grid = (cdiv(rows, _BLOCK), cdiv(columns, _BLOCK))
     launch = KernelLaunch(transpose_bytes_kernel, grid,
                           (x_fp8.view(torch.uint8), x_t_fp8.view(torch.uint8), rows, columns, x_fp8.stride(0)),
                           {"BLOCK_ROWS": _BLOCK, "BLOCK_COLUMNS": _BLOCK, "num_warps": _NUM_WARPS})
     return launch, x_t_fp8
-
-
-def _cdiv(length: int, block: int) -> int:
-    return -(-length // block)
 
 
 def transpose_fp8_triton(x_fp8: torch.Tensor) -> torch.Tensor:
@@ -58,10 +56,15 @@ def transpose_fp8_triton(x_fp8: torch.Tensor) -> torch.Tensor:
     return x_t_fp8
 
 
+def _transposed_copy(x_fp8: torch.Tensor) -> torch.Tensor:
+    # clone, not contiguous(): the transpose of one row is contiguous already, and an op may not return an alias.
+    return x_fp8.t().clone(memory_format=torch.contiguous_format)
+
+
 @torch.library.custom_op("fp8graph::transpose_fp8", mutates_args=())
 def transpose_fp8(x_fp8: torch.Tensor) -> torch.Tensor:
     """``x_fp8.t().contiguous()``: the (C, R) row-major copy of an (R, C) FP8 matrix."""
-    return x_fp8.t().clone(memory_format=torch.contiguous_format)
+    return _transposed_copy(x_fp8)
 
 
 @transpose_fp8.register_fake
@@ -72,5 +75,5 @@ def _(x_fp8):
 @transpose_fp8.register_kernel("cuda")
 def _(x_fp8):
     if not triton_available():
-        return x_fp8.t().clone(memory_format=torch.contiguous_format)
+        return _transposed_copy(x_fp8)
     return transpose_fp8_triton(x_fp8)
