@@ -10,18 +10,17 @@ run on a 2-core machine).
 Each measurement runs in its own process so nothing stays in memory between
 them. Full mode: the tiny Llama (the figure the README reports, target <= 1.3x);
 ``--deep``: 12 layers of it at sequence 64, where the cost of compiling every
-layer shows; ``--smoke``: the toy MLP, for the tests.
+layer shows (target: ``fp8`` <= 1.0x ``inductor`` cold and warm); ``--smoke``:
+the toy MLP, for the tests, or with ``--deep`` 3 layers at sequence 16.
 
 Backends (``--backends``):
 
     inductor              plain ``torch.compile`` of the whole model
-    fp8                   ``fp8graph.compile`` of the whole model
+    fp8                   ``fp8graph.compile``: each repeated layer compiled once (its default)
+    fp8 whole             ``fp8graph.compile(regions=None)``: the whole model as one graph
     inductor per-block    plain ``torch.compile`` of each decoder layer (``layer.compile()``), the rest
-                          eager: the regional compilation torchtitan applies, which compiles a
-                          repeated layer once and reuses it for every instance
-    fp8 per-block         the same with fp8graph's backend on each layer, default policy (a measurement
-                          of what regional compilation gains for the FP8 graphs: ``fp8graph.compile``
-                          does not compile that way yet, and this form has no delayed state or stats)
+                          eager: the regional compilation torchtitan applies, so the gain of compiling
+                          per block and the FP8 overhead that remains are told apart
 
 Llama calls pass ``use_cache=False``: the KV cache a training forward builds
 otherwise makes every layer's guards differ (one compile per layer).
@@ -43,35 +42,31 @@ import torch
 from .timing import environment, markdown_table, median, report, title
 
 BACKENDS = ("inductor", "fp8")
-PER_BLOCK = ("inductor per-block", "fp8 per-block")
+LLAMA_ONLY = ("fp8 whole", "inductor per-block")
 DEEP_LAYERS, DEEP_SEQUENCE = 12, 64
+SMOKE_DEEP_LAYERS, SMOKE_DEEP_SEQUENCE = 3, 16
 
 
-def _compile_per_block(model, backend: str):
-    """Each decoder layer compiled in place (its ``state_dict`` keys unchanged); embedding, norm, head eager."""
-    if backend == "fp8 per-block":
-        from fp8graph.backend import FP8Backend
+def _compile(model, backend: str):
+    import fp8graph
 
-        compile_backend = FP8Backend(None, "inductor", "auto", model=model)
-    else:
-        compile_backend = "inductor"
-    for layer in model.model.layers:
-        layer.compile(backend=compile_backend)
-    return model
+    if backend == "inductor per-block":
+        for layer in model.model.layers:  # in place: state_dict keys unchanged; embedding, norm, head eager
+            layer.compile()
+        return model
+    if backend == "fp8 whole":
+        return fp8graph.compile(model, regions=None)
+    return fp8graph.compile(model) if backend == "fp8" else torch.compile(model)
 
 
 def _first_step_seconds(family: str, config: str, backend: str, layers: int | None = None,
                         sequence: int = 16) -> float:
     """Runs in the child process: compile time of the first training step."""
-    import fp8graph
     from fp8graph.models import build
 
     model = build(family, config, **({} if layers is None else {"num_hidden_layers": layers}))
     start = time.perf_counter()
-    if backend in PER_BLOCK:
-        compiled = _compile_per_block(model, backend)
-    else:
-        compiled = fp8graph.compile(model) if backend == "fp8" else torch.compile(model)
+    compiled = _compile(model, backend)
     if family == "llama":
         tokens = torch.randint(0, 250, (2, sequence))
         compiled(tokens, labels=tokens, use_cache=False).loss.backward()
@@ -91,11 +86,13 @@ def _measure_in_child(family: str, config: str, backend: str, cache_dir: str, la
 
 
 def run(args: argparse.Namespace) -> dict:
-    family, config = ("mlp", "tiny") if args.smoke else ("llama", "tiny")
-    layers, sequence = (DEEP_LAYERS, DEEP_SEQUENCE) if args.deep else (None, 16)
-    backends = args.backends or (BACKENDS if args.smoke else (*BACKENDS, *PER_BLOCK))
-    if family != "llama" and set(backends) & set(PER_BLOCK):
-        raise SystemExit(f"{PER_BLOCK} compile a Llama's decoder layers; the smoke model has none")
+    family, config = ("mlp", "tiny") if args.smoke and not args.deep else ("llama", "tiny")
+    layers, sequence = (None, 16)
+    if args.deep:
+        layers, sequence = (SMOKE_DEEP_LAYERS, SMOKE_DEEP_SEQUENCE) if args.smoke else (DEEP_LAYERS, DEEP_SEQUENCE)
+    backends = args.backends or (BACKENDS if args.smoke else (*BACKENDS, *LLAMA_ONLY))
+    if family != "llama" and set(backends) & set(LLAMA_ONLY):
+        raise SystemExit(f"{LLAMA_ONLY} compile a Llama's decoder layers; the smoke model has none")
     repeats = 1 if args.smoke else args.repeats
     timings = {backend: {"cold_timings_s": [], "warm_timings_s": []} for backend in backends}
     # Backends take turns, so a slow spell of the machine does not fall on one of them only.
@@ -127,10 +124,11 @@ def summary(result: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--smoke", action="store_true", help="the toy MLP, for the tests (one repeat)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one repeat: the toy MLP, or with --deep a 3-layer Llama (for the tests)")
     parser.add_argument("--repeats", type=int, default=3, help="cold and warm measurements per backend")
     parser.add_argument("--deep", action="store_true",
                         help=f"{DEEP_LAYERS} layers of the tiny Llama at sequence {DEEP_SEQUENCE}")
-    parser.add_argument("--backends", nargs="+", choices=(*BACKENDS, *PER_BLOCK),
+    parser.add_argument("--backends", nargs="+", choices=(*BACKENDS, *LLAMA_ONLY),
                         help="the first is the reference (default: all; the smoke run: inductor and fp8)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))

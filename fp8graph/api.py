@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import inspect
 
 import torch
 from torch._dynamo.utils import counters
 
 from .backend import FP8Backend
 from .policy import describe_pattern, normalize_policy
+from .regional_compile import BlockBackend, RegionalBackend, compile_regions
+from .regions import find_trunks, group_blocks, trunk_parts
+from .regions import AUTO, find_blocks
 from .state import register_delayed_state
 from .report import ExplainReport, SiteRecord
 from .report_html import graph_outline
@@ -33,7 +38,7 @@ def unwrap_data_parallel(model):
 
 
 def compile(model, policy=None, compiler: str = "inductor", lowering: str = "auto", stats: bool = False,
-            freeze_weights: bool = False, cache_weights: bool = False, **torch_compile_kwargs):
+            freeze_weights: bool = False, cache_weights: bool = False, regions=AUTO, **torch_compile_kwargs):
     """Compile ``model`` with its linear sites in FP8.
 
     Args:
@@ -61,6 +66,15 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             seen through the weights' version counters (see
             :mod:`fp8graph.weight_cache`). Costs one byte per cached weight
             element. Not with ``freeze_weights``, which folds the copies instead.
+        regions: which blocks to compile once for all their instances (see
+            :mod:`fp8graph.regions`): ``"auto"`` (default) finds a model's
+            repeated layers (HuggingFace ``_no_split_modules``, or an
+            ``nn.ModuleList`` of one class), a list of classes or path globs
+            names them, ``None`` compiles the whole model as one graph as
+            ``torch.compile`` does. Instances the policy treats differently
+            get regions of their own. ``"auto"`` means ``None`` with
+            ``freeze_weights``: Inductor's freezing folds each layer's
+            weights into its code, which then cannot serve another layer.
         **torch_compile_kwargs: passed to ``torch.compile`` (``dynamic``, ``mode``, ...).
 
     Returns:
@@ -94,9 +108,18 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     collector = FP8Stats(user_model) if stats else None
     state = register_delayed_state(user_model, policy) if policy.needs_state else None
     weight_cache = register_weight_cache(user_model, policy) if cache_weights else None
-    backend = FP8Backend(policy, compiler, lowering, model=user_model, mode=mode, stats=collector, state=state,
-                         weight_cache=weight_cache)
-    compiled = torch.compile(model, backend=backend, **torch_compile_kwargs)
+    if freeze_weights and regions != AUTO and regions:
+        raise ValueError("freeze_weights folds each layer's weights into its compiled code, which then cannot "
+                         "serve the other instances of a region: use regions=None (or leave 'auto')")
+    blocks = find_blocks(user_model, None if freeze_weights else regions) \
+        if isinstance(user_model, torch.nn.Module) else _no_blocks(regions)
+    backend, session = _make_backends(
+        dict(policy=policy, compiler=compiler, lowering=lowering, model=user_model, mode=mode, stats=collector,
+             state=state, weight_cache=weight_cache), blocks, torch_compile_kwargs)
+    root_backend = backend.root if session is not None else backend
+    compiled = torch.compile(model, backend=root_backend, **torch_compile_kwargs)
+    if session is not None:
+        _run_with_regions(compiled, session, user_model)
     if freeze_weights:
         _trace_with_freezing(compiled)
     if weight_cache is not None:
@@ -105,6 +128,56 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     object.__setattr__(compiled, _BACKEND_ATTRIBUTE, backend)
     object.__setattr__(compiled, "fp8graph_stats", collector)
     return compiled
+
+
+def _no_blocks(regions) -> list:
+    if regions is not None and regions is not False and regions != AUTO:
+        raise ValueError("regions name blocks of an nn.Module; a function has none")
+    return []
+
+
+def _make_backends(backend_kwargs: dict, blocks, torch_compile_kwargs: dict):
+    """The backend to attach (an :class:`FP8Backend`, or a :class:`RegionalBackend` over blocks) and the session."""
+    root = FP8Backend(**backend_kwargs)
+    if not blocks:
+        return root, None
+    model, policy = backend_kwargs["model"], root.policy
+    trunks = find_trunks(model, blocks, policy)
+    session, block_backends = compile_regions(
+        group_blocks(blocks + trunk_parts(trunks, blocks), policy), [trunk for _, trunk in trunks],
+        lambda group: BlockBackend(group, **backend_kwargs), torch_compile_kwargs)
+    order = {path: index for index, (path, _) in enumerate(model.named_modules())}
+    return RegionalBackend(root, block_backends, order), session
+
+
+def _run_with_regions(compiled, session, user_model) -> None:
+    """Let the blocks run their compiled regions while ``compiled`` runs (and only then).
+
+    A HuggingFace model builds a KV cache in every forward unless told
+    ``use_cache=False``, training forwards included, where nothing reads it;
+    each layer then indexes the cache by its own number, Dynamo's guards
+    tell the layers apart and the region recompiles once per layer. So a
+    training call (module in training mode, gradients on) that does not
+    pass ``use_cache`` gets ``use_cache=False``: its output has no
+    ``past_key_values``. Inference calls are left as they are.
+    """
+    forward = compiled.forward
+    takes_use_cache = _accepts_keyword(user_model, "use_cache")
+
+    def forward_with_regions(*args, **kwargs):
+        if takes_use_cache and "use_cache" not in kwargs and user_model.training and torch.is_grad_enabled():
+            kwargs["use_cache"] = False
+        with session.active():
+            return forward(*args, **kwargs)
+
+    object.__setattr__(compiled, "forward", forward_with_regions)
+
+
+def _accepts_keyword(model, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature
+        return False
 
 
 def _find_compiled(model):
@@ -167,23 +240,31 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
         draws the rewritten graphs.
     """
     compiled = _find_compiled(model)
-    state = weight_cache = None
+    state = weight_cache = blocks = None
     if compiled is not None:
         compiled_backend = vars(compiled)[_BACKEND_ATTRIBUTE]
         policy, lowering = compiled_backend.policy, compiled_backend.lowering
         state, weight_cache = compiled_backend.state, compiled_backend.weight_cache
+        blocks = [(path, module) for group in getattr(compiled_backend, "groups", [])
+                  for path, module in zip(group.paths, group.modules)]
         model = compiled  # what was compiled, without the wrappers around it (DDP(compiled), ...)
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         model = model._orig_mod  # trace the user's module, not the wrapper of another compile
-    backend = FP8Backend(policy, "eager", lowering, model=unwrap_data_parallel(model), state=state,
-                         weight_cache=weight_cache)
+    user_model = unwrap_data_parallel(model)
+    policy = normalize_policy(policy)
+    if blocks is None:  # explained as fp8graph.compile would compile it
+        blocks = find_blocks(user_model) if isinstance(user_model, torch.nn.Module) else []
+    backend, session = _make_backends(
+        dict(policy=policy, compiler="eager", lowering=lowering, model=user_model, state=state,
+             weight_cache=weight_cache), blocks, {})
+    root_backend = backend.root if session is not None else backend
     if weight_cache is not None:  # explain's run fills the copies: they may be stale or empty
         weight_cache.invalidate()
         weight_cache.before_call()
     torch._dynamo.reset()
     graph_breaks_before = collections.Counter(counters["graph_break"])
-    with torch.no_grad():
-        torch.compile(model, backend=backend)(*args, **kwargs)
+    with torch.no_grad(), session.active() if session is not None else contextlib.nullcontext():
+        torch.compile(model, backend=root_backend)(*args, **kwargs)
     torch._dynamo.reset()
     graph_breaks = list((collections.Counter(counters["graph_break"]) - graph_breaks_before).elements())
     if backend.graph_count == 0:

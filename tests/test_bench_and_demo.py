@@ -115,7 +115,8 @@ def test_the_per_block_compile_backends_are_refused_for_a_model_without_layers(t
 
     from bench.compile_time import run
 
-    args = argparse.Namespace(smoke=True, deep=False, backends=["inductor", "fp8 per-block"], repeats=1, out=tmp_path)
+    args = argparse.Namespace(smoke=True, deep=False, backends=["inductor", "inductor per-block"], repeats=1,
+                              out=tmp_path)
     with pytest.raises(SystemExit, match="decoder layers"):
         run(args)
 
@@ -127,6 +128,22 @@ def test_compile_time_benchmark_smoke_measures_cold_and_warm(tmp_path):
         # A warm start reuses the cache the cold one filled.
         assert 0 < row["compile_warm_s"] < row["compile_cold_s"]
     assert [v["case"] for v in result["targets"]] == ["cold", "warm"]
+
+
+def test_deep_compile_time_benchmark_smoke_compares_regions_with_whole_model_compiles(tmp_path):
+    """The deep case's machinery (3 layers here): every backend measured cold and warm, ratios to the first.
+
+    Smoke timings mean nothing (one sample, tiny model); the 12-layer figure is ``--deep`` without ``--smoke``.
+    """
+    result = _run_bench("compile", tmp_path, "--deep", "--backends", "inductor", "fp8", "fp8 whole",
+                        "inductor per-block")
+    assert result["layers"] == 3 and result["model"] == "llama tiny, 3 layers, sequence 16"
+    rows = {row["backend"]: row for row in result["rows"]}
+    assert list(rows) == ["inductor", "fp8", "fp8 whole", "inductor per-block"]
+    for row in rows.values():
+        assert row["compile_cold_s"] > 0 and row["compile_warm_s"] > 0
+        assert row["cold_vs_inductor"] == pytest.approx(row["compile_cold_s"] / rows["inductor"]["compile_cold_s"])
+    assert [v["case"] for v in result["targets"]] == ["cold", "warm"]  # held to 1.30x below 12 layers
 
 
 def test_show_prints_stored_results_with_their_verdicts(tmp_path):
