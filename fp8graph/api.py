@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from .backend import FP8Backend
 from .policy import describe_pattern, normalize_policy
-from .regional_compile import BlockBackend, RegionalBackend, compile_regions
+from .regional_compile import BlockBackend, RegionalBackend, compile_regions, is_region_boundary
 from .regions import find_trunks, group_blocks, trunk_parts
 from .regions import AUTO, find_blocks
 from .state import register_delayed_state
@@ -223,11 +223,13 @@ def _trace_with_freezing(compiled) -> None:
     object.__setattr__(compiled, "forward", forward_with_freezing)
 
 
-def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> ExplainReport:
+def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **kwargs) -> ExplainReport:
     """Trace ``model(*args, **kwargs)`` and report what fp8graph does with each site.
 
     A model returned by :func:`compile` (also inside a DDP wrapper) is
     explained with its own policy and lowering. The model runs once, without gradients, on the rewritten graph.
+    An uncompiled model is explained with the blocks ``regions`` selects (as
+    :func:`compile` takes it); a compiled one with its own regions.
     Policy rules that match no site are listed in ``report.unmatched_rules``
     (a strict policy raises ``ValueError`` instead).
     Like ``torch._dynamo.explain``, this resets Dynamo's caches first, so
@@ -253,7 +255,7 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
     user_model = unwrap_data_parallel(model)
     policy = normalize_policy(policy)
     if blocks is None:  # explained as fp8graph.compile would compile it
-        blocks = find_blocks(user_model) if isinstance(user_model, torch.nn.Module) else []
+        blocks = find_blocks(user_model, regions) if isinstance(user_model, torch.nn.Module) else []
     backend, session = _make_backends(
         dict(policy=policy, compiler="eager", lowering=lowering, model=user_model, state=state,
              weight_cache=weight_cache), blocks, {})
@@ -266,7 +268,9 @@ def explain(model, *args, policy=None, lowering: str = "auto", **kwargs) -> Expl
     with torch.no_grad(), session.active() if session is not None else contextlib.nullcontext():
         torch.compile(model, backend=root_backend)(*args, **kwargs)
     torch._dynamo.reset()
-    graph_breaks = list((collections.Counter(counters["graph_break"]) - graph_breaks_before).elements())
+    graph_breaks = [reason for reason in
+                    (collections.Counter(counters["graph_break"]) - graph_breaks_before).elements()
+                    if not is_region_boundary(reason)]
     if backend.graph_count == 0:
         raise RuntimeError(
             f"Dynamo captured no graph of {type(model).__name__}: nothing to explain"

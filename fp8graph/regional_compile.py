@@ -47,7 +47,8 @@ from .backend import FP8Backend
 from .policy import SiteInfo, resolve
 from .regions import BlockGroup, instance_path
 
-__all__ = ["BlockBackend", "RegionSession", "RegionalBackend", "block_class", "compile_regions"]
+__all__ = ["BlockBackend", "RegionSession", "RegionalBackend", "block_class", "compile_regions",
+           "is_region_boundary"]
 
 log = logging.getLogger("fp8graph")
 
@@ -94,6 +95,11 @@ class RegionSession:
 def _run_region(session: RegionSession, block: torch.nn.Module, args: tuple, kwargs: dict):
     # Disabled, so the enclosing trace breaks here; the compiled call re-enters Dynamo with its group's backend.
     return session.call_for(block)(block, *args, **kwargs)
+
+
+def is_region_boundary(graph_break_reason: str) -> bool:
+    """Whether a Dynamo graph-break reason is one of the breaks regional compilation makes on purpose."""
+    return any(f"<function {fn.__name__} at" in graph_break_reason for fn in (_run_region, _run_eagerly))
 
 
 def _call_block(block, *args, **kwargs):

@@ -11,6 +11,25 @@ def compile_fp8(model, compiler="aot_eager", **kwargs):
     return compiled, compiled.fp8graph_backend
 
 
+def graphs_per_unit(backend) -> list[int]:
+    """Graphs each compiled unit kept: ``[n]`` for a whole-model compile, ``[root, group, ...]`` with regions.
+
+    Every entry 1 means what one graph meant before regions: no graph break (other than the region
+    boundaries fp8graph makes) and no recompile.
+    """
+    units = [backend.root, *backend.block_backends] if hasattr(backend, "block_backends") else [backend]
+    return [len(unit.graph_modules) for unit in units]
+
+
+def fp8_sites_compiled(backend) -> int:
+    """FP8 linears in the compiled graphs, a region's counted once for each instance it serves."""
+    if not hasattr(backend, "block_backends"):
+        return sum(fp8_target_count(gm) for gm in backend.graph_modules)
+    return (sum(fp8_target_count(gm) for gm in backend.root.graph_modules)
+            + sum(fp8_target_count(gm) * len(unit.group.paths) for unit in backend.block_backends
+                  for gm in unit.graph_modules))
+
+
 def decisions_by_path(backend):
     return {d.site.path: d for d in backend.decisions}
 

@@ -37,7 +37,9 @@ def aot_graphs(model, policy, loss_of, lowering: str = "auto") -> list[torch.fx.
     # backward recomputes), input mutations (delayed-scaling state updates) kept in the graph.
     to_aten = aot_autograd(fw_compiler=keep, bw_compiler=keep, decompositions=select_decomp_table(),
                            partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True)
-    compiled = fp8_compile(model, policy=policy, compiler="eager", lowering=lowering)
+    # One graph holding every site (regions=None): the structure pinned here is per site, and a
+    # region's graph has the same per-site structure (tests/test_regions.py checks regions' numerics).
+    compiled = fp8_compile(model, policy=policy, compiler="eager", lowering=lowering, regions=None)
     backend: FP8Backend = compiled.fp8graph_backend
     backend._lower = lambda gm, example_inputs: to_aten(gm, example_inputs)
     loss_of(compiled).backward()

@@ -19,8 +19,9 @@ MIXED = Policy(rules=[("lm_head", None), ("*.mlp.*", E4M3)])
 RECIPE_RGB = {"current(E4M3)": (0x1B, 0x9E, 0x77), "current(HYBRID)": (0xD9, 0x5F, 0x02)}
 
 
-def _llama_report():
-    return fp8graph.explain(build("llama", "tiny"), torch.randint(0, 250, (2, 16)), policy=MIXED)
+def _llama_report(regions=None):
+    """The whole model in one graph by default, so one code listing holds every site."""
+    return fp8graph.explain(build("llama", "tiny"), torch.randint(0, 250, (2, 16)), policy=MIXED, regions=regions)
 
 
 def test_rows_counts_and_code():

@@ -6,7 +6,7 @@ import torch
 import fp8graph
 from fp8graph.models import build
 from fp8graph.models.text_data import TextBatches
-from helpers import compile_fp8, fp8_target_count, sgd_steps
+from helpers import compile_fp8, fp8_target_count, graphs_per_unit, sgd_steps
 
 
 def _held_out_loss(compiled):
@@ -35,24 +35,26 @@ def test_no_recompiles_across_twenty_steps():
     model = build("llama", "tiny")
     compiled, backend = compile_fp8(model)
     sgd_steps(compiled, model, TextBatches(4, 32, vocab_size=250), 20)
-    assert backend.graph_count == 1
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert set(graphs_per_unit(backend)) == {1}
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == backend.graph_count
 
 
 def test_dynamic_sequence_lengths_compile_once():
     model = build("llama", "tiny")
     compiled, backend = compile_fp8(model, dynamic=True)
-    graphs_after_first_length = None
-    for seq_len in (16, 24, 40, 64, 100):
+    graphs_after_two_lengths = None
+    for index, seq_len in enumerate((16, 24, 40, 64, 100)):
         tokens = torch.randint(0, 250, (2, seq_len))
         compiled(tokens, labels=tokens).loss.backward()
-        graphs_after_first_length = graphs_after_first_length or backend.graph_count
-    # The first length compiles; the other four reuse its graph.
-    assert backend.graph_count == graphs_after_first_length == 1
-    assert fp8_target_count(backend.graph_modules[0]) == 14
-    record = next(d.site for d in backend.decisions if d.rewritten)
-    assert isinstance(record.M, str)  # symbolic token dimension, not specialized
-    assert sum(d.rewritten for d in backend.decisions) == 14
+        if index == 1:
+            graphs_after_two_lengths = backend.graph_count
+    # The decoder layers' region pins the first length once (tests/test_regions.py says why) and is
+    # dynamic from the second; the last three lengths compile nothing.
+    assert backend.graph_count == graphs_after_two_lengths
+    assert max(graphs_per_unit(backend)) <= 2
+    # Every site has a graph with a symbolic token dimension, not specialized to a length.
+    symbolic = {d.site.path for d in backend.decisions if d.rewritten and isinstance(d.site.M, str)}
+    assert len(symbolic) == 14
 
 
 def test_gradient_accumulation_sums_micro_batch_gradients():
