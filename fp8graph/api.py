@@ -157,20 +157,23 @@ def _run_with_regions(compiled, session, user_model) -> None:
     ``use_cache=False``, training forwards included, where nothing reads it;
     each layer then indexes the cache by its own number, Dynamo's guards
     tell the layers apart and the region recompiles once per layer. So a
-    training call (module in training mode, gradients on) that does not
-    pass ``use_cache`` gets ``use_cache=False``: its output has no
-    ``past_key_values``. Inference calls are left as they are.
+    call in training mode that does not pass ``use_cache`` gets
+    ``use_cache=False``: its output has no ``past_key_values``. Calls in
+    eval mode (inference, generation) are left as they are.
     """
     forward = compiled.forward
-    takes_use_cache = _accepts_keyword(user_model, "use_cache")
 
     def forward_with_regions(*args, **kwargs):
-        if takes_use_cache and "use_cache" not in kwargs and user_model.training and torch.is_grad_enabled():
-            kwargs["use_cache"] = False
         with session.active():
-            return forward(*args, **kwargs)
+            return forward(*args, **_without_training_cache(user_model, kwargs))
 
     object.__setattr__(compiled, "forward", forward_with_regions)
+
+
+def _without_training_cache(user_model, kwargs: dict) -> dict:
+    if user_model.training and "use_cache" not in kwargs and _accepts_keyword(user_model, "use_cache"):
+        return {**kwargs, "use_cache": False}
+    return kwargs
 
 
 def _accepts_keyword(model, name: str) -> bool:
@@ -266,6 +269,8 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
     torch._dynamo.reset()
     graph_breaks_before = collections.Counter(counters["graph_break"])
     with torch.no_grad(), session.active() if session is not None else contextlib.nullcontext():
+        if session is not None:  # called as the compiled model calls it
+            kwargs = _without_training_cache(user_model, kwargs)
         torch.compile(model, backend=root_backend)(*args, **kwargs)
     torch._dynamo.reset()
     graph_breaks = [reason for reason in

@@ -7,8 +7,13 @@ function compiled once per :class:`~fp8graph.regions.BlockGroup` with that
 group's own :class:`BlockBackend`. Parameters and buffers are graph inputs
 (Dynamo's ``inline_inbuilt_nn_modules``), so layers 2..N pass the guards of
 layer 1's code and the FP8 rewrite, AOTAutograd and Inductor run once per
-group, not once per layer. What lies between blocks (embedding, final norm,
-``lm_head``, loss) is compiled by the root's backend in graphs of its own.
+group, not once per layer.
+
+What lies around the blocks: the module that calls them (the *trunk*,
+HuggingFace's ``model.model``) runs eagerly while its parameter-holding
+children (embedding, final norm) are regions of their own, and the root's
+remaining code (``lm_head``, the loss) is compiled by the root's backend
+(see :func:`fp8graph.regions.find_trunks` for why the trunk is not traced).
 
 How a block call becomes a region: each block instance's class is replaced
 by a subclass of it (same name, module and qualified name; one subclass per

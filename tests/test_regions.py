@@ -268,3 +268,37 @@ def test_regions_refuse_frozen_weights_and_auto_compiles_them_whole():
         fp8graph.compile(_llama(), freeze_weights=True, regions=[LlamaDecoderLayer])
     compiled = fp8graph.compile(_llama(), freeze_weights=True)
     assert not hasattr(compiled.fp8graph_backend, "block_backends")
+
+
+def _inductor_step(policy):
+    """A training step of a fresh 2-layer Llama compiled by Inductor; its input-embedding gradient and cache counters."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _llama(2)
+    compiled = fp8graph.compile(model, policy=policy)
+    tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(0))
+    compiled(tokens, labels=tokens).loss.backward()
+    return model.model.embed_tokens.weight.grad, dict(counters["aot_autograd"]), compiled.fp8graph_backend
+
+
+@pytest.mark.inductor
+def test_regions_reuse_the_aot_autograd_cache_and_another_policy_misses():
+    """Every compiled unit (the head's graph, each region) is cached by AOTAutograd: a second start
+    with the same policy compiles nothing again; a policy changing the layers' format misses there."""
+    from torch._inductor.utils import fresh_cache
+
+    with fresh_cache():
+        grad, first, backend = _inductor_step(Float8CurrentScaling())
+        grad_again, again, _ = _inductor_step(Float8CurrentScaling())
+        e4m3_grad, other, _ = _inductor_step(Float8CurrentScaling(fp8graph.Format.E4M3))
+    units = len(backend.graph_modules)
+    assert units == 4  # the head and loss; the layers; the embedding; the final norm
+    assert first.get("autograd_cache_saved") == units and "autograd_cache_hit" not in first
+    assert again.get("autograd_cache_hit") == units and "autograd_cache_miss" not in again
+    torch.testing.assert_close(grad_again, grad, rtol=0, atol=0)
+    # E4M3 changes the layers' graph only: the embedding, the norm and the head (kept in high
+    # precision, N=250) are the same graphs and hit.
+    assert other.get("autograd_cache_miss") == 1 and other.get("autograd_cache_hit") == units - 1
+    assert not torch.equal(e4m3_grad, grad)
