@@ -114,7 +114,8 @@ def _call_block(block, *args, **kwargs):
 
 def _region_function(name: str) -> Callable:
     # A code object per group: Dynamo caches compiled code, and counts recompiles, per code object.
-    code = _call_block.__code__.replace(co_name=name, co_qualname=name)
+    names = {"co_name": name, **({"co_qualname": name} if hasattr(_call_block.__code__, "co_qualname") else {})}
+    code = _call_block.__code__.replace(**names)
     return types.FunctionType(code, _call_block.__globals__, name)
 
 
