@@ -56,7 +56,9 @@ RECIPES = {name: PRESETS[name] for name in ("current", "delayed", "rowwise", "bl
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 CONFIGS = ("bench-8b-layer", "llama3-8b")
 
-KNOWN = ["bf16", *RECIPES, *(f"torchao {name}" for name in TORCHAO_RECIPES)]
+# "bf16 per-block": plain torch.compile of each decoder layer (layer.compile(), torchtitan's way), the
+# like-for-like reference of fp8graph's regional compile; "current whole": fp8graph with regions=None.
+KNOWN = ["bf16", *RECIPES, *(f"torchao {name}" for name in TORCHAO_RECIPES), "bf16 per-block", "current whole"]
 # Inductor settings a contestant's name may switch, each worth a measurement for quantization-heavy graphs:
 # reductions spread over all SMs, horizontal fusion of independent kernels, loop reordering after fusion.
 INDUCTOR_SETTINGS = {"cooperative_reductions": "triton.cooperative_reductions", "combo_kernels": "combo_kernels",
@@ -95,6 +97,13 @@ def _swap_in_torchao(model, contestant: str) -> None:
 
 
 def _compile(model, contestant: str, compiler: str, freeze_weights: bool = False):
+    if contestant == "bf16 per-block":
+        for layer in model.model.layers:
+            layer.compile(backend=compiler)
+        return model
+    if contestant == "current whole":
+        return fp8graph.compile(model, policy=RECIPES["current"], compiler=compiler, freeze_weights=freeze_weights,
+                                regions=None)
     if contestant == "bf16" or contestant.startswith("torchao"):
         compiled = torch.compile(model, backend=compiler)
         if not freeze_weights:

@@ -89,6 +89,9 @@ def test_decoder_contestant_names_carry_inductor_settings_and_bad_ones_are_refus
         "torchao tensorwise", {"loop_ordering_after_fusion": False})
     assert parse_contestant("delayed +cooperative_reductions +combo_kernels") == (
         "delayed", {"triton.cooperative_reductions": True, "combo_kernels": True})
+    # The like-for-like references of regional compilation.
+    assert parse_contestant("bf16 per-block") == ("bf16 per-block", {})
+    assert parse_contestant("current whole +combo_kernels") == ("current whole", {"combo_kernels": True})
     with pytest.raises(ValueError, match="unknown contestant 'currant'"):
         parse_contestant("currant +combo_kernels")
     with pytest.raises(ValueError, match="unknown Inductor setting 'fast'"):
