@@ -39,10 +39,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import types
 from typing import Callable
-
-import logging
 
 import torch
 
