@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
+import logging
 
 import torch
 from torch._dynamo.utils import counters
@@ -21,6 +22,8 @@ from .stats import FP8Stats
 from .weight_cache import register_weight_cache
 
 __all__ = ["compile", "explain"]
+
+log = logging.getLogger("fp8graph")
 
 _BACKEND_ATTRIBUTE = "fp8graph_backend"
 
@@ -120,6 +123,8 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     compiled = torch.compile(model, backend=root_backend, **torch_compile_kwargs)
     if session is not None:
         _run_with_regions(compiled, session, user_model)
+    if isinstance(model, torch.nn.Module) and policy.rules:
+        _check_rules_at_first_call(compiled, backend)
     if freeze_weights:
         _trace_with_freezing(compiled)
     if weight_cache is not None:
@@ -181,6 +186,35 @@ def _accepts_keyword(model, name: str) -> bool:
         return name in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # a forward without a signature
         return False
+
+
+def _unmatched_rule_names(backend) -> list[str]:
+    return [f"rule {i} ({describe_pattern(backend.policy.rules[i][0])})" for i in backend.unmatched_rules()]
+
+
+def _check_rules_at_first_call(compiled, backend) -> None:
+    """After the first call (which compiled every graph it ran), refuse or report rules that matched no site.
+
+    A strict policy raises ``ValueError`` naming the rules, as :func:`explain`
+    does; otherwise the ``fp8graph`` logger warns once. Sites in graphs that
+    only later calls compile (another branch of the model) are not waited for.
+    """
+    forward = compiled.forward
+    checked = False
+
+    def forward_checking_rules(*args, **kwargs):
+        nonlocal checked
+        output = forward(*args, **kwargs)
+        if not checked:
+            checked = True
+            unmatched = _unmatched_rule_names(backend)
+            if unmatched and backend.policy.strict:
+                raise ValueError(f"fp8graph: policy rules that match no site: {', '.join(unmatched)}")
+            if unmatched:
+                log.warning("fp8graph: policy rules that match no site: %s", ", ".join(unmatched))
+        return output
+
+    object.__setattr__(compiled, "forward", forward_checking_rules)
 
 
 def _find_compiled(model):
@@ -280,8 +314,7 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
         raise RuntimeError(
             f"Dynamo captured no graph of {type(model).__name__}: nothing to explain"
         )
-    unmatched = [f"rule {i} ({describe_pattern(backend.policy.rules[i][0])})"
-                 for i in backend.unmatched_rules()]
+    unmatched = _unmatched_rule_names(backend)
     if unmatched and backend.policy.strict:
         raise ValueError(f"fp8graph: policy rules that match no site: {', '.join(unmatched)}")
     return ExplainReport(

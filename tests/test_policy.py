@@ -1,5 +1,6 @@
 """Policy resolution as a pure function (tables of cases), and policies in compiled models."""
 
+import logging
 import re
 
 import pytest
@@ -138,6 +139,21 @@ def test_rules_that_match_nothing_are_reported_or_raise_when_strict():
     assert "policy rules that matched no site: rule 0 ('*.mlp.*')" in str(report)
     with pytest.raises(ValueError, match=r"policy rules that match no site: rule 0 \('\*.mlp.\*'\)"):
         fp8graph.explain(model, x, policy=Policy(rules=[("*.mlp.*", E4M3)], strict=True))
+
+
+def test_compile_holds_strict_policies_to_their_rules_at_the_first_call(caplog):
+    """Strict means the same in compile as in explain: the first call raises, naming the rule."""
+    x = torch.randn(4, 64)
+    strict = fp8graph.compile(build("mlp", "tiny"), policy=Policy(rules=[("nope.*", None)], strict=True),
+                              compiler="aot_eager")
+    with pytest.raises(ValueError, match=r"policy rules that match no site: rule 0 \('nope\.\*'\)"):
+        strict(x)
+    lenient = fp8graph.compile(build("mlp", "tiny"), policy=Policy(rules=[("nope.*", None), ("up", E4M3)]),
+                               compiler="aot_eager")
+    with caplog.at_level(logging.WARNING, logger="fp8graph"):
+        for _ in range(3):
+            lenient(x)
+    assert caplog.text.count("policy rules that match no site: rule 0 ('nope.*')") == 1  # once, not per call
 
 
 def test_bare_backend_matches_class_rules_by_module_type():
