@@ -27,8 +27,15 @@ def _check_type(recipe: object, field: str, expected: type) -> None:
         )
 
 
+class _NamedByShortName:
+    """``str(recipe)`` is its short name (``current(HYBRID)``), as reports and tables print it."""
+
+    def __str__(self) -> str:
+        return self.name
+
+
 @dataclasses.dataclass(frozen=True)
-class Float8CurrentScaling:
+class Float8CurrentScaling(_NamedByShortName):
     """Per-tensor current scaling.
 
     Each tensor is scaled by its own amax at the moment it is cast::
@@ -70,7 +77,7 @@ _AMAX_ALGOS = ("max", "most_recent")
 
 
 @dataclasses.dataclass(frozen=True)
-class DelayedScaling:
+class DelayedScaling(_NamedByShortName):
     """Delayed scaling: each cast uses a scale derived from the amaxes of earlier casts.
 
     Per site and tensor role, a history of the last ``amax_history_len``
@@ -129,7 +136,7 @@ class DelayedScaling:
         return self.fp8_format.dtype(role)
 
 
-class _TiledScaling:
+class _TiledScaling(_NamedByShortName):
     """What the recipes with one scale per row, tile or block share.
 
     Every operand is E4M3. ``tiling(role)`` gives the tiles of an operand laid

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from fp8graph.passes.annotate import Decision
 from fp8graph.policy import Policy, describe_pattern
+from fp8graph.recipes import Recipe
 
 __all__ = ["ExplainReport", "SiteRecord"]
 
@@ -21,7 +22,9 @@ __all__ = ["ExplainReport", "SiteRecord"]
 class SiteRecord:
     """One site: where it is, its GEMM shape, and what fp8graph did with it.
 
-    ``recipe`` is the recipe's name when the site runs in FP8, else ``None``
+    ``recipe`` is the recipe object when the site runs in FP8 (frozen and
+    hashable: ``record.recipe == policy_recipe`` holds, rows filter by
+    ``isinstance``; ``str`` gives the short name tables print), else ``None``
     and ``reason`` says why it stays in high precision. ``M`` is a string
     when the token dimension is symbolic (``dynamic=True``).
     """
@@ -32,7 +35,7 @@ class SiteRecord:
     K: int | None
     N: int | None
     dtype: torch.dtype | None
-    recipe: str | None
+    recipe: Recipe | None
     reason: str | None
     lowering: str | None
     rule: str = "default"
@@ -54,7 +57,7 @@ class SiteRecord:
             K=site.K,
             N=site.N,
             dtype=site.dtype,
-            recipe=decision.recipe.name if decision.rewritten else None,
+            recipe=decision.recipe if decision.rewritten else None,
             reason=decision.reason,
             lowering=decision.lowering.value if decision.lowering else None,
             rule=rule,
@@ -92,8 +95,8 @@ class ExplainReport(list):
 
     @property
     def recipe_counts(self) -> dict[str, int]:
-        """How many sites run with each recipe."""
-        return dict(collections.Counter(r.recipe for r in self.rewritten))
+        """How many sites run with each recipe, by the recipe's short name."""
+        return dict(collections.Counter(str(r.recipe) for r in self.rewritten))
 
     @property
     def reason_counts(self) -> dict[str, int]:

@@ -148,12 +148,12 @@ window.addEventListener("load", () => {
 
 def render_html(report) -> str:
     """The whole page for an :class:`fp8graph.ExplainReport`."""
-    recipes = sorted({r.recipe for r in report.rewritten})
+    recipes = sorted({str(r.recipe) for r in report.rewritten})
     colours = dict(zip(recipes, itertools.cycle(_PALETTE)))
     rows = "".join(
         "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
             r.path or "<root>", r.op, r.M, r.K, r.N, str(r.dtype).removeprefix("torch."))) +
-        (f'<td style="color:{colours[r.recipe]}">{html.escape(r.recipe)}</td>' if r.rewritten
+        (f'<td style="color:{colours[str(r.recipe)]}">{html.escape(str(r.recipe))}</td>' if r.rewritten
          else f'<td class="kept">{html.escape(str(r.reason))}</td>') +
         f"<td>{html.escape(str(r.lowering or '-'))}</td><td>{html.escape(r.rule)}</td></tr>"
         for r in report)

@@ -50,7 +50,7 @@ def _rank_main(rank, world_size, out_dir):
         global_losses.append(loss / world_size)
     state = {k: v for k, v in model.state_dict().items() if "fp8graph" in k}
     # explain finds the compiled model's policy through the DDP wrapper.
-    explained = [(r.path, r.recipe) for r in fp8graph.explain(ddp, local[0])]
+    explained = [(r.path, r.recipe and str(r.recipe)) for r in fp8graph.explain(ddp, local[0])]
     torch.save({"losses": torch.stack(global_losses), "state": state, "explained": explained},
                f"{out_dir}/rank{rank}.pt")
 

@@ -35,6 +35,14 @@ def test_rows_counts_and_code():
     assert code.count("fp8graph_linear_current_E4M3_emulated(") == 6
     text = str(report)
     assert "8 site(s) in FP8 with current(HYBRID)" in text and "1 graph(s), 0 graph break(s)" in text
+    # Rows are data: the recipe object the policy gave, comparable and filterable by class.
+    mlp_rows = [r for r in report if r.recipe == E4M3]
+    assert len(mlp_rows) == 6 and all(".mlp." in r.path for r in mlp_rows)
+    assert len([r for r in report if isinstance(r.recipe, fp8graph.Float8CurrentScaling)]) == 14
+    # The same rows, counts and report with each decoder layer compiled once.
+    regional = _llama_report(regions="auto")
+    assert [(r.path, r.recipe, r.reason) for r in regional] == [(r.path, r.recipe, r.reason) for r in report]
+    assert regional.graph_breaks == [] and regional.recipe_counts == report.recipe_counts
 
 
 class TwoGraphs(nn.Module):
