@@ -101,13 +101,14 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             raise ValueError(f"{flag}=True needs an nn.Module: it keeps buffers on the model's modules")
     user_model = unwrap_data_parallel(model)
     policy = normalize_policy(policy)
-    if (stats or cache_weights or policy.needs_state) and isinstance(user_model, torch.nn.Module) \
-            and next(user_model.children(), None) is None:
-        what = "stats=True" if stats else "cache_weights=True" if cache_weights else "delayed scaling"
+    bare = isinstance(user_model, torch.nn.Module) and next(user_model.children(), None) is None
+    if bare and (cache_weights or ((stats or policy.needs_state) and model is not user_model)):
+        what = "cache_weights=True" if cache_weights else "stats=True" if stats else "delayed scaling"
         raise ValueError(
-            f"fp8graph: {what} needs a model with submodules, and this {type(user_model).__name__} has none: "
-            "its buffers reach the graph through forward hooks, and Dynamo runs the compiled root module's "
-            "hooks outside the graph. Wrap it, e.g. fp8graph.compile(torch.nn.Sequential(model), ...)")
+            f"fp8graph: {what} needs a model with submodules{' inside DDP' if model is not user_model else ''}, "
+            f"and this {type(user_model).__name__} has none: its buffers reach the graph through forward hooks, "
+            "and Dynamo runs the compiled root module's hooks outside the graph. Wrap it, e.g. "
+            "fp8graph.compile(torch.nn.Sequential(model), ...)")
     collector = FP8Stats(user_model) if stats else None
     state = register_delayed_state(user_model, policy) if policy.needs_state else None
     weight_cache = register_weight_cache(user_model, policy) if cache_weights else None
@@ -121,6 +122,8 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
              state=state, weight_cache=weight_cache), blocks, torch_compile_kwargs)
     root_backend = backend.root if session is not None else backend
     compiled = torch.compile(model, backend=root_backend, **torch_compile_kwargs)
+    if bare and (stats or policy.needs_state):
+        _trace_the_root_hooks(compiled, user_model)
     if session is not None:
         _run_with_regions(compiled, session, user_model)
     if isinstance(model, torch.nn.Module) and policy.rules:
@@ -227,6 +230,20 @@ def _find_compiled(model):
             inner = model._orig_mod
         model = None if inner is model else inner
     return None
+
+
+def _trace_the_root_hooks(compiled, module: torch.nn.Module) -> None:
+    """Compile a call of ``module`` itself, so Dynamo inlines its own hooks into the graph.
+
+    ``torch.compile(module)`` compiles the module's forward and runs its own
+    hooks outside the graph; a module without submodules (a bare
+    ``nn.Linear``) has no other hooks to bring its delayed-scaling state or
+    stats buffer into the graph, so fp8graph compiles a function that calls it.
+    """
+    def call_module(*args, **kwargs):
+        return module(*args, **kwargs)
+
+    object.__setattr__(compiled, "forward", compiled.dynamo_ctx(call_module))
 
 
 def _choose_weight_cache_mode(compiled, weight_cache) -> None:

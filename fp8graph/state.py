@@ -200,5 +200,7 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedSta
         for submodule in model.modules():
             if submodule is not model:
                 submodule.register_forward_hook(anchor_root)
+        if next(model.children(), None) is None:  # a bare module: fp8graph.compile traces its own hooks
+            model.register_forward_hook(_anchor_state)
     model.__dict__[_REGISTERED_ATTRIBUTE] = delayed_state
     return delayed_state

@@ -102,9 +102,11 @@ class FP8Stats:
                                                             device=device), persistent=False)
         # Dynamo runs the root module's own hooks outside the graph, but inlines
         # those of the modules called inside it: hook every submodule.
+        # A bare module (no submodules) is its own only hook: fp8graph.compile then traces its hooks.
         hook = _anchor_hook(model)
+        bare = next(model.children(), None) is None
         self._hooks = [module.register_forward_hook(hook) for module in model.modules()
-                       if module is not model]
+                       if module is not model or bare]
         self.rows: list[StatsRow] = []
 
     def buffer_of(self, path: str) -> torch.Tensor | None:

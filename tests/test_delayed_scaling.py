@@ -78,6 +78,56 @@ def test_state_is_in_the_state_dict_and_recipe_fields_are_checked():
             DelayedScaling(**kwargs)
 
 
+@pytest.mark.parametrize("algo,margin", [("max", 0), ("most_recent", 2)])
+def test_a_bare_linear_keeps_its_state_on_itself_and_follows_the_reference(algo, margin):
+    """A model that is one nn.Linear: its own weight's state, in its own state_dict."""
+    linear = torch.nn.Linear(64, 32)
+    compiled = fp8graph.compile(linear, policy=DelayedScaling(amax_history_len=4, amax_compute_algo=algo,
+                                                              margin=margin), compiler="aot_eager")
+    assert {"fp8graph_amax_history_weight", "fp8graph_scale_weight"} <= set(linear.state_dict())
+    input_reference, weight_reference = ReferenceState(4, margin, algo), ReferenceState(4, margin, algo)
+    for step, magnitude in enumerate([1.0, 3.0, 0.5, 2.0, 8.0, 1.0]):
+        x = torch.randn(8, 64) * magnitude
+        compiled(x).sum().backward()
+        input_reference.cast(x.abs().max().item())
+        weight_reference.cast(linear.weight.abs().max().item())
+        history, scale = linear.fp8graph_amax_history_weight, linear.fp8graph_scale_weight
+        assert history[0].tolist() == pytest.approx(input_reference.history, rel=1e-6), step
+        assert scale[0].item() == pytest.approx(input_reference.scale, rel=1e-6), step
+        assert history[1].tolist() == pytest.approx(weight_reference.history, rel=1e-6), step
+
+
+def test_a_bare_linear_resumes_bit_exactly():
+    def fresh():
+        torch._dynamo.reset()
+        linear = torch.nn.Linear(64, 32)
+        linear.load_state_dict(initial)
+        compiled = fp8graph.compile(linear, policy=DelayedScaling(amax_history_len=8), compiler="aot_eager")
+        return linear, compiled, torch.optim.AdamW(linear.parameters(), lr=3e-3)
+
+    def train(linear, compiled, optimizer, inputs):
+        losses = []
+        for x in inputs:
+            loss = compiled(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    initial = torch.nn.Linear(64, 32).state_dict()
+    inputs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) for i in range(12)]
+    uninterrupted = train(*fresh(), inputs)
+    linear, compiled, optimizer = fresh()
+    first = train(linear, compiled, optimizer, inputs[:6])
+    checkpoint = {"model": {k: v.clone() for k, v in linear.state_dict().items()},
+                  "optimizer": optimizer.state_dict()}
+    linear, compiled, optimizer = fresh()
+    linear.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    assert first + train(linear, compiled, optimizer, inputs[6:]) == uninterrupted  # bit for bit
+
+
 def test_checkpoint_resume_is_bit_exact():
     recipe = DelayedScaling(amax_history_len=16)
 

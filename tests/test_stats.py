@@ -156,12 +156,22 @@ def test_stats_need_a_module():
 
 @pytest.mark.parametrize("options", [dict(stats=True), dict(policy=fp8graph.DelayedScaling())],
                          ids=["stats", "delayed"])
-def test_a_model_without_submodules_is_refused_with_the_way_out(options):
-    with pytest.raises(ValueError, match="has none.*torch.nn.Sequential"):
-        fp8graph.compile(torch.nn.Linear(32, 32), **options)
-    compiled = fp8graph.compile(torch.nn.Sequential(torch.nn.Linear(32, 32)), compiler="aot_eager", **options)
+def test_a_bare_module_keeps_its_stats_and_state_on_itself(options):
+    """A model that is one Linear: fp8graph.compile traces the module's own hooks into the graph."""
+    linear = torch.nn.Linear(32, 32)
+    compiled = fp8graph.compile(linear, compiler="aot_eager", **options)
     compiled(torch.randn(16, 32)).sum().backward()
     assert [d.rewritten for d in compiled.fp8graph_backend.decisions] == [True]
+    if "stats" in options:
+        assert [(r.path, r.role) for r in compiled.fp8graph_stats.record(0)] == [
+            ("", "input"), ("", "weight"), ("", "grad_output")]
+    else:
+        assert linear.fp8graph_amax_history_weight[:, 0].tolist() != [0.0, 0.0, 0.0]  # recorded this step
+
+
+def test_weight_caching_of_a_bare_module_is_refused_with_the_way_out():
+    with pytest.raises(ValueError, match="cache_weights=True needs a model with submodules.*torch.nn.Sequential"):
+        fp8graph.compile(torch.nn.Linear(32, 32), cache_weights=True)
 
 
 def test_bare_backend_refuses_stats_with_a_pointer_to_compile():
