@@ -270,35 +270,49 @@ def test_regions_refuse_frozen_weights_and_auto_compiles_them_whole():
     assert not hasattr(compiled.fp8graph_backend, "block_backends")
 
 
-def _inductor_step(policy):
-    """A training step of a fresh 2-layer Llama compiled by Inductor; its input-embedding gradient and cache counters."""
-    from torch._dynamo.utils import counters
+_STEP_IN_A_NEW_PROCESS = """
+import json, sys
+import torch
+from torch._dynamo.utils import counters
+import fp8graph
+from fp8graph.models import build
 
-    torch._dynamo.reset()
-    counters.clear()
-    model = _llama(2)
-    compiled = fp8graph.compile(model, policy=policy)
-    tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(0))
-    compiled(tokens, labels=tokens).loss.backward()
-    return model.model.embed_tokens.weight.grad, dict(counters["aot_autograd"]), compiled.fp8graph_backend
+recipe = {"hybrid": fp8graph.Float8CurrentScaling(), "e4m3": fp8graph.Float8CurrentScaling(fp8graph.Format.E4M3)}
+model = build("llama", "tiny", num_hidden_layers=2)
+compiled = fp8graph.compile(model, policy=recipe[sys.argv[1]])
+tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(0))
+compiled(tokens, labels=tokens).loss.backward()
+torch.save(model.model.embed_tokens.weight.grad, sys.argv[2])
+print(json.dumps({"counters": dict(counters["aot_autograd"]), "graphs": compiled.fp8graph_backend.graph_count}))
+"""
+
+
+def _start(policy_name, cache_dir, grad_path):
+    """A fresh process's first training step with Inductor's caches in ``cache_dir``: its counters and gradient."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    completed = subprocess.run([sys.executable, "-c", _STEP_IN_A_NEW_PROCESS, policy_name, str(grad_path)],
+                               env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)},
+                               capture_output=True, text=True, check=True)
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    return result["counters"], result["graphs"], torch.load(grad_path)
 
 
 @pytest.mark.inductor
-def test_regions_reuse_the_aot_autograd_cache_and_another_policy_misses():
-    """Every compiled unit (the head's graph, each region) is cached by AOTAutograd: a second start
-    with the same policy compiles nothing again; a policy changing the layers' format misses there."""
-    from torch._inductor.utils import fresh_cache
-
-    with fresh_cache():
-        grad, first, backend = _inductor_step(Float8CurrentScaling())
-        grad_again, again, _ = _inductor_step(Float8CurrentScaling())
-        e4m3_grad, other, _ = _inductor_step(Float8CurrentScaling(fp8graph.Format.E4M3))
-    units = len(backend.graph_modules)
+def test_a_warm_start_reuses_every_region_from_the_caches_and_another_policy_misses(tmp_path):
+    """Every compiled unit (the head's graph, each region) is stored by AOTAutograd: a new process with
+    the same policy compiles nothing again; a policy changing the layers' format misses there only."""
+    first, units, grad = _start("hybrid", tmp_path / "cache", tmp_path / "first.pt")
+    again, _, grad_again = _start("hybrid", tmp_path / "cache", tmp_path / "again.pt")
+    other, _, e4m3_grad = _start("e4m3", tmp_path / "cache", tmp_path / "other.pt")
     assert units == 4  # the head and loss; the layers; the embedding; the final norm
-    assert first.get("autograd_cache_saved") == units and "autograd_cache_hit" not in first
-    assert again.get("autograd_cache_hit") == units and "autograd_cache_miss" not in again
+    assert first.get("autograd_cache_saved") == units and "autograd_cache_hit" not in first, first
+    assert again.get("autograd_cache_hit") == units and "autograd_cache_miss" not in again, again
     torch.testing.assert_close(grad_again, grad, rtol=0, atol=0)
     # E4M3 changes the layers' graph only: the embedding, the norm and the head (kept in high
     # precision, N=250) are the same graphs and hit.
-    assert other.get("autograd_cache_miss") == 1 and other.get("autograd_cache_hit") == units - 1
+    assert other.get("autograd_cache_miss") == 1 and other.get("autograd_cache_hit") == units - 1, other
     assert not torch.equal(e4m3_grad, grad)
