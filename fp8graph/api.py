@@ -78,6 +78,9 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             get regions of their own. ``"auto"`` means ``None`` with
             ``freeze_weights``: Inductor's freezing folds each layer's
             weights into its code, which then cannot serve another layer.
+            Each block instance gets a subclass of its class (same name) whose
+            call enters the region while the compiled model runs and is the
+            block's own call otherwise (see :mod:`fp8graph.regional_compile`).
         **torch_compile_kwargs: passed to ``torch.compile`` (``dynamic``, ``mode``, ...).
 
     Returns:
