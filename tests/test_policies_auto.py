@@ -83,7 +83,7 @@ def test_compiled_model_reports_the_measurement_for_each_kept_site(tmp_path):
     kept = {(None, "rule 0 (auto: M*K*N below 32x64x128, the smallest shape from which current reached "
                    "1.0x of BF16 torch.compile (bench linear on NVIDIA H100 80GB HBM3, 2026-11-22T00:00:00+00:00))")}
     assert by_shape[(64, 64)] == by_shape[(64, 32)] == kept
-    assert by_shape[(64, 128)] == by_shape[(128, 64)] == {(PRESETS["current"].name, "default")}
+    assert by_shape[(64, 128)] == by_shape[(128, 64)] == {(PRESETS["current"], "default")}
 
 
 @pytest.mark.parametrize("measurements,message", [
@@ -102,3 +102,42 @@ def test_unknown_recipe_and_unreadable_file_are_refused(tmp_path):
         auto(_measurements(SMALL_LOSES), recipe="fastest")
     with pytest.raises(ValueError, match="cannot read measurements"):
         auto(tmp_path / "missing.json")
+
+
+def test_the_built_in_h100_table_is_the_committed_measurement_rounded():
+    import pathlib
+
+    from fp8graph.policies import H100_LINEAR_SOURCE, H100_LINEAR_SPEEDUPS
+
+    raw = json.loads((pathlib.Path(__file__).parents[1] / H100_LINEAR_SOURCE["file"]).read_text())
+    assert raw["environment"]["device"] == H100_LINEAR_SOURCE["device"]
+    measured = {}
+    for row in raw["rows"]:
+        name = row["contestant"].split()
+        if name[0] == "fp8graph" and "cached" not in row["contestant"]:
+            measured.setdefault(name[1], {})[row["M"], row["K"], row["N"]] = round(row["speedup_vs_bf16_compile"], 2)
+    assert measured == H100_LINEAR_SPEEDUPS
+
+
+@pytest.mark.parametrize("recipe,threshold", [("current", (16384, 4096, 4096)), ("delayed", (16384, 4096, 4096)),
+                                              ("rowwise", (16384, 4096, 14336)), ("block", None)])
+def test_auto_without_measurements_uses_the_h100_thresholds_per_recipe(recipe, threshold):
+    policy = auto(recipe=recipe)
+    # Both losing H100 shapes stay in BF16 for every recipe (0.73x and 0.87x for current scaling).
+    assert _recipe_for(policy, 1024, 1024, 1024) is None and _recipe_for(policy, 4096, 1024, 1024) is None
+    if threshold is None:  # block never gained on that run: every site stays in high precision
+        assert _recipe_for(policy, 16384, 14336, 4096) is None
+        return
+    assert _recipe_for(policy, *threshold) == PRESETS[recipe]
+    assert _recipe_for(policy, 8192, 4096, 4096) is None  # smaller than the smallest winning shape
+    [(pattern, _)] = policy.rules
+    assert "NVIDIA H100 80GB HBM3" in pattern.__name__ and "linear-2026-11-23T081002Z.json" in pattern.__name__
+
+
+def test_a_site_auto_keeps_says_why_in_explain():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    [row] = fp8graph.explain(model, torch.randn(8, 64), policy=auto())
+    assert row.recipe is None and row.reason == "policy keeps it in high precision"
+    assert row.rule == ("rule 0 (auto: M*K*N below 16384x4096x4096, the smallest shape from which current reached "
+                        "1.0x of BF16 torch.compile (bench linear on NVIDIA H100 80GB HBM3, 2026-11-23, "
+                        "bench/results/linear-2026-11-23T081002Z.json))")
