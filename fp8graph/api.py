@@ -173,16 +173,17 @@ def _run_with_regions(compiled, session, user_model) -> None:
     eval mode (inference, generation) are left as they are.
     """
     forward = compiled.forward
+    takes_use_cache = _accepts_keyword(user_model, "use_cache")  # once, not on every call
 
     def forward_with_regions(*args, **kwargs):
         with session.active():
-            return forward(*args, **_without_training_cache(user_model, kwargs))
+            return forward(*args, **_without_training_cache(user_model, takes_use_cache, kwargs))
 
     object.__setattr__(compiled, "forward", forward_with_regions)
 
 
-def _without_training_cache(user_model, kwargs: dict) -> dict:
-    if user_model.training and "use_cache" not in kwargs and _accepts_keyword(user_model, "use_cache"):
+def _without_training_cache(user_model, takes_use_cache: bool, kwargs: dict) -> dict:
+    if takes_use_cache and user_model.training and "use_cache" not in kwargs:
         return {**kwargs, "use_cache": False}
     return kwargs
 
@@ -324,7 +325,7 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
     graph_breaks_before = collections.Counter(counters["graph_break"])
     with torch.no_grad(), session.active() if session is not None else contextlib.nullcontext():
         if session is not None:  # called as the compiled model calls it
-            kwargs = _without_training_cache(user_model, kwargs)
+            kwargs = _without_training_cache(user_model, _accepts_keyword(user_model, "use_cache"), kwargs)
         torch.compile(model, backend=root_backend)(*args, **kwargs)
     torch._dynamo.reset()
     graph_breaks = [reason for reason in
