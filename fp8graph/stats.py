@@ -177,33 +177,15 @@ class FP8Stats:
         writer.close()
         return pathlib.Path(log_dir)
 
-    def plot(self, path, role: str = "input") -> pathlib.Path:
-        """PNG of per-site SQNR and underflow over the recorded steps, for one role."""
-        import matplotlib
+    def plot(self, path, role: str = "input", highlight: int = 5) -> pathlib.Path:
+        """PNG of per-site SQNR and underflow over the recorded steps for one role.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        The ``highlight`` least healthy sites of each panel are drawn in colour
+        and named in its legend, the others in grey (see ``fp8graph.health_plot``).
+        """
+        from .health_plot import save_health_figure
 
-        series: dict[str, list[StatsRow]] = {}
-        for row in self.rows:
-            if row.role == role:
-                series.setdefault(row.path or "<root>", []).append(row)
-        figure, (sqnr_axis, underflow_axis) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-        for site_path, site_rows in series.items():
-            steps = [r.step for r in site_rows]
-            sqnr_axis.plot(steps, [r.sqnr_db for r in site_rows], label=site_path, linewidth=1)
-            underflow_axis.plot(steps, [100 * r.underflow for r in site_rows], label=site_path, linewidth=1)
-        sqnr_axis.set_ylabel(f"{role} SQNR (dB)")
-        underflow_axis.set_ylabel(f"{role} underflow (% of non-zeros)")
-        underflow_axis.set_xlabel("step")
-        sqnr_axis.set_title(f"FP8 health per site ({role})")
-        if len(series) <= 16:
-            sqnr_axis.legend(fontsize=6, ncol=2)
-        figure.tight_layout()
-        path = pathlib.Path(path)
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
-        return path
+        return save_health_figure(self.rows, path, role, highlight)
 
     def remove(self) -> None:
         """Detach from the model: drop the hooks and the buffers (compiled graphs recompile)."""

@@ -149,6 +149,49 @@ def test_csv_tensorboard_and_plot(tmp_path):
     assert "fp8graph stats, step 2" in str(stats)
 
 
+def _rows(final_sqnr: dict[str, float], final_underflow: dict[str, float]) -> list:
+    from fp8graph.stats import StatsRow
+
+    rows = []
+    for path in final_sqnr:
+        rows.append(StatsRow(0, path, "input", 1.0, 1.0, 0.0, 0.0, 30.0))
+        rows.append(StatsRow(1, path, "input", 1.0, 1.0, final_underflow[path], 0.0, final_sqnr[path]))
+        rows.append(StatsRow(1, path, "weight", 1.0, 1.0, 0.9, 0.0, -5.0))  # another role: ignored
+    return rows
+
+
+def test_health_figure_names_the_least_healthy_sites_and_greys_the_rest():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.colors import to_hex
+
+    from fp8graph.health_plot import health_figure, least_healthy
+
+    sqnr = {f"layers.{i}.proj": 30.0 + i for i in range(12)}
+    sqnr["layers.7.proj"] = 9.0
+    sqnr["layers.3.proj"] = float("nan")   # a broken cast ranks worst
+    sqnr["layers.5.proj"] = float("inf")   # an exact one best
+    underflow = {path: 0.001 for path in sqnr}
+    underflow["layers.11.proj"] = 0.2
+    sqnr["layers.9.k"] = sqnr["layers.9.q"] = 10.0  # one shared input: one line, one label
+    underflow["layers.9.k"] = underflow["layers.9.q"] = 0.001
+    rows = _rows(sqnr, underflow)
+    assert least_healthy(rows, "input", "sqnr_db", 4, higher_is_worse=False) == [
+        "layers.3.proj", "layers.7.proj", "layers.9.{k,q}", "layers.0.proj"]
+    assert least_healthy(rows, "input", "underflow", 1, higher_is_worse=True) == ["layers.11.proj"]
+
+    figure = health_figure(rows, role="input", highlight=4)
+    sqnr_axis, underflow_axis = figure.axes
+    named = [line.get_label() for line in sqnr_axis.get_lines() if not line.get_label().startswith("_")]
+    assert named == ["layers.3.proj (nan)", "layers.7.proj (9)", "layers.9.{k,q} (10)", "layers.0.proj (30)"]
+    grey = [line for line in sqnr_axis.get_lines() if to_hex(line.get_color()) == "#b8b8b8"]
+    assert len(grey) == 12 - 3 and all(line.get_label().startswith("_") for line in grey)
+    assert [t.get_text() for t in sqnr_axis.get_legend().get_texts()] == named
+    assert "9 other sites in grey" in sqnr_axis.get_legend().get_title().get_text()
+    assert underflow_axis.get_legend().get_texts()[0].get_text() == "layers.11.proj (20)"
+
+
 def test_stats_need_a_module():
     with pytest.raises(ValueError, match="stats=True needs an nn.Module"):
         fp8graph.compile(lambda x: x, stats=True)
