@@ -1,18 +1,22 @@
-"""Train a small Llama on real text in FP8 and in BF16, and compare the losses.
+"""Train a small Llama on real text in FP8 and in high precision, and compare the losses.
 
 Both runs start from the same seeded weights, see the same batches and keep
-fp32 master weights under BF16 autocast; the FP8 run also has every eligible
-projection rewritten by the fp8 backend, with FP8 health statistics
-recorded every few steps. Prints the rewrite table, the least healthy FP8
-tensors and both final losses, and writes the loss curves, the per-site
-health plot and CSV, and the HTML view of the rewritten graph. On CPU the GEMMs are emulated and
-the graphs lowered with ``aot_eager`` (Inductor's CPU compile would take
-minutes); on a CUDA GPU with FP8 support they run on ``_scaled_mm`` through Inductor.
+fp32 master weights; the FP8 run also has every eligible projection
+rewritten by the fp8 backend, with FP8 health statistics recorded every few
+steps. The high precision is BF16 autocast on a GPU and on a CPU with BF16
+matrix units, fp32 on a CPU without them (see ``fp8graph.demo_baseline``).
+Prints the rewrite table, the least healthy FP8 tensors, both final losses
+and the wall time of each phase, and writes the loss curves with their gap,
+the per-site health plot and CSV, and the HTML view of the rewritten graph.
+On CPU the GEMMs are emulated and the graphs lowered with ``aot_eager``
+(Inductor's CPU compile would take minutes); on a CUDA GPU with FP8 support
+they run on ``_scaled_mm`` through Inductor.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import pathlib
@@ -20,9 +24,11 @@ import time
 
 import torch
 from rich.console import Console
+from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 import fp8graph
+from fp8graph.demo_baseline import Baseline, choose_baseline
 from fp8graph.models import build
 from fp8graph.models.text_data import TextBatches
 
@@ -39,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="demo", help="Llama config from fp8graph.models.llama")
     parser.add_argument("--compiler", choices=("auto", "inductor", "aot_eager"), default="auto",
                         help="auto: inductor on CUDA, aot_eager on CPU")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="high precision of both runs; auto: BF16 autocast on CUDA and on CPUs "
+                             "with native BF16 matmuls, else fp32")
     parser.add_argument("--stats-every", type=int, default=10, help="record FP8 health every N steps")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("demo_out"))
 
@@ -48,22 +57,55 @@ class RunResult:
     name: str
     losses: list[float]
     eval_loss: float
-    seconds: float
+    first_steps_seconds: float   # until every compiled variant has run once: the compiles
+    first_steps: int
+    steps_seconds: float         # the other training steps
+    eval_seconds: float
 
 
-def _train(name: str, compiled, model, args, device, progress: Progress, with_stats=None) -> RunResult:
+class PhaseTimes:
+    """Wall seconds per named phase, in the order the phases ran."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def table(self) -> Table:
+        table = Table(title="wall time per phase")
+        table.add_column("phase")
+        table.add_column("seconds", justify="right")
+        for name, seconds in self.seconds.items():
+            table.add_row(name, f"{seconds:.1f}")
+        table.add_row("[bold]total[/bold]", f"[bold]{sum(self.seconds.values()):.1f}[/bold]")
+        return table
+
+
+def _train(name: str, compiled, model, args, device, baseline: Baseline, progress: Progress,
+           with_stats=None) -> RunResult:
     """Train ``model`` through ``compiled``; every ``--stats-every`` steps through ``with_stats``."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / args.steps)))
     batches = TextBatches(args.batch_size, args.seq_len, seed=0)
     task = progress.add_task(name, total=args.steps, loss=float("nan"))
+    # Steps 0 (through with_stats) and 1 (through compiled) each compile their graph.
+    first_steps = min(args.steps, 2 if with_stats is not None else 1)
     losses = []
     start = time.perf_counter()
     for step in range(args.steps):
+        if step == first_steps:
+            first_steps_done = time.perf_counter()
         tokens = batches.next().to(device)  # (B, T)
         sample_stats = with_stats is not None and (step % args.stats_every == 0 or step == args.steps - 1)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with baseline.autocast(device):
             loss = (with_stats if sample_stats else compiled)(tokens, labels=tokens).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -74,73 +116,112 @@ def _train(name: str, compiled, model, args, device, progress: Progress, with_st
             with_stats.fp8graph_stats.record(step)
         losses.append(loss.item())
         progress.update(task, advance=1, loss=losses[-1])
-    seconds = time.perf_counter() - start
+    end = time.perf_counter()
+    if args.steps <= first_steps:
+        first_steps_done = end
     eval_batches = TextBatches(args.batch_size, args.seq_len, seed=1, split="eval")
-    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+    with torch.no_grad(), baseline.autocast(device):
         eval_loss = sum(compiled(t := eval_batches.next().to(device), labels=t).loss.item()
                         for _ in range(4)) / 4
-    return RunResult(name, losses, eval_loss, seconds)
+    return RunResult(name, losses, eval_loss, first_steps_done - start, first_steps,
+                     end - first_steps_done, time.perf_counter() - end)
 
 
-def _plot(results: list[RunResult], path: pathlib.Path) -> None:
+def _steps(count: int) -> str:
+    return f"{count} step" if count == 1 else f"{count} steps"
+
+
+def _moving_average(values: list[float], window: int) -> list[float]:
+    return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1))
+            for i in range(len(values))]
+
+
+def _plot(fp8: RunResult, reference: RunResult, path: pathlib.Path) -> None:
+    """Both loss curves above, and the FP8 minus reference gap below (raw and smoothed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for result in results:
-        axis.plot(result.losses, label=f"{result.name} (final {result.losses[-1]:.3f})", linewidth=1)
-    axis.set_xlabel("step")
-    axis.set_ylabel("training loss (nats per byte)")
-    axis.set_title("Llama on Python reference text: FP8 vs BF16")
-    axis.legend()
+    figure, (loss_axis, gap_axis) = plt.subplots(
+        2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": (2, 1)})
+    for result in (fp8, reference):
+        loss_axis.plot(result.losses, label=f"{result.name} (final {result.losses[-1]:.3f})", linewidth=1)
+    loss_axis.set_ylabel("training loss (nats per byte)")
+    loss_axis.set_title(f"Llama on Python reference text: FP8 vs {reference.name}")
+    loss_axis.legend()
+    gap = [f - r for f, r in zip(fp8.losses, reference.losses)]
+    window = max(1, len(gap) // 20)
+    gap_axis.axhline(0.0, color="black", linewidth=0.6)
+    gap_axis.plot(gap, color="#b8b8b8", linewidth=0.7, label="per step")
+    gap_axis.plot(_moving_average(gap, window), color="#d95f02", linewidth=1.6,
+                  label=f"mean of {window} steps")
+    gap_axis.set_ylabel(f"FP8 - {reference.name} loss")
+    gap_axis.set_xlabel("step")
+    gap_axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
 def run(args: argparse.Namespace) -> int:
+    phases = PhaseTimes()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     compiler = args.compiler if args.compiler != "auto" else (
         "inductor" if device.type == "cuda" else "aot_eager")
+
+    with phases.phase("build the models"):
+        fp8_model = build("llama", args.model, seed=0).to(device)
+        reference_model = build("llama", args.model, seed=0).to(device)
+    with phases.phase("choose the high precision"):
+        config = fp8_model.config
+        baseline = choose_baseline(device, args.precision, (
+            args.batch_size * args.seq_len, config.hidden_size, config.intermediate_size))
     console.print(f"[bold]fp8graph demo[/bold]: Llama '{args.model}' on {device}, compiler {compiler}, "
                   f"{args.steps} steps of {args.batch_size}x{args.seq_len} bytes, torch {torch.__version__}")
+    console.print(f"high precision: {baseline.name} ({baseline.reason})")
 
-    fp8_model = build("llama", args.model, seed=0).to(device)
-    bf16_model = build("llama", args.model, seed=0).to(device)
     fp8_compiled = fp8graph.compile(fp8_model, compiler=compiler)
     # A second compile of the same model with stats: the steps that sample
     # FP8 health run through it, the others pay nothing for the statistics.
     fp8_with_stats = fp8graph.compile(fp8_model, compiler=compiler, stats=True)
     stats = fp8_with_stats.fp8graph_stats
-    bf16_compiled = torch.compile(bf16_model, backend=compiler)
+    reference_compiled = torch.compile(reference_model, backend=compiler)
 
     columns = (TextColumn("{task.description:>5}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]:.3f}"), TimeRemainingColumn())
     with Progress(*columns, console=console) as progress:
-        results = [_train("FP8", fp8_compiled, fp8_model, args, device, progress, fp8_with_stats),
-                   _train("BF16", bf16_compiled, bf16_model, args, device, progress)]
+        fp8 = _train("FP8", fp8_compiled, fp8_model, args, device, baseline, progress, fp8_with_stats)
+        reference = _train(baseline.name, reference_compiled, reference_model, args, device, baseline,
+                           progress)
+    for result in (fp8, reference):
+        phases.add(f"{result.name}: compile, first {_steps(result.first_steps)}", result.first_steps_seconds)
+        phases.add(f"{result.name}: other {_steps(args.steps - result.first_steps)}", result.steps_seconds)
+        phases.add(f"{result.name}: held-out loss", result.eval_seconds)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    sample = TextBatches(2, args.seq_len, seed=2).next().to(device)
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        report = fp8graph.explain(fp8_compiled, sample)
+    with phases.phase("explain and the HTML report"):
+        sample = TextBatches(2, args.seq_len, seed=2).next().to(device)
+        with baseline.autocast(device):
+            report = fp8graph.explain(fp8_compiled, sample)
+        html = report.to_html(args.out / "fp8_report.html")
     console.print(report.table())
-    html = report.to_html(args.out / "fp8_report.html")
 
-    worst = sorted(stats.latest(), key=lambda row: row.sqnr_db)[:8]
+    with phases.phase("health table, CSV and plots"):
+        worst = sorted(stats.latest(), key=lambda row: row.sqnr_db)[:8]
+        csv_path = stats.to_csv(args.out / "fp8_stats.csv")
+        health_png = stats.plot(args.out / "fp8_health.png")
+        png = args.out / "loss_curve.png"
+        _plot(fp8, reference, png)
     console.print(stats.table(worst), "(the 8 tensors with the lowest SQNR at the last step)")
-    csv_path = stats.to_csv(args.out / "fp8_stats.csv")
-    health_png = stats.plot(args.out / "fp8_health.png")
 
-    for result in results:
+    for result in (fp8, reference):
+        training = result.first_steps_seconds + result.steps_seconds
         console.print(f"{result.name:>5}: final training loss {result.losses[-1]:.4f}, "
-                      f"held-out loss {result.eval_loss:.4f}, {result.seconds:.1f} s")
-    fp8, bf16 = results
-    console.print(f"FP8 held-out loss is {100 * (fp8.eval_loss / bf16.eval_loss - 1):+.2f}% vs BF16")
-    png = args.out / "loss_curve.png"
-    _plot(results, png)
-    console.print(f"written: {png} (loss curves), {health_png} (per-site FP8 health), "
+                      f"held-out loss {result.eval_loss:.4f}, {training:.1f} s")
+    console.print(f"FP8 held-out loss is {100 * (fp8.eval_loss / reference.eval_loss - 1):+.2f}% "
+                  f"vs {reference.name}")
+    console.print(phases.table())
+    console.print(f"written: {png} (loss curves and their gap), {health_png} (per-site FP8 health), "
                   f"{csv_path} (FP8 stats), {html} (rewritten graph)")
     return 0

@@ -1,10 +1,15 @@
 """The benchmark and the demo run end to end in their smallest CPU configurations."""
 
+import contextlib
 import json
+import os
+import platform
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def _run_bench(workload, out_dir, *options):
@@ -55,10 +60,46 @@ def test_demo_trains_both_runs_and_writes_the_plot(tmp_path, steps):
         [sys.executable, "-m", "fp8graph", "demo", "--steps", str(steps), "--batch-size", "2",
          "--seq-len", "32", "--out", str(tmp_path)],
         check=True, capture_output=True, text=True)
+    # The high precision is this CPU's faster one (BF16 where it has BF16 matrix units): named with its reason.
+    [chosen] = re.findall(r"high precision: (BF16|FP32) \((.*?)\)", completed.stdout.replace("\n", " "))
+    reference, reason = chosen
+    assert "matmul took" in reason and "ms in BF16" in reason
     assert "FP8: final training loss" in completed.stdout
-    assert "BF16: final training loss" in completed.stdout
+    assert f"{reference}: final training loss" in completed.stdout
     assert "29 of 29 sites in FP8" in completed.stdout
+    for phase in ("build the models", "FP8: compile, first 2 steps", "FP8: other 2 steps",
+                  f"{reference}: compile, first 1 step", "explain and the HTML report", "total"):
+        assert phase in completed.stdout
     assert (tmp_path / "loss_curve.png").stat().st_size > 10_000
+    assert (tmp_path / "fp8_health.png").stat().st_size > 10_000
+
+
+def test_demo_baseline_is_the_faster_precision_and_says_why():
+    from fp8graph.demo_baseline import choose_baseline
+
+    cpu, cuda, shape = torch.device("cpu"), torch.device("cuda"), (2048, 128, 352)
+    slow_bf16 = choose_baseline(cpu, "auto", shape, timer=lambda dtype, *mkn: 0.1 if dtype == torch.bfloat16 else 0.001)
+    assert slow_bf16.dtype == torch.float32 and "100.00 ms in BF16 and 1.00 ms in fp32" in slow_bf16.reason
+    fast_bf16 = choose_baseline(cpu, "auto", shape, timer=lambda dtype, *mkn: 0.001 if dtype == torch.bfloat16 else 0.002)
+    assert fast_bf16.dtype == torch.bfloat16 and fast_bf16.name == "BF16"
+    assert choose_baseline(cuda, "auto", shape, timer=None).dtype == torch.bfloat16  # never timed on a GPU
+    assert choose_baseline(cpu, "fp32", shape, timer=None).name == "FP32"
+    assert isinstance(choose_baseline(cpu, "fp32", shape, timer=None).autocast(cpu), contextlib.nullcontext)
+    with pytest.raises(ValueError, match="--precision must be auto, bf16 or fp32"):
+        choose_baseline(cpu, "fp16", shape)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set limits")
+def test_demo_picks_fp32_on_a_cpu_without_bf16_matrix_units():
+    # oneDNN and MKL limited to AVX2, ATen's kernels too: how the demo sees an AVX2-only EPYC. The BF16
+    # matmul then falls back to ATen's reference GEMM, which the measurement must catch.
+    avx2_only = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                 "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    completed = subprocess.run(
+        [sys.executable, "-c", "import torch; from fp8graph.demo_baseline import choose_baseline; "
+                               "print(choose_baseline(torch.device('cpu'), 'auto', (2048, 128, 352)))"],
+        env=avx2_only, check=True, capture_output=True, text=True)
+    assert "dtype=torch.float32" in completed.stdout and "no native BF16 matrix units" in completed.stdout
 
 
 def test_decoder_benchmark_smoke_writes_raw_results(tmp_path):
