@@ -1,9 +1,15 @@
 """The explain report: rows, counts, graph code and breaks, and the HTML page in a real headless browser."""
 
+import collections
+import html
+import itertools
 import os
 import re
 import shutil
 import subprocess
+import sys
+import textwrap
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -83,6 +89,9 @@ def test_html_page_draws_every_node_in_headless_chromium(tmp_path):
     drawn = sum(len(outline) for outline in report.graph_outlines)
     assert int(rendered["nodes"]) == drawn > 100
     assert int(rendered["fp8-sites"]) == len(report.rewritten) == 14
+    # Counted with every group opened: the second layer's group starts collapsed.
+    assert int(rendered["ports"]) == page.read_text().count('<g class="port ') > 0
+    assert page.read_text().count("<details class=\"graph-group block\" id=") == 2
 
     screenshot = tmp_path / "page.png"
     subprocess.run(chromium + [f"--user-data-dir={tmp_path / 'profile-png'}", "--window-size=1400,6000",
@@ -94,3 +103,200 @@ def test_html_page_draws_every_node_in_headless_chromium(tmp_path):
     for recipe, rgb in RECIPE_RGB.items():
         matches = (pixels == torch.tensor(rgb).numpy()).all(axis=-1).sum()
         assert matches > 1000, f"{recipe} is not drawn in its colour"
+
+
+# The page's groups, read back from its HTML: each group's SVG is well-formed XML.
+_SVG = "{http://www.w3.org/2000/svg}"
+_GROUP = re.compile(r'<details class="graph-group( block)?" id="([^"]+)"( open)?><summary>(.*?)</summary>'
+                    r'<div class="scroll">(<svg .*?</svg>)</div></details>')
+
+
+def _groups(page: str) -> list[dict]:
+    """Each drawn group: id, block or not, open or not, summary text, title (its module path), SVG."""
+    groups = []
+    for match in _GROUP.finditer(page):
+        summary = html.unescape(re.sub(r"<[^>]+>", "", match[4]))
+        groups.append(dict(id=match[2], block=bool(match[1]), open=bool(match[3]), summary=summary,
+                           title=summary.split(" · ")[0], svg=ElementTree.fromstring(match[5])))
+    return groups
+
+
+def _classes(element) -> list[str]:
+    return element.get("class", "").split()
+
+
+def _nodes(svg) -> list:
+    return [g for g in svg.iter(_SVG + "g") if "graph-node" in _classes(g)]
+
+
+def _ports(svg) -> dict:
+    """``{port id: (port element, its link's href)}``."""
+    return {link.find(_SVG + "g").get("data-port"): (link.find(_SVG + "g"), link.get("href"))
+            for link in svg.iter(_SVG + "a")}
+
+
+def _edges(svg) -> list[tuple[str, str, str]]:
+    return [(path.get("data-from"), path.get("data-to"), path.get("d")) for path in svg.iter(_SVG + "path")
+            if "edge" in _classes(path)]
+
+
+def _box(element) -> tuple[float, float, float, float]:
+    rect = element.find(_SVG + "rect")
+    return tuple(float(rect.get(key)) for key in ("x", "y", "width", "height"))
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    """A 4-layer Llama in one graph (no regions): the report and its page."""
+    model = build("llama", "tiny", num_hidden_layers=4)
+    report = fp8graph.explain(model, torch.randint(0, 250, (2, 16)), policy=MIXED, regions=None)
+    page = report.to_html(tmp_path_factory.mktemp("four-layers") / "report.html").read_text()
+    return report, page
+
+
+def test_html_groups_each_decoder_layer_in_its_own_collapsible_section(four_layers):
+    report, page = four_layers
+    groups = _groups(page)
+    assert page.count("<details class=\"graph-group") == len(groups)  # every group parsed
+    assert [g["title"] for g in groups] == ["model", *(f"model.layers.{i}" for i in range(4)), "model.norm, lm_head"]
+    assert [g["block"] for g in groups] == [False, True, True, True, True, False]
+    # The first layer is open to read; the others repeat it and start collapsed.
+    assert [g["open"] for g in groups] == [True, True, False, False, False, True]
+    for layer in groups[1:5]:  # the summary: ops, FP8 sites per recipe (MIXED: MLP in E4M3)
+        assert re.search(r" · \d+ ops · FP8 4 current\(HYBRID\) 3 current\(E4M3\)$", layer["summary"])
+    assert groups[-1]["summary"].endswith("1 kept")  # lm_head
+
+    [outline] = report.graph_outlines
+    drawn_in = collections.defaultdict(list)
+    for group in groups:
+        for node in _nodes(group["svg"]):
+            drawn_in[node.get("data-node")].append(group["title"])
+    assert sorted(drawn_in) == sorted(entry["name"] for entry in outline)
+    assert all(len(titles) == 1 for titles in drawn_in.values())  # every node drawn exactly once
+    for entry in outline:  # ... in its layer's group, when it ran in a layer
+        layer = re.match(r"model\.layers\.\d+", entry["module"])
+        if layer and entry["kind"] != "io":
+            assert drawn_in[entry["name"]] == [layer[0]], entry
+        else:
+            assert not drawn_in[entry["name"]][0].startswith("model.layers."), entry
+
+
+def test_html_edges_leave_a_group_only_through_ports(four_layers):
+    report, page = four_layers
+    [outline] = report.graph_outlines
+    groups = _groups(page)
+    group_of = {node.get("data-node"): group["id"] for group in groups for node in _nodes(group["svg"])}
+    inputs = {entry["name"]: set(entry["inputs"]) for entry in outline}
+    titles = {group["id"]: group["title"] for group in groups}
+    expected_pairs = {(source, entry["name"]) for entry in outline for source in entry["inputs"]}
+    pairs_drawn = set()
+    for group in groups:
+        nodes = {node.get("data-node") for node in _nodes(group["svg"])}
+        ports = _ports(group["svg"])
+        port_nodes = {port_id: port.get("data-nodes").split() for port_id, (port, _) in ports.items()}
+        for source, target, _ in _edges(group["svg"]):
+            assert {source, target} <= nodes | set(ports)  # both ends drawn in this group's picture
+            if source in nodes and target in nodes:
+                pairs_drawn.add((source, target))
+            elif source in ports:  # an in port: outside nodes this node reads
+                assert target in nodes and ports[source][0].get("class") == "port in"
+                brought = port_nodes[source]
+                assert all(group_of[n] != group["id"] for n in brought) and set(brought) <= inputs[target]
+                pairs_drawn.update((n, target) for n in brought)
+            else:  # an out port: a node read by other groups, linked to (the first of) them
+                port, href = ports[target]
+                assert port.get("class") == "port out" and port_nodes[target] == [source]
+                readers = {group_of[name] for name, read in inputs.items() if source in read} - {group["id"]}
+                assert href[1:] in readers
+                label = port.find(_SVG + "text").text
+                assert label.startswith("to ") and titles[href[1:]] in label
+    assert pairs_drawn == expected_pairs  # every edge of the graph drawn, none invented
+
+
+def test_html_layout_is_grandalf_layered_without_overlaps(four_layers, tmp_path, monkeypatch):
+    report, page = four_layers
+    for group in _groups(page):
+        svg = group["svg"]
+        boxes = {node.get("data-node"): _box(node) for node in _nodes(svg)}
+        boxes.update({port_id: _box(port) for port_id, (port, _) in _ports(svg).items()})
+        width, height = float(svg.get("width")), float(svg.get("height"))
+        for name, (x, y, w, h) in boxes.items():
+            assert 0 <= x and x + w <= width and 0 <= y and y + h <= height, name
+        for (a, (ax, ay, aw, ah)), (b, (bx, by, bw, bh)) in itertools.combinations(boxes.items(), 2):
+            assert ax + aw <= bx or bx + bw <= ax or ay + ah <= by or by + bh <= ay, f"{a} overlaps {b}"
+        for source, target, path in _edges(svg):  # top to bottom: bottom of the source to top of the target
+            coordinates = [float(v) for v in re.findall(r"-?[\d.]+", path)]
+            (sx, sy, sw, sh), (tx, ty, tw, th) = boxes[source], boxes[target]
+            assert coordinates[1] == round(sy + sh) and coordinates[-1] == round(ty) and sy + sh < ty
+            assert sx <= coordinates[0] <= sx + sw and tx <= coordinates[-2] <= tx + tw
+    # The coordinates are grandalf's: its Sugiyama layout places every group.
+    from grandalf.layouts import SugiyamaLayout
+
+    placed, draw = [], SugiyamaLayout.draw
+    monkeypatch.setattr(SugiyamaLayout, "draw", lambda self, *a: (placed.append(self), draw(self, *a))[1])
+    report.to_html(tmp_path / "again.html")
+    assert len(placed) >= len(_groups(page)) == 6
+    assert (tmp_path / "again.html").read_text() == page  # and deterministically
+
+
+class Residual(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):  # x: (batch, width)
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class DeepStack(nn.Module):
+    """32 small residual blocks in a ModuleList and a head: a deep model that traces in a second."""
+
+    def __init__(self, layers=32, width=32):
+        super().__init__()
+        self.layers = nn.ModuleList(Residual(width) for _ in range(layers))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):  # x: (batch, width)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_html_page_of_32_layers_stays_small_with_the_layers_collapsed(tmp_path):
+    report = fp8graph.explain(DeepStack(), torch.randn(4, 32), regions=None)
+    page = report.to_html(tmp_path / "report.html").read_text()
+    groups = _groups(page)
+    assert [g["title"] for g in groups] == ["graph inputs", *(f"layers.{i}" for i in range(32)), "head"]
+    assert [g["title"] for g in groups if g["open"]] == ["graph inputs", "layers.0", "head"]
+    drawn = [node.get("data-node") for group in groups for node in _nodes(group["svg"])]
+    assert sorted(drawn) == sorted(entry["name"] for entry in report.graph_outlines[0])
+    # Each layer drawn once, in its own small picture: the page grows by a few kB per layer
+    # (about 240 kB here, a third of it the graph's code), not with the square of the depth.
+    assert len(page.encode()) < 350_000
+    assert max(float(g["svg"].get("width")) for g in groups) < 600
+
+
+def test_html_graph_without_blocks_is_one_open_group(tmp_path):
+    report = fp8graph.explain(TwoGraphs(), torch.randn(4, 32))
+    groups = _groups(report.to_html(tmp_path / "report.html").read_text())
+    assert [(g["title"], g["open"], len(_nodes(g["svg"]))) for g in groups] == [("first", True, 3), ("second", True, 3)]
+
+
+def test_html_needs_grandalf_only_to_render(tmp_path):
+    """grandalf is an extra: fp8graph imports and explains without it, and to_html says how to get it."""
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["grandalf"] = None  # as if it were not installed
+        import torch
+        import fp8graph
+        report = fp8graph.explain(torch.nn.Linear(32, 32), torch.randn(4, 32))
+        try:
+            report.to_html(sys.argv[1])
+        except ImportError as error:
+            print("ImportError:", error)
+    """)
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "report.html")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "ImportError:" in result.stdout and "pip install grandalf" in result.stdout
+    assert not (tmp_path / "report.html").exists()
