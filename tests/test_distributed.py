@@ -268,7 +268,7 @@ def test_ddp_graph_split_at_buckets_rewrites_every_piece(tmp_path, world_size):
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single), rtol=1e-5, atol=0)
 
 
-# --- The README's torchrun commands ---------------------------------------------------------------
+# --- The torchrun commands of docs/distributed.md (tests/test_docs.py parses them, this runs them) ---
 
 def _torchrun(nproc, *args):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
