@@ -101,9 +101,9 @@ def _port_label(port: Port, titles: list[str]) -> str:
     others = [titles[i] for i in port.groups]
     where = f"{others[0]} … {others[-1]} ({len(others)} groups)" if len(others) > 2 else ", ".join(others)
     if port.direction == "out":
-        return _cut(f"to {where}", 60)
+        return _cut(f"to {where}", 72)
     what = port.nodes[0] if len(port.nodes) == 1 else f"{len(port.nodes)} values"
-    return _cut(f"from {where} · {what}", 60)
+    return _cut(f"from {where} · {what}", 72)
 
 
 def _box_size(entry: dict, group: Group) -> tuple[float, float]:
