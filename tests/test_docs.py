@@ -51,7 +51,7 @@ EXEMPT = [
     (r"bash scripts/test$", "the test suite itself", [".ci/run"], None),
     (r"bash scripts/setup$", "creates or reinstalls the .venv this suite is running from",
      [".ci/run", "scripts/test"], None),
-    (r"bash scripts/demo$", "sets up, then trains 200 steps in FP8 and in BF16 (minutes)",
+    (r"bash scripts/demo$", "sets up, then trains 200 steps in FP8 and in high precision (minutes)",
      ["tests/test_bench_and_demo.py::test_demo_trains_both_runs_and_writes_the_plot"], None),
     (r"torchrun .*-m fp8graph train-distributed", "starts 2, then 4 training processes (minutes on 2 cores) "
      "and writes a checkpoint into the working directory",
