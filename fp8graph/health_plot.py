@@ -67,8 +67,11 @@ def least_healthy(rows: Iterable[StatsRow], role: str, metric: str, count: int,
     infinite SQNR (an exact cast) the best.
     """
     series = _series(rows, role)
-    groups = _same_tensor_groups(series, metric)
+    return _worst_groups(series, _same_tensor_groups(series, metric), metric, count, higher_is_worse)
 
+
+def _worst_groups(series: dict[str, list[StatsRow]], groups: dict[str, list[str]], metric: str,
+                  count: int, higher_is_worse: bool) -> list[str]:
     def badness(label: str) -> float:
         value = getattr(series[groups[label][0]][-1], metric)
         if math.isnan(value):
@@ -86,7 +89,7 @@ def health_figure(rows: list[StatsRow], role: str = "input", highlight: int = 5)
     figure, axes = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for axis, (metric, label, unit, higher_is_worse) in zip(axes, _PANELS):
         groups = _same_tensor_groups(series, metric)
-        worst = least_healthy(rows, role, metric, highlight, higher_is_worse)
+        worst = _worst_groups(series, groups, metric, highlight, higher_is_worse)
         for group_label, paths in groups.items():
             if group_label in worst:
                 continue  # drawn on top below, in colour
