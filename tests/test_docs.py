@@ -24,6 +24,7 @@ Run as a script (``python tests/test_docs.py python PAGE [--gpu]``), this file i
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -416,3 +417,30 @@ if __name__ == "__main__":
     if mode == "python":
         sys.exit(_page_runner(pathlib.Path(argument), gpu="--gpu" in rest))
     sys.exit(_parse_runner(json.loads(argument)))
+
+
+def test_the_targets_table_states_every_bound_of_bench_targets():
+    # docs/benchmarks.md condenses bench/targets.py into one row per workload group. Each target's
+    # bound must appear in its workload's rows, as a percentage, a ratio or milliseconds; a bound of
+    # 1.0 is stated against its comparator in words ("<= BF16's", "warm < cold"), so it is not looked
+    # for. Catches a bound changed in code and not in the docs (or the other way), not wording.
+    sys.path.insert(0, str(REPO))
+    from bench.targets import TARGETS
+
+    workload_in_docs = {"quantize": "quantize", "linear_fwd_bwd": "linear", "decoder_stack": "decoder",
+                        "compile_time": "compile"}
+    table_rows = collections.defaultdict(str)
+    for line in (REPO / "docs" / "benchmarks.md").read_text().splitlines():
+        match = re.match(r"^\| `(\w+)` \| (.*) \|$", line)
+        if match:
+            table_rows[match[1]] += " " + match[2]
+    assert set(table_rows) == set(workload_in_docs.values())
+    for target in TARGETS:
+        if target.bound == 1.0:
+            continue
+        bound = target.bound
+        spellings = {f"{100 * bound:.0f}%", f"{bound:g}x", f"{bound:.2f}x", f"{bound:.1f}x", f"{bound:.1f} ms"}
+        row = table_rows[workload_in_docs[target.workload]]
+        assert any(spelling in row for spelling in spellings), (
+            f"docs/benchmarks.md's `{workload_in_docs[target.workload]}` targets do not state "
+            f"{target.what!r} (bound {bound})")
