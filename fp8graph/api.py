@@ -17,6 +17,7 @@ from .regions import find_trunks, group_blocks, trunk_parts
 from .regions import AUTO, find_blocks
 from .state import register_delayed_state
 from .report import ExplainReport, SiteRecord
+from .passes.module_paths import module_paths_by_id
 from .report_html import graph_outline
 from .stats import FP8Stats
 from .weight_cache import register_weight_cache
@@ -338,11 +339,12 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
     unmatched = _unmatched_rule_names(backend)
     if unmatched and backend.policy.strict:
         raise ValueError(f"fp8graph: policy rules that match no site: {', '.join(unmatched)}")
+    paths_by_id = module_paths_by_id(user_model) if isinstance(user_model, torch.nn.Module) else None
     return ExplainReport(
         [SiteRecord.from_decision(d, backend.policy) for d in backend.decisions],
         backend.graph_count,
         unmatched_rules=unmatched,
         graph_breaks=graph_breaks,
         graph_code=[gm.code for gm in backend.graph_modules],
-        graph_outlines=[graph_outline(gm) for gm in backend.graph_modules],
+        graph_outlines=[graph_outline(gm, paths_by_id) for gm in backend.graph_modules],
     )

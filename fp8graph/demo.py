@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import fp8graph
 from fp8graph.demo_baseline import Baseline, choose_baseline
+from fp8graph.loss_plot import save_loss_figure
 from fp8graph.models import build
 from fp8graph.models.text_data import TextBatches
 
@@ -37,18 +38,25 @@ if not console.is_terminal:  # logs and CI: wide enough for the rewrite table
     console.width = 150
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=200, help="training steps per run")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--steps", type=_positive_int, default=200, help="training steps per run")
+    parser.add_argument("--batch-size", type=_positive_int, default=16)
+    parser.add_argument("--seq-len", type=_positive_int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--model", default="demo", help="Llama config from fp8graph.models.llama")
     parser.add_argument("--compiler", choices=("auto", "inductor", "aot_eager"), default="auto",
                         help="auto: inductor on CUDA, aot_eager on CPU")
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="high precision of both runs; auto: BF16 autocast on CUDA and on CPUs "
-                             "with native BF16 matmuls, else fp32")
-    parser.add_argument("--stats-every", type=int, default=10, help="record FP8 health every N steps")
+                        help="high precision of both runs; auto: BF16 autocast on CUDA, and on a CPU "
+                             "unless its BF16 matmuls run over 2x slower than fp32 (emulated)")
+    parser.add_argument("--stats-every", type=_positive_int, default=10, help="record FP8 health every N steps")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("demo_out"))
 
 
@@ -84,7 +92,7 @@ class PhaseTimes:
         table.add_column("seconds", justify="right")
         for name, seconds in self.seconds.items():
             table.add_row(name, f"{seconds:.1f}")
-        table.add_row("[bold]total[/bold]", f"[bold]{sum(self.seconds.values()):.1f}[/bold]")
+        table.add_row("[bold]sum of the phases[/bold]", f"[bold]{sum(self.seconds.values()):.1f}[/bold]")
         return table
 
 
@@ -96,15 +104,20 @@ def _train(name: str, compiled, model, args, device, baseline: Baseline, progres
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / args.steps)))
     batches = TextBatches(args.batch_size, args.seq_len, seed=0)
     task = progress.add_task(name, total=args.steps, loss=float("nan"))
-    # Steps 0 (through with_stats) and 1 (through compiled) each compile their graph.
-    first_steps = min(args.steps, 2 if with_stats is not None else 1)
+    def samples_stats(step: int) -> bool:
+        return with_stats is not None and (step % args.stats_every == 0 or step == args.steps - 1)
+
+    # The first call of each compiled variant compiles it: the steps up to the first that ran
+    # through ``compiled`` (and, with stats, through ``with_stats``) are the compile phase.
+    first_plain = next((step for step in range(args.steps) if not samples_stats(step)), args.steps - 1)
+    first_steps = first_plain + 1
     losses = []
     start = time.perf_counter()
     for step in range(args.steps):
         if step == first_steps:
             first_steps_done = time.perf_counter()
         tokens = batches.next().to(device)  # (B, T)
-        sample_stats = with_stats is not None and (step % args.stats_every == 0 or step == args.steps - 1)
+        sample_stats = samples_stats(step)
         with baseline.autocast(device):
             loss = (with_stats if sample_stats else compiled)(tokens, labels=tokens).loss
         loss.backward()
@@ -129,39 +142,6 @@ def _train(name: str, compiled, model, args, device, baseline: Baseline, progres
 
 def _steps(count: int) -> str:
     return f"{count} step" if count == 1 else f"{count} steps"
-
-
-def _moving_average(values: list[float], window: int) -> list[float]:
-    return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1))
-            for i in range(len(values))]
-
-
-def _plot(fp8: RunResult, reference: RunResult, path: pathlib.Path) -> None:
-    """Both loss curves above, and the FP8 minus reference gap below (raw and smoothed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (loss_axis, gap_axis) = plt.subplots(
-        2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": (2, 1)})
-    for result in (fp8, reference):
-        loss_axis.plot(result.losses, label=f"{result.name} (final {result.losses[-1]:.3f})", linewidth=1)
-    loss_axis.set_ylabel("training loss (nats per byte)")
-    loss_axis.set_title(f"Llama on Python reference text: FP8 vs {reference.name}")
-    loss_axis.legend()
-    gap = [f - r for f, r in zip(fp8.losses, reference.losses)]
-    window = max(1, len(gap) // 20)
-    gap_axis.axhline(0.0, color="black", linewidth=0.6)
-    gap_axis.plot(gap, color="#b8b8b8", linewidth=0.7, label="per step")
-    gap_axis.plot(_moving_average(gap, window), color="#d95f02", linewidth=1.6,
-                  label=f"mean of {window} steps")
-    gap_axis.set_ylabel(f"FP8 - {reference.name} loss")
-    gap_axis.set_xlabel("step")
-    gap_axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -197,22 +177,25 @@ def run(args: argparse.Namespace) -> int:
     for result in (fp8, reference):
         phases.add(f"{result.name}: compile, first {_steps(result.first_steps)}", result.first_steps_seconds)
         phases.add(f"{result.name}: other {_steps(args.steps - result.first_steps)}", result.steps_seconds)
-        phases.add(f"{result.name}: held-out loss", result.eval_seconds)
+        phases.add(f"{result.name}: held-out loss (compiles a no-grad graph)", result.eval_seconds)
 
     args.out.mkdir(parents=True, exist_ok=True)
     with phases.phase("explain and the HTML report"):
         sample = TextBatches(2, args.seq_len, seed=2).next().to(device)
         with baseline.autocast(device):
-            report = fp8graph.explain(fp8_compiled, sample)
+            # Training compiled each decoder layer once (regions). The report traces the whole
+            # model as one graph instead, with the same policy and so the same decisions, so
+            # the page draws every layer as its own collapsible section, in model order.
+            report = fp8graph.explain(fp8_model, sample, regions=None)
         html = report.to_html(args.out / "fp8_report.html")
     console.print(report.table())
 
     with phases.phase("health table, CSV and plots"):
-        worst = sorted(stats.latest(), key=lambda row: row.sqnr_db)[:8]
+        # NaN first: a broken cast is the least healthy of all (as in the health figure).
+        worst = sorted(stats.latest(), key=lambda row: (not math.isnan(row.sqnr_db), row.sqnr_db))[:8]
         csv_path = stats.to_csv(args.out / "fp8_stats.csv")
         health_png = stats.plot(args.out / "fp8_health.png")
-        png = args.out / "loss_curve.png"
-        _plot(fp8, reference, png)
+        png = save_loss_figure(fp8.losses, reference.losses, reference.name, args.out / "loss_curve.png")
     console.print(stats.table(worst), "(the 8 tensors with the lowest SQNR at the last step)")
 
     for result in (fp8, reference):
@@ -223,5 +206,5 @@ def run(args: argparse.Namespace) -> int:
                   f"vs {reference.name}")
     console.print(phases.table())
     console.print(f"written: {png} (loss curves and their gap), {health_png} (per-site FP8 health), "
-                  f"{csv_path} (FP8 stats), {html} (rewritten graph)")
+                  f"{csv_path} (FP8 stats), {html} (the model's rewritten graph, one section per layer)")
     return 0

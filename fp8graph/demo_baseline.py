@@ -6,8 +6,8 @@ x86, most AMD EPYCs before Zen 4) has oneDNN refuse BF16 and ATen fall back to a
 reference GEMM: with the libraries limited to AVX2 a 2048x128x352 matmul took
 44.5 ms in BF16 against 0.92 ms in fp32 (2026-11-23, torch 2.13.0, 2-core
 EPYC; see the README's demo table). So on CPU the demo times one matmul of
-the demo's shape in both dtypes and runs both of its runs in the faster: BF16
-autocast where the CPU does BF16 natively, plain fp32 where it does not. The
+the demo's shape in both dtypes and runs both of its runs in BF16 autocast,
+unless BF16 is over 2x slower than fp32 (emulated): then in plain fp32. The
 comparison stays fair (both runs in the same precision, same weights and
 batches); the choice and its measured reason are printed.
 """
@@ -20,7 +20,12 @@ import time
 
 import torch
 
-__all__ = ["Baseline", "choose_baseline", "time_matmul"]
+__all__ = ["Baseline", "EMULATED_BF16_SLOWDOWN", "choose_baseline", "time_matmul"]
+
+# Where BF16 matmuls are native they are faster than fp32 (4x in the probe here); emulated, 48x
+# slower. A BF16 time within 2x of fp32's is timing noise on a small shape, or a CPU doing BF16
+# at some cost, not emulation: the demo stays on BF16, the usual baseline, there.
+EMULATED_BF16_SLOWDOWN = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +75,7 @@ def choose_baseline(device: torch.device, requested: str, shape: tuple[int, int,
     bf16_s, fp32_s = timer(torch.bfloat16, m, k, n), timer(torch.float32, m, k, n)
     measured = (f"a {m}x{k}x{n} matmul took {1e3 * bf16_s:.2f} ms in BF16 and "
                 f"{1e3 * fp32_s:.2f} ms in fp32 on this CPU")
-    if bf16_s <= fp32_s:
+    if bf16_s <= EMULATED_BF16_SLOWDOWN * fp32_s:
         return Baseline(torch.bfloat16, f"{measured}: BF16 autocast, the usual baseline for FP8")
-    return Baseline(torch.float32, f"{measured} (no native BF16 matrix units): "
-                                   "both runs in fp32, BF16 would only be emulated")
+    return Baseline(torch.float32, f"{measured}, over {EMULATED_BF16_SLOWDOWN:g}x slower in BF16: "
+                                   "BF16 is emulated here, so both runs in fp32")

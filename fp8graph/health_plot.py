@@ -32,16 +32,19 @@ def _series(rows: Iterable[StatsRow], role: str) -> dict[str, list[StatsRow]]:
     return series
 
 
-def _same_tensor_groups(series: dict[str, list[StatsRow]], metric: str) -> dict[str, list[str]]:
-    """``{label: paths}``: sites whose ``metric`` history is identical drawn as one line.
+def _same_tensor_groups(series: dict[str, list[StatsRow]]) -> dict[str, list[str]]:
+    """``{label: paths}``: sibling sites that cast one tensor, drawn as one line.
 
-    q, k and v projections read the same input, so their input rows are equal;
-    listing them as three "least healthy" sites would hide two others.
+    q, k and v projections read the same input, so their input rows are equal
+    in every metric at every step; listing them as three "least healthy"
+    sites would hide two others. Only siblings (one parent module) whose rows
+    agree on all five metrics are merged: two unrelated sites that merely share
+    an underflow of 0 stay apart.
     """
     groups: dict[tuple, list[str]] = {}
     for path, site_rows in series.items():
-        history = tuple((r.step, getattr(r, metric)) for r in site_rows)
-        groups.setdefault(history, []).append(path)
+        history = tuple((r.step, r.amax, r.scale, r.underflow, r.overflow, r.sqnr_db) for r in site_rows)
+        groups.setdefault((path.rpartition(".")[0], history), []).append(path)
     return {_joined_label(paths): paths for paths in groups.values()}
 
 
@@ -67,18 +70,29 @@ def least_healthy(rows: Iterable[StatsRow], role: str, metric: str, count: int,
     infinite SQNR (an exact cast) the best.
     """
     series = _series(rows, role)
-    return _worst_groups(series, _same_tensor_groups(series, metric), metric, count, higher_is_worse)
+    return _worst_groups(series, _same_tensor_groups(series), metric, count, higher_is_worse)
 
 
 def _worst_groups(series: dict[str, list[StatsRow]], groups: dict[str, list[str]], metric: str,
                   count: int, higher_is_worse: bool) -> list[str]:
+    """The ``count`` worst groups by their last ``metric``; a perfect value (no underflow, an
+    exact cast's infinite SQNR) is never "least healthy", however few sites there are."""
+    def final(label: str) -> float:
+        return getattr(series[groups[label][0]][-1], metric)
+
     def badness(label: str) -> float:
-        value = getattr(series[groups[label][0]][-1], metric)
+        value = final(label)
         if math.isnan(value):
             return math.inf
         return value if higher_is_worse else -value
 
-    return sorted(groups, key=badness, reverse=True)[:count]
+    perfect = 0.0 if higher_is_worse else math.inf
+    return sorted((label for label in groups if final(label) != perfect), key=badness, reverse=True)[:count]
+
+
+def _marker(site_rows: list[StatsRow]) -> str | None:
+    """A line of one point draws nothing: mark the points of a site recorded once."""
+    return "o" if len(site_rows) < 2 else None
 
 
 def health_figure(rows: list[StatsRow], role: str = "input", highlight: int = 5):
@@ -88,19 +102,19 @@ def health_figure(rows: list[StatsRow], role: str = "input", highlight: int = 5)
     series = _series(rows, role)
     figure, axes = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for axis, (metric, label, unit, higher_is_worse) in zip(axes, _PANELS):
-        groups = _same_tensor_groups(series, metric)
+        groups = _same_tensor_groups(series)
         worst = _worst_groups(series, groups, metric, highlight, higher_is_worse)
         for group_label, paths in groups.items():
             if group_label in worst:
                 continue  # drawn on top below, in colour
             site_rows = series[paths[0]]
             axis.plot([r.step for r in site_rows], [unit * getattr(r, metric) for r in site_rows],
-                      color=_GREY, linewidth=0.7, zorder=1)
+                      color=_GREY, linewidth=0.7, zorder=1, marker=_marker(site_rows), markersize=3)
         for rank, group_label in enumerate(worst):
             site_rows = series[groups[group_label][0]]
             final = unit * getattr(site_rows[-1], metric)
             axis.plot([r.step for r in site_rows], [unit * getattr(r, metric) for r in site_rows],
-                      color=plt.cm.tab10(rank), linewidth=1.6, zorder=2,
+                      color=plt.cm.tab10(rank), linewidth=1.6, zorder=2, marker=_marker(site_rows),
                       label=f"{group_label} ({final:.3g})")
         others = len(series) - sum(len(groups[group_label]) for group_label in worst)
         axis.set_ylabel(f"{role} {label}")

@@ -51,8 +51,14 @@ def _is_state(node: torch.fx.Node) -> bool:
         node.op == "placeholder" and ("_parameters_" in node.name or "_buffers_" in node.name))
 
 
-def graph_outline(gm: torch.fx.GraphModule) -> list[dict]:
-    """The drawable nodes of a rewritten graph: name, kind, label, module, inputs, recipe or reason."""
+def graph_outline(gm: torch.fx.GraphModule, paths_by_id: dict[str, str] | None = None) -> list[dict]:
+    """The drawable nodes of a rewritten graph: name, kind, label, module, inputs, recipe or reason.
+
+    ``paths_by_id`` (``module_paths_by_id(model)``) names each node's module as
+    ``named_modules()`` does; without it the path is read from Dynamo's source,
+    which for a module reached through a hook's closure is that closure's access
+    path (``embed_tokens._forward_hooks[...].__closure__.0``), not a module path.
+    """
     drawn = [n for n in gm.graph.nodes if not _is_state(n)]
     names = {n.name for n in drawn}
     outline = []
@@ -60,7 +66,7 @@ def graph_outline(gm: torch.fx.GraphModule) -> list[dict]:
         decision = node.meta.get(DECISION_KEY)
         # The node's own module path, not the decision's: in a regional block's graph the
         # decision names the first instance while every node's path is relative to the block.
-        entry = {"name": node.name, "kind": "op", "label": node.name, "detail": "", "module": module_path(node),
+        entry = {"name": node.name, "kind": "op", "label": node.name, "detail": "", "module": module_path(node, paths_by_id),
                  "inputs": [i.name for i in node.all_input_nodes if i.name in names]}
         if node.op in ("placeholder", "output"):
             entry["kind"] = "io"

@@ -68,7 +68,7 @@ def test_demo_trains_both_runs_and_writes_the_plot(tmp_path, steps):
     assert f"{reference}: final training loss" in completed.stdout
     assert "29 of 29 sites in FP8" in completed.stdout
     for phase in ("build the models", "FP8: compile, first 2 steps", "FP8: other 2 steps",
-                  f"{reference}: compile, first 1 step", "explain and the HTML report", "total"):
+                  f"{reference}: compile, first 1 step", "explain and the HTML report", "sum of the phases"):
         assert phase in completed.stdout
     assert (tmp_path / "loss_curve.png").stat().st_size > 10_000
     assert (tmp_path / "fp8_health.png").stat().st_size > 10_000
@@ -82,6 +82,9 @@ def test_demo_baseline_is_the_faster_precision_and_says_why():
     assert slow_bf16.dtype == torch.float32 and "100.00 ms in BF16 and 1.00 ms in fp32" in slow_bf16.reason
     fast_bf16 = choose_baseline(cpu, "auto", shape, timer=lambda dtype, *mkn: 0.001 if dtype == torch.bfloat16 else 0.002)
     assert fast_bf16.dtype == torch.bfloat16 and fast_bf16.name == "BF16"
+    # Slower, but not emulation-slow (noise on a small shape): BF16 stays the baseline.
+    noisy = choose_baseline(cpu, "auto", shape, timer=lambda dtype, *mkn: 0.0019 if dtype == torch.bfloat16 else 0.001)
+    assert noisy.dtype == torch.bfloat16
     assert choose_baseline(cuda, "auto", shape, timer=None).dtype == torch.bfloat16  # never timed on a GPU
     assert choose_baseline(cpu, "fp32", shape, timer=None).name == "FP32"
     assert isinstance(choose_baseline(cpu, "fp32", shape, timer=None).autocast(cpu), contextlib.nullcontext)
@@ -99,7 +102,7 @@ def test_demo_picks_fp32_on_a_cpu_without_bf16_matrix_units():
         [sys.executable, "-c", "import torch; from fp8graph.demo_baseline import choose_baseline; "
                                "print(choose_baseline(torch.device('cpu'), 'auto', (2048, 128, 352)))"],
         env=avx2_only, check=True, capture_output=True, text=True)
-    assert "dtype=torch.float32" in completed.stdout and "no native BF16 matrix units" in completed.stdout
+    assert "dtype=torch.float32" in completed.stdout and "BF16 is emulated here" in completed.stdout
 
 
 def test_decoder_benchmark_smoke_writes_raw_results(tmp_path):
@@ -197,3 +200,35 @@ def test_show_prints_stored_results_with_their_verdicts(tmp_path):
                            check=True, capture_output=True, text=True).stdout
     assert "| contestant | median ms |" in shown
     assert "Targets (smoke run: not meaningful):" in shown and "fraction of copy bandwidth" in shown
+
+
+@pytest.mark.parametrize("option", ["--steps", "--stats-every", "--batch-size", "--seq-len"])
+def test_demo_refuses_counts_below_one(option, capsys):
+    import argparse
+
+    from fp8graph import demo
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([option, "0"])
+    assert f"argument {option}: must be at least 1, not 0" in capsys.readouterr().err
+
+
+def test_loss_figure_shows_the_gap_and_single_steps():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from fp8graph.loss_plot import loss_figure
+
+    fp8, reference = [3.0 - 0.01 * i for i in range(40)], [3.0 - 0.012 * i for i in range(40)]
+    loss_axis, gap_axis = loss_figure(fp8, reference, "FP32").axes
+    assert [line.get_label() for line in loss_axis.get_lines()] == ["FP8 (final 2.610)", "FP32 (final 2.532)"]
+    per_step, mean = [line for line in gap_axis.get_lines() if not line.get_label().startswith("_")]
+    assert list(per_step.get_ydata()) == pytest.approx([f - r for f, r in zip(fp8, reference)])
+    assert mean.get_label() == "mean of 2 steps"
+    assert mean.get_ydata()[-1] == pytest.approx((0.002 * 39 + 0.002 * 38) / 2)
+    # One step: points, not invisible one-point lines; no "mean of 1 step" repeating the raw gap.
+    loss_axis, gap_axis = loss_figure([3.0], [2.5], "BF16").axes
+    assert all(line.get_marker() == "o" for line in loss_axis.get_lines())
+    assert [line.get_label() for line in gap_axis.get_lines() if not line.get_label().startswith("_")] == ["per step"]

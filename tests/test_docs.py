@@ -412,13 +412,6 @@ def test_repository_paths_the_pages_name_exist():
     assert not missing, "paths that do not exist:\n" + "\n".join(missing)
 
 
-if __name__ == "__main__":
-    mode, argument, *rest = sys.argv[1:]
-    if mode == "python":
-        sys.exit(_page_runner(pathlib.Path(argument), gpu="--gpu" in rest))
-    sys.exit(_parse_runner(json.loads(argument)))
-
-
 def test_the_targets_table_states_every_bound_of_bench_targets():
     # docs/benchmarks.md condenses bench/targets.py into one row per workload group. Each target's
     # bound must appear in its workload's rows, as a percentage, a ratio or milliseconds; a bound of
@@ -444,3 +437,10 @@ def test_the_targets_table_states_every_bound_of_bench_targets():
         assert any(spelling in row for spelling in spellings), (
             f"docs/benchmarks.md's `{workload_in_docs[target.workload]}` targets do not state "
             f"{target.what!r} (bound {bound})")
+
+
+if __name__ == "__main__":
+    mode, argument, *rest = sys.argv[1:]
+    if mode == "python":
+        sys.exit(_page_runner(pathlib.Path(argument), gpu="--gpu" in rest))
+    sys.exit(_parse_runner(json.loads(argument)))

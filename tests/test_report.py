@@ -300,3 +300,18 @@ def test_html_needs_grandalf_only_to_render(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "ImportError:" in result.stdout and "pip install grandalf" in result.stdout
     assert not (tmp_path / "report.html").exists()
+
+
+def test_nodes_reached_through_a_hook_are_named_by_the_model_s_module_paths(tmp_path):
+    # stats=True hooks every module; the hook's closure holds the root, so Dynamo's source path of what
+    # it runs is "embed_tokens._forward_hooks[...].__closure__.0". explain names modules as the model
+    # does, so the page's groups are the model's modules (before, that closure path became a "block").
+    model = build("llama", "tiny")
+    fp8graph.compile(model, compiler="aot_eager", stats=True)
+    report = fp8graph.explain(model, torch.randint(0, 250, (2, 16)), regions=None)
+    module_names = {name for name, _ in model.named_modules()}
+    [outline] = report.graph_outlines
+    assert {entry["module"] for entry in outline} <= module_names
+    page = report.to_html(tmp_path / "report.html").read_text()
+    titles = re.findall(r'<span class="group-path">([^<]*)', page)
+    assert titles == ["model", "model.layers.0", "model.layers.1", "model.norm, lm_head"]

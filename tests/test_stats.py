@@ -191,6 +191,15 @@ def test_health_figure_names_the_least_healthy_sites_and_greys_the_rest():
     assert "9 other sites in grey" in sqnr_axis.get_legend().get_title().get_text()
     assert underflow_axis.get_legend().get_texts()[0].get_text() == "layers.11.proj (20)"
 
+    # Equal numbers are not one tensor: sites of two modules stay apart; a perfect value is never "worst".
+    unrelated = _rows({"a.proj": 20.0, "b.proj": 20.0, "c.proj": 25.0}, {"a.proj": 0.0, "b.proj": 0.0, "c.proj": 0.0})
+    assert least_healthy(unrelated, "input", "sqnr_db", 2, higher_is_worse=False) == ["a.proj", "b.proj"]
+    assert least_healthy(unrelated, "input", "underflow", 2, higher_is_worse=True) == []
+    # A site recorded once is a marker, not an invisible one-point line.
+    once = [row for row in unrelated if row.step == 1]
+    [first_line, *_] = health_figure(once, role="input", highlight=1).axes[0].get_lines()
+    assert first_line.get_marker() == "o" and len(first_line.get_xdata()) == 1
+
 
 def test_stats_need_a_module():
     with pytest.raises(ValueError, match="stats=True needs an nn.Module"):
