@@ -14,6 +14,7 @@ import math
 import pathlib
 from collections.abc import Iterable
 
+from .png import write_png
 from .stats import StatsRow
 
 __all__ = ["least_healthy", "health_figure", "save_health_figure"]
@@ -130,14 +131,5 @@ def health_figure(rows: list[StatsRow], role: str = "input", highlight: int = 5)
 
 
 def save_health_figure(rows: list[StatsRow], path, role: str = "input", highlight: int = 5) -> pathlib.Path:
-    """Write :func:`health_figure` as a PNG; the Agg backend, so no display is needed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure = health_figure(rows, role, highlight)
-    path = pathlib.Path(path)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    """Write :func:`health_figure` as a PNG (no display needed)."""
+    return write_png(lambda: health_figure(rows, role, highlight), path, dpi=110)

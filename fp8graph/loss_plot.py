@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pathlib
 
+from .png import write_png
+
 __all__ = ["loss_figure", "save_loss_figure"]
 
 
@@ -46,14 +48,5 @@ def loss_figure(fp8_losses: list[float], reference_losses: list[float], referenc
 
 def save_loss_figure(fp8_losses: list[float], reference_losses: list[float], reference_name: str,
                      path) -> pathlib.Path:
-    """Write :func:`loss_figure` as a PNG with the Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure = loss_figure(fp8_losses, reference_losses, reference_name)
-    path = pathlib.Path(path)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    """Write :func:`loss_figure` as a PNG (no display needed)."""
+    return write_png(lambda: loss_figure(fp8_losses, reference_losses, reference_name), path, dpi=120)
