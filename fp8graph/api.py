@@ -13,8 +13,7 @@ from torch._dynamo.utils import counters
 from .backend import FP8Backend
 from .policy import describe_pattern, normalize_policy
 from .regional_compile import BlockBackend, RegionalBackend, compile_regions, is_region_boundary
-from .regions import find_trunks, group_blocks, trunk_parts
-from .regions import AUTO, find_blocks
+from .regions import AUTO, find_blocks, find_trunks, group_blocks, trunk_parts
 from .state import register_delayed_state
 from .report import ExplainReport, SiteRecord
 from .passes.module_paths import module_paths_by_id

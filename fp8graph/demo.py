@@ -81,7 +81,7 @@ class PhaseTimes:
     def phase(self, name: str):
         start = time.perf_counter()
         yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        self.add(name, time.perf_counter() - start)
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
@@ -104,6 +104,7 @@ def _train(name: str, compiled, model, args, device, baseline: Baseline, progres
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / args.steps)))
     batches = TextBatches(args.batch_size, args.seq_len, seed=0)
     task = progress.add_task(name, total=args.steps, loss=float("nan"))
+
     def samples_stats(step: int) -> bool:
         return with_stats is not None and (step % args.stats_every == 0 or step == args.steps - 1)
 
@@ -114,8 +115,6 @@ def _train(name: str, compiled, model, args, device, baseline: Baseline, progres
     losses = []
     start = time.perf_counter()
     for step in range(args.steps):
-        if step == first_steps:
-            first_steps_done = time.perf_counter()
         tokens = batches.next().to(device)  # (B, T)
         sample_stats = samples_stats(step)
         with baseline.autocast(device):
@@ -129,9 +128,9 @@ def _train(name: str, compiled, model, args, device, baseline: Baseline, progres
             with_stats.fp8graph_stats.record(step)
         losses.append(loss.item())
         progress.update(task, advance=1, loss=losses[-1])
+        if step == first_steps - 1:  # first_steps <= args.steps: always reached
+            first_steps_done = time.perf_counter()
     end = time.perf_counter()
-    if args.steps <= first_steps:
-        first_steps_done = end
     eval_batches = TextBatches(args.batch_size, args.seq_len, seed=1, split="eval")
     with torch.no_grad(), baseline.autocast(device):
         eval_loss = sum(compiled(t := eval_batches.next().to(device), labels=t).loss.item()

@@ -46,19 +46,15 @@ def _same_tensor_groups(series: dict[str, list[StatsRow]]) -> dict[str, list[str
     for path, site_rows in series.items():
         history = tuple((r.step, r.amax, r.scale, r.underflow, r.overflow, r.sqnr_db) for r in site_rows)
         groups.setdefault((path.rpartition(".")[0], history), []).append(path)
-    return {_joined_label(paths): paths for paths in groups.values()}
+    return {_joined_label(parent, paths): paths for (parent, _), paths in groups.items()}
 
 
-def _joined_label(paths: list[str]) -> str:
-    """``a.b.q_proj`` and ``a.b.k_proj`` as ``a.b.{q_proj,k_proj}``."""
+def _joined_label(parent: str, paths: list[str]) -> str:
+    """Siblings ``a.b.q_proj`` and ``a.b.k_proj`` as ``a.b.{q_proj,k_proj}``."""
     if len(paths) == 1:
         return paths[0]
-    parents = {path.rpartition(".")[0] for path in paths}
-    if len(parents) == 1:
-        [parent] = parents
-        leaves = ",".join(path.rpartition(".")[2] for path in paths)
-        return f"{parent}.{{{leaves}}}" if parent else f"{{{leaves}}}"
-    return ", ".join(paths)
+    leaves = ",".join(path.rpartition(".")[2] for path in paths)
+    return f"{parent}.{{{leaves}}}" if parent else f"{{{leaves}}}"
 
 
 def least_healthy(rows: Iterable[StatsRow], role: str, metric: str, count: int,
@@ -101,9 +97,9 @@ def health_figure(rows: list[StatsRow], role: str = "input", highlight: int = 5)
     import matplotlib.pyplot as plt
 
     series = _series(rows, role)
+    groups = _same_tensor_groups(series)
     figure, axes = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for axis, (metric, label, unit, higher_is_worse) in zip(axes, _PANELS):
-        groups = _same_tensor_groups(series)
         worst = _worst_groups(series, groups, metric, highlight, higher_is_worse)
         for group_label, paths in groups.items():
             if group_label in worst:
