@@ -9,11 +9,6 @@ arguments exactly as ``kernel[grid](...)`` would at run time (constexprs,
 
 from __future__ import annotations
 
-import re
-import subprocess
-import tempfile
-from pathlib import Path
-
 GPU_CAPABILITIES = {"sm_90": 90, "sm_100": 100}
 
 
@@ -37,12 +32,6 @@ def compile_launch(launch, capability: int):
 
 def resource_usage(compiled) -> dict[str, int]:
     """Registers per thread and bytes of local memory (register spills) of a compiled kernel's cubin."""
-    from triton.backends.nvidia.compiler import get_ptxas
+    from bench.costmodel.cubins import resource_usage as cubin_resource_usage
 
-    cuobjdump = Path(get_ptxas(90).path).with_name("cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        text = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True,
-                              text=True, check=True).stdout
-    return {name: int(value) for name, value in re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", text)}
+    return cubin_resource_usage(compiled.asm["cubin"])

@@ -1,0 +1,301 @@
+"""Capture what Inductor generates for the fake H100: each graph's Triton kernels (source and bytes per
+argument), its extern calls (cuBLAS GEMMs, cuDNN attention, custom ops) and its launch order.
+
+    with capture.Capture() as cap:
+        torch.compile(model, backend=capture.compile_only(compile_fx))(*fake_inputs)   # or fp8graph: workloads
+    cap.graphs      # one GraphRecord per graph Inductor lowered (forward, backward, ...), in order
+
+Hooks, all undone on exit:
+  * ``TritonScheduling.define_kernel``: the bytes Inductor's own ``estimate_kernel_num_bytes`` counts for
+    each kernel argument, split into read and written;
+  * ``GraphLowering.codegen``: the wrapper's source, and the extern kernels among the scheduler's nodes;
+  * ``AsyncCompile.triton`` / ``wait``: each kernel's final source is kept and a stub returned, so nothing is
+    compiled or launched when the graph's module loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+
+@dataclasses.dataclass
+class ArgBytes:
+    arg: str  # the kernel's parameter (in_ptr0, out_ptr1, in_out_ptr0)
+    buffer: str  # the graph buffer passed for it
+    dtype: str
+    numel: int  # elements Inductor counts: the whole buffer, or the slices the kernel touches
+    read: int  # bytes
+    written: int
+
+
+@dataclasses.dataclass
+class KernelRecord:
+    name: str
+    source: str = ""
+    args: list[ArgBytes] | None = None
+
+
+@dataclasses.dataclass
+class ExternRecord:
+    name: str  # the buffer it writes
+    kernel: str  # extern_kernels.mm, extern_kernels._scaled_mm, torch.ops.fp8graph.transpose_fp8.default, ...
+    inputs: list[tuple[tuple[int, ...], str]]  # (shape, dtype) of each tensor operand
+    outputs: list[tuple[tuple[int, ...], str]]
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    index: int
+    is_backward: bool
+    is_inference: bool
+    wrapper: str = ""
+    kernels: dict[str, KernelRecord] = dataclasses.field(default_factory=dict)
+    externs: list[ExternRecord] = dataclasses.field(default_factory=list)
+    order: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # ("triton"|"extern"|"memset", name)
+    runs: int = 0  # calls in the captured step: a regional graph runs once per layer
+
+    @property
+    def kind(self) -> str:
+        return "backward" if self.is_backward else ("inference" if self.is_inference else "forward")
+
+
+class _StubKernel:
+    """What AsyncCompile.triton returns instead of a compiled kernel."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def run(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name}: captured for analysis only, cannot run")
+
+
+def configure_inductor() -> None:
+    """No caches (a cached graph skips the hooks), no compile subprocesses, per-kernel byte counts."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+    inductor_config.fx_graph_cache = False
+    inductor_config.fx_graph_remote_cache = False
+    inductor_config.autotune_local_cache = False
+    inductor_config.autotune_remote_cache = False
+    inductor_config.benchmark_kernel = True  # kernel_num_gb in each kernel's metadata; the kernel is unchanged
+    functorch_config.force_non_lazy_backward_lowering = True  # lower the backward now, not at its first call
+    functorch_config.enable_autograd_cache = False
+
+
+def _hint(expr) -> int:
+    from torch._inductor.virtualized import V
+
+    return int(V.graph.sizevars.optimization_hint(expr))
+
+
+def _kernel_arg_bytes(kernel) -> list[ArgBytes]:
+    """``SIMDKernel.estimate_kernel_num_bytes`` (torch 2.13), argument by argument, reads apart from writes."""
+    from torch._inductor.dependencies import StarDep, WeakDep
+    from torch._inductor.utils import get_dtype_size, sympy_product, unique
+    from torch._inductor.virtualized import V
+
+    result = []
+    inplace_count = len(unique(kernel.args.inplace_buffers.values()))
+    arg_defs, call_args, _, _ = kernel.args.python_argdefs()
+    accesses = kernel.features.buf_accesses()
+    out_numel = _hint(sympy_product(kernel.numels.values()))
+    for i, (arg_def, arg) in enumerate(zip(arg_defs, call_args)):
+        if arg not in accesses:
+            continue
+        numel = _hint(V.graph.get_numel(arg))
+        if numel > out_numel:  # a kernel that reads slices of a larger buffer: one output's worth per index
+            indices, stars = set(), 0
+            for dep in accesses[arg]:
+                if isinstance(dep, (StarDep, WeakDep)):
+                    indices.add(f"star{stars}")
+                    stars += 1
+                else:
+                    indices.add(dep.index)
+            numel = len(indices) * out_numel
+        dtype = V.graph.get_dtype(arg)
+        nbytes = numel * get_dtype_size(dtype)
+        inplace = i < inplace_count
+        is_input = inplace or arg in kernel.args.input_buffers
+        is_output = inplace or arg in kernel.args.output_buffers
+        result.append(ArgBytes(arg_def.name, arg, str(dtype).replace("torch.", ""), numel,
+                               nbytes if is_input else 0, nbytes if is_output else 0))
+    return result
+
+
+def _shape(node) -> tuple[int, ...]:
+    from torch._inductor.virtualized import V
+
+    return tuple(int(V.graph.sizevars.optimization_hint(s)) for s in node.get_size())
+
+
+def _extern_record(snode) -> ExternRecord:
+    from torch._inductor import ir
+
+    node = snode.node
+    kernel = getattr(node, "python_kernel_name", None) or str(getattr(node, "op_overload", "") or type(node).__name__)
+    inputs = []
+    for operand in getattr(node, "inputs", ()) or ():
+        for leaf in (operand if isinstance(operand, (list, tuple)) else [operand]):
+            if isinstance(leaf, ir.IRNode):
+                try:
+                    inputs.append((_shape(leaf), str(leaf.get_dtype()).replace("torch.", "")))
+                except Exception:  # noqa: BLE001 - a layout without sizes (NoneLayout)
+                    pass
+    # A single-output extern is its own output; a multi-output one (a custom op, SDPA) lists MultiOutputs.
+    candidates = [node] if not isinstance(getattr(node, "layout", None), ir.MultiOutputLayout) else \
+        [out for out in (getattr(node, "outputs", None) or []) if isinstance(out, ir.IRNode)]
+    outputs = [(_shape(out), str(out.get_dtype()).replace("torch.", "")) for out in candidates
+               if not isinstance(getattr(out, "layout", None), (ir.MultiOutputLayout, ir.NoneLayout))]
+    return ExternRecord(node.get_name(), kernel, inputs, outputs)
+
+
+class Capture:
+    active: "Capture | None" = None
+
+    def __init__(self):
+        self.graphs: list[GraphRecord] = []
+        self._undo = []
+
+    def _patch(self, owner, name, replacement):
+        original = getattr(owner, name)
+        setattr(owner, name, replacement)
+        self._undo.append(lambda: setattr(owner, name, original))
+        return original
+
+    def __enter__(self):
+        from torch._inductor import async_compile, graph, ir, scheduler
+        from torch._inductor.codegen import triton as triton_codegen
+
+        configure_inductor()
+        cap = self
+        Capture.active = self
+
+        def triton(self_, kernel_name, source_code, device_str="cuda"):
+            record = cap.graphs[-1].kernels.setdefault(kernel_name, KernelRecord(kernel_name))
+            record.source = source_code
+            return _StubKernel(kernel_name)
+
+        self._patch(async_compile.AsyncCompile, "triton", triton)
+        self._patch(async_compile.AsyncCompile, "wait", lambda self_, scope: None)
+        original_define = triton_codegen.TritonScheduling.define_kernel
+
+        def define_kernel(self_, src_code, node_schedule, kernel):
+            name = original_define(self_, src_code, node_schedule, kernel)
+            record = cap.graphs[-1].kernels.setdefault(name, KernelRecord(name))
+            if record.args is None:
+                try:
+                    record.args = _kernel_arg_bytes(kernel)
+                except Exception as error:  # noqa: BLE001 - keep capturing; say what is missing
+                    record.args = []
+                    print(f"capture: no byte breakdown for {name}: {error!r}")
+            return name
+
+        self._patch(triton_codegen.TritonScheduling, "define_kernel", define_kernel)
+        original_codegen = graph.GraphLowering.codegen
+
+        def codegen(self_, *args, **kwargs):
+            record = GraphRecord(len(cap.graphs), bool(getattr(self_, "is_backward", False)),
+                                 bool(getattr(self_, "is_inference", False)))
+            cap.graphs.append(record)
+            result = original_codegen(self_, *args, **kwargs)
+            record.wrapper = getattr(result[0], "value", str(result[0]))
+            for snode in self_.scheduler.nodes:
+                if not isinstance(snode, scheduler.ExternKernelSchedulerNode) or isinstance(snode.node, ir.MultiOutput):
+                    continue
+                try:
+                    record.externs.append(_extern_record(snode))
+                except Exception as error:  # noqa: BLE001
+                    print(f"capture: extern node {snode.get_name()} not recorded: {error!r}")
+            record.order = _launch_order(record)
+            _check_launches(record)
+            return result
+
+        self._patch(graph.GraphLowering, "codegen", codegen)
+        return self
+
+    def __exit__(self, *exc):
+        Capture.active = None
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        return False
+
+
+_LAUNCH = re.compile(r"^\s*(\w+)\.run\(")
+
+
+def _call_body(wrapper: str) -> str:
+    """The wrapper's ``call`` function (the graph's launches), kernel sources left out."""
+    body = re.sub(r"async_compile\.triton\('(\w+)', '''.*?''', device_str='\w+'\)", r"<kernel \1>", wrapper,
+                  flags=re.S)
+    start = body.find("def call(self, args)")
+    if start < 0:
+        start = body.find("def call(args)")
+    end = body.find("\nrunner = Runner", start)
+    if end < 0:
+        end = body.find("\ndef get_args", start)
+    return body[start:end if end > 0 else None]
+
+
+def _launch_order(record: GraphRecord) -> list[tuple[str, str]]:
+    """One ("triton", kernel) per ``.run(`` line and one ("extern", buffer) per extern call, in wrapper order."""
+    order = []
+    externs = [e.name for e in record.externs]
+    for line in _call_body(record.wrapper).splitlines():
+        launch = _LAUNCH.match(line)
+        if launch:
+            order.append(("triton", launch.group(1)))
+        elif re.search(r"\.zero_\(\)|\.fill_\(", line):
+            order.append(("memset", line.strip()))
+        else:
+            for name in externs:  # "extern_kernels.mm(..., out=buf3)" or "buf5 = torch.ops...(...)"
+                if re.search(rf"(out={name}\b|^\s*{name} = (?!empty_strided)(?!reinterpret_tensor)\S+\()", line):
+                    order.append(("extern", name))
+                    break
+    return order
+
+
+class CaptureError(RuntimeError):
+    """What Inductor generated could not be read as it was when this capture was written (a torch change)."""
+
+
+def _check_launches(record: GraphRecord) -> None:
+    """Every kernel the graph defines is launched, every launch is of a defined kernel, and every extern
+    call was found in the wrapper: otherwise the wrapper's text changed and the counts would be wrong."""
+    launched = {name for kind, name in record.order if kind == "triton"}
+    defined = set(record.kernels)
+    called = {name for kind, name in record.order if kind == "extern"}
+    unlaunched, undefined = defined - launched, launched - defined
+    uncalled = [e.name for e in record.externs if e.name not in called]
+    if unlaunched or undefined or uncalled:
+        raise CaptureError(
+            f"graph {record.index} ({record.kind}): kernels defined but not launched {sorted(unlaunched)[:3]}, "
+            f"launched but not defined {sorted(undefined)[:3]}, extern calls not found {uncalled[:3]}: the "
+            "wrapper Inductor wrote no longer reads as capture._launch_order expects")
+
+
+def lower_then_run_eagerly(lower, gm, example_inputs):
+    """Lower ``gm`` with ``lower`` (its Inductor graphs are captured), and return a callable that runs ``gm``
+    eagerly instead, on FakeTensors: shapes only. Each call counts one run of the graphs this lowering made
+    (the backward graph is assumed to run once per forward)."""
+    cap = Capture.active
+    first = len(cap.graphs) if cap else 0
+    lower(gm, example_inputs)  # may rewrite gm in place (fp8graph does): gm.forward is then the rewritten graph
+    owned = cap.graphs[first:] if cap else []
+
+    def run(*args):
+        for graph in owned:
+            graph.runs += 1
+        return gm.forward(*args)
+
+    return run
+
+
+def compile_only(backend):
+    """A Dynamo backend that lowers each graph with ``backend`` for its kernels, then runs it eagerly."""
+    return lambda gm, example_inputs: lower_then_run_eagerly(backend, gm, example_inputs)

@@ -1,0 +1,233 @@
+"""The cost model proper: rows of per-kernel bytes and FLOPs from a capture, and the time an H100 takes for them.
+
+Triton kernel (Inductor's)   bytes read + written, as Inductor's ``estimate_kernel_num_bytes`` counts them
+                             (each buffer argument once: whole, or the slices the kernel touches), timed at
+                             a bandwidth: a device copy's (3.0 TB/s) or the rate Inductor's kernels reached on
+                             the H100 in the stored decoder profiles (2.25 TB/s). Never less than 3 us.
+GEMM (cuBLAS, extern)        FLOPs at a rate per operand type and scaling, or its bytes at copy bandwidth.
+attention (cuDNN SDPA)       FLOPs (4 B H Sq Sk D forward, 2.5x that backward) at a fitted rate.
+other extern (custom ops)    operand bytes at copy bandwidth: what a custom kernel really achieves is unknown.
+optimizer                    bench decoder's eager SGD (``p.add_(p.grad)``): 3 passes over each parameter.
+
+Nothing here imports torch: ``bench model`` re-times the rows its child processes captured, and
+``bench show`` re-reads them from a result file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1,
+               "float8_e5m2": 1, "float8_e8m0fnu": 1, "uint8": 1, "int8": 1, "bool": 1, "int32": 4, "int64": 8,
+               "float64": 8}
+TINY_BYTES = 100_000  # a launch moving under 0.1 MB is all launch latency and tail on an H100
+
+
+@dataclasses.dataclass
+class Machine:
+    """H100 SXM rates: the copy bandwidth is measured, the others are fitted to the stored H100 runs of
+    2026-11-23 (torch 2.11; bench/results/), so ``bench model calibrate`` on those runs shows a fit."""
+
+    copy_bandwidth: float = 3.0e12  # device-to-device copy of 16384x8192 bf16: 2947-2968 GB/s
+    # Inductor's kernels in the four 4-layer decoder profiles, this model's bytes over the H100's Triton time:
+    # BF16 2.35 TB/s, fp8graph current / delayed (at the measured commit) and torchao tensorwise 1.85-2.03
+    # (their amax reductions ran slower). 2.2 keeps all four within 8% (BF16 +8%, the FP8 ones -6%).
+    triton_bandwidth: float = 2.2e12
+    launch_floor_us: float = 3.0  # shortest kernel, launch latency and tail (no CPU overhead modelled)
+    bf16_flops: float = 740e12  # cuBLAS BF16: 763 TF/s in the decoder profile, 693-721 in the linear bench
+    fp8_flops: float = 1350e12  # cuBLAS FP8 tensorwise: 1404 TF/s in the decoder profile
+    # A kernel breakdown of bench linear's 16384x4096x14336 on the same H100 (not stored in bench/results):
+    # rowwise GEMMs 4.1 ms (1400 TF/s), 1x128 / 128x128 block GEMMs 4.8 ms (1200 TF/s).
+    fp8_rowwise_flops: float = 1350e12
+    fp8_blockwise_flops: float = 1200e12
+    attention_flops: float = 290e12  # cuDNN flash fwd+bwd, causal counted as full: 12.5-13.4 ms (4 layers)
+    gemm_floor_us: float = 5.0
+
+
+@dataclasses.dataclass
+class Row:
+    graph: str  # "0:forward", "1:backward" (Inductor graph index and kind), or "optimizer"
+    kind: str  # triton | gemm | attention | extern | memset | optimizer
+    name: str  # kernel name, extern kernel, or op
+    detail: str = ""  # Triton: pointwise / reduction / ...; GEMM: operands and MxKxN; extern: operand shapes
+    count: int = 1  # launches per step (a regional graph runs once per layer)
+    read: int = 0  # bytes per launch
+    written: int = 0
+    reread: int = 0  # bytes of inputs loaded again in a later loop of the kernel: up to this much more traffic
+    duplicate_written: int = 0  # bytes that store a value already stored, at the same index, in another buffer
+    flops: float = 0.0
+    gemm: str = ""  # bf16 | fp8 tensorwise | fp8 rowwise | fp8 blockwise
+
+    @property
+    def bytes(self) -> int:
+        return self.read + self.written
+
+
+def time_us(row: Row, machine: Machine, triton_bandwidth: float | None = None) -> float:
+    """One launch of ``row``; Triton kernels at ``triton_bandwidth`` (default: copy bandwidth)."""
+    if row.kind == "triton":
+        return max(row.bytes / (triton_bandwidth or machine.copy_bandwidth) * 1e6, machine.launch_floor_us)
+    if row.kind == "gemm":
+        rate = {"bf16": machine.bf16_flops, "fp8 tensorwise": machine.fp8_flops,
+                "fp8 rowwise": machine.fp8_rowwise_flops, "fp8 blockwise": machine.fp8_blockwise_flops}
+        return max(row.flops / rate.get(row.gemm, machine.bf16_flops) * 1e6,
+                   row.bytes / machine.copy_bandwidth * 1e6, machine.gemm_floor_us)
+    if row.kind == "attention":
+        return max(row.flops / machine.attention_flops * 1e6, machine.gemm_floor_us)
+    return max(row.bytes / machine.copy_bandwidth * 1e6, machine.launch_floor_us)  # extern, memset, optimizer
+
+
+def summary(rows: list[Row], machine: Machine) -> dict:
+    """Per-step totals (every row counted ``row.count`` times); times in ms."""
+    def of(kind):
+        return [r for r in rows if r.kind == kind]
+
+    def total(selection, value):
+        return sum(value(r) * r.count for r in selection)
+
+    triton, gemm = of("triton"), of("gemm")
+    other = of("extern") + of("memset")
+    result = {
+        "triton_launches": sum(r.count for r in triton),
+        "triton_kernels": len({(r.graph, r.name) for r in triton}),
+        "triton_read_gb": total(triton, lambda r: r.read) / 1e9,
+        "triton_written_gb": total(triton, lambda r: r.written) / 1e9,
+        "triton_reread_gb_upper": total(triton, lambda r: r.reread) / 1e9,
+        "duplicate_written_gb": total(triton, lambda r: r.duplicate_written) / 1e9,
+        "tiny_launches": sum(r.count for r in triton if r.bytes < TINY_BYTES),
+        "triton_ms_copy": total(triton, lambda r: time_us(r, machine)) / 1e3,
+        "triton_ms": total(triton, lambda r: time_us(r, machine, machine.triton_bandwidth)) / 1e3,
+        "gemms": sum(r.count for r in gemm),
+        "gemm_tflop": total(gemm, lambda r: r.flops) / 1e12,
+        "gemm_ms": total(gemm, lambda r: time_us(r, machine)) / 1e3,
+        "attention_ms": total(of("attention"), lambda r: time_us(r, machine)) / 1e3,
+        "other_externs": sum(r.count for r in other),
+        "other_ms": total(other, lambda r: time_us(r, machine)) / 1e3,
+        "optimizer_ms": total(of("optimizer"), lambda r: time_us(r, machine)) / 1e3,
+    }
+    rest = result["gemm_ms"] + result["attention_ms"] + result["other_ms"] + result["optimizer_ms"]
+    result["step_ms"] = result["triton_ms"] + rest  # Triton kernels at the H100-calibrated rate
+    result["step_ms_copy"] = result["triton_ms_copy"] + rest
+    return result
+
+
+# --- rows from a capture (duck-typed on capture.py's records, so that this module needs no torch) ----------
+
+_KIND = {"poi": "pointwise", "red": "reduction", "per": "persistent", "tem": "template", "for": "foreach",
+         "spl": "split-scan", "mix": "mix-order"}
+_LOAD = re.compile(r"tl\.load\((\w+) \+")
+_STORE = re.compile(r"tl\.store\((\w+) \+ \((.*?)\), (\w+),")
+_GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_mm_v2", "scaled_mm", "_int_mm"}
+
+
+def duplicate_store_bytes(source: str, args) -> int:
+    """Bytes of stores that repeat another store's value and index into a second buffer: one tensor
+    materialised twice (e.g. the same FP8 bytes for ``_scaled_mm`` and again for a custom op)."""
+    groups: dict[tuple, list[str]] = {}
+    for pointer, index, value in _STORE.findall(source):
+        groups.setdefault((index, value), []).append(pointer)
+    written = {a.arg: a.written for a in args or ()}
+    return sum(written.get(p, 0) for pointers in groups.values() for p in pointers[1:])
+
+
+def reread_bytes(source: str, args) -> int:
+    """Bytes of inputs loaded in more than one region of the kernel (before the loops, in each loop over
+    the reduction, after them): a looped reduction that reads its input again, e.g. a norm whose rows are
+    longer than one block. The second pass may hit L2, so DRAM traffic lies between read and read + this."""
+    body = source.split("@triton.jit", 1)[-1].split("\ndef get_args", 1)[0]
+    regions: dict[str, set] = {}
+    region = 0
+    for line in body.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if line.strip().startswith("for ") and indent == 4:
+            region += 1
+            current = region
+        elif indent == 4 and region:
+            current = ("after", region)
+        else:
+            current = region if indent > 4 else 0
+        for pointer in _LOAD.findall(line):
+            regions.setdefault(pointer, set()).add(current)
+    return sum(a.read * (len(regions.get(a.arg, ())) - 1) for a in args or () if len(regions.get(a.arg, ())) > 1)
+
+
+def _numel(shape) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def _extern_row(graph: str, extern) -> Row:
+    kernel = extern.kernel
+    parts = kernel.split(".")
+    op = parts[-2] if parts[-1] == "default" and len(parts) > 1 else parts[-1]
+    read = sum(_numel(s) * DTYPE_BYTES.get(d, 4) for s, d in extern.inputs)
+    written = sum(_numel(s) * DTYPE_BYTES.get(d, 4) for s, d in extern.outputs)
+    shapes = [s for s, _ in extern.inputs]
+    dtypes = [d for _, d in extern.inputs]
+    row = Row(graph, "extern", kernel, " ".join("x".join(map(str, s)) + f":{d}" for s, d in extern.inputs),
+              read=read, written=written)
+    if op in _GEMMS:
+        matrices = [s for s in shapes if len(s) >= 2]
+        a, b = (matrices[-2], matrices[-1]) if op in ("addmm", "baddbmm") else (matrices[0], matrices[1])
+        batch = a[0] if len(a) == 3 else 1
+        m, k, n = a[-2], a[-1], b[-1]
+        row.kind, row.flops = "gemm", 2.0 * batch * m * n * k
+        if "scaled" in op or any(d.startswith("float8") for d in dtypes):
+            # The scales follow the two matrices: one element each (tensorwise), one per row of a (rowwise),
+            # else per block.
+            scale_a = _numel(shapes[2]) if len(shapes) > 2 else 1
+            row.gemm = "fp8 tensorwise" if scale_a == 1 else "fp8 rowwise" if scale_a == m else "fp8 blockwise"
+        else:
+            row.gemm = "bf16"
+        row.detail = f"{row.gemm} {f'{batch}x' if batch > 1 else ''}{m}x{k}x{n}"
+    elif any(word in op for word in ("attention", "sdpa", "flash", "cudnn")):
+        (b, h, sq, d), sk = shapes[0], shapes[1][-2]
+        row.kind = "attention"
+        row.flops = 4.0 * b * h * sq * sk * d * (2.5 if "backward" in op else 1.0)
+        row.detail = f"B{b} H{h} S{sq}x{sk} D{d}"
+    return row
+
+
+def rows_of(capture) -> list[Row]:
+    """One row per launch site of every captured graph, in launch order, counted per step
+    (``capture`` checked that every kernel and extern call was found in its graph's wrapper)."""
+    rows = []
+    for graph in capture.graphs:
+        label = f"{graph.index}:{graph.kind}"
+        externs = {e.name: e for e in graph.externs}
+        for what, name in graph.order:
+            if what == "triton":
+                record = graph.kernels[name]
+                short = name.split("_")[1] if name.startswith("triton_") else "?"
+                row = Row(label, "triton", name, _KIND.get(short, short),
+                          read=sum(a.read for a in record.args or ()),
+                          written=sum(a.written for a in record.args or ()),
+                          reread=reread_bytes(record.source, record.args),
+                          duplicate_written=duplicate_store_bytes(record.source, record.args))
+            elif what == "extern":
+                row = _extern_row(label, externs[name])
+            else:
+                row = Row(label, "memset", name)
+            row.count = max(graph.runs, 1)
+            rows.append(row)
+    return rows
+
+
+# --- the parent's side: rows and summaries back from JSON --------------------------------------------------
+
+def rows_from_json(case: dict) -> list[Row]:
+    fields = {f.name for f in dataclasses.fields(Row)}
+    return [Row(**{k: v for k, v in row.items() if k in fields}) for row in case["rows"]]
+
+
+def summarize(results: list[dict], machine: Machine) -> None:
+    """Add each case's ``summary`` (at ``machine``'s rates) to the child processes' results."""
+    for result in results:
+        for case in result.get("cases", []):
+            case["summary"] = summary(rows_from_json(case), machine)
+
+
+def markdown(columns: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |",
+            *("| " + " | ".join(row) + " |" for row in rows)]

@@ -1,0 +1,258 @@
+"""The child process's side: one contestant of one workload, compiled for the fake H100 and captured.
+
+Each contestant runs in a process of its own (``bench.costmodel.child``): torchao patches Inductor's
+codegen when it converts a model, fp8graph registers custom ops and Dynamo keeps state, none of which may
+leak into the next contestant. Contestants are ``bench decoder``'s (``bench.decoder.KNOWN``), compiled the
+way it compiles them, with every Inductor graph captured instead of compiled to a GPU binary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from . import capture, costs, fake_h100
+
+
+def _fp8graph_contestant(base: str) -> bool:
+    return base.split()[0] not in ("bf16", "torchao")
+
+
+@contextlib.contextmanager
+def compiled(base: str, model):
+    """``model`` compiled as contestant ``base`` (``bench.decoder``'s way), each Inductor graph lowered under
+    the capture and run eagerly on FakeTensors. Call the result inside the ``with``: compiling happens at
+    the first call. fp8graph's contestants lower through ``FP8Backend._lower`` (regional ones too)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from bench.decoder import _compile
+    from fp8graph.backend import FP8Backend
+
+    if not _fp8graph_contestant(base):
+        yield _compile(model, base, capture.compile_only(compile_fx))
+        return
+    lower = FP8Backend._lower
+    FP8Backend._lower = lambda self, gm, inputs: capture.lower_then_run_eagerly(
+        lambda g, e: lower(self, g, e), gm, inputs)
+    try:
+        yield _compile(model, base, "inductor")
+    finally:
+        FP8Backend._lower = lower
+
+
+def _fp8_note(compiled_model, model) -> str:
+    """What was put in FP8: torchao's swapped modules, or fp8graph's decisions."""
+    swapped = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    if swapped:
+        return f"torchao: {swapped} nn.Linear swapped for Float8Linear"
+    backend = getattr(compiled_model, "fp8graph_backend", None)
+    if backend is None:
+        return ""
+    decisions = backend.decisions
+    kept = sorted({f"{d.site.path or '<root>'}: {d.reason}" for d in decisions if not d.rewritten})
+    return f"fp8graph: {sum(d.rewritten for d in decisions)} of {len(decisions)} sites in FP8" + \
+        (f"; kept: {'; '.join(kept[:4])}" if kept else "")
+
+
+def _case(label: str, cap: capture.Capture, note: str = "", extra_rows=()) -> dict:
+    rows = costs.rows_of(cap) + list(extra_rows)
+    return {"case": label, "note": note, "rows": [dataclasses.asdict(r) for r in rows],
+            "graphs": [{"index": g.index, "kind": g.kind, "runs": g.runs,
+                        "triton_kernels": len(g.kernels), "externs": len(g.externs)} for g in cap.graphs],
+            "_capture": cap}
+
+
+def _sgd_rows(model) -> list[costs.Row]:
+    """bench decoder's optimizer step, eager: ``p.add_(p.grad, alpha=-lr)`` per parameter (read 2, write 1)."""
+    sizes: dict[int, int] = {}
+    for p in model.parameters():
+        nbytes = p.numel() * p.element_size()
+        sizes[nbytes] = sizes.get(nbytes, 0) + 1
+    return [costs.Row("optimizer", "optimizer", "param.add_(param.grad) (eager SGD)", f"{n / 1e6:.1f} MB parameter",
+                      count=count, read=2 * n, written=n) for n, count in sorted(sizes.items(), reverse=True)]
+
+
+def _check_attention(case: dict, model) -> None:
+    """A Llama step must show cuDNN attention: without it SDPA decomposed into Triton kernels (the fake
+    device's SDPA patch stopped applying) and every number of the step would be wrong."""
+    if not any(row["kind"] == "attention" for row in case["rows"]):
+        raise capture.CaptureError("no cuDNN attention call in the captured step: SDPA decomposed, so the fake "
+                                   "H100's SDPA patch (fake_h100._use_cudnn_attention) no longer applies")
+
+
+def decoder(spec: dict) -> list[dict]:
+    """bench decoder's training step: the model zoo's Llama, batch x sequence tokens,
+    ``loss = model(tokens, labels=tokens).loss; loss.backward()`` then an eager SGD step."""
+    import torch._inductor.config as inductor_config
+
+    from bench.decoder import _swap_in_torchao, parse_contestant
+    from fp8graph.models import build
+
+    base, settings = parse_contestant(spec["contestant"])
+    model = build("llama", spec["config"], device="meta", dtype=torch.bfloat16, **spec.get("overrides", {}))
+    if base.startswith("torchao"):
+        _swap_in_torchao(model, base)
+    mode = FakeTensorMode()
+    model = fake_h100.to_fake_cuda(model, mode).train()
+    with mode:
+        tokens = torch.zeros(spec["batch"], spec["sequence"], dtype=torch.long, device="cuda")
+    with capture.Capture() as cap, inductor_config.patch(settings), mode, compiled(base, model) as compiled_model:
+        compiled_model(tokens, labels=tokens).loss.backward()
+    config = model.config
+    label = f"{config.num_hidden_layers} layers, vocab {config.vocab_size}, {spec['batch']}x{spec['sequence']}"
+    case = _case(label, cap, _fp8_note(compiled_model, model), _sgd_rows(model))
+    _check_attention(case, model)
+    return [case]
+
+
+def linear(spec: dict) -> list[dict]:
+    """bench linear's step per shape: Sequential(nn.Linear(K, N, bias=False)) in BF16, ``out = layer(x);
+    out.backward(grad_output)`` on M x K tokens. One Dynamo reset per shape, one process per contestant."""
+    import torch._inductor.config as inductor_config
+
+    from bench.decoder import _swap_in_torchao, parse_contestant
+
+    base, settings = parse_contestant(spec["contestant"])
+    cases = []
+    for m, k, n in spec["shapes"]:
+        torch._dynamo.reset()
+        model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=spec.get("bias", False), device="meta",
+                                                    dtype=torch.bfloat16))
+        if base.startswith("torchao"):
+            _swap_in_torchao(model, base)
+        mode = FakeTensorMode()
+        model = fake_h100.to_fake_cuda(model, mode)
+        with mode:
+            x = torch.empty(m, k, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            grad_output = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        with capture.Capture() as cap, inductor_config.patch(settings), mode, \
+                compiled(base, model) as compiled_model:
+            compiled_model(x).backward(grad_output)
+        cases.append(_case(f"{m}x{k}x{n}", cap, _fp8_note(compiled_model, model)))
+    return cases
+
+
+def _cast(x, scale):
+    return (x.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def _amax_global(x):
+    return x.abs().amax().float()
+
+
+def _amax_rows(x):
+    return x.abs().amax(-1).amax().float()
+
+
+def _rmsnorm(x, w):
+    return x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+
+# bench/results/2026-11-23-h100/quantize-structure-probe.txt, the functions as that probe compiled them, each
+# called as f(x, s, w): x (rows, columns) BF16, s a scalar scale, w (columns,) fp32. "global": the amax as one
+# reduction; "rowpartial": per row, then over the rows; "+T": also the transposed FP8 copy. The first four
+# are the casts themselves (the default).
+QUANTIZE_VARIANTS = {
+    "current global": lambda x, s, w: _cast(x, 448 / _amax_global(x)),
+    "current rowpartial": lambda x, s, w: _cast(x, 448 / _amax_rows(x)),
+    "delayed global": lambda x, s, w: (_cast(x, s), _amax_global(x)),
+    "delayed rowpartial": lambda x, s, w: (_cast(x, s), _amax_rows(x)),
+    "delayed rowpartial +T": lambda x, s, w: (_cast(x, s), _cast(x.t(), s).contiguous(), _amax_rows(x)),
+    "current rowpartial +T": lambda x, s, w: (lambda sc: (_cast(x, sc), _cast(x.t(), sc).contiguous()))(
+        448 / _amax_rows(x)),
+    "current global +T": lambda x, s, w: (lambda sc: (_cast(x, sc), _cast(x.t(), sc).contiguous()))(
+        448 / _amax_global(x)),
+    "bf16 rmsnorm": lambda x, s, w: _rmsnorm(x, w).to(x.dtype),
+    "rmsnorm+delayed rowpartial": lambda x, s, w: (lambda y: (_cast(y, s), y.abs().amax(-1).amax()))(_rmsnorm(x, w)),
+    "rmsnorm+current rowpartial": lambda x, s, w: (lambda y: _cast(y, 448 / y.abs().amax(-1).amax()))(
+        _rmsnorm(x, w)),
+    "rmsnorm+current global": lambda x, s, w: (lambda y: _cast(y, 448 / y.abs().amax()))(_rmsnorm(x, w)),
+}
+
+
+def quantize(spec: dict) -> list[dict]:
+    """Each variant compiled alone by plain torch.compile (Inductor), after a Dynamo reset."""
+    from torch._inductor.compile_fx import compile_fx
+
+    cases = []
+    for rows, columns in spec["shapes"]:
+        for name in QUANTIZE_VARIANTS if spec["variants"] == "all" else list(QUANTIZE_VARIANTS)[:4]:
+            torch._dynamo.reset()
+            mode = FakeTensorMode()
+            with mode:
+                x = torch.empty(rows, columns, dtype=torch.bfloat16, device="cuda")
+                s = torch.empty((), dtype=torch.float32, device="cuda")
+                w = torch.empty(columns, dtype=torch.float32, device="cuda")
+            with capture.Capture() as cap, mode:
+                torch.compile(QUANTIZE_VARIANTS[name], backend=capture.compile_only(compile_fx))(x, s, w)
+            cases.append(_case(f"{rows}x{columns} {name}", cap))
+    return cases
+
+
+def _write_sources(directory: str, contestant: str, case: dict) -> None:
+    """Each graph's wrapper and each Triton kernel's source, for reading what Inductor generated."""
+    folder = os.path.join(directory, "_".join(f"{contestant} {case['case']}".replace(",", "").split()))
+    os.makedirs(folder, exist_ok=True)
+    for graph in case["_capture"].graphs:
+        with open(os.path.join(folder, f"graph{graph.index}_{graph.kind}_wrapper.py"), "w") as f:
+            f.write(graph.wrapper)
+        for name, record in graph.kernels.items():
+            with open(os.path.join(folder, f"graph{graph.index}_{name[:120]}.py"), "w") as f:
+                f.write(record.source)
+
+
+def _attach_cubins(case: dict) -> None:
+    """Every autotuning config of every Triton kernel compiled for sm_90: registers, spills, access widths."""
+    from . import cubins
+
+    done = {}
+    for graph in case["_capture"].graphs:
+        for name, record in graph.kernels.items():
+            if record.source not in done:
+                done[record.source] = cubins.compile_kernel(name, record.source)
+    by_name = {(f"{g.index}:{g.kind}", name): done[record.source]
+               for g in case["_capture"].graphs for name, record in g.kernels.items()}
+    for row in case["rows"]:
+        if (row["graph"], row["name"]) in by_name:
+            row["cubin"] = by_name[(row["graph"], row["name"])]
+
+
+def versions() -> dict:
+    import triton
+
+    result = {"torch": torch.__version__, "triton": triton.__version__}
+    for name in ("transformers", "torchao", "fp8graph"):
+        module = sys.modules.get(name)
+        if module is not None:
+            result[name] = getattr(module, "__version__", "?")
+    return result
+
+
+WORKLOADS = {"decoder": decoder, "linear": linear, "quantize": quantize}
+
+
+def run(spec: dict) -> dict:
+    """The child's whole job: ``spec`` in, a JSON-able result out."""
+    started = time.time()
+    fake_h100.install()
+    root = os.environ.get("FP8GRAPH_COSTMODEL_ROOT")  # calibration's fp8graph of an earlier commit
+    if root:
+        import fp8graph
+
+        if not os.path.realpath(fp8graph.__file__).startswith(os.path.realpath(root)):
+            raise RuntimeError("fp8graph was not imported from the extracted commit")
+    cases = WORKLOADS[spec["workload"]](spec)
+    for case in cases:
+        if spec.get("source"):
+            _write_sources(spec["source"], spec.get("contestant", "inductor"), case)
+        if spec.get("cubin"):
+            _attach_cubins(case)
+        del case["_capture"]
+    return {"contestant": spec.get("contestant", "inductor"), "cases": cases, "versions": versions(),
+            "capture_s": time.time() - started}

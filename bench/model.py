@@ -1,0 +1,395 @@
+"""Modelled on a CPU-only machine: an H100 training step from the sm_90 kernels Inductor generates for it.
+
+    python -m bench model decoder [--config llama3-8b] [--contestants ...]   bench decoder's step
+    python -m bench model linear [--shape M,K,N ...]                         bench linear's step
+    python -m bench model quantize [--all]                                   the H100 quantize probe's casts
+    python -m bench model calibrate [--only SECTION ...]                     the model against the stored H100 runs
+
+Nothing runs on a GPU. Each contestant (``bench decoder``'s: BF16, fp8graph per recipe, torchao) is
+compiled in a child process of its own for a fake H100 (``bench.costmodel``); every Triton kernel,
+cuBLAS / cuDNN call and custom op of the step is captured with its bytes and FLOPs, and
+``bench.costmodel.costs`` turns them into time. Results are Markdown and raw JSON under bench/results/
+(``model-<workload>-<date>.json``), marked ``"modelled": true``, never mistakable for a measurement;
+``python -m bench show`` prints them again, judged against the modelled targets (``bench.targets``).
+What the model can be trusted for, and how it was checked: docs/cost-model.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+from .costmodel import calibration, costs
+from .targets import judge
+from .timing import markdown_table, with_verdicts, write_result
+
+DEVICE = "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs)"
+FP8GRAPH = ["current", "delayed", "rowwise", "block"]
+TORCHAO = ["torchao tensorwise", "torchao rowwise"]
+LINEAR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096), (4096, 1024, 1024)]
+
+
+# --- child processes ---------------------------------------------------------------------------------------
+
+def run_child(spec: dict, timeout: float, verbose: bool = False, env: dict | None = None) -> dict:
+    """``bench.costmodel.workloads.run(spec)`` in a fresh process; a crash, error or timeout comes back as
+    ``{"error": ...}``. Its Inductor and Triton caches are private and removed: nothing compiled for the
+    fake sm_90 reaches the user's caches, and no cache hit can skip the capture."""
+    label = spec.get("contestant", spec["workload"])
+    with tempfile.TemporaryDirectory(prefix="costmodel-") as scratch:
+        spec_file, result_file = os.path.join(scratch, "spec.json"), os.path.join(scratch, "result.json")
+        with open(spec_file, "w") as f:
+            json.dump(spec, f)
+        child_env = {**os.environ, **(env or {}), "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor"),
+                     "TRITON_CACHE_DIR": os.path.join(scratch, "triton")}
+        command = [sys.executable, "-m", "bench.costmodel.child", spec_file, result_file]
+        try:
+            done = subprocess.run(command, env=child_env, text=True, timeout=timeout,
+                                  stdout=None if verbose else subprocess.PIPE,
+                                  stderr=None if verbose else subprocess.STDOUT)
+        except subprocess.TimeoutExpired:
+            return {"contestant": label, "error": f"timed out after {timeout:.0f} s"}
+        if os.path.exists(result_file):
+            with open(result_file) as f:
+                return json.load(f)
+        tail = "\n".join((done.stdout or "").strip().splitlines()[-15:])
+        return {"contestant": label, "error": f"the child process exited with code {done.returncode}\n{tail}"}
+
+
+def children(args) -> calibration.Runner:
+    """Run specs one after another (a 2-core machine: never two compiles at once), saying how each went."""
+    def run(specs: list[dict], env: dict | None = None) -> list[dict]:
+        results = []
+        for spec in specs:
+            started = time.time()
+            result = run_child(spec, args.timeout, args.verbose, env)
+            status = "error" if "error" in result else "modelled"
+            print(f"  {spec.get('contestant', spec['workload'])}: {status} in {time.time() - started:.0f} s",
+                  file=sys.stderr, flush=True)
+            results.append(result)
+        return results
+    return run
+
+
+def machine_of(args) -> costs.Machine:
+    return costs.Machine(copy_bandwidth=args.bandwidth * 1e12, triton_bandwidth=args.triton_bandwidth * 1e12,
+                         bf16_flops=args.bf16_tflops * 1e12, fp8_flops=args.fp8_tflops * 1e12)
+
+
+def project_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except FileNotFoundError:
+        return ""
+
+
+def contestants_of(requested: list[str] | None, default: list[str]) -> list[str]:
+    """bf16 first (every ratio needs it), then the others, each name checked as bench decoder checks it."""
+    from .decoder import parse_contestant
+
+    wanted = ["bf16", *(c for c in (requested or default) if c != "bf16")]
+    for name in wanted:
+        try:
+            parse_contestant(name)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+    return wanted
+
+
+# --- the result file ---------------------------------------------------------------------------------------
+
+def _environment(results: list[dict]) -> dict:
+    versions = {}
+    for result in results:  # a BF16 child never imports fp8graph: take every child's versions
+        versions.update(result.get("versions", {}))
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": f"{DEVICE}, modelled", "torch": versions.get("torch"), "triton": versions.get("triton"),
+            "versions": versions, "ran_on_gpu": False}
+
+
+def build_result(workload: str, spec: dict, results: list[dict], machine: costs.Machine, what: str) -> dict:
+    """The JSON a ``bench model`` run writes: per-contestant captures, and one summary row per (case,
+    contestant) that the targets judge; ``summarize`` re-times the captures at ``machine``'s rates."""
+    costs.summarize(results, machine)
+    rows = []
+    for result in results:
+        if "error" in result:
+            rows.append({"contestant": result["contestant"], "error": result["error"]})
+        for case in result.get("cases", []):
+            rows.append({"contestant": result["contestant"], "case": case["case"], "note": case.get("note", ""),
+                         **case["summary"]})
+    _add_ratios(rows)
+    return {"workload": f"model_{workload}", "modelled": True, "what": what, "smoke": False,
+            "environment": _environment(results), "project_commit": project_commit(),
+            "machine": dataclasses.asdict(machine), "spec": spec, "rows": rows, "captures": results}
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Each row's step against BF16's and torchao's of the same case (above 1: this row is faster)."""
+    step = {(row["case"], row["contestant"]): row["step_ms"] for row in rows if "error" not in row}
+    for row in rows:
+        if "error" in row:
+            continue
+        for baseline, key in (("bf16", "vs_bf16"), ("torchao tensorwise", "vs_torchao_tensorwise"),
+                              ("torchao rowwise", "vs_torchao_rowwise")):
+            base = step.get((row["case"], baseline))
+            if base:
+                row[key] = base / row["step_ms"]
+        bf16 = next((r for r in rows if r.get("case") == row["case"] and r["contestant"] == "bf16"), None)
+        if bf16 and bf16["triton_launches"]:
+            row["launches_vs_bf16"] = row["triton_launches"] / bf16["triton_launches"]
+
+
+def write(result: dict, out: pathlib.Path) -> pathlib.Path:
+    result["complete"] = True
+    result["targets"] = judge(result)
+    path = write_result(result, out, result["workload"].replace("_", "-"))
+    print(with_verdicts(summary(result), result))
+    print(f"raw results (modelled): {path}")
+    return path
+
+
+# --- the summary -------------------------------------------------------------------------------------------
+
+def title(result: dict) -> str:
+    env = result["environment"]
+    named = ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items())
+    commit = result.get("project_commit")
+    return (f"**{result['what']}**: MODELLED for one {DEVICE} on a CPU-only machine (Inductor generated "
+            f"every kernel for sm_90; nothing ran on a GPU), {named}" + (f", project at {commit}" if commit else "")
+            + f", {env['date']}.")
+
+
+def summary(result: dict) -> str:
+    """The table of a stored ``bench model`` result (``bench show`` prints it)."""
+    machine = costs.Machine(**result["machine"])
+    rows = result["rows"]
+    if result["workload"] == "model_quantize":
+        table = _quantize_table(result, machine)
+    else:
+        table = _step_table(rows, machine, digits=3 if result["workload"] == "model_linear" else 2,
+                            optimizer=result["workload"] == "model_decoder")
+    notes = list(dict.fromkeys(f"- {row['contestant']}: {row['note']}" for row in rows if row.get("note")))
+    errors = [f"- **{row['contestant']}: not modelled.** {row['error'].strip().splitlines()[0][:300]}"
+              for row in rows if "error" in row]
+    return "\n".join([title(result), "", *table, *([""] + notes if notes else []), *([""] + errors if errors else []),
+                      "", _legend(machine)])
+
+
+def _step_table(rows: list[dict], machine: costs.Machine, digits: int, optimizer: bool) -> list[str]:
+    entries = [row for row in rows if "error" not in row]
+    several = len({row["case"] for row in entries}) > 1
+    with_torchao = any("vs_torchao_tensorwise" in row for row in entries)
+    columns = (["case"] if several else []) + [
+        "contestant", "Triton launches (distinct)", "Triton GB read", "GB written", "FP8 GB stored twice",
+        "tiny launches", f"Triton ms @{machine.copy_bandwidth / 1e12:.2f} TB/s",
+        f"Triton ms @{machine.triton_bandwidth / 1e12:.2f} TB/s", "GEMM ms", "attention ms", "other extern ms",
+        *(["SGD ms"] if optimizer else []), "step ms", "vs bf16", *(["vs torchao tensorwise"] if with_torchao else [])]
+    f = f"{{:.{digits}f}}".format
+    table = []
+    for s in entries:
+        table.append(([s["case"]] if several else []) + [
+            s["contestant"], f"{s['triton_launches']} ({s['triton_kernels']})", f(s["triton_read_gb"]),
+            f(s["triton_written_gb"]), f(s["duplicate_written_gb"]), str(s["tiny_launches"]), f(s["triton_ms_copy"]),
+            f(s["triton_ms"]), f(s["gemm_ms"]), f(s["attention_ms"]), f(s["other_ms"]),
+            *([f(s["optimizer_ms"])] if optimizer else []), f(s["step_ms"]), _ratio(s, "vs_bf16"),
+            *([_ratio(s, "vs_torchao_tensorwise")] if with_torchao else [])])
+    return markdown_table(columns, table)
+
+
+def _ratio(row: dict, key: str) -> str:
+    return f"{row[key]:.2f}x" if key in row else "-"
+
+
+def _quantize_table(result: dict, machine: costs.Machine) -> list[str]:
+    table = []
+    for capture in result["captures"]:
+        for case in capture.get("cases", []):
+            s = case["summary"]
+            kernels = sum(r.count for r in costs.rows_from_json(case) if r.kind != "memset")
+            table.append([case["case"], str(kernels), f"{s['triton_read_gb'] * 1e3:.1f}",
+                          f"{s['triton_written_gb'] * 1e3:.1f}", f"{s['duplicate_written_gb'] * 1e3:.1f}",
+                          f"{(s['triton_ms_copy'] + s['other_ms']) * 1e3:.0f}", f"{s['step_ms'] * 1e3:.0f}"])
+    return markdown_table(["case", "kernels", "MB read", "MB written", "FP8 MB stored twice",
+                           f"us @{machine.copy_bandwidth / 1e12:.2f} TB/s",
+                           f"us @{machine.triton_bandwidth / 1e12:.2f} TB/s"], table)
+
+
+def _legend(m: costs.Machine) -> str:
+    return (f"Modelled, per step. Triton: Inductor's kernels, launches (distinct kernels) and GB as Inductor counts "
+            f"them; FP8 GB stored twice: writes of a value already stored at the same index in another buffer; "
+            f"tiny: launches under 0.1 MB. Triton ms at a copy's bandwidth and at the rate Inductor's kernels "
+            f"reached on the H100, at least {m.launch_floor_us:.0f} us a launch. GEMM: cuBLAS at "
+            f"{m.bf16_flops / 1e12:.0f} (BF16), {m.fp8_flops / 1e12:.0f} (FP8 tensorwise), "
+            f"{m.fp8_rowwise_flops / 1e12:.0f} (rowwise), {m.fp8_blockwise_flops / 1e12:.0f} (blockwise) TFLOP/s; "
+            f"attention: cuDNN SDPA at {m.attention_flops / 1e12:.0f} TFLOP/s; other extern: custom ops, operand "
+            "bytes at copy bandwidth; SGD: bench decoder's eager p.add_(p.grad). step ms: Triton at the H100 rate "
+            "plus the rest, kernel time only (no CPU or launch overhead). vs: the baseline's step ms over this "
+            "one's. Differences in bytes, launches and structure are facts of the generated code; a few percent "
+            "of time are not (docs/cost-model.md).")
+
+
+def top_kernels(result: dict, n: int) -> list[str]:
+    """The ``n`` largest memory-bound kernels (Triton, custom ops) per contestant, by bytes per step; a kernel
+    launched several times by one graph is one line."""
+    machine = costs.Machine(**result["machine"])
+    lines = []
+    for capture in result["captures"]:
+        for case in capture.get("cases", []):
+            kernels: dict[tuple, list] = {}
+            for r in costs.rows_from_json(case):
+                if r.kind in ("triton", "extern"):
+                    kernels.setdefault((r.graph, r.name, r.bytes), [r, 0])[1] += r.count
+            largest = sorted(kernels.values(), key=lambda e: -e[0].bytes * e[1])[:n]
+            table = [[r.graph, str(count), f"{r.bytes / 1e6:.1f}", f"{r.bytes * count / 1e9:.3f}",
+                      f"{costs.time_us(r, machine, machine.triton_bandwidth) * count:.0f}",
+                      r.kind if r.kind == "triton" else "custom op", r.detail[:60], f"`{r.name}`"]
+                     for r, count in largest]
+            lines += ["", f"Largest kernels, {capture['contestant']} ({case['case']}), by bytes per step:", "",
+                      *markdown_table(["graph", "launches", "MB a launch", "GB a step", "us a step", "kind", "detail",
+                                       "name"], table)]
+    return lines
+
+
+def cubin_lines(result: dict) -> list[str]:
+    lines = []
+    for capture in result["captures"]:
+        for case in capture.get("cases", []):
+            compiled = [r for r in case["rows"] if r.get("cubin")]
+            if compiled:
+                lines += ["", f"sm_90 cubins, {capture['contestant']} ({case['case']}), per autotuning config:"]
+            for row in compiled:
+                lines.append(f"- `{row['name']}`")
+                for c in row["cubin"]:
+                    access = " ".join(f"{k.replace(' ', '')}x{v}" for k, v in sorted(c.get("access", {}).items()))
+                    lines.append(f"    - {c['config']}: " + (c["error"] if c.get("error") else
+                                 f"{c['regs']} registers, {c['spill_bytes']} B spilled, {access}"))
+    return lines
+
+
+# --- commands ----------------------------------------------------------------------------------------------
+
+def _finish(result: dict, args) -> dict:
+    write(result, args.out)
+    extra = (top_kernels(result, args.top) if args.top else []) + cubin_lines(result)
+    if extra:
+        print("\n".join(extra))
+    return result
+
+
+def model_decoder(args) -> dict:
+    import importlib.util
+
+    default = FP8GRAPH + (TORCHAO if importlib.util.find_spec("torchao") else [])
+    contestants = contestants_of(args.contestants, default)
+    spec = {"workload": "decoder", "config": args.config, "batch": args.batch, "sequence": args.sequence,
+            "overrides": {} if args.layers is None else {"num_hidden_layers": args.layers},
+            "source": args.source, "cubin": args.cubin}
+    print(f"decoder ({args.config}{f', {args.layers} layers' if args.layers else ''}, {args.batch}x{args.sequence} "
+          f"tokens): {len(contestants)} contestants, one process each", file=sys.stderr)
+    results = children(args)([{**spec, "contestant": c} for c in contestants])
+    case = next((c["case"] for r in results for c in r.get("cases", [])), "")
+    return _finish(build_result("decoder", spec, results, machine_of(args),
+                                f"bench decoder's training step ({args.config}: {case})"), args)
+
+
+def model_linear(args) -> dict:
+    contestants = contestants_of(args.contestants, FP8GRAPH + TORCHAO)
+    shapes = [_ints(s, 3) for s in args.shape] if args.shape else LINEAR_SHAPES
+    spec = {"workload": "linear", "shapes": shapes, "bias": args.bias, "source": args.source, "cubin": args.cubin}
+    results = children(args)([{**spec, "contestant": c} for c in contestants])
+    what = "bench linear's step: nn.Linear(K, N) forward + backward on M tokens, BF16"
+    return _finish(build_result("linear", spec, results, machine_of(args), what), args)
+
+
+def model_quantize(args) -> dict:
+    spec = {"workload": "quantize", "shapes": [_ints(s, 2) for s in args.shape],
+            "variants": "all" if args.all else "four", "source": args.source, "cubin": args.cubin}
+    results = children(args)([spec])
+    what = ("Per-tensor FP8 casts of a BF16 tensor, each compiled alone by torch.compile (the functions of "
+            "bench/results/2026-11-23-h100/quantize-structure-probe.txt)")
+    return _finish(build_result("quantize", spec, results, machine_of(args), what), args)
+
+
+def model_calibrate(args) -> None:
+    lines, comparisons = calibration.calibrate(str(args.results), children(args), machine_of(args),
+                                               args.only or calibration.SECTIONS[:4], args.fp8graph_at)
+    print("\n".join(lines))
+
+
+def _ints(text: str, count: int) -> tuple[int, ...]:
+    values = tuple(int(v) for v in text.split(","))
+    if len(values) != count or any(v < 1 for v in values):
+        raise SystemExit(f"expected {count} positive integers separated by commas, got {text!r}")
+    return values
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="model_workload", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--timeout", type=_positive(float), default=1800, help="seconds one contestant may take")
+    common.add_argument("--verbose", action="store_true", help="show the child processes' output")
+    rates = costs.Machine()
+    common.add_argument("--bandwidth", type=_positive(float), default=rates.copy_bandwidth / 1e12,
+                        help="copy, TB/s")
+    common.add_argument("--triton-bandwidth", type=_positive(float), default=rates.triton_bandwidth / 1e12,
+                        help="Inductor's kernels on the H100, TB/s")
+    common.add_argument("--bf16-tflops", type=_positive(float), default=rates.bf16_flops / 1e12)
+    common.add_argument("--fp8-tflops", type=_positive(float), default=rates.fp8_flops / 1e12, help="FP8 tensorwise")
+    outputs = argparse.ArgumentParser(add_help=False, parents=[common])
+    outputs.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    outputs.add_argument("--top", type=int, default=0, metavar="N", help="list the N largest kernels per contestant")
+    outputs.add_argument("--source", metavar="DIR", help="write each graph's wrapper and kernel sources under DIR")
+    outputs.add_argument("--cubin", action="store_true",
+                         help="compile every kernel config for sm_90: registers, spills, access widths (slow)")
+
+    p = commands.add_parser("decoder", parents=[outputs], help="bench decoder's training step")
+    p.add_argument("--contestants", nargs="+", metavar="NAME",
+                   help="bench decoder's names (bf16 always runs; a name may end in '+setting' / '-setting'); "
+                        "default: bf16, fp8graph's current, delayed, rowwise, block, torchao's two")
+    p.add_argument("--config", choices=("bench-8b-layer", "llama3-8b"), default="bench-8b-layer")
+    p.add_argument("--layers", type=_positive(int), help="decoder layers (default: the config's, 4 or 32)")
+    p.add_argument("--sequence", type=_positive(int), default=4096)
+    p.add_argument("--batch", type=_positive(int), default=1)
+    p.set_defaults(model_run=model_decoder)
+
+    p = commands.add_parser("linear", parents=[outputs], help="bench linear's forward + backward")
+    p.add_argument("--shape", nargs="+", metavar="M,K,N",
+                   help="default: bench linear's 16384-token shapes and 4096,1024,1024")
+    p.add_argument("--contestants", nargs="+", metavar="NAME", help="as for decoder")
+    p.add_argument("--bias", action="store_true")
+    p.set_defaults(model_run=model_linear)
+
+    p = commands.add_parser("quantize", parents=[outputs], help="the H100 quantize probe's amax/cast variants")
+    p.add_argument("--shape", nargs="+", metavar="ROWS,COLUMNS", default=["16384,8192"])
+    p.add_argument("--all", action="store_true", help="all 11 functions of the probe, not only the 4 casts")
+    p.set_defaults(model_run=model_quantize)
+
+    p = commands.add_parser("calibrate", parents=[common], help="the model against the stored H100 results")
+    p.add_argument("--results", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    p.add_argument("--fp8graph-at", default="measured", metavar="COMMIT",
+                   help="fp8graph for its contestants: 'measured' (the commit the H100 ran), a commit, 'installed'")
+    p.add_argument("--only", nargs="+", choices=calibration.SECTIONS,
+                   help="sections to run (default: all but llama3-8b, which adds about 6 minutes)")
+    p.set_defaults(model_run=model_calibrate)
+
+
+def run(args: argparse.Namespace):
+    return args.model_run(args)
