@@ -21,6 +21,12 @@
                compile time, warm                 <  cold (the warm start reuses the caches)
     compile    fp8graph.compile's compile time    <= 1.30x plain whole-model Inductor's, cold and warm (CPU);
                                                   <= 1.0x with --deep (12 layers: each compiled once)
+    model_decoder  (modelled, ``bench model decoder``: bench decoder's step, Triton at the H100 rate)
+               FP8 GB stored twice                == 0 for every fp8graph recipe
+               Triton launches                    <= 2x BF16's
+               step over BF16                     current >= 1.25x, delayed >= 1.32x
+               step over torchao (same run)       current >= 1.05x tensorwise, delayed >= 1.10x tensorwise,
+                                                  row-wise >= 1.08x torchao row-wise
 
 Every result file carries its verdicts (``"targets"``) and every summary
 prints them, so a miss is stated with its size in the same place as the
@@ -231,6 +237,15 @@ def _compile_ratios(deep: bool):
     return measure
 
 
+def _modelled(column: str, recipes: tuple[str, ...] | None = None):
+    """``column`` of a ``bench model`` result's fp8graph rows (of ``recipes`` only, if given), per case."""
+    def measure(result):
+        for row in _fp8graph_rows(result):
+            if recipes is None or row["contestant"] in recipes:
+                yield f"{row['contestant']} ({row['case']})", row[column]
+    return measure
+
+
 TARGETS = (
     # Per-tensor current scaling reads a tensor larger than the cache twice (amax, then cast): at most
     # 60% of the copy by construction. Delayed scaling can cast and record its amax in one pass.
@@ -281,6 +296,19 @@ TARGETS = (
     Target("compile_time", "compile time over plain Inductor", 1.30, False, _compile_ratios(deep=False)),
     Target("compile_time", "12-layer compile time over plain whole-model Inductor", 1.00, False,
            _compile_ratios(deep=True)),
+    # Modelled (bench model decoder): each FP8 tensor written once per layout it is read in; state updates
+    # and amax finalizes that do not multiply launches; the step near what FP8 GEMMs allow (about 1.39x
+    # BF16 with quantization free), leaving room for the one read a current-scaled tensor needs.
+    Target("model_decoder", "FP8 GB stored twice (modelled)", 0.0, False, _modelled("duplicate_written_gb")),
+    Target("model_decoder", "Triton launches over BF16's (modelled)", 2.0, False, _modelled("launches_vs_bf16")),
+    Target("model_decoder", "current: step over BF16 (modelled)", 1.25, True, _modelled("vs_bf16", ("current",))),
+    Target("model_decoder", "delayed: step over BF16 (modelled)", 1.32, True, _modelled("vs_bf16", ("delayed",))),
+    Target("model_decoder", "current: step over torchao tensorwise (modelled)", 1.05, True,
+           _modelled("vs_torchao_tensorwise", ("current",))),
+    Target("model_decoder", "delayed: step over torchao tensorwise (modelled)", 1.10, True,
+           _modelled("vs_torchao_tensorwise", ("delayed",))),
+    Target("model_decoder", "row-wise: step over torchao row-wise (modelled)", 1.08, True,
+           _modelled("vs_torchao_rowwise", ("rowwise",))),
 )
 
 

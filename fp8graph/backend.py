@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from fp8graph.passes import annotate_sites, find_sites, rewrite_sites, take_anchored_inputs
+from fp8graph.passes import annotate_sites, find_sites, group_sites, rewrite_sites, take_anchored_inputs
 from fp8graph.passes.annotate import Decision
 from fp8graph.passes.module_paths import module_paths_by_id
 
@@ -163,8 +163,10 @@ class FP8Backend:
             buffer = self.stats.buffer_of(site.path) if self.stats is not None else None
             return stats_placeholders.get(id(buffer))
 
+        # Sites that read one input share its cast; they must carry the same kinds of buffers.
+        groups = group_sites(decisions, lambda d: (state_nodes(d.site) is not None, cache_nodes(d.site) is not None))
         rewrite_sites(gm, stats_nodes, state_nodes, update_state=torch.is_grad_enabled(), cache_nodes=cache_nodes,
-                      weight_cache="reuse" if reuse else "fill")
+                      weight_cache="reuse" if reuse else "fill", groups=groups)
         if torch.is_grad_enabled():
             self._claim_written_buffers([
                 (d.site.path, node) for d in decisions if d.rewritten

@@ -1,62 +1,75 @@
-"""The FP8 linear: three scaled GEMMs with high-precision inputs and outputs.
+"""The FP8 linear with per-tensor scales: linears that read one input, as three scaled GEMMs each.
 
 A rewritten site calls ``linear_fp8(input_hp, weight_hp, bias_hp)`` with
-``weight_hp`` of shape (N, K), exactly like ``F.linear``::
+``weight_hp`` of shape (N, K), exactly like ``F.linear``; sites that read the
+same input with the same recipe (q, k and v; gate and up) are one call of
+``linears_fp8(input_hp, [weight_hp, ...], [bias_hp, ...])`` (``fp8graph.passes.group_sites``)::
 
-    forward   output      = input_fp8 @ weight_fp8_t          (M, N)  + bias in high precision
-    backward  grad_input  = grad_output_fp8 @ weight_fp8      (M, K)
-              grad_weight = grad_output_fp8_t @ input_fp8     (N, K)
-              grad_bias   = grad_output.sum(0)                 high precision
+    forward   output_i      = input_fp8 @ weight_i_fp8_t         (M, N_i)  + bias_i in high precision
+    backward  grad_input    = sum_i grad_output_i_fp8 @ weight_i_fp8        (M, K)
+              grad_weight_i = grad_output_i_fp8_t @ input_fp8               (N_i, K)
+              grad_bias_i   = grad_output_i.sum(0)                          high precision
+
+The input is cast once for all of them, with one scale: with delayed
+scaling the one the largest amax of their input histories gives (their
+histories hold the same amaxes, so this is each one's own), and the amax is
+recorded into each site's history.
 
 The quantization is plain torch ops inside an ``autograd.Function``.
 AOTAutograd traces through both ``forward`` and ``backward``, so Inductor sees
 the amax, scale and cast as ordinary ops and fuses them with their neighbours;
-only the GEMM is an opaque call. With per-tensor scales the FP8 copies saved
-for backward are reused transposed: transposing a tensor-wise quantized tensor
-is exact.
+only the GEMM is an opaque call.
 
-Layouts. cuBLAS's FP8 GEMMs on Hopper read A row-major and B column-major,
-so each operand is needed in both layouts: the input by the forward GEMM and,
-transposed, by grad_weight's; grad_output by grad_input's and, transposed, by
-grad_weight's; the weight by the forward and, transposed, by grad_input's.
+Layouts. cuBLAS's FP8 GEMMs on Hopper read A row-major and B column-major
+(the reduction dimension contiguous), so each operand is needed in both
+layouts: the input by the forward GEMM and, transposed, by grad_weight's;
+grad_output by grad_input's and, transposed, by grad_weight's; the weight by
+the forward and, transposed, by grad_input's. Each FP8 tensor is written once
+per layout it is read in (``lowering="scaled_mm"``):
 
-- Current scaling: the transposed copy is written by Inductor's code from the
-  high-precision tensor in the same kernel as the row-major cast, after the
-  amax reduction (H100: 55-57% of a copy for amax and both layouts, as fast as
-  any split that was measured).
-- Delayed scaling (``lowering`` scaled_mm): the row-major cast records its amax
-  in the same pass and fuses into the tensor's producer; the transposed copy
-  is ``fp8graph::transpose_fp8`` of the FP8 bytes. Left to Inductor it is
-  recomputed from the high-precision tensor inside the amax's kernel, which
-  the GPU ran at 29-61% of a copy instead of 80-83%
-  (``bench/results/2026-11-23-h100/quantize-structure-probe.txt``).
-- Weights: the forward casts them; the backward casts the transposed copy again
-  from the parameter, with the forward's scale, rather than keeping FP8 weights
-  saved from forward to backward (1 byte a parameter, 7 GB at 8B parameters,
-  which would lift peak memory above BF16's). With ``cache_weights``
-  (current scaling) the weight's row-major FP8 copy is kept across calls while
-  the weight does not change.
+- Current scaling: the cast is its own pointwise kernel after the amax
+  reduction, and writes both layouts from one read of the high-precision
+  tensor (or of its producer's inputs, recomputed).
+- Delayed scaling: the row-major cast records its amax in the same pass and
+  fuses into the tensor's producer; the transposed copy is
+  ``fp8graph::transpose_fp8`` of the FP8 bytes (left to Inductor, it would be
+  recomputed inside the amax's reduction kernel: see ``fp8graph.kernels.transpose_fp8``).
+- Weights: both layouts are cast in the forward; the transposed copy is saved
+  for grad_input, so a step reads each weight for its amax (current scaling)
+  and once for its casts, never again in the backward (1 byte a parameter is
+  held from forward to backward, as Transformer Engine holds it). With
+  ``cache_weights`` (current scaling) the row-major copy is kept across calls
+  while the weight does not change.
+
+An FP8 tensor read by several GEMMs goes through :func:`_one_buffer` so that
+Inductor stores it once (its ``_scaled_mm`` lowering otherwise copies an
+unrealized input once per GEMM), and the transposed copies the backward reads
+are written in the forward and kept (``fp8graph.partitioning``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from .cache_hash import register_target
-from .delayed_scaling import delayed_cast
+from .delayed_scaling import amax_from_history, delayed_cast, record_amax, roll_history
 from .distributed import amax_reduction
 from .formats import ROLES, Role
 from .health import quantization_health
 from .kernels.transpose_fp8 import transpose_fp8
 from .lowering import Lowering, scaled_gemm
-from .quantize import quantize_current
-from .recipes import Recipe
+from .partitioning import keep_for_backward, saved_not_recomputed
+from .quantize import amax, amax_to_scale, quantize
+from .recipes import DelayedScaling, Recipe
 from .recompute import state_snapshot
 
-__all__ = ["RoleCaster", "autocast_dtype", "linear_fp8_target", "record_health", "target_name"]
+__all__ = ["autocast_dtype", "linear_fp8_target", "linears_fp8_target", "record_health", "target_name"]
+
+_INPUT, _WEIGHT, _GRAD = (ROLES.index(role) for role in ROLES)
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -66,133 +79,265 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
-class RoleCaster:
-    """Casts a site's tensors per role: current scaling, or delayed scaling with its state.
+def _one_buffer(x_fp8: torch.Tensor) -> torch.Tensor:
+    """``x_fp8`` itself, through an identity view that Inductor must realize: every GEMM then reads the one
+    buffer. (Inductor's ``_scaled_mm`` lowering requires exact strides of its inputs and, for an input not
+    yet realized, makes a copy per GEMM: q, k and v would each store the shared input.)"""
+    return torch.as_strided(x_fp8, x_fp8.shape, x_fp8.stride())
 
-    ``state`` is ``(history, scale)``, the site's buffers of shape (3, len)
-    and (3,). With ``update`` each delayed cast first moves the state one step
-    (new scale from the history, history rolled) and records its amax, all
-    written into the buffers in place; without it the stored scale is used.
-    With ``snapshot`` (sites in a ``torch.utils.checkpoint`` region, see
-    ``fp8graph.recompute``) forward casts read the state through a saved copy.
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """What one site of a call brings besides its weight and bias: its module's buffers.
+
+    ``state``: ``(history, scale)`` of shape (3, len) and (3,) (delayed scaling);
+    ``weight_cache``: ``(mode, cached_weight, cached_scale)`` with mode ``"fill"`` or ``"reuse"``;
+    ``stats``: the module's (3, 5) health buffer.
     """
 
-    def __init__(self, recipe: Recipe, state=None, update: bool = True, snapshot: bool = False,
-                 weight_cache=None):
-        self.recipe, self.state, self.update, self.snapshot = recipe, state, update, snapshot
-        self.weight_cache = weight_cache
-
-    def transposes_fp8(self, lowering: Lowering) -> bool:
-        """Whether the transposed layouts of input and grad_output are read from their FP8 copies
-        (``fp8graph::transpose_fp8``): delayed casts for cuBLAS, which reads both layouts (see the module's doc)."""
-        return self.state is not None and lowering is Lowering.SCALED_MM
-
-    def __call__(self, role: Role, x_hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        fp8_dtype = self.recipe.fp8_dtype(role)
-        if role is Role.WEIGHT and self.weight_cache is not None:
-            return self._cached_weight(x_hp, fp8_dtype)
-        if self.state is None:
-            return quantize_current(x_hp, fp8_dtype, self.recipe.power_2_scales)
-        history, scale = self.state
-        index = ROLES.index(role)
-        # Backward casts read the live buffers: an earlier backward of the same
-        # step (a module called twice) may have recorded into them.
-        history_read, scale_read = (
-            (state_snapshot(history), state_snapshot(scale)) if self.snapshot and role is not Role.GRAD_OUTPUT
-            else (history, scale))
-        x_fp8, scale_used, new_history = delayed_cast(
-            x_hp, history_read[index], scale_read[index], fp8_dtype,
-            self.recipe.margin, self.recipe.amax_compute_algo, self.update,
-            reduce_amax=amax_reduction(self.recipe.reduce_amax))
-        if self.update:
-            history[index].copy_(new_history)
-            scale[index].copy_(scale_used)
-        return x_fp8, scale_used.clone()  # never the buffer itself: it changes next step
-
-    def _cached_weight(self, weight_hp: torch.Tensor, fp8_dtype: torch.dtype):
-        """The weight's FP8 copy: read from the cache, or quantized and written into it (``fp8graph.weight_cache``)."""
-        mode, cached_weight, cached_scale = self.weight_cache
-        if mode == "reuse":
-            return cached_weight, cached_scale.clone()
-        weight_fp8, weight_scale = quantize_current(weight_hp, fp8_dtype, self.recipe.power_2_scales)
-        cached_weight.copy_(weight_fp8)
-        cached_scale.copy_(weight_scale)
-        return weight_fp8, weight_scale
+    state: tuple[torch.Tensor, torch.Tensor] | None = None
+    weight_cache: tuple[str, torch.Tensor, torch.Tensor] | None = None
+    stats: torch.Tensor | None = None
 
 
-class _LinearFP8(torch.autograd.Function):
+@dataclasses.dataclass(frozen=True)
+class CallSpec:
+    """How a call casts: the recipe, the GEMM lowering, and whether delayed state moves."""
+
+    recipe: Recipe
+    lowering: Lowering
+    update: bool = True  # False in graphs compiled without gradients: the stored scales are read
+    snapshot: bool = False  # delayed sites inside a torch.utils.checkpoint region (fp8graph.recompute)
+
+    @property
+    def delayed(self) -> bool:
+        return isinstance(self.recipe, DelayedScaling)
+
+    @property
+    def native_layouts(self) -> bool:
+        """Whether the GEMMs need each operand laid out for cuBLAS (the emulation reads any layout)."""
+        return self.lowering is Lowering.SCALED_MM
+
+    def gemm_operand(self, x_fp8: torch.Tensor) -> torch.Tensor:
+        """``x_fp8`` as the GEMMs (and the transposed copy) read it: one buffer (see :func:`_one_buffer`)."""
+        return _one_buffer(x_fp8) if self.native_layouts else x_fp8
+
+    def kept(self, scale: torch.Tensor, x_t_fp8: torch.Tensor | None) -> torch.Tensor:
+        """``scale`` as the forward GEMM reads it, tied to the transposed copy the backward reads, so that the
+        copy is written in the forward (``fp8graph.partitioning``); the emulation's copy is a view."""
+        return keep_for_backward(scale, x_t_fp8) if self.native_layouts else scale
+
+    def transposed(self, x_fp8: torch.Tensor, x_hp: torch.Tensor | None, scale: torch.Tensor, role: Role):
+        """The (C, R) FP8 copy of an (R, C) operand, written for the GEMM that reads it transposed.
+
+        Current scaling casts it from ``x_hp`` in the pointwise kernel of the row-major cast (one read for
+        both layouts); delayed scaling, and a copy without ``x_hp`` (a cached weight), transposes the FP8
+        bytes (``fp8graph::transpose_fp8``). The emulation reads any layout: a view.
+        """
+        if not self.native_layouts:
+            return x_fp8.t()
+        if self.delayed or x_hp is None:
+            return transpose_fp8(x_fp8)
+        x_t_fp8 = quantize(x_hp.t(), scale, self.recipe.fp8_dtype(role))  # (C, R), strided
+        with saved_not_recomputed():  # the copy alone: its inputs stay free to fuse
+            return x_t_fp8.contiguous()
+
+
+def _state_read(spec: CallSpec, member: Member, forward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A member's (history, scale) as a cast reads them: inside a checkpoint region the forward reads a
+    snapshot (the backward's replay must see the state the first forward saw); backward casts read the
+    live buffers (an earlier backward of the same step may have recorded into them)."""
+    history, scale = member.state
+    if spec.snapshot and forward:
+        return state_snapshot(history), state_snapshot(scale)
+    return history, scale
+
+
+def _cast_current(spec: CallSpec, x_hp: torch.Tensor, role: Role) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8_dtype = spec.recipe.fp8_dtype(role)
+    scale = amax_to_scale(amax(x_hp), fp8_dtype, spec.recipe.power_2_scales)
+    return quantize(x_hp, scale, fp8_dtype), scale
+
+
+def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Sequence[torch.Tensor],
+                          members: Sequence[Member]):
+    """The forward casts of delayed-scaling members: the shared input, then each weight.
+
+    Each member's input and weight rows move one step together: new scales from the histories,
+    histories rolled, this call's amaxes recorded in slot 0, all written into the buffers in place.
+    Returns ``(input_fp8, input_scale, [(weight_fp8, weight_scale, weight_hp), ...])``.
+    """
+    recipe = spec.recipe
+    reduce = amax_reduction(recipe.reduce_amax)
+    states = [_state_read(spec, member, forward=True) for member in members]
+    input_dtype, weight_dtype = recipe.fp8_dtype(Role.INPUT), recipe.fp8_dtype(Role.WEIGHT)
+    if not spec.update:  # inference: the stored scales
+        input_scale = states[0][1][_INPUT]
+        input_fp8 = quantize(input_hp, input_scale, input_dtype)
+        weights = [(quantize(w, scale[_WEIGHT], weight_dtype), scale[_WEIGHT].clone(), w)
+                   for w, (_, scale) in zip(weights_hp, states)]
+        return input_fp8, input_scale.clone(), weights
+    # The scales are read from the buffers that this forward then updates: the backward must reuse them,
+    # never recompute them from the updated buffers (the partitioner would: fp8graph.partitioning).
+    with saved_not_recomputed():
+        # (members, 2): the amax each member's input and weight history gives.
+        history_amaxes = torch.stack([amax_from_history(history[:_GRAD], recipe.amax_compute_algo)
+                                      for history, _ in states])
+        input_scale = amax_to_scale(history_amaxes[:, _INPUT].amax(), input_dtype, margin=recipe.margin,
+                                    fallback=states[0][1][_INPUT])
+        weight_scales = amax_to_scale(history_amaxes[:, _WEIGHT], weight_dtype, margin=recipe.margin,
+                                      fallback=torch.stack([scale[_WEIGHT] for _, scale in states]))
+    input_fp8 = quantize(input_hp, input_scale, input_dtype)
+    # The amaxes ride along with the casts: Inductor computes each with its cast in one read.
+    input_amax = amax(input_hp.detach())
+    input_amax = reduce(input_amax) if reduce is not None else input_amax
+    weights = []
+    for member, weight_hp, (history, _), weight_scale in zip(members, weights_hp, states, weight_scales):
+        weight_fp8 = quantize(weight_hp, weight_scale, weight_dtype)
+        weight_amax = amax(weight_hp.detach())
+        weight_amax = reduce(weight_amax) if reduce is not None else weight_amax
+        live_history, live_scale = member.state
+        live_history[:_GRAD].copy_(record_amax(roll_history(history[:_GRAD]), torch.stack([input_amax, weight_amax])))
+        live_scale[:_GRAD].copy_(torch.stack([input_scale, weight_scale]))
+        weights.append((weight_fp8, weight_scale, weight_hp))
+    return input_fp8, input_scale, weights
+
+
+def _cast_weight_current(spec: CallSpec, weight_hp: torch.Tensor, member: Member):
+    """A member's weight with current scaling, through its FP8 copy when it has one (``fp8graph.weight_cache``).
+
+    Returns ``(weight_fp8, weight_scale, source)``: ``source`` is what the transposed copy is cast from,
+    the weight, or ``None`` for a reused copy (transposed from its bytes, the weight is not read).
+    """
+    if member.weight_cache is None:
+        return (*_cast_current(spec, weight_hp, Role.WEIGHT), weight_hp)
+    mode, cached_weight, cached_scale = member.weight_cache
+    if mode == "reuse":
+        return cached_weight, cached_scale.clone(), None
+    weight_fp8, weight_scale = _cast_current(spec, weight_hp, Role.WEIGHT)
+    cached_weight.copy_(weight_fp8)
+    cached_scale.copy_(weight_scale)
+    return weight_fp8, weight_scale, weight_hp
+
+
+def _cast_grad_output(spec: CallSpec, grad_output_hp: torch.Tensor, member: Member):
+    if not spec.delayed:
+        return _cast_current(spec, grad_output_hp, Role.GRAD_OUTPUT)
+    recipe = spec.recipe
+    history, scale = _state_read(spec, member, forward=False)
+    grad_fp8, grad_scale, new_history = delayed_cast(
+        grad_output_hp, history[_GRAD], scale[_GRAD], recipe.fp8_dtype(Role.GRAD_OUTPUT), recipe.margin,
+        recipe.amax_compute_algo, spec.update, reduce_amax=amax_reduction(recipe.reduce_amax))
+    if spec.update:
+        history[_GRAD].copy_(new_history)
+        scale[_GRAD].copy_(grad_scale)
+    return grad_fp8, grad_scale.clone()  # never the buffer itself: it changes next step
+
+
+class _LinearsFP8(torch.autograd.Function):
+    """``outputs_i = input @ weight_i^T + bias_i`` for the members of one call (see the module's doc)."""
+
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, bias_hp, caster: RoleCaster, lowering: Lowering, stats):
-        recipe = caster.recipe
+    def forward(ctx, input_hp, spec: CallSpec, members: tuple[Member, ...], *weights_and_biases):
+        count = len(members)
+        weights_hp, biases_hp = weights_and_biases[:count], weights_and_biases[count:]
+        recipe = spec.recipe
         device_type = input_hp.device.type
         # Under autocast F.linear returns the autocast dtype; so does this.
         output_dtype = autocast_dtype(device_type) or input_hp.dtype
-        in_features = weight_hp.shape[1]
+        in_features = weights_hp[0].shape[1]
         lead_shape = input_hp.shape[:-1]
+        needs_grad_input = ctx.needs_input_grad[0]
+        needs_grad_weight = [ctx.needs_input_grad[3 + i] for i in range(count)]
         with torch.autocast(device_type, enabled=False):
             input_hp_2d = input_hp.reshape(-1, in_features)  # (M, K)
-            input_fp8, input_scale = caster(Role.INPUT, input_hp_2d)
-            weight_fp8, weight_scale = caster(Role.WEIGHT, weight_hp)
-            # output = input @ weight_t  (M, N); fast accumulation is accurate
-            # enough for the forward GEMM, as Transformer Engine does.
-            output = scaled_gemm(
-                input_fp8, input_scale, weight_fp8.t(), weight_scale,
-                output_dtype, lowering, use_fast_accum=True,
-            )
-            if bias_hp is not None:
-                output = output + bias_hp.to(output_dtype)
-            if stats is not None:
-                record_health(stats, Role.INPUT, input_hp_2d, input_fp8, input_scale, recipe)
-                record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, weight_scale, recipe)
-        ctx.stats = stats
-        if caster.transposes_fp8(lowering) and ctx.needs_input_grad[1]:
-            # grad_weight's GEMM reads the input column-major: keep that copy, not the row-major one.
-            input_fp8 = transpose_fp8(input_fp8).t()
-        ctx.save_for_backward(input_fp8, input_scale, weight_fp8, weight_scale)
-        ctx.caster = caster
-        ctx.lowering = lowering
+            if spec.delayed:
+                input_fp8, input_scale, weights = _cast_forward_delayed(spec, input_hp_2d, weights_hp, members)
+            else:
+                input_fp8, input_scale = _cast_current(spec, input_hp_2d, Role.INPUT)
+                weights = [_cast_weight_current(spec, w, m) for w, m in zip(weights_hp, members)]
+            input_fp8 = spec.gemm_operand(input_fp8)
+            # grad_weight reads the input column-major: its transposed copy, written now and kept
+            # instead of the row-major one (fp8graph.partitioning keeps it in the forward).
+            input_fp8_t = (spec.transposed(input_fp8, input_hp_2d, input_scale, Role.INPUT)
+                           if any(needs_grad_weight) else None)
+            input_scale_forward = spec.kept(input_scale, input_fp8_t)
+            outputs, saved_weights = [], []
+            for (weight_fp8, weight_scale, source), weight_hp, bias_hp in zip(weights, weights_hp, biases_hp):
+                weight_fp8 = spec.gemm_operand(weight_fp8)
+                # grad_input reads weight_i column-major: its transposed copy, likewise.
+                weight_fp8_t = (spec.transposed(weight_fp8, source, weight_scale, Role.WEIGHT)
+                                if needs_grad_input else None)
+                # output_i = input @ weight_i_t  (M, N_i); fast accumulation is accurate
+                # enough for the forward GEMM, as Transformer Engine does.
+                output = scaled_gemm(input_fp8, input_scale_forward, weight_fp8.t(),
+                                     spec.kept(weight_scale, weight_fp8_t), output_dtype, spec.lowering,
+                                     use_fast_accum=True)
+                if bias_hp is not None:
+                    output = output + bias_hp.to(output_dtype)
+                outputs.append(output.reshape(*lead_shape, weight_hp.shape[0]))
+                saved_weights += [weight_fp8_t, weight_scale]
+            for member, weight_hp, (weight_fp8, weight_scale, _) in zip(members, weights_hp, weights):
+                if member.stats is not None:
+                    record_health(member.stats, Role.WEIGHT, weight_hp, weight_fp8, weight_scale, recipe)
+            _record_shared_health([m.stats for m in members], Role.INPUT, input_hp_2d, input_fp8, input_scale,
+                                  recipe)
+        ctx.save_for_backward(input_fp8_t, input_scale, *saved_weights)
+        ctx.spec, ctx.members = spec, members
         ctx.input_dtype = input_hp.dtype
-        ctx.weight_dtype = weight_hp.dtype
-        ctx.bias_dtype = None if bias_hp is None else bias_hp.dtype
+        ctx.weight_dtypes = [w.dtype for w in weights_hp]
+        ctx.bias_dtypes = [None if b is None else b.dtype for b in biases_hp]
         ctx.lead_shape = lead_shape
-        return output.reshape(*lead_shape, weight_hp.shape[0])
+        return tuple(outputs)
 
     @staticmethod
-    def backward(ctx, grad_output_hp):
-        input_fp8, input_scale, weight_fp8, weight_scale = ctx.saved_tensors
-        recipe: Recipe = ctx.caster.recipe
-        out_features, in_features = weight_fp8.shape
-        needs_grad_input, needs_grad_weight, needs_grad_bias = ctx.needs_input_grad[:3]
-        grad_input = grad_weight = grad_bias = None
-        with torch.autocast(grad_output_hp.device.type, enabled=False):
-            grad_output_hp_2d = grad_output_hp.reshape(-1, out_features)  # (M, N)
-            grad_output_fp8, grad_output_scale = ctx.caster(Role.GRAD_OUTPUT, grad_output_hp_2d)
-            if ctx.stats is not None:
-                record_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp_2d,
-                              grad_output_fp8, grad_output_scale, recipe)
-            if needs_grad_input:
-                # grad_input = grad_output @ weight  (M, K); split accumulation.
-                grad_input = scaled_gemm(
-                    grad_output_fp8, grad_output_scale, weight_fp8, weight_scale,
-                    ctx.input_dtype, ctx.lowering,
-                ).reshape(*ctx.lead_shape, in_features)
-            if needs_grad_weight:
-                # grad_weight = grad_output_t @ input  (N, K)
-                grad_output_fp8_t = (transpose_fp8(grad_output_fp8) if ctx.caster.transposes_fp8(ctx.lowering)
-                                     else grad_output_fp8.t())
-                grad_weight = scaled_gemm(
-                    grad_output_fp8_t, grad_output_scale, input_fp8, input_scale,
-                    ctx.weight_dtype, ctx.lowering,
-                )
-            if needs_grad_bias and ctx.bias_dtype is not None:
-                grad_bias = grad_output_hp_2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None
+    def backward(ctx, *grad_outputs_hp):
+        input_fp8_t, input_scale, *saved_weights = ctx.saved_tensors
+        spec: CallSpec = ctx.spec
+        count = len(ctx.members)
+        needs_grad_input = ctx.needs_input_grad[0]
+        grad_input, grad_weights, grad_biases = None, [None] * count, [None] * count
+        with torch.autocast(grad_outputs_hp[0].device.type, enabled=False):
+            for i, (member, grad_output_hp) in enumerate(zip(ctx.members, grad_outputs_hp)):
+                weight_fp8_t, weight_scale = saved_weights[2 * i], saved_weights[2 * i + 1]
+                out_features = grad_output_hp.shape[-1]
+                grad_output_hp_2d = grad_output_hp.reshape(-1, out_features)  # (M, N_i)
+                grad_output_fp8, grad_output_scale = _cast_grad_output(spec, grad_output_hp_2d, member)
+                grad_output_fp8 = spec.gemm_operand(grad_output_fp8)
+                if member.stats is not None:
+                    record_health(member.stats, Role.GRAD_OUTPUT, grad_output_hp_2d, grad_output_fp8,
+                                  grad_output_scale, spec.recipe)
+                if needs_grad_input:
+                    # grad_input += grad_output_i @ weight_i  (M, K); split accumulation.
+                    term = scaled_gemm(grad_output_fp8, grad_output_scale, weight_fp8_t.t(), weight_scale,
+                                       ctx.input_dtype, spec.lowering)
+                    grad_input = term if grad_input is None else grad_input + term
+                if ctx.needs_input_grad[3 + i]:
+                    # grad_weight_i = grad_output_i_t @ input  (N_i, K)
+                    grad_output_fp8_t = spec.transposed(grad_output_fp8, grad_output_hp_2d, grad_output_scale,
+                                                        Role.GRAD_OUTPUT)
+                    grad_weights[i] = scaled_gemm(grad_output_fp8_t, grad_output_scale, input_fp8_t.t(),
+                                                  input_scale, ctx.weight_dtypes[i], spec.lowering)
+                if ctx.needs_input_grad[3 + count + i] and ctx.bias_dtypes[i] is not None:
+                    grad_biases[i] = grad_output_hp_2d.sum(0, dtype=torch.float32).to(ctx.bias_dtypes[i])
+        if grad_input is not None:
+            grad_input = grad_input.reshape(*ctx.lead_shape, grad_input.shape[-1])
+        return grad_input, None, None, *grad_weights, *grad_biases
 
 
 def record_health(stats: torch.Tensor, role: Role, x_hp, x_fp8, scale, recipe: Recipe) -> None:
     """Write the health of one cast into row ``role`` of the module's stats buffer, in place."""
     health = quantization_health(x_hp, x_fp8, scale, recipe.fp8_dtype(role))
     stats[ROLES.index(role)].copy_(health)
+
+
+def _record_shared_health(stats_buffers, role: Role, x_hp, x_fp8, scale, recipe: Recipe) -> None:
+    """One cast's health, computed once, into the stats of every member that keeps stats."""
+    buffers = [stats for stats in stats_buffers if stats is not None]
+    if buffers:
+        health = quantization_health(x_hp, x_fp8, scale, recipe.fp8_dtype(role))
+        for stats in buffers:
+            stats[ROLES.index(role)].copy_(health)
 
 
 def target_name(kind: str, recipe_name: str, lowering_name: str) -> str:
@@ -203,33 +348,75 @@ def target_name(kind: str, recipe_name: str, lowering_name: str) -> str:
     return f"fp8graph_{kind}_{label.strip('_')}"
 
 
+def _label(recipe: Recipe, update: bool, in_checkpoint: bool, weight_cache: str | None) -> str:
+    label = recipe.name if update else f"{recipe.name}_frozen"
+    label = f"{label}_checkpointed" if in_checkpoint else label
+    return f"{label}_{weight_cache}_cached_weight" if weight_cache else label
+
+
+def _members(count, stats, histories, scales, cached_weights, cached_weight_scales, weight_cache):
+    def entries(values):
+        return [None] * count if values is None else list(values)
+
+    return tuple(Member(state=None if history is None else (history, scale),
+                        weight_cache=None if cached is None else (weight_cache, cached, cached_scale),
+                        stats=stats_buffer)
+                 for stats_buffer, history, scale, cached, cached_scale in zip(
+                     entries(stats), entries(histories), entries(scales), entries(cached_weights),
+                     entries(cached_weight_scales)))
+
+
+@functools.cache
+def linears_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True, in_checkpoint: bool = False,
+                       weight_cache: str | None = None) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The graph target for a group of sites that read one input, with ``recipe`` lowered by ``lowering``.
+
+    Called as ``linears_fp8(input_hp, weights, biases, stats=None, histories=None, scales=None,
+    cached_weights=None, cached_weight_scales=None)`` with one entry per site in each list (``None``
+    where a site has no such buffer); returns the sites' outputs. ``update=False`` (graphs compiled
+    without gradients) only reads delayed-scaling state; ``in_checkpoint`` marks sites inside a
+    ``torch.utils.checkpoint`` region; ``weight_cache`` (``"fill"`` or ``"reuse"``) makes the sites write
+    or read their weights' FP8 copies (``fp8graph.weight_cache``).
+    """
+
+    def linears_fp8(input_hp, weights_hp, biases_hp, stats=None, histories=None, scales=None,
+                    cached_weights=None, cached_weight_scales=None):
+        members = _members(len(weights_hp), stats, histories, scales, cached_weights, cached_weight_scales,
+                           weight_cache)
+        has_state = any(member.state is not None for member in members)
+        spec = CallSpec(recipe, lowering, update or not has_state, snapshot=in_checkpoint and has_state)
+        return _LinearsFP8.apply(input_hp, spec, members, *weights_hp, *biases_hp)
+
+    linears_fp8.__name__ = target_name("linears", _label(recipe, update, in_checkpoint, weight_cache),
+                                       lowering.value)
+    linears_fp8.recipe = recipe
+    linears_fp8.lowering = lowering
+    return register_target(linears_fp8, recipe, lowering, update, in_checkpoint, weight_cache)
+
+
 @functools.cache
 def linear_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
                       in_checkpoint: bool = False, weight_cache: str | None = None) -> Callable[..., torch.Tensor]:
-    """The graph target for sites with ``recipe`` lowered by ``lowering``.
+    """The graph target for a site with ``recipe`` lowered by ``lowering``: one member of
+    :func:`linears_fp8_target`, called like ``F.linear`` plus the site's buffers.
 
     FX graphs can only hold primitive constants as arguments, so the recipe
     and lowering are bound into a function with a readable name, which the
     rewritten graph's code then shows (``fp8graph_linear_current_HYBRID_emulated``).
-    Delayed-scaling sites also take their ``history`` and ``scale`` buffers;
-    ``update=False`` (graphs compiled without gradients) only reads them.
-    ``in_checkpoint`` marks sites inside a ``torch.utils.checkpoint`` region,
-    whose forward casts read the state through a saved snapshot.
-    ``weight_cache`` (``"fill"`` or ``"reuse"``) makes the site take the
-    buffers of its weight's FP8 copy and write or read them (``fp8graph.weight_cache``).
+    Delayed-scaling sites also take their ``history`` and ``scale`` buffers.
     """
+    group = linears_fp8_target(recipe, lowering, update, in_checkpoint, weight_cache)
 
     def linear_fp8(input_hp, weight_hp, bias_hp=None, stats=None, history=None, scale=None,
                    cached_weight=None, cached_weight_scale=None):
-        state = None if history is None else (history, scale)
-        cache = None if weight_cache is None else (weight_cache, cached_weight, cached_weight_scale)
-        caster = RoleCaster(recipe, state, update, snapshot=in_checkpoint and state is not None, weight_cache=cache)
-        return _LinearFP8.apply(input_hp, weight_hp, bias_hp, caster, lowering, stats)
+        def one(value):
+            return None if value is None else [value]
 
-    label = recipe.name if update else f"{recipe.name}_frozen"
-    label = f"{label}_checkpointed" if in_checkpoint else label
-    label = f"{label}_{weight_cache}_cached_weight" if weight_cache else label
-    linear_fp8.__name__ = target_name("linear", label, lowering.value)
+        (output,) = group(input_hp, [weight_hp], [bias_hp], one(stats), one(history), one(scale),
+                          one(cached_weight), one(cached_weight_scale))
+        return output
+
+    linear_fp8.__name__ = target_name("linear", _label(recipe, update, in_checkpoint, weight_cache), lowering.value)
     linear_fp8.recipe = recipe
     linear_fp8.lowering = lowering
     return register_target(linear_fp8, recipe, lowering, update, in_checkpoint, weight_cache)

@@ -39,22 +39,26 @@ def amax(x_hp: torch.Tensor) -> torch.Tensor:
 
 
 def amax_to_scale(
-    amax_fp32: torch.Tensor, fp8_dtype: torch.dtype, power_2_scales: bool = False
+    amax_fp32: torch.Tensor, fp8_dtype: torch.dtype, power_2_scales: bool = False, margin: int = 0,
+    fallback: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scale that maps ``amax`` onto the FP8 dtype's largest value.
+    """Scale that maps ``amax * 2**margin`` onto the FP8 dtype's largest value.
 
-    An amax of 0, inf or NaN gives scale 1: there is nothing to fit, or the
-    tensor is already broken and its non-finite values must pass through
-    rather than shrink every finite value to zero. A tiny amax whose scale
-    would overflow fp32 gets ``FLT_MAX``.
+    An amax of 0, inf or NaN gives ``fallback`` (current scaling: 1; delayed
+    scaling: the previous scale): there is nothing to fit, or the tensor is
+    already broken and its non-finite values must pass through rather than
+    shrink every finite value to zero. A tiny amax whose scale would overflow
+    fp32 gets ``FLT_MAX``. Elementwise: ``amax_fp32`` may hold several amaxes.
     """
     amax_fp32 = amax_fp32.to(torch.float32)
     usable = torch.isfinite(amax_fp32) & (amax_fp32 > 0)
-    # The fallback 1.0 is derived from a tensor, not a constant: Inductor's
-    # freezing folds only computations of constants and tensors, never of
-    # constructors, and this lets it fold a frozen weight's whole quantization.
-    scale = torch.where(usable, fp8_max(fp8_dtype) / amax_fp32, (~usable).to(torch.float32))
-    scale = scale.clamp(max=_FLOAT32_MAX)
+    headroom = amax_fp32 * (2.0 ** margin) if margin else amax_fp32
+    if fallback is None:
+        # The fallback 1.0 is derived from a tensor, not a constant: Inductor's
+        # freezing folds only computations of constants and tensors, never of
+        # constructors, and this lets it fold a frozen weight's whole quantization.
+        fallback = (~usable).to(torch.float32)
+    scale = torch.where(usable, (fp8_max(fp8_dtype) / headroom).clamp(max=_FLOAT32_MAX), fallback)
     if power_2_scales:
         # Drop the mantissa bits: the largest power of two <= scale. Bit
         # operations are exact where log2/floor/exp2 can round up. Scales are

@@ -1,14 +1,17 @@
 """FX graph passes of the fp8 backend, in pipeline order.
 
-``anchored_inputs`` -> ``find_sites`` -> ``annotate`` -> ``rewrite``. The annotate pass only writes a
-decision into ``node.meta``; the rewrite pass only reads it; the report is
-built from the same decisions.
+``anchored_inputs`` -> ``find_sites`` -> ``annotate`` -> ``group_sites`` -> ``rewrite``. The annotate
+pass only writes a decision into ``node.meta``; ``group_sites`` groups the
+decided sites that read one input; the rewrite pass only reads decisions and
+groups; the report is built from the same decisions.
 """
 
 from .annotate import DECISION_KEY, annotate_sites
 from .find_sites import Site, find_sites
+from .group_sites import group_sites
 from .module_paths import module_path
 from .rewrite import rewrite_sites
 from .anchored_inputs import take_anchored_inputs
 
-__all__ = ["DECISION_KEY", "Site", "annotate_sites", "find_sites", "module_path", "rewrite_sites", "take_anchored_inputs"]
+__all__ = ["DECISION_KEY", "Site", "annotate_sites", "find_sites", "group_sites", "module_path", "rewrite_sites",
+           "take_anchored_inputs"]

@@ -3,11 +3,15 @@
     before:  y = linear(x, w, b)          | y = addmm(b, x2d, w_kn)   | y = matmul(x, w_kn)
     after:   y = fp8graph_linear_<recipe>(x, w, b)                    | weight fed as w_kn.t()
 
+    before:  q = linear(x, w_q); k = linear(x, w_k); v = linear(x, w_v)     (a group, ``group_sites``)
+    after:   qkv = fp8graph_linears_<recipe>(x, [w_q, w_k, w_v], [None, None, None]); q = qkv[0]; ...
+
     before:  s = matmul(q, k_t)           | s = baddbmm(c, q, k_t)   (two activations, opted in by a rule)
     after:   s = fp8graph_matmul_<recipe>(q, k_t, None)  | s = fp8graph_matmul_<recipe>(q, k_t, c)
 
 With stats on, every FP8 call also takes its module's stats buffer:
-``fp8graph_linear_<recipe>(x, w, b, stats)``, likewise for matmuls.
+``fp8graph_linear_<recipe>(x, w, b, stats)``, likewise for matmuls; a group's
+call takes lists of its sites' buffers (``stats=[...]``, ``histories=[...]``).
 
 Sites inside ``torch.utils.checkpoint`` bodies get the top-level stats and
 state placeholders threaded in as extra operands of the region (see
@@ -23,14 +27,14 @@ code. Reads only ``node.meta[DECISION_KEY]``; every rewrite bumps
 from __future__ import annotations
 
 import dataclasses
-import functools
+import operator
 from typing import Callable
 
 import torch.fx
 from torch._dynamo.utils import counters
 
 from fp8graph.cache_hash import mark_cacheable
-from fp8graph.linear_fp8 import linear_fp8_target
+from fp8graph.linear_fp8 import linear_fp8_target, linears_fp8_target
 from fp8graph.linear_tiled import linear_tiled_target
 from fp8graph.matmul_fp8 import matmul_fp8_target
 
@@ -63,6 +67,7 @@ def rewrite_sites(
     update_state: bool = True,
     cache_nodes: Callable[[Site], tuple[torch.fx.Node, torch.fx.Node] | None] = lambda site: None,
     weight_cache: str | None = None,
+    groups: list[list[Decision]] = (),
 ) -> int:
     """Rewrite every site whose decision carries a recipe; returns how many.
 
@@ -73,13 +78,124 @@ def rewrite_sites(
     Current-scaling sites whose weight has an FP8 copy get its ``(copy, scale)``
     placeholders from ``cache_nodes(site)`` and ``weight_cache`` (``"fill"``
     or ``"reuse"``) says what they do with it (see ``fp8graph.weight_cache``).
+    The sites of each group of ``groups`` (``group_sites``) with more than one
+    become one call; every other site a call of its own.
     """
     subgraphs = Subgraphs(gm)
-    rewrite = functools.partial(_rewrite_graph, subgraphs, stats_nodes=stats_nodes, state_nodes=state_nodes,
-                                update_state=update_state, cache_nodes=cache_nodes, weight_cache=weight_cache)
-    rewritten = sum(rewrite(graph_module) for graph_module in subgraphs)
+    buffers = _Buffers(subgraphs, stats_nodes, state_nodes, cache_nodes, update_state, weight_cache)
+    grouped = {id(d.site.node): group for group in groups if len(group) > 1 for d in group}
+    rewritten = 0
+    # A site's operands were read before any rewrite: one may be an earlier
+    # site's node (x @ w1 @ w2), replaced since. Look operands up here.
+    replaced: dict[torch.fx.Node, torch.fx.Node] = {}
+    for graph_module in subgraphs:
+        for node in list(graph_module.graph.nodes):
+            decision = node.meta.get(DECISION_KEY)
+            if decision is None or not decision.rewritten or node in replaced:
+                continue
+            group = grouped.get(id(node), [decision])
+            _rewrite(graph_module, [_with_replaced_operands(d, replaced) for d in group], buffers, replaced)
+            rewritten += len(group)
+            counters["fp8graph"]["sites_rewritten"] += len(group)
+        graph_module.graph.eliminate_dead_code()
     subgraphs.recompile()
     return rewritten
+
+
+def _with_replaced_operands(decision: Decision, replaced: dict) -> Decision:
+    site = dataclasses.replace(decision.site, **{
+        field: replaced.get(getattr(decision.site, field), getattr(decision.site, field))
+        for field in ("input_node", "other_node", "bias_node")})
+    return dataclasses.replace(decision, site=site)
+
+
+class _Buffers:
+    """The buffer operands a site's call takes, lifted into the graph module it lives in."""
+
+    def __init__(self, subgraphs, stats_nodes, state_nodes, cache_nodes, update_state, weight_cache):
+        self.subgraphs, self.update_state, self.weight_cache = subgraphs, update_state, weight_cache
+        self._stats_nodes, self._state_nodes, self._cache_nodes = stats_nodes, state_nodes, cache_nodes
+
+    def _lift(self, nodes, gm):
+        return None if nodes is None else tuple(self.subgraphs.lift(n, gm) for n in nodes)
+
+    def stats(self, decision: Decision, gm) -> torch.fx.Node | None:
+        stats = self._stats_nodes(decision.site)
+        return None if stats is None else self.subgraphs.lift(stats, gm)
+
+    def state(self, decision: Decision, gm) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+        """``(history, scale)`` of a delayed-scaling linear site."""
+        if not (decision.site.is_linear and isinstance(decision.recipe, DelayedScaling)):
+            return None
+        return self._lift(self._state_nodes(decision.site), gm)
+
+    def cache(self, decision: Decision, gm) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+        """``(FP8 copy, scale)`` of the weight of a current-scaling linear site with ``cache_weights``."""
+        if not (decision.site.is_linear and type(decision.recipe) is Float8CurrentScaling):
+            return None
+        return self._lift(self._cache_nodes(decision.site), gm)
+
+
+def _linear_target(decision: Decision, state, cache, buffers: _Buffers, group: bool):
+    in_checkpoint = state is not None and buffers.update_state and _prepare_checkpoint_region(decision.site)
+    make = linears_fp8_target if group else linear_fp8_target
+    return make(decision.recipe, decision.lowering, buffers.update_state or state is None, in_checkpoint,
+                buffers.weight_cache if cache is not None else None)
+
+
+def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers, replaced: dict) -> None:
+    """Replace the sites of ``group`` (one input, or a single site) by one call, inserted before the first."""
+    graph = gm.graph
+    first = group[0]
+    site = first.site
+    with graph.inserting_before(site.node):
+        stats = [buffers.stats(d, gm) for d in group]
+        states = [buffers.state(d, gm) for d in group]
+        caches = [buffers.cache(d, gm) for d in group]
+        if len(group) > 1:
+            target = _linear_target(first, states[0], caches[0], buffers, group=True)
+            args = (site.input_node, [_weight_nk(graph, d) for d in group], [d.site.bias_node for d in group])
+            kwargs = {"stats": stats if any(n is not None for n in stats) else None}
+            if states[0] is not None:
+                kwargs.update(histories=[state[0] for state in states], scales=[state[1] for state in states])
+            if caches[0] is not None:
+                kwargs.update(cached_weights=[cache[0] for cache in caches],
+                              cached_weight_scales=[cache[1] for cache in caches])
+            call = graph.call_function(target, args, {k: v for k, v in kwargs.items() if v is not None})
+            # The call is no site (its outputs are): it keeps the first site's module stack and trace.
+            call.meta.update({k: v for k, v in site.node.meta.items() if k not in ("example_value", DECISION_KEY)})
+            outputs = []
+            for index, decision in enumerate(group):
+                with graph.inserting_after(call if not outputs else outputs[-1]):
+                    output = graph.call_function(operator.getitem, (call, index))
+                output.meta.update(decision.site.node.meta)
+                outputs.append(output)
+            mark_cacheable(call, target)
+        else:
+            state, cache = states[0], caches[0]
+            if isinstance(first.recipe, TiledRecipe):
+                target = linear_tiled_target(first.recipe, first.lowering)
+                args = (site.input_node, _weight_nk(graph, first), site.bias_node)
+            elif site.is_linear:
+                target = _linear_target(first, state, cache, buffers, group=False)
+                args = (site.input_node, _weight_nk(graph, first), site.bias_node)
+            else:
+                target = matmul_fp8_target(first.recipe)
+                args = (site.input_node, site.other_node, site.bias_node)
+            if stats[0] is not None or state is not None:
+                args = args + (stats[0],)
+            if state is not None:
+                args = args + state
+            kwargs = {} if cache is None else dict(zip(("cached_weight", "cached_weight_scale"), cache))
+            call = graph.call_function(target, args, kwargs)
+            call.meta.update(site.node.meta)
+            mark_cacheable(call, target)
+            outputs = [call]
+    for decision, output in zip(group, outputs):
+        replaced[decision.site.node] = output
+        node = decision.site.node
+        node.replace_all_uses_with(output)
+        graph.erase_node(node)
 
 
 def _prepare_checkpoint_region(site: Site) -> bool:
@@ -92,54 +208,3 @@ def _prepare_checkpoint_region(site: Site) -> bool:
         raise AssertionError("annotate keeps delayed scaling out of regions with their own context_fn")
     region.meta[CONTEXT_FN_KEY] = checkpoint_context_fn
     return True
-
-
-def _rewrite_graph(subgraphs: Subgraphs, gm, stats_nodes, state_nodes, update_state, cache_nodes,
-                   weight_cache) -> int:
-    """The rewrite of one graph module; top-level buffers are threaded into bodies that need them."""
-    graph = gm.graph
-    rewritten = 0
-    # A site's operands were read before any rewrite: one may be an earlier
-    # site's node (x @ w1 @ w2), replaced since. Look operands up here.
-    replaced: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node in list(graph.nodes):
-        decision = node.meta.get(DECISION_KEY)
-        if decision is None or not decision.rewritten:
-            continue
-        site = dataclasses.replace(decision.site, **{
-            field: replaced.get(getattr(decision.site, field), getattr(decision.site, field))
-            for field in ("input_node", "other_node", "bias_node")})
-        decision = dataclasses.replace(decision, site=site)
-        state = state_nodes(site) if site.is_linear and isinstance(decision.recipe, DelayedScaling) else None
-        state = None if state is None else tuple(subgraphs.lift(n, gm) for n in state)
-        stats = stats_nodes(site)
-        stats = None if stats is None else subgraphs.lift(stats, gm)
-        cache = cache_nodes(site) if site.is_linear and type(decision.recipe) is Float8CurrentScaling else None
-        cache = None if cache is None else tuple(subgraphs.lift(n, gm) for n in cache)
-        kwargs = {} if cache is None else dict(zip(("cached_weight", "cached_weight_scale"), cache))
-        with graph.inserting_before(node):
-            if isinstance(decision.recipe, TiledRecipe):
-                target = linear_tiled_target(decision.recipe, decision.lowering)
-                args = (site.input_node, _weight_nk(graph, decision), site.bias_node)
-            elif site.is_linear:
-                in_checkpoint = state is not None and update_state and _prepare_checkpoint_region(site)
-                target = linear_fp8_target(decision.recipe, decision.lowering, update_state or state is None,
-                                           in_checkpoint, weight_cache if cache is not None else None)
-                args = (site.input_node, _weight_nk(graph, decision), site.bias_node)
-            else:
-                target = matmul_fp8_target(decision.recipe)
-                args = (site.input_node, site.other_node, site.bias_node)
-            if stats is not None or state is not None:
-                args = args + (stats,)
-            if state is not None:
-                args = args + state
-            fp8_node = graph.call_function(target, args, kwargs)
-        fp8_node.meta.update(node.meta)
-        mark_cacheable(fp8_node, target)
-        replaced[node] = fp8_node
-        node.replace_all_uses_with(fp8_node)
-        graph.erase_node(node)
-        rewritten += 1
-        counters["fp8graph"]["sites_rewritten"] += 1
-    graph.eliminate_dead_code()
-    return rewritten

@@ -35,7 +35,8 @@ def decisions_by_path(backend):
 
 
 def fp8_target_count(gm: torch.fx.GraphModule) -> int:
-    return sum(1 for n in gm.graph.nodes
+    """FP8 sites called in ``gm``: one per call, a group's call (``fp8graph_linears_*``) one per weight."""
+    return sum(len(n.args[1]) if n.target.__name__.startswith("fp8graph_linears_") else 1 for n in gm.graph.nodes
                if n.op == "call_function" and getattr(n.target, "__name__", "").startswith("fp8graph_"))
 
 

@@ -126,10 +126,25 @@ def _tensor_sources(node: torch.fx.Node) -> list[torch.fx.Node]:
     return sources
 
 
-def _transposed_fp8_copies(graph: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """Contiguous copies of transposed FP8 tensors written in the graph's own code (what Inductor fuses)."""
-    return [node for node in graph.graph.nodes if node.target is torch.ops.aten.clone.default
-            and node.meta["val"].dtype in _FP8_DTYPES and node.args[0].target is torch.ops.aten.permute.default]
+def _fp8_copies(graph: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Contiguous copies of FP8 tensors written in the graph's own code: what the casts' kernels write in a
+    second layout."""
+    return [node for node in graph.graph.nodes
+            if node.target is torch.ops.aten.clone.default and node.meta["val"].dtype in _FP8_DTYPES]
+
+
+_VIEWS = {torch.ops.aten.permute.default, torch.ops.aten.t.default, torch.ops.aten.view.default,
+          torch.ops.aten.as_strided.default, torch.ops.aten.alias.default}
+
+
+def _saved_bases(forward: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes whose values the forward hands to the backward, each seen through the views saved of it."""
+    bases = set()
+    for node in forward.graph.output_node().args[0]:
+        while isinstance(node, torch.fx.Node) and node.target in _VIEWS:
+            node = node.args[0]
+        bases.add(node)
+    return bases
 
 
 def _op_count(graph: torch.fx.GraphModule, op) -> int:
@@ -143,28 +158,42 @@ def _llama_step_graphs(recipe, lowering="scaled_mm"):
 
 
 def test_delayed_casts_write_their_transposed_layouts_from_the_fp8_bytes():
-    """On the GPU's graph, delayed scaling writes the transposed FP8 copies that cuBLAS reads (input for
-    grad_weight, grad_output for grad_weight) with ``fp8graph::transpose_fp8`` from the FP8 bytes, so the row-major
-    cast keeps the one pass with its amax (H100: 80-83% of a copy; 29-61% with the transpose in the group).
-    The weights' transposed copies are cast again in the backward from the parameter (a read of the BF16
-    weight instead of 1 byte a parameter held from forward to backward). Not proven here: that Inductor's
-    GPU code then fuses the cast and its amax into one kernel (``bench quantize``, ``bench decoder --profile``)."""
+    """On the GPU's graph, delayed scaling writes the transposed FP8 copies that cuBLAS reads (input and
+    grad_output for grad_weight, the weight for grad_input) with ``fp8graph::transpose_fp8`` from the FP8
+    bytes, so the row-major cast keeps the one pass with its amax (H100: 80-83% of a copy; 29-61% with the
+    transpose in the group). Inputs and weights are transposed in the forward and kept for the backward,
+    which reads no weight again. Not proven here: that Inductor's GPU code then fuses the cast and its amax
+    into one kernel (``python -m bench model``, ``bench decoder --profile``)."""
     forward, backward = _llama_step_graphs(DelayedScaling(amax_history_len=4))
-    sites = 14  # 2 layers x 7 linears; each delayed site casts its input with its own scale
+    sites, inputs = 14, 8  # 2 layers x 7 linears; q, k and v read one input, gate and up another
     transpose_fp8 = torch.ops.fp8graph.transpose_fp8.default
-    assert _op_count(forward, transpose_fp8) == sites  # each input, for grad_weight
+    assert _op_count(forward, transpose_fp8) == inputs + sites  # each input once, each weight
     assert _op_count(backward, transpose_fp8) == sites  # each grad_output, for grad_weight
-    assert _transposed_fp8_copies(forward) == []
-    weight_recasts = _transposed_fp8_copies(backward)
-    assert len(weight_recasts) == sites
-    for copy in weight_recasts:  # each from a parameter the forward had anyway, never a saved activation
-        assert [source.name.startswith("primals_") for source in _tensor_sources(copy)] == [True], copy.format_node()
+    assert _fp8_copies(forward) == _fp8_copies(backward) == []  # no FP8 layout written by the casts' own code
+    saved = _saved_bases(forward)
+    assert sum(node in saved for node in forward.graph.nodes if node.target is transpose_fp8) == inputs + sites
+
+
+def test_current_casts_write_both_layouts_in_the_forward_and_keep_the_transposed_ones():
+    """Current scaling writes each input's and weight's transposed FP8 copy in the forward, from the same
+    high-precision tensor as the row-major cast (one kernel after the amax reduction), and the partitioner
+    keeps it for the backward instead of recomputing it there (``fp8graph.partitioning``). The backward's
+    only casts are the grad_outputs'."""
+    forward, backward = _llama_step_graphs(Float8CurrentScaling())
+    sites, inputs = 14, 8
+    forward_copies = _fp8_copies(forward)
+    assert len(forward_copies) == inputs + sites
+    saved = _saved_bases(forward)
+    assert all(copy in saved for copy in forward_copies)
+    assert len(_fp8_copies(backward)) == sites  # each grad_output's, for grad_weight
+    for copy in forward_copies:  # cast from a full-size tensor of the forward, not from FP8 bytes
+        assert all(source.meta["val"].dtype in _HIGH_PRECISION for source in _tensor_sources(copy))
+
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=["current", "delayed"])
 def test_no_activation_is_saved_in_high_precision_only_to_be_cast_again(recipe):
     """Every activation the backward casts to FP8 arrives as FP8: no high-precision tensor (2 or 4 bytes an
-    element) is kept from forward to backward only to be quantized again there. Parameters are exempt: the
-    forward holds them anyway, and the backward recasts each weight's transposed copy from its parameter.
+    element) is kept from forward to backward only to be quantized again there, and no weight is cast again.
     Not proven here: how much memory or time that saves on a GPU (``bench decoder``: peak memory, profile)."""
     forward, backward = _llama_step_graphs(recipe)
     saved = [node for node in backward.graph.nodes if node.op == "placeholder"
@@ -173,6 +202,9 @@ def test_no_activation_is_saved_in_high_precision_only_to_be_cast_again(recipe):
     recast = [node.name for node in saved if node.meta["val"].dtype in _HIGH_PRECISION
               and node.meta["val"].dim() >= 2 and _fp8_casts_reached(node)]
     assert recast == []
-    # The check can fail: a parameter is recast (each weight's transposed copy) and is found by it.
+    # Nor is a weight cast again: the backward reads the transposed FP8 copies the forward kept.
     primals = [node for node in backward.graph.nodes if node.op == "placeholder" and node.name.startswith("primals_")]
-    assert sum(bool(_fp8_casts_reached(node)) for node in primals) == 14
+    assert not any(_fp8_casts_reached(node) for node in primals)
+    # The check can fail: in the forward it finds every weight's casts.
+    forward_primals = [node for node in forward.graph.nodes if node.op == "placeholder"]
+    assert sum(bool(_fp8_casts_reached(node)) and node.meta["val"].dim() == 2 for node in forward_primals) >= 14

@@ -37,8 +37,11 @@ def test_rows_counts_and_code():
     assert report.reason_counts == {"policy keeps it in high precision": 1}
     assert report.graph_count == 1 and report.graph_breaks == []
     [code] = report.graph_code
-    assert code.count("fp8graph_linear_current_HYBRID_emulated(") == 8
-    assert code.count("fp8graph_linear_current_E4M3_emulated(") == 6
+    # Per layer: q, k and v in one call (one input), o alone; gate and up in one call, down alone.
+    assert code.count("fp8graph_linears_current_HYBRID_emulated(") == 2
+    assert code.count("fp8graph_linear_current_HYBRID_emulated(") == 2
+    assert code.count("fp8graph_linears_current_E4M3_emulated(") == 2
+    assert code.count("fp8graph_linear_current_E4M3_emulated(") == 2
     text = str(report)
     assert "8 site(s) in FP8 with current(HYBRID)" in text and "1 graph(s), 0 graph break(s)" in text
     # Rows are data: the recipe object the policy gave, comparable and filterable by class.

@@ -127,6 +127,16 @@ def _kernel_arg_bytes(kernel) -> list[ArgBytes]:
     return result
 
 
+def _kernel_bytes(kernel) -> list[ArgBytes]:
+    """The bytes of each argument of a Triton kernel; a combo kernel (``combo_kernels=True``: independent
+    kernels launched as one) counts each of its sub-kernels' arguments, named ``sub<i>.<arg>``."""
+    sub_kernels = getattr(kernel, "sub_kernels", None)
+    if sub_kernels is None:
+        return _kernel_arg_bytes(kernel)
+    return [dataclasses.replace(arg, arg=f"sub{i}.{arg.arg}")
+            for i, sub_kernel in enumerate(sub_kernels) for arg in _kernel_arg_bytes(sub_kernel)]
+
+
 def _shape(node) -> tuple[int, ...]:
     from torch._inductor.virtualized import V
 
@@ -189,10 +199,9 @@ class Capture:
             record = cap.graphs[-1].kernels.setdefault(name, KernelRecord(name))
             if record.args is None:
                 try:
-                    record.args = _kernel_arg_bytes(kernel)
-                except Exception as error:  # noqa: BLE001 - keep capturing; say what is missing
-                    record.args = []
-                    print(f"capture: no byte breakdown for {name}: {error!r}")
+                    record.args = _kernel_bytes(kernel)
+                except Exception as error:  # a kernel without bytes would be free in the model: refuse
+                    raise CaptureError(f"no byte breakdown for {name}: {error!r}") from error
             return name
 
         self._patch(triton_codegen.TritonScheduling, "define_kernel", define_kernel)

@@ -1,0 +1,74 @@
+"""Group the FP8 linear sites that read one input, so that the input is cast once for all of them.
+
+    before:  q = fp8 linear(x, w_q)     k = fp8 linear(x, w_k)     v = fp8 linear(x, w_v)
+    after:   q, k, v = fp8 linears(x, [w_q, w_k, w_v])          one cast of x (and of its transpose),
+                                                                  one amax, one scale; three GEMMs
+
+A decoder layer has two such groups: the attention's q, k and v projections,
+and the MLP's gate and up projections. Apart, each site casts the input
+itself: with current scaling Inductor then stores the same FP8 tensor once per
+GEMM, with delayed scaling each site has its own scale and every cast is a
+pass of its own. Only per-tensor recipes group (their GEMMs share one input
+scale); sites group when they are rewritten linears of the same graph and
+checkpoint region with the same recipe, lowering and ``compatible`` key
+(which buffers they carry), read the same input node through distinct
+weights, and have every operand defined before the first of them, where the
+group's call goes. Reads only decisions; the rewrite applies the groups.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable
+
+import torch.fx
+
+from fp8graph.recipes import TiledRecipe
+
+from .annotate import Decision
+
+__all__ = ["group_sites"]
+
+
+def _operands(decision: Decision) -> list[torch.fx.Node]:
+    site = decision.site
+    return [node for node in (site.input_node, site.weight_node, site.bias_node) if node is not None]
+
+
+def group_sites(decisions: list[Decision],
+                compatible: Callable[[Decision], Hashable] = lambda decision: None) -> list[list[Decision]]:
+    """The rewritten linear sites in groups (in graph order), each group's sites reading one input.
+
+    Sites that share nothing are groups of one. ``compatible(decision)`` must be equal for the sites of
+    a group (the backend keys it on the buffers a site carries: delayed-scaling state, a cached weight).
+    """
+    groups: dict[tuple, list[Decision]] = {}
+    for decision in decisions:
+        site = decision.site
+        if not decision.rewritten or not site.is_linear or isinstance(decision.recipe, TiledRecipe):
+            continue
+        key = (id(site.graph_module), site.input_node, id(site.checkpoint_region), decision.recipe,
+               decision.lowering, compatible(decision))
+        groups.setdefault(key, []).append(decision)
+    positions: dict[torch.fx.Node, int] = {}
+    for graph in {id(d.site.node.graph): d.site.node.graph for d in decisions}.values():
+        positions.update((node, index) for index, node in enumerate(graph.nodes))
+    result = []
+    for members in groups.values():
+        result += _split_by_order(sorted(members, key=lambda d: positions[d.site.node]), positions)
+    return sorted(result, key=lambda group: (id(group[0].site.node.graph), positions[group[0].site.node]))
+
+
+def _split_by_order(members: list[Decision], positions: dict[torch.fx.Node, int]) -> list[list[Decision]]:
+    """``members`` (same input, in graph order) as one group where the call can go before the first of
+    them: each other member's operands are defined by then and its weight is not another member's. The
+    rest stay alone."""
+    first = members[0]
+    group, alone, weights = [first], [], {first.site.weight_node}
+    for member in members[1:]:
+        defined_before = all(positions[node] < positions[first.site.node] for node in _operands(member))
+        if member.site.weight_node in weights or not defined_before:
+            alone.append([member])
+            continue
+        group.append(member)
+        weights.add(member.site.weight_node)
+    return [group] + alone
