@@ -238,10 +238,11 @@ def _compile_ratios(deep: bool):
 
 
 def _modelled(column: str, recipes: tuple[str, ...] | None = None):
-    """``column`` of a ``bench model`` result's fp8graph rows (of ``recipes`` only, if given), per case."""
+    """``column`` of a ``bench model`` result's fp8graph rows (of ``recipes`` only, if given), per case; rows
+    without it (no torchao contestant in the run) are not judged."""
     def measure(result):
         for row in _fp8graph_rows(result):
-            if recipes is None or row["contestant"] in recipes:
+            if (recipes is None or row["contestant"] in recipes) and column in row:
                 yield f"{row['contestant']} ({row['case']})", row[column]
     return measure
 

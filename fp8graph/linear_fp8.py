@@ -41,9 +41,8 @@ per layout it is read in (``lowering="scaled_mm"``):
   ``cache_weights`` (current scaling) the row-major copy is kept across calls
   while the weight does not change.
 
-An FP8 tensor read by several GEMMs goes through :func:`_one_buffer` so that
-Inductor stores it once (its ``_scaled_mm`` lowering otherwise copies an
-unrealized input once per GEMM), and the transposed copies the backward reads
+An FP8 tensor read by several GEMMs goes through ``fp8graph.lowering.one_buffer``
+so that Inductor stores it once, and the transposed copies the backward reads
 are written in the forward and kept (``fp8graph.partitioning``).
 """
 
@@ -56,12 +55,12 @@ from typing import Callable, Sequence
 import torch
 
 from .cache_hash import register_target
-from .delayed_scaling import amax_from_history, delayed_cast, record_amax, roll_history
+from .delayed_scaling import amax_from_history, record_amax, roll_history
 from .distributed import amax_reduction
 from .formats import ROLES, Role
 from .health import quantization_health
 from .kernels.transpose_fp8 import transpose_fp8
-from .lowering import Lowering, scaled_gemm
+from .lowering import Lowering, one_buffer, scaled_gemm
 from .partitioning import keep_for_backward, saved_not_recomputed
 from .quantize import amax, amax_to_scale, quantize
 from .recipes import DelayedScaling, Recipe
@@ -77,13 +76,6 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
-
-
-def _one_buffer(x_fp8: torch.Tensor) -> torch.Tensor:
-    """``x_fp8`` itself, through an identity view that Inductor must realize: every GEMM then reads the one
-    buffer. (Inductor's ``_scaled_mm`` lowering requires exact strides of its inputs and, for an input not
-    yet realized, makes a copy per GEMM: q, k and v would each store the shared input.)"""
-    return torch.as_strided(x_fp8, x_fp8.shape, x_fp8.stride())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +111,8 @@ class CallSpec:
         return self.lowering is Lowering.SCALED_MM
 
     def gemm_operand(self, x_fp8: torch.Tensor) -> torch.Tensor:
-        """``x_fp8`` as the GEMMs (and the transposed copy) read it: one buffer (see :func:`_one_buffer`)."""
-        return _one_buffer(x_fp8) if self.native_layouts else x_fp8
+        """``x_fp8`` as the GEMMs (and the transposed copy) read it: one buffer (``fp8graph.lowering.one_buffer``)."""
+        return one_buffer(x_fp8) if self.native_layouts else x_fp8
 
     def kept(self, scale: torch.Tensor, x_t_fp8: torch.Tensor | None) -> torch.Tensor:
         """``scale`` as the forward GEMM reads it, tied to the transposed copy the backward reads, so that the
@@ -143,14 +135,26 @@ class CallSpec:
             return x_t_fp8.contiguous()
 
 
-def _state_read(spec: CallSpec, member: Member, forward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A member's (history, scale) as a cast reads them: inside a checkpoint region the forward reads a
-    snapshot (the backward's replay must see the state the first forward saw); backward casts read the
-    live buffers (an earlier backward of the same step may have recorded into them)."""
-    history, scale = member.state
+def _states(spec: CallSpec, members: Sequence[Member], forward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The members' histories (m, 3, len) and scales (m, 3), stacked, as the casts read them.
+
+    Inside a checkpoint region the forward reads snapshots (the backward's replay must see the state
+    the first forward saw); backward casts read the live buffers (an earlier backward of the same step
+    may have recorded into them). One stacked read, so that a call's state is a few small kernels,
+    not a few per member.
+    """
+    histories, scales = zip(*(member.state for member in members))
     if spec.snapshot and forward:
-        return state_snapshot(history), state_snapshot(scale)
-    return history, scale
+        histories, scales = [state_snapshot(h) for h in histories], [state_snapshot(s) for s in scales]
+    return torch.stack(histories), torch.stack(scales)
+
+
+def _write_states(members: Sequence[Member], rows: slice, new_histories: torch.Tensor,
+                  new_scales: torch.Tensor) -> None:
+    """Write rows ``rows`` of each member's state buffers in place: (m, rows, len) and (m, rows)."""
+    for member, history, scale in zip(members, new_histories, new_scales):
+        member.state[0][rows].copy_(history)
+        member.state[1][rows].copy_(scale)
 
 
 def _cast_current(spec: CallSpec, x_hp: torch.Tensor, role: Role) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,43 +167,40 @@ def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Se
                           members: Sequence[Member]):
     """The forward casts of delayed-scaling members: the shared input, then each weight.
 
-    Each member's input and weight rows move one step together: new scales from the histories,
-    histories rolled, this call's amaxes recorded in slot 0, all written into the buffers in place.
+    All members' input and weight rows move one step together: new scales from the histories,
+    histories rolled, this call's amaxes recorded in slot 0, written into the buffers in place.
     Returns ``(input_fp8, input_scale, [(weight_fp8, weight_scale, weight_hp), ...])``.
     """
     recipe = spec.recipe
     reduce = amax_reduction(recipe.reduce_amax)
-    states = [_state_read(spec, member, forward=True) for member in members]
-    input_dtype, weight_dtype = recipe.fp8_dtype(Role.INPUT), recipe.fp8_dtype(Role.WEIGHT)
+    fp8_dtype = recipe.fp8_dtype(Role.INPUT)
+    if recipe.fp8_dtype(Role.WEIGHT) != fp8_dtype:
+        raise AssertionError("every Format casts input and weight to one FP8 dtype")
+    history, scale = _states(spec, members, forward=True)  # (m, 3, len), (m, 3)
+    forward_rows = slice(_INPUT, _GRAD)
     if not spec.update:  # inference: the stored scales
-        input_scale = states[0][1][_INPUT]
-        input_fp8 = quantize(input_hp, input_scale, input_dtype)
-        weights = [(quantize(w, scale[_WEIGHT], weight_dtype), scale[_WEIGHT].clone(), w)
-                   for w, (_, scale) in zip(weights_hp, states)]
-        return input_fp8, input_scale.clone(), weights
-    # The scales are read from the buffers that this forward then updates: the backward must reuse them,
-    # never recompute them from the updated buffers (the partitioner would: fp8graph.partitioning).
-    with saved_not_recomputed():
-        # (members, 2): the amax each member's input and weight history gives.
-        history_amaxes = torch.stack([amax_from_history(history[:_GRAD], recipe.amax_compute_algo)
-                                      for history, _ in states])
-        input_scale = amax_to_scale(history_amaxes[:, _INPUT].amax(), input_dtype, margin=recipe.margin,
-                                    fallback=states[0][1][_INPUT])
-        weight_scales = amax_to_scale(history_amaxes[:, _WEIGHT], weight_dtype, margin=recipe.margin,
-                                      fallback=torch.stack([scale[_WEIGHT] for _, scale in states]))
-    input_fp8 = quantize(input_hp, input_scale, input_dtype)
-    # The amaxes ride along with the casts: Inductor computes each with its cast in one read.
-    input_amax = amax(input_hp.detach())
-    input_amax = reduce(input_amax) if reduce is not None else input_amax
-    weights = []
-    for member, weight_hp, (history, _), weight_scale in zip(members, weights_hp, states, weight_scales):
-        weight_fp8 = quantize(weight_hp, weight_scale, weight_dtype)
-        weight_amax = amax(weight_hp.detach())
-        weight_amax = reduce(weight_amax) if reduce is not None else weight_amax
-        live_history, live_scale = member.state
-        live_history[:_GRAD].copy_(record_amax(roll_history(history[:_GRAD]), torch.stack([input_amax, weight_amax])))
-        live_scale[:_GRAD].copy_(torch.stack([input_scale, weight_scale]))
-        weights.append((weight_fp8, weight_scale, weight_hp))
+        input_scale, weight_scales = scale[0, _INPUT].clone(), scale[:, _WEIGHT].clone()
+    else:
+        # The scales are read from the buffers that this forward then updates: the backward must reuse
+        # them, never recompute them from the updated buffers (the partitioner would: fp8graph.partitioning).
+        with saved_not_recomputed():
+            history_amax = amax_from_history(history[:, forward_rows], recipe.amax_compute_algo)  # (m, 2)
+            # One input, one scale: from the largest amax the members' input histories give.
+            history_amax = torch.stack([history_amax[:, _INPUT].amax().expand(len(members)),
+                                        history_amax[:, _WEIGHT]], 1)
+            new_scales = amax_to_scale(history_amax, fp8_dtype, margin=recipe.margin,
+                                       fallback=scale[:, forward_rows])  # (m, 2)
+        input_scale, weight_scales = new_scales[0, _INPUT], new_scales[:, _WEIGHT]
+    input_fp8 = quantize(input_hp, input_scale, fp8_dtype)
+    weights = [(quantize(w, weight_scale, fp8_dtype), weight_scale, w)
+               for w, weight_scale in zip(weights_hp, weight_scales)]
+    if spec.update:
+        # The amaxes ride along with the casts: Inductor computes each with its cast in one read.
+        amaxes = [amax(input_hp.detach())] + [amax(w.detach()) for w in weights_hp]
+        amaxes = torch.stack(amaxes) if reduce is None else reduce(torch.stack(amaxes))  # one collective
+        recorded = torch.stack([amaxes[0].expand(len(members)), amaxes[1:]], 1)  # (m, 2)
+        _write_states(members, forward_rows, record_amax(roll_history(history[:, forward_rows]), recorded),
+                      new_scales)
     return input_fp8, input_scale, weights
 
 
@@ -220,18 +221,27 @@ def _cast_weight_current(spec: CallSpec, weight_hp: torch.Tensor, member: Member
     return weight_fp8, weight_scale, weight_hp
 
 
-def _cast_grad_output(spec: CallSpec, grad_output_hp: torch.Tensor, member: Member):
-    if not spec.delayed:
-        return _cast_current(spec, grad_output_hp, Role.GRAD_OUTPUT)
+def _cast_grad_outputs(spec: CallSpec, grad_outputs_hp: Sequence[torch.Tensor], members: Sequence[Member]):
+    """Each member's grad_output cast, ``[(grad_output_fp8, grad_output_scale), ...]``; with delayed scaling
+    all members' grad_output rows move one step together (as :func:`_cast_forward_delayed`'s rows)."""
     recipe = spec.recipe
-    history, scale = _state_read(spec, member, forward=False)
-    grad_fp8, grad_scale, new_history = delayed_cast(
-        grad_output_hp, history[_GRAD], scale[_GRAD], recipe.fp8_dtype(Role.GRAD_OUTPUT), recipe.margin,
-        recipe.amax_compute_algo, spec.update, reduce_amax=amax_reduction(recipe.reduce_amax))
-    if spec.update:
-        history[_GRAD].copy_(new_history)
-        scale[_GRAD].copy_(grad_scale)
-    return grad_fp8, grad_scale.clone()  # never the buffer itself: it changes next step
+    if not spec.delayed:
+        return [_cast_current(spec, grad, Role.GRAD_OUTPUT) for grad in grad_outputs_hp]
+    fp8_dtype = recipe.fp8_dtype(Role.GRAD_OUTPUT)
+    history, scale = _states(spec, members, forward=False)
+    if not spec.update:
+        return [(quantize(grad, grad_scale, fp8_dtype), grad_scale.clone())
+                for grad, grad_scale in zip(grad_outputs_hp, scale[:, _GRAD])]
+    new_scales = amax_to_scale(amax_from_history(history[:, _GRAD], recipe.amax_compute_algo), fp8_dtype,
+                               margin=recipe.margin, fallback=scale[:, _GRAD])  # (m,)
+    casts = [(quantize(grad, grad_scale, fp8_dtype), grad_scale) for grad, grad_scale in zip(grad_outputs_hp, new_scales)]
+    amaxes = torch.stack([amax(grad.detach()) for grad in grad_outputs_hp])
+    reduce = amax_reduction(recipe.reduce_amax)
+    amaxes = amaxes if reduce is None else reduce(amaxes)
+    grad_rows = slice(_GRAD, _GRAD + 1)
+    _write_states(members, grad_rows, record_amax(roll_history(history[:, grad_rows]), amaxes[:, None]),
+                  new_scales[:, None])
+    return casts
 
 
 class _LinearsFP8(torch.autograd.Function):
@@ -298,11 +308,11 @@ class _LinearsFP8(torch.autograd.Function):
         needs_grad_input = ctx.needs_input_grad[0]
         grad_input, grad_weights, grad_biases = None, [None] * count, [None] * count
         with torch.autocast(grad_outputs_hp[0].device.type, enabled=False):
-            for i, (member, grad_output_hp) in enumerate(zip(ctx.members, grad_outputs_hp)):
+            grad_outputs_hp_2d = [grad.reshape(-1, grad.shape[-1]) for grad in grad_outputs_hp]  # (M, N_i)
+            casts = _cast_grad_outputs(spec, grad_outputs_hp_2d, ctx.members)
+            for i, (member, grad_output_hp_2d, (grad_output_fp8, grad_output_scale)) in enumerate(
+                    zip(ctx.members, grad_outputs_hp_2d, casts)):
                 weight_fp8_t, weight_scale = saved_weights[2 * i], saved_weights[2 * i + 1]
-                out_features = grad_output_hp.shape[-1]
-                grad_output_hp_2d = grad_output_hp.reshape(-1, out_features)  # (M, N_i)
-                grad_output_fp8, grad_output_scale = _cast_grad_output(spec, grad_output_hp_2d, member)
                 grad_output_fp8 = spec.gemm_operand(grad_output_fp8)
                 if member.stats is not None:
                     record_health(member.stats, Role.GRAD_OUTPUT, grad_output_hp_2d, grad_output_fp8,

@@ -30,7 +30,7 @@ import torch
 from .formats import Role
 from .kernels.quantize_tiles import kernel_quantizes
 from .linear_fp8 import autocast_dtype, record_health, target_name
-from .lowering import Lowering, tiled_scaled_gemm
+from .lowering import Lowering, one_buffer, tiled_scaled_gemm
 from .recipes import TiledRecipe
 from .cache_hash import register_target
 from .tiles import Tiling, expand_scale, quantize_tiled
@@ -71,12 +71,19 @@ def _quantize(x_hp: torch.Tensor, tiling: Tiling, along_rows: bool, along_column
         x_t_q = (_TiledOperand(*torch.ops.fp8graph.quantize_tiles(x_hp.t(), *tile_args), tiling)
                  if along_columns else None)
         return x_q, x_t_q
-    x_q = _TiledOperand(*quantize_tiled(x_hp, tiling), tiling) if along_rows else None
+    x_q = _inductor_quantized(x_hp, tiling) if along_rows else None
     x_t_q = None
     if along_columns:
         x_t_q = (x_q.transposed() if tiling.is_square and x_q is not None
-                 else _TiledOperand(*quantize_tiled(x_hp.t(), tiling), tiling))
+                 else _inductor_quantized(x_hp.t(), tiling))
     return x_q, x_t_q
+
+
+def _inductor_quantized(x_hp: torch.Tensor, tiling: Tiling) -> _TiledOperand:
+    """``quantize_tiled`` of ``x_hp``, its FP8 values one buffer however many GEMMs read them (q, k and v
+    quantize their shared input identically: one node once the graph's duplicates merge)."""
+    x_fp8, scale = quantize_tiled(x_hp, tiling)
+    return _TiledOperand(one_buffer(x_fp8) if x_hp.device.type == "cuda" else x_fp8, scale, tiling)
 
 
 def _gemm(a: _TiledOperand, b: _TiledOperand, out_dtype, lowering, use_fast_accum=False) -> torch.Tensor:

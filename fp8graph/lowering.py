@@ -33,7 +33,7 @@ import torch
 from .tiles import Tiling, dequantize_tiled
 
 __all__ = ["LOWERING_CHOICES", "Lowering", "NoNativeGemm", "choose_lowering", "has_cpu_kernel", "native_requirement",
-           "pad_reduction_dim",
+           "one_buffer", "pad_reduction_dim",
            "scaled_gemm", "tiled_scaled_gemm"]
 
 _MIN_FP8_CAPABILITY = (8, 9)
@@ -165,6 +165,17 @@ def pad_reduction_dim(a_fp8: torch.Tensor, b_fp8: torch.Tensor) -> tuple[torch.T
     a_padded = torch.nn.functional.pad(a_fp8.view(torch.uint8), (0, pad)).view(a_fp8.dtype)
     b_padded = torch.nn.functional.pad(b_fp8.view(torch.uint8), (0, 0, 0, pad)).view(b_fp8.dtype)
     return a_padded, b_padded
+
+
+def one_buffer(x_fp8: torch.Tensor) -> torch.Tensor:
+    """``x_fp8`` itself, through an identity view that Inductor must realize: every GEMM (and custom op)
+    that reads it then reads the one buffer. Apply it where the FP8 tensor is made, before its readers.
+
+    Inductor's lowerings of ``_scaled_mm`` and of custom ops require exact strides of their inputs and,
+    for an input not yet realized, make a copy per reader: q, k and v would each store the input they
+    share, and a delayed cast would be stored once for its GEMM and once for ``transpose_fp8``.
+    """
+    return torch.as_strided(x_fp8, x_fp8.shape, x_fp8.stride())
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
