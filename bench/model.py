@@ -4,6 +4,7 @@
     python -m bench model linear [--shape M,K,N ...]                         bench linear's step
     python -m bench model quantize [--all]                                   the H100 quantize probe's casts
     python -m bench model calibrate [--only SECTION ...]                     the model against the stored H100 runs
+    python -m bench model compare bench/results/decoder-....json             a GPU run beside the modelled step
 
 Nothing runs on a GPU. Each contestant (``bench decoder``'s: BF16, fp8graph per recipe, torchao) is
 compiled in a child process of its own for a fake H100 (``bench.costmodel``); every Triton kernel,
@@ -325,6 +326,58 @@ def model_calibrate(args) -> None:
     print("\n".join(lines))
 
 
+def model_compare(args) -> None:
+    """A measured ``bench decoder`` result beside the modelled one of the same configuration: what the next
+    GPU run checks (``scripts/gpu-run decoder`` prints it)."""
+    print("\n".join(compare_lines(json.loads(args.measured.read_text()), args.measured.name, args.model)))
+
+
+def _newest_model(measured: dict, results: pathlib.Path) -> pathlib.Path | None:
+    for path in sorted(results.glob("model-decoder-*.json"), reverse=True):
+        model = json.loads(path.read_text())
+        cases = {row["case"] for row in model["rows"] if "case" in row}  # "4 layers, vocab 32000, 1x4096"
+        if (model["spec"].get("config") == measured.get("config")
+                and any(case.startswith(f"{measured.get('layers')} layers,") for case in cases)):
+            return path
+    return None
+
+
+def compare_lines(measured: dict, measured_name: str, model_path: pathlib.Path | None,
+                  results: pathlib.Path = pathlib.Path("bench/results")) -> list[str]:
+    """Per contestant: the modelled step beside the measured one (profiled kernel time when the run
+    profiled, else the wall time from tokens/s), and each one's speedup over BF16."""
+    model_path = model_path or _newest_model(measured, results)
+    if model_path is None:
+        return [f"no modelled bench decoder result for {measured.get('config')} in {results}: run "
+                "`python -m bench model decoder` (CPU) and commit it"]
+    model = json.loads(model_path.read_text())
+    modelled = {row["contestant"]: row for row in model["rows"] if "error" not in row}
+    measured_rows = [row for row in measured["rows"] if "train_tokens_per_s" in row]
+    bf16 = next((row for row in measured_rows if row["contestant"] == "bf16"), None)
+    table = []
+    for row in measured_rows:
+        ours = modelled.get(row["contestant"])
+        if ours is None:
+            continue
+        wall = measured["sequence"] * measured["batch"] / row["train_tokens_per_s"] * 1e3
+        profile = row.get("profile")
+        kernel = sum(profile["by_category_ms"].values()) if profile else None
+        triton = profile["by_category_ms"].get("triton (fused elementwise/reduce/quantize)") if profile else None
+        reference = kernel if kernel is not None else wall
+        speedup = bf16["train_tokens_per_s"] and row["train_tokens_per_s"] / bf16["train_tokens_per_s"]
+        table.append([row["contestant"], f"{ours['step_ms']:.2f}", f"{kernel:.2f}" if kernel else "-",
+                      f"{wall:.2f}", f"{(ours['step_ms'] / reference - 1) * 100:+.0f}%",
+                      f"{ours['triton_ms']:.2f}", f"{triton:.2f}" if triton is not None else "-",
+                      f"{ours.get('vs_bf16', float('nan')):.2f}x", f"{speedup:.2f}x" if bf16 else "-"])
+    return [f"Modelled ({model_path.name}, project at {model.get('project_commit')}) against measured "
+            f"({measured_name}, {measured['environment']['device']}, torch {measured['environment']['torch']}), "
+            "ms per training step:", "",
+            *markdown_table(["contestant", "model step", "measured kernel time", "measured wall", "error",
+                             "model Triton", "measured Triton", "model vs bf16", "measured vs bf16"], table), "",
+            "error: model step against the measured kernel time (profiled runs), else the wall time. The model "
+            "counts kernel time only; docs/cost-model.md says how close it came before."]
+
+
 def _ints(text: str, count: int) -> tuple[int, ...]:
     values = tuple(int(v) for v in text.split(","))
     if len(values) != count or any(v < 1 for v in values):
@@ -389,6 +442,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--only", nargs="+", choices=calibration.SECTIONS,
                    help="sections to run (default: all but llama3-8b, which adds about 6 minutes)")
     p.set_defaults(model_run=model_calibrate)
+
+
+    p = commands.add_parser("compare", help="a measured bench decoder result beside the modelled one")
+    p.add_argument("measured", type=pathlib.Path, help="a bench decoder JSON (bench/results/decoder-*.json)")
+    p.add_argument("--model", type=pathlib.Path, help="default: the newest model-decoder JSON of its config")
+    p.set_defaults(model_run=model_compare)
 
 
 def run(args: argparse.Namespace):

@@ -74,6 +74,15 @@ EXEMPT = [
     (r"\.venv/bin/python -m bench compile", "minutes of CPU: 3 cold and 3 warm starts per backend in fresh "
      "processes; the test runs its --smoke form",
      ["tests/test_bench_and_demo.py::test_compile_time_benchmark_smoke_measures_cold_and_warm"], "bench"),
+    (r"\.venv/bin/python -m bench model calibrate", "about 8 minutes of CPU (every stored H100 workload "
+     "modelled); the tests hold the model to its calibration on the quantize, linear and decoder runs",
+     ["tests/test_cost_model.py::test_the_model_reproduces_the_h100_linear_and_decoder_steps",
+      "tests/test_cost_model.py::test_the_model_reproduces_the_h100_quantize_probe"], "bench"),
+    (r"\.venv/bin/python -m bench model (decoder|linear|quantize)", "20 s to 4 minutes of CPU a contestant, "
+     "and writes into bench/results/; the tests model the decoder step's fp8graph contestants and the stored "
+     "H100 workloads the same way",
+     ["tests/test_step_structure.py::test_launches_and_bytes_stay_within_budget",
+      "tests/test_cost_model.py::test_the_model_reproduces_the_h100_linear_and_decoder_steps"], "bench"),
     (r"scripts/gpu-run ", "runs on the lent GPU machine (torch 2.11, CUDA); its benchmark steps are the "
      "commands above, whose --smoke forms the tests run",
      ["tests/test_gpu.py", "tests/test_bench_and_demo.py::test_decoder_benchmark_smoke_writes_raw_results"],
@@ -135,7 +144,7 @@ def test_every_block_says_what_it_is():
 def test_the_pages_are_the_documented_set():
     names = {page.name for page in PAGES if page.parent.name == "docs"}
     assert names == {"README.md", "recipes.md", "policies-and-inspection.md", "training-and-checkpoints.md",
-                     "distributed.md", "benchmarks.md", "limits.md"}, names
+                     "distributed.md", "benchmarks.md", "cost-model.md", "limits.md"}, names
 
 
 # --- Python blocks --------------------------------------------------------------------------------

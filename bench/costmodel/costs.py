@@ -56,7 +56,7 @@ class Row:
     read: int = 0  # bytes per launch
     written: int = 0
     reread: int = 0  # bytes of inputs loaded again in a later loop of the kernel: up to this much more traffic
-    duplicate_written: int = 0  # bytes that store a value already stored, at the same index, in another buffer
+    duplicate_written: int = 0  # FP8 bytes that store a value already stored, at the same index, in another buffer
     flops: float = 0.0
     gemm: str = ""  # bf16 | fp8 tensorwise | fp8 rowwise | fp8 blockwise
 
@@ -123,12 +123,12 @@ _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_mm_v2", "scale
 
 
 def duplicate_store_bytes(source: str, args) -> int:
-    """Bytes of stores that repeat another store's value and index into a second buffer: one tensor
-    materialised twice (e.g. the same FP8 bytes for ``_scaled_mm`` and again for a custom op)."""
+    """Bytes of FP8 stores that repeat another store's value and index into a second buffer: one FP8
+    tensor materialised twice (e.g. the same FP8 bytes for ``_scaled_mm`` and again for a custom op)."""
     groups: dict[tuple, list[str]] = {}
     for pointer, index, value in _STORE.findall(source):
         groups.setdefault((index, value), []).append(pointer)
-    written = {a.arg: a.written for a in args or ()}
+    written = {a.arg: a.written for a in args or () if a.dtype.startswith("float8")}
     return sum(written.get(p, 0) for pointers in groups.values() for p in pointers[1:])
 
 

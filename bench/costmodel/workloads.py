@@ -91,11 +91,20 @@ def decoder(spec: dict) -> list[dict]:
     ``loss = model(tokens, labels=tokens).loss; loss.backward()`` then an eager SGD step."""
     import torch._inductor.config as inductor_config
 
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from bench.decoder import _swap_in_torchao, parse_contestant
-    from fp8graph.models import build
+    from fp8graph.models import llama as zoo  # the zoo's configs (calibration: as the measured commit had them)
 
     base, settings = parse_contestant(spec["contestant"])
-    model = build("llama", spec["config"], device="meta", dtype=torch.bfloat16, **spec.get("overrides", {}))
+    config = {**zoo._COMMON, **zoo.CONFIGS[spec["config"]], **spec.get("overrides", {})}
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):  # no memory: the parameters become FakeTensors on "cuda" below
+            model = LlamaForCausalLM(LlamaConfig(**config))
+    finally:
+        torch.set_default_dtype(default_dtype)
     if base.startswith("torchao"):
         _swap_in_torchao(model, base)
     mode = FakeTensorMode()
