@@ -146,3 +146,20 @@ def test_the_model_reproduces_the_h100_linear_and_decoder_steps(measured_fp8grap
     assert all(abs(error) <= 0.05 for error in steps.values()), steps
     ratios = [c for c in calibrator.comparisons if c.quantity == "vs bf16 (kernel time)"]
     assert ratios and all(abs(c.model - c.measured) <= 0.03 for c in ratios), ratios
+
+
+def test_a_gpu_run_is_shown_beside_the_committed_modelled_step():
+    """``scripts/gpu-run decoder`` prints its measurement beside the modelled step of the same
+    configuration (``bench model compare``): here a measured result written like bench decoder's."""
+    measured = {"config": "bench-8b-layer", "layers": 4, "batch": 1, "sequence": 4096,
+                "environment": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"},
+                "rows": [{"contestant": "bf16", "train_tokens_per_s": 4096 / 0.05373},
+                         {"contestant": "current", "train_tokens_per_s": 4096 / 0.04450,
+                          "profile": {"by_category_ms": {"triton (fused elementwise/reduce/quantize)": 10.67,
+                                                         "gemm fp8": 33.83}}}]}
+    lines = bench_model.compare_lines(measured, "decoder-test.json", None, RESULTS)
+    text = "\n".join(lines)
+    assert "model-decoder-" in text and "decoder-test.json" in text
+    current = next(line for line in lines if line.startswith("| current"))
+    assert "| 44.50 | 44.50 |" in current and "+0%" in current  # the model's step against the profiled one
+    assert bench_model.compare_lines({**measured, "layers": 3}, "x", None, RESULTS)[0].startswith("no modelled")
