@@ -46,6 +46,8 @@ RECIPES = {
     "delayed": DelayedScaling(amax_history_len=4),
 }
 LINEAR_SITES = 14  # 7 projections per layer, 2 layers; lm_head (N=250) stays in high precision
+# The FP8 calls of the step: sites that read one input (q, k and v; gate and up) are one call.
+CALLS = LINEAR_SITES - 2 * (2 + 1)
 
 
 def _global_batches():
@@ -202,10 +204,10 @@ def test_fsdp2_step_issues_amax_reductions_only_for_delayed_scaling(fsdp_runs):
         assert set(counts[name]) - fsdp_collectives == {"c10d::allreduce_"}, counts[name]
         assert counts[name]["c10d::allreduce_"] == 1
         assert counts[name]["c10d::_allgather_base_"] == counts["delayed"]["c10d::_allgather_base_"]
-    # delayed: one max all-reduce per distinct amax (3 roles x 14 sites, less the input amaxes
-    # shared by q/k/v and gate/up, which AOTAutograd deduplicates), each waited on once.
-    shared_inputs = 2 * (2 + 1)
-    amax_reductions = 3 * LINEAR_SITES - shared_inputs
+    # delayed: one max all-reduce per call and direction, each waited on once: a call (q/k/v, o,
+    # gate/up, down in each layer) reduces its input's and weights' amaxes together in the forward and
+    # its grad_outputs' in the backward.
+    amax_reductions = 2 * CALLS
     assert counts["delayed"]["_c10d_functional::all_reduce"] == amax_reductions, counts["delayed"]
     assert counts["delayed"]["c10d::allreduce_"] == amax_reductions + 1
 
@@ -262,7 +264,7 @@ def test_ddp_graph_split_at_buckets_rewrites_every_piece(tmp_path, world_size):
     assert all(path.startswith("model.layers.") for path in result["compiled_paths"])
     for key in result["state"]:
         assert all(torch.equal(result["state"][key], rank["state"][key]) for rank in ranks), key
-    assert result["collectives"]["_c10d_functional::all_reduce"] == 3 * LINEAR_SITES - 2 * (2 + 1)
+    assert result["collectives"]["_c10d_functional::all_reduce"] == 2 * CALLS
     single = _single_process_losses("delayed")[:STEPS]
     # Amaxes are reduced and gradients summed: the scales are the whole batch's (measured 1.2e-7).
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single), rtol=1e-5, atol=0)

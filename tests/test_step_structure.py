@@ -12,6 +12,8 @@ Budgets are the modelled result committed in bench/results/ (``BUDGET_SOURCE``) 
 improvement passes, and its commit lowers the budget.
 """
 
+import functools
+
 import pytest
 
 from bench import model as bench_model
@@ -33,6 +35,11 @@ SLACK = 1.01
 
 @pytest.fixture(scope="module")
 def step() -> dict:
+    return _modelled_step()
+
+
+@functools.cache  # once per worker process, even if pytest sets the module's fixtures up again
+def _modelled_step() -> dict:
     """{contestant: summary and rows} of bench decoder's step, each modelled in a child process; fp8graph's
     recipes with every Triton config compiled to an sm_90 cubin."""
     spec = {"workload": "decoder", "config": "bench-8b-layer", "batch": 1, "sequence": 4096, "overrides": {}}
