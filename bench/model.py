@@ -86,10 +86,15 @@ def machine_of(args) -> costs.Machine:
 
 
 def project_commit() -> str:
+    """The commit modelled, with ``+changes`` when tracked files differ from it (the code modelled is then
+    not the commit's)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True).stdout.strip()
     except FileNotFoundError:
         return ""
+    return f"{commit}+changes" if commit and changed else commit
 
 
 def contestants_of(requested: list[str] | None, default: list[str]) -> list[str]:

@@ -60,7 +60,7 @@ from .distributed import amax_reduction
 from .formats import ROLES, Role
 from .health import quantization_health
 from .kernels.transpose_fp8 import transpose_fp8
-from .lowering import Lowering, one_buffer, scaled_gemm
+from .lowering import Lowering, one_buffer, scaled_gemm_by_inverse, scalars_of
 from .partitioning import keep_for_backward, saved_not_recomputed
 from .quantize import amax, amax_to_scale, quantize
 from .recipes import DelayedScaling, Recipe
@@ -157,10 +157,11 @@ def _write_states(members: Sequence[Member], rows: slice, new_histories: torch.T
         member.state[1][rows].copy_(scale)
 
 
-def _cast_current(spec: CallSpec, x_hp: torch.Tensor, role: Role) -> tuple[torch.Tensor, torch.Tensor]:
+def _cast_current(spec: CallSpec, x_hp: torch.Tensor, role: Role) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x_fp8, scale, 1 / scale)``; the reciprocal fuses into the kernel that computes the scale."""
     fp8_dtype = spec.recipe.fp8_dtype(role)
     scale = amax_to_scale(amax(x_hp), fp8_dtype, spec.recipe.power_2_scales)
-    return quantize(x_hp, scale, fp8_dtype), scale
+    return quantize(x_hp, scale, fp8_dtype), scale, scale.reciprocal()
 
 
 def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Sequence[torch.Tensor],
@@ -169,7 +170,8 @@ def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Se
 
     All members' input and weight rows move one step together: new scales from the histories,
     histories rolled, this call's amaxes recorded in slot 0, written into the buffers in place.
-    Returns ``(input_fp8, input_scale, [(weight_fp8, weight_scale, weight_hp), ...])``.
+    Returns ``(input_fp8, input_scale, input_inverse_scale, [(weight_fp8, weight_scale, weight_inverse_scale,
+    weight_hp), ...])``. The inverse scales are views of one tensor: their reciprocals are one kernel.
     """
     recipe = spec.recipe
     reduce = amax_reduction(recipe.reduce_amax)
@@ -179,7 +181,8 @@ def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Se
     history, scale = _states(spec, members, forward=True)  # (m, 3, len), (m, 3)
     forward_rows = slice(_INPUT, _GRAD)
     if not spec.update:  # inference: the stored scales
-        input_scale, weight_scales = scale[0, _INPUT].clone(), scale[:, _WEIGHT].clone()
+        new_scales = scale[:, forward_rows].clone()
+        inverse_scales = new_scales.reciprocal()
     else:
         # The scales are read from the buffers that this forward then updates: the backward must reuse
         # them, never recompute them from the updated buffers (the partitioner would: fp8graph.partitioning).
@@ -190,10 +193,12 @@ def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Se
                                         history_amax[:, _WEIGHT]], 1)
             new_scales = amax_to_scale(history_amax, fp8_dtype, margin=recipe.margin,
                                        fallback=scale[:, forward_rows])  # (m, 2)
-        input_scale, weight_scales = new_scales[0, _INPUT], new_scales[:, _WEIGHT]
+            inverse_scales = new_scales.reciprocal()
+    input_scale, weight_scales = new_scales[0, _INPUT], new_scales[:, _WEIGHT]
     input_fp8 = quantize(input_hp, input_scale, fp8_dtype)
-    weights = [(quantize(w, weight_scale, fp8_dtype), weight_scale, w)
-               for w, weight_scale in zip(weights_hp, weight_scales)]
+    inverse_scales = scalars_of(inverse_scales)  # (m, 2) row-major: member i's input, then its weight
+    weights = [(quantize(w, weight_scale, fp8_dtype), weight_scale, inverse_scales[2 * i + _WEIGHT], w)
+               for i, (w, weight_scale) in enumerate(zip(weights_hp, weight_scales))]
     if spec.update:
         # The amaxes ride along with the casts: Inductor computes each with its cast in one read.
         amaxes = [amax(input_hp.detach())] + [amax(w.detach()) for w in weights_hp]
@@ -201,40 +206,47 @@ def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Se
         recorded = torch.stack([amaxes[0].expand(len(members)), amaxes[1:]], 1)  # (m, 2)
         _write_states(members, forward_rows, record_amax(roll_history(history[:, forward_rows]), recorded),
                       new_scales)
-    return input_fp8, input_scale, weights
+    return input_fp8, input_scale, inverse_scales[_INPUT], weights
 
 
 def _cast_weight_current(spec: CallSpec, weight_hp: torch.Tensor, member: Member):
     """A member's weight with current scaling, through its FP8 copy when it has one (``fp8graph.weight_cache``).
 
-    Returns ``(weight_fp8, weight_scale, source)``: ``source`` is what the transposed copy is cast from,
-    the weight, or ``None`` for a reused copy (transposed from its bytes, the weight is not read).
+    Returns ``(weight_fp8, weight_scale, weight_inverse_scale, source)``: ``source`` is what the transposed
+    copy is cast from, the weight, or ``None`` for a reused copy (transposed from its bytes, the weight is
+    not read).
     """
     if member.weight_cache is None:
         return (*_cast_current(spec, weight_hp, Role.WEIGHT), weight_hp)
     mode, cached_weight, cached_scale = member.weight_cache
     if mode == "reuse":
-        return cached_weight, cached_scale.clone(), None
-    weight_fp8, weight_scale = _cast_current(spec, weight_hp, Role.WEIGHT)
+        weight_scale = cached_scale.clone()
+        return cached_weight, weight_scale, weight_scale.reciprocal(), None
+    weight_fp8, weight_scale, weight_inverse_scale = _cast_current(spec, weight_hp, Role.WEIGHT)
     cached_weight.copy_(weight_fp8)
     cached_scale.copy_(weight_scale)
-    return weight_fp8, weight_scale, weight_hp
+    return weight_fp8, weight_scale, weight_inverse_scale, weight_hp
 
 
 def _cast_grad_outputs(spec: CallSpec, grad_outputs_hp: Sequence[torch.Tensor], members: Sequence[Member]):
-    """Each member's grad_output cast, ``[(grad_output_fp8, grad_output_scale), ...]``; with delayed scaling
-    all members' grad_output rows move one step together (as :func:`_cast_forward_delayed`'s rows)."""
+    """Each member's grad_output cast, ``[(grad_output_fp8, grad_output_scale, grad_output_inverse_scale), ...]``;
+    with delayed scaling all members' grad_output rows move one step together (as
+    :func:`_cast_forward_delayed`'s rows)."""
     recipe = spec.recipe
     if not spec.delayed:
         return [_cast_current(spec, grad, Role.GRAD_OUTPUT) for grad in grad_outputs_hp]
     fp8_dtype = recipe.fp8_dtype(Role.GRAD_OUTPUT)
     history, scale = _states(spec, members, forward=False)
     if not spec.update:
-        return [(quantize(grad, grad_scale, fp8_dtype), grad_scale.clone())
-                for grad, grad_scale in zip(grad_outputs_hp, scale[:, _GRAD])]
-    new_scales = amax_to_scale(amax_from_history(history[:, _GRAD], recipe.amax_compute_algo), fp8_dtype,
-                               margin=recipe.margin, fallback=scale[:, _GRAD])  # (m,)
-    casts = [(quantize(grad, grad_scale, fp8_dtype), grad_scale) for grad, grad_scale in zip(grad_outputs_hp, new_scales)]
+        new_scales = scale[:, _GRAD].clone()
+    else:
+        new_scales = amax_to_scale(amax_from_history(history[:, _GRAD], recipe.amax_compute_algo), fp8_dtype,
+                                   margin=recipe.margin, fallback=scale[:, _GRAD])  # (m,)
+    casts = [(quantize(grad, grad_scale, fp8_dtype), grad_scale, inverse_scale)
+             for grad, grad_scale, inverse_scale in zip(grad_outputs_hp, new_scales,
+                                                        scalars_of(new_scales.reciprocal()))]
+    if not spec.update:
+        return casts
     amaxes = torch.stack([amax(grad.detach()) for grad in grad_outputs_hp])
     reduce = amax_reduction(recipe.reduce_amax)
     amaxes = amaxes if reduce is None else reduce(amaxes)
@@ -262,37 +274,40 @@ class _LinearsFP8(torch.autograd.Function):
         with torch.autocast(device_type, enabled=False):
             input_hp_2d = input_hp.reshape(-1, in_features)  # (M, K)
             if spec.delayed:
-                input_fp8, input_scale, weights = _cast_forward_delayed(spec, input_hp_2d, weights_hp, members)
+                input_fp8, input_scale, input_inverse_scale, weights = _cast_forward_delayed(
+                    spec, input_hp_2d, weights_hp, members)
             else:
-                input_fp8, input_scale = _cast_current(spec, input_hp_2d, Role.INPUT)
+                input_fp8, input_scale, input_inverse_scale = _cast_current(spec, input_hp_2d, Role.INPUT)
                 weights = [_cast_weight_current(spec, w, m) for w, m in zip(weights_hp, members)]
             input_fp8 = spec.gemm_operand(input_fp8)
             # grad_weight reads the input column-major: its transposed copy, written now and kept
             # instead of the row-major one (fp8graph.partitioning keeps it in the forward).
             input_fp8_t = (spec.transposed(input_fp8, input_hp_2d, input_scale, Role.INPUT)
                            if any(needs_grad_weight) else None)
-            input_scale_forward = spec.kept(input_scale, input_fp8_t)
+            input_inverse_scale_forward = spec.kept(input_inverse_scale, input_fp8_t)
             outputs, saved_weights = [], []
-            for (weight_fp8, weight_scale, source), weight_hp, bias_hp in zip(weights, weights_hp, biases_hp):
+            for (weight_fp8, weight_scale, weight_inverse_scale, source), weight_hp, bias_hp in zip(
+                    weights, weights_hp, biases_hp):
                 weight_fp8 = spec.gemm_operand(weight_fp8)
                 # grad_input reads weight_i column-major: its transposed copy, likewise.
                 weight_fp8_t = (spec.transposed(weight_fp8, source, weight_scale, Role.WEIGHT)
                                 if needs_grad_input else None)
                 # output_i = input @ weight_i_t  (M, N_i); fast accumulation is accurate
                 # enough for the forward GEMM, as Transformer Engine does.
-                output = scaled_gemm(input_fp8, input_scale_forward, weight_fp8.t(),
-                                     spec.kept(weight_scale, weight_fp8_t), output_dtype, spec.lowering,
-                                     use_fast_accum=True)
+                output = scaled_gemm_by_inverse(input_fp8, input_inverse_scale_forward, weight_fp8.t(),
+                                                spec.kept(weight_inverse_scale, weight_fp8_t), output_dtype,
+                                                spec.lowering, use_fast_accum=True)
                 if bias_hp is not None:
                     output = output + bias_hp.to(output_dtype)
                 outputs.append(output.reshape(*lead_shape, weight_hp.shape[0]))
-                saved_weights += [weight_fp8_t, weight_scale]
-            for member, weight_hp, (weight_fp8, weight_scale, _) in zip(members, weights_hp, weights):
+                saved_weights += [weight_fp8_t, weight_inverse_scale]
+            for member, weight_hp, (weight_fp8, weight_scale, _, _) in zip(members, weights_hp, weights):
                 if member.stats is not None:
                     record_health(member.stats, Role.WEIGHT, weight_hp, weight_fp8, weight_scale, recipe)
             _record_shared_health([m.stats for m in members], Role.INPUT, input_hp_2d, input_fp8, input_scale,
                                   recipe)
-        ctx.save_for_backward(input_fp8_t, input_scale, *saved_weights)
+        # The backward's GEMMs read the dequantization factors only: no reciprocal there.
+        ctx.save_for_backward(input_fp8_t, input_inverse_scale, *saved_weights)
         ctx.spec, ctx.members = spec, members
         ctx.input_dtype = input_hp.dtype
         ctx.weight_dtypes = [w.dtype for w in weights_hp]
@@ -302,7 +317,7 @@ class _LinearsFP8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs_hp):
-        input_fp8_t, input_scale, *saved_weights = ctx.saved_tensors
+        input_fp8_t, input_inverse_scale, *saved_weights = ctx.saved_tensors
         spec: CallSpec = ctx.spec
         count = len(ctx.members)
         needs_grad_input = ctx.needs_input_grad[0]
@@ -310,24 +325,25 @@ class _LinearsFP8(torch.autograd.Function):
         with torch.autocast(grad_outputs_hp[0].device.type, enabled=False):
             grad_outputs_hp_2d = [grad.reshape(-1, grad.shape[-1]) for grad in grad_outputs_hp]  # (M, N_i)
             casts = _cast_grad_outputs(spec, grad_outputs_hp_2d, ctx.members)
-            for i, (member, grad_output_hp_2d, (grad_output_fp8, grad_output_scale)) in enumerate(
-                    zip(ctx.members, grad_outputs_hp_2d, casts)):
-                weight_fp8_t, weight_scale = saved_weights[2 * i], saved_weights[2 * i + 1]
+            for i, (member, grad_output_hp_2d, (grad_output_fp8, grad_output_scale, grad_output_inverse_scale)) in \
+                    enumerate(zip(ctx.members, grad_outputs_hp_2d, casts)):
+                weight_fp8_t, weight_inverse_scale = saved_weights[2 * i], saved_weights[2 * i + 1]
                 grad_output_fp8 = spec.gemm_operand(grad_output_fp8)
                 if member.stats is not None:
                     record_health(member.stats, Role.GRAD_OUTPUT, grad_output_hp_2d, grad_output_fp8,
                                   grad_output_scale, spec.recipe)
                 if needs_grad_input:
                     # grad_input += grad_output_i @ weight_i  (M, K); split accumulation.
-                    term = scaled_gemm(grad_output_fp8, grad_output_scale, weight_fp8_t.t(), weight_scale,
-                                       ctx.input_dtype, spec.lowering)
+                    term = scaled_gemm_by_inverse(grad_output_fp8, grad_output_inverse_scale, weight_fp8_t.t(),
+                                                  weight_inverse_scale, ctx.input_dtype, spec.lowering)
                     grad_input = term if grad_input is None else grad_input + term
                 if ctx.needs_input_grad[3 + i]:
                     # grad_weight_i = grad_output_i_t @ input  (N_i, K)
                     grad_output_fp8_t = spec.transposed(grad_output_fp8, grad_output_hp_2d, grad_output_scale,
                                                         Role.GRAD_OUTPUT)
-                    grad_weights[i] = scaled_gemm(grad_output_fp8_t, grad_output_scale, input_fp8_t.t(),
-                                                  input_scale, ctx.weight_dtypes[i], spec.lowering)
+                    grad_weights[i] = scaled_gemm_by_inverse(grad_output_fp8_t, grad_output_inverse_scale,
+                                                             input_fp8_t.t(), input_inverse_scale,
+                                                             ctx.weight_dtypes[i], spec.lowering)
                 if ctx.needs_input_grad[3 + count + i] and ctx.bias_dtypes[i] is not None:
                     grad_biases[i] = grad_output_hp_2d.sum(0, dtype=torch.float32).to(ctx.bias_dtypes[i])
         if grad_input is not None:

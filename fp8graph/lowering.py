@@ -33,8 +33,8 @@ import torch
 from .tiles import Tiling, dequantize_tiled
 
 __all__ = ["LOWERING_CHOICES", "Lowering", "NoNativeGemm", "choose_lowering", "has_cpu_kernel", "native_requirement",
-           "one_buffer", "pad_reduction_dim",
-           "scaled_gemm", "tiled_scaled_gemm"]
+           "one_buffer", "pad_reduction_dim", "scalars_of",
+           "scaled_gemm", "scaled_gemm_by_inverse", "tiled_scaled_gemm"]
 
 _MIN_FP8_CAPABILITY = (8, 9)
 
@@ -178,6 +178,18 @@ def one_buffer(x_fp8: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(x_fp8, x_fp8.shape, x_fp8.stride())
 
 
+def scalars_of(values: torch.Tensor) -> list[torch.Tensor]:
+    """Each element of ``values`` as a one-element view (shape (1,)) of one buffer, for scaled GEMMs to read.
+
+    Scales computed together stay one small kernel only if each GEMM reads its scale from that kernel's
+    buffer: an indexing view (``values[i]``) becomes a kernel of its own per element under Inductor.
+    ``as_strided`` makes the buffer real and each element an offset into it; shape (1,), because
+    Inductor's ``_scaled_mm`` lowering cannot reshape a 0-d view with an offset.
+    """
+    values = values.contiguous()
+    return [torch.as_strided(values, (1,), (1,), index) for index in range(values.numel())]
+
+
 def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
@@ -200,8 +212,25 @@ def scaled_gemm(
     Scales are the quantization scales (``x_fp8 = x_hp * scale``); the
     dequantization factors ``1 / scale`` are applied to the fp32 result.
     """
-    inverse_scale_a = a_scale.reciprocal()
-    inverse_scale_b = b_scale.reciprocal()
+    return scaled_gemm_by_inverse(a_fp8, a_scale.reciprocal(), b_fp8, b_scale.reciprocal(), out_dtype, lowering,
+                                  use_fast_accum)
+
+
+def scaled_gemm_by_inverse(
+    a_fp8: torch.Tensor,
+    inverse_scale_a: torch.Tensor,
+    b_fp8: torch.Tensor,
+    inverse_scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    lowering: Lowering,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """:func:`scaled_gemm` given the dequantization factors ``1 / scale``.
+
+    For callers that hold several scales in one tensor: their reciprocals are then one small kernel
+    (usually fused into the kernel that computes the scales), where a reciprocal per GEMM operand is a
+    launch of its own for every scale that is a view into another buffer.
+    """
     if lowering is Lowering.SCALED_MM:
         a_fp8, b_fp8 = pad_reduction_dim(a_fp8, b_fp8)
         # cuBLAS FP8 GEMMs take A row-major and B column-major (the "TN" layout).
