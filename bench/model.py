@@ -86,12 +86,13 @@ def machine_of(args) -> costs.Machine:
 
 
 def project_commit() -> str:
-    """The commit modelled, with ``+changes`` when tracked files differ from it (the code modelled is then
-    not the commit's)."""
+    """The commit modelled, with ``+changes`` when its code (the package, the passes, the models, the
+    benchmarks) differs from the working tree's, which is what was modelled."""
+    code = ["fp8graph", "passes", "models", "bench", ":!bench/results"]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                 text=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *code],
+                                 capture_output=True, text=True).stdout.strip()
     except FileNotFoundError:
         return ""
     return f"{commit}+changes" if commit and changed else commit
