@@ -114,10 +114,10 @@ class CallSpec:
         """``x_fp8`` as the GEMMs (and the transposed copy) read it: one buffer (``fp8graph.lowering.one_buffer``)."""
         return one_buffer(x_fp8) if self.native_layouts else x_fp8
 
-    def kept(self, scale: torch.Tensor, x_t_fp8: torch.Tensor | None) -> torch.Tensor:
-        """``scale`` as the forward GEMM reads it, tied to the transposed copy the backward reads, so that the
-        copy is written in the forward (``fp8graph.partitioning``); the emulation's copy is a view."""
-        return keep_for_backward(scale, x_t_fp8) if self.native_layouts else scale
+    def kept(self, inverse_scale: torch.Tensor, x_t_fp8: torch.Tensor | None) -> torch.Tensor:
+        """``inverse_scale`` as the forward GEMM reads it, tied to the transposed copy the backward reads, so
+        that the copy is written in the forward (``fp8graph.partitioning``); the emulation's copy is a view."""
+        return keep_for_backward(inverse_scale, x_t_fp8) if self.native_layouts else inverse_scale
 
     def transposed(self, x_fp8: torch.Tensor, x_hp: torch.Tensor | None, scale: torch.Tensor, role: Role):
         """The (C, R) FP8 copy of an (R, C) operand, written for the GEMM that reads it transposed.

@@ -10,10 +10,10 @@ activation's from the high-precision tensor or from its producer's inputs.
 
 Two marks keep a copy in the forward:
 
-- :func:`keep_for_backward` ties the copy to a value the forward needs (a
-  scale its GEMM reads), so the copy is a forward node. The op costs nothing
-  under Inductor (its lowering returns the value itself); elsewhere it is a
-  scalar's copy.
+- :func:`keep_for_backward` ties the copy to a value the forward needs (the
+  dequantization factor its GEMM reads), so the copy is a forward node. The
+  op costs nothing under Inductor (its lowering returns the value itself);
+  elsewhere it is a scalar's copy.
 - :func:`saved_not_recomputed` marks the copy ``MUST_SAVE``
   (``node.meta["recompute"]``, which tracing copies from
   ``torch.fx.traceback.current_meta``), so the partitioner saves it rather than
