@@ -35,7 +35,6 @@ from .timing import markdown_table, with_verdicts, write_result
 DEVICE = "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs)"
 FP8GRAPH = ["current", "delayed", "rowwise", "block"]
 TORCHAO = ["torchao tensorwise", "torchao rowwise"]
-LINEAR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096), (4096, 1024, 1024)]
 
 
 # --- child processes ---------------------------------------------------------------------------------------
@@ -310,7 +309,7 @@ def model_decoder(args) -> dict:
 
 def model_linear(args) -> dict:
     contestants = contestants_of(args.contestants, FP8GRAPH + TORCHAO)
-    shapes = [_ints(s, 3) for s in args.shape] if args.shape else LINEAR_SHAPES
+    shapes = [_ints(s, 3) for s in args.shape] if args.shape else calibration.LINEAR_SHAPES
     spec = {"workload": "linear", "shapes": shapes, "bias": args.bias, "source": args.source, "cubin": args.cubin}
     results = children(args)([{**spec, "contestant": c} for c in contestants])
     what = "bench linear's step: nn.Linear(K, N) forward + backward on M tokens, BF16"

@@ -55,7 +55,7 @@ from typing import Callable, Sequence
 import torch
 
 from .cache_hash import register_target
-from .delayed_scaling import amax_from_history, record_amax, roll_history
+from .delayed_scaling import amax_from_history, record_amax, roll_history, scale_from_history
 from .distributed import amax_reduction
 from .formats import ROLES, Role
 from .health import quantization_health
@@ -240,8 +240,8 @@ def _cast_grad_outputs(spec: CallSpec, grad_outputs_hp: Sequence[torch.Tensor], 
     if not spec.update:
         new_scales = scale[:, _GRAD].clone()
     else:
-        new_scales = amax_to_scale(amax_from_history(history[:, _GRAD], recipe.amax_compute_algo), fp8_dtype,
-                                   margin=recipe.margin, fallback=scale[:, _GRAD])  # (m,)
+        new_scales = scale_from_history(history[:, _GRAD], scale[:, _GRAD], fp8_dtype, recipe.margin,
+                                        recipe.amax_compute_algo)  # (m,)
     casts = [(quantize(grad, grad_scale, fp8_dtype), grad_scale, inverse_scale)
              for grad, grad_scale, inverse_scale in zip(grad_outputs_hp, new_scales,
                                                         scalars_of(new_scales.reciprocal()))]
@@ -353,8 +353,7 @@ class _LinearsFP8(torch.autograd.Function):
 
 def record_health(stats: torch.Tensor, role: Role, x_hp, x_fp8, scale, recipe: Recipe) -> None:
     """Write the health of one cast into row ``role`` of the module's stats buffer, in place."""
-    health = quantization_health(x_hp, x_fp8, scale, recipe.fp8_dtype(role))
-    stats[ROLES.index(role)].copy_(health)
+    _record_shared_health([stats], role, x_hp, x_fp8, scale, recipe)
 
 
 def _record_shared_health(stats_buffers, role: Role, x_hp, x_fp8, scale, recipe: Recipe) -> None:

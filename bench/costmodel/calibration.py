@@ -37,6 +37,7 @@ MEASURED_COMMIT = "1fda4ce"  # the fp8graph the H100 ran on 2026-11-23
 H100_DIR = "2026-11-23-h100"
 LINEAR_FILE = "linear-2026-11-23T081002Z.json"
 LINEAR_CONTESTANTS = ["bf16", "current", "delayed", "rowwise", "block", "torchao tensorwise", "torchao rowwise"]
+# bench linear's shapes that the stored H100 run measured (bench model linear's default too).
 LINEAR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096), (4096, 1024, 1024)]
 BENCH_DECODER = ["decoder-2026-11-23T075705Z.json", "decoder-2026-11-23T080527Z.json"]
 PROFILES = ["profile-decoder-4layers-bf16-current.json", "profile-decoder-4layers-torchao-delayed-current.json"]
