@@ -94,17 +94,17 @@ def _hint(expr) -> int:
 
 
 def _kernel_arg_bytes(kernel) -> list[ArgBytes]:
-    """``SIMDKernel.estimate_kernel_num_bytes`` (torch 2.13), argument by argument, reads apart from writes."""
+    """``SIMDKernel.estimate_kernel_num_bytes`` (torch 2.13), argument by argument, reads apart from writes
+    (an argument is written in place only when the signature passes it as ``in_out_ptr``)."""
     from torch._inductor.dependencies import StarDep, WeakDep
-    from torch._inductor.utils import get_dtype_size, sympy_product, unique
+    from torch._inductor.utils import get_dtype_size, sympy_product
     from torch._inductor.virtualized import V
 
     result = []
-    inplace_count = len(unique(kernel.args.inplace_buffers.values()))
     arg_defs, call_args, _, _ = kernel.args.python_argdefs()
     accesses = kernel.features.buf_accesses()
     out_numel = _hint(sympy_product(kernel.numels.values()))
-    for i, (arg_def, arg) in enumerate(zip(arg_defs, call_args)):
+    for arg_def, arg in zip(arg_defs, call_args):
         if arg not in accesses:
             continue
         numel = _hint(V.graph.get_numel(arg))
@@ -119,7 +119,10 @@ def _kernel_arg_bytes(kernel) -> list[ArgBytes]:
             numel = len(indices) * out_numel
         dtype = V.graph.get_dtype(arg)
         nbytes = numel * get_dtype_size(dtype)
-        inplace = i < inplace_count
+        # Inductor counts the first len(inplace_buffers) arguments as read and written, but that count includes
+        # in-place buffers it removed from the signature, so an input could be counted as written: an argument is
+        # in place when the kernel's signature says so.
+        inplace = arg_def.name.startswith("in_out_ptr")
         is_input = inplace or arg in kernel.args.input_buffers
         is_output = inplace or arg in kernel.args.output_buffers
         result.append(ArgBytes(arg_def.name, arg, str(dtype).replace("torch.", ""), numel,
