@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from .backend import FP8Backend
-from .policy import describe_pattern, normalize_policy
+from .policy import normalize_policy
 from .regional_compile import BlockBackend, RegionalBackend, compile_regions, is_region_boundary
 from .regions import AUTO, find_blocks, find_trunks, group_blocks, trunk_parts
 from .state import register_delayed_state
@@ -196,7 +196,7 @@ def _accepts_keyword(model, name: str) -> bool:
 
 
 def _unmatched_rule_names(backend) -> list[str]:
-    return [f"rule {i} ({describe_pattern(backend.policy.rules[i][0])})" for i in backend.unmatched_rules()]
+    return [backend.policy.rule_label(i) for i in backend.unmatched_rules()]
 
 
 def _check_rules_at_first_call(compiled, backend) -> None:

@@ -27,7 +27,8 @@ import torch
 
 from .recipes import DelayedScaling, Float8CurrentScaling, Recipe
 
-__all__ = ["DEFAULT_RECIPE", "Policy", "Resolution", "SiteInfo", "normalize_policy", "resolve"]
+__all__ = ["DEFAULT_RECIPE", "Policy", "Resolution", "SiteInfo", "WeightRecipes", "normalize_policy", "resolve",
+           "resolve_weight"]
 
 DEFAULT_RECIPE = Float8CurrentScaling()
 
@@ -140,6 +141,10 @@ class Policy:
         """Whether some recipe keeps state across steps (delayed scaling)."""
         return any(isinstance(recipe, DelayedScaling) for recipe in self.recipes)
 
+    def rule_label(self, index: int) -> str:
+        """How reports and errors name rule ``index``: ``rule 2 ('*.mlp.*')``."""
+        return f"rule {index} ({describe_pattern(self._rules[index][0])})"
+
     def _key(self):
         return (self._default, self._rules, self._strict)
 
@@ -188,6 +193,67 @@ def resolve(policy: Policy, path: str, site: SiteInfo, module: torch.nn.Module |
     if not site.is_linear:
         return Resolution(None, None)
     return Resolution(policy.default, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRecipes:
+    """What ``policy`` can give the linears on one weight, decided before tracing.
+
+    Buffers that become graph inputs (delayed-scaling state, FP8 weight
+    copies) are registered before anything is traced, when the token
+    dimension ``M`` is unknown and, for a module other than ``nn.Linear`` or
+    HuggingFace's ``Conv1D``, so is which way round the weight is multiplied.
+    A rule that cannot be decided without them (a predicate that reads
+    ``site.M``, or reads ``K`` and ``N`` of a weight whose orientation is
+    unknown) makes its recipe possible without ruling out the rules after it;
+    the traced graph decides each site (``fp8graph.passes.annotate``).
+    """
+
+    recipes: tuple[Recipe | None, ...]  # every recipe a site on the weight may get, in rule order, no repeats
+    rule_indices: tuple[int | None, ...]  # the rules that may decide, in order (None: the default)
+    undecided: tuple[str, ...]  # the rules that could not be decided before tracing, labelled
+
+    def any(self, kind: type) -> Recipe | None:
+        """The first possible recipe of ``kind`` (``type(recipe) is kind``), or ``None``."""
+        return next((recipe for recipe in self.recipes if type(recipe) is kind), None)
+
+
+def _weight_orientations(module: torch.nn.Module | None, weight: torch.Tensor) -> list[tuple[int, int]]:
+    """The ``(N, K)`` a linear on ``weight`` can have: ``nn.Linear`` stores (N, K), HuggingFace's ``Conv1D``
+    (GPT-2) stores (K, N); a weight of any other module may be multiplied either way."""
+    rows, columns = weight.shape
+    if isinstance(module, torch.nn.Linear):
+        return [(rows, columns)]
+    if type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers."):
+        return [(columns, rows)]
+    return [(rows, columns)] if rows == columns else [(rows, columns), (columns, rows)]
+
+
+def resolve_weight(policy: Policy, path: str, module: torch.nn.Module | None, weight: torch.Tensor) -> WeightRecipes:
+    """The recipes ``policy`` can give a linear on the 2-D ``weight`` of ``module`` (at ``path``), before
+    tracing: see :class:`WeightRecipes`."""
+    sites = [SiteInfo(op="linear", M=None, K=k, N=n, dtype=weight.dtype)
+             for n, k in _weight_orientations(module, weight)]
+    recipes, rule_indices, undecided = [], [], []
+    for index, (pattern, recipe) in enumerate(policy.rules):
+        verdicts = set()
+        for site in sites:
+            try:
+                verdicts.add(_matches(pattern, path, module, None, site))
+            except Exception:  # noqa: BLE001 - a predicate that needs the traced site (M is None here)
+                verdicts.add(None)
+        if verdicts == {False}:
+            continue
+        rule_indices.append(index)
+        if recipe not in recipes:
+            recipes.append(recipe)
+        if verdicts == {True}:
+            return WeightRecipes(tuple(recipes), tuple(rule_indices), tuple(undecided))
+        undecided.append(policy.rule_label(index))
+    rule_indices.append(None)
+    if policy.default not in recipes:
+        recipes.append(policy.default)
+    return WeightRecipes(tuple(recipes), tuple(rule_indices), tuple(undecided))
 
 
 def normalize_policy(policy: object) -> Policy:

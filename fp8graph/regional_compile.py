@@ -45,10 +45,9 @@ from typing import Callable
 
 import torch
 
-from fp8graph.passes.annotate import Decision
+from fp8graph.passes.annotate import Decision, resolve_site
 
 from .backend import FP8Backend
-from .policy import SiteInfo, resolve
 from .regions import BlockGroup, instance_path
 
 __all__ = ["BlockBackend", "RegionSession", "RegionalBackend", "block_class", "compile_regions",
@@ -223,11 +222,10 @@ class BlockBackend(FP8Backend):
 
     def _check_alike(self, decision: Decision, traced: str) -> None:
         site = decision.site
-        info = SiteInfo(op=site.op, M=site.M, K=site.K, N=site.N, dtype=site.dtype, is_linear=site.is_linear)
         modules = self.modules_by_path or {}
 
         def resolution(path):
-            found = resolve(self.policy, path, info, modules.get(path), site.module_type)
+            found = resolve_site(self.policy, site, path, modules.get(path))
             return found.recipe, found.rule_index
 
         expected = resolution(site.path)

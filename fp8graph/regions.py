@@ -32,7 +32,7 @@ from typing import Iterable
 
 import torch
 
-from .policy import Policy, SiteInfo, resolve
+from .policy import Policy, resolve_weight
 from .state import weight_candidates
 
 __all__ = ["BlockGroup", "find_blocks", "find_trunks", "group_blocks", "instance_path", "trunk_parts"]
@@ -139,14 +139,6 @@ def instance_path(path: str, template: str, instance: str) -> str | None:
     return None
 
 
-def _resolution_key(policy: Policy, path: str, site: SiteInfo, module: torch.nn.Module) -> tuple:
-    try:
-        resolution = resolve(policy, path, site, module)
-    except Exception as error:  # a predicate that needs the traced M: checked again at compile time
-        return ("unresolved", type(error).__name__)
-    return (resolution.recipe, resolution.rule_index)
-
-
 def policy_signature(policy: Policy, path: str, block: torch.nn.Module) -> tuple:
     """What ``policy`` gives each weight of ``block`` (at ``path``), keyed relative to the block."""
     signature = []
@@ -155,8 +147,7 @@ def policy_signature(policy: Policy, path: str, block: torch.nn.Module) -> tuple
         for name, param in module.named_parameters(recurse=False):
             if param.dim() != 2:
                 continue
-            site = SiteInfo(op="linear", M=None, K=param.shape[1], N=param.shape[0], dtype=param.dtype)
-            signature.append((relative, name, _resolution_key(policy, full, site, module)))
+            signature.append((relative, name, resolve_weight(policy, full, module, param)))
     return tuple(signature)
 
 
@@ -212,8 +203,7 @@ def find_trunks(model: torch.nn.Module, blocks: list[tuple[str, torch.nn.Module]
             if inside_a_block(full):
                 continue
             for _, param in weight_candidates(module):
-                site = SiteInfo(op="linear", M=None, K=param.shape[1], N=param.shape[0], dtype=param.dtype)
-                if _resolution_key(policy, full, site, module)[0] is not None:
+                if resolve_weight(policy, full, module, param).recipes != (None,):
                     return True
         return False
 

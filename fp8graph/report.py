@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fp8graph.passes.annotate import Decision
-from fp8graph.policy import Policy, describe_pattern
+from fp8graph.policy import Policy
 from fp8graph.recipes import Recipe
 
 __all__ = ["ExplainReport", "SiteRecord"]
@@ -49,7 +49,7 @@ class SiteRecord:
         site = decision.site
         rule = "default"
         if decision.rule_index is not None and policy is not None:
-            rule = f"rule {decision.rule_index} ({describe_pattern(policy.rules[decision.rule_index][0])})"
+            rule = policy.rule_label(decision.rule_index)
         return cls(
             path=site.path,
             op=site.op,

@@ -24,7 +24,7 @@ import logging
 import torch
 
 from .formats import ROLES
-from .policy import Policy, SiteInfo, resolve
+from .policy import Policy, resolve_weight
 from .recipes import DelayedScaling
 
 __all__ = ["HISTORY_PREFIX", "SCALE_PREFIX", "DelayedState", "SiteState", "register_delayed_state", "state_anchor"]
@@ -118,11 +118,21 @@ _REGISTERED_ATTRIBUTE = "_fp8graph_delayed_state"
 
 
 def _delayed_recipe(policy: Policy, path: str, module: torch.nn.Module, param: torch.Tensor):
-    """The ``DelayedScaling`` recipe the policy gives a linear on ``param``, else ``None``."""
-    # Shapes as a linear would see them: (N, K) weights, M unknown before tracing.
-    site = SiteInfo(op="linear", M=None, K=param.shape[1], N=param.shape[0], dtype=param.dtype)
-    recipe = resolve(policy, path, site, module).recipe
-    return recipe if isinstance(recipe, DelayedScaling) else None
+    """The ``DelayedScaling`` recipe the policy may give a linear on ``param``, else ``None``.
+
+    State is registered wherever a site on the weight may take delayed scaling (a rule on ``M`` is decided
+    when the graph is traced; unused state stays at its initial values). Two delayed recipes with
+    different history lengths cannot share one buffer: refused, naming the rules.
+    """
+    possible = resolve_weight(policy, path, module, param)
+    delayed = [recipe for recipe in possible.recipes if isinstance(recipe, DelayedScaling)]
+    if len({recipe.amax_history_len for recipe in delayed}) > 1:
+        raise ValueError(
+            f"{path or '<root>'}: before tracing, the policy may give this weight delayed scaling with "
+            f"amax histories of lengths {sorted({r.amax_history_len for r in delayed})} (undecided: "
+            f"{', '.join(possible.undecided)}), and a weight keeps one history: give those recipes one "
+            "amax_history_len")
+    return delayed[0] if delayed else None
 
 
 def _reuse_registered_state(model: torch.nn.Module, policy: Policy, delayed_state: DelayedState) -> DelayedState:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from .formats import Role
-from .policy import Policy, SiteInfo, resolve
+from .policy import Policy, resolve_weight
 from .recipes import Float8CurrentScaling
 from .state import weight_candidates
 
@@ -123,9 +123,8 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy) -> WeightCache
                 cache.add(module, name, owner, owner_name)
                 anchored.setdefault(module, []).append((owner, owner_name))
                 continue
-            site = SiteInfo(op="linear", M=None, K=param.shape[1], N=param.shape[0], dtype=param.dtype)
-            recipe = resolve(policy, path, site, module).recipe
-            if type(recipe) is not Float8CurrentScaling:
+            recipe = resolve_weight(policy, path, module, param).any(Float8CurrentScaling)
+            if recipe is None:
                 continue
             for prefix in (CACHED_WEIGHT_PREFIX, CACHED_SCALE_PREFIX):
                 if hasattr(module, prefix + name):

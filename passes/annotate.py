@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from fp8graph.lowering import Lowering, NoNativeGemm
-from fp8graph.policy import Policy, SiteInfo, describe_pattern, resolve
+from fp8graph.policy import Policy, Resolution, SiteInfo, resolve
 from fp8graph.recipes import DelayedScaling, Recipe, TiledRecipe
 from fp8graph.recompute import CONTEXT_FN_KEY
 
@@ -87,9 +87,11 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
     return None
 
 
-def _site_info(site: Site) -> SiteInfo:
-    return SiteInfo(op=site.op, M=site.M, K=site.K, N=site.N, dtype=site.dtype,
-                    is_linear=site.is_linear)
+def resolve_site(policy: Policy, site: Site, path: str | None = None,
+                 module: torch.nn.Module | None = None) -> Resolution:
+    """The recipe ``policy`` gives a traced site, or the same site at another ``path`` (a block instance's)."""
+    info = SiteInfo(op=site.op, M=site.M, K=site.K, N=site.N, dtype=site.dtype, is_linear=site.is_linear)
+    return resolve(policy, site.path if path is None else path, info, module, site.module_type)
 
 
 def annotate_sites(
@@ -114,7 +116,7 @@ def annotate_sites(
     decisions = []
     for site in sites:
         module = (modules_by_path or {}).get(site.path)
-        resolution = resolve(policy, site.path, _site_info(site), module, site.module_type)
+        resolution = resolve_site(policy, site, module=module)
         recipe = resolution.recipe
         where = f"fp8graph: {site.path or '<root>'} ({site.op})"
         reason = _reason_to_keep(site, recipe, has_state)
@@ -129,8 +131,7 @@ def annotate_sites(
             except ValueError as error:
                 raise ValueError(f"{where}: {error}") from None
         if reason is not None and recipe is not None and resolution.rule_index is not None:
-            pattern = describe_pattern(policy.rules[resolution.rule_index][0])
-            request = f"rule {resolution.rule_index} ({pattern}) asks for {recipe.name}"
+            request = f"{policy.rule_label(resolution.rule_index)} asks for {recipe.name}"
             if policy.strict:
                 raise ValueError(f"{where}: {request}, but {reason}")
             reason = f"{reason}; {request}"

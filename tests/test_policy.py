@@ -162,3 +162,58 @@ def test_bare_backend_matches_class_rules_by_module_type():
     compiled = torch.compile(model, backend="fp8", options={"policy": policy, "compiler": "aot_eager"})
     compiled(torch.randn(4, 64))
     assert torch._dynamo.utils.counters["fp8graph"]["sites_rewritten"] == 2
+
+
+def test_weight_recipes_before_tracing_read_conv1d_weights_as_in_by_out_and_leave_rules_on_m_open():
+    from transformers.pytorch_utils import Conv1D
+
+    from fp8graph.policy import resolve_weight
+
+    delayed = fp8graph.DelayedScaling()
+    wide = Policy(default=None, rules=[(lambda path, module, site: site.N > site.K, delayed)])
+    conv1d = Conv1D(256, 64)  # GPT-2's c_fc: weight (in=64, out=256), so K=64, N=256
+    linear = nn.Linear(64, 256)  # weight (out=256, in=64): the same site
+    assert resolve_weight(wide, "c_fc", conv1d, conv1d.weight).recipes == (delayed,)
+    assert resolve_weight(wide, "fc", linear, linear.weight).recipes == (delayed,)
+    # A weight of an unknown module may be multiplied either way round: both recipes stay possible.
+    free = nn.Parameter(torch.zeros(256, 64))
+    assert resolve_weight(wide, "free", None, free).recipes == (delayed, None)
+    on_m = Policy(default=None, rules=[(lambda path, module, site: site.M >= 4, delayed)])
+    possible = resolve_weight(on_m, "fc", linear, linear.weight)
+    assert possible.recipes == (delayed, None) and possible.undecided == ("rule 0 (<lambda>)",)
+
+
+def test_a_delayed_rule_on_m_gets_its_state_and_is_decided_per_traced_site():
+    model = build("mlp", "tiny")
+    policy = Policy(default=None, rules=[(lambda path, module, site: site.M >= 4, fp8graph.DelayedScaling())])
+    compiled, backend = compile_fp8(model, policy=policy)
+    x = torch.randn(8, 64, requires_grad=True)
+    compiled(x).sum().backward()
+    decisions = {d.site.path: d for d in backend.decisions}
+    for path in ("up", "mid"):  # before the fix: TypeError from the rule, at state registration (M None)
+        assert isinstance(decisions[path].recipe, fp8graph.DelayedScaling), decisions[path].reason
+        assert model.get_submodule(path).fp8graph_amax_history_weight[0, 0] > 0  # the input's amax recorded
+    assert decisions["head"].reason.startswith("N=10 is not a multiple of 16")
+
+
+def test_gpt2_delayed_rule_on_k_and_n_reads_conv1d_weights_the_right_way_round():
+    model = build("gpt2", "tiny")  # n_embd 64: c_fc is (in=64, out=256), c_proj of the MLP (256, 64)
+    policy = Policy(default=None, rules=[(lambda path, module, site: site.N > site.K, fp8graph.DelayedScaling())])
+    compiled, backend = compile_fp8(model, policy=policy)
+    tokens = torch.randint(0, 256, (2, 16))
+    compiled(tokens, labels=tokens).loss.backward()
+    decisions = {d.site.path: d for d in backend.decisions}
+    c_fc = decisions["transformer.h.0.mlp.c_fc"]
+    # Before the fix: kept in high precision, "delayed scaling has no state in this graph".
+    assert isinstance(c_fc.recipe, fp8graph.DelayedScaling), c_fc.reason
+    assert isinstance(decisions["transformer.h.0.attn.c_attn"].recipe, fp8graph.DelayedScaling)  # (64, 192)
+    c_proj = decisions["transformer.h.0.mlp.c_proj"]  # N=64 < K=256: the rule does not match
+    assert c_proj.recipe is None and c_proj.reason == "policy keeps it in high precision"
+    assert model.transformer.h[0].mlp.c_fc.fp8graph_amax_history_weight[0, 0] > 0
+
+
+def test_two_history_lengths_a_weight_may_get_before_tracing_are_refused_naming_the_rule():
+    policy = Policy(default=fp8graph.DelayedScaling(),
+                    rules=[(lambda path, module, site: site.M >= 4, fp8graph.DelayedScaling(amax_history_len=16))])
+    with pytest.raises(ValueError, match=r"up: .* lengths \[16, 1024\] \(undecided: rule 0 \(<lambda>\)\)"):
+        fp8graph.compile(build("mlp", "tiny"), policy=policy)
