@@ -151,15 +151,20 @@ def test_the_model_reproduces_the_h100_linear_and_decoder_steps(measured_fp8grap
 def test_a_gpu_run_is_shown_beside_the_committed_modelled_step():
     """``scripts/gpu-run decoder`` prints its measurement beside the modelled step of the same
     configuration (``bench model compare``): here a measured result written like bench decoder's."""
-    measured = {"config": "bench-8b-layer", "layers": 4, "batch": 1, "sequence": 4096,
-                "environment": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"},
+    shape = {"config": "bench-8b-layer", "layers": 4, "batch": 1, "sequence": 4096}
+    newest = json.loads(bench_model._newest_model(shape, RESULTS).read_text())
+    modelled = next(row for row in newest["rows"] if row["contestant"] == "current")
+    modelled_ms = modelled["step_ms"]
+    measured = {**shape, "environment": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"},
                 "rows": [{"contestant": "bf16", "train_tokens_per_s": 4096 / 0.05373},
-                         {"contestant": "current", "train_tokens_per_s": 4096 / 0.04450,
-                          "profile": {"by_category_ms": {"triton (fused elementwise/reduce/quantize)": 10.67,
-                                                         "gemm fp8": 33.83}}}]}
+                         {"contestant": "current", "train_tokens_per_s": 4096 / (modelled_ms / 1000),
+                          "profile": {"by_category_ms": {
+                              "triton (fused elementwise/reduce/quantize)": modelled["triton_ms"],
+                              "gemm fp8": 33.83}}}]}
     lines = bench_model.compare_lines(measured, "decoder-test.json", None, RESULTS)
     text = "\n".join(lines)
     assert "model-decoder-" in text and "decoder-test.json" in text
     current = next(line for line in lines if line.startswith("| current"))
-    assert "| 44.50 | 44.50 |" in current and "+0%" in current  # the model's step against the profiled one
+    step = f"{modelled_ms:.2f}"
+    assert f"| {step} | {step} |" in current and "+0%" in current  # the model's step against the profiled one
     assert bench_model.compare_lines({**measured, "layers": 3}, "x", None, RESULTS)[0].startswith("no modelled")
