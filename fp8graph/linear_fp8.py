@@ -63,7 +63,7 @@ from .kernels.transpose_fp8 import transpose_fp8
 from .lowering import Lowering, one_buffer, scaled_gemm_by_inverse, scalars_of
 from .partitioning import keep_for_backward, saved_not_recomputed
 from .quantize import amax, amax_to_scale, quantize
-from .recipes import DelayedScaling, Recipe
+from .recipes import Recipe
 from .recompute import state_snapshot
 
 __all__ = ["autocast_dtype", "linear_fp8_target", "linears_fp8_target", "record_health", "target_name"]
@@ -103,7 +103,7 @@ class CallSpec:
 
     @property
     def delayed(self) -> bool:
-        return isinstance(self.recipe, DelayedScaling)
+        return self.recipe.stateful
 
     @property
     def native_layouts(self) -> bool:

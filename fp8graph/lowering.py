@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from .recipes import FP8_GEMM_DIM_MULTIPLE
 from .tiles import Tiling, dequantize_tiled
 
 __all__ = ["LOWERING_CHOICES", "Lowering", "NoNativeGemm", "choose_lowering", "has_cpu_kernel", "native_requirement",
@@ -144,9 +145,6 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
     raise ValueError(f"lowering='scaled_mm' of {what} needs {needs}; the graph runs on {device}")
 
 
-_CUBLAS_FP8_DIM_MULTIPLE = 16
-
-
 def pad_reduction_dim(a_fp8: torch.Tensor, b_fp8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero-pad the shared K of ``a`` (M, K) and ``b`` (K, N) to a multiple of 16.
 
@@ -159,9 +157,9 @@ def pad_reduction_dim(a_fp8: torch.Tensor, b_fp8: torch.Tensor) -> tuple[torch.T
     rather than guarded on.
     """
     k = a_fp8.shape[1]
-    if isinstance(k, int) and k % _CUBLAS_FP8_DIM_MULTIPLE == 0:
+    if isinstance(k, int) and k % FP8_GEMM_DIM_MULTIPLE == 0:
         return a_fp8, b_fp8
-    pad = (-k) % _CUBLAS_FP8_DIM_MULTIPLE
+    pad = (-k) % FP8_GEMM_DIM_MULTIPLE
     a_padded = torch.nn.functional.pad(a_fp8.view(torch.uint8), (0, pad)).view(a_fp8.dtype)
     b_padded = torch.nn.functional.pad(b_fp8.view(torch.uint8), (0, 0, 0, pad)).view(b_fp8.dtype)
     return a_padded, b_padded

@@ -25,7 +25,7 @@ from typing import Callable, Union
 
 import torch
 
-from .recipes import DelayedScaling, Float8CurrentScaling, Recipe
+from .recipes import Float8CurrentScaling, Recipe
 
 __all__ = ["DEFAULT_RECIPE", "Policy", "Resolution", "SiteInfo", "WeightRecipes", "normalize_policy", "resolve",
            "resolve_weight"]
@@ -139,7 +139,7 @@ class Policy:
     @property
     def needs_state(self) -> bool:
         """Whether some recipe keeps state across steps (delayed scaling)."""
-        return any(isinstance(recipe, DelayedScaling) for recipe in self.recipes)
+        return any(recipe.stateful for recipe in self.recipes)
 
     def rule_label(self, index: int) -> str:
         """How reports and errors name rule ``index``: ``rule 2 ('*.mlp.*')``."""
@@ -213,9 +213,9 @@ class WeightRecipes:
     rule_indices: tuple[int | None, ...]  # the rules that may decide, in order (None: the default)
     undecided: tuple[str, ...]  # the rules that could not be decided before tracing, labelled
 
-    def any(self, kind: type) -> Recipe | None:
-        """The first possible recipe of ``kind`` (``type(recipe) is kind``), or ``None``."""
-        return next((recipe for recipe in self.recipes if type(recipe) is kind), None)
+    def first(self, trait: str) -> Recipe | None:
+        """The first possible recipe with ``trait`` (``"stateful"``, ``"caches_weights"``), or ``None``."""
+        return next((recipe for recipe in self.recipes if recipe is not None and getattr(recipe, trait)), None)
 
 
 def _weight_orientations(module: torch.nn.Module | None, weight: torch.Tensor) -> list[tuple[int, int]]:

@@ -7,15 +7,18 @@ key caches and be compared; variations are made with ``dataclasses.replace``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
+from typing import ClassVar, Union
 
 import torch
 
 from .formats import Format, Role
 from .tiles import ScaleKind, Tiling
 
-__all__ = ["DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling", "Float8RowwiseScaling",
-           "MXFP8BlockScaling", "PRESETS", "Recipe", "TiledRecipe"]
+__all__ = ["FP8_GEMM_DIM_MULTIPLE", "DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling",
+           "Float8RowwiseScaling", "MXFP8BlockScaling", "PRESETS", "Recipe", "TiledRecipe"]
+
+# cuBLAS's FP8 GEMMs need the dimensions they do not reduce over, and K, to be multiples of 16.
+FP8_GEMM_DIM_MULTIPLE = 16
 
 
 def _check_type(recipe: object, field: str, expected: type) -> None:
@@ -27,15 +30,28 @@ def _check_type(recipe: object, field: str, expected: type) -> None:
         )
 
 
-class _NamedByShortName:
-    """``str(recipe)`` is its short name (``current(HYBRID)``), as reports and tables print it."""
+class _RecipeKind:
+    """What every recipe says of itself, so that no caller has to ask with ``isinstance``.
+
+    ``str(recipe)`` is its short name (``current(HYBRID)``), as reports and tables print it.
+    """
+
+    # Keeps amax histories and scales across steps, in buffers of the modules (fp8graph.state).
+    stateful: ClassVar[bool] = False
+    # One scale per row, tile or block (fp8graph.linear_tiled), not one per tensor.
+    tiled: ClassVar[bool] = False
+    # Its weight cast depends on the weight alone, so an FP8 copy can be kept while the weight does not
+    # change (fp8graph.weight_cache).
+    caches_weights: ClassVar[bool] = False
+    # K and N of an eligible site are multiples of this.
+    dim_multiple: ClassVar[int] = FP8_GEMM_DIM_MULTIPLE
 
     def __str__(self) -> str:
         return self.name
 
 
 @dataclasses.dataclass(frozen=True)
-class Float8CurrentScaling(_NamedByShortName):
+class Float8CurrentScaling(_RecipeKind):
     """Per-tensor current scaling.
 
     Each tensor is scaled by its own amax at the moment it is cast::
@@ -55,6 +71,8 @@ class Float8CurrentScaling(_NamedByShortName):
         >>> Float8CurrentScaling(fp8_format=Format.E4M3)
         Float8CurrentScaling(fp8_format=<Format.E4M3: 'E4M3'>, power_2_scales=False)
     """
+
+    caches_weights: ClassVar[bool] = True
 
     fp8_format: Format = Format.HYBRID
     power_2_scales: bool = False
@@ -77,7 +95,7 @@ _AMAX_ALGOS = ("max", "most_recent")
 
 
 @dataclasses.dataclass(frozen=True)
-class DelayedScaling(_NamedByShortName):
+class DelayedScaling(_RecipeKind):
     """Delayed scaling: each cast uses a scale derived from the amaxes of earlier casts.
 
     Per site and tensor role, a history of the last ``amax_history_len``
@@ -100,6 +118,8 @@ class DelayedScaling(_NamedByShortName):
             the history tensor (newest in slot 0) and returning an amax.
         reduce_amax: max-reduce amaxes across the data-parallel group.
     """
+
+    stateful: ClassVar[bool] = True
 
     margin: int = 0
     fp8_format: Format = Format.HYBRID
@@ -136,7 +156,7 @@ class DelayedScaling(_NamedByShortName):
         return self.fp8_format.dtype(role)
 
 
-class _TiledScaling(_NamedByShortName):
+class _TiledScaling(_RecipeKind):
     """What the recipes with one scale per row, tile or block share.
 
     Every operand is E4M3. ``tiling(role)`` gives the tiles of an operand laid
@@ -145,7 +165,7 @@ class _TiledScaling(_NamedByShortName):
     A site is eligible when K and N are multiples of ``dim_multiple``.
     """
 
-    dim_multiple: int = 16
+    tiled: ClassVar[bool] = True
     fp8_format = Format.E4M3
 
     def fp8_dtype(self, role: Role):

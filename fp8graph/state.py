@@ -25,7 +25,7 @@ import torch
 
 from .formats import ROLES
 from .policy import Policy, resolve_weight
-from .recipes import DelayedScaling
+from .recipes import FP8_GEMM_DIM_MULTIPLE
 
 __all__ = ["HISTORY_PREFIX", "SCALE_PREFIX", "DelayedState", "SiteState", "register_delayed_state", "state_anchor"]
 
@@ -79,7 +79,8 @@ def weight_candidates(module: torch.nn.Module):
     for name, param in module.named_parameters(recurse=False):
         # FP8 GEMMs need both dims of the weight to be multiples of 16, whichever
         # way round it is stored; other weights stay in high precision anyway.
-        if param.dim() == 2 and param.is_floating_point() and not any(d % 16 for d in param.shape):
+        aligned = not any(dim % FP8_GEMM_DIM_MULTIPLE for dim in param.shape)
+        if param.dim() == 2 and param.is_floating_point() and aligned:
             yield name, param
 
 
@@ -125,7 +126,7 @@ def _delayed_recipe(policy: Policy, path: str, module: torch.nn.Module, param: t
     different history lengths cannot share one buffer: refused, naming the rules.
     """
     possible = resolve_weight(policy, path, module, param)
-    delayed = [recipe for recipe in possible.recipes if isinstance(recipe, DelayedScaling)]
+    delayed = [recipe for recipe in possible.recipes if recipe is not None and recipe.stateful]
     if len({recipe.amax_history_len for recipe in delayed}) > 1:
         raise ValueError(
             f"{path or '<root>'}: before tracing, the policy may give this weight delayed scaling with "

@@ -34,7 +34,6 @@ import torch
 
 from .formats import Role
 from .policy import Policy, resolve_weight
-from .recipes import Float8CurrentScaling
 from .state import weight_candidates
 
 __all__ = ["CACHED_WEIGHT_PREFIX", "CACHED_SCALE_PREFIX", "WeightCache", "fill_anchor", "register_weight_cache",
@@ -123,7 +122,7 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy) -> WeightCache
                 cache.add(module, name, owner, owner_name)
                 anchored.setdefault(module, []).append((owner, owner_name))
                 continue
-            recipe = resolve_weight(policy, path, module, param).any(Float8CurrentScaling)
+            recipe = resolve_weight(policy, path, module, param).first("caches_weights")
             if recipe is None:
                 continue
             for prefix in (CACHED_WEIGHT_PREFIX, CACHED_SCALE_PREFIX):

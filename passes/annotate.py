@@ -21,7 +21,7 @@ import torch
 
 from fp8graph.lowering import Lowering, NoNativeGemm
 from fp8graph.policy import Policy, Resolution, SiteInfo, resolve
-from fp8graph.recipes import DelayedScaling, Recipe, TiledRecipe
+from fp8graph.recipes import Recipe
 from fp8graph.recompute import CONTEXT_FN_KEY
 
 from .find_sites import Site
@@ -30,7 +30,6 @@ __all__ = ["DECISION_KEY", "Decision", "annotate_sites"]
 
 DECISION_KEY = "fp8graph_decision"
 _REPLACEABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_GEMM_DIM_MULTIPLE = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,24 +61,24 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
         if not site.is_linear:
             return "activation x activation matmul (FP8 only when a policy rule names it)"
         return "policy keeps it in high precision"
-    if isinstance(recipe, DelayedScaling) and not site.is_linear:
+    if recipe.stateful and not site.is_linear:
         return ("delayed scaling has no state here: fp8graph.compile registers it per weight parameter, "
                 "which activation matmuls lack")
-    if isinstance(recipe, DelayedScaling) and site.checkpoint_region is not None \
+    if recipe.stateful and site.checkpoint_region is not None \
             and CONTEXT_FN_KEY in site.checkpoint_region.meta:
         return ("delayed scaling in a torch.utils.checkpoint region with its own context_fn: its replayed "
                 "casts would need fp8graph's policy to save the state they read (fp8graph.recompute)")
-    if isinstance(recipe, TiledRecipe) and not site.is_linear:
+    if recipe.tiled and not site.is_linear:
         return f"{recipe.name} applies to linear sites (a parameter operand), not activation matmuls"
     if not site.is_linear:
         return None  # emulated whatever the device: no cuBLAS shape constraint
-    multiple = recipe.dim_multiple if isinstance(recipe, TiledRecipe) else _GEMM_DIM_MULTIPLE
+    multiple = recipe.dim_multiple
     for dim_name in ("K", "N"):
         dim = getattr(site, dim_name)
         if dim % multiple:
-            tiles = f" ({recipe.name} tiles)" if isinstance(recipe, TiledRecipe) else ""
+            tiles = f" ({recipe.name} tiles)" if recipe.tiled else ""
             return f"{dim_name}={dim} is not a multiple of {multiple}{tiles}"
-    if isinstance(recipe, DelayedScaling) and not has_state(site):
+    if recipe.stateful and not has_state(site):
         return ("delayed scaling has no state in this graph: the weight's amax history and scale are not "
                 "among the graph's inputs (registered after compiling, a graph split between the GEMM "
                 "and the forward hook of the module that owns them, or a weight whose owner's hooks "

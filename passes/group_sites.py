@@ -22,8 +22,6 @@ from typing import Callable, Hashable
 
 import torch.fx
 
-from fp8graph.recipes import TiledRecipe
-
 from .annotate import Decision
 
 __all__ = ["group_sites"]
@@ -44,7 +42,7 @@ def group_sites(decisions: list[Decision],
     groups: dict[tuple, list[Decision]] = {}
     for decision in decisions:
         site = decision.site
-        if not decision.rewritten or not site.is_linear or isinstance(decision.recipe, TiledRecipe):
+        if not decision.rewritten or not site.is_linear or decision.recipe.tiled:
             continue
         key = (id(site.graph_module), site.input_node, id(site.checkpoint_region), decision.recipe,
                decision.lowering, compatible(decision))

@@ -38,7 +38,6 @@ from fp8graph.linear_fp8 import linear_fp8_target, linears_fp8_target
 from fp8graph.linear_tiled import linear_tiled_target
 from fp8graph.matmul_fp8 import matmul_fp8_target
 
-from fp8graph.recipes import DelayedScaling, Float8CurrentScaling, TiledRecipe
 from fp8graph.recompute import CONTEXT_FN_KEY, checkpoint_context_fn
 
 from .annotate import DECISION_KEY, Decision
@@ -125,13 +124,13 @@ class _Buffers:
 
     def state(self, decision: Decision, gm) -> tuple[torch.fx.Node, torch.fx.Node] | None:
         """``(history, scale)`` of a delayed-scaling linear site."""
-        if not (decision.site.is_linear and isinstance(decision.recipe, DelayedScaling)):
+        if not (decision.site.is_linear and decision.recipe.stateful):
             return None
         return self._lift(self._state_nodes(decision.site), gm)
 
     def cache(self, decision: Decision, gm) -> tuple[torch.fx.Node, torch.fx.Node] | None:
         """``(FP8 copy, scale)`` of the weight of a current-scaling linear site with ``cache_weights``."""
-        if not (decision.site.is_linear and type(decision.recipe) is Float8CurrentScaling):
+        if not (decision.site.is_linear and decision.recipe.caches_weights):
             return None
         return self._lift(self._cache_nodes(decision.site), gm)
 
@@ -173,7 +172,7 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
             mark_cacheable(call, target)
         else:
             state, cache = states[0], caches[0]
-            if isinstance(first.recipe, TiledRecipe):
+            if first.recipe.tiled:
                 target = linear_tiled_target(first.recipe, first.lowering)
                 args = (site.input_node, _weight_nk(graph, first), site.bias_node)
             elif site.is_linear:
