@@ -150,8 +150,14 @@ def _add_ratios(rows: list[dict]) -> None:
             if base:
                 row[key] = base / row["step_ms"]
         bf16 = next((r for r in rows if r.get("case") == row["case"] and r["contestant"] == "bf16"), None)
-        if bf16 and bf16["triton_launches"]:
-            row["launches_vs_bf16"] = row["triton_launches"] / bf16["triton_launches"]
+        if bf16 and _launches(bf16):
+            row["launches_vs_bf16"] = _launches(row) / _launches(bf16)
+
+
+def _launches(row: dict) -> int:
+    """Kernel launches besides the GEMMs and attention: Inductor's Triton kernels and the custom ops'
+    (fp8graph's transpose, tiled quantize and state update), so that moving work into an op hides nothing."""
+    return row["triton_launches"] + row.get("other_externs", 0)
 
 
 def write(result: dict, out: pathlib.Path) -> pathlib.Path:
@@ -195,7 +201,8 @@ def _step_table(rows: list[dict], machine: costs.Machine, digits: int, optimizer
     several = len({row["case"] for row in entries}) > 1
     with_torchao = any("vs_torchao_tensorwise" in row for row in entries)
     columns = (["case"] if several else []) + [
-        "contestant", "Triton launches (distinct)", "Triton GB read", "GB written", "FP8 GB stored twice",
+        "contestant", "Triton launches (distinct)", "custom-op launches", "Triton GB read", "GB written",
+        "FP8 GB stored twice",
         "tiny launches", f"Triton ms @{machine.copy_bandwidth / 1e12:.2f} TB/s",
         f"Triton ms @{machine.triton_bandwidth / 1e12:.2f} TB/s", "GEMM ms", "attention ms", "other extern ms",
         *(["SGD ms"] if optimizer else []), "step ms", "vs bf16", *(["vs torchao tensorwise"] if with_torchao else [])]
@@ -203,7 +210,8 @@ def _step_table(rows: list[dict], machine: costs.Machine, digits: int, optimizer
     table = []
     for s in entries:
         table.append(([s["case"]] if several else []) + [
-            s["contestant"], f"{s['triton_launches']} ({s['triton_kernels']})", f(s["triton_read_gb"]),
+            s["contestant"], f"{s['triton_launches']} ({s['triton_kernels']})", str(s.get("other_externs", 0)),
+            f(s["triton_read_gb"]),
             f(s["triton_written_gb"]), f(s["duplicate_written_gb"]), str(s["tiny_launches"]), f(s["triton_ms_copy"]),
             f(s["triton_ms"]), f(s["gemm_ms"]), f(s["attention_ms"]), f(s["other_ms"]),
             *([f(s["optimizer_ms"])] if optimizer else []), f(s["step_ms"]), _ratio(s, "vs_bf16"),

@@ -10,8 +10,10 @@ and ``scale`` (0-dim). At each training-mode cast (see ``DelayedScaling``)::
 Every function takes the history's rows stacked (``(..., amax_history_len)``)
 as well, so that the roles a forward updates together (input and weight) are
 one small computation rather than one per role. The functions return new
-tensors; the FP8 linear copies them into the module's buffers, so the
-compiled graph updates the state in place.
+tensors. The FP8 linear computes the scales with them inside the graph; the
+state itself moves in place, one call at a time, through
+``fp8graph::record_delayed_`` (``fp8graph.kernels.delayed_record``), whose
+reference is :func:`roll_history` and :func:`record_amax`.
 """
 
 from __future__ import annotations

@@ -55,14 +55,15 @@ from typing import Callable, Sequence
 import torch
 
 from .cache_hash import register_target
-from .delayed_scaling import amax_from_history, record_amax, roll_history, scale_from_history
+from .delayed_scaling import amax_from_history, scale_from_history
 from .distributed import amax_reduction
 from .formats import ROLES, Role
 from .health import quantization_health
+from .kernels.delayed_record import record_delayed_
 from .kernels.transpose_fp8 import transpose_fp8
 from .lowering import Lowering, one_buffer, scaled_gemm_by_inverse, scalars_of
 from .partitioning import keep_for_backward, saved_not_recomputed
-from .quantize import amax, amax_to_scale, quantize
+from .quantize import amax, amax_to_scale, quantize, row_amaxes
 from .recipes import Recipe
 from .recompute import state_snapshot
 
@@ -149,12 +150,19 @@ def _states(spec: CallSpec, members: Sequence[Member], forward: bool) -> tuple[t
     return torch.stack(histories), torch.stack(scales)
 
 
-def _write_states(members: Sequence[Member], rows: slice, new_histories: torch.Tensor,
-                  new_scales: torch.Tensor) -> None:
-    """Write rows ``rows`` of each member's state buffers in place: (m, rows, len) and (m, rows)."""
-    for member, history, scale in zip(members, new_histories, new_scales):
-        member.state[0][rows].copy_(history)
-        member.state[1][rows].copy_(scale)
+def _record_states(members: Sequence[Member], first_row: int, row_amaxes_by_member: list[list[torch.Tensor]],
+                   new_scales: torch.Tensor, reduce) -> None:
+    """Move rows ``first_row``.. of every member's state one step, in place: each row's history records
+    the amax of its ``row_amaxes_by_member[i][row]`` (per-row partial magnitudes, finished by the op) and
+    its scale becomes ``new_scales[i, row]`` (the one the cast used). One ``fp8graph::record_delayed_``
+    launch for the whole call. With ``reduce`` (an amax all-reduce across ranks) the amaxes are finished
+    here and reduced in one collective first."""
+    partials = [partial for member_partials in row_amaxes_by_member for partial in member_partials]
+    if reduce is not None:
+        finished = reduce(torch.stack([partial.amax().to(torch.float32) for partial in partials]))
+        partials = list(finished.reshape(-1, 1).unbind())
+    record_delayed_([member.state[0] for member in members], [member.state[1] for member in members], partials,
+                    new_scales, first_row)
 
 
 def _cast_current(spec: CallSpec, x_hp: torch.Tensor, role: Role) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -200,12 +208,11 @@ def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Se
     weights = [(quantize(w, weight_scale, fp8_dtype), weight_scale, inverse_scales[2 * i + _WEIGHT], w)
                for i, (w, weight_scale) in enumerate(zip(weights_hp, weight_scales))]
     if spec.update:
-        # The amaxes ride along with the casts: Inductor computes each with its cast in one read.
-        amaxes = [amax(input_hp.detach())] + [amax(w.detach()) for w in weights_hp]
-        amaxes = torch.stack(amaxes) if reduce is None else reduce(torch.stack(amaxes))  # one collective
-        recorded = torch.stack([amaxes[0].expand(len(members)), amaxes[1:]], 1)  # (m, 2)
-        _write_states(members, forward_rows, record_amax(roll_history(history[:, forward_rows]), recorded),
-                      new_scales)
+        # The per-row partial amaxes ride along with the casts: Inductor computes each with its cast in
+        # one read; the op finishes them. The input's is recorded by every member.
+        input_row_amaxes = row_amaxes(input_hp.detach())
+        _record_states(members, _INPUT, [[input_row_amaxes, row_amaxes(w.detach())] for w in weights_hp],
+                       new_scales.contiguous(), reduce)
     return input_fp8, input_scale, inverse_scales[_INPUT], weights
 
 
@@ -247,12 +254,8 @@ def _cast_grad_outputs(spec: CallSpec, grad_outputs_hp: Sequence[torch.Tensor], 
                                                         scalars_of(new_scales.reciprocal()))]
     if not spec.update:
         return casts
-    amaxes = torch.stack([amax(grad.detach()) for grad in grad_outputs_hp])
-    reduce = amax_reduction(recipe.reduce_amax)
-    amaxes = amaxes if reduce is None else reduce(amaxes)
-    grad_rows = slice(_GRAD, _GRAD + 1)
-    _write_states(members, grad_rows, record_amax(roll_history(history[:, grad_rows]), amaxes[:, None]),
-                  new_scales[:, None])
+    _record_states(members, _GRAD, [[row_amaxes(grad.detach())] for grad in grad_outputs_hp],
+                   new_scales[:, None].contiguous(), amax_reduction(recipe.reduce_amax))
     return casts
 
 

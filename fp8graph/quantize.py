@@ -14,7 +14,7 @@ import torch
 
 from .formats import fp8_max
 
-__all__ = ["amax", "amax_to_scale", "quantize", "dequantize", "quantize_current"]
+__all__ = ["amax", "amax_to_scale", "dequantize", "quantize", "quantize_current", "row_amaxes"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOAT32_EXPONENT_MASK = 0x7F800000
@@ -32,10 +32,16 @@ def amax(x_hp: torch.Tensor) -> torch.Tensor:
     (one pass), a current cast 308 against 233 us. (pytorch issue 143464;
     torchao's ``float8/inductor_utils.py`` makes the same rewrite.)
     """
+    return row_amaxes(x_hp).amax().to(torch.float32)
+
+
+def row_amaxes(x_hp: torch.Tensor) -> torch.Tensor:
+    """The first stage of :func:`amax`: each row's largest magnitude (1-D, ``x_hp``'s dtype), the
+    magnitudes themselves for a 1-D tensor. Their max is the amax."""
     magnitude = x_hp.abs()
     if magnitude.dim() >= 2:
         magnitude = magnitude.amax(dim=-1)
-    return magnitude.amax().to(torch.float32)
+    return magnitude.reshape(-1)
 
 
 def amax_to_scale(

@@ -10,9 +10,9 @@ with a scale the first forward never used.
 So inside a region the forward casts read the state through
 ``fp8graph::state_snapshot``, a copy that the region's checkpoint policy
 marks ``MUST_SAVE``: the backward reuses the copy taken before the update,
-and the replayed cast is bit for bit the first one. The updates themselves are
-functional in the compiled graph, applied once after the forward; replaying
-the forward records nothing. Everything else in the region keeps the default
+and the replayed cast is bit for bit the first one. The update,
+``fp8graph::record_delayed_``, is marked ``MUST_SAVE`` too, so the backward
+never replays it: replaying the forward records nothing. Everything else in the region keeps the default
 ``PREFER_RECOMPUTE``.
 """
 
@@ -22,6 +22,8 @@ import functools
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from .kernels.delayed_record import record_delayed_
 
 __all__ = ["CONTEXT_FN_KEY", "checkpoint_context_fn", "state_snapshot"]
 
@@ -41,7 +43,7 @@ def _(state: torch.Tensor) -> torch.Tensor:
 
 
 def _save_state_snapshots(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op is torch.ops.fp8graph.state_snapshot.default:
+    if op is torch.ops.fp8graph.state_snapshot.default or op is record_delayed_._opoverload:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

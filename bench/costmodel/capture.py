@@ -257,13 +257,18 @@ def _call_body(wrapper: str) -> str:
 def _launch_order(record: GraphRecord) -> list[tuple[str, str]]:
     """One ("triton", kernel) per ``.run(`` line and one ("extern", buffer) per extern call, in wrapper order."""
     order = []
-    externs = [e.name for e in record.externs]
+    externs = [e.name for e in record.externs if e.outputs]
+    # An op that only mutates its arguments has no output buffer to find it by: its calls are matched to
+    # its records in order ("torch.ops.fp8graph.record_delayed_.default([...], ...)").
+    in_place = [e for e in record.externs if not e.outputs]
     for line in _call_body(record.wrapper).splitlines():
         launch = _LAUNCH.match(line)
         if launch:
             order.append(("triton", launch.group(1)))
         elif re.search(r"\.zero_\(\)|\.fill_\(", line):
             order.append(("memset", line.strip()))
+        elif in_place and re.match(rf"^\s*{re.escape(in_place[0].kernel)}\(", line):
+            order.append(("extern", in_place.pop(0).name))
         else:
             for name in externs:  # "extern_kernels.mm(..., out=buf3)" or "buf5 = torch.ops...(...)"
                 if re.search(rf"(out={name}\b|^\s*{name} = (?!empty_strided)(?!reinterpret_tensor)\S+\()", line):

@@ -1,0 +1,55 @@
+"""Triton kernel behind ``fp8graph::record_delayed_`` (imported only where Triton is installed).
+
+One program per member of a call. The tuples of pointers and lengths are
+specialized on their length: a call of m members compiles once and runs in
+one launch. Loops over runtime lengths are ``while`` loops: Triton's
+interpreter (the numerics check) cannot bound a ``range`` by an argument.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _finish_amax(row_amaxes, length, BLOCK_AMAX: tl.constexpr):
+    """The max of a 1-D tensor of magnitudes as fp32; NaN if any is NaN (a max alone would drop it)."""
+    running = tl.zeros([BLOCK_AMAX], dtype=tl.float32)
+    nan_count = tl.zeros([BLOCK_AMAX], dtype=tl.int32)
+    start = 0
+    while start < length:
+        offsets = start + tl.arange(0, BLOCK_AMAX)
+        values = tl.load(row_amaxes + offsets, mask=offsets < length, other=0.0).to(tl.float32)
+        is_nan = values != values
+        nan_count += is_nan.to(tl.int32)
+        running = tl.maximum(running, tl.where(is_nan, 0.0, values))
+        start += BLOCK_AMAX
+    new_amax = tl.max(running, axis=0)
+    return tl.where(tl.sum(nan_count, axis=0) > 0, float("nan"), new_amax)
+
+
+@triton.jit
+def _roll_and_record(row, history_len, new_amax, BLOCK_HISTORY: tl.constexpr):
+    """In place: ``row[0] = new_amax``, ``row[j] = row[j + 1]`` for 0 < j < len - 1, ``row[len - 1] = row[0]``
+    (``fp8graph.delayed_scaling.roll_history`` then ``record_amax``)."""
+    oldest_moved = tl.load(row)  # read before the first store overwrites it
+    start = 0
+    while start < history_len:
+        j = start + tl.arange(0, BLOCK_HISTORY)
+        shifted = tl.load(row + j + 1, mask=(j >= 1) & (j < history_len - 1), other=0.0)
+        value = tl.where(j == 0, new_amax, tl.where(j == history_len - 1, oldest_moved, shifted))
+        tl.debug_barrier()  # every thread has read this block before any thread writes it
+        tl.store(row + j, value, mask=j < history_len)
+        start += BLOCK_HISTORY
+
+
+@triton.jit
+def record_delayed_kernel(histories, scales, row_amaxes, row_amax_lengths, new_scales, history_len, first_row,
+                          ROWS: tl.constexpr, BLOCK_AMAX: tl.constexpr, BLOCK_HISTORY: tl.constexpr):
+    member = tl.program_id(0)
+    for i in tl.static_range(len(histories)):
+        if member == i:
+            for r in tl.static_range(ROWS):
+                new_amax = _finish_amax(row_amaxes[i * ROWS + r], row_amax_lengths[i * ROWS + r], BLOCK_AMAX)
+                _roll_and_record(histories[i] + (first_row + r) * history_len, history_len, new_amax,
+                                 BLOCK_HISTORY)
+                tl.store(scales[i] + first_row + r, tl.load(new_scales + i * ROWS + r))

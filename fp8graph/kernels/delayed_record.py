@@ -1,0 +1,90 @@
+"""``fp8graph::record_delayed_``: the delayed-scaling state of one call moved one step, in one launch.
+
+A call's members (q, k and v; gate and up; or one linear) each record this
+step's amaxes into some rows of their amax history and store the scales the
+casts used. Written as torch ops, that is per member a roll, a record, a
+history write and a scale write, plus a second reduction stage per amax:
+Inductor made them about a dozen small kernels per call (hundreds a step).
+As one op it is one launch per call, which also finishes the amaxes from the
+per-row partial maxima the casts computed in their own pass
+(``fp8graph.quantize.row_amaxes``).
+
+Arguments: the members' ``histories`` ((3, len), contiguous) and ``scales``
+((3,)), changed in place; ``row_amaxes``, member-major, one 1-D tensor of
+partial magnitudes per member and recorded row; ``new_scales`` (m, rows);
+``first_row``, the first row recorded. On CUDA it runs
+``record_delayed_kernel`` (``_record_delayed_triton``); everywhere else, and
+where Triton is missing, the same steps in torch ops
+(``fp8graph.delayed_scaling``), which the tests hold the kernel to bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..delayed_scaling import record_amax, roll_history
+from .quantize_tiles import KernelLaunch, triton_available
+
+__all__ = ["plan_record_delayed", "record_delayed_"]
+
+_BLOCK_AMAX = 1024
+_BLOCK_HISTORY = 1024
+
+
+def _check(histories, scales, row_amaxes, new_scales, first_row: int) -> int:
+    members, rows = new_scales.shape
+    if not (len(histories) == len(scales) == members and len(row_amaxes) == members * rows):
+        raise ValueError(f"record_delayed_: {len(histories)} histories, {len(scales)} scales and "
+                         f"{len(row_amaxes)} amaxes for new_scales of shape {tuple(new_scales.shape)}")
+    if first_row < 0 or any(first_row + rows > history.shape[0] for history in histories):
+        raise ValueError(f"record_delayed_: rows {first_row}..{first_row + rows - 1} are not all in the histories")
+    return rows
+
+
+def _record_reference(histories, scales, row_amaxes, new_scales, first_row: int) -> None:
+    rows = _check(histories, scales, row_amaxes, new_scales, first_row)
+    recorded = slice(first_row, first_row + rows)
+    for i, (history, scale) in enumerate(zip(histories, scales)):
+        new_amaxes = torch.stack([partial.amax().to(torch.float32) for partial in row_amaxes[i * rows:(i + 1) * rows]])
+        history[recorded] = record_amax(roll_history(history[recorded]), new_amaxes)
+        scale[recorded] = new_scales[i]
+
+
+def plan_record_delayed(histories, scales, row_amaxes, new_scales, first_row: int) -> KernelLaunch:
+    """The one launch that does :func:`record_delayed_` on CUDA tensors."""
+    from ._record_delayed_triton import record_delayed_kernel
+
+    rows = _check(histories, scales, row_amaxes, new_scales, first_row)
+    return KernelLaunch(record_delayed_kernel, (len(histories),),
+                        (tuple(histories), tuple(scales), tuple(row_amaxes),
+                         tuple(partial.numel() for partial in row_amaxes), new_scales,
+                         histories[0].shape[1], first_row),
+                        {"ROWS": rows, "BLOCK_AMAX": _BLOCK_AMAX, "BLOCK_HISTORY": _BLOCK_HISTORY, "num_warps": 4})
+
+
+def _kernel_can_run(histories, scales, row_amaxes, new_scales) -> bool:
+    lengths = {history.shape[1] for history in histories}
+    return (triton_available() and len(lengths) == 1 and new_scales.dtype == torch.float32
+            and new_scales.is_contiguous()
+            and all(t.is_contiguous() and t.dtype == torch.float32 for t in (*histories, *scales))
+            and all(partial.dim() == 1 and partial.is_contiguous() for partial in row_amaxes))
+
+
+@torch.library.custom_op("fp8graph::record_delayed_", mutates_args=("histories", "scales"))
+def record_delayed_(histories: list[torch.Tensor], scales: list[torch.Tensor], row_amaxes: list[torch.Tensor],
+                    new_scales: torch.Tensor, first_row: int) -> None:
+    """Record each member's new amaxes into rows ``first_row``.. of its history and store its scales."""
+    _record_reference(histories, scales, row_amaxes, new_scales, first_row)
+
+
+@record_delayed_.register_fake
+def _(histories, scales, row_amaxes, new_scales, first_row):
+    _check(histories, scales, row_amaxes, new_scales, first_row)
+
+
+@record_delayed_.register_kernel("cuda")
+def _(histories, scales, row_amaxes, new_scales, first_row):
+    if not _kernel_can_run(histories, scales, row_amaxes, new_scales):
+        _record_reference(histories, scales, row_amaxes, new_scales, first_row)
+        return
+    plan_record_delayed(histories, scales, row_amaxes, new_scales, first_row)()
