@@ -13,13 +13,29 @@ Plain torch ops, so they run inside the compiled graph next to the cast.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .formats import saturation_threshold
 
-__all__ = ["HEALTH_METRICS", "quantization_health"]
+__all__ = ["HEALTH_METRICS", "StatsRow", "quantization_health"]
 
 HEALTH_METRICS = ("amax", "scale", "underflow", "overflow", "sqnr_db")
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsRow:
+    """The health of one tensor role of one site at one step as ``fp8graph.stats`` records it."""
+
+    step: int
+    path: str
+    role: str
+    amax: float
+    scale: float
+    underflow: float
+    overflow: float
+    sqnr_db: float
 
 
 def quantization_health(

@@ -15,7 +15,7 @@ import pathlib
 from collections.abc import Iterable
 
 from .png import write_png
-from .stats import StatsRow
+from .health import StatsRow
 
 __all__ = ["least_healthy", "health_figure", "save_health_figure"]
 

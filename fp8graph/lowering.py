@@ -30,11 +30,13 @@ from typing import Callable
 
 import torch
 
-from .recipes import FP8_GEMM_DIM_MULTIPLE
+from .gemm_padding import pad_reduction_dim
+from .native_tiled_gemm import native_tiled_gemm
+from .recipes import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
 from .tiles import Tiling, dequantize_tiled
 
 __all__ = ["LOWERING_CHOICES", "Lowering", "NoNativeGemm", "choose_lowering", "has_cpu_kernel", "native_requirement",
-           "one_buffer", "pad_reduction_dim", "scalars_of",
+           "one_buffer", "scalars_of",
            "scaled_gemm", "scaled_gemm_by_inverse", "tiled_scaled_gemm"]
 
 _MIN_FP8_CAPABILITY = (8, 9)
@@ -62,8 +64,6 @@ def native_requirement(recipe=None) -> tuple[str, Callable[[tuple[int, int]], bo
     (cuBLASLt's block-scaled FP8 GEMM is Hopper-only). MXFP8: the same API
     with E8M0 scales on SM100.
     """
-    from .recipes import Float8BlockScaling, MXFP8BlockScaling
-
     has_v2 = hasattr(torch.nn.functional, "scaled_mm")
     if isinstance(recipe, Float8BlockScaling):
         return "a CUDA device of compute capability 9.x (SM90)", lambda cc: has_v2 and cc[0] == 9
@@ -79,8 +79,6 @@ def has_cpu_kernel(recipe=None) -> bool:
     them, torch 2.11 refuses them ("only supports per-tensor scaling for CPU
     backend"), so they are probed once. Block and MX scales: never.
     """
-    from .recipes import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
-
     if isinstance(recipe, (Float8BlockScaling, MXFP8BlockScaling)):
         return False
     return not isinstance(recipe, Float8RowwiseScaling) or _cpu_kernel_takes_rowwise_scales()
@@ -143,26 +141,6 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
     if has_cpu_kernel(recipe):
         return Lowering.SCALED_MM  # _scaled_mm's CPU kernel, asked for
     raise ValueError(f"lowering='scaled_mm' of {what} needs {needs}; the graph runs on {device}")
-
-
-def pad_reduction_dim(a_fp8: torch.Tensor, b_fp8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-pad the shared K of ``a`` (M, K) and ``b`` (K, N) to a multiple of 16.
-
-    cuBLAS FP8 GEMMs need K and N to be multiples of 16. Site eligibility
-    checks the layer's K and N, but the weight-gradient GEMM reduces over the
-    token dimension M, which is free. Zeros add nothing to the products, so
-    the padded GEMM is exact. The pad goes through a uint8 view (zero bits are
-    +0.0 in both FP8 formats) because padding is not defined for FP8 dtypes.
-    A symbolic K (dynamic shapes) is always padded, by a possibly zero amount,
-    rather than guarded on.
-    """
-    k = a_fp8.shape[1]
-    if isinstance(k, int) and k % FP8_GEMM_DIM_MULTIPLE == 0:
-        return a_fp8, b_fp8
-    pad = (-k) % FP8_GEMM_DIM_MULTIPLE
-    a_padded = torch.nn.functional.pad(a_fp8.view(torch.uint8), (0, pad)).view(a_fp8.dtype)
-    b_padded = torch.nn.functional.pad(b_fp8.view(torch.uint8), (0, 0, 0, pad)).view(b_fp8.dtype)
-    return a_padded, b_padded
 
 
 def one_buffer(x_fp8: torch.Tensor) -> torch.Tensor:
@@ -260,8 +238,6 @@ def tiled_scaled_gemm(
     Emulated: each operand is dequantized tile by tile in fp32, then multiplied.
     """
     if lowering is Lowering.SCALED_MM:
-        from .native_tiled_gemm import native_tiled_gemm
-
         return native_tiled_gemm(a_fp8, a_scale, a_tiling, b_fp8, b_scale, b_tiling, out_dtype, use_fast_accum)
     a_fp32 = dequantize_tiled(a_fp8, a_scale, a_tiling)
     b_fp32 = dequantize_tiled(b_fp8, b_scale, b_tiling)

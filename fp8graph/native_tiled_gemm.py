@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .lowering import pad_reduction_dim
+from .gemm_padding import pad_reduction_dim
 from .tiles import ScaleKind, Tiling
 
 __all__ = ["native_tiled_gemm", "swizzle_mx_scales"]

@@ -48,7 +48,8 @@ from rich.console import Console
 from rich.table import Table
 
 from .formats import ROLES
-from .health import HEALTH_METRICS
+from .health import HEALTH_METRICS, StatsRow
+from .health_plot import save_health_figure
 
 __all__ = ["FP8Stats", "STATS_BUFFER", "StatsRow", "stats_anchor"]
 
@@ -66,20 +67,6 @@ def _anchor_hook(root: torch.nn.Module):
         stats_anchor(getattr(module, STATS_BUFFER), getattr(root, STATS_BUFFER))
 
     return reference_stats_buffers
-
-
-@dataclasses.dataclass(frozen=True)
-class StatsRow:
-    """The health of one tensor role of one site at one step (see ``fp8graph.health``)."""
-
-    step: int
-    path: str
-    role: str
-    amax: float
-    scale: float
-    underflow: float
-    overflow: float
-    sqnr_db: float
 
 
 class FP8Stats:
@@ -183,8 +170,6 @@ class FP8Stats:
         The ``highlight`` least healthy sites of each panel are drawn in colour
         and named in its legend, the others in grey (see ``fp8graph.health_plot``).
         """
-        from .health_plot import save_health_figure
-
         return save_health_figure(self.rows, path, role, highlight)
 
     def remove(self) -> None:

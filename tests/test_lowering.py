@@ -17,7 +17,8 @@ import fp8graph.lowering
 from fp8graph import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling
 from fp8graph.linear_fp8 import linear_fp8_target
 from fp8graph.linear_tiled import linear_tiled_target
-from fp8graph.lowering import Lowering, NoNativeGemm, choose_lowering, has_cpu_kernel, pad_reduction_dim, scaled_gemm
+from fp8graph.gemm_padding import pad_reduction_dim
+from fp8graph.lowering import Lowering, NoNativeGemm, choose_lowering, has_cpu_kernel, scaled_gemm
 from fp8graph.metrics import sqnr_db
 from fp8graph.models import build
 from fp8graph.quantize import quantize_current
