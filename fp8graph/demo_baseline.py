@@ -3,9 +3,8 @@
 On a CUDA GPU the baseline is BF16 autocast, what FP8 training is compared with
 in practice. A CPU is another matter: one without BF16 matrix units (AVX2-only
 x86, most AMD EPYCs before Zen 4) has oneDNN refuse BF16 and ATen fall back to a
-reference GEMM: with the libraries limited to AVX2 a 2048x128x352 matmul took
-44.5 ms in BF16 against 0.92 ms in fp32 (2026-11-23, torch 2.13.0, 2-core
-EPYC; see the README's demo table). So on CPU the demo times one matmul of
+reference GEMM, tens of times slower than fp32 (measured: the README's demo
+section). So on CPU the demo times one matmul of
 the demo's shape in both dtypes and runs both of its runs in BF16 autocast,
 unless BF16 is over 2x slower than fp32 (emulated): then in plain fp32. The
 comparison stays fair (both runs in the same precision, same weights and

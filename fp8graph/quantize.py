@@ -26,11 +26,11 @@ def amax(x_hp: torch.Tensor) -> torch.Tensor:
     Written as a per-row partial amax, then a max over the rows: exact either
     way (a max does not round), but on the GPU Inductor splits one large global
     reduction into stages tiled unlike the cast, in kernels of their own, while
-    per-row partials share the cast's loop. Measured on an H100 (16384x8192
-    BF16, ``bench/results/2026-11-23-h100/quantize-structure-probe.txt``): a
-    delayed cast with its amax took 308 us written globally and 164 us per row
-    (one pass), a current cast 308 against 233 us. (pytorch issue 143464;
-    torchao's ``float8/inductor_utils.py`` makes the same rewrite.)
+    per-row partials share the cast's loop: on the H100 a delayed cast and its
+    amax became one pass (the times: ``docs/recipes.md``, from
+    ``bench/results/2026-11-23-h100/quantize-structure-probe.txt``). (pytorch
+    issue 143464; torchao's ``float8/inductor_utils.py`` makes the same
+    rewrite.)
     """
     return row_amaxes(x_hp).amax().to(torch.float32)
 

@@ -13,21 +13,22 @@ rows and, transposed, along its columns: what the forward needs of an input
 (the GEMM's and, for the weight gradient, the transpose's) and the backward
 of a gradient. For 128x128 tiles both layouts share the tiles and scales.
 
-Which code quantizes a tiling on CUDA (:func:`kernel_quantizes`) is decided
-by what measured faster on an H100 (``bench/results/quantize-2026-11-23T075637Z.json``,
-a 16384x8192 BF16 tensor, as a fraction of a device-to-device copy):
+Which code quantizes a tiling on CUDA (:func:`kernel_quantizes`) follows the
+stored H100 run of ``python -m bench quantize`` (the fractions of a copy's
+bandwidth each reached: ``docs/benchmarks.md``):
 
-    row-wise   Inductor: 90% of copy. Inductor's row reduction fuses amax and
-               cast into one pass and can fuse into the producer (an RMSNorm
-               reduces the same rows), which no separate kernel can.
-    MX 1x32    Inductor: 99% of copy.
-    1x128      this kernel. Inductor reached 73% for one layout, and the linear
-               needs two (activations and gradients are quantized along both
-               dimensions); ``quantize_blocks_kernel`` writes both from one read,
-               4 bytes moved per element instead of at least 6.
-    128x128    this kernel. Inductor reached 11% (its reduction over a 128x128
-               tile of a row-major tensor is strided); the kernel also writes the
-               weight's transpose, which the gradient GEMM reads, from the same read.
+    row-wise   Inductor, near copy speed. Its row reduction fuses amax and cast
+               into one pass and can fuse into the producer (an RMSNorm reduces
+               the same rows), which no separate kernel can.
+    MX 1x32    Inductor, near copy speed.
+    1x128      this kernel. The linear needs two layouts (activations and
+               gradients are quantized along both dimensions), and
+               ``quantize_blocks_kernel`` writes both from one read, 4 bytes moved
+               per element where Inductor's code moves at least 6.
+    128x128    this kernel. Inductor's reduction over a 128x128 tile of a
+               row-major tensor is strided (a small fraction of copy speed); the
+               kernel also writes the weight's transpose, which the gradient GEMM
+               reads, from the same read.
 
 The kernels of that run failed to compile (a non-constexpr global) and the
 ones here are new: ``python -m bench quantize`` times every tiling both ways,
