@@ -1,4 +1,10 @@
-"""Shared test helpers: compile with a handle on the backend's decisions."""
+"""Shared test helpers: compile with a handle on the backend's decisions; run a kernel check under Triton's
+interpreter."""
+
+import os
+import pathlib
+import subprocess
+import sys
 
 import torch
 
@@ -52,3 +58,15 @@ def sgd_steps(compiled, model, batches, steps, lr=1e-2, optimizer=None):
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def cases_checked_under_triton_interpreter(script_name: str) -> int:
+    """Run ``tests/scripts/<script_name>`` in a fresh process with ``TRITON_INTERPRET=1`` (read when a kernel
+    is defined, so never in this process) and return the number of cases it says it checked."""
+    script = pathlib.Path(__file__).parent / "scripts" / script_name
+    result = subprocess.run([sys.executable, str(script)], env=dict(os.environ, TRITON_INTERPRET="1"),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    counted = [line for line in result.stdout.splitlines() if line.startswith("cases checked: ")]
+    assert counted, result.stdout
+    return int(counted[-1].split(": ")[1])

@@ -10,27 +10,16 @@ checked exactly on a GPU (``tests/test_gpu.py``), and that the kernels compile
 for one in ``tests/test_kernels_compile.py``.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from fp8graph.kernels.quantize_tiles import quantize_tiles, triton_available
 from fp8graph.tiles import ScaleKind, Tiling, quantize_tiled
-
-CHECK_SCRIPT = Path(__file__).parent / "scripts" / "check_quantize_kernel.py"
-
+from helpers import cases_checked_under_triton_interpreter
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 def test_triton_kernel_equals_the_reference_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, str(CHECK_SCRIPT)], env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "cases checked: 18" in result.stdout, result.stdout
+    assert cases_checked_under_triton_interpreter("check_quantize_kernel.py") == 18
 
 
 def test_the_op_runs_the_reference_on_cpu_and_traces_with_its_fake():

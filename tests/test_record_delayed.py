@@ -6,18 +6,12 @@ sm_100 in ``tests/test_kernels_compile.py``. The state and resume tests (``test_
 ``test_checkpointing.py``) run every delayed site through it.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from fp8graph.kernels.delayed_record import record_delayed_
 from fp8graph.kernels.quantize_tiles import triton_available
-
-CHECK_SCRIPT = Path(__file__).parent / "scripts" / "check_record_delayed.py"
+from helpers import cases_checked_under_triton_interpreter
 
 
 def test_a_forward_call_records_each_members_amaxes_and_scales_by_the_documented_rule():
@@ -53,7 +47,4 @@ def test_arguments_that_do_not_fit_are_refused():
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 def test_the_triton_kernel_equals_the_reference_under_the_interpreter():
-    result = subprocess.run([sys.executable, str(CHECK_SCRIPT)], env=dict(os.environ, TRITON_INTERPRET="1"),
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "cases checked: 60" in result.stdout, result.stdout
+    assert cases_checked_under_triton_interpreter("check_record_delayed.py") == 60

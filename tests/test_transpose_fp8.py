@@ -5,26 +5,16 @@ fresh process, ``TRITON_INTERPRET=1``), compiled for sm_90 and sm_100 in
 ``tests/test_kernels_compile.py``, and run on a GPU in ``tests/test_gpu.py``.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from fp8graph.kernels.quantize_tiles import triton_available
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
-
-CHECK_SCRIPT = Path(__file__).parent / "scripts" / "check_transpose_fp8.py"
-
+from helpers import cases_checked_under_triton_interpreter
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 def test_the_triton_transpose_equals_the_reference_under_the_interpreter():
-    result = subprocess.run([sys.executable, str(CHECK_SCRIPT)], env=dict(os.environ, TRITON_INTERPRET="1"),
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "cases checked: 24" in result.stdout, result.stdout
+    assert cases_checked_under_triton_interpreter("check_transpose_fp8.py") == 24
 
 
 def test_the_op_copies_on_cpu_and_traces_with_its_fake():
