@@ -155,8 +155,8 @@ def _add_ratios(rows: list[dict]) -> None:
 
 
 def _launches(row: dict) -> int:
-    """Kernel launches besides the GEMMs and attention: Inductor's Triton kernels and the custom ops'
-    (fp8graph's transpose, tiled quantize and state update), so that moving work into an op hides nothing."""
+    """Kernel launches besides the GEMMs and attention: Inductor's Triton kernels, the custom ops' (fp8graph's
+    transpose, tiled quantize and state update) and memsets, so that moving work into an op hides nothing."""
     return row["triton_launches"] + row.get("other_externs", 0)
 
 

@@ -213,9 +213,9 @@ class WeightRecipes:
     rule_indices: tuple[int | None, ...]  # the rules that may decide, in order (None: the default)
     undecided: tuple[str, ...]  # the rules that could not be decided before tracing, labelled
 
-    def first(self, trait: str) -> Recipe | None:
-        """The first possible recipe with ``trait`` (``"stateful"``, ``"caches_weights"``), or ``None``."""
-        return next((recipe for recipe in self.recipes if recipe is not None and getattr(recipe, trait)), None)
+    def having(self, trait: str) -> tuple[Recipe, ...]:
+        """The possible recipes with ``trait`` (``"stateful"``, ``"caches_weights"``), in rule order."""
+        return tuple(recipe for recipe in self.recipes if recipe is not None and getattr(recipe, trait))
 
 
 def _weight_orientations(module: torch.nn.Module | None, weight: torch.Tensor) -> list[tuple[int, int]]:

@@ -12,7 +12,8 @@ So inside a region the forward casts read the state through
 marks ``MUST_SAVE``: the backward reuses the copy taken before the update,
 and the replayed cast is bit for bit the first one. The update,
 ``fp8graph::record_delayed_``, is marked ``MUST_SAVE`` too, so the backward
-never replays it: replaying the forward records nothing. Everything else in the region keeps the default
+never replays it: replaying the forward records nothing. Everything else in
+the region keeps the default
 ``PREFER_RECOMPUTE``.
 """
 

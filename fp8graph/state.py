@@ -126,11 +126,12 @@ def _delayed_recipe(policy: Policy, path: str, module: torch.nn.Module, param: t
     different history lengths cannot share one buffer: refused, naming the rules.
     """
     possible = resolve_weight(policy, path, module, param)
-    delayed = [recipe for recipe in possible.recipes if recipe is not None and recipe.stateful]
-    if len({recipe.amax_history_len for recipe in delayed}) > 1:
+    delayed = possible.having("stateful")
+    lengths = sorted({recipe.amax_history_len for recipe in delayed})
+    if len(lengths) > 1:
         raise ValueError(
             f"{path or '<root>'}: before tracing, the policy may give this weight delayed scaling with "
-            f"amax histories of lengths {sorted({r.amax_history_len for r in delayed})} (undecided: "
+            f"amax histories of lengths {lengths} (undecided: "
             f"{', '.join(possible.undecided)}), and a weight keeps one history: give those recipes one "
             "amax_history_len")
     return delayed[0] if delayed else None

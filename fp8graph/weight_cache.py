@@ -122,9 +122,10 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy) -> WeightCache
                 cache.add(module, name, owner, owner_name)
                 anchored.setdefault(module, []).append((owner, owner_name))
                 continue
-            recipe = resolve_weight(policy, path, module, param).first("caches_weights")
-            if recipe is None:
+            cacheable = resolve_weight(policy, path, module, param).having("caches_weights")
+            if not cacheable:
                 continue
+            recipe = cacheable[0]
             for prefix in (CACHED_WEIGHT_PREFIX, CACHED_SCALE_PREFIX):
                 if hasattr(module, prefix + name):
                     raise ValueError(f"{path}.{prefix}{name} already exists: was the model compiled twice with "

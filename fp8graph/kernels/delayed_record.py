@@ -13,9 +13,12 @@ Arguments: the members' ``histories`` ((3, len), contiguous) and ``scales``
 ((3,)), changed in place; ``row_amaxes``, member-major, one 1-D tensor of
 partial magnitudes per member and recorded row; ``new_scales`` (m, rows);
 ``first_row``, the first row recorded. On CUDA it runs
-``record_delayed_kernel`` (``_record_delayed_triton``); everywhere else, and
-where Triton is missing, the same steps in torch ops
-(``fp8graph.delayed_scaling``), which the tests hold the kernel to bit for bit.
+``record_delayed_kernel`` (``_record_delayed_triton``); everywhere else the
+same steps in torch ops (``fp8graph.delayed_scaling``), which the tests hold
+the kernel to exactly. On CUDA the torch steps also run, a few small kernels
+per member, where Triton is missing or the state is not as fp8graph
+registers it (contiguous float32 buffers of one history length: a model cast
+with ``.to(torch.bfloat16)`` casts its buffers too).
 """
 
 from __future__ import annotations
