@@ -26,6 +26,7 @@ from fp8graph.passes.annotate import Decision
 from fp8graph.passes.module_paths import module_paths_by_id
 
 from .lowering import LOWERING_CHOICES, choose_lowering
+from .partitioning import joint_pre_pass, partition_min_cut
 from .policy import normalize_policy
 from .state import DelayedState, state_anchor
 from .stats import stats_anchor
@@ -149,8 +150,8 @@ class FP8Backend:
             entry = state_by_weight.get(id(value_of.get(site.weight_input)))
             if entry is None:
                 return None
-            history, scale = (state_placeholders.get(id(entry.history)), state_placeholders.get(id(entry.scale)))
-            return None if history is None or scale is None else (history, scale)
+            nodes = tuple(state_placeholders.get(id(buffer)) for buffer in entry.buffers())
+            return None if None in nodes else nodes
 
         decisions = annotate_sites(sites, self.policy,
                                    lambda recipe, is_linear: choose_lowering(device, self.lowering, recipe,
@@ -168,23 +169,25 @@ class FP8Backend:
         rewrite_sites(gm, stats_nodes, state_nodes, update_state=torch.is_grad_enabled(), cache_nodes=cache_nodes,
                       weight_cache="reuse" if reuse else "fill", groups=groups)
         if torch.is_grad_enabled():
-            self._claim_written_buffers([
-                (d.site.path, node) for d in decisions if d.rewritten
-                for node in (stats_nodes(d.site), *(state_nodes(d.site) or ())) if node is not None], value_of)
+            self._claim_written_buffers([(d.site.path, stats_nodes(d.site)) for d in decisions
+                                         if d.rewritten and stats_nodes(d.site) is not None], value_of)
         for decision in decisions:
             what = decision.recipe.name if decision.rewritten else f"kept: {decision.reason}"
             log.info("fp8graph: %s (%s) -> %s", decision.site.path or "<root>", decision.site.op, what)
         return decisions
 
     def _claim_written_buffers(self, path_and_node, value_of) -> None:
-        """Refuse a state or stats buffer that training graphs of two code locations write.
+        """Refuse a stats buffer that training graphs of two code locations write.
 
-        A buffer that backward writes is written back whole, as it was after
-        the graph's forward: with ``a(x); graph_break(); a(x)`` the first
-        graph's backward would undo what the second graph recorded, and
-        autograd refuses the buffer the second forward changed. Recompiles of
-        one frame (new shapes) and DDP's pieces of one graph share a frame id
-        and are fine: they do not interleave forwards and backwards.
+        Forward and backward both write a stats buffer, so the backward gets
+        it as the graph's forward left it and writes it back whole: with
+        ``a(x); graph_break(); a(x)`` the first graph's backward would undo
+        what the second graph recorded, and autograd refuses the buffer the
+        second forward changed. Recompiles of one frame (new shapes) and DDP's
+        pieces of one graph share a frame id and are fine: they do not
+        interleave forwards and backwards. Delayed-scaling state has no such
+        limit: the forward and the backward write buffers of their own
+        (``fp8graph.state``).
         """
         compile_id = torch._guards.CompileContext.current_compile_id()
         frame = None if compile_id is None else compile_id.frame_id
@@ -193,10 +196,9 @@ class FP8Backend:
             if claimed_by != frame:
                 raise ValueError(
                     f"fp8graph: module {path or '<root>'!r} has FP8 sites in two compiled graphs (a graph "
-                    "break between its calls, or calls from two compiled functions) and its delayed-scaling "
-                    "state or stats buffer is written by both graphs' backward passes, which would overwrite "
-                    "each other. Remove the graph break (see torch._dynamo.explain), or use a recipe without "
-                    "state and stats=False for this module")
+                    "break between its calls, or calls from two compiled functions) and its stats buffer is "
+                    "written by both graphs' backward passes, which would overwrite each other. Remove the "
+                    "graph break (see torch._dynamo.explain), or compile with stats=False")
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]):
         decisions = self.run_passes(gm, example_inputs)
@@ -211,14 +213,18 @@ class FP8Backend:
     def _lower(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]):
         if self.compiler == "eager":
             return gm.forward
-        if self.compiler == "aot_eager":
-            from torch._dynamo.backends.registry import lookup_backend
+        if self.compiler == "aot_eager":  # Dynamo's aot_eager, its partitioner preceded by the joint pass
+            from torch._dynamo.backends.common import aot_autograd
+            from torch._dynamo.backends.debugging import boxed_nop
 
-            return lookup_backend("aot_eager")(gm, example_inputs)
+            return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition_min_cut,
+                                keep_inference_input_mutations=True)(gm, example_inputs)
+        from torch._inductor import config as inductor_config
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
-        config_patches = list_mode_options(self.mode) if self.mode else None
+        config_patches = dict(list_mode_options(self.mode) if self.mode else {})
+        config_patches["joint_custom_pre_pass"] = joint_pre_pass(inductor_config.joint_custom_pre_pass)
         return compile_fx(gm, example_inputs, config_patches=config_patches)
 
 

@@ -21,13 +21,14 @@ from typing import Callable
 import torch
 import torch.fx
 
-__all__ = ["mark_cacheable", "register_target"]
+__all__ = ["mark_cacheable", "register_target", "source_hash"]
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent
 
 
 @functools.cache
-def _source_hash() -> str:
+def source_hash() -> str:
+    """A digest of torch's version and fp8graph's source."""
     digest = hashlib.sha256(torch.__version__.encode())
     for path in sorted(_PACKAGE.rglob("*.py")):
         digest.update(str(path.relative_to(_PACKAGE)).encode())
@@ -43,7 +44,7 @@ def register_target(target: Callable, *parameters: object) -> Callable:
     unique even for recipes whose names agree. ``__name__`` stays readable
     for the graph's code.
     """
-    identity = "\n".join([_source_hash(), target.__name__, *map(repr, parameters)])
+    identity = "\n".join([source_hash(), target.__name__, *map(repr, parameters)])
     target.cache_hash = hashlib.sha256(identity.encode()).hexdigest()
     target.__module__ = __name__
     target.__qualname__ = f"{target.__name__}_{target.cache_hash[:16]}"

@@ -62,14 +62,15 @@ from .health import quantization_health
 from .kernels.delayed_record import record_delayed_
 from .kernels.transpose_fp8 import transpose_fp8
 from .lowering import Lowering, one_buffer, scaled_gemm_by_inverse, scalars_of
-from .partitioning import keep_for_backward, saved_not_recomputed
+from .partitioning import keep_for_backward, read_in_backward, saved_not_recomputed
 from .quantize import amax, amax_to_scale, quantize, row_amaxes
 from .recipes import Recipe
 from .recompute import state_snapshot
+from .state import FORWARD_ROLES
 
 __all__ = ["autocast_dtype", "linear_fp8_target", "linears_fp8_target", "record_health", "target_name"]
 
-_INPUT, _WEIGHT, _GRAD = (ROLES.index(role) for role in ROLES)
+_INPUT, _WEIGHT = (FORWARD_ROLES.index(role) for role in FORWARD_ROLES)  # rows of the forward state
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -83,12 +84,15 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
 class Member:
     """What one site of a call brings besides its weight and bias: its module's buffers.
 
-    ``state``: ``(history, scale)`` of shape (3, len) and (3,) (delayed scaling);
+    ``state``: ``(history, scale)`` of shape (2, len) and (2,), the forward's input and weight rows, and
+    ``grad_state``: ``(grad_history, grad_scale)`` of shape (1, len) and (1,), the backward's grad_output
+    row (delayed scaling; ``fp8graph.state`` says why they are apart);
     ``weight_cache``: ``(mode, cached_weight, cached_scale)`` with mode ``"fill"`` or ``"reuse"``;
     ``stats``: the module's (3, 5) health buffer.
     """
 
     state: tuple[torch.Tensor, torch.Tensor] | None = None
+    grad_state: tuple[torch.Tensor, torch.Tensor] | None = None
     weight_cache: tuple[str, torch.Tensor, torch.Tensor] | None = None
     stats: torch.Tensor | None = None
 
@@ -136,23 +140,29 @@ class CallSpec:
             return x_t_fp8.contiguous()
 
 
-def _states(spec: CallSpec, members: Sequence[Member], forward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The members' histories (m, 3, len) and scales (m, 3), stacked, as the casts read them.
+def _states(spec: CallSpec, members: Sequence[Member], forward: bool,
+            after: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The members' forward (``forward``) or grad_output histories (m, rows, len) and scales (m, rows),
+    stacked, as the casts read them. A backward passes its gradient as ``after``: the buffers are read
+    when it runs, after the backwards of later calls recorded (``fp8graph.partitioning``).
 
     Inside a checkpoint region the forward reads snapshots (the backward's replay must see the state
     the first forward saw); backward casts read the live buffers (an earlier backward of the same step
     may have recorded into them). One stacked read, so that a call's state is a few small kernels,
-    not a few per member.
+    not a few per member (reducing each history where it lies and stacking the amaxes instead made
+    more kernels in the modelled decoder step).
     """
-    histories, scales = zip(*(member.state for member in members))
+    histories, scales = zip(*(member.state if forward else member.grad_state for member in members))
+    if after is not None:
+        histories, scales = ([read_in_backward(buffer, after) for buffer in buffers] for buffers in (histories, scales))
     if spec.snapshot and forward:
         histories, scales = [state_snapshot(h) for h in histories], [state_snapshot(s) for s in scales]
     return torch.stack(histories), torch.stack(scales)
 
 
-def _record_states(members: Sequence[Member], first_row: int, row_amaxes_by_member: list[list[torch.Tensor]],
+def _record_states(states: Sequence[tuple[torch.Tensor, torch.Tensor]], row_amaxes_by_member: list[list[torch.Tensor]],
                    new_scales: torch.Tensor, reduce) -> None:
-    """Move rows ``first_row``.. of every member's state one step, in place: each row's history records
+    """Move every row of every member's ``(history, scale)`` one step, in place: each row's history records
     the amax of its ``row_amaxes_by_member[i][row]`` (per-row partial magnitudes, finished by the op) and
     its scale becomes ``new_scales[i, row]`` (the one the cast used). One ``fp8graph::record_delayed_``
     launch for the whole call. With ``reduce`` (an amax all-reduce across ranks) the amaxes are finished
@@ -161,8 +171,7 @@ def _record_states(members: Sequence[Member], first_row: int, row_amaxes_by_memb
     if reduce is not None:
         finished = reduce(torch.stack([partial.amax().to(torch.float32) for partial in partials]))
         partials = list(finished.reshape(-1, 1).unbind())
-    record_delayed_([member.state[0] for member in members], [member.state[1] for member in members], partials,
-                    new_scales, first_row)
+    record_delayed_([history for history, _ in states], [scale for _, scale in states], partials, new_scales)
 
 
 def _cast_current(spec: CallSpec, x_hp: torch.Tensor, role: Role) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -186,21 +195,20 @@ def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Se
     fp8_dtype = recipe.fp8_dtype(Role.INPUT)
     if recipe.fp8_dtype(Role.WEIGHT) != fp8_dtype:
         raise AssertionError("every Format casts input and weight to one FP8 dtype")
-    history, scale = _states(spec, members, forward=True)  # (m, 3, len), (m, 3)
-    forward_rows = slice(_INPUT, _GRAD)
+    history, scale = _states(spec, members, forward=True)  # (m, 2, len), (m, 2): input and weight rows
     if not spec.update:  # inference: the stored scales
-        new_scales = scale[:, forward_rows].clone()
+        new_scales = scale.clone()
         inverse_scales = new_scales.reciprocal()
     else:
         # The scales are read from the buffers that this forward then updates: the backward must reuse
         # them, never recompute them from the updated buffers (the partitioner would: fp8graph.partitioning).
         with saved_not_recomputed():
-            history_amax = amax_from_history(history[:, forward_rows], recipe.amax_compute_algo)  # (m, 2)
+            history_amax = amax_from_history(history, recipe.amax_compute_algo)  # (m, 2)
             # One input, one scale: from the largest amax the members' input histories give.
             history_amax = torch.stack([history_amax[:, _INPUT].amax().expand(len(members)),
                                         history_amax[:, _WEIGHT]], 1)
             new_scales = amax_to_scale(history_amax, fp8_dtype, margin=recipe.margin,
-                                       fallback=scale[:, forward_rows])  # (m, 2)
+                                       fallback=scale)  # (m, 2)
             inverse_scales = new_scales.reciprocal()
     input_scale, weight_scales = new_scales[0, _INPUT], new_scales[:, _WEIGHT]
     input_fp8 = quantize(input_hp, input_scale, fp8_dtype)
@@ -211,7 +219,8 @@ def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Se
         # The per-row partial amaxes ride along with the casts: Inductor computes each with its cast in
         # one read; the op finishes them. The input's is recorded by every member.
         input_row_amaxes = row_amaxes(input_hp.detach())
-        _record_states(members, _INPUT, [[input_row_amaxes, row_amaxes(w.detach())] for w in weights_hp],
+        _record_states([member.state for member in members],
+                       [[input_row_amaxes, row_amaxes(w.detach())] for w in weights_hp],
                        new_scales.contiguous(), reduce)
     return input_fp8, input_scale, inverse_scales[_INPUT], weights
 
@@ -243,18 +252,18 @@ def _cast_grad_outputs(spec: CallSpec, grad_outputs_hp: Sequence[torch.Tensor], 
     if not spec.delayed:
         return [_cast_current(spec, grad, Role.GRAD_OUTPUT) for grad in grad_outputs_hp]
     fp8_dtype = recipe.fp8_dtype(Role.GRAD_OUTPUT)
-    history, scale = _states(spec, members, forward=False)
+    history, scale = _states(spec, members, forward=False, after=grad_outputs_hp[0])  # (m, 1, len), (m, 1)
     if not spec.update:
-        new_scales = scale[:, _GRAD].clone()
+        new_scales = scale[:, 0].clone()
     else:
-        new_scales = scale_from_history(history[:, _GRAD], scale[:, _GRAD], fp8_dtype, recipe.margin,
+        new_scales = scale_from_history(history[:, 0], scale[:, 0], fp8_dtype, recipe.margin,
                                         recipe.amax_compute_algo)  # (m,)
     casts = [(quantize(grad, grad_scale, fp8_dtype), grad_scale, inverse_scale)
              for grad, grad_scale, inverse_scale in zip(grad_outputs_hp, new_scales,
                                                         scalars_of(new_scales.reciprocal()))]
     if not spec.update:
         return casts
-    _record_states(members, _GRAD, [[row_amaxes(grad.detach())] for grad in grad_outputs_hp],
+    _record_states([member.grad_state for member in members], [[row_amaxes(grad.detach())] for grad in grad_outputs_hp],
                    new_scales[:, None].contiguous(), amax_reduction(recipe.reduce_amax))
     return casts
 
@@ -382,16 +391,18 @@ def _label(recipe: Recipe, update: bool, in_checkpoint: bool, weight_cache: str 
     return f"{label}_{weight_cache}_cached_weight" if weight_cache else label
 
 
-def _members(count, stats, histories, scales, cached_weights, cached_weight_scales, weight_cache):
+def _members(count, stats, histories, scales, grad_histories, grad_scales, cached_weights, cached_weight_scales,
+             weight_cache):
     def entries(values):
         return [None] * count if values is None else list(values)
 
     return tuple(Member(state=None if history is None else (history, scale),
+                        grad_state=None if grad_history is None else (grad_history, grad_scale),
                         weight_cache=None if cached is None else (weight_cache, cached, cached_scale),
                         stats=stats_buffer)
-                 for stats_buffer, history, scale, cached, cached_scale in zip(
-                     entries(stats), entries(histories), entries(scales), entries(cached_weights),
-                     entries(cached_weight_scales)))
+                 for stats_buffer, history, scale, grad_history, grad_scale, cached, cached_scale in zip(
+                     entries(stats), entries(histories), entries(scales), entries(grad_histories),
+                     entries(grad_scales), entries(cached_weights), entries(cached_weight_scales)))
 
 
 @functools.cache
@@ -400,7 +411,8 @@ def linears_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True, 
     """The graph target for a group of sites that read one input, with ``recipe`` lowered by ``lowering``.
 
     Called as ``linears_fp8(input_hp, weights, biases, stats=None, histories=None, scales=None,
-    cached_weights=None, cached_weight_scales=None)`` with one entry per site in each list (``None``
+    grad_histories=None, grad_scales=None, cached_weights=None, cached_weight_scales=None)`` with one entry
+    per site in each list (``None``
     where a site has no such buffer); returns the sites' outputs. ``update=False`` (graphs compiled
     without gradients) only reads delayed-scaling state; ``in_checkpoint`` marks sites inside a
     ``torch.utils.checkpoint`` region; ``weight_cache`` (``"fill"`` or ``"reuse"``) makes the sites write
@@ -408,9 +420,9 @@ def linears_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True, 
     """
 
     def linears_fp8(input_hp, weights_hp, biases_hp, stats=None, histories=None, scales=None,
-                    cached_weights=None, cached_weight_scales=None):
-        members = _members(len(weights_hp), stats, histories, scales, cached_weights, cached_weight_scales,
-                           weight_cache)
+                    grad_histories=None, grad_scales=None, cached_weights=None, cached_weight_scales=None):
+        members = _members(len(weights_hp), stats, histories, scales, grad_histories, grad_scales,
+                           cached_weights, cached_weight_scales, weight_cache)
         has_state = any(member.state is not None for member in members)
         spec = CallSpec(recipe, lowering, update or not has_state, snapshot=in_checkpoint and has_state)
         return _LinearsFP8.apply(input_hp, spec, members, *weights_hp, *biases_hp)
@@ -431,17 +443,17 @@ def linear_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     FX graphs can only hold primitive constants as arguments, so the recipe
     and lowering are bound into a function with a readable name, which the
     rewritten graph's code then shows (``fp8graph_linear_current_HYBRID_emulated``).
-    Delayed-scaling sites also take their ``history`` and ``scale`` buffers.
+    Delayed-scaling sites also take their ``history``, ``scale``, ``grad_history`` and ``grad_scale`` buffers.
     """
     group = linears_fp8_target(recipe, lowering, update, in_checkpoint, weight_cache)
 
-    def linear_fp8(input_hp, weight_hp, bias_hp=None, stats=None, history=None, scale=None,
-                   cached_weight=None, cached_weight_scale=None):
+    def linear_fp8(input_hp, weight_hp, bias_hp=None, stats=None, history=None, scale=None, grad_history=None,
+                   grad_scale=None, cached_weight=None, cached_weight_scale=None):
         def one(value):
             return None if value is None else [value]
 
         (output,) = group(input_hp, [weight_hp], [bias_hp], one(stats), one(history), one(scale),
-                          one(cached_weight), one(cached_weight_scale))
+                          one(grad_history), one(grad_scale), one(cached_weight), one(cached_weight_scale))
         return output
 
     linear_fp8.__name__ = target_name("linear", _label(recipe, update, in_checkpoint, weight_cache), lowering.value)

@@ -4,16 +4,25 @@
 traced. For every module (the root included) whose 2-D weight the policy
 gives a ``DelayedScaling`` recipe it registers, per weight parameter ``<name>``::
 
-    fp8graph_amax_history_<name>   (3 roles, amax_history_len)   zeros
-    fp8graph_scale_<name>          (3 roles,)                    ones
+    fp8graph_amax_history_<name>              (2: input, weight; amax_history_len)   zeros
+    fp8graph_scale_<name>                     (2: input, weight)                     ones
+    fp8graph_grad_output_amax_history_<name>  (1, amax_history_len)                  zeros
+    fp8graph_grad_output_scale_<name>         (1,)                                   ones
 
 so ``state_dict()`` and ``load_state_dict()`` carry them (a checkpoint
-saved without them loads with fresh state and a logged notice; one whose
-history has another length is refused, naming the buffer), and a forward
-hook that passes them to :func:`state_anchor`. Dynamo inlines the hooks
-of the modules it traces into, so the buffers become graph inputs; the
-backend drops the anchors and hands each site its buffers, which the FP8
-linear updates in place. Roles are ordered input, weight, grad_output.
+saved without them loads with fresh state and a logged notice; one saved
+with the three roles in one buffer loads split; one whose history has
+another length is refused, naming the buffer), and a forward hook that
+passes them to :func:`state_anchor`. Dynamo inlines the hooks of the
+modules it traces into, so the buffers become graph inputs; the backend
+drops the anchors and hands each site its buffers, which the FP8 linear
+updates in place.
+
+The forward writes the first pair and the backward the second, never the
+other's: a buffer the compiled forward writes reaches the backward as a
+saved copy, which the backward would have to copy into a fresh buffer,
+update and copy back (four small kernels per weight and step), and which
+a second forward before the backward would make stale.
 """
 
 from __future__ import annotations
@@ -23,16 +32,22 @@ import logging
 
 import torch
 
-from .formats import ROLES
+from .formats import Role
 from .policy import Policy, resolve_weight
 from .recipes import FP8_GEMM_DIM_MULTIPLE
 
-__all__ = ["HISTORY_PREFIX", "SCALE_PREFIX", "DelayedState", "SiteState", "register_delayed_state", "state_anchor"]
+__all__ = ["FORWARD_ROLES", "GRAD_HISTORY_PREFIX", "GRAD_SCALE_PREFIX", "HISTORY_PREFIX", "SCALE_PREFIX",
+           "STATE_PREFIXES", "DelayedState", "SiteState", "register_delayed_state", "state_anchor"]
 
 log = logging.getLogger("fp8graph")
 
 HISTORY_PREFIX = "fp8graph_amax_history_"
 SCALE_PREFIX = "fp8graph_scale_"
+GRAD_HISTORY_PREFIX = "fp8graph_grad_output_amax_history_"
+GRAD_SCALE_PREFIX = "fp8graph_grad_output_scale_"
+STATE_PREFIXES = (HISTORY_PREFIX, SCALE_PREFIX, GRAD_HISTORY_PREFIX, GRAD_SCALE_PREFIX)
+# Rows of the forward buffers; the grad_output buffers have one.
+FORWARD_ROLES = (Role.INPUT, Role.WEIGHT)
 
 
 @torch._dynamo.allow_in_graph
@@ -43,7 +58,7 @@ def state_anchor(*state_buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def _anchor_state(module: torch.nn.Module, args, output=None) -> None:
     state_anchor(*(buffer for name, buffer in module.named_buffers(recurse=False)
-                   if name.startswith((HISTORY_PREFIX, SCALE_PREFIX))))
+                   if name.startswith(STATE_PREFIXES)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +76,45 @@ class SiteState:
     def scale(self) -> torch.Tensor:
         return getattr(self.module, SCALE_PREFIX + self.param_name)
 
+    @property
+    def grad_history(self) -> torch.Tensor:
+        return getattr(self.module, GRAD_HISTORY_PREFIX + self.param_name)
+
+    @property
+    def grad_scale(self) -> torch.Tensor:
+        return getattr(self.module, GRAD_SCALE_PREFIX + self.param_name)
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(history, scale, grad_history, grad_scale)``, the order the graph targets take them in."""
+        return self.history, self.scale, self.grad_history, self.grad_scale
+
+
+def _split_three_role_state(module: torch.nn.Module, state_dict, prefix) -> None:
+    """A checkpoint that keeps the three roles in one buffer ((3, len) and (3,), as fp8graph saved them
+    before the grad_output pair had buffers of its own) loads split: rows input and weight, then
+    grad_output. Entries of any other shape are left for ``load_state_dict`` to refuse."""
+    for name, _ in module.named_buffers(recurse=False):
+        for forward_prefix, grad_prefix in ((HISTORY_PREFIX, GRAD_HISTORY_PREFIX), (SCALE_PREFIX, GRAD_SCALE_PREFIX)):
+            if not name.startswith(forward_prefix):
+                continue
+            key, grad_key = prefix + name, prefix + grad_prefix + name[len(forward_prefix):]
+            saved = state_dict.get(key)
+            if saved is None or grad_key in state_dict or saved.dim() == 0 or saved.shape[0] != 3:
+                continue
+            state_dict[key], state_dict[grad_key] = saved[:2].clone(), saved[2:].clone()
+            log.info("fp8graph: %s holds the three roles in one buffer; loading it as %s and %s", key, key, grad_key)
+
 
 def _fill_missing_state(module: torch.nn.Module, state_dict, prefix, *args) -> None:
     """Load-state-dict pre-hook: a checkpoint without FP8 state starts fresh histories."""
+    _split_three_role_state(module, state_dict, prefix)
     for name, buffer in module.named_buffers(recurse=False):
-        if not name.startswith((HISTORY_PREFIX, SCALE_PREFIX)) or prefix + name in state_dict:
+        if not name.startswith(STATE_PREFIXES) or prefix + name in state_dict:
             continue
-        fresh = torch.ones_like(buffer) if name.startswith(SCALE_PREFIX) else torch.zeros_like(buffer)
-        state_dict[prefix + name] = fresh
+        is_scale = name.startswith((SCALE_PREFIX, GRAD_SCALE_PREFIX))
+        state_dict[prefix + name] = torch.ones_like(buffer) if is_scale else torch.zeros_like(buffer)
         log.info("fp8graph: checkpoint has no %s%s; starting a fresh %s", prefix, name,
-                 "scale (1)" if name.startswith(SCALE_PREFIX) else "amax history (zeros)")
+                 "scale (1)" if is_scale else "amax history (zeros)")
 
 
 def weight_candidates(module: torch.nn.Module):
@@ -188,13 +232,14 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedSta
             recipe = _delayed_recipe(policy, path, module, param)
             if recipe is None:
                 continue
-            history_name, scale_name = HISTORY_PREFIX + name, SCALE_PREFIX + name
-            if hasattr(module, history_name):
-                raise ValueError(f"{path or '<root>'}.{history_name} already exists, but not from an earlier "
-                                 "fp8graph.compile of this model: build a fresh model")
-            module.register_buffer(history_name, torch.zeros(
-                len(ROLES), recipe.amax_history_len, device=param.device))
-            module.register_buffer(scale_name, torch.ones(len(ROLES), device=param.device))
+            for prefix in STATE_PREFIXES:
+                if hasattr(module, prefix + name):
+                    raise ValueError(f"{path or '<root>'}.{prefix + name} already exists, but not from an earlier "
+                                     "fp8graph.compile of this model: build a fresh model")
+            for prefix, rows in ((HISTORY_PREFIX, len(FORWARD_ROLES)), (GRAD_HISTORY_PREFIX, 1)):
+                module.register_buffer(prefix + name, torch.zeros(rows, recipe.amax_history_len, device=param.device))
+            for prefix, rows in ((SCALE_PREFIX, len(FORWARD_ROLES)), (GRAD_SCALE_PREFIX, 1)):
+                module.register_buffer(prefix + name, torch.ones(rows, device=param.device))
             registered[id(param)] = SiteState(module, name)
             delayed_state.add(module, name, registered[id(param)])
             names.append(name)

@@ -62,7 +62,7 @@ def _weight_nk(graph: torch.fx.Graph, decision: Decision) -> torch.fx.Node:
 def rewrite_sites(
     gm: torch.fx.GraphModule,
     stats_nodes: Callable[[Site], torch.fx.Node | None] = lambda site: None,
-    state_nodes: Callable[[Site], tuple[torch.fx.Node, torch.fx.Node] | None] = lambda site: None,
+    state_nodes: Callable[[Site], tuple[torch.fx.Node, ...] | None] = lambda site: None,
     update_state: bool = True,
     cache_nodes: Callable[[Site], tuple[torch.fx.Node, torch.fx.Node] | None] = lambda site: None,
     weight_cache: str | None = None,
@@ -72,7 +72,7 @@ def rewrite_sites(
 
     Each FP8 site gets the stats buffer placeholder ``stats_nodes(site)``
     (see ``anchored_inputs``), when there is one.
-    Delayed-scaling sites get their ``(history, scale)`` placeholders from
+    Delayed-scaling sites get their ``(history, scale, grad_history, grad_scale)`` placeholders from
     ``state_nodes(site)`` and update them unless ``update_state`` is False.
     Current-scaling sites whose weight has an FP8 copy get its ``(copy, scale)``
     placeholders from ``cache_nodes(site)`` and ``weight_cache`` (``"fill"``
@@ -122,8 +122,8 @@ class _Buffers:
         stats = self._stats_nodes(decision.site)
         return None if stats is None else self.subgraphs.lift(stats, gm)
 
-    def state(self, decision: Decision, gm) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-        """``(history, scale)`` of a delayed-scaling linear site."""
+    def state(self, decision: Decision, gm) -> tuple[torch.fx.Node, ...] | None:
+        """``(history, scale, grad_history, grad_scale)`` of a delayed-scaling linear site."""
         if not (decision.site.is_linear and decision.recipe.stateful):
             return None
         return self._lift(self._state_nodes(decision.site), gm)
@@ -156,7 +156,8 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
             args = (site.input_node, [_weight_nk(graph, d) for d in group], [d.site.bias_node for d in group])
             kwargs = {"stats": stats if any(n is not None for n in stats) else None}
             if states[0] is not None:
-                kwargs.update(histories=[state[0] for state in states], scales=[state[1] for state in states])
+                kwargs.update(zip(("histories", "scales", "grad_histories", "grad_scales"),
+                                  (list(buffers) for buffers in zip(*states))))
             if caches[0] is not None:
                 kwargs.update(cached_weights=[cache[0] for cache in caches],
                               cached_weight_scales=[cache[1] for cache in caches])

@@ -96,7 +96,7 @@ def _another_fp8graph_source():
     targets = (linear_fp8_target, linear_tiled_target, matmul_fp8_target)
     for target in targets:
         target.cache_clear()
-    with unittest.mock.patch.object(cache_hash, "_source_hash", lambda: "another source"):
+    with unittest.mock.patch.object(cache_hash, "source_hash", lambda: "another source"):
         yield
     for target in targets:
         target.cache_clear()

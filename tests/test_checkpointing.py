@@ -62,12 +62,13 @@ def test_delayed_scaling_inside_checkpoint_regions_records_each_amax_once():
     inside = [d for d in decisions if d.site.in_subgraph]
     assert len(inside) == 14 and all(d.rewritten and d.recipe.name.startswith("delayed") for d in inside)
     assert losses == plain_losses
-    assert state.keys() == plain_state.keys() and len(state) == 28
+    assert state.keys() == plain_state.keys() and len(state) == 56
     for name, value in plain_state.items():
         assert torch.equal(state[name], value), name
     # Three steps into a length-4 history: three amaxes per role, one slot still empty.
-    history = state["model.layers.1.mlp.down_proj.fp8graph_amax_history_weight"]
-    assert (history > 0).sum(dim=1).tolist() == [3, 3, 3]
+    for name, rows in (("amax_history", 2), ("grad_output_amax_history", 1)):
+        history = state[f"model.layers.1.mlp.down_proj.fp8graph_{name}_weight"]
+        assert (history > 0).sum(dim=1).tolist() == [3] * rows
 
 
 @pytest.mark.inductor
@@ -90,10 +91,11 @@ def test_delayed_scaling_in_a_checkpoint_region_matches_plain_under_inductor():
         results.append((outputs, {k: v.clone() for k, v in model.state_dict().items() if "fp8graph_" in k}))
     (plain_outputs, plain_state), (outputs, state) = results
     assert all(torch.equal(a, b) for a, b in zip(outputs, plain_outputs))
-    assert state.keys() == plain_state.keys() and len(state) == 4
+    assert state.keys() == plain_state.keys() and len(state) == 8
     for name, value in plain_state.items():
         assert torch.equal(state[name], value), name
-    assert (state["up.fp8graph_amax_history_weight"] > 0).sum(dim=1).tolist() == [4, 4, 4]
+    assert (state["up.fp8graph_amax_history_weight"] > 0).sum(dim=1).tolist() == [4, 4]
+    assert (state["up.fp8graph_grad_output_amax_history_weight"] > 0).sum(dim=1).tolist() == [4]
 
 
 def test_stats_reach_sites_inside_checkpoint_regions():

@@ -68,8 +68,10 @@ def test_state_is_in_the_state_dict_and_recipe_fields_are_checked():
     fp8graph.compile(model, policy=DelayedScaling(amax_history_len=16), compiler="aot_eager")
     state = model.state_dict()
     history = state["model.layers.0.mlp.down_proj.fp8graph_amax_history_weight"]
-    assert history.shape == (3, 16)
-    assert state["model.layers.1.self_attn.q_proj.fp8graph_scale_weight"].tolist() == [1.0, 1.0, 1.0]
+    assert history.shape == (2, 16)  # input, weight
+    assert state["model.layers.0.mlp.down_proj.fp8graph_grad_output_amax_history_weight"].shape == (1, 16)
+    assert state["model.layers.1.self_attn.q_proj.fp8graph_scale_weight"].tolist() == [1.0, 1.0]
+    assert state["model.layers.1.self_attn.q_proj.fp8graph_grad_output_scale_weight"].tolist() == [1.0]
     assert not any(key.startswith("lm_head.fp8graph") for key in state)  # N=250: stays in high precision
     for kwargs, field in [({"margin": -1}, "margin"), ({"amax_history_len": 0}, "amax_history_len"),
                           ({"amax_compute_algo": "mean"}, "amax_compute_algo"), ({"margin": 1.5}, "margin"),
@@ -160,7 +162,7 @@ def test_a_history_of_the_wrong_length_is_refused_naming_the_buffer():
     model = build("mlp", "tiny")
     fp8graph.compile(model, policy=DelayedScaling(amax_history_len=8), compiler="aot_eager")
     state = model.state_dict()
-    state["up.fp8graph_amax_history_weight"] = torch.zeros(3, 4)
+    state["up.fp8graph_amax_history_weight"] = torch.zeros(2, 4)
     with pytest.raises(RuntimeError, match="up.fp8graph_amax_history_weight"):
         model.load_state_dict(state)
 
@@ -249,9 +251,60 @@ def test_a_checkpoint_without_fp8_state_loads_with_fresh_state_and_a_notice(capl
     with caplog.at_level("INFO", logger="fp8graph"):
         model.load_state_dict(checkpoint)
     assert torch.equal(model.up.weight, plain.up.weight)
-    assert torch.equal(model.up.fp8graph_amax_history_weight, torch.zeros(3, 4))
-    assert torch.equal(model.up.fp8graph_scale_weight, torch.ones(3))
+    assert torch.equal(model.up.fp8graph_amax_history_weight, torch.zeros(2, 4))
+    assert torch.equal(model.up.fp8graph_scale_weight, torch.ones(2))
+    assert torch.equal(model.up.fp8graph_grad_output_amax_history_weight, torch.zeros(1, 4))
+    assert torch.equal(model.up.fp8graph_grad_output_scale_weight, torch.ones(1))
     assert any("checkpoint has no up.fp8graph_amax_history_weight" in r.getMessage() for r in caplog.records)
+    assert any("checkpoint has no up.fp8graph_grad_output_scale_weight" in r.getMessage() for r in caplog.records)
+
+
+def test_a_checkpoint_with_the_three_roles_in_one_buffer_loads_split(caplog):
+    """Checkpoints written before the grad_output row had buffers of its own keep (3, len) and (3,)."""
+    model = build("mlp", "tiny")
+    compiled = fp8graph.compile(model, policy=DelayedScaling(amax_history_len=4), compiler="aot_eager")
+    for _ in range(2):
+        compiled(torch.randn(8, 64)).sum().backward()
+    current = model.state_dict()
+    old_format = {key: value for key, value in current.items() if "grad_output" not in key}
+    for name in ("amax_history", "scale"):
+        key = f"up.fp8graph_{name}_weight"
+        old_format[key] = torch.cat([current[key], current[f"up.fp8graph_grad_output_{name}_weight"]])
+    assert old_format["up.fp8graph_amax_history_weight"].shape == (3, 4)
+    fresh = build("mlp", "tiny", seed=3)
+    fp8graph.compile(fresh, policy=DelayedScaling(amax_history_len=4), compiler="aot_eager")
+    with caplog.at_level("INFO", logger="fp8graph"):
+        fresh.load_state_dict(old_format)
+    for key in ("up.fp8graph_amax_history_weight", "up.fp8graph_grad_output_amax_history_weight",
+                "up.fp8graph_scale_weight", "up.fp8graph_grad_output_scale_weight"):
+        assert torch.equal(fresh.state_dict()[key], current[key]), key
+    assert any("holds the three roles in one buffer" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_two_forwards_before_one_backward_record_both_as_eager_autograd_does(compiler):
+    """Micro-batches summed into one loss: each forward records its amaxes, then each backward its
+    grad_output's, into the buffers as they are then (no saved copy of them goes stale)."""
+    def two_forwards_one_backward(compiler, steps):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False))
+        compiled = fp8graph.compile(model, policy=DelayedScaling(amax_history_len=4), compiler=compiler)
+        first, second = torch.randn(16, 32), torch.randn(16, 32) * 10
+        for step in range(steps):
+            (compiled(first).sum() + (3 + step) * compiled(second).sum()).backward()
+        return model[0], first, second
+
+    linear, first, second = two_forwards_one_backward(compiler, steps=1)
+    history = linear.fp8graph_amax_history_weight
+    assert history[0].tolist() == [second.abs().max().item(), 0.0, 0.0, first.abs().max().item()]  # rolled
+    # Backward runs the second call first: its grad_output (all 3) is older than the first's (all 1).
+    assert linear.fp8graph_grad_output_amax_history_weight[0].tolist() == [1.0, 0.0, 0.0, 3.0]
+    # Each backward casts with the scale its history gives when it runs, and dequantizes with the same.
+    linear, _, _ = two_forwards_one_backward(compiler, steps=3)
+    reference, _, _ = two_forwards_one_backward("eager", steps=3)
+    for name, buffer in reference.named_buffers():
+        assert torch.equal(getattr(linear, name), buffer), name
+    torch.testing.assert_close(linear.weight.grad, reference.weight.grad, rtol=1e-6, atol=1e-5)
 
 
 class RootWeight(torch.nn.Module):
@@ -300,7 +353,7 @@ def test_a_tied_weight_used_only_through_its_second_module_keeps_one_state():
     history = model.first.fp8graph_amax_history_weight
     assert history[0, 0].item() == pytest.approx(x.abs().max().item(), rel=1e-6)
     assert history[1, 0].item() == pytest.approx(model.first.weight.abs().max().item(), rel=1e-6)
-    assert history[2, 0].item() == 1.0  # grad_output of sum() is all ones
+    assert model.first.fp8graph_grad_output_amax_history_weight[0, 0].item() == 1.0  # sum()'s grad_output
 
 
 def test_a_second_compile_continues_the_first_compiles_state():

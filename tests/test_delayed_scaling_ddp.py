@@ -74,4 +74,4 @@ def test_two_ranks_hold_identical_state_and_match_one_process(tmp_path):
     single_state = {k: v for k, v in model.state_dict().items() if "fp8graph" in k}
     for key in ("up.fp8graph_amax_history_weight", "mid.fp8graph_amax_history_weight"):
         # input and weight amaxes are the global ones; grad_output's are 2x (local means)
-        torch.testing.assert_close(rank0["state"][key][:2], single_state[key][:2], rtol=1e-5, atol=0)
+        torch.testing.assert_close(rank0["state"][key], single_state[key], rtol=1e-5, atol=0)

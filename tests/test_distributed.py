@@ -187,7 +187,7 @@ def test_fsdp2_losses_match_one_process(fsdp_runs, name):
 def test_fsdp2_ranks_hold_the_same_scales(fsdp_runs):
     two, _ = fsdp_runs
     delayed = [rank["delayed"]["state"] for rank in two]
-    assert len(delayed[0]) == 2 * LINEAR_SITES  # a history and a scale per weight
+    assert len(delayed[0]) == 4 * LINEAR_SITES  # a history and a scale per weight, forward and grad_output
     for key in delayed[0]:
         assert torch.equal(delayed[0][key], delayed[1][key]), key
     weight_scales = [rank["current"]["weight_scales"] for rank in two]

@@ -143,8 +143,10 @@ def _delayed_target(recipe, lowering):
     """A delayed-scaling linear with fresh state (scale 1, empty history): its transposed layouts go through
     ``fp8graph::transpose_fp8`` on the scaled_mm path."""
     def linear(input_hp, weight_hp):
-        history, scale = torch.zeros(3, recipe.amax_history_len), torch.ones(3)
-        return linear_fp8_target(recipe, lowering)(input_hp, weight_hp, None, None, history, scale)
+        history, scale = torch.zeros(2, recipe.amax_history_len), torch.ones(2)
+        grad_history, grad_scale = torch.zeros(1, recipe.amax_history_len), torch.ones(1)
+        return linear_fp8_target(recipe, lowering)(input_hp, weight_hp, None, None, history, scale, grad_history,
+                                                   grad_scale)
     return linear
 
 

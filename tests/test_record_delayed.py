@@ -15,34 +15,33 @@ from helpers import cases_checked_under_triton_interpreter
 
 
 def test_a_forward_call_records_each_members_amaxes_and_scales_by_the_documented_rule():
-    # Two members (gate and up): rows 0 (input) and 1 (weight) move one step, row 2 (grad_output) stays.
-    histories = [torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * i for i in range(2)]
-    scales = [torch.full((3,), 7.0) for _ in range(2)]
+    # Two members (gate and up): rows 0 (input) and 1 (weight) move one step.
+    histories = [torch.arange(8, dtype=torch.float32).reshape(2, 4) + 100 * i for i in range(2)]
+    scales = [torch.full((2,), 7.0) for _ in range(2)]
     input_rows = torch.tensor([0.5, -3.0, 2.0]).abs()  # per-row partial magnitudes of the shared input
     partials = [input_rows, torch.tensor([4.0, 1.0]), input_rows, torch.tensor([0.25])]
     new_scales = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    record_delayed_(histories, scales, partials, new_scales, 0)
+    record_delayed_(histories, scales, partials, new_scales)
     # history[0] = new amax, history[j] = history[j + 1] for 0 < j < len - 1, the old slot 0 moves to the end.
-    assert histories[0].tolist() == [[3.0, 2.0, 3.0, 0.0], [4.0, 6.0, 7.0, 4.0], [8.0, 9.0, 10.0, 11.0]]
-    assert histories[1].tolist() == [[3.0, 102.0, 103.0, 100.0], [0.25, 106.0, 107.0, 104.0],
-                                     [108.0, 109.0, 110.0, 111.0]]
-    assert scales[0].tolist() == [1.0, 2.0, 7.0] and scales[1].tolist() == [3.0, 4.0, 7.0]
+    assert histories[0].tolist() == [[3.0, 2.0, 3.0, 0.0], [4.0, 6.0, 7.0, 4.0]]
+    assert histories[1].tolist() == [[3.0, 102.0, 103.0, 100.0], [0.25, 106.0, 107.0, 104.0]]
+    assert scales[0].tolist() == [1.0, 2.0] and scales[1].tolist() == [3.0, 4.0]
 
 
 def test_a_backward_call_records_one_row_and_a_nan_amax_stays_visible():
-    histories = [torch.zeros(3, 1), torch.zeros(3, 1)]
-    scales = [torch.ones(3), torch.ones(3)]
+    histories = [torch.zeros(1, 1), torch.zeros(1, 1)]
+    scales = [torch.ones(1), torch.ones(1)]
     record_delayed_(histories, scales, [torch.tensor([1.0, float("nan")]), torch.tensor([float("inf")])],
-                    torch.tensor([[5.0], [6.0]]), 2)
-    assert torch.isnan(histories[0][2, 0]) and histories[1][2, 0] == float("inf")
-    assert histories[0][:2].eq(0).all() and scales[0].tolist() == [1.0, 1.0, 5.0] and scales[1][2] == 6.0
+                    torch.tensor([[5.0], [6.0]]))
+    assert torch.isnan(histories[0][0, 0]) and histories[1][0, 0] == float("inf")
+    assert scales[0].tolist() == [5.0] and scales[1].tolist() == [6.0]
 
 
 def test_arguments_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="2 histories, 1 scales and 2 amaxes for new_scales of shape"):
-        record_delayed_([torch.zeros(3, 4)] * 2, [torch.ones(3)], [torch.ones(2)] * 2, torch.ones(2, 1), 2)
-    with pytest.raises(ValueError, match=r"rows 2..3 are not all in the histories"):
-        record_delayed_([torch.zeros(3, 4)], [torch.ones(3)], [torch.ones(2)] * 2, torch.ones(1, 2), 2)
+        record_delayed_([torch.zeros(1, 4)] * 2, [torch.ones(1)], [torch.ones(2)] * 2, torch.ones(2, 1))
+    with pytest.raises(ValueError, match=r"2 rows recorded, but the histories and scales have"):
+        record_delayed_([torch.zeros(3, 4)], [torch.ones(3)], [torch.ones(2)] * 2, torch.ones(1, 2))
 
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")

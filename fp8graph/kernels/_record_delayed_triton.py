@@ -43,13 +43,12 @@ def _roll_and_record(row, history_len, new_amax, BLOCK_HISTORY: tl.constexpr):
 
 
 @triton.jit
-def record_delayed_kernel(histories, scales, row_amaxes, row_amax_lengths, new_scales, history_len, first_row,
+def record_delayed_kernel(histories, scales, row_amaxes, row_amax_lengths, new_scales, history_len,
                           ROWS: tl.constexpr, BLOCK_AMAX: tl.constexpr, BLOCK_HISTORY: tl.constexpr):
     member = tl.program_id(0)
     for i in tl.static_range(len(histories)):
         if member == i:
             for r in tl.static_range(ROWS):
                 new_amax = _finish_amax(row_amaxes[i * ROWS + r], row_amax_lengths[i * ROWS + r], BLOCK_AMAX)
-                _roll_and_record(histories[i] + (first_row + r) * history_len, history_len, new_amax,
-                                 BLOCK_HISTORY)
-                tl.store(scales[i] + first_row + r, tl.load(new_scales + i * ROWS + r))
+                _roll_and_record(histories[i] + r * history_len, history_len, new_amax, BLOCK_HISTORY)
+                tl.store(scales[i] + r, tl.load(new_scales + i * ROWS + r))

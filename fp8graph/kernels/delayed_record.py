@@ -9,10 +9,11 @@ As one op it is one launch per call, which also finishes the amaxes from the
 per-row partial maxima the casts computed in their own pass
 (``fp8graph.quantize.row_amaxes``).
 
-Arguments: the members' ``histories`` ((3, len), contiguous) and ``scales``
-((3,)), changed in place; ``row_amaxes``, member-major, one 1-D tensor of
-partial magnitudes per member and recorded row; ``new_scales`` (m, rows);
-``first_row``, the first row recorded. On CUDA it runs
+Arguments: the members' ``histories`` ((rows, len), contiguous) and
+``scales`` ((rows,)), every row changed in place (a forward call's input and
+weight rows, a backward call's grad_output row: ``fp8graph.state``);
+``row_amaxes``, member-major, one 1-D tensor of partial magnitudes per member
+and row; ``new_scales`` (m, rows). On CUDA it runs
 ``record_delayed_kernel`` (``_record_delayed_triton``); everywhere else the
 same steps in torch ops (``fp8graph.delayed_scaling``), which the tests hold
 the kernel to exactly. On CUDA the torch steps also run, a few small kernels
@@ -34,34 +35,35 @@ _BLOCK_AMAX = 1024
 _BLOCK_HISTORY = 1024
 
 
-def _check(histories, scales, row_amaxes, new_scales, first_row: int) -> int:
+def _check(histories, scales, row_amaxes, new_scales) -> int:
     members, rows = new_scales.shape
     if not (len(histories) == len(scales) == members and len(row_amaxes) == members * rows):
         raise ValueError(f"record_delayed_: {len(histories)} histories, {len(scales)} scales and "
                          f"{len(row_amaxes)} amaxes for new_scales of shape {tuple(new_scales.shape)}")
-    if first_row < 0 or any(first_row + rows > history.shape[0] for history in histories):
-        raise ValueError(f"record_delayed_: rows {first_row}..{first_row + rows - 1} are not all in the histories")
+    shapes = {(tuple(history.shape[:1]), tuple(scale.shape)) for history, scale in zip(histories, scales)}
+    if shapes != {((rows,), (rows,))}:
+        raise ValueError(f"record_delayed_: {rows} rows recorded, but the histories and scales have "
+                         f"{sorted(shapes)} rows")
     return rows
 
 
-def _record_reference(histories, scales, row_amaxes, new_scales, first_row: int) -> None:
-    rows = _check(histories, scales, row_amaxes, new_scales, first_row)
-    recorded = slice(first_row, first_row + rows)
+def _record_reference(histories, scales, row_amaxes, new_scales) -> None:
+    rows = _check(histories, scales, row_amaxes, new_scales)
     for i, (history, scale) in enumerate(zip(histories, scales)):
         new_amaxes = torch.stack([partial.amax().to(torch.float32) for partial in row_amaxes[i * rows:(i + 1) * rows]])
-        history[recorded] = record_amax(roll_history(history[recorded]), new_amaxes)
-        scale[recorded] = new_scales[i]
+        history.copy_(record_amax(roll_history(history), new_amaxes))
+        scale.copy_(new_scales[i])
 
 
-def plan_record_delayed(histories, scales, row_amaxes, new_scales, first_row: int) -> KernelLaunch:
+def plan_record_delayed(histories, scales, row_amaxes, new_scales) -> KernelLaunch:
     """The one launch that does :func:`record_delayed_` on CUDA tensors."""
     from ._record_delayed_triton import record_delayed_kernel
 
-    rows = _check(histories, scales, row_amaxes, new_scales, first_row)
+    rows = _check(histories, scales, row_amaxes, new_scales)
     return KernelLaunch(record_delayed_kernel, (len(histories),),
                         (tuple(histories), tuple(scales), tuple(row_amaxes),
                          tuple(partial.numel() for partial in row_amaxes), new_scales,
-                         histories[0].shape[1], first_row),
+                         histories[0].shape[1]),
                         {"ROWS": rows, "BLOCK_AMAX": _BLOCK_AMAX, "BLOCK_HISTORY": _BLOCK_HISTORY, "num_warps": 4})
 
 
@@ -75,19 +77,19 @@ def _kernel_can_run(histories, scales, row_amaxes, new_scales) -> bool:
 
 @torch.library.custom_op("fp8graph::record_delayed_", mutates_args=("histories", "scales"))
 def record_delayed_(histories: list[torch.Tensor], scales: list[torch.Tensor], row_amaxes: list[torch.Tensor],
-                    new_scales: torch.Tensor, first_row: int) -> None:
-    """Record each member's new amaxes into rows ``first_row``.. of its history and store its scales."""
-    _record_reference(histories, scales, row_amaxes, new_scales, first_row)
+                    new_scales: torch.Tensor) -> None:
+    """Record each member's new amaxes into every row of its history and store its scales."""
+    _record_reference(histories, scales, row_amaxes, new_scales)
 
 
 @record_delayed_.register_fake
-def _(histories, scales, row_amaxes, new_scales, first_row):
-    _check(histories, scales, row_amaxes, new_scales, first_row)
+def _(histories, scales, row_amaxes, new_scales):
+    _check(histories, scales, row_amaxes, new_scales)
 
 
 @record_delayed_.register_kernel("cuda")
-def _(histories, scales, row_amaxes, new_scales, first_row):
+def _(histories, scales, row_amaxes, new_scales):
     if not _kernel_can_run(histories, scales, row_amaxes, new_scales):
-        _record_reference(histories, scales, row_amaxes, new_scales, first_row)
+        _record_reference(histories, scales, row_amaxes, new_scales)
         return
-    plan_record_delayed(histories, scales, row_amaxes, new_scales, first_row)()
+    plan_record_delayed(histories, scales, row_amaxes, new_scales)()
