@@ -6,7 +6,7 @@ Full mode: a 16384x8192 BF16 tensor on CUDA. Per-tensor current and delayed
 casts as fp8graph's linear emits them, compiled by Inductor: one layout, both
 layouts (the tensor and its transpose, as the GEMMs read them), and fused
 after the RMSNorm that produces it, timed against the RMSNorm alone; every
-tiling (row-wise, 1x128, 128x128, MX 1x32) both ways, Inductor's code for ``fp8graph.tiles.quantize_tiled`` and
+tiling (row-wise, 1x128, 128x128, MX 1x32) both ways, Inductor's code for ``fp8graph.numerics.tiles.quantize_tiled`` and
 fp8graph's Triton kernel (``fp8graph.kernels.quantize_tiles``); and for the
 tilings the linear quantizes in both layouts, the two layouts from one call
 (``quantize_tiles_both`` for 1x128 and 128x128, against Inductor compiling
@@ -34,13 +34,13 @@ import pathlib
 import torch
 
 from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
-from fp8graph.delayed_scaling import delayed_cast
-from fp8graph.formats import Role
+from fp8graph.numerics.delayed_scaling import delayed_cast
+from fp8graph.numerics.formats import Role
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.kernels.quantize_tiles import (kernel_quantizes, quantize_tiles_both_triton, quantize_tiles_triton,
                                              triton_available)
-from fp8graph.quantize import quantize_current
-from fp8graph.tiles import quantize_tiled, quantize_tiled_both
+from fp8graph.numerics.quantize import quantize_current
+from fp8graph.numerics.tiles import quantize_tiled, quantize_tiled_both
 
 from .timing import attempt, environment, failed, markdown_table, median, report, time_ms, title, write_partial
 
@@ -85,7 +85,7 @@ def _per_tensor_contestants(compiler: str, device: torch.device, columns: int) -
 
     # (name, scaling, layouts, producer, whether fp8graph emits it on CUDA, function). Both ways of writing the
     # transposed copy are timed for both scalings, so a GPU run can confirm or reverse fp8graph's choice
-    # (fp8graph.linear_fp8: Inductor's for current scaling, the FP8 transpose op for delayed).
+    # (fp8graph.targets.linear_tensorwise: Inductor's for current scaling, the FP8 transpose op for delayed).
     rows = [("rmsnorm alone (BF16 output, the reference)", None, 1, "rmsnorm", None,
              lambda x: _rms_norm(x, norm_weight))]
     for scaling, cast in (("current", current), ("delayed", delayed)):

@@ -88,7 +88,7 @@ def require_fp8_sites(compiled: object) -> None:
     """Raise unless fp8graph put a site of ``compiled`` (an fp8graph contestant, once called) in FP8.
 
     On a device without a recipe's FP8 GEMM every site stays in high precision
-    (``fp8graph.lowering``): timing it would report BF16's speed under the recipe's name.
+    (``fp8graph.gemm.scaled_gemm``): timing it would report BF16's speed under the recipe's name.
     Contestants that are not fp8graph's pass.
     """
     backend = getattr(compiled, "fp8graph_backend", None)

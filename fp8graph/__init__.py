@@ -5,12 +5,12 @@
     print(fp8graph.explain(model, input_ids))                 # what was rewritten, and why not
 """
 
-from . import policies
-from .api import compile, explain
-from .formats import Format
-from .policy import Policy
-from .recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling
-from .report import ExplainReport, SiteRecord
+from fp8graph import policies
+from fp8graph.api import compile, explain
+from fp8graph.numerics.formats import Format
+from fp8graph.recipes.policy import Policy
+from fp8graph.recipes.scaling import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling
+from fp8graph.inspection.report import ExplainReport, SiteRecord
 
 __all__ = [
     "DelayedScaling",

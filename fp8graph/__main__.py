@@ -7,7 +7,7 @@
 import argparse
 import sys
 
-from . import demo, train_distributed
+from fp8graph.apps import demo, train_distributed
 
 
 def main(argv=None) -> int:

@@ -10,16 +10,16 @@ import logging
 import torch
 from torch._dynamo.utils import counters
 
-from .backend import FP8Backend
-from .policy import normalize_policy
-from .regional_compile import BlockBackend, RegionalBackend, compile_regions, is_region_boundary
-from .regions import AUTO, find_blocks, find_trunks, group_blocks, trunk_parts
-from .state import register_delayed_state
-from .report import ExplainReport, SiteRecord
-from .passes.module_paths import module_paths_by_id
-from .report_html import graph_outline
-from .stats import FP8Stats
-from .weight_cache import register_weight_cache
+from fp8graph.backend import FP8Backend
+from fp8graph.recipes.policy import normalize_policy
+from fp8graph.regions.regional_compile import BlockBackend, RegionalBackend, compile_regions, is_region_boundary
+from fp8graph.regions.repeated_blocks import AUTO, find_blocks, find_trunks, group_blocks, trunk_parts
+from fp8graph.buffers.delayed_state import register_delayed_state
+from fp8graph.inspection.report import ExplainReport, SiteRecord
+from fp8graph.passes.module_paths import module_paths_by_id
+from fp8graph.inspection.report_html import graph_outline
+from fp8graph.inspection.stats import FP8Stats
+from fp8graph.buffers.weight_cache import register_weight_cache
 
 __all__ = ["compile", "explain"]
 
@@ -53,7 +53,7 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
         lowering: ``"auto"`` (``_scaled_mm`` on CUDA SM >= 8.9, emulation
             elsewhere), ``"scaled_mm"`` or ``"emulated"``.
         stats: collect FP8 numerics statistics inside the compiled graphs
-            (see :mod:`fp8graph.stats`); off by default and then free.
+            (see :mod:`fp8graph.inspection.stats`); off by default and then free.
         freeze_weights: for inference: graphs compiled under ``torch.no_grad()``
             quantize each weight once, when compiling (Inductor's freezing
             folds the weight's FP8 copy into a constant), instead of on
@@ -67,10 +67,10 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             while the weight does not change (gradient accumulation, inference),
             so only the first call after a change quantizes it; changes are
             seen through the weights' version counters (see
-            :mod:`fp8graph.weight_cache`). Costs one byte per cached weight
+            :mod:`fp8graph.buffers.weight_cache`). Costs one byte per cached weight
             element. Not with ``freeze_weights``, which folds the copies instead.
         regions: which blocks to compile once for all their instances (see
-            :mod:`fp8graph.regions`): ``"auto"`` (default) finds a model's
+            :mod:`fp8graph.regions.repeated_blocks`): ``"auto"`` (default) finds a model's
             repeated layers (HuggingFace ``_no_split_modules``, or an
             ``nn.ModuleList`` of one class), a list of classes or path globs
             names them, ``None`` compiles the whole model as one graph as
@@ -80,13 +80,13 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             weights into its code, which then cannot serve another layer.
             Each block instance gets a subclass of its class (same name) whose
             call enters the region while the compiled model runs and is the
-            block's own call otherwise (see :mod:`fp8graph.regional_compile`).
+            block's own call otherwise (see :mod:`fp8graph.regions.regional_compile`).
         **torch_compile_kwargs: passed to ``torch.compile`` (``dynamic``, ``mode``, ...).
 
     Returns:
         The compiled module, as ``torch.compile`` returns it. Its
         ``fp8graph_backend.decisions`` lists what was decided for each site;
-        with ``stats=True``, ``fp8graph_stats`` is the :class:`~fp8graph.stats.FP8Stats`.
+        with ``stats=True``, ``fp8graph_stats`` is the :class:`~fp8graph.inspection.stats.FP8Stats`.
 
     Example:
         >>> compiled = fp8graph.compile(model, policy=fp8graph.Float8CurrentScaling())

@@ -25,12 +25,12 @@ from fp8graph.passes import annotate_sites, find_sites, group_sites, rewrite_sit
 from fp8graph.passes.annotate import Decision
 from fp8graph.passes.module_paths import module_paths_by_id
 
-from .lowering import LOWERING_CHOICES, choose_lowering
-from .partitioning import joint_pre_pass, partition_min_cut
-from .policy import normalize_policy
-from .state import DelayedState, state_anchor
-from .stats import stats_anchor
-from .weight_cache import WeightCache, fill_anchor, reuse_anchor
+from fp8graph.gemm.scaled_gemm import LOWERING_CHOICES, choose_lowering
+from fp8graph.targets.partitioning import joint_pre_pass, partition_min_cut
+from fp8graph.recipes.policy import normalize_policy
+from fp8graph.buffers.delayed_state import DelayedState, state_anchor
+from fp8graph.buffers.stats import stats_anchor
+from fp8graph.buffers.weight_cache import WeightCache, fill_anchor, reuse_anchor
 
 __all__ = ["FP8Backend", "fp8_backend"]
 
@@ -78,15 +78,15 @@ class FP8Backend:
             ``Policy(default=recipe)``), or ``None`` for ``Float8CurrentScaling()``
             on every eligible linear site.
         compiler: ``"inductor"``, ``"aot_eager"`` or ``"eager"``.
-        lowering: ``"auto"``, ``"scaled_mm"`` or ``"emulated"`` (see ``fp8graph.lowering``).
+        lowering: ``"auto"``, ``"scaled_mm"`` or ``"emulated"`` (see ``fp8graph.gemm.scaled_gemm``).
         model: the compiled module, when known: module paths then come from
             module identities and predicates see the module itself; without it
             paths come from Dynamo's source names.
         mode: an Inductor mode (``"max-autotune"``, ...), as ``torch.compile(mode=...)`` passes it.
-        stats: an :class:`fp8graph.stats.FP8Stats` to collect numerics into, or ``None``.
-        state: the delayed-scaling state ``fp8graph.state.register_delayed_state``
+        stats: an :class:`fp8graph.inspection.stats.FP8Stats` to collect numerics into, or ``None``.
+        state: the delayed-scaling state ``fp8graph.buffers.delayed_state.register_delayed_state``
             registered on ``model``; required when the policy uses ``DelayedScaling``.
-        weight_cache: the :class:`fp8graph.weight_cache.WeightCache` registered on
+        weight_cache: the :class:`fp8graph.buffers.weight_cache.WeightCache` registered on
             ``model`` (``cache_weights=True``), or ``None``.
 
     Every graph's decisions are appended to ``self.decisions`` and each
@@ -187,7 +187,7 @@ class FP8Backend:
         pieces of one graph share a frame id and are fine: they do not
         interleave forwards and backwards. Delayed-scaling state has no such
         limit: the forward and the backward write buffers of their own
-        (``fp8graph.state``).
+        (``fp8graph.buffers.delayed_state``).
         """
         compile_id = torch._guards.CompileContext.current_compile_id()
         frame = None if compile_id is None else compile_id.frame_id

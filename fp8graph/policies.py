@@ -17,8 +17,8 @@ import dataclasses
 import json
 import pathlib
 
-from .policy import Policy, SiteInfo
-from .recipes import PRESETS
+from fp8graph.recipes.policy import Policy, SiteInfo
+from fp8graph.recipes.scaling import PRESETS
 
 __all__ = ["H100_LINEAR_SPEEDUPS", "auto"]
 
@@ -74,7 +74,7 @@ def _threshold(shapes: list[_Shape], min_speedup: float) -> _Shape | None:
 # The built-in measurement: ``python -m bench linear`` on an H100 80GB HBM3 (torch 2.11.0+cu130,
 # triton 3.6.0, 2026-11-23), forward + backward of one linear layer, fp8graph's speedup over BF16
 # torch.compile per (M, K, N), rounded to 0.01; the raw result is bench/results/linear-2026-11-23T081002Z.json
-# (tests/test_policies_auto.py checks this table against it). Current scaling lost at 1024x1024x1024
+# (tests/recipes/test_policies_auto.py checks this table against it). Current scaling lost at 1024x1024x1024
 # (0.73x) and 4096x1024x1024 (0.87x) and won 1.48-1.55x at the Llama-3-8B shapes. The tiled
 # recipes ran that day on their previous kernels (block and MXFP8 never gained; MXFP8 is emulated
 # on an H100): measure again with this version's kernels and pass the file.
@@ -110,7 +110,7 @@ def auto(measurements=None, recipe: str = "current", min_speedup: float = 1.0) -
         measurements: a ``python -m bench linear`` result (the JSON file's path,
             or the loaded dict) from the GPU the model will run on; ``None``
             takes the built-in H100 measurement (:data:`H100_LINEAR_SPEEDUPS`).
-        recipe: a name of :data:`fp8graph.recipes.PRESETS` whose rows in the
+        recipe: a name of :data:`fp8graph.recipes.scaling.PRESETS` whose rows in the
             measurements decide (``"current"``, ``"rowwise"``, ``"block"``, ``"mxfp8"``).
         min_speedup: the speedup over BF16 ``torch.compile`` a shape must
             reach to count as a gain (1.0: any gain).

@@ -1,6 +1,6 @@
 """Find the buffers that anchors made graph inputs, and drop the anchors.
 
-Statistics (``fp8graph.stats``) and delayed-scaling state (``fp8graph.state``)
+Statistics (``fp8graph.buffers.stats``) and delayed-scaling state (``fp8graph.buffers.delayed_state``)
 live in buffers of the model. Forward hooks pass them to an anchor, an
 identity Dynamo keeps as a graph node, so Dynamo lifts them as graph inputs:
 

@@ -6,7 +6,7 @@ the default); the site then stays in high precision, with the reason
 recorded, when it has a structural blocker (see ``find_sites``), its dtype is
 not one FP8 should replace, or its K or N is not a multiple of 16 (cuBLAS FP8
 GEMMs need both; M is free), or the graph's CUDA device has no native FP8
-GEMM for its recipe (``fp8graph.lowering.choose_lowering``). When a rule
+GEMM for its recipe (``fp8graph.gemm.scaled_gemm.choose_lowering``). When a rule
 named the site explicitly and its recipe cannot apply, the reason says so,
 and a strict policy raises; a strict policy also raises when the device has
 no native GEMM for a site's recipe.
@@ -19,10 +19,10 @@ from typing import Callable
 
 import torch
 
-from fp8graph.lowering import Lowering, NoNativeGemm
-from fp8graph.policy import Policy, Resolution, SiteInfo, resolve
-from fp8graph.recipes import Recipe
-from fp8graph.recompute import CONTEXT_FN_KEY
+from fp8graph.gemm.scaled_gemm import Lowering, NoNativeGemm
+from fp8graph.recipes.policy import Policy, Resolution, SiteInfo, resolve
+from fp8graph.recipes.scaling import Recipe
+from fp8graph.buffers.snapshots import CONTEXT_FN_KEY
 
 from .find_sites import Site
 
@@ -67,7 +67,7 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
     if recipe.stateful and site.checkpoint_region is not None \
             and CONTEXT_FN_KEY in site.checkpoint_region.meta:
         return ("delayed scaling in a torch.utils.checkpoint region with its own context_fn: its replayed "
-                "casts would need fp8graph's policy to save the state they read (fp8graph.recompute)")
+                "casts would need fp8graph's policy to save the state they read (fp8graph.buffers.snapshots)")
     if recipe.tiled and not site.is_linear:
         return f"{recipe.name} applies to linear sites (a parameter operand), not activation matmuls"
     if not site.is_linear:
@@ -103,7 +103,7 @@ def annotate_sites(
     """Attach a decision to each site's node and return the decisions in order.
 
     ``lowering_for(recipe, is_linear)`` says how a recipe's GEMMs run on the
-    graph's device (see ``fp8graph.lowering.choose_lowering``); where the
+    graph's device (see ``fp8graph.gemm.scaled_gemm.choose_lowering``); where the
     device has no native GEMM for it (``NoNativeGemm``) the site stays in high
     precision with that reason.
 

@@ -33,12 +33,12 @@ from typing import Callable
 import torch.fx
 from torch._dynamo.utils import counters
 
-from fp8graph.cache_hash import mark_cacheable
-from fp8graph.linear_fp8 import linear_fp8_target, linears_fp8_target
-from fp8graph.linear_tiled import linear_tiled_target
-from fp8graph.matmul_fp8 import matmul_fp8_target
+from fp8graph.targets.cache_hash import mark_cacheable
+from fp8graph.targets.linear_tensorwise import linear_fp8_target, linears_fp8_target
+from fp8graph.targets.linear_tiled import linear_tiled_target
+from fp8graph.targets.matmul import matmul_fp8_target
 
-from fp8graph.recompute import CONTEXT_FN_KEY, checkpoint_context_fn
+from fp8graph.buffers.snapshots import CONTEXT_FN_KEY, checkpoint_context_fn
 
 from .annotate import DECISION_KEY, Decision
 from .find_sites import Site
@@ -76,7 +76,7 @@ def rewrite_sites(
     ``state_nodes(site)`` and update them unless ``update_state`` is False.
     Current-scaling sites whose weight has an FP8 copy get its ``(copy, scale)``
     placeholders from ``cache_nodes(site)`` and ``weight_cache`` (``"fill"``
-    or ``"reuse"``) says what they do with it (see ``fp8graph.weight_cache``).
+    or ``"reuse"``) says what they do with it (see ``fp8graph.buffers.weight_cache``).
     The sites of each group of ``groups`` (``group_sites``) with more than one
     become one call; every other site a call of its own.
     """
@@ -200,7 +200,7 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
 
 def _prepare_checkpoint_region(site: Site) -> bool:
     """Give the checkpoint region around a delayed-scaling site the policy that saves
-    its state snapshots (see ``fp8graph.recompute``); True when there is such a region."""
+    its state snapshots (see ``fp8graph.buffers.snapshots``); True when there is such a region."""
     region = site.checkpoint_region
     if region is None:
         return False

@@ -9,6 +9,7 @@ import sys
 import torch
 
 import fp8graph
+from fp8graph.numerics import health
 
 
 def compile_fp8(model, compiler="aot_eager", **kwargs):
@@ -70,3 +71,8 @@ def cases_checked_under_triton_interpreter(script_name: str) -> int:
     counted = [line for line in result.stdout.splitlines() if line.startswith("cases checked: ")]
     assert counted, result.stdout
     return int(counted[-1].split(": ")[1])
+
+
+def sqnr_db(reference: torch.Tensor, actual: torch.Tensor) -> float:
+    """fp8graph's SQNR (``fp8graph.numerics.health.sqnr_db``) of ``actual`` against ``reference``, in fp64."""
+    return float(health.sqnr_db(reference.detach().to(torch.float64), actual.detach().to(torch.float64)))

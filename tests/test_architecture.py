@@ -1,4 +1,5 @@
-"""The package's shape: imports go one way, down the pipeline, lazy imports included."""
+"""The package's shape: a folder per stage, and imports that go one way, down the pipeline (lazy ones
+included)."""
 
 import ast
 import pathlib
@@ -69,3 +70,36 @@ def test_no_module_of_fp8graph_or_its_passes_imports_itself_back():
         if module not in done:
             visit(module, [], set(), done)
     assert cycles == [], "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
+
+
+# The stages, lowest first: a module imports from its own stage or lower ones. The top-level modules
+# belong to the stage their imports put them in.
+STAGES = ["numerics", "kernels", "recipes", "gemm", "buffers", "targets", "passes", "inspection", "backend",
+          "regions", "api", "apps"]
+TOP_LEVEL_STAGE = {"fp8graph.policies": "recipes", "fp8graph.backend": "backend", "fp8graph.api": "api",
+                   "fp8graph.__main__": "apps"}
+
+
+def _stage(module: str) -> str:
+    return TOP_LEVEL_STAGE.get(module) or module.split(".")[1]
+
+
+def test_imports_go_down_the_pipeline():
+    upward = [f"{module} ({_stage(module)}) imports {dep} ({_stage(dep)})"
+              for module, deps in sorted(_graph().items()) for dep in sorted(deps)
+              if dep != "fp8graph" and STAGES.index(_stage(dep)) > STAGES.index(_stage(module))]
+    assert upward == []
+
+
+def test_the_package_is_a_folder_per_stage_with_few_top_level_modules():
+    package = ROOT / "fp8graph"
+    top_level = sorted(path.stem for path in package.glob("*.py"))
+    subpackages = sorted(path.parent.name for path in package.glob("*/__init__.py"))
+    assert len(top_level) <= 12, top_level
+    assert set(subpackages) == set(STAGES) - {"passes", "backend", "api"}, subpackages
+    assert set(top_level) == {"__init__", "__main__", *(name.split(".")[1] for name in TOP_LEVEL_STAGE)}
+
+
+def test_tests_mirror_the_stages():
+    folders = {path.name for path in (ROOT / "tests").iterdir() if path.is_dir() and any(path.glob("test_*.py"))}
+    assert folders == (set(STAGES) - {"backend", "api"}) | {"bench"}

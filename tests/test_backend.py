@@ -5,9 +5,8 @@ import torch
 
 import fp8graph
 from fp8graph import Float8CurrentScaling, Format
-from fp8graph.metrics import sqnr_db
 from fp8graph.models import build
-from helpers import compile_fp8
+from helpers import compile_fp8, sqnr_db
 
 
 def _forward_backward(compiled, model, x):
@@ -69,7 +68,7 @@ def test_bad_compile_arguments_raise(kwargs, message):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_forcing_scaled_mm_on_cpu_is_refused_for_a_recipe_its_cpu_kernel_lacks():
-    # Per-tensor scales run on _scaled_mm's CPU kernel (tests/test_lowering.py); MX scales do not.
+    # Per-tensor scales run on _scaled_mm's CPU kernel (tests/gemm/test_scaled_gemm.py); MX scales do not.
     compiled = fp8graph.compile(build("mlp", "tiny"), compiler="eager", lowering="scaled_mm",
                                 policy=fp8graph.MXFP8BlockScaling())
     with pytest.raises(Exception, match=r"mxfp8.* needs a CUDA device of compute capability 10\.x"):

@@ -2,9 +2,8 @@
 
 import torch
 
-from fp8graph.metrics import sqnr_db
 from fp8graph.models import build
-from helpers import compile_fp8
+from helpers import compile_fp8, sqnr_db
 
 
 def test_all_zero_input_gives_the_bias_and_zero_weight_grad():

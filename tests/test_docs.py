@@ -53,39 +53,39 @@ EXEMPT = [
     (r"bash scripts/setup$", "creates or reinstalls the .venv this suite is running from",
      [".ci/run", "scripts/test"], None),
     (r"bash scripts/demo$", "sets up, then trains 200 steps in FP8 and in high precision (minutes)",
-     ["tests/test_bench_and_demo.py::test_demo_trains_both_runs_and_writes_the_plot"], None),
+     ["tests/bench/test_bench_and_demo.py::test_demo_trains_both_runs_and_writes_the_plot"], None),
     (r"torchrun .*-m fp8graph train-distributed", "starts 2, then 4 training processes (minutes on 2 cores) "
      "and writes a checkpoint into the working directory",
-     ["tests/test_distributed.py::test_torchrun_trains_on_two_ranks_and_resumes_on_four"], "torchrun"),
+     ["tests/apps/test_train_distributed.py::test_torchrun_trains_on_two_ranks_and_resumes_on_four"], "torchrun"),
     (r"\.venv/bin/python -m bench linear --smoke", "writes its JSON into bench/results/; the test runs the "
      "same command with --out in a temporary directory",
-     ["tests/test_bench_and_demo.py::test_linear_benchmark_smoke_writes_raw_results"], "bench"),
+     ["tests/bench/test_bench_and_demo.py::test_linear_benchmark_smoke_writes_raw_results"], "bench"),
     (r"\.venv/bin/python -m bench linear", "needs a CUDA GPU (minutes on one); the test runs its --smoke form",
-     ["tests/test_bench_and_demo.py::test_linear_benchmark_smoke_writes_raw_results"], "bench"),
+     ["tests/bench/test_bench_and_demo.py::test_linear_benchmark_smoke_writes_raw_results"], "bench"),
     (r"\.venv/bin/python -m bench quantize", "needs a CUDA GPU; the test runs its --smoke form",
-     ["tests/test_bench_and_demo.py::test_quantize_benchmark_smoke_writes_raw_results"], "bench"),
+     ["tests/bench/test_bench_and_demo.py::test_quantize_benchmark_smoke_writes_raw_results"], "bench"),
     (r"\.venv/bin/python -m bench decoder", "needs a CUDA GPU (the whole Llama-3-8B: about 40 GB); the test "
-     "runs its --smoke form", ["tests/test_bench_and_demo.py::test_decoder_benchmark_smoke_writes_raw_results"],
+     "runs its --smoke form", ["tests/bench/test_bench_and_demo.py::test_decoder_benchmark_smoke_writes_raw_results"],
      "bench"),
     (r"\.venv/bin/python -m bench compile --deep", "minutes of CPU: cold and warm starts of 12 layers in "
      "fresh processes; the test runs its --smoke form",
-     ["tests/test_bench_and_demo.py::test_deep_compile_time_benchmark_smoke_compares_regions_with_whole_model_compiles"],
+     ["tests/bench/test_bench_and_demo.py::test_deep_compile_time_benchmark_smoke_compares_regions_with_whole_model_compiles"],
      "bench"),
     (r"\.venv/bin/python -m bench compile", "minutes of CPU: 3 cold and 3 warm starts per backend in fresh "
      "processes; the test runs its --smoke form",
-     ["tests/test_bench_and_demo.py::test_compile_time_benchmark_smoke_measures_cold_and_warm"], "bench"),
+     ["tests/bench/test_bench_and_demo.py::test_compile_time_benchmark_smoke_measures_cold_and_warm"], "bench"),
     (r"\.venv/bin/python -m bench model calibrate", "about 8 minutes of CPU (every stored H100 workload "
      "modelled); the tests hold the model to its calibration on the quantize, linear and decoder runs",
-     ["tests/test_cost_model.py::test_the_model_reproduces_the_h100_linear_and_decoder_steps",
-      "tests/test_cost_model.py::test_the_model_reproduces_the_h100_quantize_probe"], "bench"),
+     ["tests/bench/test_cost_model.py::test_the_model_reproduces_the_h100_linear_and_decoder_steps",
+      "tests/bench/test_cost_model.py::test_the_model_reproduces_the_h100_quantize_probe"], "bench"),
     (r"\.venv/bin/python -m bench model (decoder|linear|quantize)", "20 s to 4 minutes of CPU a contestant, "
      "and writes into bench/results/; the tests model the decoder step's fp8graph contestants and the stored "
      "H100 workloads the same way",
-     ["tests/test_step_structure.py::test_the_modelled_step_keeps_its_structure",
-      "tests/test_cost_model.py::test_the_model_reproduces_the_h100_linear_and_decoder_steps"], "bench"),
+     ["tests/bench/test_step_structure.py::test_the_modelled_step_keeps_its_structure",
+      "tests/bench/test_cost_model.py::test_the_model_reproduces_the_h100_linear_and_decoder_steps"], "bench"),
     (r"scripts/gpu-run ", "runs on the lent GPU machine (torch 2.11, CUDA); its benchmark steps are the "
      "commands above, whose --smoke forms the tests run",
-     ["tests/test_gpu.py", "tests/test_bench_and_demo.py::test_decoder_benchmark_smoke_writes_raw_results"],
+     ["tests/test_gpu.py", "tests/bench/test_bench_and_demo.py::test_decoder_benchmark_smoke_writes_raw_results"],
      "gpu-run"),
 ]
 

@@ -5,12 +5,12 @@ import torch
 
 import fp8graph
 from fp8graph import Float8CurrentScaling
-from fp8graph.formats import Role
-from fp8graph.linear_fp8 import linear_fp8_target
-from fp8graph.lowering import Lowering, choose_lowering, scaled_gemm
-from fp8graph.metrics import sqnr_db
+from fp8graph.numerics.formats import Role
+from fp8graph.targets.linear_tensorwise import linear_fp8_target
+from fp8graph.gemm.scaled_gemm import Lowering, choose_lowering, scaled_gemm
+from helpers import sqnr_db
 from fp8graph.models import build
-from fp8graph.quantize import quantize_current
+from fp8graph.numerics.quantize import quantize_current
 
 pytestmark = pytest.mark.gpu
 HYBRID = Float8CurrentScaling()
@@ -88,7 +88,7 @@ def test_cached_weights_on_gpu_equal_uncached():
     e.g. the RMSNorm weights' gradients over tokens) is chosen by timing
     candidates, separately for the fill graph and the reuse graph. On CPU,
     without either, the cached run equals the uncached one bit for bit
-    (tests/test_weight_cache.py). ``torch.use_deterministic_algorithms`` makes
+    (tests/buffers/test_weight_cache.py). ``torch.use_deterministic_algorithms`` makes
     Inductor use a deterministic index_put and choose reduction configs
     without timing; then the runs must be equal. Two uncached runs are
     compared first, so a failure says whether the platform or the cache differs.
@@ -111,7 +111,7 @@ def test_cached_weights_on_gpu_equal_uncached():
 
 def _tiled_recipes_native_here():
     from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
-    from fp8graph.lowering import native_requirement
+    from fp8graph.gemm.scaled_gemm import native_requirement
 
     if not torch.cuda.is_available():
         return []
@@ -122,7 +122,7 @@ def _tiled_recipes_native_here():
 
 @pytest.mark.parametrize("tokens", [512, 200])  # 200: tiles along M are zero-padded
 def test_native_tiled_gemms_match_emulation(tokens):
-    from fp8graph.linear_tiled import linear_tiled_target
+    from fp8graph.targets.linear_tiled import linear_tiled_target
 
     recipes = _tiled_recipes_native_here()
     if not recipes:
@@ -172,7 +172,7 @@ def test_quantize_kernels_are_exact_on_the_gpu():
     """Every kernel launch fp8graph makes, bit for bit the plain-torch reference run on the same GPU
     (the hardware's E4M3 conversion included, which the interpreter test cannot check)."""
     from fp8graph.kernels.quantize_tiles import quantize_tiles_both_triton, quantize_tiles_triton, triton_available
-    from fp8graph.tiles import ScaleKind, Tiling, quantize_tiled, quantize_tiled_both
+    from fp8graph.numerics.tiles import ScaleKind, Tiling, quantize_tiled, quantize_tiled_both
 
     if not triton_available():
         pytest.skip("Triton is not installed")

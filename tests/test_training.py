@@ -48,7 +48,7 @@ def test_dynamic_sequence_lengths_compile_once():
         compiled(tokens, labels=tokens).loss.backward()
         if index == 1:
             graphs_after_two_lengths = backend.graph_count
-    # The decoder layers' region pins the first length once (tests/test_regions.py says why) and is
+    # The decoder layers' region pins the first length once (tests/regions/test_regions.py says why) and is
     # dynamic from the second; the last three lengths compile nothing.
     assert backend.graph_count == graphs_after_two_lengths
     assert max(graphs_per_unit(backend)) <= 2

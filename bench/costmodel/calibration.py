@@ -13,7 +13,7 @@ child processes import first), so that a difference is the model's, not the code
 not depend on fp8graph's version.
 
 Every section returns its Markdown lines and the :class:`Comparison` records behind them;
-``tests/test_cost_model.py`` holds those to the tolerances ``docs/cost-model.md`` states.
+``tests/bench/test_cost_model.py`` holds those to the tolerances ``docs/cost-model.md`` states.
 """
 
 from __future__ import annotations

@@ -72,19 +72,22 @@ class _StubKernel:
         raise RuntimeError(f"{self.name}: captured for analysis only, cannot run")
 
 
-def configure_inductor() -> None:
-    """No caches (a cached graph skips the hooks), no compile subprocesses, per-kernel byte counts."""
+def inductor_settings() -> list[tuple[object, str, object]]:
+    """No caches (a cached graph skips the hooks), no compile subprocesses, per-kernel byte counts:
+    ``(config module, name, value)``, set while a :class:`Capture` is active and restored after it."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    inductor_config.compile_threads = 1
-    inductor_config.fx_graph_cache = False
-    inductor_config.fx_graph_remote_cache = False
-    inductor_config.autotune_local_cache = False
-    inductor_config.autotune_remote_cache = False
-    inductor_config.benchmark_kernel = True  # kernel_num_gb in each kernel's metadata; the kernel is unchanged
-    functorch_config.force_non_lazy_backward_lowering = True  # lower the backward now, not at its first call
-    functorch_config.enable_autograd_cache = False
+    return [(inductor_config, "compile_threads", 1),
+            (inductor_config, "fx_graph_cache", False),
+            (inductor_config, "fx_graph_remote_cache", False),
+            (inductor_config, "autotune_local_cache", False),
+            (inductor_config, "autotune_remote_cache", False),
+            # kernel_num_gb in each kernel's metadata; the kernel is unchanged
+            (inductor_config, "benchmark_kernel", True),
+            # lower the backward now, not at its first call
+            (functorch_config, "force_non_lazy_backward_lowering", True),
+            (functorch_config, "enable_autograd_cache", False)]
 
 
 def _hint(expr) -> int:
@@ -184,7 +187,8 @@ class Capture:
         from torch._inductor import async_compile, graph, ir, scheduler
         from torch._inductor.codegen import triton as triton_codegen
 
-        configure_inductor()
+        for config, name, value in inductor_settings():
+            self._patch(config, name, value)
         cap = self
         Capture.active = self
 

@@ -1,8 +1,8 @@
 """Triton kernels behind fp8graph's tiled quantization (imported only where Triton is installed).
 
 Each kernel reads every element of its high-precision input once, reduces the
-amax of each tile, turns it into a scale exactly as ``fp8graph.quantize.amax_to_scale``
-or ``fp8graph.tiles.mx_scale_e8m0`` do, casts and stores the E4M3 bytes and the
+amax of each tile, turns it into a scale exactly as ``fp8graph.numerics.quantize.amax_to_scale``
+or ``fp8graph.numerics.tiles.mx_scale_e8m0`` do, casts and stores the E4M3 bytes and the
 scales. The launchers and the choice between these kernels and Inductor's code
 are in ``fp8graph.kernels.quantize_tiles``::
 
@@ -14,7 +14,7 @@ are in ``fp8graph.kernels.quantize_tiles``::
                                   else     1x128 tiles along the rows and 1x128 tiles along the
                                            columns (an activation and its transpose for the gradient GEMM)
 
-Rules these kernels keep, which ``tests/test_kernels_compile.py`` checks by
+Rules these kernels keep, which ``tests/kernels/test_kernels_compile.py`` checks by
 compiling each for sm_90 and sm_100 without a GPU:
 
 - Addresses are 64-bit from the program ids on: a tensor of 2**31 elements
@@ -29,7 +29,7 @@ compiling each for sm_90 and sm_100 without a GPU:
   separate count (``tl.max`` on floats drops NaN).
 - On a GPU the cast is the hardware's ``cvt.rn.satfinite.e4m3x2.f32``
   (round to nearest even, saturate, NaN stays NaN); only +-inf, which it
-  would saturate, is turned into NaN first, as ``fp8graph.quantize.quantize``
+  would saturate, is turned into NaN first, as ``fp8graph.numerics.quantize.quantize``
   does. Triton's interpreter converts some values to the wrong binade, so
   under ``SOFTWARE_ROUNDING`` (interpreter runs only) the kernel rounds to the
   E4M3 grid itself first. Per element that is about 25 more integer
@@ -96,7 +96,7 @@ def _round_to_e4m3_grid(x):
 
 @triton.jit
 def _e4m3_bits(x_scaled, FP8_MAX: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
-    """The E4M3 bytes (uint8) of ``x_scaled`` as ``fp8graph.quantize.quantize`` casts it."""
+    """The E4M3 bytes (uint8) of ``x_scaled`` as ``fp8graph.numerics.quantize.quantize`` casts it."""
     # E4M3 has no inf: +-inf becomes NaN (the saturating conversion would give +-448).
     x_scaled = tl.where(tl.abs(x_scaled) == float("inf"), float("nan"), x_scaled)
     if SOFTWARE_ROUNDING:

@@ -30,7 +30,7 @@ def _finish_amax(row_amaxes, length, BLOCK_AMAX: tl.constexpr):
 @triton.jit
 def _roll_and_record(row, history_len, new_amax, BLOCK_HISTORY: tl.constexpr):
     """In place: ``row[0] = new_amax``, ``row[j] = row[j + 1]`` for 0 < j < len - 1, ``row[len - 1] = row[0]``
-    (``fp8graph.delayed_scaling.roll_history`` then ``record_amax``)."""
+    (``fp8graph.numerics.delayed_scaling.roll_history`` then ``record_amax``)."""
     oldest_moved = tl.load(row)  # read before the first store overwrites it
     start = 0
     while start < history_len:

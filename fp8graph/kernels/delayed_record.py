@@ -7,15 +7,15 @@ history write and a scale write, plus a second reduction stage per amax:
 Inductor made them about a dozen small kernels per call (hundreds a step).
 As one op it is one launch per call, which also finishes the amaxes from the
 per-row partial maxima the casts computed in their own pass
-(``fp8graph.quantize.row_amaxes``).
+(``fp8graph.numerics.quantize.row_amaxes``).
 
 Arguments: the members' ``histories`` ((rows, len), contiguous) and
 ``scales`` ((rows,)), every row changed in place (a forward call's input and
-weight rows, a backward call's grad_output row: ``fp8graph.state``);
+weight rows, a backward call's grad_output row: ``fp8graph.buffers.delayed_state``);
 ``row_amaxes``, member-major, one 1-D tensor of partial magnitudes per member
 and row; ``new_scales`` (m, rows). On CUDA it runs
 ``record_delayed_kernel`` (``_record_delayed_triton``); everywhere else the
-same steps in torch ops (``fp8graph.delayed_scaling``), which the tests hold
+same steps in torch ops (``fp8graph.numerics.delayed_scaling``), which the tests hold
 the kernel to exactly. On CUDA the torch steps also run, a few small kernels
 per member, where Triton is missing or the state is not as fp8graph
 registers it (contiguous float32 buffers of one history length: a model cast
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from ..delayed_scaling import record_amax, roll_history
-from .quantize_tiles import KernelLaunch, triton_available
+from fp8graph.numerics.delayed_scaling import record_amax, roll_history
+from fp8graph.kernels.quantize_tiles import KernelLaunch, triton_available
 
 __all__ = ["plan_record_delayed", "record_delayed_"]
 
@@ -57,7 +57,7 @@ def _record_reference(histories, scales, row_amaxes, new_scales) -> None:
 
 def plan_record_delayed(histories, scales, row_amaxes, new_scales) -> KernelLaunch:
     """The one launch that does :func:`record_delayed_` on CUDA tensors."""
-    from ._record_delayed_triton import record_delayed_kernel
+    from fp8graph.kernels._record_delayed_triton import record_delayed_kernel
 
     rows = _check(histories, scales, row_amaxes, new_scales)
     return KernelLaunch(record_delayed_kernel, (len(histories),),

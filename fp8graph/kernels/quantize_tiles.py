@@ -2,7 +2,7 @@
 
 Two ops, registered with ``torch.library`` so graphs carry them as single
 nodes (on CUDA they run the Triton kernels of ``_quantize_tiles_triton``;
-everywhere else the plain-torch reference ``fp8graph.tiles.quantize_tiled``,
+everywhere else the plain-torch reference ``fp8graph.numerics.tiles.quantize_tiled``,
 which the tests hold them to bit for bit)::
 
     fp8graph::quantize_tiles(x, tile_rows, tile_cols, scale_kind)        -> x_fp8, scale
@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from fp8graph.formats import fp8_max, fp8_max_exponent
-from fp8graph.tiles import ScaleKind, Tiling, quantize_tiled, quantize_tiled_both
+from fp8graph.numerics.formats import fp8_max, fp8_max_exponent
+from fp8graph.numerics.tiles import ScaleKind, Tiling, quantize_tiled, quantize_tiled_both
 
 __all__ = ["KernelLaunch", "kernel_quantizes", "plan_quantize_tiles", "plan_quantize_tiles_both", "quantize_tiles",
            "quantize_tiles_both", "quantize_tiles_both_triton", "quantize_tiles_triton", "triton_available"]
@@ -83,7 +83,7 @@ class KernelLaunch:
     """One Triton kernel launch: ``kernel[grid](*args, **constexprs)``.
 
     Built apart from running it so that tests can compile exactly what would
-    be launched, for GPUs this machine does not have (``tests/test_kernels_compile.py``).
+    be launched, for GPUs this machine does not have (``tests/kernels/test_kernels_compile.py``).
     """
 
     kernel: Any
@@ -113,7 +113,7 @@ def _plan_blocks(x: torch.Tensor, tiling: Tiling, row_major: bool, transposed: b
 
     Unrequested outputs are allocated empty (shape (0,)) and never written.
     """
-    from ._quantize_tiles_triton import quantize_blocks_kernel
+    from fp8graph.kernels._quantize_tiles_triton import quantize_blocks_kernel
 
     rows, columns = x.shape
     square = tiling.is_square
@@ -145,7 +145,7 @@ def _plan_blocks(x: torch.Tensor, tiling: Tiling, row_major: bool, transposed: b
 
 def plan_quantize_tiles(x_hp: torch.Tensor, tiling: Tiling) -> tuple[KernelLaunch, tuple[torch.Tensor, torch.Tensor]]:
     """The launch that quantizes ``x_hp`` (R, C), any strides, as ``quantize_tiled(x_hp, tiling)``, and its outputs."""
-    from ._quantize_tiles_triton import quantize_row_tiles_kernel, quantize_rows_kernel
+    from fp8graph.kernels._quantize_tiles_triton import quantize_row_tiles_kernel, quantize_rows_kernel
 
     import triton
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .quantize_tiles import KernelLaunch, triton_available
+from fp8graph.kernels.quantize_tiles import KernelLaunch, triton_available
 
 __all__ = ["plan_transpose_fp8", "transpose_fp8", "transpose_fp8_triton"]
 
@@ -32,7 +32,7 @@ def plan_transpose_fp8(x_fp8: torch.Tensor) -> tuple[KernelLaunch, torch.Tensor]
     """The launch that writes ``x_fp8.t().contiguous()`` of a 2-D ``x_fp8`` with unit column stride."""
     from triton import cdiv
 
-    from ._transpose_fp8_triton import transpose_bytes_kernel
+    from fp8graph.kernels._transpose_fp8_triton import transpose_bytes_kernel
 
     if x_fp8.dim() != 2 or x_fp8.element_size() != 1:
         raise ValueError(f"transpose_fp8 takes a 2-D tensor of 1-byte elements, got {x_fp8.dtype} "

@@ -1,6 +1,6 @@
-"""Run by tests/test_quantize_kernel.py under TRITON_INTERPRET=1: every kernel launch vs the reference, exact.
+"""Run by tests/kernels/test_quantize_kernel.py under TRITON_INTERPRET=1: every kernel launch vs the reference, exact.
 
-The cases are the launches ``tests/test_kernels_compile.py`` compiles for the
+The cases are the launches ``tests/kernels/test_kernels_compile.py`` compiles for the
 GPU: every tiling of every recipe, contiguous and transposed operands, and
 both layouts from one read for 1x128 and 128x128 tiles.
 """
@@ -8,9 +8,9 @@ both layouts from one read for 1x128 and 128x128 tiles.
 import torch
 
 from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
-from fp8graph.formats import ROLES
+from fp8graph.numerics.formats import ROLES
 from fp8graph.kernels.quantize_tiles import quantize_tiles_both_triton, quantize_tiles_triton
-from fp8graph.tiles import quantize_tiled, quantize_tiled_both
+from fp8graph.numerics.tiles import quantize_tiled, quantize_tiled_both
 
 RECIPES = [Float8RowwiseScaling(), Float8RowwiseScaling(power_2_scales=False), Float8BlockScaling(),
            Float8BlockScaling(power_2_scales=False), MXFP8BlockScaling()]

@@ -1,4 +1,4 @@
-"""Run by tests/test_record_delayed.py under TRITON_INTERPRET=1: the delayed-state kernel against the op's
+"""Run by tests/kernels/test_record_delayed.py under TRITON_INTERPRET=1: the delayed-state kernel against the op's
 torch reference, exactly: history lengths 1, 2, 5 and 1024 (one block, and a partial second block at
 1500), one to five members, forward (two rows) and backward (one row) calls, partial amaxes longer than a
 block, in BF16 and fp32, with a NaN and an inf among them."""

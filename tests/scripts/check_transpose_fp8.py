@@ -1,4 +1,4 @@
-"""Run by tests/test_transpose_fp8.py under TRITON_INTERPRET=1: the FP8 transpose kernel against
+"""Run by tests/kernels/test_transpose_fp8.py under TRITON_INTERPRET=1: the FP8 transpose kernel against
 ``x.t().contiguous()``, byte for byte, at the shapes a linear gives it (ragged and exact tiles, one row,
 one column, a row-strided slice)."""
 

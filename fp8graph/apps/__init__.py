@@ -1,0 +1,2 @@
+"""Programs built on the library: the demo and the distributed trainer (``python -m fp8graph ...``).
+"""

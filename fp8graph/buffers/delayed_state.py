@@ -1,0 +1,263 @@
+"""Recipe state (delayed scaling) as buffers of the modules that own the sites.
+
+``fp8graph.compile`` calls :func:`register_delayed_state` before anything is
+traced. For every module (the root included) whose 2-D weight the policy
+gives a ``DelayedScaling`` recipe it registers, per weight parameter ``<name>``::
+
+    fp8graph_amax_history_<name>              (2: input, weight; amax_history_len)   zeros
+    fp8graph_scale_<name>                     (2: input, weight)                     ones
+    fp8graph_grad_output_amax_history_<name>  (1, amax_history_len)                  zeros
+    fp8graph_grad_output_scale_<name>         (1,)                                   ones
+
+so ``state_dict()`` and ``load_state_dict()`` carry them (a checkpoint
+saved without them loads with fresh state and a logged notice; one saved
+with the three roles in one buffer loads split; one whose history has
+another length is refused, naming the buffer), and a forward hook that
+passes them to :func:`state_anchor`. Dynamo inlines the hooks of the
+modules it traces into, so the buffers become graph inputs; the backend
+drops the anchors and hands each site its buffers, which the FP8 linear
+updates in place.
+
+The forward writes the first pair and the backward the second, never the
+other's: a buffer the compiled forward writes reaches the backward as a
+saved copy, which the backward would have to copy into a fresh buffer,
+update and copy back (four small kernels per weight and step), and which
+a second forward before the backward would make stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from fp8graph.numerics.formats import Role
+from fp8graph.recipes.policy import Policy, resolve_weight
+from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
+
+__all__ = ["FORWARD_ROLES", "GRAD_HISTORY_PREFIX", "GRAD_SCALE_PREFIX", "HISTORY_PREFIX", "SCALE_PREFIX",
+           "STATE_PREFIXES", "DelayedState", "SiteState", "register_delayed_state", "state_anchor"]
+
+log = logging.getLogger("fp8graph")
+
+HISTORY_PREFIX = "fp8graph_amax_history_"
+SCALE_PREFIX = "fp8graph_scale_"
+GRAD_HISTORY_PREFIX = "fp8graph_grad_output_amax_history_"
+GRAD_SCALE_PREFIX = "fp8graph_grad_output_scale_"
+STATE_PREFIXES = (HISTORY_PREFIX, SCALE_PREFIX, GRAD_HISTORY_PREFIX, GRAD_SCALE_PREFIX)
+# Rows of the forward buffers; the grad_output buffers have one.
+FORWARD_ROLES = (Role.INPUT, Role.WEIGHT)
+
+
+@torch._dynamo.allow_in_graph
+def state_anchor(*state_buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Identity that Dynamo keeps as a graph node, so the state buffers become graph inputs."""
+    return state_buffers
+
+
+def _anchor_state(module: torch.nn.Module, args, output=None) -> None:
+    state_anchor(*(buffer for name, buffer in module.named_buffers(recurse=False)
+                   if name.startswith(STATE_PREFIXES)))
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteState:
+    """Where the state of one weight lives: the module that owns the weight, and the buffer names."""
+
+    module: torch.nn.Module
+    param_name: str
+
+    @property
+    def history(self) -> torch.Tensor:
+        return getattr(self.module, HISTORY_PREFIX + self.param_name)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return getattr(self.module, SCALE_PREFIX + self.param_name)
+
+    @property
+    def grad_history(self) -> torch.Tensor:
+        return getattr(self.module, GRAD_HISTORY_PREFIX + self.param_name)
+
+    @property
+    def grad_scale(self) -> torch.Tensor:
+        return getattr(self.module, GRAD_SCALE_PREFIX + self.param_name)
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(history, scale, grad_history, grad_scale)``, the order the graph targets take them in."""
+        return self.history, self.scale, self.grad_history, self.grad_scale
+
+
+def _split_three_role_state(module: torch.nn.Module, state_dict, prefix) -> None:
+    """A checkpoint that keeps the three roles in one buffer ((3, len) and (3,), as fp8graph saved them
+    before the grad_output pair had buffers of its own) loads split: rows input and weight, then
+    grad_output. Entries of any other shape are left for ``load_state_dict`` to refuse."""
+    for name, _ in module.named_buffers(recurse=False):
+        for forward_prefix, grad_prefix in ((HISTORY_PREFIX, GRAD_HISTORY_PREFIX), (SCALE_PREFIX, GRAD_SCALE_PREFIX)):
+            if not name.startswith(forward_prefix):
+                continue
+            key, grad_key = prefix + name, prefix + grad_prefix + name[len(forward_prefix):]
+            saved = state_dict.get(key)
+            if saved is None or grad_key in state_dict or saved.dim() == 0 or saved.shape[0] != 3:
+                continue
+            state_dict[key], state_dict[grad_key] = saved[:2].clone(), saved[2:].clone()
+            log.info("fp8graph: %s holds the three roles in one buffer; loading it as %s and %s", key, key, grad_key)
+
+
+def _fill_missing_state(module: torch.nn.Module, state_dict, prefix, *args) -> None:
+    """Load-state-dict pre-hook: a checkpoint without FP8 state starts fresh histories."""
+    _split_three_role_state(module, state_dict, prefix)
+    for name, buffer in module.named_buffers(recurse=False):
+        if not name.startswith(STATE_PREFIXES) or prefix + name in state_dict:
+            continue
+        is_scale = name.startswith((SCALE_PREFIX, GRAD_SCALE_PREFIX))
+        state_dict[prefix + name] = torch.ones_like(buffer) if is_scale else torch.zeros_like(buffer)
+        log.info("fp8graph: checkpoint has no %s%s; starting a fresh %s", prefix, name,
+                 "scale (1)" if is_scale else "amax history (zeros)")
+
+
+def weight_candidates(module: torch.nn.Module):
+    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+        return  # looked up by index, never multiplied
+    for name, param in module.named_parameters(recurse=False):
+        # FP8 GEMMs need both dims of the weight to be multiples of 16, whichever
+        # way round it is stored; other weights stay in high precision anyway.
+        aligned = not any(dim % FP8_GEMM_DIM_MULTIPLE for dim in param.shape)
+        if param.dim() == 2 and param.is_floating_point() and aligned:
+            yield name, param
+
+
+def _anchor_owners_state(weight_owners: list[torch.nn.Module]):
+    def anchor_owners_state(module: torch.nn.Module, args, output) -> None:
+        for owner in weight_owners:
+            _anchor_state(owner, args)
+
+    return anchor_owners_state
+
+
+def _anchor_root_state(root: torch.nn.Module):
+    def anchor_root_state(module: torch.nn.Module, args, output) -> None:
+        _anchor_state(root, args)
+
+    return anchor_root_state
+
+
+class DelayedState:
+    """Every registered :class:`SiteState`, found by the weight tensor a graph multiplies."""
+
+    def __init__(self) -> None:
+        # (module, parameter name, state): a tied weight appears under each of its names.
+        self._holders: list[tuple[torch.nn.Module, str, SiteState]] = []
+
+    def add(self, module: torch.nn.Module, param_name: str, site_state: SiteState) -> None:
+        self._holders.append((module, param_name, site_state))
+
+    def by_weight(self) -> dict[int, SiteState]:
+        """``{id(weight): SiteState}`` for the tensors the owning modules hold now."""
+        return {id(module._parameters[name]): site_state for module, name, site_state in self._holders
+                if module._parameters.get(name) is not None}
+
+
+_REGISTERED_ATTRIBUTE = "_fp8graph_delayed_state"
+
+
+def _delayed_recipe(policy: Policy, path: str, module: torch.nn.Module, param: torch.Tensor):
+    """The ``DelayedScaling`` recipe the policy may give a linear on ``param``, else ``None``.
+
+    State is registered wherever a site on the weight may take delayed scaling (a rule on ``M`` is decided
+    when the graph is traced; unused state stays at its initial values). Two delayed recipes with
+    different history lengths cannot share one buffer: refused, naming the rules.
+    """
+    possible = resolve_weight(policy, path, module, param)
+    delayed = possible.having("stateful")
+    lengths = sorted({recipe.amax_history_len for recipe in delayed})
+    if len(lengths) > 1:
+        raise ValueError(
+            f"{path or '<root>'}: before tracing, the policy may give this weight delayed scaling with "
+            f"amax histories of lengths {lengths} (undecided: "
+            f"{', '.join(possible.undecided)}), and a weight keeps one history: give those recipes one "
+            "amax_history_len")
+    return delayed[0] if delayed else None
+
+
+def _reuse_registered_state(model: torch.nn.Module, policy: Policy, delayed_state: DelayedState) -> DelayedState:
+    """The state an earlier ``fp8graph.compile`` registered, if it serves ``policy`` as it is.
+
+    Compiling a model again (for inference with ``freeze_weights``, with
+    another compiler) keeps training's histories and scales, and the hooks
+    that anchor them. A policy that wants state for another weight, or
+    another history length, is refused.
+    """
+    by_weight = delayed_state.by_weight()
+    for path, module in model.named_modules():
+        for name, param in weight_candidates(module):
+            recipe = _delayed_recipe(policy, path, module, param)
+            site_state = by_weight.get(id(param))
+            if recipe is None or (site_state is not None and
+                                  site_state.history.shape[1] == recipe.amax_history_len):
+                continue
+            there = "none" if site_state is None else f"a history of length {site_state.history.shape[1]}"
+            raise ValueError(
+                f"{path or '<root>'}.{name}: the model was compiled before, and its delayed-scaling state "
+                f"cannot serve this policy (a history of length {recipe.amax_history_len} is asked for; "
+                f"there is {there}). Compile it with the first policy again, or build a fresh model")
+    return delayed_state
+
+
+def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedState:
+    """Register state for every weight the policy gives delayed scaling.
+
+    A weight has one state wherever it is used (a module called twice, a
+    functional call on a submodule's weight, a weight tied to another
+    module's). The root module's own weights keep their state on the root;
+    Dynamo runs the root's hooks outside the graph, so every submodule's
+    forward hook anchors it. A model compiled before keeps the state of its
+    first compile (see :func:`_reuse_registered_state`).
+    """
+    earlier = model.__dict__.get(_REGISTERED_ATTRIBUTE)
+    if earlier is not None:
+        return _reuse_registered_state(model, policy, earlier)
+    registered: dict[int, SiteState] = {}
+    delayed_state = DelayedState()
+    owners = []
+    tied_holders: dict[torch.nn.Module, list[torch.nn.Module]] = {}  # module -> owners of its tied weights
+    for path, module in model.named_modules():
+        names = []
+        for name, param in weight_candidates(module):
+            if id(param) in registered:  # a tied weight: one state, kept by the first module
+                delayed_state.add(module, name, registered[id(param)])
+                tied_holders.setdefault(module, []).append(registered[id(param)].module)
+                continue
+            recipe = _delayed_recipe(policy, path, module, param)
+            if recipe is None:
+                continue
+            for prefix in STATE_PREFIXES:
+                if hasattr(module, prefix + name):
+                    raise ValueError(f"{path or '<root>'}.{prefix + name} already exists, but not from an earlier "
+                                     "fp8graph.compile of this model: build a fresh model")
+            for prefix, rows in ((HISTORY_PREFIX, len(FORWARD_ROLES)), (GRAD_HISTORY_PREFIX, 1)):
+                module.register_buffer(prefix + name, torch.zeros(rows, recipe.amax_history_len, device=param.device))
+            for prefix, rows in ((SCALE_PREFIX, len(FORWARD_ROLES)), (GRAD_SCALE_PREFIX, 1)):
+                module.register_buffer(prefix + name, torch.ones(rows, device=param.device))
+            registered[id(param)] = SiteState(module, name)
+            delayed_state.add(module, name, registered[id(param)])
+            names.append(name)
+        if names:
+            owners.append(module)
+            module._register_load_state_dict_pre_hook(_fill_missing_state, with_module=True)
+    for module in owners:
+        if module is not model:
+            module.register_forward_hook(_anchor_state)
+    for module, weight_owners in tied_holders.items():
+        if module is not model:  # the owner's buffers must reach a graph that only calls this module
+            module.register_forward_hook(_anchor_owners_state(weight_owners))
+    if model in owners:
+        anchor_root = _anchor_root_state(model)
+        for submodule in model.modules():
+            if submodule is not model:
+                submodule.register_forward_hook(anchor_root)
+        if next(model.children(), None) is None:  # a bare module: fp8graph.compile traces its own hooks
+            model.register_forward_hook(_anchor_state)
+    model.__dict__[_REGISTERED_ATTRIBUTE] = delayed_state
+    return delayed_state

@@ -1,0 +1,142 @@
+"""The weights' FP8 copies, kept across calls while the weights do not change (``cache_weights=True``).
+
+Gradient accumulation runs several forwards on the same weights, inference
+many: quantizing every weight (an amax pass and a cast pass over it) at each
+call redoes work. ``fp8graph.compile(model, cache_weights=True)`` gives every
+weight that a per-tensor recipe (``Float8CurrentScaling``) casts two
+non-persistent buffers on the module that owns it::
+
+    fp8graph_cached_weight_<name>         the weight's FP8 copy, (N, K), in the recipe's weight dtype
+    fp8graph_cached_weight_scale_<name>   its scale, ()
+
+Before each call of the compiled model, :meth:`WeightCache.before_call`
+compares the weights' version counters with those of the call that last
+filled the copies. Every in-place change bumps a tensor's counter: an
+optimizer step, ``load_state_dict``, ``torch.no_grad(): w.mul_(2)``. If a
+weight changed (or nothing was filled yet) the call fills: its graphs
+quantize the weights as usual and also write the copies. Otherwise it
+reuses: its graphs read the copies and skip the weights' quantization. The
+forward hooks that bring the buffers into the graph branch on the mode, so
+Dynamo guards on it and compiles one graph of each kind: a
+gradient-accumulation loop runs the fill graph on the first micro-batch
+after each optimizer step and the reuse graph on the others.
+
+Not seen: a change that bypasses the version counter (assigning through
+``param.data``); call :meth:`WeightCache.invalidate` after one. Weights the
+root module owns itself are not cached: Dynamo runs the root's hooks
+outside the graph (see ``fp8graph.buffers.delayed_state``). Other recipes quantize their
+weights at every call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8graph.numerics.formats import Role
+from fp8graph.recipes.policy import Policy, resolve_weight
+from fp8graph.buffers.delayed_state import weight_candidates
+
+__all__ = ["CACHED_WEIGHT_PREFIX", "CACHED_SCALE_PREFIX", "WeightCache", "fill_anchor", "register_weight_cache",
+           "reuse_anchor"]
+
+CACHED_WEIGHT_PREFIX = "fp8graph_cached_weight_"
+CACHED_SCALE_PREFIX = "fp8graph_cached_weight_scale_"
+
+
+@torch._dynamo.allow_in_graph
+def fill_anchor(*cache_buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Identity kept as a graph node: these buffers are graph inputs, and this call fills them."""
+    return cache_buffers
+
+
+@torch._dynamo.allow_in_graph
+def reuse_anchor(*cache_buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Identity kept as a graph node: these buffers are graph inputs, and this call reads them."""
+    return cache_buffers
+
+
+class WeightCache:
+    """Which weights have an FP8 copy, where, and whether the next call may reuse them."""
+
+    def __init__(self) -> None:
+        # (holder, parameter name, owner, owner's parameter name): a tied weight appears under each holder.
+        self._holders: list[tuple[torch.nn.Module, str, torch.nn.Module, str]] = []
+        self.reuse = False
+        self._filled_versions: tuple | None = None
+        self._versions_at_call: tuple | None = None
+
+    def add(self, holder: torch.nn.Module, name: str, owner: torch.nn.Module, owner_name: str) -> None:
+        self._holders.append((holder, name, owner, owner_name))
+
+    def __len__(self) -> int:
+        return sum(holder is owner for holder, _, owner, _ in self._holders)
+
+    def by_weight(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """``{id(weight): (fp8 copy, scale)}`` for the tensors the holding modules hold now."""
+        return {id(holder._parameters[name]): (getattr(owner, CACHED_WEIGHT_PREFIX + owner_name),
+                                               getattr(owner, CACHED_SCALE_PREFIX + owner_name))
+                for holder, name, owner, owner_name in self._holders if holder._parameters.get(name) is not None}
+
+    def _versions(self) -> tuple:
+        weights = [owner._parameters[name] for holder, name, owner, _ in self._holders if holder is owner]
+        return tuple((id(weight), weight._version) for weight in weights)
+
+    def before_call(self) -> None:
+        """Choose the mode of the coming call: reuse only if no cached weight changed since the last fill."""
+        self._versions_at_call = self._versions()
+        self.reuse = self._filled_versions is not None and self._filled_versions == self._versions_at_call
+
+    def after_call(self) -> None:
+        """A call that filled the copies finished: they now hold the weights as they were when it began."""
+        if not self.reuse:
+            self._filled_versions = self._versions_at_call
+
+    def invalidate(self) -> None:
+        """Make the next call fill, e.g. after changing weights through ``param.data``."""
+        self._filled_versions = None
+
+
+def _anchor_hook(cache: WeightCache, owners_and_names: list[tuple[torch.nn.Module, str]]):
+    def anchor_cached_weights(module: torch.nn.Module, args, output) -> None:
+        buffers = [getattr(owner, prefix + name) for owner, name in owners_and_names
+                   for prefix in (CACHED_WEIGHT_PREFIX, CACHED_SCALE_PREFIX)]
+        if cache.reuse:  # a branch Dynamo guards on: the fill and reuse graphs differ
+            reuse_anchor(*buffers)
+        else:
+            fill_anchor(*buffers)
+
+    return anchor_cached_weights
+
+
+def register_weight_cache(model: torch.nn.Module, policy: Policy) -> WeightCache:
+    """Register FP8 copies for the weights of submodules that the policy gives per-tensor current scaling."""
+    cache = WeightCache()
+    owner_of: dict[int, tuple[torch.nn.Module, str]] = {}
+    anchored: dict[torch.nn.Module, list[tuple[torch.nn.Module, str]]] = {}
+    for path, module in model.named_modules():
+        if module is model:
+            continue
+        for name, param in weight_candidates(module):
+            if id(param) in owner_of:  # a tied weight: one copy, kept by the first module
+                owner, owner_name = owner_of[id(param)]
+                cache.add(module, name, owner, owner_name)
+                anchored.setdefault(module, []).append((owner, owner_name))
+                continue
+            cacheable = resolve_weight(policy, path, module, param).having("caches_weights")
+            if not cacheable:
+                continue
+            recipe = cacheable[0]
+            for prefix in (CACHED_WEIGHT_PREFIX, CACHED_SCALE_PREFIX):
+                if hasattr(module, prefix + name):
+                    raise ValueError(f"{path}.{prefix}{name} already exists: was the model compiled twice with "
+                                     "cache_weights=True? Compile it once, or build a fresh model")
+            module.register_buffer(CACHED_WEIGHT_PREFIX + name, torch.zeros(
+                param.shape, dtype=recipe.fp8_dtype(Role.WEIGHT), device=param.device), persistent=False)
+            module.register_buffer(CACHED_SCALE_PREFIX + name, torch.ones((), device=param.device),
+                                   persistent=False)
+            owner_of[id(param)] = (module, name)
+            cache.add(module, name, module, name)
+            anchored.setdefault(module, []).append((module, name))
+    for module, owners_and_names in anchored.items():
+        module.register_forward_hook(_anchor_hook(cache, owners_and_names))
+    return cache

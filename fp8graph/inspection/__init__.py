@@ -1,0 +1,2 @@
+"""What users read: ``explain``'s report, its HTML page and layout, health and loss plots.
+"""

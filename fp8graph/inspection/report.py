@@ -1,0 +1,153 @@
+"""What the fp8 backend decided for each site, as records and a readable table."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import pathlib
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from fp8graph.passes.annotate import Decision
+from fp8graph.recipes.policy import Policy
+from fp8graph.recipes.scaling import Recipe
+
+__all__ = ["ExplainReport", "SiteRecord"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteRecord:
+    """One site: where it is, its GEMM shape, and what fp8graph did with it.
+
+    ``recipe`` is the recipe object when the site runs in FP8 (frozen and
+    hashable: ``record.recipe == policy_recipe`` holds, rows filter by
+    ``isinstance``; ``str`` gives the short name tables print), else ``None``
+    and ``reason`` says why it stays in high precision. ``M`` is a string
+    when the token dimension is symbolic (``dynamic=True``).
+    """
+
+    path: str
+    op: str
+    M: int | str | None
+    K: int | None
+    N: int | None
+    dtype: torch.dtype | None
+    recipe: Recipe | None
+    reason: str | None
+    lowering: str | None
+    rule: str = "default"
+
+    @property
+    def rewritten(self) -> bool:
+        return self.recipe is not None
+
+    @classmethod
+    def from_decision(cls, decision: Decision, policy: Policy | None = None) -> "SiteRecord":
+        site = decision.site
+        rule = "default"
+        if decision.rule_index is not None and policy is not None:
+            rule = policy.rule_label(decision.rule_index)
+        return cls(
+            path=site.path,
+            op=site.op,
+            M=site.M,
+            K=site.K,
+            N=site.N,
+            dtype=site.dtype,
+            recipe=decision.recipe if decision.rewritten else None,
+            reason=decision.reason,
+            lowering=decision.lowering.value if decision.lowering else None,
+            rule=rule,
+        )
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return str(value)
+
+
+class ExplainReport(list):
+    """The sites of a model in graph order, one :class:`SiteRecord` each.
+
+    Attributes:
+        graph_count: how many graphs Dynamo produced.
+        graph_breaks: Dynamo's reason for each graph break.
+        graph_code: the Python code of each rewritten FX graph.
+        graph_outlines: each rewritten graph's nodes, for drawing (see ``report_html``).
+        unmatched_rules: policy rules that matched no site.
+    """
+
+    def __init__(self, records, graph_count: int = 0, unmatched_rules: list[str] | None = None,
+                 graph_breaks: list[str] | None = None, graph_code: list[str] | None = None,
+                 graph_outlines: list | None = None):
+        super().__init__(records)
+        self.graph_count = graph_count
+        self.unmatched_rules = list(unmatched_rules or [])
+        self.graph_breaks = list(graph_breaks or [])
+        self.graph_code = list(graph_code or [])
+        self.graph_outlines = list(graph_outlines or [])
+
+    @property
+    def recipe_counts(self) -> dict[str, int]:
+        """How many sites run with each recipe, by the recipe's short name."""
+        return dict(collections.Counter(str(r.recipe) for r in self.rewritten))
+
+    @property
+    def reason_counts(self) -> dict[str, int]:
+        """How many sites stay in high precision for each reason."""
+        return dict(collections.Counter(r.reason for r in self.kept))
+
+    def to_html(self, path) -> pathlib.Path:
+        """Write a self-contained HTML page: the table and each rewritten graph, drawn."""
+        from fp8graph.inspection.report_html import render_html
+
+        path = pathlib.Path(path)
+        path.write_text(render_html(self), encoding="utf-8")
+        return path
+
+    @property
+    def rewritten(self) -> list[SiteRecord]:
+        return [r for r in self if r.rewritten]
+
+    @property
+    def kept(self) -> list[SiteRecord]:
+        return [r for r in self if not r.rewritten]
+
+    def table(self) -> Table:
+        table = Table(title=f"fp8graph: {len(self.rewritten)} of {len(self)} sites in FP8, "
+                            f"{self.graph_count} graph(s)")
+        columns = ("module path", "op", "M", "K", "N", "input dtype", "FP8 recipe / reason kept",
+                   "lowering", "decided by")
+        for column in columns:
+            table.add_column(column, overflow="fold")
+        for r in self:
+            decision = f"[green]{r.recipe}[/green]" if r.rewritten else f"[yellow]{r.reason}[/yellow]"
+            table.add_row(r.path or "<root>", r.op, _cell(r.M), _cell(r.K), _cell(r.N),
+                          _cell(r.dtype), decision, _cell(r.lowering), r.rule)
+        if self.unmatched_rules:
+            table.caption = "policy rules that matched no site: " + ", ".join(self.unmatched_rules)
+        return table
+
+    def summary_lines(self) -> list[str]:
+        """Counts per recipe and per reason, and the graphs Dynamo produced."""
+        lines = [f"{count} site(s) in FP8 with {recipe}" for recipe, count in self.recipe_counts.items()]
+        lines += [f"{count} site(s) kept: {reason}" for reason, count in self.reason_counts.items()]
+        lines.append(f"{self.graph_count} graph(s), {len(self.graph_breaks)} graph break(s)")
+        lines += [f"  graph break: {reason}" for reason in self.graph_breaks]
+        return lines
+
+    def __str__(self) -> str:
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=160, color_system=None)
+        console.print(self.table())
+        for line in self.summary_lines():
+            console.print(line, highlight=False)
+        return buffer.getvalue()
+
+    __repr__ = list.__repr__

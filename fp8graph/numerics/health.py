@@ -1,0 +1,66 @@
+"""How well an FP8 cast kept a tensor: the five numbers fp8graph.inspection.stats records per tensor.
+
+    amax       largest magnitude of the high-precision tensor
+    scale      the scale the cast used (x_fp8 = cast(x_hp * scale)); with one scale per
+               row or tile, the smallest (the tile holding the amax)
+    underflow  fraction of the non-zero values that became zero
+    overflow   fraction of the finite values the cast saturated: beyond max + half the top
+               step (464 for E4M3, 61440 for E5M2); values closer to max round to it anyway
+    sqnr_db    10 log10(sum x^2 / sum (x - dequantize(x_fp8))^2); inf when exact
+
+Plain torch ops, so they run inside the compiled graph next to the cast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fp8graph.numerics.formats import saturation_threshold
+
+__all__ = ["HEALTH_METRICS", "StatsRow", "quantization_health", "sqnr_db"]
+
+HEALTH_METRICS = ("amax", "scale", "underflow", "overflow", "sqnr_db")
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsRow:
+    """The health of one tensor role of one site at one step as ``fp8graph.inspection.stats`` records it."""
+
+    step: int
+    path: str
+    role: str
+    amax: float
+    scale: float
+    underflow: float
+    overflow: float
+    sqnr_db: float
+
+
+def quantization_health(
+    x_hp: torch.Tensor, x_fp8: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> torch.Tensor:
+    """The :data:`HEALTH_METRICS` of one cast, as a float32 tensor of 5 values.
+
+    ``scale`` is 0-dim (per-tensor) or the per-element scale of a tiled cast.
+    """
+    x = x_hp.detach().to(torch.float32)
+    x_q = x_fp8.to(torch.float32)
+    scale = scale.detach().to(torch.float32)
+    nonzero = x != 0
+    underflow = (nonzero & (x_q == 0)).sum() / nonzero.sum().clamp(min=1)
+    x_scaled = x * scale
+    saturated = torch.isfinite(x_scaled) & (x_scaled.abs() > saturation_threshold(fp8_dtype))
+    overflow = saturated.sum() / max(x.numel(), 1)
+    return torch.stack([x.abs().amax(), scale.amin(), underflow.float(), overflow.float(), sqnr_db(x, x_q / scale)])
+
+
+def sqnr_db(reference: torch.Tensor, actual: torch.Tensor) -> torch.Tensor:
+    """Signal-to-quantization-noise ratio of ``actual`` against ``reference``, in dB, as a 0-dim tensor in
+    their dtype: ``10 log10(sum reference^2 / sum (reference - actual)^2)``, ``inf`` when they are equal.
+    Plain torch ops: the stats compute it inside the graph, the tests on fp64 copies."""
+    noise_power = (reference - actual).pow(2).sum()
+    signal_power = reference.pow(2).sum()
+    return torch.where(noise_power > 0, 10 * torch.log10(signal_power / noise_power),
+                       torch.full_like(noise_power, float("inf")))

@@ -1,0 +1,111 @@
+"""FP8 quantization numerics as small pure functions.
+
+The rewrite and the tests' reference both use these, so what is tested is
+what runs. They are written in plain torch ops so that Inductor can fuse the
+amax reduction, the scale and the cast into the kernels around them.
+
+Conventions: ``scale`` multiplies a high-precision tensor into FP8 range
+(``x_fp8 = cast(x_hp * scale)``); dequantization divides by it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8graph.numerics.formats import fp8_max
+
+__all__ = ["amax", "amax_to_scale", "dequantize", "quantize", "quantize_current", "row_amaxes"]
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_EXPONENT_MASK = 0x7F800000
+
+
+def amax(x_hp: torch.Tensor) -> torch.Tensor:
+    """Largest magnitude in ``x_hp`` as a 0-dim fp32 tensor (NaN if any is NaN).
+
+    Written as a per-row partial amax, then a max over the rows: exact either
+    way (a max does not round), but on the GPU Inductor splits one large global
+    reduction into stages tiled unlike the cast, in kernels of their own, while
+    per-row partials share the cast's loop: on the H100 a delayed cast and its
+    amax became one pass (the times: ``docs/recipes.md``, from
+    ``bench/results/2026-11-23-h100/quantize-structure-probe.txt``). (pytorch
+    issue 143464; torchao's ``float8/inductor_utils.py`` makes the same
+    rewrite.)
+    """
+    return row_amaxes(x_hp).amax().to(torch.float32)
+
+
+def row_amaxes(x_hp: torch.Tensor) -> torch.Tensor:
+    """The first stage of :func:`amax`: each row's largest magnitude (1-D, ``x_hp``'s dtype), the
+    magnitudes themselves for a 1-D tensor. Their max is the amax."""
+    magnitude = x_hp.abs()
+    if magnitude.dim() >= 2:
+        magnitude = magnitude.amax(dim=-1)
+    return magnitude.reshape(-1)
+
+
+def amax_to_scale(
+    amax_fp32: torch.Tensor, fp8_dtype: torch.dtype, power_2_scales: bool = False, margin: int = 0,
+    fallback: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Scale that maps ``amax * 2**margin`` onto the FP8 dtype's largest value.
+
+    An amax of 0, inf or NaN gives ``fallback`` (current scaling: 1; delayed
+    scaling: the previous scale): there is nothing to fit, or the tensor is
+    already broken and its non-finite values must pass through rather than
+    shrink every finite value to zero. A tiny amax whose scale would overflow
+    fp32 gets ``FLT_MAX``. Elementwise: ``amax_fp32`` may hold several amaxes.
+    """
+    amax_fp32 = amax_fp32.to(torch.float32)
+    usable = torch.isfinite(amax_fp32) & (amax_fp32 > 0)
+    headroom = amax_fp32 * (2.0 ** margin) if margin else amax_fp32
+    if fallback is None:
+        # The fallback 1.0 is derived from a tensor, not a constant: Inductor's
+        # freezing folds only computations of constants and tensors, never of
+        # constructors, and this lets it fold a frozen weight's whole quantization.
+        fallback = (~usable).to(torch.float32)
+    scale = torch.where(usable, (fp8_max(fp8_dtype) / headroom).clamp(max=_FLOAT32_MAX), fallback)
+    if power_2_scales:
+        # Drop the mantissa bits: the largest power of two <= scale. Bit
+        # operations are exact where log2/floor/exp2 can round up. Scales are
+        # >= 448 / FLT_MAX, far above the subnormal range, so no bit is lost.
+        exponent_bits = scale.view(torch.int32) & _FLOAT32_EXPONENT_MASK
+        scale = exponent_bits.view(torch.float32)
+    return scale
+
+
+def quantize(x_hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Cast ``x_hp * scale`` to FP8, rounding to nearest even after saturating.
+
+    Finite values beyond the format's range saturate to +-max. Non-finite
+    values stay non-finite, as plain arithmetic would keep them: inf stays inf
+    in E5M2 and becomes NaN in E4M3, which has no inf (the bare CPU cast
+    would saturate it to 448 instead).
+    """
+    max_value = fp8_max(fp8_dtype)
+    x_scaled = x_hp.to(torch.float32) * scale
+    x_saturated = x_scaled.clamp(-max_value, max_value)  # NaN passes through clamp
+    if fp8_dtype == torch.float8_e4m3fn:
+        # NaN as (inf - inf), not a constant (see amax_to_scale); abs() clears its sign bit.
+        x_saturated = torch.where(torch.isinf(x_scaled), (x_scaled - x_scaled).abs(), x_saturated)
+    else:
+        x_saturated = torch.where(torch.isinf(x_scaled), x_scaled, x_saturated)
+    return x_saturated.to(fp8_dtype)
+
+
+def dequantize(
+    x_fp8: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of :func:`quantize`: ``x_fp8 / scale`` in ``out_dtype``."""
+    return (x_fp8.to(torch.float32) / scale).to(out_dtype)
+
+
+def quantize_current(
+    x_hp: torch.Tensor, fp8_dtype: torch.dtype, power_2_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Current (per-tensor) scaling: scale from this tensor's own amax, then cast.
+
+    Returns ``(x_fp8, scale)``.
+    """
+    scale = amax_to_scale(amax(x_hp), fp8_dtype, power_2_scales)
+    return quantize(x_hp, scale, fp8_dtype), scale

@@ -1,0 +1,275 @@
+"""Which recipe each site gets: ordered rules over module paths, types and site shapes.
+
+    policy = Policy(
+        default=Float8CurrentScaling(),
+        rules=[
+            ("lm_head", None),                                   # keep in high precision
+            ("model.layers.0.*", None),
+            ("*.mlp.*", Float8CurrentScaling(Format.E4M3)),
+            (re.compile(r".*\\.self_attn\\.[qkv]_proj"), Float8CurrentScaling(power_2_scales=True)),
+            (lambda path, module, site: site.N >= 4096, Float8CurrentScaling()),
+        ],
+    )
+
+The first rule whose pattern matches a site decides; sites no rule matches get
+``default``. Resolution is the pure function :func:`resolve`, tested by
+tables of cases without compiling anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from typing import Callable, Union
+
+import torch
+
+from fp8graph.recipes.scaling import Float8CurrentScaling, Recipe
+
+__all__ = ["DEFAULT_RECIPE", "Policy", "Resolution", "SiteInfo", "WeightRecipes", "normalize_policy", "resolve",
+           "resolve_weight"]
+
+DEFAULT_RECIPE = Float8CurrentScaling()
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteInfo:
+    """What a rule can see of a site besides its module: op and GEMM shape.
+
+    ``M`` is a string when the token dimension is symbolic (``dynamic=True``).
+    ``is_linear`` is False for activation-by-activation matmuls, which only
+    an explicit rule can move to FP8.
+    """
+
+    op: str
+    M: int | str | None
+    K: int | None
+    N: int | None
+    dtype: torch.dtype | None
+    is_linear: bool = True
+
+
+Predicate = Callable[[str, Union[torch.nn.Module, None], SiteInfo], bool]
+Pattern = Union[str, "re.Pattern[str]", type, Predicate]
+
+
+def _check_pattern(pattern: object, index: int) -> None:
+    if isinstance(pattern, (str, re.Pattern)):
+        return
+    if isinstance(pattern, type):
+        if not issubclass(pattern, torch.nn.Module):
+            raise ValueError(f"Policy rule {index}: class pattern {pattern.__name__} is not an nn.Module subclass")
+        return
+    if not callable(pattern):
+        raise ValueError(
+            f"Policy rule {index}: pattern must be a glob string, a compiled regex, an nn.Module "
+            f"subclass or a predicate (path, module, site) -> bool, got {pattern!r}"
+        )
+
+
+def _check_recipe(recipe: object, where: str) -> None:
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise ValueError(f"{where} must be a recipe or None, got {recipe!r}")
+
+
+def describe_pattern(pattern: Pattern) -> str:
+    """A short readable form of a rule's pattern, for reports and errors."""
+    if isinstance(pattern, str):
+        return repr(pattern)
+    if isinstance(pattern, re.Pattern):
+        return f"re{pattern.pattern!r}"
+    if isinstance(pattern, type):
+        return pattern.__name__
+    return getattr(pattern, "__name__", repr(pattern))
+
+
+class Policy:
+    """Ordered rules mapping sites to recipes; the first match wins.
+
+    Args:
+        default: the recipe of sites no rule matches; ``None`` keeps them in
+            high precision. Activation-by-activation matmuls never take the
+            default: only a rule that matches them opts them into FP8.
+        rules: ``(pattern, recipe_or_None)`` pairs. A pattern is a glob over the
+            module path (``"*.mlp.*"``, ``"lm_head"``), a compiled regex that
+            must match the whole path, an ``nn.Module`` subclass, or a
+            predicate ``(path, module, site) -> bool``. ``None`` as recipe
+            keeps matching sites in high precision.
+        strict: raise instead of reporting when a rule names a site its recipe
+            cannot apply to, or (in :func:`fp8graph.explain`) matches no site.
+
+    Policies are immutable and compare equal when their rules are equal.
+
+    Example:
+        >>> Policy(default=Float8CurrentScaling(), rules=[("lm_head", None)])
+    """
+
+    __slots__ = ("_default", "_rules", "_strict")
+
+    def __init__(self, default: Recipe | None = DEFAULT_RECIPE, rules=(), strict: bool = False):
+        _check_recipe(default, "Policy.default")
+        if not isinstance(strict, bool):
+            raise ValueError(f"Policy.strict must be bool, got {strict!r}")
+        checked = []
+        for index, rule in enumerate(rules):
+            if not (isinstance(rule, tuple) and len(rule) == 2):
+                raise ValueError(f"Policy rule {index} must be a (pattern, recipe) pair, got {rule!r}")
+            pattern, recipe = rule
+            _check_pattern(pattern, index)
+            _check_recipe(recipe, f"Policy rule {index} ({describe_pattern(pattern)}) recipe")
+            checked.append((pattern, recipe))
+        object.__setattr__(self, "_default", default)
+        object.__setattr__(self, "_rules", tuple(checked))
+        object.__setattr__(self, "_strict", strict)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Policy is immutable; build a new one")
+
+    default = property(lambda self: self._default)
+    rules = property(lambda self: self._rules)
+    strict = property(lambda self: self._strict)
+
+    @property
+    def recipes(self) -> tuple[Recipe, ...]:
+        """Every recipe the policy can hand out."""
+        candidates = [self._default, *(recipe for _, recipe in self._rules)]
+        return tuple(recipe for recipe in candidates if recipe is not None)
+
+    @property
+    def needs_state(self) -> bool:
+        """Whether some recipe keeps state across steps (delayed scaling)."""
+        return any(recipe.stateful for recipe in self.recipes)
+
+    def rule_label(self, index: int) -> str:
+        """How reports and errors name rule ``index``: ``rule 2 ('*.mlp.*')``."""
+        return f"rule {index} ({describe_pattern(self._rules[index][0])})"
+
+    def _key(self):
+        return (self._default, self._rules, self._strict)
+
+    def __eq__(self, other):
+        return isinstance(other, Policy) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        rules = ", ".join(f"({describe_pattern(p)}, {r.name if r else None})" for p, r in self._rules)
+        default = self._default.name if self._default else None
+        return f"Policy(default={default}, rules=[{rules}], strict={self._strict})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """The recipe for a site (``None``: high precision) and the rule that chose it (``None``: default)."""
+
+    recipe: Recipe | None
+    rule_index: int | None
+
+
+def _matches(pattern: Pattern, path: str, module: torch.nn.Module | None,
+             module_type: type | None, site: SiteInfo) -> bool:
+    if isinstance(pattern, str):
+        return fnmatch.fnmatchcase(path, pattern)
+    if isinstance(pattern, re.Pattern):
+        return pattern.fullmatch(path) is not None
+    if isinstance(pattern, type):
+        owner_type = type(module) if module is not None else module_type
+        return owner_type is not None and issubclass(owner_type, pattern)
+    return bool(pattern(path, module, site))
+
+
+def resolve(policy: Policy, path: str, site: SiteInfo, module: torch.nn.Module | None = None,
+            module_type: type | None = None) -> Resolution:
+    """The recipe ``policy`` gives the site at ``path``.
+
+    ``module`` is the module that runs the site when the model is known;
+    otherwise class patterns match on ``module_type``.
+    """
+    for index, (pattern, recipe) in enumerate(policy.rules):
+        if _matches(pattern, path, module, module_type, site):
+            return Resolution(recipe, index)
+    if not site.is_linear:
+        return Resolution(None, None)
+    return Resolution(policy.default, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRecipes:
+    """What ``policy`` can give the linears on one weight, decided before tracing.
+
+    Buffers that become graph inputs (delayed-scaling state, FP8 weight
+    copies) are registered before anything is traced, when the token
+    dimension ``M`` is unknown and, for a module other than ``nn.Linear`` or
+    HuggingFace's ``Conv1D``, so is which way round the weight is multiplied.
+    A rule that cannot be decided without them (a predicate that reads
+    ``site.M``, or reads ``K`` and ``N`` of a weight whose orientation is
+    unknown) makes its recipe possible without ruling out the rules after it;
+    the traced graph decides each site (``fp8graph.passes.annotate``).
+    """
+
+    recipes: tuple[Recipe | None, ...]  # every recipe a site on the weight may get, in rule order, no repeats
+    rule_indices: tuple[int | None, ...]  # the rules that may decide, in order (None: the default)
+    undecided: tuple[str, ...]  # the rules that could not be decided before tracing, labelled
+
+    def having(self, trait: str) -> tuple[Recipe, ...]:
+        """The possible recipes with ``trait`` (``"stateful"``, ``"caches_weights"``), in rule order."""
+        return tuple(recipe for recipe in self.recipes if recipe is not None and getattr(recipe, trait))
+
+
+def _weight_orientations(module: torch.nn.Module | None, weight: torch.Tensor) -> list[tuple[int, int]]:
+    """The ``(N, K)`` a linear on ``weight`` can have: ``nn.Linear`` stores (N, K), HuggingFace's ``Conv1D``
+    (GPT-2) stores (K, N); a weight of any other module may be multiplied either way."""
+    rows, columns = weight.shape
+    if isinstance(module, torch.nn.Linear):
+        return [(rows, columns)]
+    if type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers."):
+        return [(columns, rows)]
+    return [(rows, columns)] if rows == columns else [(rows, columns), (columns, rows)]
+
+
+def resolve_weight(policy: Policy, path: str, module: torch.nn.Module | None, weight: torch.Tensor) -> WeightRecipes:
+    """The recipes ``policy`` can give a linear on the 2-D ``weight`` of ``module`` (at ``path``), before
+    tracing: see :class:`WeightRecipes`."""
+    sites = [SiteInfo(op="linear", M=None, K=k, N=n, dtype=weight.dtype)
+             for n, k in _weight_orientations(module, weight)]
+    recipes, rule_indices, undecided = [], [], []
+    for index, (pattern, recipe) in enumerate(policy.rules):
+        verdicts = set()
+        for site in sites:
+            try:
+                verdicts.add(_matches(pattern, path, module, None, site))
+            except Exception:  # noqa: BLE001 - a predicate that needs the traced site (M is None here)
+                verdicts.add(None)
+        if verdicts == {False}:
+            continue
+        rule_indices.append(index)
+        if recipe not in recipes:
+            recipes.append(recipe)
+        if verdicts == {True}:
+            return WeightRecipes(tuple(recipes), tuple(rule_indices), tuple(undecided))
+        undecided.append(policy.rule_label(index))
+    rule_indices.append(None)
+    if policy.default not in recipes:
+        recipes.append(policy.default)
+    return WeightRecipes(tuple(recipes), tuple(rule_indices), tuple(undecided))
+
+
+def normalize_policy(policy: object) -> Policy:
+    """The :class:`Policy` a ``policy`` argument stands for.
+
+    ``None`` is the default policy (every eligible linear site with
+    ``Float8CurrentScaling()``); a bare recipe is shorthand for
+    ``Policy(default=recipe)``.
+    """
+    if policy is None:
+        return Policy()
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, Recipe):
+        return Policy(default=policy)
+    raise TypeError(
+        f"policy must be a fp8graph.Policy, a recipe such as fp8graph.Float8CurrentScaling(), "
+        f"or None, got {type(policy).__name__}"
+    )

@@ -1,0 +1,275 @@
+"""Scaling recipes: how each FP8 cast of a linear site picks its scale.
+
+A recipe is a frozen dataclass. It holds no state and is hashable, so it can
+key caches and be compared; variations are made with ``dataclasses.replace``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Union
+
+import torch
+
+from fp8graph.numerics.formats import Format, Role
+from fp8graph.numerics.tiles import ScaleKind, Tiling
+
+__all__ = ["FP8_GEMM_DIM_MULTIPLE", "DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling",
+           "Float8RowwiseScaling", "MXFP8BlockScaling", "PRESETS", "Recipe", "TiledRecipe"]
+
+# cuBLAS's FP8 GEMMs need the dimensions they do not reduce over, and K, to be multiples of 16.
+FP8_GEMM_DIM_MULTIPLE = 16
+
+
+def _check_type(recipe: object, field: str, expected: type) -> None:
+    value = getattr(recipe, field)
+    # bool is an int subclass: reject it where an int is asked for, and vice versa.
+    if not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
+        raise ValueError(
+            f"{type(recipe).__name__}.{field} must be {expected.__name__}, got {value!r}"
+        )
+
+
+class _RecipeKind:
+    """What every recipe says of itself, so that no caller has to ask with ``isinstance``.
+
+    ``str(recipe)`` is its short name (``current(HYBRID)``), as reports and tables print it.
+    """
+
+    # Keeps amax histories and scales across steps, in buffers of the modules (fp8graph.buffers.delayed_state).
+    stateful: ClassVar[bool] = False
+    # One scale per row, tile or block (fp8graph.targets.linear_tiled), not one per tensor.
+    tiled: ClassVar[bool] = False
+    # Its weight cast depends on the weight alone, so an FP8 copy can be kept while the weight does not
+    # change (fp8graph.buffers.weight_cache).
+    caches_weights: ClassVar[bool] = False
+    # K and N of an eligible site are multiples of this.
+    dim_multiple: ClassVar[int] = FP8_GEMM_DIM_MULTIPLE
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8CurrentScaling(_RecipeKind):
+    """Per-tensor current scaling.
+
+    Each tensor is scaled by its own amax at the moment it is cast::
+
+        scale = fp8_max / amax(tensor)         (1 when amax is 0, inf or NaN)
+        tensor_fp8 = round_to_nearest_even(clamp(tensor * scale, -fp8_max, fp8_max))
+
+    The amax costs one extra read of the tensor before the cast.
+
+    Args:
+        fp8_format: FP8 dtype per role; ``Format.HYBRID`` casts grad_output
+            to E5M2 and input and weight to E4M3.
+        power_2_scales: round every scale down to a power of two, so that
+            scaling changes only the exponent and is exact.
+
+    Example:
+        >>> Float8CurrentScaling(fp8_format=Format.E4M3)
+        Float8CurrentScaling(fp8_format=<Format.E4M3: 'E4M3'>, power_2_scales=False)
+    """
+
+    caches_weights: ClassVar[bool] = True
+
+    fp8_format: Format = Format.HYBRID
+    power_2_scales: bool = False
+
+    def __post_init__(self) -> None:
+        _check_type(self, "fp8_format", Format)
+        _check_type(self, "power_2_scales", bool)
+
+    @property
+    def name(self) -> str:
+        """Short label for reports, e.g. ``current(HYBRID)``."""
+        suffix = ", pow2" if self.power_2_scales else ""
+        return f"current({self.fp8_format.value}{suffix})"
+
+    def fp8_dtype(self, role: Role):
+        return self.fp8_format.dtype(role)
+
+
+_AMAX_ALGOS = ("max", "most_recent")
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling(_RecipeKind):
+    """Delayed scaling: each cast uses a scale derived from the amaxes of earlier casts.
+
+    Per site and tensor role, a history of the last ``amax_history_len``
+    amaxes and a scale are kept as buffers of the module that owns the site.
+    At each training-mode call, for each role::
+
+        amax      = max(history)            ("max")  | history[0] ("most_recent") | algo(history)
+        scale     = fp8_max / (amax * 2**margin)     only if amax is finite and > 0, else unchanged
+        history   = roll(history, -1); history[0] = 0      (newest moves to the end, oldest dropped)
+        tensor_fp8 = cast(tensor * scale);  history[0] = amax(tensor)
+
+    The cast and the amax read the tensor once (the scale is known before the
+    cast), where current scaling reads it twice. The initial scale is 1.
+
+    Args:
+        margin: scale down by ``2**margin`` to leave headroom (int >= 0).
+        fp8_format: FP8 dtype per role, as for current scaling.
+        amax_history_len: amaxes kept per role (>= 1).
+        amax_compute_algo: ``"max"``, ``"most_recent"``, or a callable taking
+            the history tensor (newest in slot 0) and returning an amax.
+        reduce_amax: max-reduce amaxes across the data-parallel group.
+    """
+
+    stateful: ClassVar[bool] = True
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: object = "max"
+    reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        _check_type(self, "margin", int)
+        _check_type(self, "fp8_format", Format)
+        _check_type(self, "amax_history_len", int)
+        _check_type(self, "reduce_amax", bool)
+        if self.margin < 0:
+            raise ValueError(f"DelayedScaling.margin must be >= 0, got {self.margin}")
+        if self.amax_history_len < 1:
+            raise ValueError(f"DelayedScaling.amax_history_len must be >= 1, got {self.amax_history_len}")
+        if not (self.amax_compute_algo in _AMAX_ALGOS or callable(self.amax_compute_algo)):
+            raise ValueError(
+                f"DelayedScaling.amax_compute_algo must be 'max', 'most_recent' or a callable, "
+                f"got {self.amax_compute_algo!r}"
+            )
+
+    @property
+    def name(self) -> str:
+        algo = self.amax_compute_algo if isinstance(self.amax_compute_algo, str) else "custom"
+        margin = f", margin {self.margin}" if self.margin else ""
+        return f"delayed({self.fp8_format.value}, {algo}, len {self.amax_history_len}{margin})"
+
+    @property
+    def power_2_scales(self) -> bool:
+        return False
+
+    def fp8_dtype(self, role: Role):
+        return self.fp8_format.dtype(role)
+
+
+class _TiledScaling(_RecipeKind):
+    """What the recipes with one scale per row, tile or block share.
+
+    Every operand is E4M3. ``tiling(role)`` gives the tiles of an operand laid
+    out (rows, reduction dim); each GEMM quantizes its operands along its own
+    reduction dimension, from high precision (see ``fp8graph.targets.linear_tiled``).
+    A site is eligible when K and N are multiples of ``dim_multiple``.
+    """
+
+    tiled: ClassVar[bool] = True
+    fp8_format = Format.E4M3
+
+    def fp8_dtype(self, role: Role):
+        return torch.float8_e4m3fn
+
+    def tiling(self, role: Role) -> Tiling:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExactOrPower2Scaling(_TiledScaling):
+    """Tiled recipes whose scales are exact or, by default, rounded down to powers of two."""
+
+    power_2_scales: bool = True
+
+    def __post_init__(self) -> None:
+        _check_type(self, "power_2_scales", bool)
+
+    @property
+    def scale_kind(self) -> ScaleKind:
+        return ScaleKind.POWER_2 if self.power_2_scales else ScaleKind.EXACT
+
+    def _named(self, name: str) -> str:
+        return f"{name[:-1]}, pow2)" if self.power_2_scales else name
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8RowwiseScaling(_ExactOrPower2Scaling):
+    """One scale per row of each operand along the GEMM's reduction dimension.
+
+    The forward GEMM scales the input per token row and the weight per output
+    channel; the gradient GEMMs requantize along their own reduction
+    dimension from high precision (grad_output per row for grad_input, per
+    column for grad_weight). Rows of very different magnitude no longer share
+    one scale.
+
+    Args:
+        power_2_scales: round each scale down to a power of two (exact scaling).
+    """
+
+    @property
+    def name(self) -> str:
+        return self._named("rowwise(E4M3)")
+
+    def tiling(self, role: Role) -> Tiling:
+        return Tiling(1, None, self.scale_kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling(_ExactOrPower2Scaling):
+    """DeepSeek-V3 block scaling: 1x128 tiles for activations and gradients, 128x128 for weights.
+
+    Activations and gradients needed along the other dimension in backward
+    are requantized from high precision; the weight's 128x128 tiles are the
+    same tiles transposed, so its quantization is reused. K and N must be
+    multiples of 128.
+
+    Args:
+        power_2_scales: round each scale down to a power of two.
+    """
+
+    dim_multiple = 128
+
+    @property
+    def name(self) -> str:
+        return self._named("block(1x128/128x128)")
+
+    def tiling(self, role: Role) -> Tiling:
+        return Tiling(128, 128, self.scale_kind) if role is Role.WEIGHT else Tiling(1, 128, self.scale_kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling(_TiledScaling):
+    """MXFP8 (OCP microscaling): blocks of 32 along the reduction dimension, one E8M0 scale each.
+
+    The scale of a block is the power of two at or above ``amax / 448``, so no
+    element saturates. Every GEMM quantizes its operands along its own
+    reduction dimension from high precision. K and N must be multiples of 32.
+    """
+
+    dim_multiple = 32
+
+    @property
+    def power_2_scales(self) -> bool:
+        return True
+
+    @property
+    def name(self) -> str:
+        return "mxfp8(E4M3, 1x32, E8M0)"
+
+    def tiling(self, role: Role) -> Tiling:
+        return Tiling(1, 32, ScaleKind.E8M0)
+
+
+# The recipes with one scale per row, tile or block (works with isinstance).
+TiledRecipe = Union[Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling]
+# The recipes a site can be given (works with isinstance).
+Recipe = Union[Float8CurrentScaling, DelayedScaling, Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling]
+
+# Each recipe with its defaults, by the short name command lines and benchmarks use.
+PRESETS: dict[str, Recipe] = {
+    "current": Float8CurrentScaling(),
+    "delayed": DelayedScaling(),
+    "rowwise": Float8RowwiseScaling(),
+    "block": Float8BlockScaling(),
+    "mxfp8": MXFP8BlockScaling(),
+}

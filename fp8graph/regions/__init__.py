@@ -1,0 +1,2 @@
+"""Repeated blocks compiled once and reused per instance (``regions=``).
+"""

@@ -1,0 +1,462 @@
+"""The FP8 linear with per-tensor scales: linears that read one input, as three scaled GEMMs each.
+
+A rewritten site calls ``linear_fp8(input_hp, weight_hp, bias_hp)`` with
+``weight_hp`` of shape (N, K), exactly like ``F.linear``; sites that read the
+same input with the same recipe (q, k and v; gate and up) are one call of
+``linears_fp8(input_hp, [weight_hp, ...], [bias_hp, ...])`` (``fp8graph.passes.group_sites``)::
+
+    forward   output_i      = input_fp8 @ weight_i_fp8_t         (M, N_i)  + bias_i in high precision
+    backward  grad_input    = sum_i grad_output_i_fp8 @ weight_i_fp8        (M, K)
+              grad_weight_i = grad_output_i_fp8_t @ input_fp8               (N_i, K)
+              grad_bias_i   = grad_output_i.sum(0)                          high precision
+
+The input is cast once for all of them, with one scale: with delayed
+scaling the one the largest amax of their input histories gives (their
+histories hold the same amaxes, so this is each one's own), and the amax is
+recorded into each site's history.
+
+The quantization is plain torch ops inside an ``autograd.Function``.
+AOTAutograd traces through both ``forward`` and ``backward``, so Inductor sees
+the amax, scale and cast as ordinary ops and fuses them with their neighbours;
+only the GEMM is an opaque call.
+
+Layouts. cuBLAS's FP8 GEMMs on Hopper read A row-major and B column-major
+(the reduction dimension contiguous), so each operand is needed in both
+layouts: the input by the forward GEMM and, transposed, by grad_weight's;
+grad_output by grad_input's and, transposed, by grad_weight's; the weight by
+the forward and, transposed, by grad_input's. Each FP8 tensor is written once
+per layout it is read in (``lowering="scaled_mm"``):
+
+- Current scaling: the cast is its own pointwise kernel after the amax
+  reduction, and writes both layouts from one read of the high-precision
+  tensor (or of its producer's inputs, recomputed).
+- Delayed scaling: the row-major cast records its amax in the same pass and
+  fuses into the tensor's producer; the transposed copy is
+  ``fp8graph::transpose_fp8`` of the FP8 bytes (left to Inductor, it would be
+  recomputed inside the amax's reduction kernel: see ``fp8graph.kernels.transpose_fp8``).
+- Weights: both layouts are cast in the forward; the transposed copy is saved
+  for grad_input, so a step reads each weight for its amax (current scaling)
+  and once for its casts, never again in the backward (1 byte a parameter is
+  held from forward to backward, as Transformer Engine holds it). With
+  ``cache_weights`` (current scaling) the row-major copy is kept across calls
+  while the weight does not change.
+
+An FP8 tensor read by several GEMMs goes through ``fp8graph.gemm.scaled_gemm.one_buffer``
+so that Inductor stores it once, and the transposed copies the backward reads
+are written in the forward and kept (``fp8graph.targets.partitioning``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import torch
+
+from fp8graph.targets.cache_hash import register_target
+from fp8graph.numerics.delayed_scaling import amax_from_history, scale_from_history
+from fp8graph.buffers.amax_reduction import amax_reduction
+from fp8graph.numerics.formats import ROLES, Role
+from fp8graph.numerics.health import quantization_health
+from fp8graph.kernels.delayed_record import record_delayed_
+from fp8graph.kernels.transpose_fp8 import transpose_fp8
+from fp8graph.gemm.scaled_gemm import Lowering, one_buffer, scaled_gemm_by_inverse, scalars_of
+from fp8graph.targets.partitioning import keep_for_backward, read_in_backward, saved_not_recomputed
+from fp8graph.numerics.quantize import amax, amax_to_scale, quantize, row_amaxes
+from fp8graph.recipes.scaling import Recipe
+from fp8graph.buffers.snapshots import state_snapshot
+from fp8graph.buffers.delayed_state import FORWARD_ROLES
+
+__all__ = ["autocast_dtype", "linear_fp8_target", "linears_fp8_target", "record_health", "target_name"]
+
+_INPUT, _WEIGHT = (FORWARD_ROLES.index(role) for role in FORWARD_ROLES)  # rows of the forward state
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast gives matmuls on ``device_type``, or ``None`` outside autocast."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """What one site of a call brings besides its weight and bias: its module's buffers.
+
+    ``state``: ``(history, scale)`` of shape (2, len) and (2,), the forward's input and weight rows, and
+    ``grad_state``: ``(grad_history, grad_scale)`` of shape (1, len) and (1,), the backward's grad_output
+    row (delayed scaling; ``fp8graph.buffers.delayed_state`` says why they are apart);
+    ``weight_cache``: ``(mode, cached_weight, cached_scale)`` with mode ``"fill"`` or ``"reuse"``;
+    ``stats``: the module's (3, 5) health buffer.
+    """
+
+    state: tuple[torch.Tensor, torch.Tensor] | None = None
+    grad_state: tuple[torch.Tensor, torch.Tensor] | None = None
+    weight_cache: tuple[str, torch.Tensor, torch.Tensor] | None = None
+    stats: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSpec:
+    """How a call casts: the recipe, the GEMM lowering, and whether delayed state moves."""
+
+    recipe: Recipe
+    lowering: Lowering
+    update: bool = True  # False in graphs compiled without gradients: the stored scales are read
+    snapshot: bool = False  # delayed sites inside a torch.utils.checkpoint region (fp8graph.buffers.snapshots)
+
+    @property
+    def delayed(self) -> bool:
+        return self.recipe.stateful
+
+    @property
+    def native_layouts(self) -> bool:
+        """Whether the GEMMs need each operand laid out for cuBLAS (the emulation reads any layout)."""
+        return self.lowering is Lowering.SCALED_MM
+
+    def gemm_operand(self, x_fp8: torch.Tensor) -> torch.Tensor:
+        """``x_fp8`` as the GEMMs (and the transposed copy) read it: one buffer (``fp8graph.gemm.scaled_gemm.one_buffer``)."""
+        return one_buffer(x_fp8) if self.native_layouts else x_fp8
+
+    def kept(self, inverse_scale: torch.Tensor, x_t_fp8: torch.Tensor | None) -> torch.Tensor:
+        """``inverse_scale`` as the forward GEMM reads it, tied to the transposed copy the backward reads, so
+        that the copy is written in the forward (``fp8graph.targets.partitioning``); the emulation's copy is a view."""
+        return keep_for_backward(inverse_scale, x_t_fp8) if self.native_layouts else inverse_scale
+
+    def transposed(self, x_fp8: torch.Tensor, x_hp: torch.Tensor | None, scale: torch.Tensor, role: Role):
+        """The (C, R) FP8 copy of an (R, C) operand, written for the GEMM that reads it transposed.
+
+        Current scaling casts it from ``x_hp`` in the pointwise kernel of the row-major cast (one read for
+        both layouts); delayed scaling, and a copy without ``x_hp`` (a cached weight), transposes the FP8
+        bytes (``fp8graph::transpose_fp8``). The emulation reads any layout: a view.
+        """
+        if not self.native_layouts:
+            return x_fp8.t()
+        if self.delayed or x_hp is None:
+            return transpose_fp8(x_fp8)
+        x_t_fp8 = quantize(x_hp.t(), scale, self.recipe.fp8_dtype(role))  # (C, R), strided
+        with saved_not_recomputed():  # the copy alone: its inputs stay free to fuse
+            return x_t_fp8.contiguous()
+
+
+def _states(spec: CallSpec, members: Sequence[Member], forward: bool,
+            after: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The members' forward (``forward``) or grad_output histories (m, rows, len) and scales (m, rows),
+    stacked, as the casts read them. A backward passes its gradient as ``after``: the buffers are read
+    when it runs, after the backwards of later calls recorded (``fp8graph.targets.partitioning``).
+
+    Inside a checkpoint region the forward reads snapshots (the backward's replay must see the state
+    the first forward saw); backward casts read the live buffers (an earlier backward of the same step
+    may have recorded into them). One stacked read, so that a call's state is a few small kernels,
+    not a few per member (reducing each history where it lies and stacking the amaxes instead made
+    more kernels in the modelled decoder step).
+    """
+    histories, scales = zip(*(member.state if forward else member.grad_state for member in members))
+    if after is not None:
+        histories, scales = ([read_in_backward(buffer, after) for buffer in buffers] for buffers in (histories, scales))
+    if spec.snapshot and forward:
+        histories, scales = [state_snapshot(h) for h in histories], [state_snapshot(s) for s in scales]
+    return torch.stack(histories), torch.stack(scales)
+
+
+def _record_states(states: Sequence[tuple[torch.Tensor, torch.Tensor]], row_amaxes_by_member: list[list[torch.Tensor]],
+                   new_scales: torch.Tensor, reduce) -> None:
+    """Move every row of every member's ``(history, scale)`` one step, in place: each row's history records
+    the amax of its ``row_amaxes_by_member[i][row]`` (per-row partial magnitudes, finished by the op) and
+    its scale becomes ``new_scales[i, row]`` (the one the cast used). One ``fp8graph::record_delayed_``
+    launch for the whole call. With ``reduce`` (an amax all-reduce across ranks) the amaxes are finished
+    here and reduced in one collective first."""
+    partials = [partial for member_partials in row_amaxes_by_member for partial in member_partials]
+    if reduce is not None:
+        finished = reduce(torch.stack([partial.amax().to(torch.float32) for partial in partials]))
+        partials = list(finished.reshape(-1, 1).unbind())
+    record_delayed_([history for history, _ in states], [scale for _, scale in states], partials, new_scales)
+
+
+def _cast_current(spec: CallSpec, x_hp: torch.Tensor, role: Role) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x_fp8, scale, 1 / scale)``; the reciprocal fuses into the kernel that computes the scale."""
+    fp8_dtype = spec.recipe.fp8_dtype(role)
+    scale = amax_to_scale(amax(x_hp), fp8_dtype, spec.recipe.power_2_scales)
+    return quantize(x_hp, scale, fp8_dtype), scale, scale.reciprocal()
+
+
+def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Sequence[torch.Tensor],
+                          members: Sequence[Member]):
+    """The forward casts of delayed-scaling members: the shared input, then each weight.
+
+    All members' input and weight rows move one step together: new scales from the histories,
+    histories rolled, this call's amaxes recorded in slot 0, written into the buffers in place.
+    Returns ``(input_fp8, input_scale, input_inverse_scale, [(weight_fp8, weight_scale, weight_inverse_scale,
+    weight_hp), ...])``. The inverse scales are views of one tensor: their reciprocals are one kernel.
+    """
+    recipe = spec.recipe
+    reduce = amax_reduction(recipe.reduce_amax)
+    fp8_dtype = recipe.fp8_dtype(Role.INPUT)
+    if recipe.fp8_dtype(Role.WEIGHT) != fp8_dtype:
+        raise AssertionError("every Format casts input and weight to one FP8 dtype")
+    history, scale = _states(spec, members, forward=True)  # (m, 2, len), (m, 2): input and weight rows
+    if not spec.update:  # inference: the stored scales
+        new_scales = scale.clone()
+        inverse_scales = new_scales.reciprocal()
+    else:
+        # The scales are read from the buffers that this forward then updates: the backward must reuse
+        # them, never recompute them from the updated buffers (the partitioner would: fp8graph.targets.partitioning).
+        with saved_not_recomputed():
+            history_amax = amax_from_history(history, recipe.amax_compute_algo)  # (m, 2)
+            # One input, one scale: from the largest amax the members' input histories give.
+            history_amax = torch.stack([history_amax[:, _INPUT].amax().expand(len(members)),
+                                        history_amax[:, _WEIGHT]], 1)
+            new_scales = amax_to_scale(history_amax, fp8_dtype, margin=recipe.margin,
+                                       fallback=scale)  # (m, 2)
+            inverse_scales = new_scales.reciprocal()
+    input_scale, weight_scales = new_scales[0, _INPUT], new_scales[:, _WEIGHT]
+    input_fp8 = quantize(input_hp, input_scale, fp8_dtype)
+    inverse_scales = scalars_of(inverse_scales)  # (m, 2) row-major: member i's input, then its weight
+    weights = [(quantize(w, weight_scale, fp8_dtype), weight_scale, inverse_scales[2 * i + _WEIGHT], w)
+               for i, (w, weight_scale) in enumerate(zip(weights_hp, weight_scales))]
+    if spec.update:
+        # The per-row partial amaxes ride along with the casts: Inductor computes each with its cast in
+        # one read; the op finishes them. The input's is recorded by every member.
+        input_row_amaxes = row_amaxes(input_hp.detach())
+        _record_states([member.state for member in members],
+                       [[input_row_amaxes, row_amaxes(w.detach())] for w in weights_hp],
+                       new_scales.contiguous(), reduce)
+    return input_fp8, input_scale, inverse_scales[_INPUT], weights
+
+
+def _cast_weight_current(spec: CallSpec, weight_hp: torch.Tensor, member: Member):
+    """A member's weight with current scaling, through its FP8 copy when it has one (``fp8graph.buffers.weight_cache``).
+
+    Returns ``(weight_fp8, weight_scale, weight_inverse_scale, source)``: ``source`` is what the transposed
+    copy is cast from, the weight, or ``None`` for a reused copy (transposed from its bytes, the weight is
+    not read).
+    """
+    if member.weight_cache is None:
+        return (*_cast_current(spec, weight_hp, Role.WEIGHT), weight_hp)
+    mode, cached_weight, cached_scale = member.weight_cache
+    if mode == "reuse":
+        weight_scale = cached_scale.clone()
+        return cached_weight, weight_scale, weight_scale.reciprocal(), None
+    weight_fp8, weight_scale, weight_inverse_scale = _cast_current(spec, weight_hp, Role.WEIGHT)
+    cached_weight.copy_(weight_fp8)
+    cached_scale.copy_(weight_scale)
+    return weight_fp8, weight_scale, weight_inverse_scale, weight_hp
+
+
+def _cast_grad_outputs(spec: CallSpec, grad_outputs_hp: Sequence[torch.Tensor], members: Sequence[Member]):
+    """Each member's grad_output cast, ``[(grad_output_fp8, grad_output_scale, grad_output_inverse_scale), ...]``;
+    with delayed scaling all members' grad_output rows move one step together (as
+    :func:`_cast_forward_delayed`'s rows)."""
+    recipe = spec.recipe
+    if not spec.delayed:
+        return [_cast_current(spec, grad, Role.GRAD_OUTPUT) for grad in grad_outputs_hp]
+    fp8_dtype = recipe.fp8_dtype(Role.GRAD_OUTPUT)
+    history, scale = _states(spec, members, forward=False, after=grad_outputs_hp[0])  # (m, 1, len), (m, 1)
+    if not spec.update:
+        new_scales = scale[:, 0].clone()
+    else:
+        new_scales = scale_from_history(history[:, 0], scale[:, 0], fp8_dtype, recipe.margin,
+                                        recipe.amax_compute_algo)  # (m,)
+    casts = [(quantize(grad, grad_scale, fp8_dtype), grad_scale, inverse_scale)
+             for grad, grad_scale, inverse_scale in zip(grad_outputs_hp, new_scales,
+                                                        scalars_of(new_scales.reciprocal()))]
+    if not spec.update:
+        return casts
+    _record_states([member.grad_state for member in members], [[row_amaxes(grad.detach())] for grad in grad_outputs_hp],
+                   new_scales[:, None].contiguous(), amax_reduction(recipe.reduce_amax))
+    return casts
+
+
+class _LinearsFP8(torch.autograd.Function):
+    """``outputs_i = input @ weight_i^T + bias_i`` for the members of one call (see the module's doc)."""
+
+    @staticmethod
+    def forward(ctx, input_hp, spec: CallSpec, members: tuple[Member, ...], *weights_and_biases):
+        count = len(members)
+        weights_hp, biases_hp = weights_and_biases[:count], weights_and_biases[count:]
+        recipe = spec.recipe
+        device_type = input_hp.device.type
+        # Under autocast F.linear returns the autocast dtype; so does this.
+        output_dtype = autocast_dtype(device_type) or input_hp.dtype
+        in_features = weights_hp[0].shape[1]
+        lead_shape = input_hp.shape[:-1]
+        needs_grad_input = ctx.needs_input_grad[0]
+        needs_grad_weight = [ctx.needs_input_grad[3 + i] for i in range(count)]
+        with torch.autocast(device_type, enabled=False):
+            input_hp_2d = input_hp.reshape(-1, in_features)  # (M, K)
+            if spec.delayed:
+                input_fp8, input_scale, input_inverse_scale, weights = _cast_forward_delayed(
+                    spec, input_hp_2d, weights_hp, members)
+            else:
+                input_fp8, input_scale, input_inverse_scale = _cast_current(spec, input_hp_2d, Role.INPUT)
+                weights = [_cast_weight_current(spec, w, m) for w, m in zip(weights_hp, members)]
+            input_fp8 = spec.gemm_operand(input_fp8)
+            # grad_weight reads the input column-major: its transposed copy, written now and kept
+            # instead of the row-major one (fp8graph.targets.partitioning keeps it in the forward).
+            input_fp8_t = (spec.transposed(input_fp8, input_hp_2d, input_scale, Role.INPUT)
+                           if any(needs_grad_weight) else None)
+            input_inverse_scale_forward = spec.kept(input_inverse_scale, input_fp8_t)
+            outputs, saved_weights = [], []
+            for (weight_fp8, weight_scale, weight_inverse_scale, source), weight_hp, bias_hp in zip(
+                    weights, weights_hp, biases_hp):
+                weight_fp8 = spec.gemm_operand(weight_fp8)
+                # grad_input reads weight_i column-major: its transposed copy, likewise.
+                weight_fp8_t = (spec.transposed(weight_fp8, source, weight_scale, Role.WEIGHT)
+                                if needs_grad_input else None)
+                # output_i = input @ weight_i_t  (M, N_i); fast accumulation is accurate
+                # enough for the forward GEMM, as Transformer Engine does.
+                output = scaled_gemm_by_inverse(input_fp8, input_inverse_scale_forward, weight_fp8.t(),
+                                                spec.kept(weight_inverse_scale, weight_fp8_t), output_dtype,
+                                                spec.lowering, use_fast_accum=True)
+                if bias_hp is not None:
+                    output = output + bias_hp.to(output_dtype)
+                outputs.append(output.reshape(*lead_shape, weight_hp.shape[0]))
+                saved_weights += [weight_fp8_t, weight_inverse_scale]
+            for member, weight_hp, (weight_fp8, weight_scale, _, _) in zip(members, weights_hp, weights):
+                if member.stats is not None:
+                    record_health(member.stats, Role.WEIGHT, weight_hp, weight_fp8, weight_scale, recipe)
+            _record_shared_health([m.stats for m in members], Role.INPUT, input_hp_2d, input_fp8, input_scale,
+                                  recipe)
+        # The backward's GEMMs read the dequantization factors only: no reciprocal there.
+        ctx.save_for_backward(input_fp8_t, input_inverse_scale, *saved_weights)
+        ctx.spec, ctx.members = spec, members
+        ctx.input_dtype = input_hp.dtype
+        ctx.weight_dtypes = [w.dtype for w in weights_hp]
+        ctx.bias_dtypes = [None if b is None else b.dtype for b in biases_hp]
+        ctx.lead_shape = lead_shape
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs_hp):
+        input_fp8_t, input_inverse_scale, *saved_weights = ctx.saved_tensors
+        spec: CallSpec = ctx.spec
+        count = len(ctx.members)
+        needs_grad_input = ctx.needs_input_grad[0]
+        grad_input, grad_weights, grad_biases = None, [None] * count, [None] * count
+        with torch.autocast(grad_outputs_hp[0].device.type, enabled=False):
+            grad_outputs_hp_2d = [grad.reshape(-1, grad.shape[-1]) for grad in grad_outputs_hp]  # (M, N_i)
+            casts = _cast_grad_outputs(spec, grad_outputs_hp_2d, ctx.members)
+            for i, (member, grad_output_hp_2d, (grad_output_fp8, grad_output_scale, grad_output_inverse_scale)) in \
+                    enumerate(zip(ctx.members, grad_outputs_hp_2d, casts)):
+                weight_fp8_t, weight_inverse_scale = saved_weights[2 * i], saved_weights[2 * i + 1]
+                grad_output_fp8 = spec.gemm_operand(grad_output_fp8)
+                if member.stats is not None:
+                    record_health(member.stats, Role.GRAD_OUTPUT, grad_output_hp_2d, grad_output_fp8,
+                                  grad_output_scale, spec.recipe)
+                if needs_grad_input:
+                    # grad_input += grad_output_i @ weight_i  (M, K); split accumulation.
+                    term = scaled_gemm_by_inverse(grad_output_fp8, grad_output_inverse_scale, weight_fp8_t.t(),
+                                                  weight_inverse_scale, ctx.input_dtype, spec.lowering)
+                    grad_input = term if grad_input is None else grad_input + term
+                if ctx.needs_input_grad[3 + i]:
+                    # grad_weight_i = grad_output_i_t @ input  (N_i, K)
+                    grad_output_fp8_t = spec.transposed(grad_output_fp8, grad_output_hp_2d, grad_output_scale,
+                                                        Role.GRAD_OUTPUT)
+                    grad_weights[i] = scaled_gemm_by_inverse(grad_output_fp8_t, grad_output_inverse_scale,
+                                                             input_fp8_t.t(), input_inverse_scale,
+                                                             ctx.weight_dtypes[i], spec.lowering)
+                if ctx.needs_input_grad[3 + count + i] and ctx.bias_dtypes[i] is not None:
+                    grad_biases[i] = grad_output_hp_2d.sum(0, dtype=torch.float32).to(ctx.bias_dtypes[i])
+        if grad_input is not None:
+            grad_input = grad_input.reshape(*ctx.lead_shape, grad_input.shape[-1])
+        return grad_input, None, None, *grad_weights, *grad_biases
+
+
+def record_health(stats: torch.Tensor, role: Role, x_hp, x_fp8, scale, recipe: Recipe) -> None:
+    """Write the health of one cast into row ``role`` of the module's stats buffer, in place."""
+    _record_shared_health([stats], role, x_hp, x_fp8, scale, recipe)
+
+
+def _record_shared_health(stats_buffers, role: Role, x_hp, x_fp8, scale, recipe: Recipe) -> None:
+    """One cast's health, computed once, into the stats of every member that keeps stats."""
+    buffers = [stats for stats in stats_buffers if stats is not None]
+    if buffers:
+        health = quantization_health(x_hp, x_fp8, scale, recipe.fp8_dtype(role))
+        for stats in buffers:
+            stats[ROLES.index(role)].copy_(health)
+
+
+def target_name(kind: str, recipe_name: str, lowering_name: str) -> str:
+    """A graph target's name: ``fp8graph_<kind>_<recipe>_<lowering>`` as an identifier."""
+    label = "".join(ch if ch.isalnum() else "_" for ch in f"{recipe_name}_{lowering_name}")
+    while "__" in label:
+        label = label.replace("__", "_")
+    return f"fp8graph_{kind}_{label.strip('_')}"
+
+
+def _label(recipe: Recipe, update: bool, in_checkpoint: bool, weight_cache: str | None) -> str:
+    label = recipe.name if update else f"{recipe.name}_frozen"
+    label = f"{label}_checkpointed" if in_checkpoint else label
+    return f"{label}_{weight_cache}_cached_weight" if weight_cache else label
+
+
+def _members(count, stats, histories, scales, grad_histories, grad_scales, cached_weights, cached_weight_scales,
+             weight_cache):
+    def entries(values):
+        return [None] * count if values is None else list(values)
+
+    return tuple(Member(state=None if history is None else (history, scale),
+                        grad_state=None if grad_history is None else (grad_history, grad_scale),
+                        weight_cache=None if cached is None else (weight_cache, cached, cached_scale),
+                        stats=stats_buffer)
+                 for stats_buffer, history, scale, grad_history, grad_scale, cached, cached_scale in zip(
+                     entries(stats), entries(histories), entries(scales), entries(grad_histories),
+                     entries(grad_scales), entries(cached_weights), entries(cached_weight_scales)))
+
+
+@functools.cache
+def linears_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True, in_checkpoint: bool = False,
+                       weight_cache: str | None = None) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The graph target for a group of sites that read one input, with ``recipe`` lowered by ``lowering``.
+
+    Called as ``linears_fp8(input_hp, weights, biases, stats=None, histories=None, scales=None,
+    grad_histories=None, grad_scales=None, cached_weights=None, cached_weight_scales=None)`` with one entry
+    per site in each list (``None``
+    where a site has no such buffer); returns the sites' outputs. ``update=False`` (graphs compiled
+    without gradients) only reads delayed-scaling state; ``in_checkpoint`` marks sites inside a
+    ``torch.utils.checkpoint`` region; ``weight_cache`` (``"fill"`` or ``"reuse"``) makes the sites write
+    or read their weights' FP8 copies (``fp8graph.buffers.weight_cache``).
+    """
+
+    def linears_fp8(input_hp, weights_hp, biases_hp, stats=None, histories=None, scales=None,
+                    grad_histories=None, grad_scales=None, cached_weights=None, cached_weight_scales=None):
+        members = _members(len(weights_hp), stats, histories, scales, grad_histories, grad_scales,
+                           cached_weights, cached_weight_scales, weight_cache)
+        has_state = any(member.state is not None for member in members)
+        spec = CallSpec(recipe, lowering, update or not has_state, snapshot=in_checkpoint and has_state)
+        return _LinearsFP8.apply(input_hp, spec, members, *weights_hp, *biases_hp)
+
+    linears_fp8.__name__ = target_name("linears", _label(recipe, update, in_checkpoint, weight_cache),
+                                       lowering.value)
+    linears_fp8.recipe = recipe
+    linears_fp8.lowering = lowering
+    return register_target(linears_fp8, recipe, lowering, update, in_checkpoint, weight_cache)
+
+
+@functools.cache
+def linear_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
+                      in_checkpoint: bool = False, weight_cache: str | None = None) -> Callable[..., torch.Tensor]:
+    """The graph target for a site with ``recipe`` lowered by ``lowering``: one member of
+    :func:`linears_fp8_target`, called like ``F.linear`` plus the site's buffers.
+
+    FX graphs can only hold primitive constants as arguments, so the recipe
+    and lowering are bound into a function with a readable name, which the
+    rewritten graph's code then shows (``fp8graph_linear_current_HYBRID_emulated``).
+    Delayed-scaling sites also take their ``history``, ``scale``, ``grad_history`` and ``grad_scale`` buffers.
+    """
+    group = linears_fp8_target(recipe, lowering, update, in_checkpoint, weight_cache)
+
+    def linear_fp8(input_hp, weight_hp, bias_hp=None, stats=None, history=None, scale=None, grad_history=None,
+                   grad_scale=None, cached_weight=None, cached_weight_scale=None):
+        def one(value):
+            return None if value is None else [value]
+
+        (output,) = group(input_hp, [weight_hp], [bias_hp], one(stats), one(history), one(scale),
+                          one(grad_history), one(grad_scale), one(cached_weight), one(cached_weight_scale))
+        return output
+
+    linear_fp8.__name__ = target_name("linear", _label(recipe, update, in_checkpoint, weight_cache), lowering.value)
+    linear_fp8.recipe = recipe
+    linear_fp8.lowering = lowering
+    return register_target(linear_fp8, recipe, lowering, update, in_checkpoint, weight_cache)

@@ -1,0 +1,234 @@
+"""The benchmark and the demo run end to end in their smallest CPU configurations."""
+
+import contextlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def _run_bench(workload, out_dir, *options):
+    """``python -m bench WORKLOAD --smoke OPTIONS``; the raw result it wrote."""
+    subprocess.run([sys.executable, "-m", "bench", workload, "--smoke", *options, "--out", str(out_dir)],
+                   check=True, capture_output=True, text=True)
+    [path] = out_dir.glob("*.json")
+    return json.loads(path.read_text())
+
+
+def _errors(result):
+    """Failed contestants: the benchmark records them and goes on; a smoke run must have none."""
+    return [(row["contestant"], row["error"]) for row in result["rows"] if "error" in row]
+
+
+def test_linear_benchmark_smoke_writes_raw_results(tmp_path):
+    result = _run_bench("linear", tmp_path)
+    assert _errors(result) == [] and result["complete"]  # written after each shape, then completed
+    assert result["environment"]["torch"] and result["environment"]["date"]
+    assert {r["contestant"] for r in result["rows"]} == {
+        "bf16 eager", "bf16 torch.compile (aot_eager)", "fp8graph current (aot_eager)",
+        "fp8graph rowwise (aot_eager)", "fp8graph block (aot_eager)", "fp8graph mxfp8 (aot_eager)",
+        "fp8graph delayed (aot_eager)", "fp8graph current, cached weight (aot_eager)",
+        "torchao tensorwise (aot_eager)", "torchao rowwise (aot_eager)"}
+    assert all(len(r["timings_ms"]) == result["repeats"] for r in result["rows"])
+    assert result["targets"] == []  # the smoke shape is none of the Llama-3-8B shapes the target names
+
+
+def test_quantize_benchmark_smoke_writes_raw_results(tmp_path):
+    result = _run_bench("quantize", tmp_path)
+    assert _errors(result) == []
+    contestants = [r["contestant"] for r in result["rows"]]
+    # The copy; the RMSNorm alone and the current and delayed casts (one layout; two, transposed by Inductor's
+    # code and by fp8graph's FP8 transpose; after the RMSNorm, in one and two layouts); four tilings by Inductor
+    # in one and two layouts (no kernel off CUDA).
+    assert contestants[0] == "device-to-device copy" and len(contestants) == 20
+    assert all(r["gb_per_s"] > 0 and len(r["timings_ms"]) == result["repeats"] for r in result["rows"])
+    # Judged: what fp8graph runs on CUDA (here the code Inductor writes for per-tensor, row-wise and MX).
+    assert [v["case"] for v in result["targets"]] == [
+        "current (per tensor)", "delayed (per tensor)",
+        "delayed (per tensor), both layouts, transposed by fp8graph::transpose_fp8",
+        "rmsnorm + delayed cast", "rowwise (aot_eager)", "mxfp8 1x32 (aot_eager)"]
+
+
+@pytest.mark.parametrize("steps", [4])
+def test_demo_trains_both_runs_and_writes_the_plot(tmp_path, steps):
+    completed = subprocess.run(
+        [sys.executable, "-m", "fp8graph", "demo", "--steps", str(steps), "--batch-size", "2",
+         "--seq-len", "32", "--out", str(tmp_path)],
+        check=True, capture_output=True, text=True)
+    # The high precision is this CPU's faster one (BF16 where it has BF16 matrix units): named with its reason.
+    [chosen] = re.findall(r"high precision: (BF16|FP32) \((.*?)\)", completed.stdout.replace("\n", " "))
+    reference, reason = chosen
+    assert "matmul took" in reason and "ms in BF16" in reason
+    assert "FP8: final training loss" in completed.stdout
+    assert f"{reference}: final training loss" in completed.stdout
+    assert "29 of 29 sites in FP8" in completed.stdout
+    for phase in ("build the models", "FP8: compile, first 2 steps", "FP8: other 2 steps",
+                  f"{reference}: compile, first 1 step", "explain and the HTML report", "sum of the phases"):
+        assert phase in completed.stdout
+    assert (tmp_path / "loss_curve.png").stat().st_size > 10_000
+    assert (tmp_path / "fp8_health.png").stat().st_size > 10_000
+
+
+def test_demo_baseline_is_the_faster_precision_and_says_why():
+    from fp8graph.apps.demo_baseline import choose_baseline
+
+    cpu, cuda, shape = torch.device("cpu"), torch.device("cuda"), (2048, 128, 352)
+    slow_bf16 = choose_baseline(cpu, "auto", shape, timer=lambda dtype, *mkn: 0.1 if dtype == torch.bfloat16 else 0.001)
+    assert slow_bf16.dtype == torch.float32 and "100.00 ms in BF16 and 1.00 ms in fp32" in slow_bf16.reason
+    fast_bf16 = choose_baseline(cpu, "auto", shape, timer=lambda dtype, *mkn: 0.001 if dtype == torch.bfloat16 else 0.002)
+    assert fast_bf16.dtype == torch.bfloat16 and fast_bf16.name == "BF16"
+    # Slower, but not emulation-slow (noise on a small shape): BF16 stays the baseline.
+    noisy = choose_baseline(cpu, "auto", shape, timer=lambda dtype, *mkn: 0.0019 if dtype == torch.bfloat16 else 0.001)
+    assert noisy.dtype == torch.bfloat16
+    assert choose_baseline(cuda, "auto", shape, timer=None).dtype == torch.bfloat16  # never timed on a GPU
+    assert choose_baseline(cpu, "fp32", shape, timer=None).name == "FP32"
+    assert isinstance(choose_baseline(cpu, "fp32", shape, timer=None).autocast(cpu), contextlib.nullcontext)
+    with pytest.raises(ValueError, match="--precision must be auto, bf16 or fp32"):
+        choose_baseline(cpu, "fp16", shape)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set limits")
+def test_demo_picks_fp32_on_a_cpu_without_bf16_matrix_units():
+    # oneDNN and MKL limited to AVX2, ATen's kernels too: how the demo sees an AVX2-only EPYC. The BF16
+    # matmul then falls back to ATen's reference GEMM, which the measurement must catch.
+    avx2_only = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                 "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    completed = subprocess.run(
+        [sys.executable, "-c", "import torch; from fp8graph.apps.demo_baseline import choose_baseline; "
+                               "print(choose_baseline(torch.device('cpu'), 'auto', (2048, 128, 352)))"],
+        env=avx2_only, check=True, capture_output=True, text=True)
+    assert "dtype=torch.float32" in completed.stdout and "BF16 is emulated here" in completed.stdout
+
+
+def test_decoder_benchmark_smoke_writes_raw_results(tmp_path):
+    # One contestant of each kind of code path: fp8graph (under an Inductor setting named with it), fp8graph
+    # with state, torchao. Each contestant in a process of its own, profiled.
+    result = _run_bench("decoder", tmp_path, "--contestants", "current +combo_kernels", "delayed",
+                        "torchao tensorwise", "--profile")
+    assert _errors(result) == [] and result["complete"] and result["process_per_contestant"]
+    assert [r["contestant"] for r in result["rows"]] == ["bf16", "current +combo_kernels", "delayed",
+                                                         "torchao tensorwise"]
+    assert result["rows"][1]["inductor_settings"] == {"combo_kernels": True}
+    assert result["layers"] == 2  # the tiny config's
+    for row in result["rows"]:
+        assert row["train_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0
+        assert row["compile_cold_s"] > 0 and row["compile_warm_s"] > 0
+        assert row["saved_gb"] > 0
+        assert len(row["train_timings_ms"]) == result["repeats"]
+        assert row["profile"]["by_category_ms"]["gemm other"] > 0 and row["profile"]["top"]
+    judged = {(v["target"], v["case"]) for v in result["targets"]}
+    assert ("training tokens/s over torchao tensorwise", "delayed") in judged
+    assert not any("peak memory" in target for target, _ in judged)  # no peak memory off CUDA
+
+
+def test_decoder_contestant_names_carry_inductor_settings_and_bad_ones_are_refused():
+    from bench.decoder import parse_contestant
+
+    assert parse_contestant("torchao tensorwise -loop_ordering_after_fusion") == (
+        "torchao tensorwise", {"loop_ordering_after_fusion": False})
+    assert parse_contestant("delayed +cooperative_reductions +combo_kernels") == (
+        "delayed", {"triton.cooperative_reductions": True, "combo_kernels": True})
+    # The like-for-like references of regional compilation.
+    assert parse_contestant("bf16 per-block") == ("bf16 per-block", {})
+    assert parse_contestant("current whole +combo_kernels") == ("current whole", {"combo_kernels": True})
+    with pytest.raises(ValueError, match="unknown contestant 'currant'"):
+        parse_contestant("currant +combo_kernels")
+    with pytest.raises(ValueError, match="unknown Inductor setting 'fast'"):
+        parse_contestant("current +fast")
+
+
+@pytest.mark.parametrize("config,layers,expected", [("bench-8b-layer", None, 4), ("bench-8b-layer", 6, 6),
+                                                     ("llama3-8b", None, 32)])
+def test_the_decoder_benchmark_builds_the_layers_it_is_asked_for(config, layers, expected):
+    import torch
+
+    from bench.decoder import build_model
+
+    model = build_model({"config": config, "layers": layers, "device": torch.device("meta"), "dtype": torch.bfloat16})
+    assert len(model.model.layers) == expected and model.config.num_hidden_layers == expected
+    assert next(model.parameters()).dtype == torch.bfloat16
+    if config == "llama3-8b":  # the whole model: 8.03 billion parameters, its 128256-token vocabulary
+        assert model.config.vocab_size == 128256
+        assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 8.03
+
+
+def test_the_per_block_compile_backends_are_refused_for_a_model_without_layers(tmp_path):
+    import argparse
+
+    from bench.compile_time import run
+
+    args = argparse.Namespace(smoke=True, deep=False, backends=["inductor", "inductor per-block"], repeats=1,
+                              out=tmp_path)
+    with pytest.raises(SystemExit, match="decoder layers"):
+        run(args)
+
+
+def test_compile_time_benchmark_smoke_measures_cold_and_warm(tmp_path):
+    result = _run_bench("compile", tmp_path)
+    assert [r["backend"] for r in result["rows"]] == ["inductor", "fp8"]
+    for row in result["rows"]:
+        # A warm start reuses the cache the cold one filled.
+        assert 0 < row["compile_warm_s"] < row["compile_cold_s"]
+    assert [v["case"] for v in result["targets"]] == ["cold", "warm"]
+
+
+def test_deep_compile_time_benchmark_smoke_compares_regions_with_whole_model_compiles(tmp_path):
+    """The deep case's machinery (3 layers here): every backend measured cold and warm, ratios to the first.
+
+    Smoke timings mean nothing (one sample, tiny model); the 12-layer figure is ``--deep`` without ``--smoke``.
+    """
+    result = _run_bench("compile", tmp_path, "--deep", "--backends", "inductor", "fp8", "fp8 whole",
+                        "inductor per-block")
+    assert result["layers"] == 3 and result["model"] == "llama tiny, 3 layers, sequence 16"
+    rows = {row["backend"]: row for row in result["rows"]}
+    assert list(rows) == ["inductor", "fp8", "fp8 whole", "inductor per-block"]
+    for row in rows.values():
+        assert row["compile_cold_s"] > 0 and row["compile_warm_s"] > 0
+        assert row["cold_vs_inductor"] == pytest.approx(row["compile_cold_s"] / rows["inductor"]["compile_cold_s"])
+    assert [v["case"] for v in result["targets"]] == ["cold", "warm"]  # held to 1.30x below 12 layers
+
+
+def test_show_prints_stored_results_with_their_verdicts(tmp_path):
+    _run_bench("quantize", tmp_path)
+    [path] = tmp_path.glob("quantize-*.json")
+    shown = subprocess.run([sys.executable, "-m", "bench", "show", str(path)],
+                           check=True, capture_output=True, text=True).stdout
+    assert "| contestant | median ms |" in shown
+    assert "Targets (smoke run: not meaningful):" in shown and "fraction of copy bandwidth" in shown
+
+
+@pytest.mark.parametrize("option", ["--steps", "--stats-every", "--batch-size", "--seq-len"])
+def test_demo_refuses_counts_below_one(option, capsys):
+    import argparse
+
+    from fp8graph.apps import demo
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([option, "0"])
+    assert f"argument {option}: must be at least 1, not 0" in capsys.readouterr().err
+
+
+def test_loss_figure_shows_the_gap_and_single_steps():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from fp8graph.inspection.loss_plot import loss_figure
+
+    fp8, reference = [3.0 - 0.01 * i for i in range(40)], [3.0 - 0.012 * i for i in range(40)]
+    loss_axis, gap_axis = loss_figure(fp8, reference, "FP32").axes
+    assert [line.get_label() for line in loss_axis.get_lines()] == ["FP8 (final 2.610)", "FP32 (final 2.532)"]
+    per_step, mean = [line for line in gap_axis.get_lines() if not line.get_label().startswith("_")]
+    assert list(per_step.get_ydata()) == pytest.approx([f - r for f, r in zip(fp8, reference)])
+    assert mean.get_label() == "mean of 2 steps"
+    assert mean.get_ydata()[-1] == pytest.approx((0.002 * 39 + 0.002 * 38) / 2)
+    # One step: points, not invisible one-point lines; no "mean of 1 step" repeating the raw gap.
+    loss_axis, gap_axis = loss_figure([3.0], [2.5], "BF16").axes
+    assert all(line.get_marker() == "o" for line in loss_axis.get_lines())
+    assert [line.get_label() for line in gap_axis.get_lines() if not line.get_label().startswith("_")] == ["per step"]

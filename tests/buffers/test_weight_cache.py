@@ -1,0 +1,187 @@
+"""cache_weights=True: each weight quantized once per change, not once per call.
+
+    micro-batch 1 after a step  -> fill graph: quantize the weights, keep the FP8 copies
+    micro-batches 2..n          -> reuse graph: read the copies
+    optimizer step, load_state_dict, any in-place change -> the next call fills again
+
+The cached run must equal the uncached one bit for bit.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import fp8graph
+from fp8graph.models import build
+from fp8graph.buffers.weight_cache import CACHED_SCALE_PREFIX, CACHED_WEIGHT_PREFIX
+
+MICRO_BATCHES, STEPS = 3, 3
+AMAX_REDUCTION = "max_propagate_nan"  # one call per reduced vector in Inductor's C++ (see test_inference)
+
+
+def _accumulate(model, compiled, generator):
+    """Gradient accumulation: STEPS optimizer steps of MICRO_BATCHES micro-batches; losses and modes."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, reused = [], []
+    cache = compiled.fp8graph_backend.weight_cache
+    for _ in range(STEPS):
+        for _ in range(MICRO_BATCHES):
+            loss = compiled(torch.randn(32, 64, generator=generator)).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+            reused.append(cache.reuse)
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, reused
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_gradient_accumulation_with_cached_weights_equals_without(compiler):
+    model = build("mlp", "tiny")
+    cached_model = copy.deepcopy(model)
+    losses, _ = _accumulate(model, fp8graph.compile(model, compiler=compiler), torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    compiled = fp8graph.compile(cached_model, compiler=compiler, cache_weights=True)
+    cached_losses, reused = _accumulate(cached_model, compiled, torch.Generator().manual_seed(1))
+    assert cached_losses == losses
+    for name, param in model.named_parameters():
+        assert torch.equal(dict(cached_model.named_parameters())[name], param), name
+    # The first micro-batch after each step fills, the others reuse; one graph of each kind.
+    assert reused == [False, True, True] * STEPS
+    assert compiled.fp8graph_backend.graph_count == 2
+    # After the last step the copies are stale until the next call fills them with the
+    # current weights' quantization (up and mid; head's N=10 stays in high precision).
+    with torch.no_grad():
+        compiled(torch.randn(32, 64))
+    assert not compiled.fp8graph_backend.weight_cache.reuse
+    for module in (cached_model.up, cached_model.mid):
+        weight_fp8, scale = fp8graph.numerics.quantize.quantize_current(module.weight.detach(), torch.float8_e4m3fn)
+        assert torch.equal(getattr(module, CACHED_WEIGHT_PREFIX + "weight").view(torch.uint8),
+                           weight_fp8.view(torch.uint8))
+        assert torch.equal(getattr(module, CACHED_SCALE_PREFIX + "weight"), scale)
+    assert not hasattr(cached_model.head, CACHED_WEIGHT_PREFIX + "weight")
+
+
+@pytest.mark.inductor
+def test_the_reuse_graph_does_not_quantize_the_weights():
+    model = build("mlp", "tiny")
+    compiled = fp8graph.compile(model, compiler="inductor", cache_weights=True)
+    x = torch.randn(32, 64)
+    with torch.no_grad():
+        _, fill_code = run_and_get_code(compiled, x)
+        _, reuse_code = run_and_get_code(compiled, x)
+    fill_reductions, reuse_reductions = ("\n".join(code).count(AMAX_REDUCTION) for code in (fill_code, reuse_code))
+    # Per call: fill reduces both inputs and both weights, reuse only the two inputs.
+    assert fill_reductions == 2 * reuse_reductions > 0
+
+
+def test_any_in_place_change_of_a_weight_refills():
+    model = build("mlp", "tiny")
+    compiled = fp8graph.compile(model, compiler="aot_eager", cache_weights=True)
+    cache = compiled.fp8graph_backend.weight_cache
+    x = torch.randn(8, 64)
+    modes = []
+
+    def call():
+        with torch.no_grad():
+            output = compiled(x)
+        modes.append("reuse" if cache.reuse else "fill")
+        return output
+
+    first = call()
+    call()
+    with torch.no_grad():
+        model.mid.weight.mul_(2)  # an in-place change bumps the version counter
+    doubled = call()
+    model.load_state_dict(build("mlp", "tiny").state_dict())  # back to the original weights
+    restored = call()
+    call()
+    model.mid.weight.data = model.mid.weight.data * 3  # bypasses the version counter: unseen ...
+    cache.invalidate()  # ... until invalidated
+    tripled = call()
+    assert modes == ["fill", "reuse", "fill", "fill", "reuse", "fill"]
+    assert torch.equal(restored, first)
+    reference = fp8graph.compile(copy.deepcopy(model), compiler="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(tripled, reference(x))
+    assert not torch.equal(doubled, first)
+
+
+def test_tied_weights_share_one_copy_and_other_recipes_have_none():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+            self.second.weight = self.first.weight
+            self.rowwise = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.rowwise(self.second(x))
+
+    model = Tied()
+    policy = fp8graph.Policy(rules=[("rowwise", fp8graph.Float8RowwiseScaling())])
+    compiled = fp8graph.compile(model, policy=policy, compiler="aot_eager", cache_weights=True)
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        outputs = [compiled(x) for _ in range(2)]
+    assert len(compiled.fp8graph_backend.weight_cache) == 1  # first.weight; second holds it too
+    assert not hasattr(model.second, CACHED_WEIGHT_PREFIX + "weight")
+    assert not hasattr(model.rowwise, CACHED_WEIGHT_PREFIX + "weight")
+    assert torch.equal(outputs[0], outputs[1])
+    first_copy = getattr(model.first, CACHED_WEIGHT_PREFIX + "weight")
+    assert first_copy.view(torch.uint8).any()  # filled through the second holder's call
+
+
+def test_cache_weights_is_refused_where_it_cannot_work():
+    with pytest.raises(ValueError, match="choose one"):
+        fp8graph.compile(build("mlp", "tiny"), cache_weights=True, freeze_weights=True)
+    with pytest.raises(ValueError, match="cache_weights=True needs an nn.Module"):
+        fp8graph.compile(lambda x: x, cache_weights=True)
+    with pytest.raises(ValueError, match="has none"):
+        fp8graph.compile(torch.nn.Linear(32, 32), cache_weights=True)
+
+
+def test_cached_weights_under_activation_checkpointing_match_uncached():
+    """A checkpointed region's forward is replayed in backward; the replay of a fill
+    rewrites the same copies, and losses and gradients stay those of the uncached run."""
+    base = build("llama", "tiny")
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def run(cache_weights):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        compiled = fp8graph.compile(model, compiler="aot_eager", cache_weights=cache_weights)
+        generator = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(MICRO_BATCHES):
+            tokens = torch.randint(0, 250, (2, 16), generator=generator)
+            loss = compiled(tokens, labels=tokens).loss
+            loss.backward()
+            losses.append(loss.item())
+        return losses, [param.grad for param in model.parameters()], compiled
+
+    losses, grads, _ = run(False)
+    cached_losses, cached_grads, compiled = run(True)
+    assert cached_losses == losses
+    assert all(torch.equal(cached, plain) for cached, plain in zip(cached_grads, grads, strict=True))
+    assert len(compiled.fp8graph_backend.weight_cache) == 14  # every projection; lm_head's N=250 is not FP8
+
+
+def test_explain_after_a_reusing_call_fills_and_reports_every_site():
+    model = build("mlp", "tiny")
+    compiled = fp8graph.compile(model, compiler="aot_eager", cache_weights=True)
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        expected = compiled(x)
+        compiled(x)
+    assert compiled.fp8graph_backend.weight_cache.reuse
+    with torch.no_grad():
+        model.up.weight.zero_()  # a change the explain run must not read stale copies over
+        model.up.weight.add_(1)
+    report = fp8graph.explain(compiled, x)
+    assert [r.recipe is not None for r in report] == [True, True, False]
+    assert getattr(model.up, CACHED_WEIGHT_PREFIX + "weight").float().unique().numel() == 1  # all ones, scaled
+    with torch.no_grad():
+        assert not torch.equal(compiled(x), expected)

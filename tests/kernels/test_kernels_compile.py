@@ -1,0 +1,127 @@
+"""Every Triton kernel fp8graph launches compiles for Hopper (sm_90) and Blackwell (sm_100), without a GPU.
+
+Each case builds the launch fp8graph would make (``plan_quantize_tiles``,
+``plan_quantize_tiles_both``) for an operand of a recipe's role, contiguous or
+transposed, BF16, fp32 or fp16, at a token count divisible by 16 and at one
+that is not (Triton specializes integer arguments on divisibility), then
+compiles it to a cubin with the launch's own specialization
+(``tests/triton_targets.py``).
+
+What this proves: the kernels compile for the GPU (the interpreter, which the
+numerics tests use, accepts code a GPU compile refuses, such as a
+non-constexpr global); they keep every value in registers (no local-memory
+spills); contiguous loads are 16-byte vector loads. What it does not: speed
+or numerics on a GPU (``python -m bench quantize`` and ``tests/test_gpu.py``).
+"""
+
+import pytest
+import torch
+
+from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
+from fp8graph.numerics.formats import ROLES
+from fp8graph.kernels.quantize_tiles import plan_quantize_tiles, plan_quantize_tiles_both, triton_available
+from fp8graph.numerics.tiles import ScaleKind, Tiling
+
+from triton_targets import GPU_CAPABILITIES, compile_launch, resource_usage
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+
+RECIPES = [Float8RowwiseScaling(), Float8RowwiseScaling(power_2_scales=False), Float8BlockScaling(),
+           Float8BlockScaling(power_2_scales=False), MXFP8BlockScaling()]
+# Every tiling a recipe gives a role (row-wise, 1x128, 128x128, MX 1x32; exact and power-of-2 scales).
+TILINGS = sorted({recipe.tiling(role) for recipe in RECIPES for role in ROLES}, key=repr)
+# (rows, columns): tokens divisible by 16 and not; 128-row tiles need rows in 128s.
+SHAPES = {1: [(4096, 1024), (200, 384)], 128: [(1024, 512), (256, 384)]}
+
+
+# Operand dtypes: BF16 models, and fp32 ones (master weights and fp32 inputs under autocast reach the
+# linear in fp32: it quantizes with autocast off); fp16 for the plain layout.
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def _launch_cases():
+    for tiling in TILINGS:
+        for rows, columns in SHAPES[tiling.rows]:
+            for dtype in DTYPES:
+                layouts = [("contiguous", "one layout")] if dtype == "fp16" else [
+                    ("contiguous", "one layout"), ("transposed", "one layout")]
+                if tiling.cols == 128 and dtype != "fp16":
+                    layouts.append(("contiguous", "both layouts"))
+                for layout, count in layouts:
+                    yield pytest.param(tiling, (rows, columns), dtype, layout, count,
+                                       id=f"{tiling.label}-{tiling.scale_kind.value}-{rows}x{columns}-{dtype}-"
+                                          f"{layout if count == 'one layout' else 'both'}")
+
+
+def _launch(tiling, shape, dtype, layout, layouts):
+    rows, columns = shape
+    if layout == "transposed":  # an (R, C) operand that is the transpose of a row-major (C, R) tensor
+        x = torch.empty(columns, rows, dtype=DTYPES[dtype]).t()
+    else:
+        x = torch.empty(rows, columns, dtype=DTYPES[dtype])
+    plan = plan_quantize_tiles_both if layouts == "both layouts" else plan_quantize_tiles
+    launch, _ = plan(x, tiling)
+    return launch
+
+
+@pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
+@pytest.mark.parametrize("tiling,shape,dtype,layout,layouts", list(_launch_cases()))
+def test_every_quantize_launch_compiles_to_a_cubin_without_spills(tiling, shape, dtype, layout, layouts, capability):
+    launch = _launch(tiling, shape, dtype, layout, layouts)
+    assert launch.constexprs["SOFTWARE_ROUNDING"] is False  # what a GPU runs
+    compiled = compile_launch(launch, capability)
+    assert compiled.asm["cubin"], "no cubin"
+    usage = resource_usage(compiled)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
+    if layout == "contiguous":
+        assert "ld.global.v4.b32" in compiled.asm["ptx"], "contiguous rows are not read as 16-byte vectors"
+
+
+def test_the_cast_is_the_hardwares_saturating_round_to_nearest_even():
+    launch = _launch(Tiling(1, 128, ScaleKind.POWER_2), (4096, 1024), "bf16", "contiguous", "both layouts")
+    assert "cvt.rn.satfinite.e4m3x2.f32" in compile_launch(launch, 90).asm["ptx"]
+
+
+def test_a_kernel_reading_a_non_constexpr_global_fails_to_compile_here():
+    """The check reproduces the H100 run's error: a global float read inside a kernel."""
+    from triton.compiler.errors import CompilationError
+
+    from fp8graph.kernels.quantize_tiles import KernelLaunch
+    from kernels_with_errors import read_global_kernel
+
+    launch = KernelLaunch(read_global_kernel, (1,), (torch.empty(128),), {"BLOCK": 128})
+    with pytest.raises(CompilationError, match="Cannot access global variable"):
+        compile_launch(launch, 90)
+
+
+@pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
+@pytest.mark.parametrize("shape", [(4096, 14336), (200, 384), (4096, 1000)], ids=lambda shape: f"{shape[0]}x{shape[1]}")
+def test_the_fp8_transpose_compiles_to_a_cubin_with_vector_loads_and_stores(shape, capability):
+    """``fp8graph::transpose_fp8`` (the transposed layout of a delayed cast): a cubin without spills whose
+    loads and stores are 16-byte vectors when both lengths divide by 16 (a byte-wise transpose would run at a
+    fraction of a copy's bandwidth). Not proven here: its speed (``bench quantize`` on a GPU)."""
+    from fp8graph.kernels.transpose_fp8 import plan_transpose_fp8
+
+    launch, _ = plan_transpose_fp8(torch.empty(shape, dtype=torch.float8_e4m3fn))
+    compiled = compile_launch(launch, capability)
+    usage = resource_usage(compiled)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
+    ptx = compiled.asm["ptx"]
+    if all(length % 16 == 0 for length in shape):
+        assert "ld.global.v4.b32" in ptx, "rows are not read as 16-byte vectors"
+        assert "st.global.v4.b32" in ptx, "the transposed rows are not written as 16-byte vectors"
+
+
+@pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
+@pytest.mark.parametrize("members, rows", [(3, 2), (2, 1), (1, 2)], ids=["qkv-forward", "gate-up-backward",
+                                                                         "one-forward"])
+def test_the_delayed_state_kernel_compiles_to_a_cubin_without_spills(members, rows, capability):
+    """``fp8graph::record_delayed_`` (a call's state moved one step): one kernel per member count and
+    recorded rows, which must build for the GPUs fp8graph targets. Not proven here: its speed."""
+    from fp8graph.kernels.delayed_record import plan_record_delayed
+
+    partials = [torch.empty(4096, dtype=torch.bfloat16) for _ in range(members * rows)]
+    launch = plan_record_delayed([torch.zeros(rows, 1024) for _ in range(members)],
+                                 [torch.ones(rows) for _ in range(members)], partials, torch.ones(members, rows))
+    usage = resource_usage(compile_launch(launch, capability))
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"

@@ -1,0 +1,41 @@
+"""``fp8graph::transpose_fp8``: the transposed layout of a delayed cast, read from its FP8 bytes.
+
+The Triton kernel is checked byte for byte by Triton's interpreter here (a
+fresh process, ``TRITON_INTERPRET=1``), compiled for sm_90 and sm_100 in
+``tests/kernels/test_kernels_compile.py``, and run on a GPU in ``tests/test_gpu.py``.
+"""
+
+import pytest
+import torch
+
+from fp8graph.kernels.quantize_tiles import triton_available
+from fp8graph.kernels.transpose_fp8 import transpose_fp8
+from helpers import cases_checked_under_triton_interpreter
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+def test_the_triton_transpose_equals_the_reference_under_the_interpreter():
+    assert cases_checked_under_triton_interpreter("check_transpose_fp8.py") == 24
+
+
+def test_the_op_copies_on_cpu_and_traces_with_its_fake():
+    x_fp8 = torch.randn(48, 80).to(torch.float8_e5m2)
+    x_t_fp8 = transpose_fp8(x_fp8)
+    assert x_t_fp8.is_contiguous() and x_t_fp8.dtype == torch.float8_e5m2
+    assert torch.equal(x_t_fp8.view(torch.uint8), x_fp8.t().contiguous().view(torch.uint8))
+    # Never an alias of its input, even where the transpose of a single row is already contiguous.
+    one_row = torch.randn(1, 16).to(torch.float8_e4m3fn)
+    assert transpose_fp8(one_row).data_ptr() != one_row.data_ptr()
+    # (opcheck's schema test compares outputs by arithmetic, which FP8 dtypes lack on CPU.)
+    torch.library.opcheck(torch.ops.fp8graph.transpose_fp8, (torch.randn(32, 48).to(torch.float8_e4m3fn),),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_the_launcher_refuses_what_it_cannot_transpose():
+    from fp8graph.kernels.transpose_fp8 import plan_transpose_fp8
+
+    if not triton_available():
+        pytest.skip("Triton is not installed")
+    with pytest.raises(ValueError, match="2-D tensor of 1-byte elements"):
+        plan_transpose_fp8(torch.empty(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="2-D tensor of 1-byte elements"):
+        plan_transpose_fp8(torch.empty(2, 4, 4, dtype=torch.float8_e4m3fn))

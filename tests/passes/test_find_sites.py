@@ -1,0 +1,152 @@
+"""Site finding and annotation on small graphs, one op spelling at a time.
+
+Each case is a module whose forward holds one GEMM; the test compiles it with
+the eager compiler and reads the decision the backend made.
+"""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fp8graph.passes.module_paths import _normalize_source_path
+from helpers import compile_fp8, fp8_target_count, sqnr_db
+
+
+class OneGemm(nn.Module):
+    def __init__(self, forward, K=32, N=48, weight_kn=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(K, N) if weight_kn else torch.randn(N, K))
+        self.bias = nn.Parameter(torch.randn(N))
+        self._forward = forward
+
+    def forward(self, x):
+        return self._forward(self, x)
+
+
+REWRITTEN_CASES = {
+    "linear+bias": (lambda m, x: F.linear(x, m.weight, m.bias), False, "linear"),
+    "linear": (lambda m, x: F.linear(x, m.weight), False, "linear"),
+    "matmul-kn": (lambda m, x: torch.matmul(x, m.weight), True, "matmul"),
+    "at-operator-kn": (lambda m, x: x @ m.weight, True, "matmul"),
+    "method-matmul": (lambda m, x: x.matmul(m.weight), True, "matmul"),
+    "matmul-t": (lambda m, x: x @ m.weight.t(), False, "matmul"),
+    "mm-2d": (lambda m, x: torch.mm(x.reshape(-1, x.shape[-1]), m.weight), True, "mm"),
+    "addmm-conv1d": (lambda m, x: torch.addmm(m.bias, x.view(-1, x.size(-1)), m.weight), True, "addmm"),
+}
+
+
+@pytest.mark.parametrize("name", list(REWRITTEN_CASES))
+def test_linear_spellings_are_rewritten_and_match_f_linear(name):
+    forward, weight_kn, op = REWRITTEN_CASES[name]
+    model = OneGemm(forward, weight_kn=weight_kn)
+    x = torch.randn(2, 8, 32)
+    compiled, backend = compile_fp8(model, compiler="eager")
+    out = compiled(x)
+    [decision] = backend.decisions
+    assert decision.rewritten and decision.site.op == op
+    assert (decision.site.M, decision.site.K, decision.site.N) == (16, 32, 48)
+    assert fp8_target_count(backend.graph_modules[0]) == 1
+    expected = forward(model, x)
+    assert out.shape == expected.shape
+    # FP8 of N(0,1) data: the output tracks the fp32 result to ~28 dB.
+    assert sqnr_db(expected, out) > 25
+
+
+KEPT_CASES = {
+    "scaled-addmm": (lambda m, x: torch.addmm(m.bias, x, m.weight, beta=0.5), True,
+                     "addmm with alpha or beta other than 1"),
+    "param-left": (lambda m, x: m.weight @ x, False, "parameter is the left operand"),
+    "activations": (lambda m, x: x @ x.t(), False, "activation x activation matmul"),
+    "computed-weight": (lambda m, x: F.linear(x, m.weight * 2), False,
+                        "weight is not a parameter"),
+}
+
+
+@pytest.mark.parametrize("name", list(KEPT_CASES))
+def test_non_linear_gemms_are_kept_with_a_reason(name):
+    forward, weight_kn, reason = KEPT_CASES[name]
+    model = OneGemm(forward, K=32, N=32, weight_kn=weight_kn)
+    x = torch.randn(32, 32)
+    compiled, backend = compile_fp8(model, compiler="eager")
+    torch.testing.assert_close(compiled(x), forward(model, x))  # untouched: exact
+    [decision] = backend.decisions
+    assert not decision.rewritten and reason in decision.reason
+    assert (decision.site.M, decision.site.K, decision.site.N) == (32, 32, 32)
+    assert fp8_target_count(backend.graph_modules[0]) == 0
+
+
+def test_batched_attention_matmul_reports_its_shape():
+    q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 16, 8)  # (B, heads, T, head_dim)
+    compiled, backend = compile_fp8(lambda q, k: torch.matmul(q, k.transpose(-1, -2)), compiler="eager")
+    compiled(q, k)
+    [decision] = backend.decisions
+    assert decision.reason == "activation x activation matmul (FP8 only when a policy rule names it)"
+    assert (decision.site.M, decision.site.K, decision.site.N) == (2 * 4 * 16, 8, 16)
+
+
+@pytest.mark.parametrize("K,N,reason", [
+    (30, 48, "K=30 is not a multiple of 16"),
+    (32, 40, "N=40 is not a multiple of 16"),
+])
+def test_dims_not_multiple_of_16_stay_in_high_precision(K, N, reason):
+    model = nn.Linear(K, N)
+    x = torch.randn(4, K)
+    compiled, backend = compile_fp8(model, compiler="eager")
+    torch.testing.assert_close(compiled(x), model(x))
+    [decision] = backend.decisions
+    assert decision.reason == reason
+
+
+def test_float64_sites_are_left_alone():
+    model = nn.Linear(32, 32).double()
+    x = torch.randn(4, 32, dtype=torch.float64)
+    compiled, backend = compile_fp8(model, compiler="eager")
+    assert torch.equal(compiled(x), model(x))
+    assert backend.decisions[0].reason == "float64 stays in high precision"
+
+
+def test_m_is_free_and_1d_input_works():
+    model = nn.Linear(32, 16)
+    compiled, backend = compile_fp8(model, compiler="eager")
+    assert compiled(torch.randn(32)).shape == (16,)
+    assert compiled(torch.randn(3, 32)).shape == (3, 16)  # M=3: no constraint on M
+    assert all(d.rewritten for d in backend.decisions)
+
+
+@pytest.mark.parametrize("source,path", [
+    ("L['self'].model.layers.0.mlp.down_proj", "model.layers.0.mlp.down_proj"),
+    ("L['self'].model.layers[3].mlp", "model.layers.3.mlp"),
+    ("L['self']._modules['model']._modules['norm']", "model.norm"),
+    ("L['fn'].blocks['2'].attn", "blocks.2.attn"),
+    ("L['self']", ""),
+])
+def test_module_source_paths_normalize_to_named_modules_spelling(source, path):
+    assert _normalize_source_path(source) == path
+
+
+def test_operands_passed_by_keyword_are_found():
+    model = OneGemm(lambda m, x: torch.addmm(input=m.bias, mat1=x, mat2=m.weight), weight_kn=True)
+    compiled, backend = compile_fp8(model, compiler="eager")
+    compiled(torch.randn(16, 32))
+    [decision] = backend.decisions
+    assert decision.rewritten and (decision.site.K, decision.site.N) == (32, 48)
+
+
+def test_chained_gemms_are_both_rewritten():
+    """x @ w1^T @ w2^T: the second site's input is the first site's (rewritten) output."""
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Parameter(torch.randn(48, 32))
+            self.w2 = nn.Parameter(torch.randn(16, 48))
+
+        def forward(self, x):
+            return F.linear(F.linear(x, self.w1), self.w2)
+
+    model = Chain()
+    x = torch.randn(8, 32)
+    compiled, backend = compile_fp8(model, compiler="aot_eager")
+    out = compiled(x)
+    assert [d.rewritten for d in backend.decisions] == [True, True]
+    assert sqnr_db(model(x), out) > 20

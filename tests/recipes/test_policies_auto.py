@@ -1,0 +1,143 @@
+"""fp8graph.policies.auto: FP8 for the sites a `bench linear` measurement says gain, high precision for the rest.
+
+The measurements here are written by the tests, in the format `python -m bench linear`
+writes, with speedups chosen to exercise each case of the threshold rule.
+"""
+
+import json
+
+import pytest
+import torch
+
+import fp8graph
+from fp8graph.models import build
+from fp8graph.policies import auto
+from fp8graph.recipes.policy import SiteInfo, resolve
+from fp8graph.recipes.scaling import PRESETS
+
+
+def _measurements(speedups: dict, recipe="current", smoke=False, device="NVIDIA H100 80GB HBM3"):
+    """A bench-linear result: ``{(M, K, N): fp8graph speedup over BF16 torch.compile}``."""
+    rows = []
+    for (M, K, N), speedup in speedups.items():
+        rows.append({"contestant": "bf16 torch.compile (inductor)", "M": M, "K": K, "N": N,
+                     "speedup_vs_bf16_compile": 1.0})
+        rows.append({"contestant": f"fp8graph {recipe} (inductor)", "M": M, "K": K, "N": N,
+                     "speedup_vs_bf16_compile": speedup})
+    return {"workload": "linear_fwd_bwd", "smoke": smoke, "rows": rows,
+            "environment": {"device": device, "date": "2026-11-22T00:00:00+00:00"}}
+
+
+SMALL_LOSES = {(1024, 1024, 1024): 0.6, (4096, 1024, 1024): 0.9, (16384, 4096, 4096): 1.5,
+               (16384, 4096, 14336): 1.6}
+
+
+def _recipe_for(policy, M, K, N):
+    return resolve(policy, "layer", SiteInfo(op="linear", M=M, K=K, N=N, dtype=torch.bfloat16)).recipe
+
+
+def test_sites_below_the_smallest_winning_shape_stay_in_high_precision():
+    policy = auto(_measurements(SMALL_LOSES))
+    assert _recipe_for(policy, 16384, 4096, 4096) == PRESETS["current"]     # the threshold shape itself
+    assert _recipe_for(policy, 32768, 4096, 4096) == PRESETS["current"]     # larger than any measured
+    assert _recipe_for(policy, 4096, 1024, 1024) is None                    # measured loss
+    assert _recipe_for(policy, 8192, 4096, 4096) is None                    # between: not interpolated
+    assert _recipe_for(policy, "s0", 4096, 4096) == PRESETS["current"]      # symbolic M: K*N decides
+    assert _recipe_for(policy, "s0", 1024, 1024) is None
+
+
+def test_a_loss_between_two_gains_raises_the_threshold_above_it():
+    policy = auto(_measurements({(1024, 1024, 1024): 1.1, (4096, 1024, 1024): 0.95, (16384, 4096, 4096): 1.4}))
+    assert _recipe_for(policy, 1024, 1024, 1024) is None
+    assert _recipe_for(policy, 16384, 4096, 4096) == PRESETS["current"]
+
+
+def test_min_speedup_and_recipe_choose_the_rows():
+    both = _measurements(SMALL_LOSES)
+    both["rows"] += _measurements({(16384, 4096, 4096): 1.2, (16384, 4096, 14336): 1.7}, recipe="rowwise")["rows"]
+    assert _recipe_for(auto(both, min_speedup=1.55), 16384, 4096, 4096) is None
+    assert _recipe_for(auto(both, min_speedup=1.55), 16384, 4096, 14336) == PRESETS["current"]
+    rowwise = auto(both, recipe="rowwise", min_speedup=1.3)
+    assert _recipe_for(rowwise, 16384, 4096, 14336) == PRESETS["rowwise"]
+    assert _recipe_for(rowwise, 16384, 4096, 4096) is None
+
+
+def test_no_gain_anywhere_keeps_every_site_in_high_precision():
+    policy = auto(_measurements({(1024, 1024, 1024): 0.5, (16384, 4096, 4096): 0.99}))
+    assert policy.default is None
+    assert _recipe_for(policy, 65536, 8192, 8192) is None
+
+
+def test_compiled_model_reports_the_measurement_for_each_kept_site(tmp_path):
+    path = tmp_path / "linear.json"
+    # The tiny Llama's projections at M = 2*16 tokens: q/o 64x64, k/v 64x32, gate/up 64x128,
+    # down 128x64 (K x N); the head (N=250) is never FP8.
+    path.write_text(json.dumps(_measurements({(32, 64, 64): 0.8, (32, 64, 128): 1.2})))
+    model = build("llama", "tiny")
+    tokens = torch.randint(0, 250, (2, 16))
+    report = fp8graph.explain(fp8graph.compile(model, policy=auto(path), compiler="aot_eager"), tokens)
+    by_shape = {}
+    for record in report:
+        if record.N != 250:
+            by_shape.setdefault((record.K, record.N), set()).add((record.recipe, record.rule))
+    kept = {(None, "rule 0 (auto: M*K*N below 32x64x128, the smallest shape from which current reached "
+                   "1.0x of BF16 torch.compile (bench linear on NVIDIA H100 80GB HBM3, 2026-11-22T00:00:00+00:00))")}
+    assert by_shape[(64, 64)] == by_shape[(64, 32)] == kept
+    assert by_shape[(64, 128)] == by_shape[(128, 64)] == {(PRESETS["current"], "default")}
+
+
+@pytest.mark.parametrize("measurements,message", [
+    (_measurements(SMALL_LOSES, smoke=True), "CPU smoke run"),
+    (_measurements(SMALL_LOSES, device="cpu"), "CPU smoke run"),
+    (_measurements(SMALL_LOSES, recipe="block"), "no row for recipe 'current'"),
+    ({"workload": "quantize"}, "needs a `python -m bench linear` result"),
+])
+def test_measurements_that_cannot_decide_are_refused(measurements, message):
+    with pytest.raises(ValueError, match=message):
+        auto(measurements)
+
+
+def test_unknown_recipe_and_unreadable_file_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        auto(_measurements(SMALL_LOSES), recipe="fastest")
+    with pytest.raises(ValueError, match="cannot read measurements"):
+        auto(tmp_path / "missing.json")
+
+
+def test_the_built_in_h100_table_is_the_committed_measurement_rounded():
+    import pathlib
+
+    from fp8graph.policies import H100_LINEAR_SOURCE, H100_LINEAR_SPEEDUPS
+
+    raw = json.loads((pathlib.Path(__file__).parents[2] / H100_LINEAR_SOURCE["file"]).read_text())
+    assert raw["environment"]["device"] == H100_LINEAR_SOURCE["device"]
+    measured = {}
+    for row in raw["rows"]:
+        name = row["contestant"].split()
+        if name[0] == "fp8graph" and "cached" not in row["contestant"]:
+            measured.setdefault(name[1], {})[row["M"], row["K"], row["N"]] = round(row["speedup_vs_bf16_compile"], 2)
+    assert measured == H100_LINEAR_SPEEDUPS
+
+
+@pytest.mark.parametrize("recipe,threshold", [("current", (16384, 4096, 4096)), ("delayed", (16384, 4096, 4096)),
+                                              ("rowwise", (16384, 4096, 14336)), ("block", None)])
+def test_auto_without_measurements_uses_the_h100_thresholds_per_recipe(recipe, threshold):
+    policy = auto(recipe=recipe)
+    # Both losing H100 shapes stay in BF16 for every recipe (0.73x and 0.87x for current scaling).
+    assert _recipe_for(policy, 1024, 1024, 1024) is None and _recipe_for(policy, 4096, 1024, 1024) is None
+    if threshold is None:  # block never gained on that run: every site stays in high precision
+        assert _recipe_for(policy, 16384, 14336, 4096) is None
+        return
+    assert _recipe_for(policy, *threshold) == PRESETS[recipe]
+    assert _recipe_for(policy, 8192, 4096, 4096) is None  # smaller than the smallest winning shape
+    [(pattern, _)] = policy.rules
+    assert "NVIDIA H100 80GB HBM3" in pattern.__name__ and "linear-2026-11-23T081002Z.json" in pattern.__name__
+
+
+def test_a_site_auto_keeps_says_why_in_explain():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    [row] = fp8graph.explain(model, torch.randn(8, 64), policy=auto())
+    assert row.recipe is None and row.reason == "policy keeps it in high precision"
+    assert row.rule == ("rule 0 (auto: M*K*N below 16384x4096x4096, the smallest shape from which current reached "
+                        "1.0x of BF16 torch.compile (bench linear on NVIDIA H100 80GB HBM3, 2026-11-23, "
+                        "bench/results/linear-2026-11-23T081002Z.json))")

@@ -1,0 +1,102 @@
+"""Compiles of one model under different policies never share stale code; equal ones share it.
+
+The policy shapes the ATen graph the rewrite produces (HYBRID quantizes
+grad_output to E5M2, E4M3 does not), and that graph is what Inductor's FX
+graph cache keys on: equal graphs may share code, different ones may not.
+"""
+
+import contextlib
+import re
+import unittest.mock
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.utils import fresh_cache, run_and_get_code
+
+import fp8graph
+from fp8graph import DelayedScaling, Float8CurrentScaling, Format
+from fp8graph.targets import cache_hash
+from fp8graph.targets.linear_tensorwise import linear_fp8_target
+from fp8graph.targets.linear_tiled import linear_tiled_target
+from fp8graph.targets.matmul import matmul_fp8_target
+from fp8graph.models import build
+
+pytestmark = pytest.mark.inductor
+
+
+def test_policies_get_their_own_code_with_the_fx_graph_cache_on():
+    model, x = build("mlp", "tiny"), torch.randn(64, 64)
+
+    def step(compiled):
+        model.zero_grad(set_to_none=True)
+        compiled(x).sum().backward()
+        return model.up.weight.grad.clone()
+
+    results = {}
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        for policy in (Float8CurrentScaling(), Float8CurrentScaling(Format.E4M3), Float8CurrentScaling()):
+            torch._dynamo.reset()
+            grad, (forward_code, backward_code) = run_and_get_code(
+                step, fp8graph.compile(model, policy=policy, compiler="inductor"))
+            results.setdefault(policy, []).append((grad, len(re.findall("e5m2", backward_code, re.I))))
+    (hybrid_grad, hybrid_e5m2), (hybrid_again_grad, hybrid_again_e5m2) = results[Float8CurrentScaling()]
+    [(e4m3_grad, e4m3_e5m2)] = results[Float8CurrentScaling(Format.E4M3)]
+    assert hybrid_e5m2 > 0 and hybrid_again_e5m2 > 0  # grad_output cast to E5M2
+    assert e4m3_e5m2 == 0  # ... and not under Format.E4M3, even right after a HYBRID compile
+    assert not torch.equal(hybrid_grad, e4m3_grad)
+    torch.testing.assert_close(hybrid_again_grad, hybrid_grad, rtol=0, atol=0)
+
+
+def _delayed_step(recipe):
+    """A training step with ``recipe`` from a fresh Dynamo; the input gradient and the AOTAutograd cache counters."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = build("mlp", "tiny")
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    compiled = fp8graph.compile(model, policy=recipe, compiler="inductor")
+    for _ in range(2):  # the second step casts with scales from the first one's amaxes
+        compiled(x).sum().backward()
+    return x.grad, dict(counters["aot_autograd"])
+
+
+def test_aot_autograd_cache_reuses_a_graph_only_for_the_same_recipe():
+    """fp8graph's graph targets carry a hash of what they compute, so AOTAutograd caches
+    their graphs (a warm start skips the AOT trace); another recipe, or another fp8graph
+    source with the same target names, must miss."""
+    margin_0, margin_1 = DelayedScaling(amax_history_len=4), DelayedScaling(amax_history_len=4, margin=1)
+    with fresh_cache():
+        grad, first = _delayed_step(margin_0)
+        grad_again, again = _delayed_step(margin_0)
+        margin_1_grad, other = _delayed_step(margin_1)
+        with _another_fp8graph_source():
+            _, new_source = _delayed_step(margin_0)
+    assert new_source.get("autograd_cache_miss") == 1 and "autograd_cache_hit" not in new_source
+    assert first.get("autograd_cache_saved") == 1 and "autograd_cache_hit" not in first
+    assert again.get("autograd_cache_hit") == 1
+    torch.testing.assert_close(grad_again, grad, rtol=0, atol=0)
+    assert other.get("autograd_cache_miss") == 1 and "autograd_cache_hit" not in other
+    torch._dynamo.reset()
+    margin_1_reference = _eager_delayed_grad(margin_1)
+    torch.testing.assert_close(margin_1_grad, margin_1_reference, rtol=1e-6, atol=1e-6)
+
+
+def _eager_delayed_grad(recipe):
+    model = build("mlp", "tiny")
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    compiled = fp8graph.compile(model, policy=recipe, compiler="eager")
+    for _ in range(2):
+        compiled(x).sum().backward()
+    return x.grad
+
+
+@contextlib.contextmanager
+def _another_fp8graph_source():
+    """As if fp8graph's source had changed: new hashes for newly made targets."""
+    targets = (linear_fp8_target, linear_tiled_target, matmul_fp8_target)
+    for target in targets:
+        target.cache_clear()
+    with unittest.mock.patch.object(cache_hash, "source_hash", lambda: "another source"):
+        yield
+    for target in targets:
+        target.cache_clear()

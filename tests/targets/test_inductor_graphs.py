@@ -1,0 +1,210 @@
+"""The structure of the FX graphs fp8graph hands to Inductor, which no backend changes.
+
+    model -> Dynamo -> fp8graph passes -> AOTAutograd (Inductor's decompositions) -> [forward, backward]
+
+The graphs are captured where Inductor would receive them (``aot_autograd``
+with Inductor's decomposition table and min-cut partitioner), so what is
+pinned here is what any Inductor backend starts from. What it does not prove: how the GPU's Triton
+code tiles and fuses those graphs (kernel counts and passes over memory are
+for ``python -m bench quantize`` and ``bench decoder --profile`` on a GPU).
+"""
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.decomposition import select_decomp_table
+
+from fp8graph import DelayedScaling, Float8CurrentScaling
+from fp8graph.api import compile as fp8_compile
+from fp8graph.backend import FP8Backend
+from fp8graph.models import build
+
+RECIPES = [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)]
+
+
+def aot_graphs(model, policy, loss_of, lowering: str = "auto") -> list[torch.fx.GraphModule]:
+    """The forward and backward ATen graphs of one training step, ``loss_of(compiled model).backward()``.
+
+    ``lowering="scaled_mm"`` gives the GPU's graph (cuBLAS's layouts, run on the CPU kernel)."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    # As compile_fx hands graphs to Inductor: its decompositions, its min-cut partitioner (what the
+    # backward recomputes), input mutations (delayed-scaling state updates) kept in the graph.
+    to_aten = aot_autograd(fw_compiler=keep, bw_compiler=keep, decompositions=select_decomp_table(),
+                           partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True)
+    # One graph holding every site (regions=None): the structure pinned here is per site, and a
+    # region's graph has the same per-site structure (tests/regions/test_regions.py checks regions' numerics).
+    compiled = fp8_compile(model, policy=policy, compiler="eager", lowering=lowering, regions=None)
+    backend: FP8Backend = compiled.fp8graph_backend
+    backend._lower = lambda gm, example_inputs: to_aten(gm, example_inputs)
+    loss_of(compiled).backward()
+    assert any(d.rewritten for d in backend.decisions)
+    return graphs
+
+
+def _cast_amax_nodes(graph: torch.fx.GraphModule):
+    """The amaxes of FP8 casts: ``amax(abs(x))`` and the maxima of their partials (not, say, log_softmax's)."""
+    amaxes = [node for node in graph.graph.nodes if node.target is torch.ops.aten.amax.default]
+    of_magnitudes = {node for node in amaxes if node.args[0].target is torch.ops.aten.abs.default}
+    return [node for node in amaxes if node in of_magnitudes or node.args[0] in of_magnitudes]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["current", "delayed"])
+def test_every_per_tensor_amax_is_a_per_row_partial_then_a_small_max(recipe):
+    """A global amax over a 2-D tensor, in one reduction, does not fuse with the cast on the GPU
+    (H100: 308 us against 164 us for a delayed cast of 16384x8192 written per row). Every amax over a
+    tensor of two or more dimensions reduces its last dimension only; the maxima of those partials
+    are 1-D reductions."""
+    model = build("llama", "tiny")
+    tokens = torch.randint(0, 250, (2, 32))
+    graphs = aot_graphs(model, recipe, lambda compiled: compiled(tokens, labels=tokens).loss)
+    assert len(graphs) == 2  # forward, backward
+    # Forward: the 14 weights and the 8 distinct inputs (q, k and v share one, gate and up another; the
+    # partitioner's CSE casts each once); backward: the 14 grad_outputs.
+    for graph, casts in zip(graphs, (14 + 8, 14)):
+        partials = []
+        for node in _cast_amax_nodes(graph):
+            source = node.args[0].meta["val"]
+            reduced = node.args[1] if len(node.args) > 1 and node.args[1] else range(source.dim())  # [] or none: all
+            dims = sorted(dim % source.dim() for dim in reduced)
+            if source.dim() >= 2:
+                assert dims == [source.dim() - 1], (node.format_node(), source.shape)
+                partials.append(node)
+            else:
+                assert dims == [0]
+        # One per-row partial per cast (delayed scaling's history maxima are 1-D, not casts).
+        assert len(partials) == casts, [node.format_node() for node in partials]
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+# The ops of a per-tensor cast between a tensor and its FP8 copy (fp8graph.numerics.quantize.quantize, as decomposed).
+_CAST_CHAIN = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+               torch.ops.aten.permute.default, torch.ops.aten.t.default, torch.ops.aten.clone.default,
+               torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default,
+               torch.ops.aten.clamp_min.default, torch.ops.aten.clamp_max.default, torch.ops.aten.clamp.default,
+               torch.ops.aten.where.self, torch.ops.aten.isinf.default, torch.ops.aten.sub.Tensor,
+               torch.ops.aten.abs.default}
+_SCALING = {torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor}
+
+
+def _fp8_casts_reached(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The FP8 conversions ``node`` reaches through cast ops alone (a multiplication only by a scale)."""
+    reached, frontier, seen = [], [node], {node}
+    while frontier:
+        for user in frontier.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.target is torch.ops.prims.convert_element_type.default and user.args[1] in _FP8_DTYPES:
+                reached.append(user)
+            elif user.target in _CAST_CHAIN or (user.target in _SCALING and any(
+                    isinstance(arg, torch.fx.Node) and arg is not node and arg.meta["val"].numel() == 1
+                    for arg in user.args)):
+                frontier.append(user)
+    return reached
+
+
+def _tensor_sources(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The graph inputs of full size that ``node`` is computed from through cast ops (scales left out)."""
+    sources, frontier, seen = [], [node], {node}
+    while frontier:
+        current = frontier.pop()
+        for arg in current.all_input_nodes:
+            if arg in seen or arg.meta["val"].numel() == 1:
+                continue
+            seen.add(arg)
+            if arg.op == "placeholder":
+                sources.append(arg)
+            elif arg.target in _CAST_CHAIN or arg.target in _SCALING:
+                frontier.append(arg)
+    return sources
+
+
+def _fp8_copies(graph: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Contiguous copies of FP8 tensors written in the graph's own code: what the casts' kernels write in a
+    second layout."""
+    return [node for node in graph.graph.nodes
+            if node.target is torch.ops.aten.clone.default and node.meta["val"].dtype in _FP8_DTYPES]
+
+
+_VIEWS = {torch.ops.aten.permute.default, torch.ops.aten.t.default, torch.ops.aten.view.default,
+          torch.ops.aten.as_strided.default, torch.ops.aten.alias.default}
+
+
+def _saved_bases(forward: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes whose values the forward hands to the backward, each seen through the views saved of it."""
+    bases = set()
+    for node in forward.graph.output_node().args[0]:
+        while isinstance(node, torch.fx.Node) and node.target in _VIEWS:
+            node = node.args[0]
+        bases.add(node)
+    return bases
+
+
+def _op_count(graph: torch.fx.GraphModule, op) -> int:
+    return sum(node.target is op for node in graph.graph.nodes)
+
+
+def _llama_step_graphs(recipe, lowering="scaled_mm"):
+    model = build("llama", "tiny")
+    tokens = torch.randint(0, 250, (2, 32))
+    return aot_graphs(model, recipe, lambda compiled: compiled(tokens, labels=tokens).loss, lowering)
+
+
+def test_delayed_casts_write_their_transposed_layouts_from_the_fp8_bytes():
+    """On the GPU's graph, delayed scaling writes the transposed FP8 copies that cuBLAS reads (input and
+    grad_output for grad_weight, the weight for grad_input) with ``fp8graph::transpose_fp8`` from the FP8
+    bytes, so the row-major cast keeps the one pass with its amax (H100: 80-83% of a copy; 29-61% with the
+    transpose in the group). Inputs and weights are transposed in the forward and kept for the backward,
+    which reads no weight again. Not proven here: that Inductor's GPU code then fuses the cast and its amax
+    into one kernel (``python -m bench model``, ``bench decoder --profile``)."""
+    forward, backward = _llama_step_graphs(DelayedScaling(amax_history_len=4))
+    sites, inputs = 14, 8  # 2 layers x 7 linears; q, k and v read one input, gate and up another
+    transpose_fp8 = torch.ops.fp8graph.transpose_fp8.default
+    assert _op_count(forward, transpose_fp8) == inputs + sites  # each input once, each weight
+    assert _op_count(backward, transpose_fp8) == sites  # each grad_output, for grad_weight
+    assert _fp8_copies(forward) == _fp8_copies(backward) == []  # no FP8 layout written by the casts' own code
+    saved = _saved_bases(forward)
+    assert sum(node in saved for node in forward.graph.nodes if node.target is transpose_fp8) == inputs + sites
+
+
+def test_current_casts_write_both_layouts_in_the_forward_and_keep_the_transposed_ones():
+    """Current scaling writes each input's and weight's transposed FP8 copy in the forward, from the same
+    high-precision tensor as the row-major cast (one kernel after the amax reduction), and the partitioner
+    keeps it for the backward instead of recomputing it there (``fp8graph.targets.partitioning``). The backward's
+    only casts are the grad_outputs'."""
+    forward, backward = _llama_step_graphs(Float8CurrentScaling())
+    sites, inputs = 14, 8
+    forward_copies = _fp8_copies(forward)
+    assert len(forward_copies) == inputs + sites
+    saved = _saved_bases(forward)
+    assert all(copy in saved for copy in forward_copies)
+    assert len(_fp8_copies(backward)) == sites  # each grad_output's, for grad_weight
+    for copy in forward_copies:  # cast from a full-size tensor of the forward, not from FP8 bytes
+        assert all(source.meta["val"].dtype in _HIGH_PRECISION for source in _tensor_sources(copy))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["current", "delayed"])
+def test_no_activation_is_saved_in_high_precision_only_to_be_cast_again(recipe):
+    """Every activation the backward casts to FP8 arrives as FP8: no high-precision tensor (2 or 4 bytes an
+    element) is kept from forward to backward only to be quantized again there, and no weight is cast again.
+    Not proven here: how much memory or time that saves on a GPU (``bench decoder``: peak memory, profile)."""
+    forward, backward = _llama_step_graphs(recipe)
+    saved = [node for node in backward.graph.nodes if node.op == "placeholder"
+             and not node.name.startswith(("primals_", "tangents_"))]
+    assert saved, "no tensors saved for backward"
+    recast = [node.name for node in saved if node.meta["val"].dtype in _HIGH_PRECISION
+              and node.meta["val"].dim() >= 2 and _fp8_casts_reached(node)]
+    assert recast == []
+    # Nor is a weight cast again: the backward reads the transposed FP8 copies the forward kept.
+    primals = [node for node in backward.graph.nodes if node.op == "placeholder" and node.name.startswith("primals_")]
+    assert not any(_fp8_casts_reached(node) for node in primals)
+    # The check can fail: in the forward it finds every weight's casts.
+    forward_primals = [node for node in forward.graph.nodes if node.op == "placeholder"]
+    assert sum(bool(_fp8_casts_reached(node)) and node.meta["val"].dim() == 2 for node in forward_primals) >= 14
