@@ -93,6 +93,38 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
         >>> loss = compiled(input_ids, labels=input_ids).loss
     """
     mode = torch_compile_kwargs.pop("mode", None)
+    _check_options(model, compiler, stats, freeze_weights, cache_weights, regions)
+    user_model = unwrap_data_parallel(model)
+    policy = normalize_policy(policy)
+    bare = _check_buffers_reach_the_graph(model, user_model, policy, stats, cache_weights)
+    # Buffers on the user's modules, registered before anything is traced.
+    collector = FP8Stats(user_model) if stats else None
+    state = register_delayed_state(user_model, policy) if policy.needs_state else None
+    weight_cache = register_weight_cache(user_model, policy) if cache_weights else None
+    blocks = find_blocks(user_model, None if freeze_weights else regions) \
+        if isinstance(user_model, torch.nn.Module) else _no_blocks(regions)
+    backend, session = _make_backends(
+        dict(policy=policy, compiler=compiler, lowering=lowering, model=user_model, mode=mode, stats=collector,
+             state=state, weight_cache=weight_cache), blocks, torch_compile_kwargs)
+    compiled = torch.compile(model, backend=backend.root if session is not None else backend, **torch_compile_kwargs)
+    # The compiled model's forward, innermost first: each wrapper calls the one before it.
+    wrappers = [
+        _traces_the_root_hooks(compiled, user_model) if bare and (stats or policy.needs_state) else None,
+        _runs_with_regions(session, user_model) if session is not None else None,
+        _checks_rules_at_first_call(backend) if isinstance(model, torch.nn.Module) and policy.rules else None,
+        _traces_with_freezing if freeze_weights else None,
+        _chooses_weight_cache_mode(weight_cache) if weight_cache is not None else None,
+    ]
+    for wrap in wrappers:
+        if wrap is not None:
+            object.__setattr__(compiled, "forward", wrap(compiled.forward))
+    # On the wrapper itself: OptimizedModule's setattr would forward to the user's model.
+    object.__setattr__(compiled, _BACKEND_ATTRIBUTE, backend)
+    object.__setattr__(compiled, "fp8graph_stats", collector)
+    return compiled
+
+
+def _check_options(model, compiler: str, stats: bool, freeze_weights: bool, cache_weights: bool, regions) -> None:
     if freeze_weights and (compiler != "inductor" or not isinstance(model, torch.nn.Module)):
         raise ValueError("freeze_weights needs an nn.Module and compiler='inductor' (Inductor's freezing pass), "
                          f"got {type(model).__name__} and {compiler!r}")
@@ -102,8 +134,14 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     for flag, value in (("stats", stats), ("cache_weights", cache_weights)):
         if value and not isinstance(model, torch.nn.Module):
             raise ValueError(f"{flag}=True needs an nn.Module: it keeps buffers on the model's modules")
-    user_model = unwrap_data_parallel(model)
-    policy = normalize_policy(policy)
+    if freeze_weights and regions != AUTO and regions:
+        raise ValueError("freeze_weights folds each layer's weights into its compiled code, which then cannot "
+                         "serve the other instances of a region: use regions=None (or leave 'auto')")
+
+
+def _check_buffers_reach_the_graph(model, user_model, policy, stats: bool, cache_weights: bool) -> bool:
+    """Whether ``user_model`` is a bare module (no submodules); refused where its buffers could not reach
+    the graph."""
     bare = isinstance(user_model, torch.nn.Module) and next(user_model.children(), None) is None
     if bare and (cache_weights or ((stats or policy.needs_state) and model is not user_model)):
         what = "cache_weights=True" if cache_weights else "stats=True" if stats else "delayed scaling"
@@ -112,33 +150,7 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             f"and this {type(user_model).__name__} has none: its buffers reach the graph through forward hooks, "
             "and Dynamo runs the compiled root module's hooks outside the graph. Wrap it, e.g. "
             "fp8graph.compile(torch.nn.Sequential(model), ...)")
-    collector = FP8Stats(user_model) if stats else None
-    state = register_delayed_state(user_model, policy) if policy.needs_state else None
-    weight_cache = register_weight_cache(user_model, policy) if cache_weights else None
-    if freeze_weights and regions != AUTO and regions:
-        raise ValueError("freeze_weights folds each layer's weights into its compiled code, which then cannot "
-                         "serve the other instances of a region: use regions=None (or leave 'auto')")
-    blocks = find_blocks(user_model, None if freeze_weights else regions) \
-        if isinstance(user_model, torch.nn.Module) else _no_blocks(regions)
-    backend, session = _make_backends(
-        dict(policy=policy, compiler=compiler, lowering=lowering, model=user_model, mode=mode, stats=collector,
-             state=state, weight_cache=weight_cache), blocks, torch_compile_kwargs)
-    root_backend = backend.root if session is not None else backend
-    compiled = torch.compile(model, backend=root_backend, **torch_compile_kwargs)
-    if bare and (stats or policy.needs_state):
-        _trace_the_root_hooks(compiled, user_model)
-    if session is not None:
-        _run_with_regions(compiled, session, user_model)
-    if isinstance(model, torch.nn.Module) and policy.rules:
-        _check_rules_at_first_call(compiled, backend)
-    if freeze_weights:
-        _trace_with_freezing(compiled)
-    if weight_cache is not None:
-        _choose_weight_cache_mode(compiled, weight_cache)
-    # On the wrapper itself: OptimizedModule's setattr would forward to the user's model.
-    object.__setattr__(compiled, _BACKEND_ATTRIBUTE, backend)
-    object.__setattr__(compiled, "fp8graph_stats", collector)
-    return compiled
+    return bare
 
 
 def _no_blocks(regions) -> list:
@@ -161,8 +173,8 @@ def _make_backends(backend_kwargs: dict, blocks, torch_compile_kwargs: dict):
     return RegionalBackend(root, block_backends, order), session
 
 
-def _run_with_regions(compiled, session, user_model) -> None:
-    """Let the blocks run their compiled regions while ``compiled`` runs (and only then).
+def _runs_with_regions(session, user_model):
+    """Let the blocks run their compiled regions while the compiled model runs (and only then).
 
     A HuggingFace model builds a KV cache in every forward unless told
     ``use_cache=False``, training forwards included, where nothing reads it;
@@ -172,14 +184,16 @@ def _run_with_regions(compiled, session, user_model) -> None:
     ``use_cache=False``: its output has no ``past_key_values``. Calls in
     eval mode (inference, generation) are left as they are.
     """
-    forward = compiled.forward
     takes_use_cache = _accepts_keyword(user_model, "use_cache")  # once, not on every call
 
-    def forward_with_regions(*args, **kwargs):
-        with session.active():
-            return forward(*args, **_without_training_cache(user_model, takes_use_cache, kwargs))
+    def wrap(forward):
+        def forward_with_regions(*args, **kwargs):
+            with session.active():
+                return forward(*args, **_without_training_cache(user_model, takes_use_cache, kwargs))
 
-    object.__setattr__(compiled, "forward", forward_with_regions)
+        return forward_with_regions
+
+    return wrap
 
 
 def _without_training_cache(user_model, takes_use_cache: bool, kwargs: dict) -> dict:
@@ -199,29 +213,31 @@ def _unmatched_rule_names(backend) -> list[str]:
     return [backend.policy.rule_label(i) for i in backend.unmatched_rules()]
 
 
-def _check_rules_at_first_call(compiled, backend) -> None:
+def _checks_rules_at_first_call(backend):
     """After the first call (which compiled every graph it ran), refuse or report rules that matched no site.
 
     A strict policy raises ``ValueError`` naming the rules, as :func:`explain`
     does; otherwise the ``fp8graph`` logger warns once. Sites in graphs that
     only later calls compile (another branch of the model) are not waited for.
     """
-    forward = compiled.forward
-    checked = False
+    def wrap(forward):
+        checked = False
 
-    def forward_checking_rules(*args, **kwargs):
-        nonlocal checked
-        output = forward(*args, **kwargs)
-        if not checked:
-            checked = True
-            unmatched = _unmatched_rule_names(backend)
-            if unmatched and backend.policy.strict:
-                raise ValueError(f"fp8graph: policy rules that match no site: {', '.join(unmatched)}")
-            if unmatched:
-                log.warning("fp8graph: policy rules that match no site: %s", ", ".join(unmatched))
-        return output
+        def forward_checking_rules(*args, **kwargs):
+            nonlocal checked
+            output = forward(*args, **kwargs)
+            if not checked:
+                checked = True
+                unmatched = _unmatched_rule_names(backend)
+                if unmatched and backend.policy.strict:
+                    raise ValueError(f"fp8graph: policy rules that match no site: {', '.join(unmatched)}")
+                if unmatched:
+                    log.warning("fp8graph: policy rules that match no site: %s", ", ".join(unmatched))
+            return output
 
-    object.__setattr__(compiled, "forward", forward_checking_rules)
+        return forward_checking_rules
+
+    return wrap
 
 
 def _find_compiled(model):
@@ -236,35 +252,37 @@ def _find_compiled(model):
     return None
 
 
-def _trace_the_root_hooks(compiled, module: torch.nn.Module) -> None:
+def _traces_the_root_hooks(compiled, module: torch.nn.Module):
     """Compile a call of ``module`` itself, so Dynamo inlines its own hooks into the graph.
 
     ``torch.compile(module)`` compiles the module's forward and runs its own
     hooks outside the graph; a module without submodules (a bare
     ``nn.Linear``) has no other hooks to bring its delayed-scaling state or
-    stats buffer into the graph, so fp8graph compiles a function that calls it.
+    stats buffer into the graph, so fp8graph compiles a function that calls it
+    (in place of the compiled forward: this wrapper comes first).
     """
     def call_module(*args, **kwargs):
         return module(*args, **kwargs)
 
-    object.__setattr__(compiled, "forward", compiled.dynamo_ctx(call_module))
+    return lambda forward: compiled.dynamo_ctx(call_module)
 
 
-def _choose_weight_cache_mode(compiled, weight_cache) -> None:
-    """Before each call of ``compiled``, decide whether it fills or reuses the weights' FP8 copies."""
-    forward = compiled.forward
+def _chooses_weight_cache_mode(weight_cache):
+    """Before each call, decide whether it fills or reuses the weights' FP8 copies."""
+    def wrap(forward):
+        def forward_with_weight_cache(*args, **kwargs):
+            weight_cache.before_call()
+            output = forward(*args, **kwargs)
+            weight_cache.after_call()
+            return output
 
-    def forward_with_weight_cache(*args, **kwargs):
-        weight_cache.before_call()
-        output = forward(*args, **kwargs)
-        weight_cache.after_call()
-        return output
+        return forward_with_weight_cache
 
-    object.__setattr__(compiled, "forward", forward_with_weight_cache)
+    return wrap
 
 
-def _trace_with_freezing(compiled) -> None:
-    """Make ``compiled`` trace and compile with Inductor's ``freezing`` on.
+def _traces_with_freezing(forward):
+    """Make the compiled model trace and compile with Inductor's ``freezing`` on.
 
     Dynamo reads the flag too: only with it does a graph compiled without
     gradients get its parameters as constants (graph attributes) rather than
@@ -272,13 +290,11 @@ def _trace_with_freezing(compiled) -> None:
     """
     from torch._inductor import config as inductor_config
 
-    forward = compiled.forward
-
     def forward_with_freezing(*args, **kwargs):
         with inductor_config.patch(freezing=True):
             return forward(*args, **kwargs)
 
-    object.__setattr__(compiled, "forward", forward_with_freezing)
+    return forward_with_freezing
 
 
 def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **kwargs) -> ExplainReport:

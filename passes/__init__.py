@@ -1,4 +1,4 @@
-"""FX graph passes of the fp8 backend, in pipeline order.
+"""FX graph passes of the fp8 backend; ``pipeline.run_passes`` runs them in order.
 
 ``anchored_inputs`` -> ``find_sites`` -> ``annotate`` -> ``group_sites`` -> ``rewrite``. The annotate
 pass only writes a decision into ``node.meta``; ``group_sites`` groups the

@@ -32,12 +32,13 @@ import logging
 
 import torch
 
+from fp8graph.buffers.anchors import register_new_buffer, state_anchor
 from fp8graph.numerics.formats import Role
 from fp8graph.recipes.policy import Policy, resolve_weight
 from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
 
 __all__ = ["FORWARD_ROLES", "GRAD_HISTORY_PREFIX", "GRAD_SCALE_PREFIX", "HISTORY_PREFIX", "SCALE_PREFIX",
-           "STATE_PREFIXES", "DelayedState", "SiteState", "register_delayed_state", "state_anchor"]
+           "STATE_PREFIXES", "DelayedState", "SiteState", "register_delayed_state"]
 
 log = logging.getLogger("fp8graph")
 
@@ -48,12 +49,6 @@ GRAD_SCALE_PREFIX = "fp8graph_grad_output_scale_"
 STATE_PREFIXES = (HISTORY_PREFIX, SCALE_PREFIX, GRAD_HISTORY_PREFIX, GRAD_SCALE_PREFIX)
 # Rows of the forward buffers; the grad_output buffers have one.
 FORWARD_ROLES = (Role.INPUT, Role.WEIGHT)
-
-
-@torch._dynamo.allow_in_graph
-def state_anchor(*state_buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Identity that Dynamo keeps as a graph node, so the state buffers become graph inputs."""
-    return state_buffers
 
 
 def _anchor_state(module: torch.nn.Module, args, output=None) -> None:
@@ -232,14 +227,13 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedSta
             recipe = _delayed_recipe(policy, path, module, param)
             if recipe is None:
                 continue
-            for prefix in STATE_PREFIXES:
-                if hasattr(module, prefix + name):
-                    raise ValueError(f"{path or '<root>'}.{prefix + name} already exists, but not from an earlier "
-                                     "fp8graph.compile of this model: build a fresh model")
-            for prefix, rows in ((HISTORY_PREFIX, len(FORWARD_ROLES)), (GRAD_HISTORY_PREFIX, 1)):
-                module.register_buffer(prefix + name, torch.zeros(rows, recipe.amax_history_len, device=param.device))
-            for prefix, rows in ((SCALE_PREFIX, len(FORWARD_ROLES)), (GRAD_SCALE_PREFIX, 1)):
-                module.register_buffer(prefix + name, torch.ones(rows, device=param.device))
+            history_len, device = recipe.amax_history_len, param.device
+            for prefix, initial in ((HISTORY_PREFIX, torch.zeros(len(FORWARD_ROLES), history_len, device=device)),
+                                    (SCALE_PREFIX, torch.ones(len(FORWARD_ROLES), device=device)),
+                                    (GRAD_HISTORY_PREFIX, torch.zeros(1, history_len, device=device)),
+                                    (GRAD_SCALE_PREFIX, torch.ones(1, device=device))):
+                register_new_buffer(module, path, prefix + name, initial, persistent=True,
+                                    if_taken="not from an earlier fp8graph.compile of this model: build a fresh model")
             registered[id(param)] = SiteState(module, name)
             delayed_state.add(module, name, registered[id(param)])
             names.append(name)

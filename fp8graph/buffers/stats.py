@@ -30,18 +30,13 @@ from __future__ import annotations
 
 import torch
 
+from fp8graph.buffers.anchors import register_new_buffer, stats_anchor
 from fp8graph.numerics.formats import ROLES
 from fp8graph.numerics.health import HEALTH_METRICS
 
-__all__ = ["STATS_BUFFER", "register_stats_buffers", "stats_anchor"]
+__all__ = ["STATS_BUFFER", "register_stats_buffers"]
 
 STATS_BUFFER = "fp8graph_stats"
-
-
-@torch._dynamo.allow_in_graph
-def stats_anchor(*stats_buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Identity that Dynamo keeps as a graph node, so the stats buffers become graph inputs."""
-    return stats_buffers
 
 
 def _anchor_hook(root: torch.nn.Module):
@@ -56,12 +51,14 @@ def register_stats_buffers(model: torch.nn.Module):
     ``(modules by path, hook handles)``."""
     modules = dict(model.named_modules())  # a module reached by two paths: its first
     for path, module in modules.items():
-        if hasattr(module, STATS_BUFFER):
-            raise ValueError(f"{path or '<root>'} already has a {STATS_BUFFER!r} attribute")
+        if hasattr(module, STATS_BUFFER):  # checked for all before any is registered
+            raise ValueError(f"{path or '<root>'}.{STATS_BUFFER} already exists: compile the model once with "
+                             "stats=True, or build a fresh model")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    for module in modules.values():
-        module.register_buffer(STATS_BUFFER, torch.full((len(ROLES), len(HEALTH_METRICS)), float("nan"),
-                                                        device=device), persistent=False)
+    for path, module in modules.items():
+        register_new_buffer(module, path, STATS_BUFFER, torch.full((len(ROLES), len(HEALTH_METRICS)), float("nan"),
+                                                                   device=device), persistent=False,
+                            if_taken="compile the model once with stats=True, or build a fresh model")
     # Dynamo runs the root module's own hooks outside the graph, but inlines
     # those of the modules called inside it: hook every submodule.
     # A bare module (no submodules) is its own only hook: fp8graph.compile then traces its hooks.

@@ -33,26 +33,14 @@ from __future__ import annotations
 import torch
 
 from fp8graph.numerics.formats import Role
+from fp8graph.buffers.anchors import fill_anchor, register_new_buffer, reuse_anchor
 from fp8graph.recipes.policy import Policy, resolve_weight
 from fp8graph.buffers.delayed_state import weight_candidates
 
-__all__ = ["CACHED_WEIGHT_PREFIX", "CACHED_SCALE_PREFIX", "WeightCache", "fill_anchor", "register_weight_cache",
-           "reuse_anchor"]
+__all__ = ["CACHED_WEIGHT_PREFIX", "CACHED_SCALE_PREFIX", "WeightCache", "register_weight_cache"]
 
 CACHED_WEIGHT_PREFIX = "fp8graph_cached_weight_"
 CACHED_SCALE_PREFIX = "fp8graph_cached_weight_scale_"
-
-
-@torch._dynamo.allow_in_graph
-def fill_anchor(*cache_buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Identity kept as a graph node: these buffers are graph inputs, and this call fills them."""
-    return cache_buffers
-
-
-@torch._dynamo.allow_in_graph
-def reuse_anchor(*cache_buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Identity kept as a graph node: these buffers are graph inputs, and this call reads them."""
-    return cache_buffers
 
 
 class WeightCache:
@@ -126,14 +114,12 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy) -> WeightCache
             if not cacheable:
                 continue
             recipe = cacheable[0]
-            for prefix in (CACHED_WEIGHT_PREFIX, CACHED_SCALE_PREFIX):
-                if hasattr(module, prefix + name):
-                    raise ValueError(f"{path}.{prefix}{name} already exists: was the model compiled twice with "
-                                     "cache_weights=True? Compile it once, or build a fresh model")
-            module.register_buffer(CACHED_WEIGHT_PREFIX + name, torch.zeros(
-                param.shape, dtype=recipe.fp8_dtype(Role.WEIGHT), device=param.device), persistent=False)
-            module.register_buffer(CACHED_SCALE_PREFIX + name, torch.ones((), device=param.device),
-                                   persistent=False)
+            for prefix, initial in ((CACHED_WEIGHT_PREFIX, torch.zeros(param.shape, dtype=recipe.fp8_dtype(Role.WEIGHT),
+                                                                        device=param.device)),
+                                    (CACHED_SCALE_PREFIX, torch.ones((), device=param.device))):
+                register_new_buffer(module, path, prefix + name, initial, persistent=False,
+                                    if_taken="was the model compiled twice with cache_weights=True? Compile it "
+                                             "once, or build a fresh model")
             owner_of[id(param)] = (module, name)
             cache.add(module, name, module, name)
             anchored.setdefault(module, []).append((module, name))

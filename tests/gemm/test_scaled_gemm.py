@@ -13,6 +13,7 @@ import torch
 
 import fp8graph
 import fp8graph.backend
+import fp8graph.passes.pipeline
 import fp8graph.gemm.scaled_gemm
 from fp8graph import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling
 from fp8graph.targets.linear_tensorwise import linear_fp8_target
@@ -85,7 +86,7 @@ def test_activation_matmuls_are_emulated_on_cuda_only_when_asked():
 
 def _passes_on_a_pretend_gpu(monkeypatch, capability, policy):
     """Run fp8graph's passes over a tiny Llama's graph as if its parameters were on a GPU of ``capability``."""
-    monkeypatch.setattr(fp8graph.backend, "_graph_device", lambda example_inputs: CUDA)
+    monkeypatch.setattr(fp8graph.passes.pipeline, "graph_device", lambda example_inputs: CUDA)
     monkeypatch.setattr(fp8graph.gemm.scaled_gemm, "_capability", lambda device: capability)
     backend = fp8graph.backend.FP8Backend(policy=policy, compiler="eager", model=(model := build("llama", "tiny-blocks")))
     tokens = torch.randint(0, 250, (2, 16))

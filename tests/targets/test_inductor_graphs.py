@@ -41,7 +41,7 @@ def aot_graphs(model, policy, loss_of, lowering: str = "auto") -> list[torch.fx.
     # region's graph has the same per-site structure (tests/regions/test_regions.py checks regions' numerics).
     compiled = fp8_compile(model, policy=policy, compiler="eager", lowering=lowering, regions=None)
     backend: FP8Backend = compiled.fp8graph_backend
-    backend._lower = lambda gm, example_inputs: to_aten(gm, example_inputs)
+    backend._compile_graph = lambda gm, example_inputs: to_aten(gm, example_inputs)
     loss_of(compiled).backward()
     assert any(d.rewritten for d in backend.decisions)
     return graphs
