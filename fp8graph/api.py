@@ -213,6 +213,14 @@ def _unmatched_rule_names(backend) -> list[str]:
     return [backend.policy.rule_label(i) for i in backend.unmatched_rules()]
 
 
+def _refuse_unmatched_rules(backend) -> bool:
+    """Raise, naming them, if a strict policy has rules that matched no site so far; else whether any did not."""
+    unmatched = _unmatched_rule_names(backend)
+    if unmatched and backend.policy.strict:
+        raise ValueError(f"fp8graph: policy rules that match no site: {', '.join(unmatched)}")
+    return bool(unmatched)
+
+
 def _checks_rules_at_first_call(backend):
     """After the first call (which compiled every graph it ran), refuse or report rules that matched no site.
 
@@ -228,11 +236,9 @@ def _checks_rules_at_first_call(backend):
             output = forward(*args, **kwargs)
             if not checked:
                 checked = True
-                unmatched = _unmatched_rule_names(backend)
-                if unmatched and backend.policy.strict:
-                    raise ValueError(f"fp8graph: policy rules that match no site: {', '.join(unmatched)}")
-                if unmatched:
-                    log.warning("fp8graph: policy rules that match no site: %s", ", ".join(unmatched))
+                if _refuse_unmatched_rules(backend):
+                    log.warning("fp8graph: policy rules that match no site: %s",
+                                ", ".join(_unmatched_rule_names(backend)))
             return output
 
         return forward_checking_rules
@@ -351,9 +357,8 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
         raise RuntimeError(
             f"Dynamo captured no graph of {type(model).__name__}: nothing to explain"
         )
+    _refuse_unmatched_rules(backend)
     unmatched = _unmatched_rule_names(backend)
-    if unmatched and backend.policy.strict:
-        raise ValueError(f"fp8graph: policy rules that match no site: {', '.join(unmatched)}")
     paths_by_id = module_paths_by_id(user_model) if isinstance(user_model, torch.nn.Module) else None
     return ExplainReport(
         [SiteRecord.from_decision(d, backend.policy) for d in backend.decisions],

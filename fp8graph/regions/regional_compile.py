@@ -61,7 +61,14 @@ _BLOCK_CLASS = "_fp8graph_block_class"
 
 
 class RegionSession:
-    """Which compiled function each block instance calls while a compiled model runs."""
+    """Which compiled function each block instance calls while a compiled model runs.
+
+    The contract, all of the module's global state: a block instance's class (``block_class``) calls its
+    region only inside ``session.active()``, which ``fp8graph.compile`` enters around each call of the
+    compiled model; anywhere else the block is its own, uncompiled self. One session is active at a time
+    per process (``_active_session``, which Dynamo guards on); entering another (a compiled model called
+    inside another's forward) makes it active until it exits, then the prior one is again.
+    """
 
     def __init__(self) -> None:
         self._calls: dict[int, Callable] = {}
