@@ -28,7 +28,8 @@ def _fp8graph_contestant(base: str) -> bool:
 def compiled(base: str, model):
     """``model`` compiled as contestant ``base`` (``bench.decoder``'s way), each Inductor graph lowered under
     the capture and run eagerly on FakeTensors. Call the result inside the ``with``: compiling happens at
-    the first call. fp8graph's contestants lower through ``FP8Backend._lower`` (regional ones too)."""
+    the first call. fp8graph's contestants compile each rewritten graph through one FP8Backend method
+    (``_compile_graph``; ``_lower`` in the commits the calibration runs), regional ones too."""
     from torch._inductor.compile_fx import compile_fx
 
     from bench.decoder import _compile
@@ -37,13 +38,14 @@ def compiled(base: str, model):
     if not _fp8graph_contestant(base):
         yield _compile(model, base, capture.compile_only(compile_fx))
         return
-    lower = FP8Backend._lower
-    FP8Backend._lower = lambda self, gm, inputs: capture.lower_then_run_eagerly(
-        lambda g, e: lower(self, g, e), gm, inputs)
+    method = "_compile_graph" if hasattr(FP8Backend, "_compile_graph") else "_lower"
+    compile_graph = getattr(FP8Backend, method)
+    setattr(FP8Backend, method, lambda self, gm, inputs: capture.lower_then_run_eagerly(
+        lambda g, e: compile_graph(self, g, e), gm, inputs))
     try:
         yield _compile(model, base, "inductor")
     finally:
-        FP8Backend._lower = lower
+        setattr(FP8Backend, method, compile_graph)
 
 
 def _fp8_note(compiled_model, model) -> str:

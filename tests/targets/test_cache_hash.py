@@ -6,6 +6,7 @@ graph cache keys on: equal graphs may share code, different ones may not.
 """
 
 import contextlib
+import logging
 import re
 import unittest.mock
 
@@ -65,20 +66,42 @@ def test_aot_autograd_cache_reuses_a_graph_only_for_the_same_recipe():
     their graphs (a warm start skips the AOT trace); another recipe, or another fp8graph
     source with the same target names, must miss."""
     margin_0, margin_1 = DelayedScaling(amax_history_len=4), DelayedScaling(amax_history_len=4, margin=1)
-    with fresh_cache():
+    bypasses = _BypassReasons()
+    cache_log = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
+    level = cache_log.level
+    cache_log.addHandler(bypasses)
+    cache_log.setLevel(logging.INFO)
+    # The caches on, whatever an earlier test in this process left switched.
+    with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True):
         grad, first = _delayed_step(margin_0)
         grad_again, again = _delayed_step(margin_0)
         margin_1_grad, other = _delayed_step(margin_1)
         with _another_fp8graph_source():
             _, new_source = _delayed_step(margin_0)
     assert new_source.get("autograd_cache_miss") == 1 and "autograd_cache_hit" not in new_source
-    assert first.get("autograd_cache_saved") == 1 and "autograd_cache_hit" not in first
+    cache_log.removeHandler(bypasses)
+    cache_log.setLevel(level)
+    assert first.get("autograd_cache_saved") == 1 and "autograd_cache_hit" not in first, bypasses.reasons
     assert again.get("autograd_cache_hit") == 1
     torch.testing.assert_close(grad_again, grad, rtol=0, atol=0)
     assert other.get("autograd_cache_miss") == 1 and "autograd_cache_hit" not in other
     torch._dynamo.reset()
     margin_1_reference = _eager_delayed_grad(margin_1)
     torch.testing.assert_close(margin_1_grad, margin_1_reference, rtol=1e-6, atol=1e-6)
+
+
+class _BypassReasons(logging.Handler):
+    """What AOTAutograd's cache logs when it bypasses a graph, for the assertion's message."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.reasons = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if "ypass" in message:
+            self.reasons.append(message)
 
 
 def _eager_delayed_grad(recipe):
