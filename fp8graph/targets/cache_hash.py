@@ -42,13 +42,21 @@ def register_target(target: Callable, *parameters: object) -> Callable:
     The cache key pickles the graph, and pickle finds a function by module and
     qualified name: each target is published here as ``<name>_<hash prefix>``,
     unique even for recipes whose names agree. ``__name__`` stays readable
-    for the graph's code.
+    for the graph's code. A target made again with the same identity (a cached
+    factory called with its defaults spelled out, or not) is the one published
+    first: two functions under one name would make pickle refuse the graphs
+    that call the other, and the cache bypass them.
     """
     identity = "\n".join([source_hash(), target.__name__, *map(repr, parameters)])
-    target.cache_hash = hashlib.sha256(identity.encode()).hexdigest()
+    cache_hash = hashlib.sha256(identity.encode()).hexdigest()
+    qualname = f"{target.__name__}_{cache_hash[:16]}"
+    published = globals().get(qualname)
+    if published is not None and getattr(published, "cache_hash", None) == cache_hash:
+        return published
+    target.cache_hash = cache_hash
     target.__module__ = __name__
-    target.__qualname__ = f"{target.__name__}_{target.cache_hash[:16]}"
-    globals()[target.__qualname__] = target
+    target.__qualname__ = qualname
+    globals()[qualname] = target
     return target
 
 

@@ -123,3 +123,15 @@ def _another_fp8graph_source():
         yield
     for target in targets:
         target.cache_clear()
+
+
+def test_a_target_made_again_with_the_same_identity_is_the_one_published():
+    """A cached factory called with its defaults spelled out makes the same target, not a second function
+    under the same name (pickle, and so the cache, would refuse graphs calling the first)."""
+    from fp8graph.gemm.scaled_gemm import Lowering
+
+    recipe = DelayedScaling(amax_history_len=4)
+    short = linear_fp8_target(recipe, Lowering.EMULATED)
+    spelled_out = linear_fp8_target(recipe, Lowering.EMULATED, True, False, None)
+    assert spelled_out is short
+    assert getattr(cache_hash, short.__qualname__) is short
