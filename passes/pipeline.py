@@ -117,6 +117,6 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], conte
     # Dynamo compiles one graph per grad mode.
     rewrite_sites(gm, stats_nodes, state_nodes, update_state=torch.is_grad_enabled(), cache_nodes=cache_nodes,
                   weight_cache="reuse" if reuse else "fill", groups=groups)
-    stats_written = [(d.site.path, value_of[stats_nodes(d.site)]) for d in decisions
-                     if d.rewritten and stats_nodes(d.site) is not None]
+    stats_written = [(d.site.path, value_of[node]) for d in decisions
+                     if d.rewritten and (node := stats_nodes(d.site)) is not None]
     return decisions, stats_written

@@ -6,14 +6,13 @@ are touched by forward hooks that pass them to an *anchor*: an identity
 function Dynamo keeps in the graph as a node (``allow_in_graph``). The
 backend finds each kind of buffer among the graph's inputs by its anchor and
 removes the anchors (``fp8graph.passes.anchored_inputs``). One anchor per
-kind, made here by :func:`make_anchor`; each registers at module level, so
-hooks that call it pickle with the model. :func:`register_new_buffer` is the
+kind, made here by :func:`make_anchor` and named at module level, so hooks
+that call it pickle with the model. :func:`register_new_buffer` is the
 one place a buffer is added to a user's module.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Callable
 
 import torch
@@ -22,16 +21,14 @@ __all__ = ["fill_anchor", "make_anchor", "register_new_buffer", "reuse_anchor", 
 
 
 def make_anchor(kind: str, what: str) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """The anchor of one kind of buffer, ``<kind>_anchor``, published in this module."""
+    """The anchor of one kind of buffer, ``<kind>_anchor``; assign it to that name in this module."""
     def anchor(*buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return buffers
 
     anchor.__name__ = anchor.__qualname__ = f"{kind}_anchor"
     anchor.__doc__ = f"Identity kept as a graph node: {what}."
     anchor.__module__ = __name__
-    anchor = torch._dynamo.allow_in_graph(anchor)
-    setattr(sys.modules[__name__], anchor.__name__, anchor)
-    return anchor
+    return torch._dynamo.allow_in_graph(anchor)
 
 
 state_anchor = make_anchor("state", "these delayed-scaling histories and scales are graph inputs")

@@ -67,21 +67,10 @@ class SiteState:
     def history(self) -> torch.Tensor:
         return getattr(self.module, HISTORY_PREFIX + self.param_name)
 
-    @property
-    def scale(self) -> torch.Tensor:
-        return getattr(self.module, SCALE_PREFIX + self.param_name)
-
-    @property
-    def grad_history(self) -> torch.Tensor:
-        return getattr(self.module, GRAD_HISTORY_PREFIX + self.param_name)
-
-    @property
-    def grad_scale(self) -> torch.Tensor:
-        return getattr(self.module, GRAD_SCALE_PREFIX + self.param_name)
-
-    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(history, scale, grad_history, grad_scale)``, the order the graph targets take them in."""
-        return self.history, self.scale, self.grad_history, self.grad_scale
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """``(history, scale, grad_history, grad_scale)`` (:data:`STATE_PREFIXES`' order), the order the graph
+        targets take them in."""
+        return tuple(getattr(self.module, prefix + self.param_name) for prefix in STATE_PREFIXES)
 
 
 def _split_three_role_state(module: torch.nn.Module, state_dict, prefix) -> None:
