@@ -6,10 +6,11 @@ Full mode: a 16384x8192 BF16 tensor on CUDA. Per-tensor current and delayed
 casts as fp8graph's linear emits them, compiled by Inductor: one layout, both
 layouts (the tensor and its transpose, as the GEMMs read them), and fused
 after the RMSNorm that produces it, timed against the RMSNorm alone; every
-tiling (row-wise, 1x128, 128x128, MX 1x32) both ways, Inductor's code for ``fp8graph.numerics.tiles.quantize_tiled`` and
+tiling (row-wise, 1x128, 128x128, MX 1x32) both ways, Inductor's code for
+``fp8graph.numerics.tiles.reference_quantize_tiles`` and
 fp8graph's Triton kernel (``fp8graph.kernels.quantize_tiles``); and for the
 tilings the linear quantizes in both layouts, the two layouts from one call
-(``quantize_tiles_both`` for 1x128 and 128x128, against Inductor compiling
+(``quantize_tiles_and_transpose`` for 1x128 and 128x128, against Inductor compiling
 both casts together for every tiling).
 Each row says which of them fp8graph runs on CUDA (``kernel_quantizes``), and
 the targets judge those rows. ``--smoke`` runs a small tensor on CPU with
@@ -37,10 +38,10 @@ from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
 from fp8graph.numerics.delayed_scaling import delayed_cast
 from fp8graph.numerics.formats import Role
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
-from fp8graph.kernels.quantize_tiles import (kernel_quantizes, quantize_tiles_both_triton, quantize_tiles_triton,
-                                             triton_available)
+from fp8graph.kernels.quantize_tiles import (kernel_quantizes, run_quantize_tiles_and_transpose_kernel,
+                                             run_quantize_tiles_kernel, triton_available)
 from fp8graph.numerics.quantize import quantize_current
-from fp8graph.numerics.tiles import quantize_tiled, quantize_tiled_both
+from fp8graph.numerics.tiles import reference_quantize_tiles, reference_quantize_tiles_and_transpose
 
 from .timing import attempt, environment, failed, markdown_table, median, report, time_ms, title, write_partial
 
@@ -112,12 +113,12 @@ def _contestants(compiler: str, device: torch.device, columns: int) -> list[dict
         for count in (1, 2):
             both = count == 2
             label = f"{name}{', both layouts' if both else ''}"
-            inductor_fn = quantize_tiled_both if both else quantize_tiled
+            inductor_fn = reference_quantize_tiles_and_transpose if both else reference_quantize_tiles
             contestants.append({"contestant": f"{label} ({compiler})", "tiling": name, "code": compiler,
                                 "layouts": count, "fp8graph_uses": not uses_kernel,
                                 "fn": torch.compile(functools.partial(inductor_fn, tiling=tiling), backend=compiler)})
             if with_kernel and (not both or tiling.cols == 128):  # the kernel writes both layouts of 128-wide tiles
-                kernel_fn = quantize_tiles_both_triton if both else quantize_tiles_triton
+                kernel_fn = run_quantize_tiles_and_transpose_kernel if both else run_quantize_tiles_kernel
                 contestants.append({"contestant": f"{label} (fp8graph Triton kernel)", "tiling": name,
                                     "code": "fp8graph kernel", "layouts": count, "fp8graph_uses": uses_kernel,
                                     "fn": functools.partial(kernel_fn, tiling=tiling)})

@@ -171,8 +171,10 @@ def test_tiled_recipes_train_through_inductor_on_the_gpu_like_the_emulation(sequ
 def test_quantize_kernels_are_exact_on_the_gpu():
     """Every kernel launch fp8graph makes, bit for bit the plain-torch reference run on the same GPU
     (the hardware's E4M3 conversion included, which the interpreter test cannot check)."""
-    from fp8graph.kernels.quantize_tiles import quantize_tiles_both_triton, quantize_tiles_triton, triton_available
-    from fp8graph.numerics.tiles import ScaleKind, Tiling, quantize_tiled, quantize_tiled_both
+    from fp8graph.kernels.quantize_tiles import (run_quantize_tiles_and_transpose_kernel, run_quantize_tiles_kernel,
+                                                 triton_available)
+    from fp8graph.numerics.tiles import (ScaleKind, Tiling, reference_quantize_tiles,
+                                         reference_quantize_tiles_and_transpose)
 
     if not triton_available():
         pytest.skip("Triton is not installed")
@@ -185,14 +187,14 @@ def test_quantize_kernels_are_exact_on_the_gpu():
         for operand in (x, x.t(), x[:200]):  # contiguous, transposed, a ragged token count
             if operand.shape[0] % tiling.rows:
                 continue
-            kernel = quantize_tiles_triton(operand, tiling)
-            reference = quantize_tiled(operand.contiguous(), tiling)
+            kernel = run_quantize_tiles_kernel(operand, tiling)
+            reference = reference_quantize_tiles(operand.contiguous(), tiling)
             assert torch.equal(kernel[0].view(torch.uint8), reference[0].view(torch.uint8)), tiling
             assert torch.equal(kernel[1].nan_to_num(-1.0), reference[1].nan_to_num(-1.0)), tiling
         if tiling.cols == 128:
             operand = x if tiling.rows == 128 else x[:200]
-            both = quantize_tiles_both_triton(operand, tiling)
-            reference = quantize_tiled_both(operand, tiling)
+            both = run_quantize_tiles_and_transpose_kernel(operand, tiling)
+            reference = reference_quantize_tiles_and_transpose(operand, tiling)
             for got, expected in zip(both, reference):
                 if got.dtype == torch.float32:
                     assert torch.equal(got.nan_to_num(-1.0), expected.nan_to_num(-1.0)), tiling

@@ -5,19 +5,26 @@ touches it. fp8graph's buffers (delayed-scaling state, weight caches, stats)
 are touched by forward hooks that pass them to an *anchor*: an identity
 function Dynamo keeps in the graph as a node (``allow_in_graph``). The
 backend finds each kind of buffer among the graph's inputs by its anchor and
-removes the anchors (``fp8graph.passes.anchored_inputs``). One anchor per
-kind, made here by :func:`make_anchor` and named at module level, so hooks
-that call it pickle with the model. :func:`register_new_buffer` is the
-one place a buffer is added to a user's module.
+removes the anchors (``fp8graph.passes.anchored_inputs``).
+
+Every kind goes through the same two steps, written here once:
+:func:`register_new_buffers` adds a kind's buffers to the user's modules, all
+or none (a name already taken anywhere refuses the whole set, so a refused
+compile leaves the model as it was), and :class:`AnchorHook` is the forward
+hook that anchors them. The hook is a class, not a closure, and the anchors
+are named at module level, so a model that holds them deep-copies, pickles
+and saves with ``torch.save``.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Callable, Iterable, Optional
 
 import torch
 
-__all__ = ["fill_anchor", "make_anchor", "register_new_buffer", "reuse_anchor", "state_anchor", "stats_anchor"]
+__all__ = ["ANCHORS", "AnchorHook", "NewBuffer", "fill_anchor", "make_anchor", "register_new_buffers", "reuse_anchor",
+           "state_anchor", "stats_anchor"]
 
 
 def make_anchor(kind: str, what: str) -> Callable[..., tuple[torch.Tensor, ...]]:
@@ -35,11 +42,53 @@ state_anchor = make_anchor("state", "these delayed-scaling histories and scales 
 stats_anchor = make_anchor("stats", "these stats buffers are graph inputs")
 fill_anchor = make_anchor("fill", "these FP8 weight copies are graph inputs, and this call fills them")
 reuse_anchor = make_anchor("reuse", "these FP8 weight copies are graph inputs, and this call reads them")
+ANCHORS = {"state": state_anchor, "stats": stats_anchor, "fill": fill_anchor, "reuse": reuse_anchor}
 
 
-def register_new_buffer(module: torch.nn.Module, path: str, name: str, value: torch.Tensor, persistent: bool,
-                        if_taken: str) -> None:
-    """``module.register_buffer(name, value)``, refused when ``name`` is taken (``if_taken`` says what to do)."""
-    if hasattr(module, name):
-        raise ValueError(f"{path or '<root>'}.{name} already exists: {if_taken}")
-    module.register_buffer(name, value, persistent=persistent)
+class AnchorHook:
+    """Forward hook: passes buffers to the anchor of their kind, so the graph Dynamo traces takes them as inputs.
+
+    ``sources`` pairs a module with the names of its buffers to pass; ``None``
+    stands for the hooked module itself (one hook object then serves many
+    modules). Subclasses choose the anchor per call by overriding
+    :meth:`anchor_kind` (the weight cache: fill or reuse).
+    """
+
+    def __init__(self, kind: str, sources: Iterable[tuple[Optional[torch.nn.Module], Iterable[str]]]) -> None:
+        if kind not in ANCHORS:
+            raise ValueError(f"no anchor of kind {kind!r}; kinds: {sorted(ANCHORS)}")
+        self.kind = kind
+        self.sources = tuple((owner, tuple(names)) for owner, names in sources)
+
+    def anchor_kind(self) -> str:
+        return self.kind
+
+    def __call__(self, module: torch.nn.Module, args, output) -> None:
+        buffers = [getattr(module if owner is None else owner, name) for owner, names in self.sources for name in names]
+        ANCHORS[self.anchor_kind()](*buffers)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.anchor_kind()!r}, {sum(len(names) for _, names in self.sources)} buffers)"
+
+
+@dataclasses.dataclass(frozen=True)
+class NewBuffer:
+    """A buffer to add: ``module.register_buffer(name, value, persistent=persistent)``; ``path`` names the module."""
+
+    module: torch.nn.Module
+    path: str
+    name: str
+    value: torch.Tensor
+    persistent: bool
+
+
+def register_new_buffers(new_buffers: list[NewBuffer], if_taken: str) -> None:
+    """Register every buffer of ``new_buffers``, or none: a name already taken on its module (or twice in the
+    list) is refused before anything is added, naming it; ``if_taken`` says what to do."""
+    seen: set[tuple[int, str]] = set()
+    for new in new_buffers:
+        if hasattr(new.module, new.name) or (id(new.module), new.name) in seen:
+            raise ValueError(f"{new.path or '<root>'}.{new.name} already exists: {if_taken}")
+        seen.add((id(new.module), new.name))
+    for new in new_buffers:
+        new.module.register_buffer(new.name, new.value, persistent=new.persistent)

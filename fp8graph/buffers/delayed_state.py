@@ -32,7 +32,7 @@ import logging
 
 import torch
 
-from fp8graph.buffers.anchors import register_new_buffer, state_anchor
+from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
 from fp8graph.numerics.formats import Role
 from fp8graph.recipes.policy import Policy, resolve_weight
 from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
@@ -49,11 +49,6 @@ GRAD_SCALE_PREFIX = "fp8graph_grad_output_scale_"
 STATE_PREFIXES = (HISTORY_PREFIX, SCALE_PREFIX, GRAD_HISTORY_PREFIX, GRAD_SCALE_PREFIX)
 # Rows of the forward buffers; the grad_output buffers have one.
 FORWARD_ROLES = (Role.INPUT, Role.WEIGHT)
-
-
-def _anchor_state(module: torch.nn.Module, args, output=None) -> None:
-    state_anchor(*(buffer for name, buffer in module.named_buffers(recurse=False)
-                   if name.startswith(STATE_PREFIXES)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,19 +107,8 @@ def weight_candidates(module: torch.nn.Module):
             yield name, param
 
 
-def _anchor_owners_state(weight_owners: list[torch.nn.Module]):
-    def anchor_owners_state(module: torch.nn.Module, args, output) -> None:
-        for owner in weight_owners:
-            _anchor_state(owner, args)
-
-    return anchor_owners_state
-
-
-def _anchor_root_state(root: torch.nn.Module):
-    def anchor_root_state(module: torch.nn.Module, args, output) -> None:
-        _anchor_state(root, args)
-
-    return anchor_root_state
+def _state_names(owner: torch.nn.Module) -> list[str]:
+    return [name for name, _ in owner.named_buffers(recurse=False) if name.startswith(STATE_PREFIXES)]
 
 
 class DelayedState:
@@ -204,6 +188,7 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedSta
         return _reuse_registered_state(model, policy, earlier)
     registered: dict[int, SiteState] = {}
     delayed_state = DelayedState()
+    new_buffers: list[NewBuffer] = []
     owners = []
     tied_holders: dict[torch.nn.Module, list[torch.nn.Module]] = {}  # module -> owners of its tied weights
     for path, module in model.named_modules():
@@ -221,26 +206,27 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedSta
                                     (SCALE_PREFIX, torch.ones(len(FORWARD_ROLES), device=device)),
                                     (GRAD_HISTORY_PREFIX, torch.zeros(1, history_len, device=device)),
                                     (GRAD_SCALE_PREFIX, torch.ones(1, device=device))):
-                register_new_buffer(module, path, prefix + name, initial, persistent=True,
-                                    if_taken="not from an earlier fp8graph.compile of this model: build a fresh model")
+                new_buffers.append(NewBuffer(module, path, prefix + name, initial, persistent=True))
             registered[id(param)] = SiteState(module, name)
             delayed_state.add(module, name, registered[id(param)])
             names.append(name)
         if names:
             owners.append(module)
-            module._register_load_state_dict_pre_hook(_fill_missing_state, with_module=True)
+    register_new_buffers(new_buffers, if_taken="not from an earlier fp8graph.compile of this model: build a "
+                                                "fresh model")
     for module in owners:
+        module._register_load_state_dict_pre_hook(_fill_missing_state, with_module=True)
         if module is not model:
-            module.register_forward_hook(_anchor_state)
+            module.register_forward_hook(AnchorHook("state", [(module, _state_names(module))]))
     for module, weight_owners in tied_holders.items():
         if module is not model:  # the owner's buffers must reach a graph that only calls this module
-            module.register_forward_hook(_anchor_owners_state(weight_owners))
+            module.register_forward_hook(AnchorHook("state", [(owner, _state_names(owner)) for owner in weight_owners]))
     if model in owners:
-        anchor_root = _anchor_root_state(model)
+        anchor_root = AnchorHook("state", [(model, _state_names(model))])
         for submodule in model.modules():
             if submodule is not model:
                 submodule.register_forward_hook(anchor_root)
         if next(model.children(), None) is None:  # a bare module: fp8graph.compile traces its own hooks
-            model.register_forward_hook(_anchor_state)
+            model.register_forward_hook(anchor_root)
     model.__dict__[_REGISTERED_ATTRIBUTE] = delayed_state
     return delayed_state

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8graph.buffers.anchors import register_new_buffer, stats_anchor
+from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
 from fp8graph.numerics.formats import ROLES
 from fp8graph.numerics.health import HEALTH_METRICS
 
@@ -39,30 +39,20 @@ __all__ = ["STATS_BUFFER", "register_stats_buffers"]
 STATS_BUFFER = "fp8graph_stats"
 
 
-def _anchor_hook(root: torch.nn.Module):
-    def reference_stats_buffers(module: torch.nn.Module, args, output) -> None:
-        stats_anchor(getattr(module, STATS_BUFFER), getattr(root, STATS_BUFFER))
-
-    return reference_stats_buffers
-
-
 def register_stats_buffers(model: torch.nn.Module):
     """Register the buffers (NaN: nothing recorded yet) and the hooks that anchor them; returns
     ``(modules by path, hook handles)``."""
     modules = dict(model.named_modules())  # a module reached by two paths: its first
-    for path, module in modules.items():
-        if hasattr(module, STATS_BUFFER):  # checked for all before any is registered
-            raise ValueError(f"{path or '<root>'}.{STATS_BUFFER} already exists: compile the model once with "
-                             "stats=True, or build a fresh model")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    for path, module in modules.items():
-        register_new_buffer(module, path, STATS_BUFFER, torch.full((len(ROLES), len(HEALTH_METRICS)), float("nan"),
-                                                                   device=device), persistent=False,
-                            if_taken="compile the model once with stats=True, or build a fresh model")
+    register_new_buffers([NewBuffer(module, path, STATS_BUFFER, torch.full((len(ROLES), len(HEALTH_METRICS)),
+                                                                            float("nan"), device=device),
+                                    persistent=False) for path, module in modules.items()],
+                         if_taken="compile the model once with stats=True, or build a fresh model")
     # Dynamo runs the root module's own hooks outside the graph, but inlines
-    # those of the modules called inside it: hook every submodule.
-    # A bare module (no submodules) is its own only hook: fp8graph.compile then traces its hooks.
-    hook = _anchor_hook(model)
+    # those of the modules called inside it: hook every submodule, passing its
+    # buffer and the root's. A bare module (no submodules) is its own only
+    # hook: fp8graph.compile then traces its hooks.
+    hook = AnchorHook("stats", [(None, (STATS_BUFFER,)), (model, (STATS_BUFFER,))])
     bare = next(model.children(), None) is None
     hooks = [module.register_forward_hook(hook) for module in model.modules() if module is not model or bare]
     return modules, hooks

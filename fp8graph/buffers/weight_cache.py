@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from fp8graph.numerics.formats import Role
-from fp8graph.buffers.anchors import fill_anchor, register_new_buffer, reuse_anchor
+from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
 from fp8graph.recipes.policy import Policy, resolve_weight
 from fp8graph.buffers.delayed_state import weight_candidates
 
@@ -84,21 +84,22 @@ class WeightCache:
         self._filled_versions = None
 
 
-def _anchor_hook(cache: WeightCache, owners_and_names: list[tuple[torch.nn.Module, str]]):
-    def anchor_cached_weights(module: torch.nn.Module, args, output) -> None:
-        buffers = [getattr(owner, prefix + name) for owner, name in owners_and_names
-                   for prefix in (CACHED_WEIGHT_PREFIX, CACHED_SCALE_PREFIX)]
-        if cache.reuse:  # a branch Dynamo guards on: the fill and reuse graphs differ
-            reuse_anchor(*buffers)
-        else:
-            fill_anchor(*buffers)
+class _CachedWeightsHook(AnchorHook):
+    """Anchors the FP8 copies as filled by this call, or as read by it (the cache's mode)."""
 
-    return anchor_cached_weights
+    def __init__(self, cache: WeightCache, owners_and_names: list[tuple[torch.nn.Module, str]]) -> None:
+        super().__init__("fill", [(owner, (CACHED_WEIGHT_PREFIX + name, CACHED_SCALE_PREFIX + name))
+                                  for owner, name in owners_and_names])
+        self.cache = cache
+
+    def anchor_kind(self) -> str:
+        return "reuse" if self.cache.reuse else "fill"  # a branch Dynamo guards on: the two graphs differ
 
 
 def register_weight_cache(model: torch.nn.Module, policy: Policy) -> WeightCache:
     """Register FP8 copies for the weights of submodules that the policy gives per-tensor current scaling."""
     cache = WeightCache()
+    new_buffers: list[NewBuffer] = []
     owner_of: dict[int, tuple[torch.nn.Module, str]] = {}
     anchored: dict[torch.nn.Module, list[tuple[torch.nn.Module, str]]] = {}
     for path, module in model.named_modules():
@@ -117,12 +118,12 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy) -> WeightCache
             for prefix, initial in ((CACHED_WEIGHT_PREFIX, torch.zeros(param.shape, dtype=recipe.fp8_dtype(Role.WEIGHT),
                                                                         device=param.device)),
                                     (CACHED_SCALE_PREFIX, torch.ones((), device=param.device))):
-                register_new_buffer(module, path, prefix + name, initial, persistent=False,
-                                    if_taken="was the model compiled twice with cache_weights=True? Compile it "
-                                             "once, or build a fresh model")
+                new_buffers.append(NewBuffer(module, path, prefix + name, initial, persistent=False))
             owner_of[id(param)] = (module, name)
             cache.add(module, name, module, name)
             anchored.setdefault(module, []).append((module, name))
+    register_new_buffers(new_buffers, if_taken="was the model compiled twice with cache_weights=True? Compile it "
+                                               "once, or build a fresh model")
     for module, owners_and_names in anchored.items():
-        module.register_forward_hook(_anchor_hook(cache, owners_and_names))
+        module.register_forward_hook(_CachedWeightsHook(cache, owners_and_names))
     return cache

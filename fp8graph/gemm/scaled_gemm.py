@@ -33,7 +33,7 @@ import torch
 from fp8graph.gemm.padding import pad_reduction_dim
 from fp8graph.gemm.native_tiled import native_tiled_gemm
 from fp8graph.recipes.scaling import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
-from fp8graph.numerics.tiles import Tiling, dequantize_tiled
+from fp8graph.numerics.tiles import Tiling, reference_dequantize_tiles
 
 __all__ = ["LOWERING_CHOICES", "Lowering", "NoNativeGemm", "choose_lowering", "has_cpu_kernel", "native_requirement",
            "one_buffer", "scalars_of",
@@ -239,6 +239,6 @@ def tiled_scaled_gemm(
     """
     if lowering is Lowering.SCALED_MM:
         return native_tiled_gemm(a_fp8, a_scale, a_tiling, b_fp8, b_scale, b_tiling, out_dtype, use_fast_accum)
-    a_fp32 = dequantize_tiled(a_fp8, a_scale, a_tiling)
-    b_fp32 = dequantize_tiled(b_fp8, b_scale, b_tiling)
+    a_fp32 = reference_dequantize_tiles(a_fp8, a_scale, a_tiling)
+    b_fp32 = reference_dequantize_tiles(b_fp8, b_scale, b_tiling)
     return torch.mm(a_fp32, b_fp32.t()).to(out_dtype)

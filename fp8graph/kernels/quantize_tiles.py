@@ -2,13 +2,13 @@
 
 Two ops, registered with ``torch.library`` so graphs carry them as single
 nodes (on CUDA they run the Triton kernels of ``_quantize_tiles_triton``;
-everywhere else the plain-torch reference ``fp8graph.numerics.tiles.quantize_tiled``,
+everywhere else the plain-torch reference ``fp8graph.numerics.tiles.reference_quantize_tiles``,
 which the tests hold them to bit for bit)::
 
     fp8graph::quantize_tiles(x, tile_rows, tile_cols, scale_kind)        -> x_fp8, scale
-    fp8graph::quantize_tiles_both(x, tile_rows, tile_cols, scale_kind)   -> x_fp8, scale, x_t_fp8, scale_t
+    fp8graph::quantize_tiles_and_transpose(x, tile_rows, tile_cols, scale_kind)   -> x_fp8, scale, x_t_fp8, scale_t
 
-``quantize_tiles_both`` reads ``x`` once and writes it quantized along its
+``quantize_tiles_and_transpose`` reads ``x`` once and writes it quantized along its
 rows and, transposed, along its columns: what the forward needs of an input
 (the GEMM's and, for the weight gradient, the transpose's) and the backward
 of a gradient. For 128x128 tiles both layouts share the tiles and scales.
@@ -44,10 +44,11 @@ from typing import Any
 import torch
 
 from fp8graph.numerics.formats import fp8_max, fp8_max_exponent
-from fp8graph.numerics.tiles import ScaleKind, Tiling, quantize_tiled, quantize_tiled_both
+from fp8graph.numerics.tiles import ScaleKind, Tiling, reference_quantize_tiles, reference_quantize_tiles_and_transpose
 
-__all__ = ["KernelLaunch", "kernel_quantizes", "plan_quantize_tiles", "plan_quantize_tiles_both", "quantize_tiles",
-           "quantize_tiles_both", "quantize_tiles_both_triton", "quantize_tiles_triton", "triton_available"]
+__all__ = ["KernelLaunch", "kernel_quantizes", "plan_quantize_tiles_kernel", "plan_quantize_tiles_and_transpose_kernel",
+           "quantize_tiles", "quantize_tiles_and_transpose", "run_quantize_tiles_and_transpose_kernel",
+           "run_quantize_tiles_kernel", "triton_available"]
 
 _SCALE_KINDS = {ScaleKind.EXACT: 0, ScaleKind.POWER_2: 1, ScaleKind.E8M0: 2}
 _BLOCK = 128  # quantize_blocks_kernel's square block: 1x128 tiles both ways, or one 128x128 tile
@@ -143,8 +144,10 @@ def _plan_blocks(x: torch.Tensor, tiling: Tiling, row_major: bool, transposed: b
     return launch, (x_fp8, scale, x_t_fp8, scale_t)
 
 
-def plan_quantize_tiles(x_hp: torch.Tensor, tiling: Tiling) -> tuple[KernelLaunch, tuple[torch.Tensor, torch.Tensor]]:
-    """The launch that quantizes ``x_hp`` (R, C), any strides, as ``quantize_tiled(x_hp, tiling)``, and its outputs."""
+def plan_quantize_tiles_kernel(x_hp: torch.Tensor,
+                               tiling: Tiling) -> tuple[KernelLaunch, tuple[torch.Tensor, torch.Tensor]]:
+    """The launch that quantizes ``x_hp`` (R, C), any strides, as ``reference_quantize_tiles(x_hp, tiling)``,
+    and its outputs."""
     from fp8graph.kernels._quantize_tiles_triton import quantize_row_tiles_kernel, quantize_rows_kernel
 
     import triton
@@ -188,27 +191,28 @@ def plan_quantize_tiles(x_hp: torch.Tensor, tiling: Tiling) -> tuple[KernelLaunc
     return launch, (x_fp8, scale)
 
 
-def plan_quantize_tiles_both(x_hp: torch.Tensor, tiling: Tiling):
+def plan_quantize_tiles_and_transpose_kernel(x_hp: torch.Tensor, tiling: Tiling):
     """The launch that quantizes ``x_hp`` (R, C) along its rows and, transposed, along its columns.
 
-    Outputs ``(x_fp8, scale, x_t_fp8, scale_t)``: ``quantize_tiled(x_hp, tiling)``
-    and ``quantize_tiled(x_hp.t(), tiling)``. Tilings: 1x128 and 128x128.
+    Outputs ``(x_fp8, scale, x_t_fp8, scale_t)``: ``reference_quantize_tiles(x_hp, tiling)``
+    and ``reference_quantize_tiles(x_hp.t(), tiling)``. Tilings: 1x128 and 128x128.
     """
     if not (tiling.cols == _BLOCK and tiling.rows in (1, _BLOCK)):
-        raise ValueError(f"quantize_tiles_both takes 1x{_BLOCK} or {_BLOCK}x{_BLOCK} tiles, not {tiling.label}")
+        raise ValueError(f"quantize_tiles_and_transpose takes 1x{_BLOCK} or {_BLOCK}x{_BLOCK} tiles, "
+                         f"not {tiling.label}")
     return _plan_blocks(x_hp, tiling, row_major=True, transposed=True)
 
 
-def quantize_tiles_triton(x_hp: torch.Tensor, tiling: Tiling) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the Triton kernel on ``x_hp`` (R, C), any strides; same results as ``quantize_tiled``."""
-    launch, outputs = plan_quantize_tiles(x_hp, tiling)
+def run_quantize_tiles_kernel(x_hp: torch.Tensor, tiling: Tiling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the Triton kernel on ``x_hp`` (R, C), any strides; same results as ``reference_quantize_tiles``."""
+    launch, outputs = plan_quantize_tiles_kernel(x_hp, tiling)
     launch()
     return outputs
 
 
-def quantize_tiles_both_triton(x_hp: torch.Tensor, tiling: Tiling):
-    """Run ``quantize_blocks_kernel`` on ``x_hp``: ``quantize_tiled`` of it and of its transpose, one read."""
-    launch, outputs = plan_quantize_tiles_both(x_hp, tiling)
+def run_quantize_tiles_and_transpose_kernel(x_hp: torch.Tensor, tiling: Tiling):
+    """Run ``quantize_blocks_kernel`` on ``x_hp``: ``reference_quantize_tiles`` of it and of its transpose, one read."""
+    launch, outputs = plan_quantize_tiles_and_transpose_kernel(x_hp, tiling)
     launch()
     return outputs
 
@@ -216,8 +220,8 @@ def quantize_tiles_both_triton(x_hp: torch.Tensor, tiling: Tiling):
 @torch.library.custom_op("fp8graph::quantize_tiles", mutates_args=())
 def quantize_tiles(x_hp: torch.Tensor, tile_rows: int, tile_cols: int,
                    scale_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_tiled(x_hp, Tiling(tile_rows, tile_cols or None, scale_kind))`` to E4M3, row-major."""
-    return tuple(t.contiguous() for t in quantize_tiled(x_hp, _tiling(tile_rows, tile_cols, scale_kind)))
+    """``reference_quantize_tiles(x_hp, Tiling(tile_rows, tile_cols or None, scale_kind))`` to E4M3, row-major."""
+    return tuple(t.contiguous() for t in reference_quantize_tiles(x_hp, _tiling(tile_rows, tile_cols, scale_kind)))
 
 
 @quantize_tiles.register_fake
@@ -232,18 +236,18 @@ def _(x_hp, tile_rows, tile_cols, scale_kind):
 @quantize_tiles.register_kernel("cuda")
 def _(x_hp, tile_rows, tile_cols, scale_kind):
     if not triton_available():
-        return quantize_tiled(x_hp, _tiling(tile_rows, tile_cols, scale_kind))
-    return quantize_tiles_triton(x_hp, _tiling(tile_rows, tile_cols, scale_kind))
+        return reference_quantize_tiles(x_hp, _tiling(tile_rows, tile_cols, scale_kind))
+    return run_quantize_tiles_kernel(x_hp, _tiling(tile_rows, tile_cols, scale_kind))
 
 
-@torch.library.custom_op("fp8graph::quantize_tiles_both", mutates_args=())
-def quantize_tiles_both(x_hp: torch.Tensor, tile_rows: int, tile_cols: int,
+@torch.library.custom_op("fp8graph::quantize_tiles_and_transpose", mutates_args=())
+def quantize_tiles_and_transpose(x_hp: torch.Tensor, tile_rows: int, tile_cols: int,
                         scale_kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_tiles`` of ``x_hp`` and of ``x_hp.t()``: ``(x_fp8, scale, x_t_fp8, scale_t)``."""
-    return quantize_tiled_both(x_hp, _tiling(tile_rows, tile_cols, scale_kind))
+    return reference_quantize_tiles_and_transpose(x_hp, _tiling(tile_rows, tile_cols, scale_kind))
 
 
-@quantize_tiles_both.register_fake
+@quantize_tiles_and_transpose.register_fake
 def _(x_hp, tile_rows, tile_cols, scale_kind):
     rows, columns = x_hp.shape
     rows_padded, columns_padded = _padded(rows, tile_cols), _padded(columns, tile_cols)
@@ -253,8 +257,8 @@ def _(x_hp, tile_rows, tile_cols, scale_kind):
             fp8((columns, rows_padded)), fp32((columns // tile_rows, rows_padded // tile_cols)))
 
 
-@quantize_tiles_both.register_kernel("cuda")
+@quantize_tiles_and_transpose.register_kernel("cuda")
 def _(x_hp, tile_rows, tile_cols, scale_kind):
     if not triton_available():
-        return quantize_tiled_both(x_hp, _tiling(tile_rows, tile_cols, scale_kind))
-    return quantize_tiles_both_triton(x_hp, _tiling(tile_rows, tile_cols, scale_kind))
+        return reference_quantize_tiles_and_transpose(x_hp, _tiling(tile_rows, tile_cols, scale_kind))
+    return run_quantize_tiles_and_transpose_kernel(x_hp, _tiling(tile_rows, tile_cols, scale_kind))

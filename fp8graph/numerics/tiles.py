@@ -31,8 +31,8 @@ import torch
 from fp8graph.numerics.formats import fp8_max_exponent
 from fp8graph.numerics.quantize import amax_to_scale, quantize
 
-__all__ = ["ScaleKind", "Tiling", "dequantize_tiled", "e8m0_to_scale", "expand_scale", "mx_scale_e8m0",
-           "quantize_tiled", "quantize_tiled_both", "tile_amax"]
+__all__ = ["ScaleKind", "Tiling", "reference_dequantize_tiles", "e8m0_to_scale", "expand_scale", "mx_scale_e8m0",
+           "reference_quantize_tiles", "reference_quantize_tiles_and_transpose", "tile_amax"]
 
 
 class ScaleKind(str, enum.Enum):
@@ -117,7 +117,7 @@ def e8m0_to_scale(e8m0: torch.Tensor) -> torch.Tensor:
     return torch.where(exponent == _E8M0_NAN, float("nan"), scale)
 
 
-def quantize_tiled(
+def reference_quantize_tiles(
     x_hp: torch.Tensor, tiling: Tiling, fp8_dtype: torch.dtype = torch.float8_e4m3fn
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize (R, C) tile by tile; returns ``(x_fp8 (R, C'), scale (R / rows, C' / cols))``.
@@ -138,16 +138,17 @@ def quantize_tiled(
     return x_fp8.reshape(x_hp.shape), scale
 
 
-def quantize_tiled_both(
+def reference_quantize_tiles_and_transpose(
     x_hp: torch.Tensor, tiling: Tiling
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`quantize_tiled` of ``x_hp`` (R, C) and of its transpose: ``(x_fp8, scale, x_t_fp8, scale_t)``.
+    """:func:`reference_quantize_tiles` of ``x_hp`` (R, C) and of its transpose: ``(x_fp8, scale, x_t_fp8, scale_t)``.
 
     The two layouts the linear needs of an operand (each GEMM reduces along its
-    own dimension), every output row-major, as ``fp8graph::quantize_tiles_both``
+    own dimension), every output row-major, as ``fp8graph::quantize_tiles_and_transpose``
     writes them: the reference that op and its kernel are held to.
     """
-    return tuple(t.contiguous() for t in (*quantize_tiled(x_hp, tiling), *quantize_tiled(x_hp.t(), tiling)))
+    layouts = (*reference_quantize_tiles(x_hp, tiling), *reference_quantize_tiles(x_hp.t(), tiling))
+    return tuple(t.contiguous() for t in layouts)
 
 
 def expand_scale(scale: torch.Tensor, tiling: Tiling, shape) -> torch.Tensor:
@@ -157,8 +158,8 @@ def expand_scale(scale: torch.Tensor, tiling: Tiling, shape) -> torch.Tensor:
     return tiles.reshape(shape)
 
 
-def dequantize_tiled(x_fp8: torch.Tensor, scale: torch.Tensor, tiling: Tiling) -> torch.Tensor:
-    """Inverse of :func:`quantize_tiled`, in fp32 (shape of ``x_fp8``, padding included)."""
+def reference_dequantize_tiles(x_fp8: torch.Tensor, scale: torch.Tensor, tiling: Tiling) -> torch.Tensor:
+    """Inverse of :func:`reference_quantize_tiles`, in fp32 (shape of ``x_fp8``, padding included)."""
     cols = tiling.tile_cols(x_fp8)
     x_tiles = _as_tiles(x_fp8.to(torch.float32), tiling.rows, cols)
     return (x_tiles / scale[:, None, :, None]).reshape(x_fp8.shape)

@@ -33,7 +33,7 @@ from fp8graph.targets.linear_tensorwise import autocast_dtype, record_health, ta
 from fp8graph.gemm.scaled_gemm import Lowering, one_buffer, tiled_scaled_gemm
 from fp8graph.recipes.scaling import TiledRecipe
 from fp8graph.targets.cache_hash import register_target
-from fp8graph.numerics.tiles import Tiling, expand_scale, quantize_tiled
+from fp8graph.numerics.tiles import Tiling, expand_scale, reference_quantize_tiles
 
 __all__ = ["linear_tiled_target", "record_tiled_health"]
 
@@ -55,7 +55,7 @@ def _quantize(x_hp: torch.Tensor, tiling: Tiling, along_rows: bool, along_column
 
     On CUDA, tilings that fp8graph's kernel quantizes faster than Inductor's
     code (``fp8graph.kernels.quantize_tiles.kernel_quantizes``) run it, both
-    layouts from one read. Elsewhere the plain-torch ``quantize_tiled``, which
+    layouts from one read. Elsewhere the plain-torch ``reference_quantize_tiles``, which
     Inductor fuses with the producer of ``x_hp``; square tiles then reuse the
     row-major quantization transposed (bit for bit what a requantization gives).
     ``use_kernel`` overrides the choice (tests run the ops' CPU reference so).
@@ -65,7 +65,7 @@ def _quantize(x_hp: torch.Tensor, tiling: Tiling, along_rows: bool, along_column
     if use_kernel:
         tile_args = (tiling.rows, tiling.cols, tiling.scale_kind.value)
         if along_rows and along_columns:
-            x_fp8, scale, x_t_fp8, scale_t = torch.ops.fp8graph.quantize_tiles_both(x_hp, *tile_args)
+            x_fp8, scale, x_t_fp8, scale_t = torch.ops.fp8graph.quantize_tiles_and_transpose(x_hp, *tile_args)
             return _TiledOperand(x_fp8, scale, tiling), _TiledOperand(x_t_fp8, scale_t, tiling)
         x_q = _TiledOperand(*torch.ops.fp8graph.quantize_tiles(x_hp, *tile_args), tiling) if along_rows else None
         x_t_q = (_TiledOperand(*torch.ops.fp8graph.quantize_tiles(x_hp.t(), *tile_args), tiling)
@@ -80,9 +80,9 @@ def _quantize(x_hp: torch.Tensor, tiling: Tiling, along_rows: bool, along_column
 
 
 def _inductor_quantized(x_hp: torch.Tensor, tiling: Tiling) -> _TiledOperand:
-    """``quantize_tiled`` of ``x_hp``, its FP8 values one buffer however many GEMMs read them (q, k and v
+    """``reference_quantize_tiles`` of ``x_hp``, its FP8 values one buffer however many GEMMs read them (q, k and v
     quantize their shared input identically: one node once the graph's duplicates merge)."""
-    x_fp8, scale = quantize_tiled(x_hp, tiling)
+    x_fp8, scale = reference_quantize_tiles(x_hp, tiling)
     return _TiledOperand(one_buffer(x_fp8) if x_hp.device.type == "cuda" else x_fp8, scale, tiling)
 
 

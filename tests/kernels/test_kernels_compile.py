@@ -1,7 +1,7 @@
 """Every Triton kernel fp8graph launches compiles for Hopper (sm_90) and Blackwell (sm_100), without a GPU.
 
-Each case builds the launch fp8graph would make (``plan_quantize_tiles``,
-``plan_quantize_tiles_both``) for an operand of a recipe's role, contiguous or
+Each case builds the launch fp8graph would make (``plan_quantize_tiles_kernel``,
+``plan_quantize_tiles_and_transpose_kernel``) for an operand of a recipe's role, contiguous or
 transposed, BF16, fp32 or fp16, at a token count divisible by 16 and at one
 that is not (Triton specializes integer arguments on divisibility), then
 compiles it to a cubin with the launch's own specialization
@@ -19,7 +19,8 @@ import torch
 
 from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
 from fp8graph.numerics.formats import ROLES
-from fp8graph.kernels.quantize_tiles import plan_quantize_tiles, plan_quantize_tiles_both, triton_available
+from fp8graph.kernels.quantize_tiles import (plan_quantize_tiles_and_transpose_kernel, plan_quantize_tiles_kernel,
+                                             triton_available)
 from fp8graph.numerics.tiles import ScaleKind, Tiling
 
 from triton_targets import GPU_CAPABILITIES, compile_launch, resource_usage
@@ -59,7 +60,7 @@ def _launch(tiling, shape, dtype, layout, layouts):
         x = torch.empty(columns, rows, dtype=DTYPES[dtype]).t()
     else:
         x = torch.empty(rows, columns, dtype=DTYPES[dtype])
-    plan = plan_quantize_tiles_both if layouts == "both layouts" else plan_quantize_tiles
+    plan = plan_quantize_tiles_and_transpose_kernel if layouts == "both layouts" else plan_quantize_tiles_kernel
     launch, _ = plan(x, tiling)
     return launch
 

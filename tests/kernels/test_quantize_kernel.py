@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fp8graph.kernels.quantize_tiles import quantize_tiles, triton_available
-from fp8graph.numerics.tiles import ScaleKind, Tiling, quantize_tiled
+from fp8graph.numerics.tiles import ScaleKind, Tiling, reference_quantize_tiles
 from helpers import cases_checked_under_triton_interpreter
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
@@ -25,14 +25,14 @@ def test_triton_kernel_equals_the_reference_under_the_interpreter():
 def test_the_op_runs_the_reference_on_cpu_and_traces_with_its_fake():
     x = torch.randn(64, 96)
     x_fp8, scale = quantize_tiles(x, 1, 32, "e8m0")
-    reference_fp8, reference_scale = quantize_tiled(x, Tiling(1, 32, ScaleKind.E8M0))
+    reference_fp8, reference_scale = reference_quantize_tiles(x, Tiling(1, 32, ScaleKind.E8M0))
     assert torch.equal(x_fp8.view(torch.uint8), reference_fp8.view(torch.uint8))
     assert torch.equal(scale, reference_scale)
     torch.library.opcheck(torch.ops.fp8graph.quantize_tiles, (torch.randn(128, 100), 128, 0, "pow2"))
     torch.library.opcheck(torch.ops.fp8graph.quantize_tiles, (torch.randn(8, 100), 1, 32, "e8m0"))
     torch.library.opcheck(torch.ops.fp8graph.quantize_tiles, (torch.randn(384, 256).t(), 1, 128, "pow2"))
-    torch.library.opcheck(torch.ops.fp8graph.quantize_tiles_both, (torch.randn(200, 300), 1, 128, "pow2"))
-    torch.library.opcheck(torch.ops.fp8graph.quantize_tiles_both, (torch.randn(256, 384), 128, 128, "exact"))
+    torch.library.opcheck(torch.ops.fp8graph.quantize_tiles_and_transpose, (torch.randn(200, 300), 1, 128, "pow2"))
+    torch.library.opcheck(torch.ops.fp8graph.quantize_tiles_and_transpose, (torch.randn(256, 384), 128, 128, "exact"))
 
 
 @pytest.mark.parametrize("tiling", [Tiling(1, 128, ScaleKind.POWER_2), Tiling(128, 128, ScaleKind.POWER_2)],
@@ -57,12 +57,14 @@ def test_the_linear_quantizes_through_the_kernel_ops_as_through_inductors_code(t
             assert torch.equal(by_kernel[0], by_inductor[0].contiguous()) and torch.equal(by_kernel[1], by_inductor[1])
     graph = make_fx(lambda x: [t for pair in quantized(True) if pair for t in pair])(x).graph
     ops = [str(node.target) for node in graph.nodes if node.op == "call_function" and "fp8graph" in str(node.target)]
-    assert ops == (["fp8graph.quantize_tiles_both.default"] if all(along) else ["fp8graph.quantize_tiles.default"])
+    expected = "fp8graph.quantize_tiles_and_transpose.default" if all(along) else "fp8graph.quantize_tiles.default"
+    assert ops == [expected]
 
 
 def test_the_block_kernel_refuses_dimensions_its_32_bit_offsets_cannot_reach():
-    from fp8graph.kernels.quantize_tiles import plan_quantize_tiles_both
+    from fp8graph.kernels.quantize_tiles import plan_quantize_tiles_and_transpose_kernel
 
-    plan_quantize_tiles_both(torch.empty(2**24 - 128, 256, device="meta"), Tiling(1, 128, ScaleKind.POWER_2))
+    tiling = Tiling(1, 128, ScaleKind.POWER_2)
+    plan_quantize_tiles_and_transpose_kernel(torch.empty(2**24 - 128, 256, device="meta"), tiling)
     with pytest.raises(ValueError, match=r"dimensions and strides below 16777216, got 16777344"):
-        plan_quantize_tiles_both(torch.empty(2**24 + 1, 256, device="meta"), Tiling(1, 128, ScaleKind.POWER_2))
+        plan_quantize_tiles_and_transpose_kernel(torch.empty(2**24 + 1, 256, device="meta"), tiling)

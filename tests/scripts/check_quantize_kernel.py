@@ -9,8 +9,8 @@ import torch
 
 from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
 from fp8graph.numerics.formats import ROLES
-from fp8graph.kernels.quantize_tiles import quantize_tiles_both_triton, quantize_tiles_triton
-from fp8graph.numerics.tiles import quantize_tiled, quantize_tiled_both
+from fp8graph.kernels.quantize_tiles import run_quantize_tiles_and_transpose_kernel, run_quantize_tiles_kernel
+from fp8graph.numerics.tiles import reference_quantize_tiles, reference_quantize_tiles_and_transpose
 
 RECIPES = [Float8RowwiseScaling(), Float8RowwiseScaling(power_2_scales=False), Float8BlockScaling(),
            Float8BlockScaling(power_2_scales=False), MXFP8BlockScaling()]
@@ -48,12 +48,12 @@ def main():
             if transposed:
                 x = _input(generator, shape[1], shape[0]).t() if tiling.rows == 1 else _input(generator, 384, 256).t()
             label = f"{tiling.label} {tiling.scale_kind.value} transposed={transposed}"
-            _assert_equal(quantize_tiles_triton(x, tiling), quantize_tiled(x.contiguous(), tiling), label)
+            _assert_equal(run_quantize_tiles_kernel(x, tiling), reference_quantize_tiles(x.contiguous(), tiling), label)
             checked += 1
         if tiling.cols == 128:
             x = _input(generator, *shape)
-            _assert_equal(quantize_tiles_both_triton(x, tiling),
-                          quantize_tiled_both(x, tiling),
+            _assert_equal(run_quantize_tiles_and_transpose_kernel(x, tiling),
+                          reference_quantize_tiles_and_transpose(x, tiling),
                           f"{tiling.label} {tiling.scale_kind.value} both layouts")
             checked += 1
     print(f"cases checked: {checked}")

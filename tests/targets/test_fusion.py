@@ -50,13 +50,13 @@ def test_each_tiled_quantize_is_one_kernel(recipe_name):
     """
     from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
     from fp8graph.numerics.formats import Role
-    from fp8graph.numerics.tiles import quantize_tiled
+    from fp8graph.numerics.tiles import reference_quantize_tiles
 
     recipe = {"rowwise": Float8RowwiseScaling(), "block": Float8BlockScaling(),
               "mxfp8": MXFP8BlockScaling()}[recipe_name]
     tiling = recipe.tiling(Role.INPUT)
     x = torch.randn(1024, 2048)
-    _, [code] = run_and_get_code(torch.compile(lambda x: quantize_tiled(x, tiling), backend="inductor"), x)
+    _, [code] = run_and_get_code(torch.compile(lambda x: reference_quantize_tiles(x, tiling), backend="inductor"), x)
     assert len(set(re.findall(r"(cpp_fused_\w+)\(", code))) == 1
     tiles = x.numel() // tiling.tile_cols(x)
     assert _loops_reading(code, tiles) == 2, code
