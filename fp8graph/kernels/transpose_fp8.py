@@ -5,8 +5,8 @@ of a gradient (the forward and grad_input GEMMs one, the grad_weight GEMM the
 other). Written as ``x_fp8.t().contiguous()`` in the graph, Inductor inlines
 the cast into the transposed copy and recomputes it from the high-precision
 tensor, in the same kernel as the amax reduction of a delayed cast, which the
-GPU then runs at 29-61% of a copy's bandwidth instead of 80-83% without it
-(H100, ``bench/results/2026-11-23-h100/quantize-structure-probe.txt``). As an
+GPU then runs far below a copy's bandwidth (the H100's numbers: the quantize
+table of ``docs/benchmarks.md``). As an
 op, the transposed copy reads the FP8 bytes already written (1 byte an element
 read, 1 written) in a kernel of its own, and the delayed cast keeps its one
 pass: amax and row-major FP8 from one read, fused into the producer.
