@@ -15,10 +15,23 @@ BY_RESULT_NAME = {"linear_fwd_bwd": linear, "quantize": quantize, "decoder_stack
                   "model_decoder": model, "model_linear": model, "model_quantize": model}
 
 
+def _stored_result(path: pathlib.Path) -> dict:
+    """The result stored at ``path``, or an exit naming the file and what is wrong with it."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SystemExit(f"python -m bench show: {path} is not a readable JSON result: {error}")
+    workload = result.get("workload") if isinstance(result, dict) else None
+    if workload not in BY_RESULT_NAME or not isinstance(result.get("rows"), list):
+        raise SystemExit(f"python -m bench show: {path} is not a bench result (it needs a 'workload' among "
+                         f"{sorted(BY_RESULT_NAME)} and a list of 'rows')")
+    return result
+
+
 def show(paths: list[pathlib.Path]) -> None:
     """Print the summary of stored results, judged against today's targets."""
     for path in paths:
-        result = json.loads(path.read_text())
+        result = _stored_result(path)
         result["targets"] = judge(result)
         print(f"{path}:\n{with_verdicts(BY_RESULT_NAME[result['workload']].summary(result), result)}\n")
 

@@ -39,6 +39,7 @@ import time
 
 import torch
 
+from .cli import positive
 from .timing import environment, markdown_table, median, report, title
 
 BACKENDS = ("inductor", "fp8")
@@ -126,7 +127,7 @@ def summary(result: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="one repeat: the toy MLP, or with --deep a 3-layer Llama (for the tests)")
-    parser.add_argument("--repeats", type=int, default=3, help="cold and warm measurements per backend")
+    parser.add_argument("--repeats", type=positive(int), default=3, help="cold and warm measurements per backend")
     parser.add_argument("--deep", action="store_true",
                         help=f"{DEEP_LAYERS} layers of the tiny Llama at sequence {DEEP_SEQUENCE}")
     parser.add_argument("--backends", nargs="+", choices=(*BACKENDS, *LLAMA_ONLY),

@@ -47,6 +47,7 @@ import fp8graph
 from fp8graph.models import build
 from fp8graph.recipes import PRESETS
 
+from .cli import positive, require_cuda
 from .memory import saved_for_backward_bytes
 from .profile import CATEGORIES, profile_steps
 from .timing import (attempt, environment, failed, markdown_table, median, report, require_fp8_sites, time_compiled,
@@ -267,6 +268,7 @@ def run(args: argparse.Namespace) -> dict:
         row = attempt({"contestant": args.one}, lambda: measure_contestant(args.one, args))
         args.row_file.write_text(json.dumps(row))
         return row
+    require_cuda("decoder", args)
     settings = _settings(args)
     available = contestants()
     wanted = ["bf16", *(name for name in args.contestants or available if name != "bf16")]
@@ -343,14 +345,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="the tiny Llama on CPU, for the tests")
     parser.add_argument("--config", choices=CONFIGS, default="bench-8b-layer",
                         help="Llama-3-8B layers (bench-8b-layer) or the whole Llama-3-8B (llama3-8b)")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: the config's)")
+    parser.add_argument("--layers", type=positive(int), default=None, help="decoder layers to build (default: the config's)")
     parser.add_argument("--contestants", nargs="+", metavar="NAME",
                         help="run these (and the BF16 baseline) only, e.g. current 'torchao tensorwise'; "
                              "default: all available")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=positive(int), default=20)
     parser.add_argument("--profile", action="store_true", help="also profile training steps: kernel time by category")
     parser.add_argument("--skip-prefill", action="store_true", help="training only (a GPU call's time is bounded)")
-    parser.add_argument("--contestant-timeout", type=float, default=900, help="seconds one contestant may take")
+    parser.add_argument("--contestant-timeout", type=positive(float), default=900, help="seconds one contestant may take")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
     parser.add_argument("--one", metavar="NAME", help=argparse.SUPPRESS)  # a child process's contestant
     parser.add_argument("--row-file", type=pathlib.Path, help=argparse.SUPPRESS)

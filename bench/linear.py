@@ -25,6 +25,7 @@ import torch
 import fp8graph
 from fp8graph.recipes import PRESETS
 
+from .cli import positive, require_cuda
 from .timing import (attempt, environment, failed, markdown_table, median, report, require_fp8_sites,
                      time_compiled, time_ms, title, write_partial)
 
@@ -90,6 +91,7 @@ def _measure(build, layer, x, grad_output, device, warmup, repeats) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    require_cuda("linear", args)
     device = torch.device("cpu" if args.smoke else "cuda")
     compiler = "aot_eager" if args.smoke else "inductor"
     shapes = SMOKE_SHAPES if args.smoke else FULL_SHAPES
@@ -130,5 +132,5 @@ def summary(result: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, for the tests")
-    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--repeats", type=positive(int), default=100)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 
+from .cli import positive
 from .costmodel import calibration, costs
 from .targets import judge
 from .timing import markdown_table, with_verdicts, write_result
@@ -398,27 +399,18 @@ def _ints(text: str, count: int) -> tuple[int, ...]:
     return values
 
 
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="model_workload", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--timeout", type=_positive(float), default=1800, help="seconds one contestant may take")
+    common.add_argument("--timeout", type=positive(float), default=1800, help="seconds one contestant may take")
     common.add_argument("--verbose", action="store_true", help="show the child processes' output")
     rates = costs.Machine()
-    common.add_argument("--bandwidth", type=_positive(float), default=rates.copy_bandwidth / 1e12,
+    common.add_argument("--bandwidth", type=positive(float), default=rates.copy_bandwidth / 1e12,
                         help="copy, TB/s")
-    common.add_argument("--triton-bandwidth", type=_positive(float), default=rates.triton_bandwidth / 1e12,
+    common.add_argument("--triton-bandwidth", type=positive(float), default=rates.triton_bandwidth / 1e12,
                         help="Inductor's kernels on the H100, TB/s")
-    common.add_argument("--bf16-tflops", type=_positive(float), default=rates.bf16_flops / 1e12)
-    common.add_argument("--fp8-tflops", type=_positive(float), default=rates.fp8_flops / 1e12, help="FP8 tensorwise")
+    common.add_argument("--bf16-tflops", type=positive(float), default=rates.bf16_flops / 1e12)
+    common.add_argument("--fp8-tflops", type=positive(float), default=rates.fp8_flops / 1e12, help="FP8 tensorwise")
     outputs = argparse.ArgumentParser(add_help=False, parents=[common])
     outputs.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
     outputs.add_argument("--top", type=int, default=0, metavar="N", help="list the N largest kernels per contestant")
@@ -431,9 +423,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="bench decoder's names (bf16 always runs; a name may end in '+setting' / '-setting'); "
                         "default: bf16, fp8graph's current, delayed, rowwise, block, torchao's two")
     p.add_argument("--config", choices=("bench-8b-layer", "llama3-8b"), default="bench-8b-layer")
-    p.add_argument("--layers", type=_positive(int), help="decoder layers (default: the config's, 4 or 32)")
-    p.add_argument("--sequence", type=_positive(int), default=4096)
-    p.add_argument("--batch", type=_positive(int), default=1)
+    p.add_argument("--layers", type=positive(int), help="decoder layers (default: the config's, 4 or 32)")
+    p.add_argument("--sequence", type=positive(int), default=4096)
+    p.add_argument("--batch", type=positive(int), default=1)
     p.set_defaults(model_run=model_decoder)
 
     p = commands.add_parser("linear", parents=[outputs], help="bench linear's forward + backward")

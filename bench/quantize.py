@@ -43,6 +43,7 @@ from fp8graph.kernels.quantize_tiles import (kernel_quantizes, run_quantize_tile
 from fp8graph.numerics.quantize import quantize_current
 from fp8graph.numerics.tiles import reference_quantize_tiles, reference_quantize_tiles_and_transpose
 
+from .cli import positive, require_cuda
 from .timing import attempt, environment, failed, markdown_table, median, report, time_ms, title, write_partial
 
 FULL_SHAPE = (16384, 8192)
@@ -130,6 +131,7 @@ def _bytes_moved(x: torch.Tensor, outputs) -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
+    require_cuda("quantize", args)
     device = torch.device("cpu" if args.smoke else "cuda")
     compiler = "aot_eager" if args.smoke else "inductor"
     warmup, repeats = (1, 3) if args.smoke else (10, args.repeats)
@@ -174,5 +176,5 @@ def _used(row: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="a small tensor on CPU, for the tests")
-    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--repeats", type=positive(int), default=100)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))

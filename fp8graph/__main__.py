@@ -5,9 +5,16 @@
 """
 
 import argparse
+import logging
 import sys
 
-from fp8graph.apps import demo, train_distributed
+# Before the apps import transformers, which imports torchao where it is installed (the benchmarks'
+# contestant): on a CPU build of torch torchao logs that its CUDA extensions failed to load, and torch warns
+# that torchao registers enums it no longer needs to. Neither concerns the commands; errors still show.
+for _foreign in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_foreign).setLevel(logging.ERROR)
+
+from fp8graph.apps import demo, train_distributed  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import inspect
 import logging
 
@@ -92,6 +93,8 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
         >>> compiled = fp8graph.compile(model, policy=fp8graph.Float8CurrentScaling())
         >>> loss = compiled(input_ids, labels=input_ids).loss
     """
+    options = dict(policy=policy, compiler=compiler, lowering=lowering, stats=stats, freeze_weights=freeze_weights,
+                   cache_weights=cache_weights, regions=regions, **torch_compile_kwargs)
     mode = torch_compile_kwargs.pop("mode", None)
     _check_options(model, compiler, stats, freeze_weights, cache_weights, regions)
     user_model = unwrap_data_parallel(model)
@@ -118,13 +121,54 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     for wrap in wrappers:
         if wrap is not None:
             object.__setattr__(compiled, "forward", wrap(compiled.forward))
+    if isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule):
+        object.__setattr__(compiled, "forward", _called_as_a_compiled_unit(compiled.forward, user_model))
     # On the wrapper itself: OptimizedModule's setattr would forward to the user's model.
     object.__setattr__(compiled, _BACKEND_ATTRIBUTE, backend)
     object.__setattr__(compiled, "fp8graph_stats", collector)
+    if isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule):
+        object.__setattr__(compiled, "_fp8graph_options", options)
+        object.__setattr__(compiled, "__class__", CompiledFP8Module)
+        # torch.compile of a compiled module compiles the innermost callable this names (the user's
+        # forward, which would run in high precision): name one that refuses, saying what to do.
+        object.__setattr__(compiled, "_torchdynamo_orig_callable", _refuse_compiling_again)
     return compiled
 
 
+def _refuse_compiling_again(*args, **kwargs):
+    raise ValueError(
+        "torch.compile(fp8graph.compile(model)) would compile the model again without fp8graph and run it in high "
+        "precision: call fp8graph.compile's model directly (it is compiled), and give fp8graph.compile the "
+        "torch.compile options (mode=..., dynamic=..., fullgraph=...), which it passes on")
+
+
+class CompiledFP8Module(torch._dynamo.eval_frame.OptimizedModule):
+    """What :func:`compile` returns for an ``nn.Module``: ``torch.compile``'s wrapper, copied as it is.
+
+    ``torch.compile``'s wrapper pickles as its module and its compile settings,
+    never its compiled code. This one does the same with fp8graph's: a copy
+    (``copy.deepcopy``, ``pickle``, ``torch.save``) is ``fp8graph.compile`` of the
+    copied module with the options the original was compiled with. The module
+    brings its buffers (delayed-scaling state, stats buffers, FP8 weight copies)
+    and the hooks that anchor them, which the new compile adopts; the copy's
+    graphs compile at its first call, its stats rows start empty and its weight
+    copies are filled again before they are read.
+    """
+
+    def __reduce__(self):
+        return functools.partial(compile, **vars(self)["_fp8graph_options"]), (self._orig_mod,)
+
+
 def _check_options(model, compiler: str, stats: bool, freeze_weights: bool, cache_weights: bool, regions) -> None:
+    for flag, value in (("stats", stats), ("freeze_weights", freeze_weights), ("cache_weights", cache_weights)):
+        if not isinstance(value, bool):  # "false" would switch it on
+            raise TypeError(f"fp8graph.compile: {flag} must be True or False, got {value!r}")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        what = "fp8graph.compile" if _BACKEND_ATTRIBUTE in vars(model) else "torch.compile"
+        raise ValueError(
+            f"fp8graph.compile: the model is already compiled by {what}; compiling its compiled form again would "
+            "trace the first compile's wrapper. Pass the module itself (model._orig_mod) and give fp8graph.compile "
+            "the torch.compile options (mode=..., dynamic=..., fullgraph=...), which it passes on")
     if freeze_weights and (compiler != "inductor" or not isinstance(model, torch.nn.Module)):
         raise ValueError("freeze_weights needs an nn.Module and compiler='inductor' (Inductor's freezing pass), "
                          f"got {type(model).__name__} and {compiler!r}")
@@ -244,6 +288,25 @@ def _checks_rules_at_first_call(backend):
         return forward_checking_rules
 
     return wrap
+
+
+def _called_as_a_compiled_unit(forward, user_model):
+    """The compiled model's outermost forward: what an enclosing ``torch.compile`` calls, and what
+    ``inspect.signature`` reads.
+
+    An enclosing ``torch.compile`` would trace through the model's own compiled
+    forward, which it inlines in high precision. Skipped by Dynamo (not
+    recursively), the call breaks the enclosing graph and runs fp8graph's
+    compile of the model, in FP8. The signature is the user's forward's, so
+    callers that pick arguments by it (HuggingFace's ``Trainer`` drops the
+    dataset columns the model's forward does not name) see the model's.
+    """
+    def forward_fp8(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    forward_fp8.__signature__ = inspect.signature(user_model.forward)
+    return torch._dynamo.disable(forward_fp8, recursive=True,
+                                 reason="fp8graph.compile's model: it runs its own FP8 compile")
 
 
 def _find_compiled(model):

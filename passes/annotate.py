@@ -61,6 +61,8 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
         if not site.is_linear:
             return "activation x activation matmul (FP8 only when a policy rule names it)"
         return "policy keeps it in high precision"
+    if 0 in (site.M, site.K, site.N):
+        return "an empty operand (M, K or N is 0): nothing to cast; the GEMM runs as in high precision"
     if recipe.stateful and not site.is_linear:
         return ("delayed scaling has no state here: fp8graph.compile registers it per weight parameter, "
                 "which activation matmuls lack")

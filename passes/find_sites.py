@@ -144,8 +144,8 @@ def _arg(node: torch.fx.Node, index: int, name: str, default=None):
 
 def _rows(lead: Sequence) -> int | str:
     """M of a GEMM whose left operand has leading dims ``lead``; symbolic dims stay symbolic."""
-    if all(isinstance(d, int) for d in lead):
-        return math.prod(lead)
+    if all(isinstance(d, int) for d in lead) or 0 in lead:  # a zero-size dim empties it, symbolic or not
+        return math.prod(d for d in lead if isinstance(d, int)) if 0 not in lead else 0
     return " * ".join(str(d) for d in lead)  # dynamic token dimension: never specialized
 
 

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from fp8graph.buffers.anchors import fill_anchor, reuse_anchor, state_anchor, stats_anchor
+from fp8graph.buffers.anchors import fill_anchor, reuse_anchor, state_anchor, state_read_anchor, stats_anchor
 from fp8graph.buffers.delayed_state import DelayedState
 from fp8graph.buffers.weight_cache import WeightCache
 from fp8graph.gemm.scaled_gemm import choose_lowering
@@ -83,7 +83,10 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], conte
     device = graph_device(example_inputs)
     value_of = placeholder_values(gm, example_inputs)
     stats_placeholders = {id(value_of[n]): n for n in take_anchored_inputs(gm, stats_anchor)}
-    state_placeholders = {id(value_of[n]): n for n in take_anchored_inputs(gm, state_anchor)}
+    # Delayed state a call updates (its module trains) or only reads (eval mode); without gradients, only reads.
+    state_updated = take_anchored_inputs(gm, state_anchor)
+    state_placeholders = {id(value_of[n]): n for n in take_anchored_inputs(gm, state_read_anchor) + state_updated}
+    state_updated = set(state_updated) if torch.is_grad_enabled() else set()
     # A call fills the weights' FP8 copies or reuses them, never both: one kind of anchor per graph.
     fill, reuse = take_anchored_inputs(gm, fill_anchor), take_anchored_inputs(gm, reuse_anchor)
     cache_placeholders = {id(value_of[n]): n for n in fill + reuse}
@@ -103,6 +106,10 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], conte
         nodes = tuple(state_placeholders.get(id(buffer)) for buffer in entry.buffers())
         return None if None in nodes else nodes
 
+    def updates_state(site):
+        nodes = state_nodes(site)
+        return nodes is not None and nodes[0] in state_updated
+
     def stats_nodes(site):
         buffer = context.stats.buffer_of(site.path) if context.stats is not None else None
         return stats_placeholders.get(id(buffer))
@@ -112,10 +119,9 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], conte
         lambda recipe, is_linear: choose_lowering(device, context.lowering, recipe, batched=not is_linear),
         context.modules_by_path, has_state=lambda site: state_nodes(site) is not None)
     # Sites that read one input share its cast; they must carry the same kinds of buffers.
-    groups = group_sites(decisions, lambda d: (state_nodes(d.site) is not None, cache_nodes(d.site) is not None))
-    # Graphs compiled without gradients (inference) read the scales but leave the histories alone;
-    # Dynamo compiles one graph per grad mode.
-    rewrite_sites(gm, stats_nodes, state_nodes, update_state=torch.is_grad_enabled(), cache_nodes=cache_nodes,
+    groups = group_sites(decisions, lambda d: (state_nodes(d.site) is not None, updates_state(d.site),
+                                               cache_nodes(d.site) is not None))
+    rewrite_sites(gm, stats_nodes, state_nodes, updates_state=updates_state, cache_nodes=cache_nodes,
                   weight_cache="reuse" if reuse else "fill", groups=groups)
     stats_written = [(d.site.path, value_of[node]) for d in decisions
                      if d.rewritten and (node := stats_nodes(d.site)) is not None]

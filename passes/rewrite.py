@@ -63,7 +63,7 @@ def rewrite_sites(
     gm: torch.fx.GraphModule,
     stats_nodes: Callable[[Site], torch.fx.Node | None] = lambda site: None,
     state_nodes: Callable[[Site], tuple[torch.fx.Node, ...] | None] = lambda site: None,
-    update_state: bool = True,
+    updates_state: Callable[[Site], bool] = lambda site: True,
     cache_nodes: Callable[[Site], tuple[torch.fx.Node, torch.fx.Node] | None] = lambda site: None,
     weight_cache: str | None = None,
     groups: list[list[Decision]] = (),
@@ -73,7 +73,7 @@ def rewrite_sites(
     Each FP8 site gets the stats buffer placeholder ``stats_nodes(site)``
     (see ``anchored_inputs``), when there is one.
     Delayed-scaling sites get their ``(history, scale, grad_history, grad_scale)`` placeholders from
-    ``state_nodes(site)`` and update them unless ``update_state`` is False.
+    ``state_nodes(site)`` and update them where ``updates_state(site)``, else only read the scales.
     Current-scaling sites whose weight has an FP8 copy get its ``(copy, scale)``
     placeholders from ``cache_nodes(site)`` and ``weight_cache`` (``"fill"``
     or ``"reuse"``) says what they do with it (see ``fp8graph.buffers.weight_cache``).
@@ -81,7 +81,7 @@ def rewrite_sites(
     become one call; every other site a call of its own.
     """
     subgraphs = Subgraphs(gm)
-    buffers = _Buffers(subgraphs, stats_nodes, state_nodes, cache_nodes, update_state, weight_cache)
+    buffers = _Buffers(subgraphs, stats_nodes, state_nodes, cache_nodes, updates_state, weight_cache)
     grouped = {id(d.site.node): group for group in groups if len(group) > 1 for d in group}
     rewritten = 0
     # A site's operands were read before any rewrite: one may be an earlier
@@ -111,8 +111,8 @@ def _with_replaced_operands(decision: Decision, replaced: dict) -> Decision:
 class _Buffers:
     """The buffer operands a site's call takes, lifted into the graph module it lives in."""
 
-    def __init__(self, subgraphs, stats_nodes, state_nodes, cache_nodes, update_state, weight_cache):
-        self.subgraphs, self.update_state, self.weight_cache = subgraphs, update_state, weight_cache
+    def __init__(self, subgraphs, stats_nodes, state_nodes, cache_nodes, updates_state, weight_cache):
+        self.subgraphs, self.updates_state, self.weight_cache = subgraphs, updates_state, weight_cache
         self._stats_nodes, self._state_nodes, self._cache_nodes = stats_nodes, state_nodes, cache_nodes
 
     def _lift(self, nodes, gm):
@@ -136,9 +136,10 @@ class _Buffers:
 
 
 def _linear_target(decision: Decision, state, cache, buffers: _Buffers, group: bool):
-    in_checkpoint = state is not None and buffers.update_state and _prepare_checkpoint_region(decision.site)
+    updates = state is not None and buffers.updates_state(decision.site)
+    in_checkpoint = updates and _prepare_checkpoint_region(decision.site)
     make = linears_fp8_target if group else linear_fp8_target
-    return make(decision.recipe, decision.lowering, buffers.update_state or state is None, in_checkpoint,
+    return make(decision.recipe, decision.lowering, updates or state is None, in_checkpoint,
                 buffers.weight_cache if cache is not None else None)
 
 

@@ -1,7 +1,10 @@
 """Bad input: zeros, inf and NaN go through like plain arithmetic and do not poison later calls."""
 
+import pytest
 import torch
 
+import fp8graph
+from fp8graph import Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling
 from fp8graph.models import build
 from helpers import compile_fp8, sqnr_db
 
@@ -35,6 +38,54 @@ def test_inf_and_nan_propagate_like_plain_math_then_recover():
     assert sqnr_db(model(clean), compiled(clean)) > 20
 
 
+RECIPES = {"current": Float8CurrentScaling(), "rowwise": Float8RowwiseScaling(), "block": Float8BlockScaling()}
+
+
+@pytest.mark.parametrize("recipe", RECIPES.values(), ids=RECIPES.keys())
+def test_one_nan_in_a_small_input_leaves_the_other_rows_as_fp8_would_give_them_without_it(recipe):
+    """One bad request in a batch: the other rows' outputs and the finite grad_weight entries are those of
+    the batch with the bad value replaced by 0 (per-tensor scaling used to cast them all at scale 1)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128, bias=False))
+    compiled, _ = compile_fp8(model, policy=recipe)
+    x = torch.randn(128, 128) * 1e-3
+    x_bad = x.clone()
+    x_bad[0, 0] = float("nan")
+    x[0, 0] = 0.0
+    grad_output = torch.randn(128, 128) * 1e-6
+    grads = []
+    for batch in (x, x_bad):
+        model.zero_grad()
+        out = compiled(batch)
+        out.backward(grad_output)
+        grads.append(model[0].weight.grad.clone())
+        if batch is x:
+            clean_out = out.detach()
+    assert torch.equal(out[1:].detach(), clean_out[1:])
+    assert sqnr_db(model(x)[1:], clean_out[1:]) > 25  # and that is a good FP8 result
+    finite = grads[1].isfinite()
+    assert torch.equal(grads[1][finite], grads[0][finite]) and grads[0][finite].abs().sum() > 0
+
+
+def test_one_nan_in_a_tiny_gradient_leaves_the_finite_weight_gradient_entries_alone():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))
+    compiled, _ = compile_fp8(model)
+    x = torch.randn(32, 64)
+    grad_output = torch.randn(32, 64) * 1e-6
+    grad_output_bad = grad_output.clone()
+    grad_output_bad[0, 0] = float("nan")
+    grad_output[0, 0] = 0.0
+    grads = []
+    for grad in (grad_output, grad_output_bad):
+        model.zero_grad()
+        compiled(x).backward(grad)
+        grads.append(model[0].weight.grad.clone())
+    finite = grads[1].isfinite()
+    assert (~finite).any() and finite.any()
+    assert torch.equal(grads[1][finite], grads[0][finite]) and grads[1][finite].abs().sum() > 0
+
+
 def test_nan_gradient_does_not_crash_and_next_step_is_finite():
     model = build("mlp", "tiny")
     compiled, _ = compile_fp8(model)
@@ -57,3 +108,18 @@ def test_user_tensors_are_not_modified():
     assert torch.equal(x, x_before)
     for name, param in model.named_parameters():
         assert torch.equal(param.detach(), weights_before[name]), name
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64)])
+def test_an_empty_batch_returns_an_empty_result_as_eager_does(shape, compiler):
+    model = build("mlp", "tiny")
+    compiled, backend = compile_fp8(model, compiler=compiler)
+    x = torch.randn(*shape, requires_grad=True)
+    out = compiled(x)
+    out.sum().backward()
+    assert torch.equal(out, model(x)) and x.grad.shape == x.shape
+    reasons = {d.reason for d in backend.decisions if d.site.path in ("up", "mid")}
+    assert reasons == {"an empty operand (M, K or N is 0): nothing to cast; the GEMM runs as in high precision"}
+    report = fp8graph.explain(model, torch.randn(*shape))
+    assert all("empty operand" in record.reason for record in report if record.path in ("up", "mid"))

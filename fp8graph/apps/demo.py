@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import math
 import pathlib
+import tempfile
 import time
 
 import torch
@@ -38,17 +39,23 @@ if not console.is_terminal:  # logs and CI: wide enough for the rewrite table
     console.width = 150
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+def _at_least(minimum: int, why: str = ""):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}{why}, not {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _at_least(1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=_positive_int, default=200, help="training steps per run")
     parser.add_argument("--batch-size", type=_positive_int, default=16)
-    parser.add_argument("--seq-len", type=_positive_int, default=128)
+    parser.add_argument("--seq-len", type=_at_least(2, " (each byte is trained to predict the next)"), default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--model", default="demo", help="Llama config from fp8graph.models.llama")
     parser.add_argument("--compiler", choices=("auto", "inductor", "aot_eager"), default="auto",
@@ -143,7 +150,18 @@ def _steps(count: int) -> str:
     return f"{count} step" if count == 1 else f"{count} steps"
 
 
+def _check_writable(out: pathlib.Path) -> None:
+    """Refuse an --out the results cannot be written to before training, not after both runs."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise SystemExit(f"fp8graph demo: cannot write the results to --out {out}: {error.strerror or error}")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_writable(args.out)
     phases = PhaseTimes()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     compiler = args.compiler if args.compiler != "auto" else (

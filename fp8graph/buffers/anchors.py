@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 __all__ = ["ANCHORS", "AnchorHook", "NewBuffer", "fill_anchor", "make_anchor", "register_new_buffers", "reuse_anchor",
-           "state_anchor", "stats_anchor"]
+           "state_anchor", "state_read_anchor", "stats_anchor"]
 
 
 def make_anchor(kind: str, what: str) -> Callable[..., tuple[torch.Tensor, ...]]:
@@ -38,11 +38,15 @@ def make_anchor(kind: str, what: str) -> Callable[..., tuple[torch.Tensor, ...]]
     return torch._dynamo.allow_in_graph(anchor)
 
 
-state_anchor = make_anchor("state", "these delayed-scaling histories and scales are graph inputs")
+state_anchor = make_anchor("state", "these delayed-scaling histories and scales are graph inputs, and this call "
+                                    "updates them")
+state_read_anchor = make_anchor("state_read", "these delayed-scaling histories and scales are graph inputs, and this "
+                                              "call only reads them (an eval-mode module)")
 stats_anchor = make_anchor("stats", "these stats buffers are graph inputs")
 fill_anchor = make_anchor("fill", "these FP8 weight copies are graph inputs, and this call fills them")
 reuse_anchor = make_anchor("reuse", "these FP8 weight copies are graph inputs, and this call reads them")
-ANCHORS = {"state": state_anchor, "stats": stats_anchor, "fill": fill_anchor, "reuse": reuse_anchor}
+ANCHORS = {"state": state_anchor, "state_read": state_read_anchor, "stats": stats_anchor, "fill": fill_anchor,
+           "reuse": reuse_anchor}
 
 
 class AnchorHook:
@@ -51,7 +55,8 @@ class AnchorHook:
     ``sources`` pairs a module with the names of its buffers to pass; ``None``
     stands for the hooked module itself (one hook object then serves many
     modules). Subclasses choose the anchor per call by overriding
-    :meth:`anchor_kind` (the weight cache: fill or reuse).
+    :meth:`anchor_kind` (delayed state: updated or read, by the hooked module's
+    mode; the weight cache: fill or reuse). What it reads there, Dynamo guards on.
     """
 
     def __init__(self, kind: str, sources: Iterable[tuple[Optional[torch.nn.Module], Iterable[str]]]) -> None:
@@ -60,15 +65,15 @@ class AnchorHook:
         self.kind = kind
         self.sources = tuple((owner, tuple(names)) for owner, names in sources)
 
-    def anchor_kind(self) -> str:
+    def anchor_kind(self, module: torch.nn.Module) -> str:
         return self.kind
 
     def __call__(self, module: torch.nn.Module, args, output) -> None:
         buffers = [getattr(module if owner is None else owner, name) for owner, names in self.sources for name in names]
-        ANCHORS[self.anchor_kind()](*buffers)
+        ANCHORS[self.anchor_kind(module)](*buffers)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.anchor_kind()!r}, {sum(len(names) for _, names in self.sources)} buffers)"
+        return f"{type(self).__name__}({self.kind!r}, {sum(len(names) for _, names in self.sources)} buffers)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,10 +13,14 @@ so ``state_dict()`` and ``load_state_dict()`` carry them (a checkpoint
 saved without them loads with fresh state and a logged notice; one saved
 with the three roles in one buffer loads split; one whose history has
 another length is refused, naming the buffer), and a forward hook that
-passes them to :func:`state_anchor`. Dynamo inlines the hooks of the
+passes them to an anchor. Dynamo inlines the hooks of the
 modules it traces into, so the buffers become graph inputs; the backend
 drops the anchors and hands each site its buffers, which the FP8 linear
-updates in place.
+updates in place when the call trains: grad mode on and the module that
+calls the weight in training mode (``state_anchor``). An eval-mode module
+(``state_read_anchor``) or a graph without gradients reads the scales and
+leaves the state alone. Dynamo guards on both, so each combination is a
+graph of its own.
 
 The forward writes the first pair and the backward the second, never the
 other's: a buffer the compiled forward writes reaches the backward as a
@@ -109,6 +113,16 @@ def weight_candidates(module: torch.nn.Module):
 
 def _state_names(owner: torch.nn.Module) -> list[str]:
     return [name for name, _ in owner.named_buffers(recurse=False) if name.startswith(STATE_PREFIXES)]
+
+
+class _StateHook(AnchorHook):
+    """Anchors delayed-scaling state as updated by this call, or, from a module in eval mode, as only read."""
+
+    def __init__(self, sources) -> None:
+        super().__init__("state", sources)
+
+    def anchor_kind(self, module: torch.nn.Module) -> str:
+        return "state" if module.training else "state_read"
 
 
 class DelayedState:
@@ -217,12 +231,12 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedSta
     for module in owners:
         module._register_load_state_dict_pre_hook(_fill_missing_state, with_module=True)
         if module is not model:
-            module.register_forward_hook(AnchorHook("state", [(module, _state_names(module))]))
+            module.register_forward_hook(_StateHook([(module, _state_names(module))]))
     for module, weight_owners in tied_holders.items():
         if module is not model:  # the owner's buffers must reach a graph that only calls this module
-            module.register_forward_hook(AnchorHook("state", [(owner, _state_names(owner)) for owner in weight_owners]))
+            module.register_forward_hook(_StateHook([(owner, _state_names(owner)) for owner in weight_owners]))
     if model in owners:
-        anchor_root = AnchorHook("state", [(model, _state_names(model))])
+        anchor_root = _StateHook([(model, _state_names(model))])
         for submodule in model.modules():
             if submodule is not model:
                 submodule.register_forward_hook(anchor_root)

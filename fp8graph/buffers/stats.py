@@ -34,14 +34,22 @@ from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
 from fp8graph.numerics.formats import ROLES
 from fp8graph.numerics.health import HEALTH_METRICS
 
-__all__ = ["STATS_BUFFER", "register_stats_buffers"]
+__all__ = ["STATS_BUFFER", "register_stats_buffers", "remove_stats_buffers"]
 
 STATS_BUFFER = "fp8graph_stats"
+_REGISTERED_ATTRIBUTE = "_fp8graph_stats_buffers"
 
 
 def register_stats_buffers(model: torch.nn.Module):
     """Register the buffers (NaN: nothing recorded yet) and the hooks that anchor them; returns
-    ``(modules by path, hook handles)``."""
+    ``(modules by path, hook handles)``.
+
+    A model that holds them already (compiled before with ``stats=True``, or a copy of one) keeps
+    them: the new compile writes the same buffers.
+    """
+    earlier = model.__dict__.get(_REGISTERED_ATTRIBUTE)
+    if earlier is not None:
+        return earlier
     modules = dict(model.named_modules())  # a module reached by two paths: its first
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     register_new_buffers([NewBuffer(module, path, STATS_BUFFER, torch.full((len(ROLES), len(HEALTH_METRICS)),
@@ -55,4 +63,14 @@ def register_stats_buffers(model: torch.nn.Module):
     hook = AnchorHook("stats", [(None, (STATS_BUFFER,)), (model, (STATS_BUFFER,))])
     bare = next(model.children(), None) is None
     hooks = [module.register_forward_hook(hook) for module in model.modules() if module is not model or bare]
+    model.__dict__[_REGISTERED_ATTRIBUTE] = modules, hooks
     return modules, hooks
+
+
+def remove_stats_buffers(model: torch.nn.Module) -> None:
+    """Undo :func:`register_stats_buffers`: the hooks and the buffers go (compiled graphs recompile)."""
+    modules, hooks = model.__dict__.pop(_REGISTERED_ATTRIBUTE)
+    for hook in hooks:
+        hook.remove()
+    for module in modules.values():
+        delattr(module, STATS_BUFFER)

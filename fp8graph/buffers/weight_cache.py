@@ -83,6 +83,15 @@ class WeightCache:
         """Make the next call fill, e.g. after changing weights through ``param.data``."""
         self._filled_versions = None
 
+    def weights(self) -> set[int]:
+        """``id`` of every weight with an FP8 copy."""
+        return {id(owner._parameters[name]) for holder, name, owner, _ in self._holders if holder is owner}
+
+    def __getstate__(self) -> dict:
+        # A copy (deepcopy, pickle) holds new weight tensors whose ids and versions say nothing about
+        # the copies' contents: it fills before it reads.
+        return {**self.__dict__, "reuse": False, "_filled_versions": None, "_versions_at_call": None}
+
 
 class _CachedWeightsHook(AnchorHook):
     """Anchors the FP8 copies as filled by this call, or as read by it (the cache's mode)."""
@@ -92,12 +101,48 @@ class _CachedWeightsHook(AnchorHook):
                                   for owner, name in owners_and_names])
         self.cache = cache
 
-    def anchor_kind(self) -> str:
+    def anchor_kind(self, module: torch.nn.Module) -> str:
         return "reuse" if self.cache.reuse else "fill"  # a branch Dynamo guards on: the two graphs differ
 
 
+_REGISTERED_ATTRIBUTE = "_fp8graph_weight_cache"
+
+
+def _cacheable_recipe(policy: Policy, path: str, module: torch.nn.Module, param: torch.Tensor):
+    cacheable = resolve_weight(policy, path, module, param).having("caches_weights")
+    return cacheable[0] if cacheable else None
+
+
+def _reuse_registered_cache(model: torch.nn.Module, policy: Policy, cache: WeightCache) -> WeightCache:
+    """The copies an earlier ``fp8graph.compile(cache_weights=True)`` registered (or a copy of that model
+    brought), if they serve ``policy``: the same weights, in the FP8 dtypes it asks for."""
+    cached = cache.weights()
+    copies = cache.by_weight()
+    for path, module in model.named_modules():
+        if module is model:
+            continue
+        for name, param in weight_candidates(module):
+            recipe = _cacheable_recipe(policy, path, module, param)
+            wanted = None if recipe is None else recipe.fp8_dtype(Role.WEIGHT)
+            there = copies[id(param)][0].dtype if id(param) in cached else None
+            if wanted != there and (recipe is not None or id(param) in cached):
+                raise ValueError(
+                    f"{path}.{name}: the model was compiled before with cache_weights=True, and its FP8 weight "
+                    f"copies cannot serve this policy (it asks for {wanted or 'no copy'}; there is "
+                    f"{there or 'none'}). Compile it with the first policy again, or build a fresh model")
+    cache.invalidate()
+    return cache
+
+
 def register_weight_cache(model: torch.nn.Module, policy: Policy) -> WeightCache:
-    """Register FP8 copies for the weights of submodules that the policy gives per-tensor current scaling."""
+    """Register FP8 copies for the weights of submodules that the policy gives per-tensor current scaling.
+
+    A model that holds them already (compiled before with ``cache_weights=True``, or a copy of one) keeps
+    them when they serve ``policy`` (:func:`_reuse_registered_cache`), and refills them at its next call.
+    """
+    earlier = model.__dict__.get(_REGISTERED_ATTRIBUTE)
+    if earlier is not None:
+        return _reuse_registered_cache(model, policy, earlier)
     cache = WeightCache()
     new_buffers: list[NewBuffer] = []
     owner_of: dict[int, tuple[torch.nn.Module, str]] = {}
@@ -111,10 +156,9 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy) -> WeightCache
                 cache.add(module, name, owner, owner_name)
                 anchored.setdefault(module, []).append((owner, owner_name))
                 continue
-            cacheable = resolve_weight(policy, path, module, param).having("caches_weights")
-            if not cacheable:
+            recipe = _cacheable_recipe(policy, path, module, param)
+            if recipe is None:
                 continue
-            recipe = cacheable[0]
             for prefix, initial in ((CACHED_WEIGHT_PREFIX, torch.zeros(param.shape, dtype=recipe.fp8_dtype(Role.WEIGHT),
                                                                         device=param.device)),
                                     (CACHED_SCALE_PREFIX, torch.ones((), device=param.device))):
@@ -126,4 +170,5 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy) -> WeightCache
                                                "once, or build a fresh model")
     for module, owners_and_names in anchored.items():
         module.register_forward_hook(_CachedWeightsHook(cache, owners_and_names))
+    model.__dict__[_REGISTERED_ATTRIBUTE] = cache
     return cache

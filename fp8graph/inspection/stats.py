@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from fp8graph.buffers.stats import STATS_BUFFER, register_stats_buffers
+from fp8graph.buffers.stats import STATS_BUFFER, register_stats_buffers, remove_stats_buffers
 from fp8graph.inspection.health_plot import save_health_figure
 from fp8graph.numerics.formats import ROLES
 from fp8graph.numerics.health import HEALTH_METRICS, StatsRow
@@ -42,7 +42,7 @@ class FP8Stats:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.modules, self._hooks = register_stats_buffers(model)
+        self.modules, _ = register_stats_buffers(model)
         self.rows: list[StatsRow] = []
 
     def buffer_of(self, path: str) -> torch.Tensor | None:
@@ -123,7 +123,4 @@ class FP8Stats:
 
     def remove(self) -> None:
         """Detach from the model: drop the hooks and the buffers (compiled graphs recompile)."""
-        for hook in self._hooks:
-            hook.remove()
-        for module in self.modules.values():
-            delattr(module, STATS_BUFFER)
+        remove_stats_buffers(self.model)

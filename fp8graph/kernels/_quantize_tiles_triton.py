@@ -24,9 +24,10 @@ compiling each for sm_90 and sm_100 without a GPU:
 
 - Triton kernels may read module globals only as ``tl.constexpr``; a plain
   Python float compiles under ``TRITON_INTERPRET=1`` but not for a GPU.
-- The amax is an integer max over ``|x|``'s fp32 bits: magnitudes order as
-  their bits do and every NaN sorts above inf, so NaN propagates without a
-  separate count (``tl.max`` on floats drops NaN).
+- The amax is an integer max over ``|x|``'s fp32 bits (magnitudes order as
+  their bits do), NaN and inf counted as 0 as in
+  ``fp8graph.numerics.quantize.finite_magnitude``: a non-finite value does not
+  change its tile's scale, and still casts to NaN.
 - On a GPU the cast is the hardware's ``cvt.rn.satfinite.e4m3x2.f32``
   (round to nearest even, saturate, NaN stays NaN); only +-inf, which it
   would saturate, is turned into NaN first, as ``fp8graph.numerics.quantize.quantize``
@@ -50,8 +51,9 @@ SCALE_E8M0 = tl.constexpr(2)
 
 @triton.jit
 def _magnitude_bits(x):
-    """``|x|`` of fp32 values as int32 bits: ordered as the magnitudes are, NaN above inf."""
-    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    """``|x|`` of fp32 values as int32 bits, ordered as the magnitudes are; 0 for NaN and inf."""
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.where(bits < 0x7F800000, bits, 0)
 
 
 @triton.jit

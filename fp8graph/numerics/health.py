@@ -6,7 +6,8 @@
     underflow  fraction of the non-zero values that became zero
     overflow   fraction of the finite values the cast saturated: beyond max + half the top
                step (464 for E4M3, 61440 for E5M2); values closer to max round to it anyway
-    sqnr_db    10 log10(sum x^2 / sum (x - dequantize(x_fp8))^2); inf when exact
+    sqnr_db    10 log10(sum x^2 / sum (x - dequantize(x_fp8))^2); inf when exact, NaN when x
+               holds a non-finite value (the cast cannot keep what is not a number)
 
 Plain torch ops, so they run inside the compiled graph next to the cast.
 """
@@ -18,6 +19,7 @@ import dataclasses
 import torch
 
 from fp8graph.numerics.formats import saturation_threshold
+from fp8graph.numerics.quantize import amax
 
 __all__ = ["HEALTH_METRICS", "StatsRow", "quantization_health", "sqnr_db"]
 
@@ -53,14 +55,20 @@ def quantization_health(
     x_scaled = x * scale
     saturated = torch.isfinite(x_scaled) & (x_scaled.abs() > saturation_threshold(fp8_dtype))
     overflow = saturated.sum() / max(x.numel(), 1)
-    return torch.stack([x.abs().amax(), scale.amin(), underflow.float(), overflow.float(), sqnr_db(x, x_q / scale)])
+    # The SQNR is invariant to one factor over the whole tensor: measured on x / amax, whose powers fit
+    # fp32 however large x is (1e30 casts well, and its squares overflow fp32).
+    finite_amax = amax(x)
+    norm = torch.where(finite_amax > 0, finite_amax, torch.ones_like(finite_amax))
+    sqnr = sqnr_db(x / norm, x_q / scale / norm)
+    return torch.stack([x.abs().amax(), scale.amin(), underflow.float(), overflow.float(), sqnr])
 
 
 def sqnr_db(reference: torch.Tensor, actual: torch.Tensor) -> torch.Tensor:
     """Signal-to-quantization-noise ratio of ``actual`` against ``reference``, in dB, as a 0-dim tensor in
-    their dtype: ``10 log10(sum reference^2 / sum (reference - actual)^2)``, ``inf`` when they are equal.
+    their dtype: ``10 log10(sum reference^2 / sum (reference - actual)^2)``, ``inf`` when they are equal,
+    NaN when either holds NaN or inf (no measure of fidelity; never "exact").
     Plain torch ops: the stats compute it inside the graph, the tests on fp64 copies."""
     noise_power = (reference - actual).pow(2).sum()
     signal_power = reference.pow(2).sum()
-    return torch.where(noise_power > 0, 10 * torch.log10(signal_power / noise_power),
-                       torch.full_like(noise_power, float("inf")))
+    exact = torch.where(noise_power == 0, float("inf"), noise_power - noise_power)  # NaN - NaN: still NaN
+    return torch.where(noise_power > 0, 10 * torch.log10(signal_power / noise_power), exact)

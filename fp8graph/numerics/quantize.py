@@ -14,14 +14,30 @@ import torch
 
 from fp8graph.numerics.formats import fp8_max
 
-__all__ = ["amax", "amax_to_scale", "dequantize", "quantize", "quantize_current", "row_amaxes"]
+__all__ = ["amax", "amax_to_scale", "dequantize", "finite_magnitude", "quantize", "quantize_current", "row_amaxes"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOAT32_EXPONENT_MASK = 0x7F800000
 
 
+def finite_magnitude(x_hp: torch.Tensor) -> torch.Tensor:
+    """``|x_hp|`` with NaN and inf as 0: what every amax is taken over.
+
+    A non-finite value must not change the scaling of the finite ones: an
+    amax of inf or NaN would cast every other value of the tensor (or tile)
+    at a fallback scale, as if one bad request in a batch spoiled the others.
+    The non-finite values themselves still cast to non-finite FP8
+    (:func:`quantize`), as fp32 arithmetic would carry them.
+    """
+    magnitude = x_hp.abs()
+    finite = magnitude < float("inf")  # false for NaN and inf
+    # The 0 as the mask itself (false is 0), not a constant: Inductor's freezing folds a frozen weight's
+    # whole quantization only through computations of tensors, never of constructors (see amax_to_scale).
+    return torch.where(finite, magnitude, finite.to(magnitude.dtype))
+
+
 def amax(x_hp: torch.Tensor) -> torch.Tensor:
-    """Largest magnitude in ``x_hp`` as a 0-dim fp32 tensor (NaN if any is NaN).
+    """Largest finite magnitude in ``x_hp`` as a 0-dim fp32 tensor (0 if there is none).
 
     Written as a per-row partial amax, then a max over the rows: exact either
     way (a max does not round), but on the GPU Inductor splits one large global
@@ -36,9 +52,9 @@ def amax(x_hp: torch.Tensor) -> torch.Tensor:
 
 
 def row_amaxes(x_hp: torch.Tensor) -> torch.Tensor:
-    """The first stage of :func:`amax`: each row's largest magnitude (1-D, ``x_hp``'s dtype), the
+    """The first stage of :func:`amax`: each row's largest finite magnitude (1-D, ``x_hp``'s dtype), the
     magnitudes themselves for a 1-D tensor. Their max is the amax."""
-    magnitude = x_hp.abs()
+    magnitude = finite_magnitude(x_hp)
     if magnitude.dim() >= 2:
         magnitude = magnitude.amax(dim=-1)
     return magnitude.reshape(-1)

@@ -29,7 +29,7 @@ import enum
 import torch
 
 from fp8graph.numerics.formats import fp8_max_exponent
-from fp8graph.numerics.quantize import amax_to_scale, quantize
+from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
 __all__ = ["ScaleKind", "Tiling", "reference_dequantize_tiles", "e8m0_to_scale", "expand_scale", "mx_scale_e8m0",
            "reference_quantize_tiles", "reference_quantize_tiles_and_transpose", "tile_amax"]
@@ -76,9 +76,9 @@ def _as_tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def tile_amax(x_hp: torch.Tensor, tiling: Tiling) -> torch.Tensor:
-    """Largest magnitude of each tile, fp32, shape (R / rows, C / cols); NaN where a tile holds NaN."""
+    """Largest finite magnitude of each tile (0 if none), fp32, shape (R / rows, C / cols)."""
     cols = tiling.tile_cols(x_hp)
-    return _as_tiles(x_hp.detach().abs(), tiling.rows, cols).amax(dim=(1, 3)).to(torch.float32)
+    return _as_tiles(finite_magnitude(x_hp.detach()), tiling.rows, cols).amax(dim=(1, 3)).to(torch.float32)
 
 
 _MANTISSA_BITS = 23

@@ -126,6 +126,11 @@ class Policy:
     def __setattr__(self, name, value):
         raise AttributeError("Policy is immutable; build a new one")
 
+    def __reduce__(self):
+        # copy, deepcopy and pickle rebuild through __init__ (checked again) instead of setting slots,
+        # which __setattr__ refuses. A rule's predicate pickles as any Python function does (lambdas do not).
+        return Policy, (self._default, self._rules, self._strict)
+
     default = property(lambda self: self._default)
     rules = property(lambda self: self._rules)
     strict = property(lambda self: self._strict)

@@ -7,11 +7,13 @@ key caches and be compared; variations are made with ``dataclasses.replace``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar, Union
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fp8graph.numerics.formats import Format, Role
+from fp8graph.numerics.formats import ROLES, Format, Role, fp8_max
 from fp8graph.numerics.tiles import ScaleKind, Tiling
 
 __all__ = ["FP8_GEMM_DIM_MULTIPLE", "DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling",
@@ -28,6 +30,37 @@ def _check_type(recipe: object, field: str, expected: type) -> None:
         raise ValueError(
             f"{type(recipe).__name__}.{field} must be {expected.__name__}, got {value!r}"
         )
+
+
+def _largest_margin(fp8_format: Format) -> int:
+    """The largest margin that keeps an amax above the smallest subnormal of every dtype of ``fp8_format``
+    with a binade to spare: log2(max / smallest subnormal), less one (16 for E4M3, 30 for E5M2)."""
+    def binades(dtype: torch.dtype) -> int:
+        info = torch.finfo(dtype)
+        return math.floor(math.log2(fp8_max(dtype) / (info.tiny * info.eps)))
+
+    return min(binades(fp8_format.dtype(role)) for role in ROLES) - 1
+
+
+def _check_amax_algo(algo) -> None:
+    """A callable amax algorithm runs inside the compiled graph: it must be tensor code returning one value.
+    Tried here on a fake history, so a Python-side value (``.item()``) or a wrong type fails now, by name."""
+    with FakeTensorMode():
+        history = torch.zeros(4)
+        try:
+            amax = algo(history)
+        except Exception as error:
+            raise ValueError(
+                f"DelayedScaling.amax_compute_algo {getattr(algo, '__name__', algo)!r} must be tensor code the "
+                f"graph can run (no .item(), .tolist() or Python control flow on values): on a history tensor it "
+                f"raised {type(error).__name__}: {error}") from error
+        ok = isinstance(amax, (int, float)) and not isinstance(amax, bool) or (
+            isinstance(amax, torch.Tensor) and amax.numel() == 1 and amax.dtype.is_floating_point)
+    if not ok:
+        got = f"a {amax.dtype} tensor of shape {tuple(amax.shape)}" if isinstance(amax, torch.Tensor) else repr(amax)
+        raise ValueError(
+            f"DelayedScaling.amax_compute_algo {getattr(algo, '__name__', algo)!r} must return one amax (a "
+            f"0-dim float tensor, or a number), got {got}")
 
 
 class _RecipeKind:
@@ -56,8 +89,11 @@ class Float8CurrentScaling(_RecipeKind):
 
     Each tensor is scaled by its own amax at the moment it is cast::
 
-        scale = fp8_max / amax(tensor)         (1 when amax is 0, inf or NaN)
+        scale = fp8_max / amax(tensor)         (1 when amax is 0)
         tensor_fp8 = round_to_nearest_even(clamp(tensor * scale, -fp8_max, fp8_max))
+
+    The amax is over the finite values: a NaN or inf casts to NaN (E5M2: inf
+    stays inf) without changing the scale of the others.
 
     The amax costs one extra read of the tensor before the cast.
 
@@ -105,13 +141,15 @@ class DelayedScaling(_RecipeKind):
         amax      = max(history)            ("max")  | history[0] ("most_recent") | algo(history)
         scale     = fp8_max / (amax * 2**margin)     only if amax is finite and > 0, else unchanged
         history   = roll(history, -1); history[0] = 0      (newest moves to the end, oldest dropped)
-        tensor_fp8 = cast(tensor * scale);  history[0] = amax(tensor)
+        tensor_fp8 = cast(tensor * scale);  history[0] = amax(tensor)   (over its finite values)
 
     The cast and the amax read the tensor once (the scale is known before the
     cast), where current scaling reads it twice. The initial scale is 1.
 
     Args:
-        margin: scale down by ``2**margin`` to leave headroom (int >= 0).
+        margin: scale down by ``2**margin`` to leave headroom (int, 0 to 16:
+            beyond, the amax itself casts within a binade of E4M3's smallest
+            subnormal).
         fp8_format: FP8 dtype per role, as for current scaling.
         amax_history_len: amaxes kept per role (>= 1).
         amax_compute_algo: ``"max"``, ``"most_recent"``, or a callable taking
@@ -132,8 +170,12 @@ class DelayedScaling(_RecipeKind):
         _check_type(self, "fp8_format", Format)
         _check_type(self, "amax_history_len", int)
         _check_type(self, "reduce_amax", bool)
-        if self.margin < 0:
-            raise ValueError(f"DelayedScaling.margin must be >= 0, got {self.margin}")
+        largest_margin = _largest_margin(self.fp8_format)
+        if not 0 <= self.margin <= largest_margin:
+            raise ValueError(
+                f"DelayedScaling.margin must be in [0, {largest_margin}] for {self.fp8_format.value}, got "
+                f"{self.margin}: the scale maps the amax to fp8_max / 2**margin, and beyond {largest_margin} "
+                "that is within a binade of the smallest subnormal, so nearly every value casts to zero")
         if self.amax_history_len < 1:
             raise ValueError(f"DelayedScaling.amax_history_len must be >= 1, got {self.amax_history_len}")
         if not (self.amax_compute_algo in _AMAX_ALGOS or callable(self.amax_compute_algo)):
@@ -141,6 +183,8 @@ class DelayedScaling(_RecipeKind):
                 f"DelayedScaling.amax_compute_algo must be 'max', 'most_recent' or a callable, "
                 f"got {self.amax_compute_algo!r}"
             )
+        if callable(self.amax_compute_algo):
+            _check_amax_algo(self.amax_compute_algo)
 
     @property
     def name(self) -> str:

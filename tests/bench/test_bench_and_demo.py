@@ -7,6 +7,7 @@ import platform
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -72,6 +73,8 @@ def test_demo_trains_both_runs_and_writes_the_plot(tmp_path, steps):
         assert phase in completed.stdout
     assert (tmp_path / "loss_curve.png").stat().st_size > 10_000
     assert (tmp_path / "fp8_health.png").stat().st_size > 10_000
+    # A quiet start: torchao (which transformers imports) and torch's enum warnings stay out of the output.
+    assert completed.stderr == "", completed.stderr
 
 
 def test_demo_baseline_is_the_faster_precision_and_says_why():
@@ -202,7 +205,7 @@ def test_show_prints_stored_results_with_their_verdicts(tmp_path):
     assert "Targets (smoke run: not meaningful):" in shown and "fraction of copy bandwidth" in shown
 
 
-@pytest.mark.parametrize("option", ["--steps", "--stats-every", "--batch-size", "--seq-len"])
+@pytest.mark.parametrize("option", ["--steps", "--stats-every", "--batch-size"])
 def test_demo_refuses_counts_below_one(option, capsys):
     import argparse
 
@@ -213,6 +216,30 @@ def test_demo_refuses_counts_below_one(option, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args([option, "0"])
     assert f"argument {option}: must be at least 1, not 0" in capsys.readouterr().err
+
+
+def test_demo_refuses_a_one_byte_sequence(capsys):
+    import argparse
+
+    from fp8graph.apps import demo
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--seq-len", "1"])
+    assert "argument --seq-len: must be at least 2 (each byte is trained to predict the next), not 1" in \
+        capsys.readouterr().err
+
+
+def test_demo_refuses_an_unwritable_out_before_training(tmp_path):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "fp8graph", "demo", "--out", str(blocker / "x")],
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and time.perf_counter() - started < 60
+    assert f"fp8graph demo: cannot write the results to --out {blocker / 'x'}" in result.stderr
+    assert "Traceback" not in result.stderr and "fp8graph demo" not in result.stdout  # nothing trained
 
 
 def test_loss_figure_shows_the_gap_and_single_steps():
@@ -232,3 +259,36 @@ def test_loss_figure_shows_the_gap_and_single_steps():
     loss_axis, gap_axis = loss_figure([3.0], [2.5], "BF16").axes
     assert all(line.get_marker() == "o" for line in loss_axis.get_lines())
     assert [line.get_label() for line in gap_axis.get_lines() if not line.get_label().startswith("_")] == ["per step"]
+
+
+@pytest.mark.parametrize("content,message", [
+    ("not json", r"is not a readable JSON result: Expecting value"),
+    ('{"workload": "linear_fwd_bwd"}', r"is not a bench result \(it needs a 'workload' among .* and a list of 'rows'\)"),
+    ("[1, 2]", r"is not a bench result"),
+])
+def test_show_names_a_file_that_is_not_a_result(tmp_path, content, message):
+    from bench.__main__ import main
+
+    path = tmp_path / "result.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit, match=rf"python -m bench show: {re.escape(str(path))} {message}"):
+        main(["show", str(path)])
+
+
+@pytest.mark.parametrize("argv", [["linear", "--repeats", "-5"], ["quantize", "--repeats", "0"],
+                                  ["decoder", "--layers", "-1"], ["compile", "--repeats", "-1"]])
+def test_counts_below_one_are_refused(argv, capsys):
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert f"argument {argv[1]}: must be > 0, got {argv[2]}" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+@pytest.mark.parametrize("workload", ["linear", "quantize", "decoder"])
+def test_a_gpu_measurement_without_a_gpu_says_what_runs_instead(workload):
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit, match=rf"bench {workload} measures on a CUDA GPU.*--smoke.*bench model {workload}"):
+        main([workload])

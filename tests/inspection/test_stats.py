@@ -11,6 +11,7 @@ from fp8graph.numerics.health import quantization_health
 from fp8graph.models import build
 from fp8graph.numerics.quantize import quantize, quantize_current
 from fp8graph.buffers.stats import STATS_BUFFER
+from fp8graph.inspection.health_plot import least_healthy
 from helpers import compile_fp8, graphs_per_unit
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -42,6 +43,40 @@ def test_exact_cast_has_infinite_sqnr():
     x_fp8, scale = quantize_current(x, E4M3, power_2_scales=True)
     health = quantization_health(x, x_fp8, scale, E4M3).tolist()
     assert health[2:4] == [0.0, 0.0] and health[4] == float("inf")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_input_is_never_called_a_good_cast(bad):
+    x = torch.randn(64) * 1e-3
+    x[3] = bad
+    x_fp8, scale = quantize_current(x, E4M3)
+    health = quantization_health(x, x_fp8, scale, E4M3).tolist()
+    assert math.isnan(health[4])  # an SQNR of NaN ranks worst in the tables and plots
+    assert health[1] == pytest.approx(448 / x[x.isfinite()].abs().max().item(), rel=1e-6)  # the finite values' scale
+
+
+def test_the_health_of_extreme_magnitudes_is_the_health_of_their_shape():
+    """SQNR is scale-invariant; 2**100 casts as well as 1 (its squares overflow fp32, the measure must not).
+    Powers of two: the scaled tensors, and so their casts, are the same bits."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    by_magnitude = {}
+    for magnitude in (2.0 ** -100, 1.0, 2.0 ** 100):
+        x_fp8, scale = quantize_current(x * magnitude, E4M3, power_2_scales=True)
+        by_magnitude[magnitude] = quantization_health(x * magnitude, x_fp8, scale, E4M3)[4].item()
+    assert by_magnitude[2.0 ** 100] == pytest.approx(by_magnitude[1.0], abs=1e-3) and by_magnitude[1.0] > 25
+    assert by_magnitude[2.0 ** -100] == pytest.approx(by_magnitude[1.0], abs=1e-3)
+
+
+def test_a_nan_input_in_a_compiled_model_is_named_least_healthy():
+    model = build("mlp", "tiny")
+    compiled = fp8graph.compile(model, compiler="aot_eager", stats=True)
+    x = torch.randn(32, 64)
+    x[0, 0] = float("nan")
+    compiled(x)
+    rows = {(r.path, r.role): r for r in compiled.fp8graph_stats.record(step=0)}
+    assert math.isnan(rows["up", "input"].sqnr_db) and rows["up", "weight"].sqnr_db > 25
+    # NaN carries on into the next site's input, as in fp32; both rank worst, ahead of any finite SQNR.
+    assert set(least_healthy(rows.values(), "input", "sqnr_db", 2, higher_is_worse=False)) == {"up", "mid"}
 
 
 def _mlp_stats(compiler):

@@ -65,8 +65,18 @@ def test_non_finite_values_stay_non_finite():
     assert e5m2[0] == float("inf") and e5m2[1] == -float("inf") and torch.isnan(e5m2[2])
 
 
-def test_amax_propagates_nan():
-    assert math.isnan(amax(torch.tensor([1.0, float("nan")])).item())
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_amax_is_over_the_finite_values_so_one_bad_value_keeps_the_others_scale(bad):
+    assert amax(torch.tensor([1.0, bad, -3.0])).item() == 3.0
+    assert amax(torch.tensor([bad, bad])).item() == 0.0  # nothing to fit: scale 1
+    x = torch.randn(8, 64) * 1e-3
+    x_bad = x.clone()
+    x_bad[0, 0] = bad
+    x[0, 0] = 0.0
+    (x_fp8, scale), (x_bad_fp8, bad_scale) = quantize_current(x, E4M3), quantize_current(x_bad, E4M3)
+    assert bad_scale == scale
+    assert torch.equal(x_bad_fp8[1:].view(torch.uint8), x_fp8[1:].view(torch.uint8))
+    assert math.isnan(x_bad_fp8[0, 0].float().item())  # the bad value itself stays non-finite
 
 
 def test_current_scaling_uses_the_full_range():

@@ -1,6 +1,8 @@
 """Policy resolution as a pure function (tables of cases), and policies in compiled models."""
 
+import copy
 import logging
+import pickle
 import re
 
 import pytest
@@ -94,6 +96,19 @@ def test_policies_are_immutable_values():
         Policy().strict = True
     assert normalize_policy(E4M3) == Policy(default=E4M3)
     assert normalize_policy(None) == Policy()
+
+
+def _is_mlp(path, module, site):
+    return ".mlp." in path
+
+
+def test_policies_copy_deep_copy_and_pickle_as_equal_values():
+    policy = Policy(default=POW2, rules=[("lm_head", None), (re.compile(r".*\.q_proj"), E4M3), (_is_mlp, None),
+                                         (torch.nn.Linear, E4M3)], strict=True)
+    for copied in (copy.copy(policy), copy.deepcopy(policy), pickle.loads(pickle.dumps(policy))):
+        assert copied == policy and hash(copied) == hash(policy)
+        with pytest.raises(AttributeError):
+            copied.strict = False
 
 
 def test_mixed_recipes_and_high_precision_compile_into_one_graph():

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from fp8graph import Float8CurrentScaling, Format
+from fp8graph import DelayedScaling, Float8CurrentScaling, Format
 from fp8graph.numerics.formats import Role
 
 
@@ -43,3 +43,27 @@ def test_frozen_hashable_and_replaceable():
     variant = dataclasses.replace(recipe, power_2_scales=True)
     assert {recipe, variant, Float8CurrentScaling()} == {recipe, variant}
     assert variant.name == "current(HYBRID, pow2)"
+
+
+def test_delayed_margin_is_bounded_where_the_amax_would_cast_to_almost_nothing():
+    """margin m maps the amax to 448 / 2**m: at 16 it is 0.0068, a few steps above E4M3's smallest subnormal
+    (2**-9); at 17 and beyond the cast keeps next to nothing (margin=100 made the outputs non-finite)."""
+    assert DelayedScaling(margin=16).margin == 16
+    for margin in (-1, 17, 100, 1024):
+        with pytest.raises(ValueError, match=r"DelayedScaling\.margin must be in \[0, 16\] for HYBRID"):
+            DelayedScaling(margin=margin)
+
+
+def _item_of_max(history):
+    return history.max().item()
+
+
+@pytest.mark.parametrize("algo,message", [
+    (lambda history: "max", r"must return one amax .* got 'max'"),
+    (lambda history: history * 2, r"must return one amax .* got a torch.float32 tensor of shape \(4,\)"),
+    (_item_of_max, r"'_item_of_max' must be tensor code the graph can run .*DataDependentOutputException"),
+])
+def test_a_custom_amax_algorithm_is_tried_on_a_history_when_the_recipe_is_made(algo, message):
+    with pytest.raises(ValueError, match=message):
+        DelayedScaling(amax_compute_algo=algo)
+    assert DelayedScaling(amax_compute_algo=lambda history: history[:2].mean()).amax_history_len == 1024

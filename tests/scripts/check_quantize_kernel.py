@@ -31,8 +31,8 @@ def _assert_equal(outputs, references, label):
     assert len(outputs) == len(references), label
     for output, reference in zip(outputs, references):
         assert output.shape == reference.shape, f"{label}: {output.shape} != {reference.shape}"
-        if output.dtype == torch.float32:  # scales: NaN where a tile holds NaN or inf (E8M0)
-            assert torch.equal(output.nan_to_num(-1.0), reference.nan_to_num(-1.0)), label
+        if output.dtype == torch.float32:  # scales: a tile's NaN or inf leaves its scale to the finite values
+            assert torch.equal(output, reference), label
         else:
             assert torch.equal(output.view(torch.uint8), reference.view(torch.uint8)), label
 

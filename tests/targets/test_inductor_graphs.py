@@ -47,10 +47,15 @@ def aot_graphs(model, policy, loss_of, lowering: str = "auto") -> list[torch.fx.
     return graphs
 
 
+def _is_finite_magnitude(node: torch.fx.Node) -> bool:
+    """``where(|x| < inf, |x|, ...)``: fp8graph.numerics.quantize.finite_magnitude, as decomposed."""
+    return node.target is torch.ops.aten.where.self and node.args[1].target is torch.ops.aten.abs.default
+
+
 def _cast_amax_nodes(graph: torch.fx.GraphModule):
-    """The amaxes of FP8 casts: ``amax(abs(x))`` and the maxima of their partials (not, say, log_softmax's)."""
+    """The amaxes of FP8 casts: ``amax(finite |x|)`` and the maxima of their partials (not, say, log_softmax's)."""
     amaxes = [node for node in graph.graph.nodes if node.target is torch.ops.aten.amax.default]
-    of_magnitudes = {node for node in amaxes if node.args[0].target is torch.ops.aten.abs.default}
+    of_magnitudes = {node for node in amaxes if _is_finite_magnitude(node.args[0])}
     return [node for node in amaxes if node in of_magnitudes or node.args[0] in of_magnitudes]
 
 

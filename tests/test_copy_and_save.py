@@ -1,0 +1,102 @@
+"""Copying, saving and nesting a compiled model, as a plain torch.compile model allows.
+
+A copy (deepcopy, pickle, torch.save) of ``fp8graph.compile(model)`` is the same compile of the copied model:
+it computes what the original computes, owns its buffers, and trains on without touching the original.
+"""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+import fp8graph
+from fp8graph import DelayedScaling, Policy
+from fp8graph.api import CompiledFP8Module
+
+OPTIONS = {
+    "current": {},
+    "delayed": {"policy": Policy(default=DelayedScaling(amax_history_len=4))},
+    "stats": {"stats": True},
+    "cache_weights": {"cache_weights": True},
+}
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+
+
+def _saved_and_loaded(compiled):
+    buffer = io.BytesIO()
+    torch.save(compiled, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+COPIES = {"deepcopy": copy.deepcopy, "pickle": lambda obj: pickle.loads(pickle.dumps(obj)), "torch.save": _saved_and_loaded}
+# Plain pickle of a float8 tensor fails in torch itself (its storage pickling needs a typed storage;
+# torch.save writes the dtype): the weight cache's FP8 copies are saved with torch.save or deep-copied.
+CASES = [(options, how) for options in OPTIONS for how in COPIES if (options, how) != ("cache_weights", "pickle")]
+
+
+@pytest.mark.parametrize("options,how", CASES)
+def test_a_copied_or_saved_compiled_model_computes_the_same_and_trains_on_its_own(options, how):
+    compiled = fp8graph.compile(_mlp(), compiler="aot_eager", **OPTIONS[options])
+    x = torch.randn(16, 32)
+    compiled(x).sum().backward()
+    original_state = {name: value.clone() for name, value in compiled._orig_mod.state_dict().items()}
+    twin = COPIES[how](compiled)
+    assert isinstance(twin, CompiledFP8Module) and twin._orig_mod is not compiled._orig_mod
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), compiled(x), rtol=0, atol=0)
+    twin(x * 10).sum().backward()  # trains the twin's parameters and state only
+    assert all(param.grad is not None for param in twin.parameters())
+    for name, value in compiled._orig_mod.state_dict().items():
+        assert torch.equal(value, original_state[name]), name
+    assert len(fp8graph.explain(twin, x)) == 2  # the copy is an fp8graph compile: explain reads its decisions
+
+
+def test_a_copy_fills_its_weight_copies_before_reading_them():
+    compiled = fp8graph.compile(_mlp(), compiler="aot_eager", cache_weights=True)
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        compiled(x)  # fills
+        expected = compiled(x)  # reuses
+    twin = copy.deepcopy(compiled)
+    with torch.no_grad():
+        for module in twin._orig_mod.modules():  # what the twin would read if it trusted the copied cache
+            if hasattr(module, "fp8graph_cached_weight_weight"):
+                module.fp8graph_cached_weight_weight.zero_()
+        torch.testing.assert_close(twin(x), expected, rtol=0, atol=0)
+
+
+def test_compiling_a_compiled_model_again_is_refused_with_what_to_do():
+    model = _mlp()
+    for compiled in (torch.compile(model), fp8graph.compile(model)):
+        with pytest.raises(ValueError, match=r"already compiled by (torch|fp8graph)\.compile.*model\._orig_mod"):
+            fp8graph.compile(compiled)
+
+
+def test_torch_compile_of_a_compiled_model_is_refused_at_its_first_call():
+    outer = torch.compile(fp8graph.compile(_mlp(), compiler="aot_eager"), backend="eager")
+    with pytest.raises(ValueError, match=r"would compile the model again without fp8graph.*call fp8graph\.compile's"):
+        outer(torch.randn(16, 32))
+
+
+def test_a_compiled_model_inside_a_torch_compiled_parent_runs_in_fp8():
+    model = _mlp()
+    compiled = fp8graph.compile(model, compiler="aot_eager")
+    parent = torch.compile(torch.nn.Sequential(compiled, torch.nn.ReLU()), backend="eager")
+    x = torch.randn(16, 32)
+    output = parent(x)
+    torch.testing.assert_close(output, torch.relu(compiled(x)), rtol=0, atol=0)
+    assert not torch.allclose(output, torch.relu(model(x)), rtol=0, atol=1e-3)  # not the high-precision model
+    assert len(vars(compiled)["fp8graph_backend"].decisions) == 2
+
+
+@pytest.mark.parametrize("flag", ["stats", "freeze_weights", "cache_weights"])
+def test_flags_must_be_booleans(flag):
+    with pytest.raises(TypeError, match=rf"{flag} must be True or False, got 'false'"):
+        fp8graph.compile(_mlp(), **{flag: "false"})
