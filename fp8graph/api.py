@@ -12,6 +12,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from fp8graph.backend import FP8Backend
+from fp8graph.buffers.anchors import restore_buffer_dtypes
 from fp8graph.recipes.policy import normalize_policy
 from fp8graph.regions.regional_compile import BlockBackend, RegionalBackend, compile_regions, is_region_boundary
 from fp8graph.regions.repeated_blocks import AUTO, find_blocks, find_trunks, group_blocks, trunk_parts
@@ -100,7 +101,10 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     user_model = unwrap_data_parallel(model)
     policy = normalize_policy(policy)
     bare = _check_buffers_reach_the_graph(model, user_model, policy, stats, cache_weights)
-    # Buffers on the user's modules, registered before anything is traced.
+    # Buffers on the user's modules, registered before anything is traced; those of an earlier compile
+    # get back the dtypes a model.to(dtype) since may have changed.
+    if isinstance(user_model, torch.nn.Module):
+        restore_buffer_dtypes(user_model)
     collector = FP8Stats(user_model) if stats else None
     state = register_delayed_state(user_model, policy) if policy.needs_state else None
     weight_cache = register_weight_cache(user_model, policy) if cache_weights else None

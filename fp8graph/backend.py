@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
+from fp8graph.buffers.anchors import converted_buffers
 from fp8graph.buffers.delayed_state import DelayedState
 from fp8graph.buffers.weight_cache import WeightCache
 from fp8graph.gemm.scaled_gemm import LOWERING_CHOICES
@@ -133,6 +134,14 @@ class FP8Backend:
                     "graph break (see torch._dynamo.explain), or compile with stats=False")
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]):
+        root = (self.modules_by_path or {}).get("")
+        converted = converted_buffers(root) if root is not None else []
+        if converted:
+            raise ValueError(
+                f"fp8graph: {len(converted)} of fp8graph's buffers changed dtype after fp8graph.compile, e.g. "
+                f"{', '.join(converted[:3])}: model.to(dtype), .half() or .bfloat16() converts every floating-point "
+                "buffer. Call fp8graph.compile(model, ...) again after converting the model (it restores them), "
+                "or convert before compiling")
         decisions = self.run_passes(gm, example_inputs)
         compiled = self._compile_graph(gm, example_inputs)
         # Recorded only once compiling succeeded: Dynamo may abort a compile by

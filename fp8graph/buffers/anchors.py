@@ -23,8 +23,13 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-__all__ = ["ANCHORS", "AnchorHook", "NewBuffer", "fill_anchor", "make_anchor", "register_new_buffers", "reuse_anchor",
-           "state_anchor", "state_read_anchor", "stats_anchor"]
+__all__ = ["ANCHORS", "AnchorHook", "NewBuffer", "converted_buffers", "fill_anchor", "make_anchor",
+           "register_new_buffers", "restore_buffer_dtypes", "reuse_anchor", "state_anchor", "state_read_anchor",
+           "stats_anchor"]
+
+# On each module that holds fp8graph buffers: {buffer name: the dtype it was registered with}. Module.to(dtype)
+# (and .half(), .bfloat16(), .double()) converts every floating-point buffer, fp8graph's included.
+_DTYPES_ATTRIBUTE = "_fp8graph_buffer_dtypes"
 
 
 def make_anchor(kind: str, what: str) -> Callable[..., tuple[torch.Tensor, ...]]:
@@ -97,3 +102,23 @@ def register_new_buffers(new_buffers: list[NewBuffer], if_taken: str) -> None:
         seen.add((id(new.module), new.name))
     for new in new_buffers:
         new.module.register_buffer(new.name, new.value, persistent=new.persistent)
+        new.module.__dict__.setdefault(_DTYPES_ATTRIBUTE, {})[new.name] = new.value.dtype
+
+
+def converted_buffers(model: torch.nn.Module) -> list[str]:
+    """``path.name (dtype, registered as dtype)`` of each fp8graph buffer whose dtype changed since it was
+    registered: fp32 amax histories in BF16 lose their precision, an FP8 weight copy in BF16 is not one."""
+    return [f"{path or '<root>'}.{name} ({module._buffers[name].dtype}, registered as {dtype})"
+            for path, module in model.named_modules()
+            for name, dtype in module.__dict__.get(_DTYPES_ATTRIBUTE, {}).items()
+            if module._buffers.get(name) is not None and module._buffers[name].dtype != dtype]
+
+
+def restore_buffer_dtypes(model: torch.nn.Module) -> None:
+    """Give every fp8graph buffer its registered dtype back (values converted; an FP8 weight copy is then
+    refilled before it is read, see ``fp8graph.buffers.weight_cache``)."""
+    for module in model.modules():
+        for name, dtype in module.__dict__.get(_DTYPES_ATTRIBUTE, {}).items():
+            buffer = module._buffers.get(name)
+            if buffer is not None and buffer.dtype != dtype:
+                module._buffers[name] = buffer.to(dtype)

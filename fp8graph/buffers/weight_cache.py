@@ -21,8 +21,11 @@ Dynamo guards on it and compiles one graph of each kind: a
 gradient-accumulation loop runs the fill graph on the first micro-batch
 after each optimizer step and the reuse graph on the others.
 
-Not seen: a change that bypasses the version counter (assigning through
-``param.data``); call :meth:`WeightCache.invalidate` after one. Weights the
+A new tensor behind a parameter (``param.data = ...``, ``model.to(device or
+dtype)``) is seen by its storage, dtype and device. Not seen: a write through
+``param.data`` (``param.data.copy_(...)``: ``.data`` has a version counter of
+its own) or from outside PyTorch into the storage; call
+:meth:`WeightCache.invalidate` after one. Weights the
 root module owns itself are not cached: Dynamo runs the root's hooks
 outside the graph (see ``fp8graph.buffers.delayed_state``). Other recipes quantize their
 weights at every call.
@@ -66,8 +69,11 @@ class WeightCache:
                 for holder, name, owner, owner_name in self._holders if holder._parameters.get(name) is not None}
 
     def _versions(self) -> tuple:
+        """What identifies each weight's values: the tensor, its version counter (every in-place change), and
+        its storage, dtype and device (``param.data = ...`` and ``model.to(...)`` swap them without a bump)."""
         weights = [owner._parameters[name] for holder, name, owner, _ in self._holders if holder is owner]
-        return tuple((id(weight), weight._version) for weight in weights)
+        return tuple((id(weight), weight._version, _storage_address(weight), weight.dtype, weight.device)
+                     for weight in weights)
 
     def before_call(self) -> None:
         """Choose the mode of the coming call: reuse only if no cached weight changed since the last fill."""
@@ -106,6 +112,13 @@ class _CachedWeightsHook(AnchorHook):
 
 
 _REGISTERED_ATTRIBUTE = "_fp8graph_weight_cache"
+
+
+def _storage_address(weight: torch.Tensor) -> int | None:
+    try:
+        return weight.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor) has no storage of its own
+        return None
 
 
 def _cacheable_recipe(policy: Policy, path: str, module: torch.nn.Module, param: torch.Tensor):

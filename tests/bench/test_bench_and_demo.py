@@ -184,12 +184,12 @@ def test_deep_compile_time_benchmark_smoke_compares_regions_with_whole_model_com
     """The deep case's machinery (3 layers here): every backend measured cold and warm, ratios to the first.
 
     Smoke timings mean nothing (one sample, tiny model); the 12-layer figure is ``--deep`` without ``--smoke``.
+    "fp8 whole" (fp8 with regions=None: an option of the same code) is left out to keep the suite short.
     """
-    result = _run_bench("compile", tmp_path, "--deep", "--backends", "inductor", "fp8", "fp8 whole",
-                        "inductor per-block")
+    result = _run_bench("compile", tmp_path, "--deep", "--backends", "inductor", "fp8", "inductor per-block")
     assert result["layers"] == 3 and result["model"] == "llama tiny, 3 layers, sequence 16"
     rows = {row["backend"]: row for row in result["rows"]}
-    assert list(rows) == ["inductor", "fp8", "fp8 whole", "inductor per-block"]
+    assert list(rows) == ["inductor", "fp8", "inductor per-block"]
     for row in rows.values():
         assert row["compile_cold_s"] > 0 and row["compile_warm_s"] > 0
         assert row["cold_vs_inductor"] == pytest.approx(row["compile_cold_s"] / rows["inductor"]["compile_cold_s"])

@@ -91,6 +91,7 @@ def test_any_in_place_change_of_a_weight_refills():
         return output
 
     first = call()
+    restored_mid, restored_up = model.mid.weight.detach().clone(), model.up.weight.detach().clone()
     call()
     with torch.no_grad():
         model.mid.weight.mul_(2)  # an in-place change bumps the version counter
@@ -98,15 +99,44 @@ def test_any_in_place_change_of_a_weight_refills():
     model.load_state_dict(build("mlp", "tiny").state_dict())  # back to the original weights
     restored = call()
     call()
-    model.mid.weight.data = model.mid.weight.data * 3  # bypasses the version counter: unseen ...
-    cache.invalidate()  # ... until invalidated
+    model.mid.weight.data = model.mid.weight.data * 3  # a new tensor behind the parameter: seen by its storage
     tripled = call()
-    assert modes == ["fill", "reuse", "fill", "fill", "reuse", "fill"]
-    assert torch.equal(restored, first)
-    reference = fp8graph.compile(copy.deepcopy(model), compiler="aot_eager")
-    with torch.no_grad():
-        assert torch.equal(tripled, reference(x))
-    assert not torch.equal(doubled, first)
+    model.mid.weight.data.copy_(model.mid.weight.data / 3)  # a write through .data: unseen ...
+    call()
+    cache.invalidate()  # ... until invalidated
+    thirded = call()
+    model.up.weight = torch.nn.Parameter(model.up.weight.detach() * 2)  # a new parameter object
+    new_parameter = call()
+    assert modes == ["fill", "reuse", "fill", "fill", "reuse", "fill", "reuse", "fill", "fill"]
+    assert torch.equal(restored, first) and not torch.equal(doubled, first)
+    for output, state in ((tripled, {"mid.weight": restored_mid * 3}), (thirded, {"mid.weight": restored_mid}),
+                          (new_parameter, {"mid.weight": restored_mid, "up.weight": restored_up * 2})):
+        reference = copy.deepcopy(build("mlp", "tiny"))
+        reference.load_state_dict({**reference.state_dict(), **state})
+        with torch.no_grad():
+            assert torch.equal(output, fp8graph.compile(reference, compiler="aot_eager")(x))
+
+
+@pytest.mark.parametrize("options", [{"cache_weights": True}, {"stats": True},
+                                     {"policy": fp8graph.DelayedScaling(amax_history_len=4)}],
+                         ids=["cache_weights", "stats", "delayed"])
+def test_converting_the_model_after_compiling_is_refused_until_it_is_compiled_again(options):
+    """model.to(bfloat16) converts fp8graph's buffers too: the call names them; compiling again restores them."""
+    model = build("mlp", "tiny")
+    compiled = fp8graph.compile(model, compiler="aot_eager", **options)
+    x = torch.randn(8, 64)
+    compiled(x).sum().backward()
+    dtypes = {name: buffer.dtype for name, buffer in model.named_buffers()}
+    model.to(torch.bfloat16)
+    with pytest.raises(Exception, match=r"fp8graph's buffers changed dtype after fp8graph.compile, e\.g\. "
+                                        r"(<root>|up)\.fp8graph_\w+ \(torch.bfloat16, registered as torch\.float.*"
+                                        r"Call fp8graph.compile\(model, ...\) again after converting the model"):
+        compiled(x.bfloat16())
+    compiled = fp8graph.compile(model, compiler="aot_eager", **options)
+    assert {name: buffer.dtype for name, buffer in model.named_buffers()} == dtypes
+    output = compiled(x.bfloat16())
+    assert output.dtype == torch.bfloat16 and torch.isfinite(output).all()
+    output.float().sum().backward()
 
 
 def test_tied_weights_share_one_copy_and_other_recipes_have_none():
