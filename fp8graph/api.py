@@ -125,18 +125,23 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     for wrap in wrappers:
         if wrap is not None:
             object.__setattr__(compiled, "forward", wrap(compiled.forward))
-    if isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule):
-        object.__setattr__(compiled, "forward", _called_as_a_compiled_unit(compiled.forward, user_model))
     # On the wrapper itself: OptimizedModule's setattr would forward to the user's model.
     object.__setattr__(compiled, _BACKEND_ATTRIBUTE, backend)
     object.__setattr__(compiled, "fp8graph_stats", collector)
     if isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule):
-        object.__setattr__(compiled, "_fp8graph_options", options)
-        object.__setattr__(compiled, "__class__", CompiledFP8Module)
-        # torch.compile of a compiled module compiles the innermost callable this names (the user's
-        # forward, which would run in high precision): name one that refuses, saying what to do.
-        object.__setattr__(compiled, "_torchdynamo_orig_callable", _refuse_compiling_again)
+        _make_compiled_fp8_module(compiled, user_model, options)
     return compiled
+
+
+def _make_compiled_fp8_module(compiled, user_model, options: dict) -> None:
+    """Turn ``torch.compile``'s module into a :class:`CompiledFP8Module`: it copies by compiling again,
+    runs in FP8 inside an enclosing ``torch.compile``, and shows the user's forward's signature."""
+    object.__setattr__(compiled, "forward", _called_as_a_compiled_unit(compiled.forward, user_model))
+    object.__setattr__(compiled, "_fp8graph_options", options)
+    object.__setattr__(compiled, "__class__", CompiledFP8Module)
+    # torch.compile of a compiled module compiles the innermost callable this names (the user's
+    # forward, which would run in high precision): name one that refuses, saying what to do.
+    object.__setattr__(compiled, "_torchdynamo_orig_callable", _refuse_compiling_again)
 
 
 def _refuse_compiling_again(*args, **kwargs):

@@ -215,3 +215,14 @@ def test_explain_after_a_reusing_call_fills_and_reports_every_site():
     assert getattr(model.up, CACHED_WEIGHT_PREFIX + "weight").float().unique().numel() == 1  # all ones, scaled
     with torch.no_grad():
         assert not torch.equal(compiled(x), expected)
+
+
+def test_a_second_compile_whose_policy_caches_other_weights_is_refused_naming_the_weight():
+    model = build("mlp", "tiny")
+    fp8graph.compile(model, compiler="aot_eager", cache_weights=True)
+    again = fp8graph.compile(model, compiler="aot_eager", cache_weights=True)  # the same policy: adopted
+    assert again.fp8graph_backend.weight_cache is not None
+    with pytest.raises(ValueError, match=r"mid\.weight: the model was compiled before with cache_weights=True, and "
+                                         r"its FP8 weight copies cannot serve this policy \(it asks for no copy"):
+        fp8graph.compile(model, compiler="aot_eager", cache_weights=True,
+                         policy=fp8graph.Policy(rules=[("mid", None)]))
