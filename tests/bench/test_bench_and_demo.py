@@ -109,13 +109,12 @@ def test_demo_picks_fp32_on_a_cpu_without_bf16_matrix_units():
 
 
 def test_decoder_benchmark_smoke_writes_raw_results(tmp_path):
-    # One contestant of each kind of code path: fp8graph (under an Inductor setting named with it), fp8graph
-    # with state, torchao. Each contestant in a process of its own, profiled.
-    result = _run_bench("decoder", tmp_path, "--contestants", "current +combo_kernels", "delayed",
-                        "torchao tensorwise", "--profile")
+    # One contestant of each kind of code path: fp8graph with state (under an Inductor setting named with
+    # it), torchao. Each contestant in a process of its own, profiled.
+    result = _run_bench("decoder", tmp_path, "--contestants", "delayed +combo_kernels", "torchao tensorwise",
+                        "--profile")
     assert _errors(result) == [] and result["complete"] and result["process_per_contestant"]
-    assert [r["contestant"] for r in result["rows"]] == ["bf16", "current +combo_kernels", "delayed",
-                                                         "torchao tensorwise"]
+    assert [r["contestant"] for r in result["rows"]] == ["bf16", "delayed +combo_kernels", "torchao tensorwise"]
     assert result["rows"][1]["inductor_settings"] == {"combo_kernels": True}
     assert result["layers"] == 2  # the tiny config's
     for row in result["rows"]:
@@ -125,7 +124,7 @@ def test_decoder_benchmark_smoke_writes_raw_results(tmp_path):
         assert len(row["train_timings_ms"]) == result["repeats"]
         assert row["profile"]["by_category_ms"]["gemm other"] > 0 and row["profile"]["top"]
     judged = {(v["target"], v["case"]) for v in result["targets"]}
-    assert ("training tokens/s over torchao tensorwise", "delayed") in judged
+    assert ("training tokens/s over torchao tensorwise", "delayed +combo_kernels") in judged
     assert not any("peak memory" in target for target, _ in judged)  # no peak memory off CUDA
 
 
@@ -171,15 +170,6 @@ def test_the_per_block_compile_backends_are_refused_for_a_model_without_layers(t
         run(args)
 
 
-def test_compile_time_benchmark_smoke_measures_cold_and_warm(tmp_path):
-    result = _run_bench("compile", tmp_path)
-    assert [r["backend"] for r in result["rows"]] == ["inductor", "fp8"]
-    for row in result["rows"]:
-        # A warm start reuses the cache the cold one filled.
-        assert 0 < row["compile_warm_s"] < row["compile_cold_s"]
-    assert [v["case"] for v in result["targets"]] == ["cold", "warm"]
-
-
 def test_deep_compile_time_benchmark_smoke_compares_regions_with_whole_model_compiles(tmp_path):
     """The deep case's machinery (3 layers here): every backend measured cold and warm, ratios to the first.
 
@@ -191,7 +181,7 @@ def test_deep_compile_time_benchmark_smoke_compares_regions_with_whole_model_com
     rows = {row["backend"]: row for row in result["rows"]}
     assert list(rows) == ["inductor", "fp8", "inductor per-block"]
     for row in rows.values():
-        assert row["compile_cold_s"] > 0 and row["compile_warm_s"] > 0
+        assert 0 < row["compile_warm_s"] < row["compile_cold_s"]  # a warm start reuses the cache the cold one filled
         assert row["cold_vs_inductor"] == pytest.approx(row["compile_cold_s"] / rows["inductor"]["compile_cold_s"])
     assert [v["case"] for v in result["targets"]] == ["cold", "warm"]  # held to 1.30x below 12 layers
 
