@@ -72,8 +72,9 @@ EXEMPT = [
      ["tests/bench/test_bench_and_demo.py::test_deep_compile_time_benchmark_smoke_compares_regions_with_whole_model_compiles"],
      "bench"),
     (r"\.venv/bin/python -m bench compile", "minutes of CPU: 3 cold and 3 warm starts per backend in fresh "
-     "processes; the test runs its --smoke form",
-     ["tests/bench/test_bench_and_demo.py::test_compile_time_benchmark_smoke_measures_cold_and_warm"], "bench"),
+     "processes; the test runs its --smoke --deep form",
+     ["tests/bench/test_bench_and_demo.py::"
+      "test_deep_compile_time_benchmark_smoke_compares_regions_with_whole_model_compiles"], "bench"),
     (r"\.venv/bin/python -m bench model calibrate", "about 8 minutes of CPU (every stored H100 workload "
      "modelled); the tests hold the model to its calibration on the quantize, linear and decoder runs",
      ["tests/bench/test_cost_model.py::test_the_model_reproduces_the_h100_linear_and_decoder_steps",
