@@ -304,9 +304,9 @@ def _called_as_a_compiled_unit(forward, user_model):
     ``inspect.signature`` reads.
 
     An enclosing ``torch.compile`` would trace through the model's own compiled
-    forward, which it inlines in high precision. Skipped by Dynamo (not
-    recursively), the call breaks the enclosing graph and runs fp8graph's
-    compile of the model, in FP8. The signature is the user's forward's, so
+    forward, which it inlines in high precision. Disabled for Dynamo, the call
+    breaks the enclosing graph; inside it fp8graph's compile of the model sets
+    its own backend again and runs the model in FP8. The signature is the user's forward's, so
     callers that pick arguments by it (HuggingFace's ``Trainer`` drops the
     dataset columns the model's forward does not name) see the model's.
     """

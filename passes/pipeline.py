@@ -84,9 +84,9 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], conte
     value_of = placeholder_values(gm, example_inputs)
     stats_placeholders = {id(value_of[n]): n for n in take_anchored_inputs(gm, stats_anchor)}
     # Delayed state a call updates (its module trains) or only reads (eval mode); without gradients, only reads.
-    state_updated = take_anchored_inputs(gm, state_anchor)
-    state_placeholders = {id(value_of[n]): n for n in take_anchored_inputs(gm, state_read_anchor) + state_updated}
-    state_updated = set(state_updated) if torch.is_grad_enabled() else set()
+    updating = take_anchored_inputs(gm, state_anchor)
+    state_placeholders = {id(value_of[n]): n for n in take_anchored_inputs(gm, state_read_anchor) + updating}
+    state_updated = set(updating) if torch.is_grad_enabled() else set()
     # A call fills the weights' FP8 copies or reuses them, never both: one kind of anchor per graph.
     fill, reuse = take_anchored_inputs(gm, fill_anchor), take_anchored_inputs(gm, reuse_anchor)
     cache_placeholders = {id(value_of[n]): n for n in fill + reuse}

@@ -105,20 +105,24 @@ def register_new_buffers(new_buffers: list[NewBuffer], if_taken: str) -> None:
         new.module.__dict__.setdefault(_DTYPES_ATTRIBUTE, {})[new.name] = new.value.dtype
 
 
+def _converted(model: torch.nn.Module):
+    """``(path, module, name, registered dtype)`` of each fp8graph buffer whose dtype changed since."""
+    for path, module in model.named_modules():
+        for name, dtype in module.__dict__.get(_DTYPES_ATTRIBUTE, {}).items():
+            buffer = module._buffers.get(name)
+            if buffer is not None and buffer.dtype != dtype:
+                yield path, module, name, dtype
+
+
 def converted_buffers(model: torch.nn.Module) -> list[str]:
     """``path.name (dtype, registered as dtype)`` of each fp8graph buffer whose dtype changed since it was
     registered: fp32 amax histories in BF16 lose their precision, an FP8 weight copy in BF16 is not one."""
     return [f"{path or '<root>'}.{name} ({module._buffers[name].dtype}, registered as {dtype})"
-            for path, module in model.named_modules()
-            for name, dtype in module.__dict__.get(_DTYPES_ATTRIBUTE, {}).items()
-            if module._buffers.get(name) is not None and module._buffers[name].dtype != dtype]
+            for path, module, name, dtype in _converted(model)]
 
 
 def restore_buffer_dtypes(model: torch.nn.Module) -> None:
     """Give every fp8graph buffer its registered dtype back (values converted; an FP8 weight copy is then
     refilled before it is read, see ``fp8graph.buffers.weight_cache``)."""
-    for module in model.modules():
-        for name, dtype in module.__dict__.get(_DTYPES_ATTRIBUTE, {}).items():
-            buffer = module._buffers.get(name)
-            if buffer is not None and buffer.dtype != dtype:
-                module._buffers[name] = buffer.to(dtype)
+    for _, module, name, dtype in list(_converted(model)):
+        module._buffers[name] = module._buffers[name].to(dtype)

@@ -55,7 +55,7 @@ def register_stats_buffers(model: torch.nn.Module):
     register_new_buffers([NewBuffer(module, path, STATS_BUFFER, torch.full((len(ROLES), len(HEALTH_METRICS)),
                                                                             float("nan"), device=device),
                                     persistent=False) for path, module in modules.items()],
-                         if_taken="compile the model once with stats=True, or build a fresh model")
+                         if_taken="a buffer of that name that is not fp8graph's: rename it, or build a fresh model")
     # Dynamo runs the root module's own hooks outside the graph, but inlines
     # those of the modules called inside it: hook every submodule, passing its
     # buffer and the root's. A bare module (no submodules) is its own only

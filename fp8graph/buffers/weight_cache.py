@@ -89,14 +89,6 @@ class WeightCache:
         """Make the next call fill, e.g. after changing weights through ``param.data``."""
         self._filled_versions = None
 
-    def weights(self) -> set[int]:
-        """``id`` of every weight with an FP8 copy."""
-        return {id(owner._parameters[name]) for holder, name, owner, _ in self._holders if holder is owner}
-
-    def __getstate__(self) -> dict:
-        # A copy (deepcopy, pickle) holds new weight tensors whose ids and versions say nothing about
-        # the copies' contents: it fills before it reads.
-        return {**self.__dict__, "reuse": False, "_filled_versions": None, "_versions_at_call": None}
 
 
 class _CachedWeightsHook(AnchorHook):
@@ -128,8 +120,8 @@ def _cacheable_recipe(policy: Policy, path: str, module: torch.nn.Module, param:
 
 def _reuse_registered_cache(model: torch.nn.Module, policy: Policy, cache: WeightCache) -> WeightCache:
     """The copies an earlier ``fp8graph.compile(cache_weights=True)`` registered (or a copy of that model
-    brought), if they serve ``policy``: the same weights, in the FP8 dtypes it asks for."""
-    cached = cache.weights()
+    brought), if they serve ``policy``: the same weights, in the FP8 dtypes it asks for. Invalidated: a
+    copied model's weights are new tensors, whose ids and versions say nothing of the copies' contents."""
     copies = cache.by_weight()
     for path, module in model.named_modules():
         if module is model:
@@ -137,8 +129,8 @@ def _reuse_registered_cache(model: torch.nn.Module, policy: Policy, cache: Weigh
         for name, param in weight_candidates(module):
             recipe = _cacheable_recipe(policy, path, module, param)
             wanted = None if recipe is None else recipe.fp8_dtype(Role.WEIGHT)
-            there = copies[id(param)][0].dtype if id(param) in cached else None
-            if wanted != there and (recipe is not None or id(param) in cached):
+            there = copies[id(param)][0].dtype if id(param) in copies else None
+            if wanted != there:
                 raise ValueError(
                     f"{path}.{name}: the model was compiled before with cache_weights=True, and its FP8 weight "
                     f"copies cannot serve this policy (it asks for {wanted or 'no copy'}; there is "
@@ -179,8 +171,8 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy) -> WeightCache
             owner_of[id(param)] = (module, name)
             cache.add(module, name, module, name)
             anchored.setdefault(module, []).append((module, name))
-    register_new_buffers(new_buffers, if_taken="was the model compiled twice with cache_weights=True? Compile it "
-                                               "once, or build a fresh model")
+    register_new_buffers(new_buffers, if_taken="a buffer of that name that is not fp8graph's: rename it, or build a "
+                                               "fresh model")
     for module, owners_and_names in anchored.items():
         module.register_forward_hook(_CachedWeightsHook(cache, owners_and_names))
     model.__dict__[_REGISTERED_ATTRIBUTE] = cache
