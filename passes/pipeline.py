@@ -1,12 +1,15 @@
 """The fp8 backend's passes over one Dynamo graph, in order: :func:`run_passes`.
 
     anchored_inputs   the buffers the model's hooks anchored become known graph inputs; anchors removed
+    expand_attention  F.multi_head_attention_forward calls opened into the ops they run, their GEMMs visible
     find_sites        every linear and matmul node, read into linear form
     annotate          each site's decision (a recipe and its GEMM lowering, or why it stays) in node.meta
     group_sites       decided sites that read one input, one cast of it
     rewrite           decided sites replaced by fp8graph's targets, their buffers threaded in
 
 Each pass reads only what the ones before it wrote; the report is built from the same decisions.
+Dynamo's graph is not functional: the driver checks that the passes left every node with side effects
+(in-place writes, RNG; ``side_effects``) in place and in order, and refuses the graph otherwise.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ from fp8graph.gemm.scaled_gemm import choose_lowering
 from fp8graph.recipes.policy import Policy
 
 from .anchored_inputs import take_anchored_inputs
+from .expand_attention import expand_attention
 from .annotate import Decision, annotate_sites
 from .find_sites import find_sites
 from .group_sites import group_sites
 from .rewrite import rewrite_sites
+from .side_effects import side_effect_nodes
+from .subgraphs import Subgraphs
 
 __all__ = ["PassContext", "run_passes"]
 
@@ -77,9 +83,33 @@ def placeholder_values(gm: torch.fx.GraphModule, example_inputs: Sequence[object
     return values
 
 
+def _side_effects_by_graph(gm: torch.fx.GraphModule) -> list[list[torch.fx.Node]]:
+    return [side_effect_nodes(graph_module) for graph_module in Subgraphs(gm)]
+
+
+def _check_side_effects_kept(gm: torch.fx.GraphModule, before: list[list[torch.fx.Node]]) -> None:
+    """Raise if a pass deleted or reordered a node with side effects that was in ``gm`` before."""
+    after = {id(graph_module.graph): graph_module for graph_module in Subgraphs(gm)}
+    for nodes in before:
+        if not nodes:
+            continue
+        graph = nodes[0].graph
+        kept = set(graph.nodes) if id(graph) in after else set()
+        order = {node: index for index, node in enumerate(graph.nodes)}
+        lost = [node for node in nodes if node not in kept]
+        positions = [order[node] for node in nodes if node in kept]
+        if lost or positions != sorted(positions):
+            node = lost[0] if lost else nodes[0]
+            where = (node.meta.get("stack_trace") or "").strip().splitlines()[-1:] or ["<no user code>"]
+            what = f"deleted {node.name} ({node.target}, {where[0].strip()})" if lost else "reordered the graph's writes"
+            raise AssertionError(f"fp8graph: a pass {what}; Dynamo's graph keeps in-place writes and RNG as "
+                                 "nodes nobody reads, and no pass may remove or move them")
+
+
 def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], context: PassContext):
     """Rewrite ``gm`` in place; returns ``(decisions, stats buffers written)``: every site's decision, and
     ``[(module path, buffer)]`` of the stats buffers the rewritten sites write."""
+    side_effects_before = _side_effects_by_graph(gm)
     device = graph_device(example_inputs)
     value_of = placeholder_values(gm, example_inputs)
     stats_placeholders = {id(value_of[n]): n for n in take_anchored_inputs(gm, stats_anchor)}
@@ -90,6 +120,8 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], conte
     # A call fills the weights' FP8 copies or reuses them, never both: one kind of anchor per graph.
     fill, reuse = take_anchored_inputs(gm, fill_anchor), take_anchored_inputs(gm, reuse_anchor)
     cache_placeholders = {id(value_of[n]): n for n in fill + reuse}
+    for graph_module in Subgraphs(gm):
+        expand_attention(graph_module)
     sites = find_sites(gm, example_inputs, context.paths_by_id)
     state_by_weight = context.state.by_weight()
     cache_by_weight = context.weight_cache.by_weight()
@@ -123,6 +155,7 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], conte
                                                cache_nodes(d.site) is not None))
     rewrite_sites(gm, stats_nodes, state_nodes, updates_state=updates_state, cache_nodes=cache_nodes,
                   weight_cache="reuse" if reuse else "fill", groups=groups)
+    _check_side_effects_kept(gm, side_effects_before)
     stats_written = [(d.site.path, value_of[node]) for d in decisions
                      if d.rewritten and (node := stats_nodes(d.site)) is not None]
     return decisions, stats_written

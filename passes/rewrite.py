@@ -21,7 +21,8 @@ same functional inputs: the scales the first forward used, and one update.
 The replacement keeps the original node's metadata (module stack, fake value,
 stack trace) so later passes and error messages still point at the user's
 code. Reads only ``node.meta[DECISION_KEY]``; every rewrite bumps
-``counters["fp8graph"]["sites_rewritten"]``.
+``counters["fp8graph"]["sites_rewritten"]``. It removes no node but the
+sites it replaces: nothing else, dead or not (``side_effects``).
 """
 
 from __future__ import annotations
@@ -96,7 +97,10 @@ def rewrite_sites(
             _rewrite(graph_module, [_with_replaced_operands(d, replaced) for d in group], buffers, replaced)
             rewritten += len(group)
             counters["fp8graph"]["sites_rewritten"] += len(group)
-        graph_module.graph.eliminate_dead_code()
+    # No dead-code elimination here: Dynamo's graph is not functional, and FX's
+    # counts an in-place method call whose result nobody reads as dead (see
+    # ``side_effects``). What the rewrite leaves unused (a weight's ``.t()``)
+    # AOTAutograd removes after functionalization.
     subgraphs.recompile()
     return rewritten
 
