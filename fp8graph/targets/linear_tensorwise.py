@@ -235,6 +235,10 @@ def _cast_weight_current(spec: CallSpec, weight_hp: torch.Tensor, member: Member
     if member.weight_cache is None:
         return (*_cast_current(spec, weight_hp, Role.WEIGHT), weight_hp)
     mode, cached_weight, cached_scale = member.weight_cache
+    if cached_weight.shape != weight_hp.shape:
+        # A copy in the parameter's own (K, N) shape: its module left open which way round it multiplies the
+        # weight (``fp8graph.buffers.weight_cache``); read and written through its (N, K) view.
+        cached_weight = cached_weight.t()
     if mode == "reuse":
         weight_scale = cached_scale.clone()
         return cached_weight, weight_scale, weight_scale.reciprocal(), None
@@ -269,22 +273,22 @@ def _cast_grad_outputs(spec: CallSpec, grad_outputs_hp: Sequence[torch.Tensor], 
 
 
 class _LinearsFP8(torch.autograd.Function):
-    """``outputs_i = input @ weight_i^T + bias_i`` for the members of one call (see the module's doc)."""
+    """``outputs_i = input @ weight_i^T + bias_i`` for the members of one call (see the module's doc), on the
+    (M, K) input: each output is its GEMM's own (M, N_i) result, never a view. The caller reshapes outside,
+    where autograd tracks the views as ordinary ones: user code may write into an output in place
+    (Falcon's ``mlp_output += attention_output``), which autograd forbids on a view a custom Function returns."""
 
     @staticmethod
-    def forward(ctx, input_hp, spec: CallSpec, members: tuple[Member, ...], *weights_and_biases):
+    def forward(ctx, input_hp_2d, spec: CallSpec, members: tuple[Member, ...], *weights_and_biases):
         count = len(members)
         weights_hp, biases_hp = weights_and_biases[:count], weights_and_biases[count:]
         recipe = spec.recipe
-        device_type = input_hp.device.type
+        device_type = input_hp_2d.device.type
         # Under autocast F.linear returns the autocast dtype; so does this.
-        output_dtype = autocast_dtype(device_type) or input_hp.dtype
-        in_features = weights_hp[0].shape[1]
-        lead_shape = input_hp.shape[:-1]
+        output_dtype = autocast_dtype(device_type) or input_hp_2d.dtype
         needs_grad_input = ctx.needs_input_grad[0]
         needs_grad_weight = [ctx.needs_input_grad[3 + i] for i in range(count)]
         with torch.autocast(device_type, enabled=False):
-            input_hp_2d = input_hp.reshape(-1, in_features)  # (M, K)
             if spec.delayed:
                 input_fp8, input_scale, input_inverse_scale, weights = _cast_forward_delayed(
                     spec, input_hp_2d, weights_hp, members)
@@ -311,7 +315,7 @@ class _LinearsFP8(torch.autograd.Function):
                                                 spec.lowering, use_fast_accum=True)
                 if bias_hp is not None:
                     output = output + bias_hp.to(output_dtype)
-                outputs.append(output.reshape(*lead_shape, weight_hp.shape[0]))
+                outputs.append(output)  # (M, N_i)
                 saved_weights += [weight_fp8_t, weight_inverse_scale]
             for member, weight_hp, (weight_fp8, weight_scale, _, _) in zip(members, weights_hp, weights):
                 if member.stats is not None:
@@ -321,21 +325,19 @@ class _LinearsFP8(torch.autograd.Function):
         # The backward's GEMMs read the dequantization factors only: no reciprocal there.
         ctx.save_for_backward(input_fp8_t, input_inverse_scale, *saved_weights)
         ctx.spec, ctx.members = spec, members
-        ctx.input_dtype = input_hp.dtype
+        ctx.input_dtype = input_hp_2d.dtype
         ctx.weight_dtypes = [w.dtype for w in weights_hp]
         ctx.bias_dtypes = [None if b is None else b.dtype for b in biases_hp]
-        ctx.lead_shape = lead_shape
         return tuple(outputs)
 
     @staticmethod
-    def backward(ctx, *grad_outputs_hp):
+    def backward(ctx, *grad_outputs_hp_2d):  # (M, N_i)
         input_fp8_t, input_inverse_scale, *saved_weights = ctx.saved_tensors
         spec: CallSpec = ctx.spec
         count = len(ctx.members)
         needs_grad_input = ctx.needs_input_grad[0]
         grad_input, grad_weights, grad_biases = None, [None] * count, [None] * count
-        with torch.autocast(grad_outputs_hp[0].device.type, enabled=False):
-            grad_outputs_hp_2d = [grad.reshape(-1, grad.shape[-1]) for grad in grad_outputs_hp]  # (M, N_i)
+        with torch.autocast(grad_outputs_hp_2d[0].device.type, enabled=False):
             casts = _cast_grad_outputs(spec, grad_outputs_hp_2d, ctx.members)
             for i, (member, grad_output_hp_2d, (grad_output_fp8, grad_output_scale, grad_output_inverse_scale)) in \
                     enumerate(zip(ctx.members, grad_outputs_hp_2d, casts)):
@@ -358,8 +360,6 @@ class _LinearsFP8(torch.autograd.Function):
                                                              ctx.weight_dtypes[i], spec.lowering)
                 if ctx.needs_input_grad[3 + count + i] and ctx.bias_dtypes[i] is not None:
                     grad_biases[i] = grad_output_hp_2d.sum(0, dtype=torch.float32).to(ctx.bias_dtypes[i])
-        if grad_input is not None:
-            grad_input = grad_input.reshape(*ctx.lead_shape, grad_input.shape[-1])
         return grad_input, None, None, *grad_weights, *grad_biases
 
 
@@ -425,7 +425,9 @@ def linears_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True, 
                            cached_weights, cached_weight_scales, weight_cache)
         has_state = any(member.state is not None for member in members)
         spec = CallSpec(recipe, lowering, update or not has_state, snapshot=in_checkpoint and has_state)
-        return _LinearsFP8.apply(input_hp, spec, members, *weights_hp, *biases_hp)
+        input_hp_2d = input_hp.reshape(-1, input_hp.shape[-1])  # (M, K)
+        outputs_2d = _LinearsFP8.apply(input_hp_2d, spec, members, *weights_hp, *biases_hp)  # (M, N_i) each
+        return tuple(output.reshape(*input_hp.shape[:-1], output.shape[-1]) for output in outputs_2d)
 
     linears_fp8.__name__ = target_name("linears", _label(recipe, update, in_checkpoint, weight_cache),
                                        lowering.value)

@@ -92,20 +92,20 @@ def _gemm(a: _TiledOperand, b: _TiledOperand, out_dtype, lowering, use_fast_accu
 
 
 class _LinearTiled(torch.autograd.Function):
+    """``output = input @ weight^T + bias`` on the (M, K) input: the output is the GEMM's own (M, N) result,
+    never a view, which user code may write into in place (see ``linear_tensorwise._LinearsFP8``)."""
+
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, bias_hp, recipe: TiledRecipe, lowering: Lowering, stats,
+    def forward(ctx, input_hp_2d, weight_hp, bias_hp, recipe: TiledRecipe, lowering: Lowering, stats,
                 grad_enabled: bool):
-        device_type = input_hp.device.type
-        output_dtype = autocast_dtype(device_type) or input_hp.dtype
-        out_features, in_features = weight_hp.shape
-        lead_shape = input_hp.shape[:-1]
+        device_type = input_hp_2d.device.type
+        output_dtype = autocast_dtype(device_type) or input_hp_2d.dtype
         input_tiling, weight_tiling = recipe.tiling(Role.INPUT), recipe.tiling(Role.WEIGHT)
         # The gradient GEMMs' operands, quantized along M (input_t) and N (weight_t), are made
         # only where a gradient needs them: none under torch.no_grad(), which needs_input_grad
         # does not see (the caller passes the grad mode).
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         with torch.autocast(device_type, enabled=False):
-            input_hp_2d = input_hp.reshape(-1, in_features)  # (M, K)
             input_q, input_t_q = _quantize(input_hp_2d, input_tiling, True, needs_grad_weight)  # (M, K), (K, M')
             weight_q, weight_t_q = _quantize(weight_hp, weight_tiling, True, needs_grad_input)  # (N, K), (K, N)
             # Fast accumulation for the forward GEMM, as for per-tensor scaling.
@@ -117,20 +117,18 @@ class _LinearTiled(torch.autograd.Function):
                 record_tiled_health(stats, Role.WEIGHT, weight_hp, weight_q, recipe)
         ctx.save_for_backward(*_saved(input_t_q), *_saved(weight_t_q))
         ctx.recipe, ctx.lowering, ctx.stats = recipe, lowering, stats
-        ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
+        ctx.input_dtype, ctx.weight_dtype = input_hp_2d.dtype, weight_hp.dtype
         ctx.bias_dtype = None if bias_hp is None else bias_hp.dtype
-        ctx.lead_shape = lead_shape
-        return output.reshape(*lead_shape, out_features)
+        return output  # (M, N)
 
     @staticmethod
-    def backward(ctx, grad_output_hp):
+    def backward(ctx, grad_output_hp_2d):  # (M, N)
         input_t_fp8, input_t_scale, weight_t_fp8, weight_t_scale = ctx.saved_tensors
         recipe: TiledRecipe = ctx.recipe
         needs_grad_input, needs_grad_weight, needs_grad_bias = ctx.needs_input_grad[:3]
         grad_input = grad_weight = grad_bias = None
         grad_tiling = recipe.tiling(Role.GRAD_OUTPUT)
-        with torch.autocast(grad_output_hp.device.type, enabled=False):
-            grad_output_hp_2d = grad_output_hp.reshape(-1, grad_output_hp.shape[-1])  # (M, N)
+        with torch.autocast(grad_output_hp_2d.device.type, enabled=False):
             # Along N for grad_input, along M (transposed) for grad_weight; one read where both are needed.
             grad_output_q, grad_output_t_q = _quantize(
                 grad_output_hp_2d, grad_tiling, needs_grad_input or ctx.stats is not None, needs_grad_weight)
@@ -138,8 +136,7 @@ class _LinearTiled(torch.autograd.Function):
                 record_tiled_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp_2d, grad_output_q, recipe)
             if needs_grad_input:
                 weight_t_q = _TiledOperand(weight_t_fp8, weight_t_scale, recipe.tiling(Role.WEIGHT))  # (K, N)
-                grad_input = _gemm(grad_output_q, weight_t_q, ctx.input_dtype, ctx.lowering)
-                grad_input = grad_input.reshape(*ctx.lead_shape, weight_t_fp8.shape[0])
+                grad_input = _gemm(grad_output_q, weight_t_q, ctx.input_dtype, ctx.lowering)  # (M, K)
             if needs_grad_weight:
                 input_t_q = _TiledOperand(input_t_fp8, input_t_scale, recipe.tiling(Role.INPUT))  # (K, M')
                 if grad_output_t_q.fp8.shape[1] != input_t_fp8.shape[1]:
@@ -168,7 +165,9 @@ def linear_tiled_target(recipe: TiledRecipe, lowering: Lowering) -> Callable[...
     """The graph target for sites with a row-wise, block or MX ``recipe``, named for it."""
 
     def linear_tiled(input_hp, weight_hp, bias_hp=None, stats=None):
-        return _LinearTiled.apply(input_hp, weight_hp, bias_hp, recipe, lowering, stats, torch.is_grad_enabled())
+        input_hp_2d = input_hp.reshape(-1, input_hp.shape[-1])  # (M, K)
+        output = _LinearTiled.apply(input_hp_2d, weight_hp, bias_hp, recipe, lowering, stats, torch.is_grad_enabled())
+        return output.reshape(*input_hp.shape[:-1], output.shape[-1])
 
     linear_tiled.__name__ = target_name("linear", recipe.name, lowering.value)
     linear_tiled.recipe = recipe
