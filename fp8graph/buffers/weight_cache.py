@@ -9,6 +9,12 @@ non-persistent buffers on the module that owns it::
     fp8graph_cached_weight_<name>         the weight's FP8 copy, (N, K), in the recipe's weight dtype
     fp8graph_cached_weight_scale_<name>   its scale, ()
 
+The copy is laid out (N, K) as the FP8 linear reads its weight, whichever way
+the module stores it: a GPT-2 ``Conv1D`` weight, stored (K, N), gets the copy
+of its transpose. A weight whose module does not say which way round it is
+multiplied (``fp8graph.recipes.policy.weight_orientations``) gets a copy in its
+own shape, which the linear reads transposed when it multiplies the weight as (K, N).
+
 Before each call of the compiled model, :meth:`WeightCache.before_call`
 compares the weights' version counters with those of the call that last
 filled the copies. Every in-place change bumps a tensor's counter: an
@@ -37,7 +43,7 @@ import torch
 
 from fp8graph.numerics.formats import Role
 from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
-from fp8graph.recipes.policy import Policy, resolve_weight
+from fp8graph.recipes.policy import Policy, resolve_weight, weight_orientations
 from fp8graph.buffers.delayed_state import weight_candidates
 
 __all__ = ["CACHED_WEIGHT_PREFIX", "CACHED_SCALE_PREFIX", "WeightCache", "register_weight_cache"]
@@ -113,6 +119,12 @@ def _storage_address(weight: torch.Tensor) -> int | None:
         return None
 
 
+def _copy_shape(module: torch.nn.Module, param: torch.Tensor) -> tuple[int, int]:
+    """The FP8 copy's shape: (N, K), or the weight's own where its module leaves the orientation open."""
+    orientations = weight_orientations(module, param)
+    return orientations[0] if len(orientations) == 1 else tuple(param.shape)
+
+
 def _cacheable_recipe(policy: Policy, path: str, module: torch.nn.Module, param: torch.Tensor):
     cacheable = resolve_weight(policy, path, module, param).having("caches_weights")
     return cacheable[0] if cacheable else None
@@ -164,7 +176,8 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy) -> WeightCache
             recipe = _cacheable_recipe(policy, path, module, param)
             if recipe is None:
                 continue
-            for prefix, initial in ((CACHED_WEIGHT_PREFIX, torch.zeros(param.shape, dtype=recipe.fp8_dtype(Role.WEIGHT),
+            copy_shape = _copy_shape(module, param)  # (N, K): a Conv1D's (K, N) weight is copied transposed
+            for prefix, initial in ((CACHED_WEIGHT_PREFIX, torch.zeros(copy_shape, dtype=recipe.fp8_dtype(Role.WEIGHT),
                                                                         device=param.device)),
                                     (CACHED_SCALE_PREFIX, torch.ones((), device=param.device))):
                 new_buffers.append(NewBuffer(module, path, prefix + name, initial, persistent=False))

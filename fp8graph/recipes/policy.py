@@ -28,7 +28,7 @@ import torch
 from fp8graph.recipes.scaling import Float8CurrentScaling, Recipe
 
 __all__ = ["DEFAULT_RECIPE", "Policy", "Resolution", "SiteInfo", "WeightRecipes", "normalize_policy", "resolve",
-           "resolve_weight"]
+           "resolve_weight", "weight_orientations"]
 
 DEFAULT_RECIPE = Float8CurrentScaling()
 
@@ -223,7 +223,7 @@ class WeightRecipes:
         return tuple(recipe for recipe in self.recipes if recipe is not None and getattr(recipe, trait))
 
 
-def _weight_orientations(module: torch.nn.Module | None, weight: torch.Tensor) -> list[tuple[int, int]]:
+def weight_orientations(module: torch.nn.Module | None, weight: torch.Tensor) -> list[tuple[int, int]]:
     """The ``(N, K)`` a linear on ``weight`` can have: ``nn.Linear`` stores (N, K), HuggingFace's ``Conv1D``
     (GPT-2) stores (K, N); a weight of any other module may be multiplied either way."""
     rows, columns = weight.shape
@@ -238,7 +238,7 @@ def resolve_weight(policy: Policy, path: str, module: torch.nn.Module | None, we
     """The recipes ``policy`` can give a linear on the 2-D ``weight`` of ``module`` (at ``path``), before
     tracing: see :class:`WeightRecipes`."""
     sites = [SiteInfo(op="linear", M=None, K=k, N=n, dtype=weight.dtype)
-             for n, k in _weight_orientations(module, weight)]
+             for n, k in weight_orientations(module, weight)]
     recipes, rule_indices, undecided = [], [], []
     for index, (pattern, recipe) in enumerate(policy.rules):
         verdicts = set()

@@ -16,6 +16,7 @@ from torch._inductor.utils import run_and_get_code
 import fp8graph
 from fp8graph.models import build
 from fp8graph.buffers.weight_cache import CACHED_SCALE_PREFIX, CACHED_WEIGHT_PREFIX
+from helpers import fp8_target_count
 
 MICRO_BATCHES, STEPS = 3, 3
 AMAX_REDUCTION = "max_propagate_nan"  # one call per reduced vector in Inductor's C++ (see test_inference)
@@ -226,3 +227,77 @@ def test_a_second_compile_whose_policy_caches_other_weights_is_refused_naming_th
                                          r"its FP8 weight copies cannot serve this policy \(it asks for no copy"):
         fp8graph.compile(model, compiler="aot_eager", cache_weights=True,
                          policy=fp8graph.Policy(rules=[("mid", None)]))
+
+
+def _train_with_accumulation(model, compiled, steps=2):
+    """``steps`` SGD steps of MICRO_BATCHES token micro-batches; every loss, and the modes the calls ran in."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(0)
+    cache = compiled.fp8graph_backend.weight_cache
+    losses, reused = [], []
+    for _ in range(steps):
+        for _ in range(MICRO_BATCHES):
+            tokens = torch.randint(0, 250, (2, 16), generator=generator)
+            loss = compiled(tokens, labels=tokens).loss
+            loss.backward()
+            losses.append(loss.item())
+            reused.append(cache is not None and cache.reuse)
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, reused
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_gpt2_conv1d_weights_stored_k_n_get_n_k_copies_and_train_like_uncached(compiler):
+    """GPT-2's Conv1D stores its weight (K, N) and runs ``addmm(b, x2d, w)``: the linear multiplies
+    ``w.t()``, and the copy is laid out (N, K) like an nn.Linear's."""
+    model = build("gpt2", "tiny")
+    cached_model = copy.deepcopy(model)
+    losses, _ = _train_with_accumulation(model, fp8graph.compile(model, compiler=compiler))
+    torch._dynamo.reset()
+    compiled = fp8graph.compile(cached_model, compiler=compiler, cache_weights=True)
+    cached_losses, reused = _train_with_accumulation(cached_model, compiled)
+    assert cached_losses == losses
+    assert reused == [False, True, True] * 2
+    for name, param in model.named_parameters():
+        assert torch.equal(dict(cached_model.named_parameters())[name], param), name
+    with torch.no_grad():  # a fill with the trained weights
+        compiled(torch.randint(0, 250, (2, 16)))
+    for path in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):  # (64, 192), (64, 64), (64, 256), (256, 64)
+        module = cached_model.get_submodule(f"transformer.h.0.{path}")
+        weight_fp8, _ = fp8graph.numerics.quantize.quantize_current(module.weight.detach().t(), torch.float8_e4m3fn)
+        assert torch.equal(getattr(module, CACHED_WEIGHT_PREFIX + "weight").view(torch.uint8),
+                           weight_fp8.contiguous().view(torch.uint8)), path
+
+
+def test_a_weight_multiplied_k_n_by_an_unknown_module_is_read_through_its_copy_transposed():
+    """``x @ w`` with w (K, N) in a module of its own: which way round it multiplies w is only known from
+    the graph, so the copy keeps w's shape and the linear reads it transposed."""
+    class KNProjection(torch.nn.Module):
+        def __init__(self, k, n):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(k, n) / k ** 0.5)
+
+        def forward(self, x):
+            return x @ self.weight
+
+    model = torch.nn.Sequential(KNProjection(64, 96), torch.nn.ReLU(), KNProjection(96, 64))
+    cached_model = copy.deepcopy(model)
+    x = torch.randn(4, 8, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cached_optimizer = torch.optim.SGD(cached_model.parameters(), lr=0.1)
+    compiled = fp8graph.compile(model, compiler="aot_eager")
+    cached = fp8graph.compile(cached_model, compiler="aot_eager", cache_weights=True)
+    for _ in range(2):
+        for run, opt in ((compiled, optimizer), (cached, cached_optimizer)):
+            for _ in range(2):  # fill, then reuse
+                run(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert cached.fp8graph_backend.weight_cache.reuse
+    assert sum(fp8_target_count(gm) for gm in cached.fp8graph_backend.graph_modules) == 2 * 2  # fill and reuse graphs
+    for module in cached_model[0], cached_model[2]:
+        copy_fp8 = getattr(module, CACHED_WEIGHT_PREFIX + "weight")
+        assert copy_fp8.shape == module.weight.shape and copy_fp8.view(torch.uint8).any()
+    for param, cached_param in zip(model.parameters(), cached_model.parameters(), strict=True):
+        assert torch.equal(param, cached_param)
