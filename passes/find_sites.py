@@ -11,12 +11,24 @@ activation, which is the weight parameter and how it is laid out, the bias,
 and M/K/N. A site that can never run in FP8 (a computed weight, a parameter
 on the left, a scaled ``addmm``) carries a ``blocker`` saying why. A matmul
 of two activations (attention scores) carries none: it is no linear, so it
-runs in FP8 only when a policy rule names it. The pass only reads the graph.
+runs in FP8 only when a policy rule names it.
+
+PyTorch's attention reaches the graph as one call that hides its GEMMs.
+``F.multi_head_attention_forward`` (``nn.MultiheadAttention`` and the
+``nn.Transformer*Layer`` modules with gradients) is opened into the ops it
+runs by the pass before this one (``expand_attention``): its input projection is then a linear
+site of the attention module on ``in_proj_weight`` (or on ``q_proj_weight``,
+``k_proj_weight``, ``v_proj_weight``), its output projection one of
+``<attention>.out_proj``. The fused fast paths of inference
+(``torch._native_multi_head_attention``, ``torch._transformer_encoder_layer_fwd``)
+are ATen ops: each weight they multiply is listed as a site kept in high
+precision, with the reason. The pass only reads the graph.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import operator
 from typing import Sequence
@@ -24,6 +36,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
+from .expand_attention import UNEXPANDED_KEY, is_multi_head_attention
 from .module_paths import module_path, module_type
 from .subgraphs import Subgraphs
 
@@ -43,6 +56,11 @@ _OPERAND_KWARGS = {
     "baddbmm": ("batch1", "batch2"),
 }
 _TRANSPOSE_TARGETS = {torch.t}
+# Ways a parameter is cut into row blocks (cross-attention splits MultiheadAttention's in_proj_weight).
+_SPLIT_METHODS = {"split", "chunk", "tensor_split", "split_with_sizes", "unbind"}
+_SPLIT_FUNCTIONS = {torch.split, torch.chunk, torch.tensor_split, torch.unbind}
+_SLICE_BLOCKER = ("weight is a slice of a parameter{what}: FP8 sites multiply whole parameters, the unit "
+                  "their delayed-scaling state and FP8 weight copies are kept for")
 
 
 @dataclasses.dataclass
@@ -125,6 +143,19 @@ class _Parameters:
                 if isinstance(value, torch.nn.Parameter):
                     self._nodes.add(node)
 
+    def slice_of(self, node) -> torch.fx.Node | None:
+        """The parameter ``node`` is a piece of (``w.split(...)[i]``, ``w.chunk(3)[i]``, ``w[a:b]``), else None."""
+        if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target is not operator.getitem:
+            return None
+        source = node.args[0]
+        if source in self._nodes:
+            return source  # w[a:b]
+        if isinstance(source, torch.fx.Node) and source.args and source.args[0] in self._nodes and (
+                source.op == "call_method" and source.target in _SPLIT_METHODS
+                or source.op == "call_function" and source.target in _SPLIT_FUNCTIONS):
+            return source.args[0]
+        return None
+
     def resolve(self, node) -> tuple[torch.fx.Node | None, bool]:
         """``(parameter node, transposed)`` when ``node`` is a parameter or its ``.t()``."""
         if not isinstance(node, torch.fx.Node):
@@ -181,7 +212,13 @@ def _read_linear(site: Site, node: torch.fx.Node, params: _Parameters) -> None:
     site.bias_node = _arg(node, 2, "bias")
     site.weight_node, site.weight_is_kn = weight, transposed
     if weight is None:
-        site.blocker = "weight is not a parameter (computed in the graph)"
+        if params.slice_of(_arg(node, 1, "weight")) is not None:
+            owner = site.module_type
+            what = (" (MultiheadAttention's packed in_proj_weight, split because key or value is not the query)"
+                    if isinstance(owner, type) and issubclass(owner, torch.nn.MultiheadAttention) else "")
+            site.blocker = _SLICE_BLOCKER.format(what=what)
+        else:
+            site.blocker = "weight is not a parameter (computed in the graph)"
         _fill_operand_shapes(site, site.input_node, _arg(node, 1, "weight"), right_is_nk=True)
     else:
         _fill_linear_shapes(site)
@@ -227,19 +264,110 @@ def _read_site(node: torch.fx.Node, op: str, params: _Parameters, path: str) -> 
     return site
 
 
+@dataclasses.dataclass(frozen=True)
+class _FusedCall:
+    """A call that runs a module's GEMMs inside itself, kept with ``reason``: its arguments' names, and
+    per GEMM ``(input argument, weight argument, bias argument, child)``; a GEMM of an activation computed
+    inside the call has the rows of the first one's. The GEMM is a site of that child of the calling
+    module when the caller is an ``owner`` (whose children have the types ``children``)."""
+
+    reason: str
+    arguments: tuple[str, ...]
+    gemms: tuple[tuple[str | None, str, str | None, str], ...]
+    owner: type
+    children: dict[str, type]
+
+
+_FAST_PATH_ADVICE = ("its GEMMs run inside one ATen op; torch.backends.mha.set_fastpath_enabled(False) before "
+                     "compiling makes them linear sites")
+_MHA_GEMMS = (("query", "qkv_weight", "qkv_bias", ""), (None, "proj_weight", "proj_bias", "out_proj"))
+_FUSED_CALLS = {
+    torch._native_multi_head_attention: _FusedCall(
+        f"fused MultiheadAttention fast path (torch._native_multi_head_attention): {_FAST_PATH_ADVICE}",
+        ("query", "key", "value", "embed_dim", "num_head", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias",
+         "mask", "need_weights", "average_attn_weights", "mask_type"),
+        _MHA_GEMMS, torch.nn.MultiheadAttention,
+        {"": torch.nn.MultiheadAttention, "out_proj": torch.nn.modules.linear.NonDynamicallyQuantizableLinear}),
+    torch._transformer_encoder_layer_fwd: _FusedCall(
+        f"fused TransformerEncoderLayer fast path (torch._transformer_encoder_layer_fwd): {_FAST_PATH_ADVICE}",
+        ("src", "embed_dim", "num_heads", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "use_gelu",
+         "norm_first", "eps", "norm_weight_1", "norm_bias_1", "norm_weight_2", "norm_bias_2", "ffn_weight_1",
+         "ffn_bias_1", "ffn_weight_2", "ffn_bias_2", "mask", "mask_type"),
+        (("src", "qkv_weight", "qkv_bias", "self_attn"), (None, "proj_weight", "proj_bias", "self_attn.out_proj"),
+         (None, "ffn_weight_1", "ffn_bias_1", "linear1"), (None, "ffn_weight_2", "ffn_bias_2", "linear2")),
+        torch.nn.TransformerEncoderLayer,
+        {"self_attn": torch.nn.MultiheadAttention,
+         "self_attn.out_proj": torch.nn.modules.linear.NonDynamicallyQuantizableLinear,
+         "linear1": torch.nn.Linear, "linear2": torch.nn.Linear}),
+}
+_MHA_ARGUMENTS = tuple(inspect.signature(torch.nn.functional.multi_head_attention_forward).parameters)
+
+
+def _unexpanded_attention(node: torch.fx.Node, reason: str) -> _FusedCall:
+    """An ``F.multi_head_attention_forward`` call ``expand_attention`` could not open, as a fused call."""
+    arguments = dict(zip(_MHA_ARGUMENTS, node.args), **node.kwargs)
+    separate = arguments.get("use_separate_proj_weight", False)
+    in_proj = ((("query", "q_proj_weight", None, ""), ("key", "k_proj_weight", None, ""),
+                ("value", "v_proj_weight", None, "")) if separate else (("query", "in_proj_weight", "in_proj_bias", ""),))
+    return _FusedCall(f"F.multi_head_attention_forward left as one call ({reason}): its GEMMs run inside it",
+                      _MHA_ARGUMENTS, in_proj + ((None, "out_proj_weight", "out_proj_bias", "out_proj"),),
+                      torch.nn.MultiheadAttention,
+                      {"": torch.nn.MultiheadAttention,
+                       "out_proj": torch.nn.modules.linear.NonDynamicallyQuantizableLinear})
+
+
+def _fused_sites(node: torch.fx.Node, fused: _FusedCall, params: _Parameters, path: str) -> list[Site]:
+    """One kept site per weight ``fused`` multiplies, named by the child module that owns it."""
+    arguments = dict(zip(fused.arguments, node.args), **node.kwargs)
+    owner = module_type(node)
+    is_owner = isinstance(owner, type) and issubclass(owner, fused.owner)
+    rows = _value(arguments.get(fused.gemms[0][0]))
+    sites = []
+    for input_name, weight_name, bias_name, child in fused.gemms:
+        weight = arguments.get(weight_name)
+        site = Site(node=node, op="linear", path=".".join(p for p in (path, child if is_owner else "") if p),
+                    module_type=fused.children[child] if is_owner else owner,
+                    input_node=arguments.get(input_name), weight_node=params.resolve(weight)[0],
+                    bias_node=arguments.get(bias_name), blocker=fused.reason)
+        input_value, weight_value = _value(site.input_node) if input_name else rows, _value(weight)
+        if input_value is not None and weight_value is not None and weight_value.dim() == 2:
+            site.dtype = input_value.dtype
+            site.N, site.K = weight_value.shape
+            site.M = _rows(input_value.shape[:-1])
+        sites.append(site)
+    return sites
+
+
+def _owned_by_a_child(site: Site, top_parameter: torch.fx.Node | None, values: dict,
+                      owner_paths: dict[int, tuple[str, type]]) -> None:
+    """Name ``site`` after the module whose parameter it multiplies when that module is a child of the
+    caller: Mamba's mixer computes ``self.dt_proj.weight @ x`` without calling ``dt_proj``, and a report
+    that named only the mixer would not show the ``dt_proj`` linear at all."""
+    owner = owner_paths.get(id(values.get(top_parameter)))
+    if owner is None:
+        return
+    owner_path = owner[0]
+    is_child = owner_path.startswith(f"{site.path}.") if site.path else bool(owner_path)
+    if is_child:
+        site.path, site.module_type = owner
+
+
 def find_sites(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[object],
     paths_by_id: dict[str, str] | None = None,
+    owner_paths: dict[int, tuple[str, type]] | None = None,
 ) -> list[Site]:
     """Every linear or matmul node of ``gm`` and of the subgraphs it calls, in graph order.
 
     Sites inside a subgraph (a ``torch.utils.checkpoint`` region) record
     their ``graph_module``; their parameters are found through the operands
-    the outer graph passes in.
+    the outer graph passes in. ``owner_paths`` (``{id(parameter): (path, type) of the module holding it}``)
+    names a site whose parameter belongs to a child of the calling module after that child.
     """
     top_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    top_parameters = {n for n, v in zip(top_placeholders, example_inputs) if isinstance(v, torch.nn.Parameter)}
+    top_values = dict(zip(top_placeholders, example_inputs))
+    top_parameters = {n for n, v in top_values.items() if isinstance(v, torch.nn.Parameter)}
     subgraphs = Subgraphs(gm)
     sites = []
     for graph_module in subgraphs:
@@ -249,11 +377,22 @@ def find_sites(
         for node in graph_module.graph.nodes:
             op = _op_name(node)
             if op is not None:
-                site = _read_site(node, op, params, module_path(node, paths_by_id))
+                found = [_read_site(node, op, params, module_path(node, paths_by_id))]
+            elif node.op == "call_function" and node.target in _FUSED_CALLS:
+                found = _fused_sites(node, _FUSED_CALLS[node.target], params, module_path(node, paths_by_id))
+            elif is_multi_head_attention(node):
+                found = _fused_sites(node, _unexpanded_attention(node, node.meta.get(UNEXPANDED_KEY, "not opened")),
+                                     params, module_path(node, paths_by_id))
+            else:
+                continue
+            for site in found:
                 site.graph_module = graph_module
                 site.in_subgraph = graph_module is not gm
                 site.checkpoint_region = subgraphs.checkpoint_region(graph_module)
                 if site.weight_node is not None:
                     site.weight_input = subgraphs.top_node(site.weight_node, graph_module)
+                parameter = site.weight_node or params.resolve(site.input_node)[0]
+                if owner_paths and parameter is not None:
+                    _owned_by_a_child(site, subgraphs.top_node(parameter, graph_module), top_values, owner_paths)
                 sites.append(site)
     return sites

@@ -5,6 +5,12 @@ each stack entry by ``str(id(module))`` (with ``@N`` for repeated calls) and
 stores a source-like path whose root varies (``L['self'].model.layers.0.mlp``,
 ``L['fn']...``). When the caller knows the model, identities give the exact
 ``named_modules()`` spelling; otherwise the source path is normalized.
+
+A GEMM can run inside its parent's call without its own module's ``forward``
+(``nn.MultiheadAttention`` multiplies ``out_proj.weight`` in
+``F.multi_head_attention_forward``). :func:`with_child_module` gives such a
+node a stack entry for the child, keyed ``<parent id>.<attribute>`` (an id has
+no dot), which :func:`module_path` spells as the parent's path and the attribute.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import re
 
 import torch.fx
 
-__all__ = ["module_path", "module_paths_by_id", "module_type"]
+__all__ = ["module_path", "module_paths_by_id", "module_type", "with_child_module"]
 
 _ROOT = re.compile(r"^[A-Za-z_]+\[['\"][^'\"]+['\"]\]")  # L['self'], G['model'], ...
 _MODULES_ITEM = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]")  # ._modules['mlp'] -> .mlp
@@ -43,10 +49,18 @@ def module_path(node: torch.fx.Node, paths_by_id: dict[str, str] | None = None) 
     if not stack:
         return ""
     key, (source_path, _module_type) = list(stack.items())[-1]
-    module_id = key.split("@")[0]
+    module_id, _, child = key.split("@")[0].partition(".")
     if paths_by_id is not None and module_id in paths_by_id:
-        return paths_by_id[module_id]
+        return ".".join(part for part in (paths_by_id[module_id], child) if part)
     return _normalize_source_path(source_path)
+
+
+def with_child_module(stack: dict, attribute: str, child_type: type) -> dict:
+    """``stack`` (a node's ``nn_module_stack``) with the innermost module's child ``attribute`` added
+    innermost, for a GEMM of that child run by its parent's code."""
+    key, (source_path, _owner_type) = list(stack.items())[-1]
+    child_key = f"{key.split('@')[0]}.{attribute}"
+    return {**stack, child_key: (f"{source_path}.{attribute}", child_type)}
 
 
 def module_type(node: torch.fx.Node) -> type | None:

@@ -83,6 +83,15 @@ def placeholder_values(gm: torch.fx.GraphModule, example_inputs: Sequence[object
     return values
 
 
+def parameter_owners(modules_by_path: dict | None) -> dict[int, tuple[str, type]]:
+    """``{id(parameter): (path, type)}`` of the module holding each parameter (a shared one: the first)."""
+    owners: dict[int, tuple[str, type]] = {}
+    for path, module in (modules_by_path or {}).items():
+        for parameter in module.parameters(recurse=False):
+            owners.setdefault(id(parameter), (path, type(module)))
+    return owners
+
+
 def _side_effects_by_graph(gm: torch.fx.GraphModule) -> list[list[torch.fx.Node]]:
     return [side_effect_nodes(graph_module) for graph_module in Subgraphs(gm)]
 
@@ -122,7 +131,7 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], conte
     cache_placeholders = {id(value_of[n]): n for n in fill + reuse}
     for graph_module in Subgraphs(gm):
         expand_attention(graph_module)
-    sites = find_sites(gm, example_inputs, context.paths_by_id)
+    sites = find_sites(gm, example_inputs, context.paths_by_id, parameter_owners(context.modules_by_path))
     state_by_weight = context.state.by_weight()
     cache_by_weight = context.weight_cache.by_weight()
 

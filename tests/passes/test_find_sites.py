@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import fp8graph
 from fp8graph.passes.module_paths import _normalize_source_path
 from helpers import compile_fp8, fp8_target_count, sqnr_db
 
@@ -150,3 +151,21 @@ def test_chained_gemms_are_both_rewritten():
     out = compiled(x)
     assert [d.rewritten for d in backend.decisions] == [True, True]
     assert sqnr_db(model(x), out) > 20
+
+
+def test_a_gemm_of_a_childs_weight_run_by_its_parent_is_named_after_the_child():
+    # Mamba's mixer computes self.dt_proj.weight @ x without calling dt_proj; a report naming only the mixer
+    # would not show the dt_proj linear at all. A parameter the caller owns keeps the caller's name.
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dt_proj = nn.Linear(32, 48)
+            self.own = nn.Parameter(torch.randn(32, 32))
+
+        def forward(self, x):  # x: (B, 32, T)
+            return self.dt_proj.weight @ (self.own @ x)
+
+    model = nn.Sequential(Mixer())
+    report = fp8graph.explain(model, torch.randn(2, 32, 8))
+    assert sorted((row.path, row.reason) for row in report) == [
+        ("0", "parameter is the left operand"), ("0.dt_proj", "parameter is the left operand")]
