@@ -1,18 +1,19 @@
 """``python -m bench {linear,quantize,decoder,compile} [--smoke]``; ``python -m bench model {decoder,linear,quantize,calibrate}``;
-``python -m bench show FILE...``."""
+``python -m bench zoo [--families ...]``; ``python -m bench show FILE...``."""
 
 import argparse
 import json
 import pathlib
 import sys
 
-from . import compile_time, decoder, linear, model, quantize
+from . import compile_time, decoder, linear, model, quantize, zoo
 from .targets import judge
 from .timing import with_verdicts
 
-WORKLOADS = {"linear": linear, "quantize": quantize, "decoder": decoder, "compile": compile_time, "model": model}
+WORKLOADS = {"linear": linear, "quantize": quantize, "decoder": decoder, "compile": compile_time, "model": model,
+             "zoo": zoo}
 BY_RESULT_NAME = {"linear_fwd_bwd": linear, "quantize": quantize, "decoder_stack": decoder, "compile_time": compile_time,
-                  "model_decoder": model, "model_linear": model, "model_quantize": model}
+                  "model_decoder": model, "model_linear": model, "model_quantize": model, "zoo": zoo}
 
 
 def _stored_result(path: pathlib.Path) -> dict:
