@@ -67,6 +67,11 @@ EXEMPT = [
     (r"\.venv/bin/python -m bench decoder", "needs a CUDA GPU (the whole Llama-3-8B: about 40 GB); the test "
      "runs its --smoke form", ["tests/bench/test_bench_and_demo.py::test_decoder_benchmark_smoke_writes_raw_results"],
      "bench"),
+    (r"\.venv/bin/python -m bench zoo", "minutes of CPU (41 families, two dtypes, four compiles each) and writes "
+     "into bench/results/; the suite runs the same checks per family in tests/test_zoo.py and the command's "
+     "--smoke form on one family",
+     ["tests/bench/test_bench_zoo.py::test_zoo_benchmark_smoke_writes_a_row_per_family_and_dtype",
+      "tests/test_zoo.py"], "bench"),
     (r"\.venv/bin/python -m bench compile --deep", "minutes of CPU: cold and warm starts of 12 layers in "
      "fresh processes; the test runs its --smoke form",
      ["tests/bench/test_bench_and_demo.py::test_deep_compile_time_benchmark_smoke_compares_regions_with_whole_model_compiles"],
