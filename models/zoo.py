@@ -37,7 +37,7 @@ import fp8graph
 from fp8graph.numerics import health
 
 __all__ = ["FAMILIES", "UNAVAILABLE", "ZooFamily", "ZooResult", "build_zoo_model", "zoo_inputs", "check_family",
-           "keep_all_mismatches", "linear_paths"]
+           "keep_all_mismatches", "linear_paths", "regional_keep_all_mismatches"]
 
 VOCAB = 256
 
@@ -266,8 +266,22 @@ def keep_all_mismatches(model: torch.nn.Module, inputs: dict) -> list[str]:
     """
     kept, plain = copy.deepcopy(model), copy.deepcopy(model)
     compiled_kept = fp8graph.compile(kept, policy=fp8graph.Policy(default=None), compiler="aot_eager", regions=None)
-    logits_kept, loss_kept = _forward_backward(compiled_kept, inputs)
-    logits_plain, loss_plain = _forward_backward(torch.compile(plain, backend="aot_eager"), inputs)
+    return _mismatches(kept, compiled_kept, plain, torch.compile(plain, backend="aot_eager"), inputs)
+
+
+def regional_keep_all_mismatches(model: torch.nn.Module, inputs: dict) -> list[str]:
+    """As :func:`keep_all_mismatches`, for fp8graph's default per-layer regions against plain ``torch.compile``
+    of each decoder layer (``layer.compile()``, the rest eager): the same graphs on both sides."""
+    kept, plain = copy.deepcopy(model), copy.deepcopy(model)
+    compiled_kept = fp8graph.compile(kept, policy=fp8graph.Policy(default=None), compiler="aot_eager")
+    for layer in plain.model.layers:
+        layer.compile(backend="aot_eager")
+    return _mismatches(kept, compiled_kept, plain, plain, inputs)
+
+
+def _mismatches(kept, run_kept, plain, run_plain, inputs: dict) -> list[str]:
+    logits_kept, loss_kept = _forward_backward(run_kept, inputs)
+    logits_plain, loss_plain = _forward_backward(run_plain, inputs)
     mismatches = [name for name, a, b in (("logits", logits_kept, logits_plain), ("loss", loss_kept, loss_plain))
                   if not torch.equal(a, b)]
     for (name, a), b in zip(kept.named_parameters(), plain.parameters()):

@@ -10,12 +10,16 @@ site, plain torch.compile, fp8graph's default FP8 policy), all with aot_eager, o
                carries the dtype's own rounding and the SQNR measures what FP8 adds) above the family's floor;
                the fp32 loss after one SGD step (lr 0.1) within the family's margin of eager's after it
     coverage   every nn.Linear / Conv1D the model uses named by a decision, rewritten or kept with a reason
+
+and, on three families, fp8graph's default per-layer regions keeping every site against torch.compile of
+each layer, bit for bit.
 """
 
 import pytest
 import torch
 
-from fp8graph.models.zoo import FAMILIES, UNAVAILABLE, build_zoo_model, check_family, linear_paths, zoo_inputs
+from fp8graph.models.zoo import (FAMILIES, UNAVAILABLE, build_zoo_model, check_family, linear_paths,
+                                 regional_keep_all_mismatches, zoo_inputs)
 
 DTYPES = (torch.bfloat16, torch.float32)
 
@@ -45,6 +49,14 @@ def test_family_against_plain_compile(family, dtype):
                                LOSS_MARGIN.get(family, DEFAULT_LOSS_MARGIN))
     assert not failures, f"{family} {result.dtype}:\n" + "\n".join(failures)
     assert result.sites_rewritten > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "glm4_moe"])
+def test_the_default_per_layer_path_keeping_every_site_equals_torch_compile_of_each_layer(family):
+    # The family test compares whole-model graphs; this one fp8graph's default regions, two layers in BF16,
+    # where plain torch.compile of the whole model differs from per-layer graphs (GLM-4-MoE: 27 dB).
+    model = build_zoo_model(family, torch.bfloat16, layers=2)
+    assert regional_keep_all_mismatches(model, zoo_inputs(family)) == []
 
 
 def test_every_linear_of_the_tiny_configs_is_fp8_eligible():
