@@ -32,6 +32,7 @@ Removes no node but the calls it replaces (``side_effects``).
 
 from __future__ import annotations
 
+import inspect
 import operator
 import types
 
@@ -44,10 +45,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .module_paths import with_child_module
 
-__all__ = ["UNEXPANDED_KEY", "expand_attention", "is_multi_head_attention"]
+__all__ = ["MHA_ARGUMENTS", "UNEXPANDED_KEY", "attention_arguments", "expand_attention", "is_multi_head_attention"]
 
 UNEXPANDED_KEY = "fp8graph_attention_unexpanded"
-_OUT_PROJ_WEIGHT_INDEX = 11  # multi_head_attention_forward's positional argument out_proj_weight
+MHA_ARGUMENTS = tuple(inspect.signature(F.multi_head_attention_forward).parameters)
 # Tensor methods Dynamo records as operator calls, not method calls.
 _OPERATORS = {"__getitem__": operator.getitem, "__add__": operator.add, "__sub__": operator.sub,
               "__mul__": operator.mul, "__truediv__": operator.truediv, "__neg__": operator.neg}
@@ -55,6 +56,11 @@ _OPERATORS = {"__getitem__": operator.getitem, "__add__": operator.add, "__sub__
 
 def is_multi_head_attention(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target is F.multi_head_attention_forward
+
+
+def attention_arguments(call: torch.fx.Node) -> dict:
+    """An ``F.multi_head_attention_forward`` call's arguments by name, positional or keyword."""
+    return dict(zip(MHA_ARGUMENTS, call.args), **call.kwargs)
 
 
 class _CannotExpand(Exception):
@@ -181,8 +187,7 @@ def _name_out_proj(created: list[torch.fx.Node], call: torch.fx.Node) -> None:
     owner_type = list(owner)[-1][1] if owner else None
     if not (isinstance(owner_type, type) and issubclass(owner_type, torch.nn.MultiheadAttention)):
         return  # a direct call of the function: no out_proj module to name
-    weight = call.args[_OUT_PROJ_WEIGHT_INDEX] if len(call.args) > _OUT_PROJ_WEIGHT_INDEX \
-        else call.kwargs.get("out_proj_weight")
+    weight = attention_arguments(call).get("out_proj_weight")
     for node in created:
         if node.target is torch._C._nn.linear and len(node.args) > 1 and node.args[1] is weight:
             node.meta["nn_module_stack"] = with_child_module(

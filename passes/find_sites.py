@@ -28,7 +28,6 @@ precision, with the reason. The pass only reads the graph.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import operator
 from typing import Sequence
@@ -36,7 +35,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from .expand_attention import UNEXPANDED_KEY, is_multi_head_attention
+from .expand_attention import MHA_ARGUMENTS, UNEXPANDED_KEY, attention_arguments, is_multi_head_attention
 from .module_paths import module_path, module_type
 from .subgraphs import Subgraphs
 
@@ -300,17 +299,15 @@ _FUSED_CALLS = {
          "self_attn.out_proj": torch.nn.modules.linear.NonDynamicallyQuantizableLinear,
          "linear1": torch.nn.Linear, "linear2": torch.nn.Linear}),
 }
-_MHA_ARGUMENTS = tuple(inspect.signature(torch.nn.functional.multi_head_attention_forward).parameters)
 
 
 def _unexpanded_attention(node: torch.fx.Node, reason: str) -> _FusedCall:
     """An ``F.multi_head_attention_forward`` call ``expand_attention`` could not open, as a fused call."""
-    arguments = dict(zip(_MHA_ARGUMENTS, node.args), **node.kwargs)
-    separate = arguments.get("use_separate_proj_weight", False)
+    separate = attention_arguments(node).get("use_separate_proj_weight", False)
     in_proj = ((("query", "q_proj_weight", None, ""), ("key", "k_proj_weight", None, ""),
                 ("value", "v_proj_weight", None, "")) if separate else (("query", "in_proj_weight", "in_proj_bias", ""),))
     return _FusedCall(f"F.multi_head_attention_forward left as one call ({reason}): its GEMMs run inside it",
-                      _MHA_ARGUMENTS, in_proj + ((None, "out_proj_weight", "out_proj_bias", "out_proj"),),
+                      MHA_ARGUMENTS, in_proj + ((None, "out_proj_weight", "out_proj_bias", "out_proj"),),
                       torch.nn.MultiheadAttention,
                       {"": torch.nn.MultiheadAttention,
                        "out_proj": torch.nn.modules.linear.NonDynamicallyQuantizableLinear})
