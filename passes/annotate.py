@@ -23,7 +23,9 @@ from fp8graph.gemm.scaled_gemm import Lowering, NoNativeGemm
 from fp8graph.recipes.policy import Policy, Resolution, SiteInfo, resolve
 from fp8graph.recipes.scaling import Recipe
 from fp8graph.buffers.snapshots import CONTEXT_FN_KEY
+from fp8graph.targets.grouped import EXPERT_RECIPES, expert_recipe
 
+from .expert_sites import GROUPED_OP
 from .find_sites import Site
 
 __all__ = ["DECISION_KEY", "Decision", "annotate_sites"]
@@ -60,7 +62,12 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
     if recipe is None:
         if not site.is_linear:
             return "activation x activation matmul (FP8 only when a policy rule names it)"
+        if site.gate is not None:
+            return f"{site.gate} (FP8 only when a policy rule names it)"
         return "policy keeps it in high precision"
+    if site.op == GROUPED_OP and not isinstance(recipe, EXPERT_RECIPES):
+        return (f"{recipe.name} on expert GEMMs is not supported yet: expert sites run row-wise or current "
+                "scaling")
     if 0 in (site.M, site.K, site.N):
         return "an empty operand (M, K or N is 0): nothing to cast; the GEMM runs as in high precision"
     if recipe.stateful and not site.is_linear:
@@ -91,20 +98,21 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
 def resolve_site(policy: Policy, site: Site, path: str | None = None,
                  module: torch.nn.Module | None = None) -> Resolution:
     """The recipe ``policy`` gives a traced site, or the same site at another ``path`` (a block instance's)."""
-    info = SiteInfo(op=site.op, M=site.M, K=site.K, N=site.N, dtype=site.dtype, is_linear=site.is_linear)
+    info = SiteInfo(op=site.op, M=site.M, K=site.K, N=site.N, dtype=site.dtype, is_linear=site.is_linear,
+                    experts=site.experts, gate=site.gate is not None)
     return resolve(policy, site.path if path is None else path, info, module, site.module_type)
 
 
 def annotate_sites(
     sites: list[Site],
     policy: Policy,
-    lowering_for: Callable[[Recipe, bool], Lowering],
+    lowering_for: Callable[[Recipe, Site], Lowering],
     modules_by_path: dict[str, torch.nn.Module] | None = None,
     has_state: Callable[[Site], bool] = lambda site: False,
 ) -> list[Decision]:
     """Attach a decision to each site's node and return the decisions in order.
 
-    ``lowering_for(recipe, is_linear)`` says how a recipe's GEMMs run on the
+    ``lowering_for(recipe, site)`` says how a recipe's GEMMs run on the
     graph's device (see ``fp8graph.gemm.scaled_gemm.choose_lowering``); where the
     device has no native GEMM for it (``NoNativeGemm``) the site stays in high
     precision with that reason.
@@ -124,7 +132,7 @@ def annotate_sites(
         site_lowering = None
         if reason is None:
             try:
-                site_lowering = lowering_for(recipe, site.is_linear)
+                site_lowering = lowering_for(recipe, site)
             except NoNativeGemm as error:
                 if policy.strict:
                     raise ValueError(f"{where}: {error}") from None
@@ -136,6 +144,8 @@ def annotate_sites(
             if policy.strict:
                 raise ValueError(f"{where}: {request}, but {reason}")
             reason = f"{reason}; {request}"
+        if reason is None and site.op == GROUPED_OP:
+            recipe = expert_recipe(recipe)  # what the expert GEMMs can run of it (E4M3 operands)
         decision = (
             Decision(site, recipe, None, site_lowering, resolution.rule_index) if reason is None
             else Decision(site, None, reason, None, resolution.rule_index)

@@ -35,6 +35,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
+from .expert_sites import GROUPED_OP, is_grouped_gemm, mark_gates, read_grouped
 from .expand_attention import MHA_ARGUMENTS, UNEXPANDED_KEY, attention_arguments, is_multi_head_attention
 from .module_paths import module_path, module_type
 from .subgraphs import Subgraphs
@@ -95,6 +96,9 @@ class Site:
     in_subgraph: bool = False
     weight_input: torch.fx.Node | None = None  # the top-level placeholder the weight arrives through
     checkpoint_region: torch.fx.GraphModule | None = None  # body of the enclosing torch.utils.checkpoint
+    experts: int | None = None  # E of an expert site (op "grouped_mm"), whose weight is (E, N, K)
+    offsets_node: torch.fx.Node | None = None  # where each expert's group of sorted tokens ends (E,)
+    gate: str | None = None  # a router or shared-expert gate: why only a rule naming it moves it to FP8
 
 
 def _value(node) -> torch.Tensor | None:
@@ -123,12 +127,30 @@ def _op_name(node: torch.fx.Node) -> str | None:
     return None
 
 
+def _is_matrix(node) -> bool:
+    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.dim() == 2
+
+
+def _swaps_last_two_dims(node: torch.fx.Node) -> bool:
+    """``w.transpose(-2, -1)`` (or ``(1, 2)`` of a 3-D ``w``, ``(0, 1)`` of a 2-D one)."""
+    value = node.args[0].meta.get("example_value") if isinstance(node.args[0], torch.fx.Node) else None
+    dims = tuple(node.args[1:3]) if len(node.args) >= 3 else (node.kwargs.get("dim0"), node.kwargs.get("dim1"))
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or not all(isinstance(d, int) for d in dims):
+        return False
+    return sorted(d % value.dim() for d in dims) == [value.dim() - 2, value.dim() - 1]
+
+
 def _is_transpose(node: torch.fx.Node) -> bool:
     if node.op == "call_method" and node.target == "t":
         return True
     if node.op == "call_function" and node.target in _TRANSPOSE_TARGETS:
         return True
-    return node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT")
+    if (node.op == "call_method" and node.target == "transpose"
+            or node.op == "call_function" and node.target is torch.transpose):
+        return _swaps_last_two_dims(node)
+    return node.op == "call_function" and node.target is getattr and (
+        node.args[1] == "mT" or node.args[1] == "T" and _is_matrix(node.args[0]))
 
 
 class _Parameters:
@@ -375,6 +397,10 @@ def find_sites(
             op = _op_name(node)
             if op is not None:
                 found = [_read_site(node, op, params, module_path(node, paths_by_id))]
+            elif is_grouped_gemm(node):
+                found = [Site(node=node, op=GROUPED_OP, path=module_path(node, paths_by_id),
+                              module_type=module_type(node))]
+                read_grouped(found[0], node, params.resolve)
             elif node.op == "call_function" and node.target in _FUSED_CALLS:
                 found = _fused_sites(node, _FUSED_CALLS[node.target], params, module_path(node, paths_by_id))
             elif is_multi_head_attention(node):
@@ -392,4 +418,5 @@ def find_sites(
                 if owner_paths and parameter is not None:
                     _owned_by_a_child(site, subgraphs.top_node(parameter, graph_module), top_values, owner_paths)
                 sites.append(site)
+    mark_gates(sites)
     return sites

@@ -8,7 +8,7 @@ A decoder layer has two such groups: the attention's q, k and v projections,
 and the MLP's gate and up projections. Apart, each site casts the input
 itself: with current scaling Inductor then stores the same FP8 tensor once per
 GEMM, with delayed scaling each site has its own scale and every cast is a
-pass of its own. Only per-tensor recipes group (their GEMMs share one input
+pass of its own. Only per-tensor recipes of linears (not expert GEMMs) group (their GEMMs share one input
 scale); sites group when they are rewritten linears of the same graph and
 checkpoint region with the same recipe, lowering and ``compatible`` key
 (which buffers they carry), read the same input node through distinct
@@ -30,6 +30,7 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .annotate import Decision
+from .expert_sites import GROUPED_OP
 from .side_effects import UNKNOWN, written_nodes
 
 __all__ = ["group_sites"]
@@ -50,7 +51,7 @@ def group_sites(decisions: list[Decision],
     groups: dict[tuple, list[Decision]] = {}
     for decision in decisions:
         site = decision.site
-        if not decision.rewritten or not site.is_linear or decision.recipe.tiled:
+        if not decision.rewritten or not site.is_linear or decision.recipe.tiled or site.op == GROUPED_OP:
             continue
         key = (id(site.graph_module), site.input_node, id(site.checkpoint_region), decision.recipe,
                decision.lowering, compatible(decision))

@@ -9,6 +9,9 @@
     before:  s = matmul(q, k_t)           | s = baddbmm(c, q, k_t)   (two activations, opted in by a rule)
     after:   s = fp8graph_matmul_<recipe>(q, k_t, None)  | s = fp8graph_matmul_<recipe>(q, k_t, c)
 
+    before:  y = _grouped_mm(x, w.transpose(-2, -1), offs=o)  | y = _grouped_mm(x, w_ekn, offs=o)   (experts)
+    after:   y = fp8graph_grouped_<recipe>(x, w, o)           | weight fed as w_ekn.transpose(-2, -1)
+
 With stats on, every FP8 call also takes its module's stats buffer:
 ``fp8graph_linear_<recipe>(x, w, b, stats)``, likewise for matmuls; a group's
 call takes lists of its sites' buffers (``stats=[...]``, ``histories=[...]``).
@@ -35,6 +38,7 @@ import torch.fx
 from torch._dynamo.utils import counters
 
 from fp8graph.targets.cache_hash import mark_cacheable
+from fp8graph.targets.grouped import grouped_fp8_target
 from fp8graph.targets.linear_tensorwise import linear_fp8_target, linears_fp8_target
 from fp8graph.targets.linear_tiled import linear_tiled_target
 from fp8graph.targets.matmul import matmul_fp8_target
@@ -42,6 +46,7 @@ from fp8graph.targets.matmul import matmul_fp8_target
 from fp8graph.buffers.snapshots import CONTEXT_FN_KEY, checkpoint_context_fn
 
 from .annotate import DECISION_KEY, Decision
+from .expert_sites import GROUPED_OP
 from .find_sites import Site
 from .subgraphs import Subgraphs
 
@@ -49,14 +54,14 @@ __all__ = ["rewrite_sites"]
 
 
 def _weight_nk(graph: torch.fx.Graph, decision: Decision) -> torch.fx.Node:
-    """The weight as (N, K), transposing a (K, N) parameter in the graph."""
+    """The weight as (N, K) (experts: (E, N, K)), transposing a (K, N) parameter in the graph."""
     weight = decision.site.weight_node
     if not decision.site.weight_is_kn:
         return weight
-    weight_t = graph.call_method("t", (weight,))
+    weight_t = graph.call_method("transpose", (weight, -2, -1))
     weight_value = weight.meta.get("example_value")
     if weight_value is not None:
-        weight_t.meta["example_value"] = weight_value.t()
+        weight_t.meta["example_value"] = weight_value.transpose(-2, -1)
     return weight_t
 
 
@@ -108,7 +113,7 @@ def rewrite_sites(
 def _with_replaced_operands(decision: Decision, replaced: dict) -> Decision:
     site = dataclasses.replace(decision.site, **{
         field: replaced.get(getattr(decision.site, field), getattr(decision.site, field))
-        for field in ("input_node", "other_node", "bias_node")})
+        for field in ("input_node", "other_node", "bias_node", "offsets_node")})
     return dataclasses.replace(decision, site=site)
 
 
@@ -178,7 +183,10 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
             mark_cacheable(call, target)
         else:
             state, cache = states[0], caches[0]
-            if first.recipe.tiled:
+            if site.op == GROUPED_OP:
+                target = grouped_fp8_target(first.recipe, first.lowering)
+                args = (site.input_node, _weight_nk(graph, first), site.offsets_node)
+            elif first.recipe.tiled:
                 target = linear_tiled_target(first.recipe, first.lowering)
                 args = (site.input_node, _weight_nk(graph, first), site.bias_node)
             elif site.is_linear:

@@ -104,7 +104,8 @@ def _device_name(device: torch.device, capability: tuple[int, int] | None) -> st
 
 
 def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
-                    capability: tuple[int, int] | None = None, batched: bool = False) -> Lowering:
+                    capability: tuple[int, int] | None = None, batched: bool = False,
+                    grouped: bool = False) -> Lowering:
     """Pick the GEMM lowering of ``recipe`` (default: per-tensor scaling) for a compile on ``device``.
 
     ``requested`` is ``"auto"`` (scaled_mm where the device has the recipe's
@@ -113,6 +114,8 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
     and row-wise recipes only). ``capability`` stands for the device's
     compute capability (read from the device when ``None``; tests give it).
     ``batched``: an activation matmul, which has no FP8 GEMM on any device.
+    ``grouped``: an expert GEMM, native as ``torch._scaled_grouped_mm`` (row-wise scales, SM 9.x), which
+    has no CPU kernel.
 
     Raises:
         NoNativeGemm: on a CUDA device without the recipe's native GEMM, unless
@@ -127,6 +130,9 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
     what = recipe.name if recipe is not None else "FP8"
     if batched:
         needs, supported = "a 2-D GEMM (cuBLAS has no batched FP8 GEMM): an activation matmul", lambda cc: False
+    elif grouped:
+        needs, supported = ("torch._scaled_grouped_mm, which takes row-wise and per-tensor scales on a CUDA device "
+                            "of compute capability 9.x (SM90)", _grouped_supported(recipe))
     native = capability is not None and supported(capability)
     if requested == "emulated" or (device.type != "cuda" and (batched or requested == "auto")):
         return Lowering.EMULATED
@@ -138,9 +144,14 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
         if requested == "auto" or batched:
             raise NoNativeGemm(f"{problem} (lowering='emulated' asks for the emulation anyway)")
         raise ValueError(f"lowering='scaled_mm': {problem}")
-    if has_cpu_kernel(recipe):
+    if has_cpu_kernel(recipe) and not grouped:
         return Lowering.SCALED_MM  # _scaled_mm's CPU kernel, asked for
     raise ValueError(f"lowering='scaled_mm' of {what} needs {needs}; the graph runs on {device}")
+
+
+def _grouped_supported(recipe) -> Callable[[tuple[int, int]], bool]:
+    tiled_by_blocks = isinstance(recipe, (Float8BlockScaling, MXFP8BlockScaling))
+    return lambda cc: hasattr(torch, "_scaled_grouped_mm") and cc[0] == 9 and not tiled_by_blocks
 
 
 def one_buffer(x_fp8: torch.Tensor) -> torch.Tensor:

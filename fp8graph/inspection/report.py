@@ -26,7 +26,8 @@ class SiteRecord:
     hashable: ``record.recipe == policy_recipe`` holds, rows filter by
     ``isinstance``; ``str`` gives the short name tables print), else ``None``
     and ``reason`` says why it stays in high precision. ``M`` is a string
-    when the token dimension is symbolic (``dynamic=True``).
+    when the token dimension is symbolic (``dynamic=True``). ``experts`` is
+    the number of experts of an expert site (op ``grouped_mm``), else ``None``.
     """
 
     path: str
@@ -39,6 +40,7 @@ class SiteRecord:
     reason: str | None
     lowering: str | None
     rule: str = "default"
+    experts: int | None = None  # E of an expert site (op grouped_mm): E GEMMs over the M sorted tokens
 
     @property
     def rewritten(self) -> bool:
@@ -61,6 +63,7 @@ class SiteRecord:
             reason=decision.reason,
             lowering=decision.lowering.value if decision.lowering else None,
             rule=rule,
+            experts=site.experts,
         )
 
 
@@ -122,13 +125,15 @@ class ExplainReport(list):
     def table(self) -> Table:
         table = Table(title=f"fp8graph: {len(self.rewritten)} of {len(self)} sites in FP8, "
                             f"{self.graph_count} graph(s)")
-        columns = ("module path", "op", "M", "K", "N", "input dtype", "FP8 recipe / reason kept",
-                   "lowering", "decided by")
+        with_experts = any(r.experts is not None for r in self)
+        columns = ("module path", "op", "M", "K", "N", *(("E",) if with_experts else ()), "input dtype",
+                   "FP8 recipe / reason kept", "lowering", "decided by")
         for column in columns:
             table.add_column(column, overflow="fold")
         for r in self:
             decision = f"[green]{r.recipe}[/green]" if r.rewritten else f"[yellow]{r.reason}[/yellow]"
-            table.add_row(r.path or "<root>", r.op, _cell(r.M), _cell(r.K), _cell(r.N),
+            experts = (_cell(r.experts),) if with_experts else ()
+            table.add_row(r.path or "<root>", r.op, _cell(r.M), _cell(r.K), _cell(r.N), *experts,
                           _cell(r.dtype), decision, _cell(r.lowering), r.rule)
         if self.unmatched_rules:
             table.caption = "policy rules that matched no site: " + ", ".join(self.unmatched_rules)

@@ -341,7 +341,8 @@ def render_html(report) -> str:
     colours = dict(zip(recipes, itertools.cycle(_PALETTE)))
     rows = "".join(
         "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
-            r.path or "<root>", r.op, r.M, r.K, r.N, str(r.dtype).removeprefix("torch."))) +
+            r.path or "<root>", r.op, r.M, r.K, r.N, "-" if r.experts is None else r.experts,
+            str(r.dtype).removeprefix("torch."))) +
         (f'<td style="color:{colours[str(r.recipe)]}">{html.escape(str(r.recipe))}</td>' if r.rewritten
          else f'<td class="kept">{html.escape(str(r.reason))}</td>') +
         f"<td>{html.escape(str(r.lowering or '-'))}</td><td>{html.escape(r.rule)}</td></tr>"
@@ -360,7 +361,7 @@ def render_html(report) -> str:
         f"<style>{_STYLE}</style></head><body>{_ARROW_DEFS}"
         f"<h1>fp8graph: {len(report.rewritten)} of {len(report)} sites in FP8</h1>"
         f"<ul>{summary}{unmatched}</ul><p class='legend'>{legend}</p>"
-        "<table><tr><th>module path</th><th>op</th><th>M</th><th>K</th><th>N</th><th>input dtype</th>"
+        "<table><tr><th>module path</th><th>op</th><th>M</th><th>K</th><th>N</th><th>E</th><th>input dtype</th>"
         f"<th>FP8 recipe / reason kept</th><th>lowering</th><th>decided by</th></tr>{rows}</table>"
         f"{graphs}{_SCRIPT}</body></html>"
     )

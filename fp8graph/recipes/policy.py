@@ -39,7 +39,10 @@ class SiteInfo:
 
     ``M`` is a string when the token dimension is symbolic (``dynamic=True``).
     ``is_linear`` is False for activation-by-activation matmuls, which only
-    an explicit rule can move to FP8.
+    an explicit rule can move to FP8. ``experts`` is E of an expert site
+    (op ``grouped_mm``: E GEMMs over groups of M sorted tokens), else ``None``.
+    ``gate`` is True for a mixture-of-experts router or shared-expert gate,
+    which, like an activation matmul, only an explicit rule moves to FP8.
     """
 
     op: str
@@ -48,6 +51,8 @@ class SiteInfo:
     N: int | None
     dtype: torch.dtype | None
     is_linear: bool = True
+    experts: int | None = None
+    gate: bool = False
 
 
 Predicate = Callable[[str, Union[torch.nn.Module, None], SiteInfo], bool]
@@ -89,7 +94,8 @@ class Policy:
 
     Args:
         default: the recipe of sites no rule matches; ``None`` keeps them in
-            high precision. Activation-by-activation matmuls never take the
+            high precision. Activation-by-activation matmuls and the routers
+            and shared-expert gates of mixture-of-experts layers never take the
             default: only a rule that matches them opts them into FP8.
         rules: ``(pattern, recipe_or_None)`` pairs. A pattern is a glob over the
             module path (``"*.mlp.*"``, ``"lm_head"``), a compiled regex that
@@ -195,7 +201,7 @@ def resolve(policy: Policy, path: str, site: SiteInfo, module: torch.nn.Module |
     for index, (pattern, recipe) in enumerate(policy.rules):
         if _matches(pattern, path, module, module_type, site):
             return Resolution(recipe, index)
-    if not site.is_linear:
+    if not site.is_linear or site.gate:
         return Resolution(None, None)
     return Resolution(policy.default, None)
 

@@ -1,0 +1,113 @@
+"""How a scaled FP8 grouped GEMM (a mixture-of-experts' expert GEMMs) is executed.
+
+Two forms, as ``torch._grouped_mm`` has them, with ``offsets`` (E,) ending each group of rows:
+
+    rows     (S, K) x (E, K, N) -> (S, N)      rows of group e times expert e's matrix: forward, grad_input
+    weights  (N, S) x (S, K)    -> (E, N, K)   each group's tokens reduced: grad_weight
+
+Scales are dequantization factors ``1 / scale``, per row of the left operand and per expert and
+column of the right one (the form ``torch._scaled_grouped_mm`` takes on SM 9.0: row-wise scales
+``(S,)`` and ``(E, N)``; in the weights form ``(E, N)`` and ``(E, K)``, per group). A per-tensor
+scale is the same, expanded.
+
+Lowerings (``fp8graph.gemm.scaled_gemm.Lowering``):
+
+- ``scaled_mm``: ``torch._scaled_grouped_mm``. E4M3 operands, A row-major, B column-major, K and N
+  multiples of 16, BF16 out. In the weights form K is a group's token count, which the routing
+  decides: every group is zero-padded to a multiple of 16 rows first (``padded_group_rows``).
+- ``emulated``: ``fp8graph::grouped_mm_exact`` widens the FP8 operands to fp32 and multiplies each
+  group (products of FP8 values are exact in fp32, so this equals the FP8 GEMM up to the order of
+  accumulation); the scales are applied to the fp32 product in plain torch ops. An op of its own
+  because ``torch._grouped_mm`` traces in BF16 only and its CPU kernel rounds its output to the
+  input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8graph.gemm.scaled_gemm import Lowering
+from fp8graph.numerics.groups import padded_group_rows, row_groups
+from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
+
+__all__ = ["grouped_mm_exact", "grouped_scaled_gemm", "grouped_scaled_gemm_weights"]
+
+
+@torch.library.custom_op("fp8graph::grouped_mm_exact", mutates_args=())
+def grouped_mm_exact(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Each group's product in fp32: ``(S, K) x (E, K, N) -> (S, N)`` or ``(N, S) x (S, K) -> (E, N, K)``.
+
+    Rows (columns of ``a`` in the weights form) past ``offsets[-1]`` are in no group: zero output rows
+    in the first form, left out in the second. An empty group gives zeros.
+    """
+    ends = offsets.tolist()
+    starts = [0, *ends[:-1]]
+    if b.dim() == 3:
+        output = torch.zeros((a.shape[0], b.shape[2]), dtype=torch.float32, device=a.device)
+        for expert, (start, end) in enumerate(zip(starts, ends)):
+            if end > start:
+                output[start:end] = a[start:end].to(torch.float32) @ b[expert].to(torch.float32)
+        return output
+    output = torch.zeros((len(ends), a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+    for expert, (start, end) in enumerate(zip(starts, ends)):
+        if end > start:
+            output[expert] = a[:, start:end].to(torch.float32) @ b[start:end].to(torch.float32)
+    return output
+
+
+@grouped_mm_exact.register_fake
+def _(a, b, offsets):
+    if b.dim() == 3:
+        return a.new_empty((a.shape[0], b.shape[2]), dtype=torch.float32)
+    return a.new_empty((offsets.shape[0], a.shape[0], b.shape[1]), dtype=torch.float32)
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """The last two dims with the second-last contiguous (the "N" of cuBLAS's TN layout)."""
+    t_t = t.transpose(-2, -1)
+    return t if t_t.is_contiguous() else t_t.contiguous().transpose(-2, -1)
+
+
+def grouped_scaled_gemm(a_fp8: torch.Tensor, a_inverse_scale: torch.Tensor, b_fp8: torch.Tensor,
+                        b_inverse_scale: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
+                        lowering: Lowering, use_fast_accum: bool = False) -> torch.Tensor:
+    """The rows form: ``a`` (S, K) with ``a_inverse_scale`` (S,), ``b`` (E, K, N) with ``b_inverse_scale``
+    (E, N); returns (S, N) in ``out_dtype``."""
+    if lowering is Lowering.SCALED_MM:
+        output = torch._scaled_grouped_mm(_row_major(a_fp8), _column_major(b_fp8), a_inverse_scale.contiguous(),
+                                          b_inverse_scale.contiguous(), offs=offsets, out_dtype=torch.bfloat16,
+                                          use_fast_accum=use_fast_accum)
+        return output.to(out_dtype)
+    product_fp32 = torch.ops.fp8graph.grouped_mm_exact(a_fp8, b_fp8, offsets)  # (S, N)
+    # Rows in no group have a zero product: any expert's scale leaves them zero.
+    experts = row_groups(offsets, a_fp8.shape[0]).clamp(max=offsets.shape[0] - 1)
+    return (product_fp32 * a_inverse_scale[:, None] * b_inverse_scale[experts]).to(out_dtype)
+
+
+def grouped_scaled_gemm_weights(a_fp8: torch.Tensor, a_inverse_scale: torch.Tensor, b_fp8: torch.Tensor,
+                                b_inverse_scale: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
+                                lowering: Lowering) -> torch.Tensor:
+    """The weights form: ``a`` (N, S) with ``a_inverse_scale`` (E, N), ``b`` (S, K) with
+    ``b_inverse_scale`` (E, K); returns (E, N, K) in ``out_dtype``."""
+    if lowering is Lowering.SCALED_MM:
+        destination, padded_offsets, padded_rows = padded_group_rows(offsets, b_fp8.shape[0], FP8_GEMM_DIM_MULTIPLE)
+        a_padded = _scatter_columns(a_fp8, destination, padded_rows)  # (N, S')
+        b_padded = _scatter_columns(b_fp8.t(), destination, padded_rows)  # (K, S')
+        output = torch._scaled_grouped_mm(a_padded, b_padded.t(), a_inverse_scale.reshape(-1).contiguous(),
+                                          b_inverse_scale.reshape(-1).contiguous(), offs=padded_offsets,
+                                          out_dtype=torch.bfloat16)
+        return output.to(out_dtype)
+    product_fp32 = torch.ops.fp8graph.grouped_mm_exact(a_fp8, b_fp8, offsets)  # (E, N, K)
+    return (product_fp32 * a_inverse_scale[:, :, None] * b_inverse_scale[:, None, :]).to(out_dtype)
+
+
+def _scatter_columns(x_fp8: torch.Tensor, destination: torch.Tensor, columns: int) -> torch.Tensor:
+    """``x_fp8`` (R, S) with column ``s`` moved to ``destination[s]`` of (R, ``columns``) zeros, row-major.
+    Through uint8 (zero bits are +0.0 in both FP8 formats), as index_put is not defined for FP8 dtypes."""
+    padded = x_fp8.new_zeros((x_fp8.shape[0], columns), dtype=torch.uint8)
+    padded = padded.index_copy(1, destination, x_fp8.view(torch.uint8))
+    return padded.view(x_fp8.dtype)

@@ -1,0 +1,79 @@
+"""Quantization of token groups: the operands of a mixture-of-experts' grouped GEMMs.
+
+The experts' GEMMs run over the tokens sorted by expert, in groups that
+``offsets`` (E,) bounds: expert ``e`` owns rows ``offsets[e-1]:offsets[e]``
+(``offsets[-1]`` may be below the row count: rows past it belong to no
+expert, and every grouped GEMM leaves them out). Offsets come from the
+routing, so group sizes are known only when the graph runs: everything here
+is tensor code over a per-row group id, never a loop over experts.
+
+    forward      output      (S, N)    = x (S, K)      . W_e (N, K)^T     per group, reduced along K
+    backward     grad_input  (S, K)    = grad (S, N)   . W_e (N, K)       per group, reduced along N
+                 grad_weight (E, N, K) = grad_e^T      . x_e              reduced along the group's tokens
+
+So an operand of the weight-gradient GEMM is scaled per group and column
+(:func:`quantize_group_columns`), where the others are scaled per row
+(``fp8graph.numerics.quantize`` / ``tiles``). Scales follow
+``fp8graph.numerics.quantize``: ``x_fp8 = cast(x_hp * scale)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
+
+__all__ = ["group_column_amax", "padded_group_rows", "quantize_group_columns", "row_groups"]
+
+
+def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """The group of each of ``rows`` rows (int64, (rows,)): ``e`` for rows ``offsets[e-1]:offsets[e]``,
+    ``len(offsets)`` for rows past the last offset (no group)."""
+    positions = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
+    return torch.searchsorted(offsets, positions, right=True)
+
+
+def group_column_amax(x_hp: torch.Tensor, groups: torch.Tensor, count: int) -> torch.Tensor:
+    """Largest finite magnitude of each column within each group: (count + 1, C) fp32, the last row
+    that of the rows in no group. An empty group's amax is 0."""
+    magnitude = finite_magnitude(x_hp.detach())
+    table = magnitude.new_zeros((count + 1, magnitude.shape[1]))
+    table = table.scatter_reduce(0, groups[:, None].expand_as(magnitude), magnitude, "amax", include_self=True)
+    return table.to(torch.float32)
+
+
+def quantize_group_columns(x_hp: torch.Tensor, groups: torch.Tensor, count: int, fp8_dtype: torch.dtype,
+                           power_2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x_hp`` (R, C) cast with one scale per group and column; returns ``(x_fp8 (R, C), scale (count, C))``.
+
+    What the weight-gradient GEMM reduces over is a group's tokens, so each of its columns within a
+    group shares a scale, as a row-wise operand's row does. An empty group's scale is 1.
+    """
+    scale = amax_to_scale(group_column_amax(x_hp, groups, count), fp8_dtype, power_2_scales)  # (count + 1, C)
+    return quantize(x_hp, scale[groups], fp8_dtype), scale[:count]
+
+
+def padded_group_rows(offsets: torch.Tensor, rows: int, multiple: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each row goes when every group is zero-padded to a multiple of ``multiple`` rows.
+
+    Returns ``(destination (rows,), padded_offsets (E,), padded_rows)``: row ``r`` of group ``e`` moves to
+    ``destination[r]``, the groups end at ``padded_offsets``, and ``padded_rows`` (``rows + E * multiple``,
+    known when the graph is built) bounds them; rows in no group land past ``padded_offsets[-1]``. The
+    weight-gradient GEMM reduces over a group's tokens, and FP8 kernels take K in multiples of 16: zero rows
+    add nothing to its products.
+    """
+    count = offsets.shape[0]
+    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    padded_sizes = (sizes + multiple - 1) // multiple * multiple
+    padded_offsets = torch.cumsum(padded_sizes, 0, dtype=offsets.dtype)
+    starts = offsets - sizes
+    padded_starts = padded_offsets - padded_sizes
+    groups = row_groups(offsets, rows)
+    in_group = groups < count
+    group = groups.clamp(max=count - 1)
+    positions = torch.arange(rows, device=offsets.device, dtype=torch.int64)
+    inside = positions - starts[group].to(torch.int64) + padded_starts[group].to(torch.int64)
+    # Rows in no group go after every padded group, in order: past padded_offsets[-1], never read.
+    outside = positions - offsets[-1].to(torch.int64) + padded_offsets[-1].to(torch.int64)
+    destination = torch.where(in_group, inside, outside)
+    return destination, padded_offsets, rows + count * multiple

@@ -1,0 +1,189 @@
+"""The FP8 expert GEMM: a mixture-of-experts' grouped GEMM as three scaled grouped GEMMs.
+
+A rewritten expert site calls ``grouped_fp8(input_hp, weight_hp, offsets)`` with the tokens sorted
+by expert ``input_hp`` (S, K), the experts' weights ``weight_hp`` (E, N, K) (HuggingFace's layout;
+a (E, K, N) parameter is fed transposed) and the groups' ``offsets`` (E,), as
+``torch._grouped_mm(input, weight.transpose(-2, -1), offs=offsets)`` computes it::
+
+    forward   output        = input_fp8 . weight_e_fp8^T          (S, N)     rows of group e, reduced along K
+    backward  grad_input    = grad_output_fp8 . weight_e_fp8      (S, K)     reduced along N
+              grad_weight_e = grad_output_e_fp8^T . input_e_fp8   (E, N, K)  reduced along group e's tokens
+
+Scales, per recipe (``fp8graph.numerics.groups`` draws the groups):
+
+    recipe     input / grad_output rows    weight_e                       grad_weight's operands
+    rowwise    per row                     per output row (N), and per    per group and column
+                                           column (K) for grad_input
+    current    per tensor                  per expert                     the same casts, read again
+
+Every operand is E4M3, whatever the recipe's ``fp8_format``: ``torch._scaled_grouped_mm`` takes
+E4M3 only (the decision records the recipe the site runs, ``expert_recipe``). The quantization is
+plain torch ops inside an ``autograd.Function``, which AOTAutograd traces into both graphs, so
+Inductor fuses amax, scale and cast with their neighbours; the GEMMs are
+``fp8graph.gemm.grouped_gemm``'s. Only the output of the weight gradient stays in high precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import torch
+
+from fp8graph.gemm.grouped_gemm import grouped_scaled_gemm, grouped_scaled_gemm_weights
+from fp8graph.gemm.scaled_gemm import Lowering
+from fp8graph.numerics.formats import Format, Role
+from fp8graph.numerics.groups import quantize_group_columns, row_groups
+from fp8graph.numerics.quantize import amax, amax_to_scale, finite_magnitude, quantize, row_amaxes
+from fp8graph.recipes.scaling import Float8CurrentScaling, Float8RowwiseScaling, Recipe
+from fp8graph.targets.cache_hash import register_target
+from fp8graph.targets.linear_tensorwise import record_health, target_name
+
+__all__ = ["EXPERT_RECIPES", "expert_recipe", "grouped_fp8_target"]
+
+_FP8 = torch.float8_e4m3fn
+# The recipes expert sites run (the others are kept in high precision with the reason: passes.annotate).
+EXPERT_RECIPES = (Float8CurrentScaling, Float8RowwiseScaling)
+
+
+def expert_recipe(recipe: Recipe) -> Recipe:
+    """The recipe an expert site runs when a policy gives it ``recipe``: its grad_output in E4M3 (see the
+    module's doc), the rest unchanged."""
+    if isinstance(recipe, Float8CurrentScaling) and recipe.fp8_format is not Format.E4M3:
+        return dataclasses.replace(recipe, fp8_format=Format.E4M3)
+    return recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedSpec:
+    """How an expert call casts: the recipe and the GEMM lowering."""
+
+    recipe: Recipe
+    lowering: Lowering
+
+    @property
+    def per_row(self) -> bool:
+        return self.recipe.tiled
+
+    @property
+    def power_2(self) -> bool:
+        return self.recipe.power_2_scales
+
+
+def _scale(amax_fp32: torch.Tensor, spec: GroupedSpec) -> torch.Tensor:
+    return amax_to_scale(amax_fp32, _FP8, spec.power_2)
+
+
+def _cast_rows(x_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x_hp`` (R, C) cast along C: ``(x_fp8, scale (R,) or 0-dim, inverse_scale (R,))``."""
+    if spec.per_row:
+        scale = _scale(row_amaxes(x_hp.detach()), spec)  # (R,)
+        return quantize(x_hp, scale[:, None], _FP8), scale, scale.reciprocal()
+    scale = _scale(amax(x_hp.detach()), spec)  # one for the tensor
+    return quantize(x_hp, scale, _FP8), scale, scale.reciprocal().expand(x_hp.shape[0])
+
+
+def _cast_experts(weight_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight_hp`` (E, R, C) cast along C: ``(weight_fp8, scale (E, R) or (E, 1), inverse_scale (E, R))``."""
+    experts, rows, columns = weight_hp.shape
+    if spec.per_row:
+        weight_fp8, scale, inverse = _cast_rows(weight_hp.reshape(experts * rows, columns), spec)
+        return weight_fp8.reshape(experts, rows, columns), scale.reshape(experts, rows), inverse.reshape(experts, rows)
+    scale = _scale(finite_magnitude(weight_hp.detach()).amax(dim=(1, 2)), spec)[:, None]  # (E, 1): per expert
+    return quantize(weight_hp, scale[:, :, None], _FP8), scale, scale.reciprocal().expand(experts, rows)
+
+
+class _GroupedFP8(torch.autograd.Function):
+    """``output = grouped_mm(input, weight^T, offsets)`` (see the module's doc) on the sorted (S, K) input;
+    the output is the GEMM's own (S, N) result, never a view."""
+
+    @staticmethod
+    def forward(ctx, input_hp, weight_hp, offsets, spec: GroupedSpec, stats, grad_enabled: bool):
+        experts = weight_hp.shape[0]
+        output_dtype = input_hp.dtype  # as torch._grouped_mm's
+        needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
+        with torch.autocast(input_hp.device.type, enabled=False):
+            input_fp8, input_scale, input_inverse = _cast_rows(input_hp, spec)  # (S, K), along K
+            weight_fp8, weight_scale, weight_inverse = _cast_experts(weight_hp, spec)  # (E, N, K), along K
+            # output = input . weight_e^T  (S, N); fast accumulation for the forward GEMM, as for linears.
+            output = grouped_scaled_gemm(input_fp8, input_inverse, weight_fp8.transpose(-2, -1), weight_inverse,
+                                         offsets, output_dtype, spec.lowering, use_fast_accum=True)
+            if stats is not None:
+                record_health(stats, Role.INPUT, input_hp, input_fp8, _per_row(input_scale, input_hp), spec.recipe)
+                record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
+            saved_input = saved_weight = (None, None)
+            if needs_grad_weight:
+                # grad_weight reduces over each group's tokens: row-wise casts the input again, per group and
+                # column; a per-tensor scale serves every GEMM, so the forward's cast is kept.
+                if spec.per_row:
+                    groups = row_groups(offsets, input_hp.shape[0])
+                    input_g_fp8, input_g_scale = quantize_group_columns(input_hp, groups, experts, _FP8, spec.power_2)
+                    saved_input = (input_g_fp8, input_g_scale.reciprocal())  # (S, K), (E, K)
+                else:
+                    saved_input = (input_fp8, input_inverse[:1].expand(experts, input_hp.shape[1]))
+            if needs_grad_input:
+                # grad_input reduces along N: row-wise casts each expert's columns; per expert, the cast is kept.
+                if spec.per_row:
+                    weight_t_fp8, _, weight_t_inverse = _cast_experts(weight_hp.transpose(-2, -1), spec)
+                    saved_weight = (weight_t_fp8, weight_t_inverse)  # (E, K, N), (E, K)
+                else:
+                    saved_weight = (weight_fp8.transpose(-2, -1), weight_inverse[:, :1].expand(
+                        experts, weight_hp.shape[2]))
+        ctx.save_for_backward(offsets, *saved_input, *saved_weight)
+        ctx.spec, ctx.stats = spec, stats
+        ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output_hp):  # (S, N)
+        offsets, input_g_fp8, input_g_inverse, weight_t_fp8, weight_t_inverse = ctx.saved_tensors
+        spec: GroupedSpec = ctx.spec
+        needs_grad_input, needs_grad_weight = ctx.needs_input_grad[:2]
+        grad_input = grad_weight = None
+        experts = offsets.shape[0]
+        with torch.autocast(grad_output_hp.device.type, enabled=False):
+            grad_output_fp8, grad_output_scale, grad_output_inverse = _cast_rows(grad_output_hp, spec)  # along N
+            if ctx.stats is not None:
+                record_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp, grad_output_fp8,
+                              _per_row(grad_output_scale, grad_output_hp), spec.recipe)
+            if needs_grad_input:
+                # grad_input = grad_output . weight_e  (S, K): B is weight_e^T^T, (E, N, K) read column-major.
+                grad_input = grouped_scaled_gemm(grad_output_fp8, grad_output_inverse, weight_t_fp8.transpose(-2, -1),
+                                                 weight_t_inverse, offsets, ctx.input_dtype, spec.lowering)
+            if needs_grad_weight:
+                if spec.per_row:
+                    grad_output_g_fp8, grad_output_g_scale = quantize_group_columns(
+                        grad_output_hp, row_groups(offsets, grad_output_hp.shape[0]), experts, _FP8, spec.power_2)
+                    grad_output_g_inverse = grad_output_g_scale.reciprocal()  # (E, N)
+                else:
+                    grad_output_g_fp8 = grad_output_fp8
+                    grad_output_g_inverse = grad_output_inverse[:1].expand(experts, grad_output_hp.shape[1])
+                # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
+                grad_weight = grouped_scaled_gemm_weights(grad_output_g_fp8.t(), grad_output_g_inverse, input_g_fp8,
+                                                          input_g_inverse, offsets, ctx.weight_dtype, spec.lowering)
+        return grad_input, grad_weight, None, None, None, None
+
+
+def _per_row(scale: torch.Tensor, x_hp: torch.Tensor) -> torch.Tensor:
+    """A cast's scale broadcastable over its (R, C) tensor, for its health record."""
+    return scale[:, None] if scale.dim() == 1 else scale
+
+
+def _per_expert_row(scale: torch.Tensor) -> torch.Tensor:
+    return scale[:, :, None]
+
+
+@functools.cache
+def grouped_fp8_target(recipe: Recipe, lowering: Lowering) -> Callable[..., torch.Tensor]:
+    """The graph target for expert sites with ``recipe`` (one of :data:`EXPERT_RECIPES`), named for it:
+    ``grouped_fp8(input_hp (S, K), weight_hp (E, N, K), offsets (E,), stats=None)``."""
+
+    def grouped_fp8(input_hp, weight_hp, offsets, stats=None):
+        return _GroupedFP8.apply(input_hp, weight_hp, offsets, GroupedSpec(recipe, lowering), stats,
+                                 torch.is_grad_enabled())
+
+    grouped_fp8.__name__ = target_name("grouped", recipe.name, lowering.value)
+    grouped_fp8.recipe = recipe
+    grouped_fp8.lowering = lowering
+    return register_target(grouped_fp8, recipe, lowering)

@@ -1,0 +1,127 @@
+"""The GEMMs of a mixture-of-experts layer: its experts' grouped GEMMs and its router.
+
+HuggingFace's MoE families (``@use_experts_implementation``, ``"grouped_mm"``, the default in BF16)
+sort the tokens by expert and run each expert projection as one grouped GEMM over them::
+
+    torch._grouped_mm(x (S, K), W.transpose(-2, -1) (E, K, N), offs=offsets (E,))   W stored (E, N, K)
+    torch._grouped_mm(x (S, K), W (E, K, N), offs=offsets)                          W stored (E, K, N): gpt-oss
+    torch.ops.transformers.grouped_mm_fallback(x, W.transpose(-2, -1), offsets)      other dtypes under Dynamo
+
+:func:`read_grouped` reads such a node into a :class:`~fp8graph.passes.find_sites.Site` of op
+``grouped_mm`` with ``experts`` (E) and ``offsets_node``, in linear form (``weight_node`` the 3-D
+parameter, ``weight_is_kn`` for a (E, K, N) one). Grouped GEMMs the FP8 target cannot take (no offsets,
+a bias, a weight computed in the graph) carry a ``blocker``.
+
+The router is a plain linear whose output picks the experts (it reaches ``topk``); a shared-expert gate
+is a one-column linear whose sigmoid scales the shared expert's output. FP8 error in either flips
+routing decisions or the shared expert's weight, which no FP8 system accepts: :func:`mark_gates`
+sets ``site.gate``, and only a policy rule naming the site moves it to FP8 (``passes.annotate``).
+The pass only reads the graph.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+__all__ = ["GROUPED_OP", "is_grouped_gemm", "mark_gates", "read_grouped"]
+
+GROUPED_OP = "grouped_mm"
+_GROUPED_FUNCTIONS = {torch._grouped_mm} | ({torch.nn.functional.grouped_mm}
+                                           if hasattr(torch.nn.functional, "grouped_mm") else set())
+_FALLBACK_OP = "transformers::grouped_mm_fallback"
+# How far past a linear's output the routing may look for topk: a softmax or sigmoid, a cast, a view,
+# a bias (DeepSeek-V3: sigmoid, add its correction bias, group the scores, topk of the groups).
+_ROUTER_HOPS = 8
+_TOPK = {torch.topk, "topk"}
+_SIGMOID = {torch.sigmoid, torch.nn.functional.sigmoid, "sigmoid"}
+
+
+def _is_fallback_op(target) -> bool:
+    name = getattr(target, "name", None)
+    name = name() if callable(name) else name
+    return isinstance(name, str) and name.split(".")[0] == _FALLBACK_OP
+
+
+def is_grouped_gemm(node: torch.fx.Node) -> bool:
+    """``torch._grouped_mm`` / ``F.grouped_mm``, or transformers' opaque fallback op."""
+    return node.op == "call_function" and (node.target in _GROUPED_FUNCTIONS or _is_fallback_op(node.target))
+
+
+def _arg(node: torch.fx.Node, index: int, names: tuple[str, ...]):
+    if len(node.args) > index:
+        return node.args[index]
+    return next((node.kwargs[name] for name in names if name in node.kwargs), None)
+
+
+def _value(node) -> torch.Tensor | None:
+    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def read_grouped(site, node: torch.fx.Node, resolve) -> None:
+    """Fill ``site`` (op ``grouped_mm``) from a grouped GEMM ``node``; ``resolve(node)`` gives
+    ``(parameter node, transposed)`` of a parameter operand (``find_sites._Parameters.resolve``)."""
+    site.input_node = _arg(node, 0, ("mat_a", "input"))
+    right = _arg(node, 1, ("mat_b", "weight"))
+    site.offsets_node = _arg(node, 2, ("offs", "offsets"))
+    site.bias_node = None
+    weight, transposed = resolve(right)
+    input_value, right_value = _value(site.input_node), _value(right)
+    if input_value is not None:
+        site.dtype = input_value.dtype
+    if right_value is not None and right_value.dim() == 3:
+        site.experts, site.K, site.N = right_value.shape
+    if input_value is not None and input_value.dim() == 2:
+        site.M = input_value.shape[0]
+    if weight is None:
+        site.blocker = "expert weights computed in the graph (not a 3-D parameter or its transpose)"
+    elif input_value is None or right_value is None or input_value.dim() != 2 or right_value.dim() != 3:
+        site.blocker = "grouped GEMM not of tokens (S, K) by experts (E, K, N)"
+    elif site.offsets_node is None:
+        site.blocker = "grouped GEMM without offsets: no token groups to scale"
+    elif not is_grouped_fallback(node) and (_arg(node, 3, ("bias",)) is not None
+                                             or _arg(node, 4, ("out_dtype",)) not in (None, input_value.dtype)):
+        site.blocker = "grouped GEMM with a bias or another output dtype"
+    if weight is not None:
+        # The op multiplies by (E, K, N): the parameter itself is (E, K, N) unless transposed into it.
+        site.weight_node, site.weight_is_kn = weight, not transposed
+
+
+def is_grouped_fallback(node: torch.fx.Node) -> bool:
+    return _is_fallback_op(node.target)
+
+
+def _reaches(node: torch.fx.Node, targets: set, hops: int, gemms: set) -> bool:
+    """Whether ``targets`` use ``node``'s value within ``hops`` steps, not through another GEMM (``gemms``)."""
+    frontier, seen = [node], {node}
+    for _ in range(hops):
+        following = []
+        for current in frontier:
+            for user in current.users:
+                if user in seen:
+                    continue
+                seen.add(user)
+                if user.target in targets:
+                    return True
+                if user.op in ("call_function", "call_method") and user not in gemms \
+                        and user.target is not operator.setitem:
+                    following.append(user)
+        frontier = following
+    return False
+
+
+def mark_gates(sites) -> None:
+    """Set ``site.gate`` on routers and shared-expert gates (see the module's doc)."""
+    gemms = {site.node for site in sites}
+    for site in sites:
+        if not site.is_linear or site.op == GROUPED_OP or site.node.op not in ("call_function", "call_method"):
+            continue
+        if _reaches(site.node, _TOPK, _ROUTER_HOPS, gemms):
+            site.gate = ("MoE router: its output picks each token's experts (topk), and FP8 error flips routing "
+                         "decisions")
+        elif site.N == 1 and _reaches(site.node, _SIGMOID, 2, gemms):
+            site.gate = ("shared-expert gate: its sigmoid weighs the shared expert's output, and FP8 error moves "
+                         "that weight for every token")
