@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["FAMILIES", "build", "configs"]
 
-FAMILIES = ("llama", "gpt2", "bert", "qwen2", "mlp")
+FAMILIES = ("llama", "gpt2", "bert", "qwen2", "mlp", "moe")
 
 
 def _family(name: str):

@@ -40,9 +40,10 @@ _SIGMOID = {torch.sigmoid, torch.nn.functional.sigmoid, "sigmoid"}
 
 
 def _is_fallback_op(target) -> bool:
-    name = getattr(target, "name", None)
-    name = name() if callable(name) else name
-    return isinstance(name, str) and name.split(".")[0] == _FALLBACK_OP
+    """transformers' op, as Dynamo records it (its packet) or as an overload."""
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
+    return isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name == _FALLBACK_OP
 
 
 def is_grouped_gemm(node: torch.fx.Node) -> bool:

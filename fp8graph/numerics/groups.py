@@ -57,8 +57,8 @@ def padded_group_rows(offsets: torch.Tensor, rows: int, multiple: int) -> tuple[
     """Where each row goes when every group is zero-padded to a multiple of ``multiple`` rows.
 
     Returns ``(destination (rows,), padded_offsets (E,), padded_rows)``: row ``r`` of group ``e`` moves to
-    ``destination[r]``, the groups end at ``padded_offsets``, and ``padded_rows`` (``rows + E * multiple``,
-    known when the graph is built) bounds them; rows in no group land past ``padded_offsets[-1]``. The
+    ``destination[r]``, the groups end at ``padded_offsets``, and ``padded_rows`` (``rows + E * multiple``
+    rounded up to a multiple, known when the graph is built) bounds them; rows in no group land past ``padded_offsets[-1]``. The
     weight-gradient GEMM reduces over a group's tokens, and FP8 kernels take K in multiples of 16: zero rows
     add nothing to its products.
     """
@@ -76,4 +76,4 @@ def padded_group_rows(offsets: torch.Tensor, rows: int, multiple: int) -> tuple[
     # Rows in no group go after every padded group, in order: past padded_offsets[-1], never read.
     outside = positions - offsets[-1].to(torch.int64) + padded_offsets[-1].to(torch.int64)
     destination = torch.where(in_group, inside, outside)
-    return destination, padded_offsets, rows + count * multiple
+    return destination, padded_offsets, -(-(rows + count * multiple) // multiple) * multiple

@@ -1,0 +1,92 @@
+"""The scaled grouped GEMM: exact emulation, and the native call's layouts and padding checked on meta tensors."""
+
+import pytest
+import torch
+
+from fp8graph.gemm.grouped_gemm import grouped_scaled_gemm, grouped_scaled_gemm_weights
+from fp8graph.gemm.scaled_gemm import Lowering, NoNativeGemm, choose_lowering
+from fp8graph.numerics.groups import padded_group_rows
+from fp8graph.recipes.scaling import Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling
+
+FP8 = torch.float8_e4m3fn
+OFFSETS = torch.tensor([5, 5, 30, 40, 40], dtype=torch.int32)  # experts 1 and 4 empty; rows 40.. in no group
+S, K, N, E = 44, 32, 48, 5
+
+
+def _fp8(*shape, seed):
+    torch.manual_seed(seed)
+    return torch.randn(*shape).to(FP8)
+
+
+def _groups():
+    ends = OFFSETS.tolist()
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def test_rows_form_is_each_groups_scaled_product_exactly():
+    a, b = _fp8(S, K, seed=0), _fp8(E, K, N, seed=1)
+    a_inverse, b_inverse = torch.rand(S) + 0.5, torch.rand(E, N) + 0.5
+    output = grouped_scaled_gemm(a, a_inverse, b, b_inverse, OFFSETS, torch.float32, Lowering.EMULATED)
+    for expert, (start, end) in enumerate(_groups()):
+        expected = (a[start:end].double() @ b[expert].double()) * a_inverse[start:end, None].double() \
+            * b_inverse[expert].double()
+        torch.testing.assert_close(output[start:end].double(), expected, rtol=1e-6, atol=1e-5)
+    assert torch.all(output[40:] == 0), "rows in no group"
+
+
+def test_weights_form_reduces_each_groups_tokens_exactly_and_empty_experts_are_zero():
+    a, b = _fp8(N, S, seed=2), _fp8(S, K, seed=3)
+    a_inverse, b_inverse = torch.rand(E, N) + 0.5, torch.rand(E, K) + 0.5
+    output = grouped_scaled_gemm_weights(a, a_inverse, b, b_inverse, OFFSETS, torch.float32, Lowering.EMULATED)
+    assert output.shape == (E, N, K)
+    for expert, (start, end) in enumerate(_groups()):
+        expected = (a[:, start:end].double() @ b[start:end].double()) * a_inverse[expert, :, None].double() \
+            * b_inverse[expert, None, :].double()
+        torch.testing.assert_close(output[expert].double(), expected, rtol=1e-6, atol=1e-5)
+    assert torch.all(output[[1, 4]] == 0)
+
+
+def test_padding_groups_to_16_tokens_changes_no_product():
+    """The native weights form pads each group to a multiple of 16 tokens: zero rows add nothing."""
+    a, b = _fp8(N, S, seed=4), _fp8(S, K, seed=5)
+    destination, padded_offsets, padded_rows = padded_group_rows(OFFSETS, S, 16)
+    a_padded = torch.zeros(N, padded_rows, dtype=torch.uint8).index_copy(1, destination, a.view(torch.uint8))
+    b_padded = torch.zeros(padded_rows, K, dtype=torch.uint8).index_copy(0, destination, b.view(torch.uint8))
+    ones_n, ones_k = torch.ones(E, N), torch.ones(E, K)
+    padded = grouped_scaled_gemm_weights(a_padded.view(FP8), ones_n, b_padded.view(FP8), ones_k, padded_offsets,
+                                         torch.float32, Lowering.EMULATED)
+    unpadded = grouped_scaled_gemm_weights(a, ones_n, b, ones_k, OFFSETS, torch.float32, Lowering.EMULATED)
+    assert torch.equal(padded, unpadded)
+
+
+def test_native_lowering_passes_torch_scaled_grouped_mm_its_layouts_and_scales():
+    """On meta tensors, torch._scaled_grouped_mm's own checks (E4M3, A row-major, B column-major, 1-D scales of
+    the right lengths, BF16 out) pass for every GEMM the target makes."""
+    meta = dict(device="meta")
+    offsets = torch.empty(E, dtype=torch.int32, **meta)
+    x = torch.empty(S, K, dtype=FP8, **meta)
+    w = torch.empty(E, N, K, dtype=FP8, **meta)
+    output = grouped_scaled_gemm(x, torch.empty(S, **meta), w.transpose(-2, -1), torch.empty(E, N, **meta), offsets,
+                                 torch.bfloat16, Lowering.SCALED_MM, use_fast_accum=True)
+    assert output.shape == (S, N)
+    grad = torch.empty(S, N, dtype=FP8, **meta)
+    w_t = torch.empty(E, K, N, dtype=FP8, **meta)  # the grad_input cast, along N
+    grad_input = grouped_scaled_gemm(grad, torch.empty(S, **meta), w_t.transpose(-2, -1), torch.empty(E, K, **meta),
+                                     offsets, torch.float32, Lowering.SCALED_MM)
+    assert grad_input.shape == (S, K) and grad_input.dtype == torch.float32
+    grad_weight = grouped_scaled_gemm_weights(grad.t(), torch.empty(E, N, **meta), x, torch.empty(E, K, **meta),
+                                              offsets, torch.bfloat16, Lowering.SCALED_MM)
+    assert grad_weight.shape == (E, N, K)
+
+
+def test_grouped_lowering_is_native_on_sm90_only_and_never_on_cpu():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for recipe in (Float8CurrentScaling(), Float8RowwiseScaling()):
+        assert choose_lowering(cuda, "auto", recipe, capability=(9, 0), grouped=True) is Lowering.SCALED_MM
+        assert choose_lowering(cpu, "auto", recipe, grouped=True) is Lowering.EMULATED
+        with pytest.raises(NoNativeGemm, match="_scaled_grouped_mm"):
+            choose_lowering(cuda, "auto", recipe, capability=(8, 9), grouped=True)
+        with pytest.raises(ValueError, match="_scaled_grouped_mm"):
+            choose_lowering(cpu, "scaled_mm", recipe, grouped=True)
+    with pytest.raises(NoNativeGemm):
+        choose_lowering(cuda, "auto", MXFP8BlockScaling(), capability=(9, 0), grouped=True)

@@ -1,0 +1,58 @@
+"""Token groups of the expert GEMMs: group ids, per-group column scales, padding of groups."""
+
+import pytest
+import torch
+
+from fp8graph.numerics.groups import group_column_amax, padded_group_rows, quantize_group_columns, row_groups
+from fp8graph.numerics.quantize import quantize_current
+
+# Expert 1 and 4 empty, rows 9 and 10 in no group (EP sentinels, as transformers leaves them).
+OFFSETS = torch.tensor([3, 3, 7, 9, 9], dtype=torch.int32)
+ROWS = 11
+
+
+def test_row_groups_name_each_rows_expert_and_the_rows_in_none():
+    assert row_groups(OFFSETS, ROWS).tolist() == [0, 0, 0, 2, 2, 2, 2, 3, 3, 5, 5]
+
+
+def test_group_column_amax_is_each_groups_own_and_empty_groups_zero():
+    torch.manual_seed(0)
+    x = torch.randn(ROWS, 6, dtype=torch.bfloat16)
+    x[4, 1] = float("nan")  # a non-finite value changes no amax (fp8graph.numerics.quantize.finite_magnitude)
+    table = group_column_amax(x, row_groups(OFFSETS, ROWS), len(OFFSETS))
+    assert table.shape == (len(OFFSETS) + 1, 6) and table.dtype == torch.float32
+    starts = [0, *OFFSETS.tolist()]
+    for group, (start, end) in enumerate(zip(starts, OFFSETS.tolist())):
+        rows = x[start:end].float().nan_to_num(0).abs()
+        expected = rows.amax(0) if end > start else torch.zeros(6)
+        assert torch.equal(table[group], expected), group
+    assert torch.equal(table[-1], x[9:].float().abs().amax(0))
+
+
+def test_quantize_group_columns_equals_a_per_tensor_cast_of_each_group_column():
+    torch.manual_seed(1)
+    x = torch.randn(ROWS, 4) * torch.logspace(-3, 3, 4)  # columns of very different magnitude
+    x_fp8, scale = quantize_group_columns(x, row_groups(OFFSETS, ROWS), len(OFFSETS), torch.float8_e4m3fn)
+    assert scale.shape == (len(OFFSETS), 4)
+    starts = [0, *OFFSETS.tolist()]
+    for group, (start, end) in enumerate(zip(starts, OFFSETS.tolist())):
+        for column in range(4 if end > start else 0):
+            expected_fp8, expected_scale = quantize_current(x[start:end, column], torch.float8_e4m3fn)
+            assert torch.equal(x_fp8[start:end, column].view(torch.uint8), expected_fp8.view(torch.uint8))
+            assert scale[group, column] == expected_scale
+    assert torch.all(scale[[1, 4]] == 1), "an empty group's scale is 1"
+
+
+@pytest.mark.parametrize("offsets", [[3, 3, 7, 9, 9], [0, 0, 16, 16], [11], [1, 2, 3, 4, 5, 6, 7]])
+def test_padded_group_rows_keep_each_group_in_order_at_a_multiple_of_16(offsets):
+    offsets = torch.tensor(offsets, dtype=torch.int32)
+    rows = ROWS if offsets[-1] <= ROWS else int(offsets[-1])
+    destination, padded_offsets, padded_rows = padded_group_rows(offsets, rows, 16)
+    assert padded_rows % 16 == 0 and rows + 16 * len(offsets) <= padded_rows < rows + 16 * (len(offsets) + 1)
+    assert len(set(destination.tolist())) == rows and int(destination.max()) < padded_rows
+    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    padded_sizes = torch.diff(padded_offsets, prepend=padded_offsets.new_zeros(1))
+    assert torch.all(padded_sizes % 16 == 0) and torch.all(padded_sizes - sizes < 16) and torch.all(padded_sizes >= sizes)
+    groups, padded_groups = row_groups(offsets, rows), row_groups(padded_offsets, padded_rows)
+    assert torch.equal(padded_groups[destination], groups), "each row lands in its own group (or in none)"
+    assert torch.all(destination[1:][groups[1:] == groups[:-1]] > destination[:-1][groups[1:] == groups[:-1]])
