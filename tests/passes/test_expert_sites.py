@@ -1,0 +1,106 @@
+"""Expert sites and routers: what find_sites reads of a mixture-of-experts layer, and what the policy makes of it.
+
+    router: linear (N = E) -> softmax -> topk          kept unless a rule names it
+    experts: sort, gather -> grouped_mm(gate_up) -> SwiGLU -> grouped_mm(down) -> scatter
+"""
+
+import pytest
+import torch
+
+import fp8graph
+from fp8graph import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Policy
+from fp8graph.models import build
+from fp8graph.models.zoo import build_zoo_model, zoo_inputs
+from helpers import compile_fp8
+
+
+def _moe(dtype=torch.bfloat16, **overrides):
+    return build("moe", "tiny", dtype=dtype, **overrides), torch.randn(2, 8, 64, dtype=dtype)
+
+
+def _by_path_and_op(report):
+    return [(r.path, r.op, r.experts, r.K, r.N) for r in report]
+
+
+@pytest.mark.parametrize("weights", ["enk", "ekn"])
+def test_both_weight_layouts_are_expert_sites_with_their_shapes(weights):
+    model, x = _moe(weights=weights)
+    report = fp8graph.explain(model, x)
+    assert _by_path_and_op(report) == [("gate", "linear", None, 64, 4), ("experts", "grouped_mm", 4, 64, 64),
+                                       ("experts", "grouped_mm", 4, 32, 64)]
+    experts = [r for r in report if r.op == "grouped_mm"]
+    assert all(r.rewritten and r.M == 32 for r in experts)  # 16 tokens, top 2
+    assert "router" in report[0].reason and "topk" in report[0].reason
+    assert "E" in str(report).splitlines()[2]  # the table's E column
+
+
+def test_the_router_takes_fp8_only_from_a_rule_naming_it():
+    model, x = _moe(experts=16)  # N = 16: no shape keeps it
+    assert not fp8graph.explain(model, x)[0].rewritten
+    named = fp8graph.explain(model, x, policy=Policy(rules=[("gate", Float8CurrentScaling())]))
+    assert named[0].rewritten and named[0].rule.startswith("rule 0")
+
+
+def test_rules_name_expert_sites_by_path_and_by_what_they_see():
+    model, x = _moe()
+    kept = fp8graph.explain(model, x, policy=Policy(rules=[("experts", None)]))
+    assert [r.reason for r in kept if r.op == "grouped_mm"] == ["policy keeps it in high precision"] * 2
+    rowwise = Policy(default=None, rules=[(lambda path, module, site: site.experts is not None,
+                                           Float8RowwiseScaling())])
+    chosen = fp8graph.explain(model, x, policy=rowwise)
+    assert [str(r.recipe) for r in chosen if r.op == "grouped_mm"] == [str(Float8RowwiseScaling())] * 2
+
+
+def test_per_tensor_expert_sites_run_e4m3_gradients_and_say_so():
+    model, x = _moe()
+    report = fp8graph.explain(model, x, policy=Float8CurrentScaling())
+    assert {str(r.recipe) for r in report if r.op == "grouped_mm"} == {"current(E4M3)"}
+
+
+def test_an_unsupported_expert_recipe_is_kept_with_the_reason_and_refused_under_strict():
+    model, x = _moe()
+    compiled, backend = compile_fp8(model, policy=DelayedScaling())
+    compiled(x)
+    experts = [d for d in backend.decisions if d.site.op == "grouped_mm"]
+    assert len(experts) == 2 and all("not supported yet" in d.reason for d in experts)
+    strict, _ = compile_fp8(_moe()[0], policy=Policy(rules=[("experts", DelayedScaling())], strict=True))
+    with pytest.raises(Exception, match=r"fp8graph: experts \(grouped_mm\).*delayed"):
+        strict(x)
+
+
+def test_rewritten_block_trains_and_keep_all_equals_torch_compile():
+    model, x = _moe()
+    plain = torch.compile(_moe()[0], backend="aot_eager")
+    kept, _ = compile_fp8(_moe()[0], policy=Policy(default=None), regions=None)
+    assert torch.equal(plain(x), kept(x))
+    compiled, backend = compile_fp8(model)
+    output = compiled(x)
+    output.float().pow(2).mean().backward()
+    targets = [n.target.__name__ for gm in backend.graph_modules for n in gm.graph.nodes
+               if n.op == "call_function" and getattr(n.target, "__name__", "").startswith("fp8graph_grouped_")]
+    assert len(targets) == 2
+    assert model.experts.gate_up_proj.grad is not None and model.experts.down_proj.grad.abs().sum() > 0
+    assert model.gate.weight.grad.abs().sum() > 0, "the router still learns through the routing weights"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["grouped_mm", "fallback-op"])
+def test_huggingface_experts_are_sites_in_every_dtype(dtype):
+    """BF16 models run torch._grouped_mm under Dynamo; others transformers' opaque grouped_mm_fallback op."""
+    model = build_zoo_model("qwen3_moe", dtype)
+    report = fp8graph.explain(model, **zoo_inputs("qwen3_moe"))
+    experts = [r for r in report if r.op == "grouped_mm"]
+    assert [(r.path, r.experts, r.rewritten) for r in experts] == [("model.layers.0.mlp.experts", 4, True)] * 2
+    assert "router" in next(r for r in report if r.path == "model.layers.0.mlp.gate").reason
+
+
+def test_shared_expert_gate_is_kept_as_a_gate():
+    model = build_zoo_model("qwen2_moe", torch.bfloat16)
+    report = fp8graph.explain(model, **zoo_inputs("qwen2_moe"))
+    gate = next(r for r in report if r.path.endswith("shared_expert_gate"))
+    assert gate.reason.startswith("shared-expert gate")
+
+
+def test_dense_models_have_no_gates():
+    model = build_zoo_model("llama", torch.bfloat16)
+    assert not any("router" in (r.reason or "") or "gate:" in (r.reason or "")
+                   for r in fp8graph.explain(model, **zoo_inputs("llama")))
