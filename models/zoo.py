@@ -15,7 +15,8 @@ one model:
     fp8        fp8graph.compile (default policy and regions) against eager in the same dtype: logits and
                gradients finite, the logits' SQNR, and the fp32 loss after one SGD step against eager's
     coverage   every nn.Linear / Conv1D the model uses (called, or its weight given a gradient) is named by
-               one of the FP8 compile's decisions, rewritten or kept with a reason
+               one of the FP8 compile's decisions, rewritten or kept with a reason; every experts module (3-D
+               weights) has its expert GEMMs rewritten to FP8
 
     >>> from fp8graph.models.zoo import build_zoo_model, zoo_inputs, check_family
     >>> result = check_family("llama", torch.float32)
@@ -37,7 +38,8 @@ import fp8graph
 from fp8graph.numerics import health
 
 __all__ = ["FAMILIES", "UNAVAILABLE", "ZooFamily", "ZooResult", "build_zoo_model", "zoo_inputs", "check_family",
-           "keep_all_mismatches", "linear_paths", "regional_keep_all_mismatches"]
+           "expert_paths", "keep_all_mismatches", "linear_paths", "regional_keep_all_mismatches",
+           "train_against_eager"]
 
 VOCAB = 256
 
@@ -244,6 +246,14 @@ def linear_paths(model: torch.nn.Module) -> list[str]:
     return [path for path, module in model.named_modules() if isinstance(module, (torch.nn.Linear, Conv1D))]
 
 
+def expert_paths(model: torch.nn.Module) -> list[str]:
+    """Paths of the modules holding experts" weights: 3-D floating-point parameters (E, N, K) or (E, K, N), not
+    convolutions."""
+    return [path for path, module in model.named_modules()
+            if not isinstance(module, torch.nn.modules.conv._ConvNd)
+            and any(p.dim() == 3 and p.is_floating_point() for p in module.parameters(recurse=False))]
+
+
 def _sqnr_db(reference: torch.Tensor, actual: torch.Tensor) -> float:
     return float(health.sqnr_db(reference.detach().to(torch.float64), actual.detach().to(torch.float64)))
 
@@ -364,6 +374,7 @@ class ZooResult:
     nonfinite: list[str] = dataclasses.field(default_factory=list)
     unnamed_linears: list[str] = dataclasses.field(default_factory=list)
     unused_linears: list[str] = dataclasses.field(default_factory=list)
+    experts_in_high_precision: list[str] = dataclasses.field(default_factory=list)
     errors: dict[str, str] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
 
@@ -380,6 +391,8 @@ class ZooResult:
             found.append(f"fp8 loss after one SGD step {self.loss_delta:.2%} from eager's, over {loss_margin:.0%}")
         if self.unnamed_linears:
             found.append(f"linears in no decision: {_listed(self.unnamed_linears)}")
+        if self.experts_in_high_precision:
+            found.append(f"experts without an FP8 expert GEMM: {_listed(self.experts_in_high_precision)}")
         return found
 
 
@@ -402,6 +415,32 @@ def _record_fp8_run(result: ZooResult, model: torch.nn.Module, run: _FP8Run) -> 
     decided = {d.site.path for d in run.decisions if d.rewritten or d.reason}
     result.unnamed_linears = [path for path in run.called_linears if path not in decided]
     result.unused_linears = [path for path in linear_paths(model) if path not in run.called_linears]
+    expert_gemms = {d.site.path for d in run.decisions if d.rewritten and d.site.experts is not None}
+    result.experts_in_high_precision = [path for path in expert_paths(model) if path not in expert_gemms]
+
+
+def train_against_eager(family: str, policy, steps: int = 50, dtype: torch.dtype = torch.bfloat16, batch: int = 2,
+                        sequence: int = 16, lr: float = 3e-3):
+    """``steps`` AdamW steps on one batch of ``family`` with fp8graph's ``policy`` (aot_eager) and in eager, from
+    the same weights; returns ``(fp8 losses, eager losses, the FP8 compile's decisions)``."""
+    model = build_zoo_model(family, dtype)
+    inputs = zoo_inputs(family, batch, sequence)
+    torch._dynamo.reset()
+    fp8_model, eager_model = copy.deepcopy(model), model
+    runs = {"fp8": fp8graph.compile(fp8_model, policy=policy, compiler="aot_eager"), "eager": eager_model}
+    optimizers = {"fp8": torch.optim.AdamW(fp8_model.parameters(), lr=lr),
+                  "eager": torch.optim.AdamW(eager_model.parameters(), lr=lr)}
+    losses = {"fp8": [], "eager": []}
+    for _ in range(steps):
+        for name, run in runs.items():
+            loss = run(**inputs).loss
+            loss.backward()
+            optimizers[name].step()
+            optimizers[name].zero_grad()
+            losses[name].append(loss.item())
+    decisions = list(runs["fp8"].fp8graph_backend.decisions)
+    torch._dynamo.reset()
+    return losses["fp8"], losses["eager"], decisions
 
 
 def check_family(family: str, dtype: torch.dtype, batch: int = 2, sequence: int = 8, lr: float = 0.1,

@@ -25,7 +25,6 @@ from fp8graph.recipes.scaling import Recipe
 from fp8graph.buffers.snapshots import CONTEXT_FN_KEY
 from fp8graph.targets.grouped import EXPERT_RECIPES, expert_recipe
 
-from .expert_sites import GROUPED_OP
 from .find_sites import Site
 
 __all__ = ["DECISION_KEY", "Decision", "annotate_sites"]
@@ -65,7 +64,7 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
         if site.gate is not None:
             return f"{site.gate} (FP8 only when a policy rule names it)"
         return "policy keeps it in high precision"
-    if site.op == GROUPED_OP and not isinstance(recipe, EXPERT_RECIPES):
+    if site.is_experts and not isinstance(recipe, EXPERT_RECIPES):
         return (f"{recipe.name} on expert GEMMs is not supported yet: expert sites run row-wise or current "
                 "scaling")
     if 0 in (site.M, site.K, site.N):
@@ -144,7 +143,7 @@ def annotate_sites(
             if policy.strict:
                 raise ValueError(f"{where}: {request}, but {reason}")
             reason = f"{reason}; {request}"
-        if reason is None and site.op == GROUPED_OP:
+        if reason is None and site.is_experts:
             recipe = expert_recipe(recipe)  # what the expert GEMMs can run of it (E4M3 operands)
         decision = (
             Decision(site, recipe, None, site_lowering, resolution.rule_index) if reason is None

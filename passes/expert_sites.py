@@ -6,10 +6,13 @@ sort the tokens by expert and run each expert projection as one grouped GEMM ove
     torch._grouped_mm(x (S, K), W.transpose(-2, -1) (E, K, N), offs=offsets (E,))   W stored (E, N, K)
     torch._grouped_mm(x (S, K), W (E, K, N), offs=offsets)                          W stored (E, K, N): gpt-oss
     torch.ops.transformers.grouped_mm_fallback(x, W.transpose(-2, -1), offsets)      other dtypes under Dynamo
+    torch.bmm(x (E, T, K), W (E, K, N))                                              every expert, T tokens each:
+                                                                                     Llama-4's dense experts
 
 :func:`read_grouped` reads such a node into a :class:`~fp8graph.passes.find_sites.Site` of op
 ``grouped_mm`` with ``experts`` (E) and ``offsets_node``, in linear form (``weight_node`` the 3-D
-parameter, ``weight_is_kn`` for a (E, K, N) one). Grouped GEMMs the FP8 target cannot take (no offsets,
+parameter, ``weight_is_kn`` for a (E, K, N) one). :func:`read_dense_experts` reads the ``bmm`` form into a site of op ``bmm`` with ``experts``
+and no offsets: its groups are the E slices of T tokens. Grouped GEMMs the FP8 target cannot take (no offsets,
 a bias, a weight computed in the graph) carry a ``blocker``.
 
 The router is a plain linear whose output picks the experts (it reaches ``topk``); a shared-expert gate
@@ -26,7 +29,7 @@ import operator
 import torch
 import torch.fx
 
-__all__ = ["GROUPED_OP", "is_grouped_gemm", "mark_gates", "read_grouped"]
+__all__ = ["GROUPED_OP", "is_grouped_gemm", "mark_gates", "read_dense_experts", "read_grouped"]
 
 GROUPED_OP = "grouped_mm"
 _GROUPED_FUNCTIONS = {torch._grouped_mm} | ({torch.nn.functional.grouped_mm}
@@ -91,6 +94,21 @@ def read_grouped(site, node: torch.fx.Node, resolve) -> None:
         site.weight_node, site.weight_is_kn = weight, not transposed
 
 
+def read_dense_experts(site, weight: torch.fx.Node, transposed: bool) -> None:
+    """Fill ``site`` (op ``bmm``) from ``torch.bmm(x (E, T, K), weight)`` of a 3-D parameter ``weight``
+    (``transposed``: fed as ``W.transpose(-2, -1)`` of a (E, N, K) parameter)."""
+    input_value, weight_value = _value(site.input_node), _value(weight)
+    site.weight_node, site.weight_is_kn = weight, not transposed
+    site.dtype = input_value.dtype if input_value is not None else None
+    experts, rows, columns = weight_value.shape
+    site.experts, (site.K, site.N) = experts, ((columns, rows) if transposed else (rows, columns))
+    if input_value is None or input_value.dim() != 3 or input_value.shape[0] != experts:
+        site.blocker = "batched GEMM of expert weights whose batch is not the experts"
+        return
+    tokens = input_value.shape[1]
+    site.M = experts * tokens if isinstance(tokens, int) else f"{experts} * {tokens}"
+
+
 def is_grouped_fallback(node: torch.fx.Node) -> bool:
     return _is_fallback_op(node.target)
 
@@ -118,7 +136,7 @@ def mark_gates(sites) -> None:
     """Set ``site.gate`` on routers and shared-expert gates (see the module's doc)."""
     gemms = {site.node for site in sites}
     for site in sites:
-        if not site.is_linear or site.op == GROUPED_OP or site.node.op not in ("call_function", "call_method"):
+        if not site.is_linear or site.is_experts or site.node.op not in ("call_function", "call_method"):
             continue
         if _reaches(site.node, _TOPK, _ROUTER_HOPS, gemms):
             site.gate = ("MoE router: its output picks each token's experts (topk), and FP8 error flips routing "

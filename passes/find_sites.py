@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from .expert_sites import GROUPED_OP, is_grouped_gemm, mark_gates, read_grouped
+from .expert_sites import GROUPED_OP, is_grouped_gemm, mark_gates, read_dense_experts, read_grouped
 from .expand_attention import MHA_ARGUMENTS, UNEXPANDED_KEY, attention_arguments, is_multi_head_attention
 from .module_paths import module_path, module_type
 from .subgraphs import Subgraphs
@@ -77,6 +77,11 @@ class Site:
     @property
     def is_linear(self) -> bool:
         return self.weight_node is not None
+
+    @property
+    def is_experts(self) -> bool:
+        """An expert site: E GEMMs of a 3-D weight, each over its group of tokens (``expert_sites``)."""
+        return self.experts is not None
 
     node: torch.fx.Node
     op: str
@@ -262,6 +267,9 @@ def _read_matmul(site: Site, node: torch.fx.Node, params: _Parameters) -> None:
             site.blocker = f"{site.op} with alpha or beta other than 1"
     weight, transposed = params.resolve(right)
     site.input_node = left
+    if weight is not None and site.op == "bmm" and getattr(_value(weight), "ndim", 0) == 3:
+        read_dense_experts(site, weight, transposed)
+        return
     if weight is not None and site.op != "baddbmm":
         # matmul(x, W) with W stored (K, N) is a linear with weight W^T.
         site.weight_node, site.weight_is_kn = weight, not transposed

@@ -30,7 +30,6 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .annotate import Decision
-from .expert_sites import GROUPED_OP
 from .side_effects import UNKNOWN, written_nodes
 
 __all__ = ["group_sites"]
@@ -51,7 +50,7 @@ def group_sites(decisions: list[Decision],
     groups: dict[tuple, list[Decision]] = {}
     for decision in decisions:
         site = decision.site
-        if not decision.rewritten or not site.is_linear or decision.recipe.tiled or site.op == GROUPED_OP:
+        if not decision.rewritten or not site.is_linear or decision.recipe.tiled or site.is_experts:
             continue
         key = (id(site.graph_module), site.input_node, id(site.checkpoint_region), decision.recipe,
                decision.lowering, compatible(decision))

@@ -29,7 +29,6 @@ from fp8graph.recipes.policy import Policy
 
 from .anchored_inputs import take_anchored_inputs
 from .expand_attention import expand_attention
-from .expert_sites import GROUPED_OP
 from .annotate import Decision, annotate_sites
 from .find_sites import find_sites
 from .group_sites import group_sites
@@ -159,7 +158,7 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], conte
     decisions: list[Decision] = annotate_sites(
         sites, context.policy,
         lambda recipe, site: choose_lowering(device, context.lowering, recipe, batched=not site.is_linear,
-                                             grouped=site.op == GROUPED_OP),
+                                             grouped=site.is_experts),
         context.modules_by_path, has_state=lambda site: state_nodes(site) is not None)
     # Sites that read one input share its cast; they must carry the same kinds of buffers.
     groups = group_sites(decisions, lambda d: (state_nodes(d.site) is not None, updates_state(d.site),

@@ -46,7 +46,6 @@ from fp8graph.targets.matmul import matmul_fp8_target
 from fp8graph.buffers.snapshots import CONTEXT_FN_KEY, checkpoint_context_fn
 
 from .annotate import DECISION_KEY, Decision
-from .expert_sites import GROUPED_OP
 from .find_sites import Site
 from .subgraphs import Subgraphs
 
@@ -183,7 +182,7 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
             mark_cacheable(call, target)
         else:
             state, cache = states[0], caches[0]
-            if site.op == GROUPED_OP:
+            if site.is_experts:
                 target = grouped_fp8_target(first.recipe, first.lowering)
                 args = (site.input_node, _weight_nk(graph, first), site.offsets_node)
             elif first.recipe.tiled:

@@ -177,11 +177,18 @@ def _per_expert_row(scale: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def grouped_fp8_target(recipe: Recipe, lowering: Lowering) -> Callable[..., torch.Tensor]:
     """The graph target for expert sites with ``recipe`` (one of :data:`EXPERT_RECIPES`), named for it:
-    ``grouped_fp8(input_hp (S, K), weight_hp (E, N, K), offsets (E,), stats=None)``."""
+    ``grouped_fp8(input_hp (S, K), weight_hp (E, N, K), offsets (E,), stats=None)``, or, for
+    ``torch.bmm`` over every expert (Llama-4), ``input_hp`` (E, T, K) and ``offsets=None``: E groups of T."""
 
-    def grouped_fp8(input_hp, weight_hp, offsets, stats=None):
-        return _GroupedFP8.apply(input_hp, weight_hp, offsets, GroupedSpec(recipe, lowering), stats,
-                                 torch.is_grad_enabled())
+    def grouped_fp8(input_hp, weight_hp, offsets=None, stats=None):
+        spec = GroupedSpec(recipe, lowering)
+        if offsets is not None:
+            return _GroupedFP8.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled())
+        experts, tokens, _ = input_hp.shape
+        offsets = torch.arange(1, experts + 1, device=input_hp.device, dtype=torch.int32) * tokens
+        output = _GroupedFP8.apply(input_hp.reshape(experts * tokens, input_hp.shape[2]), weight_hp, offsets, spec,
+                                   stats, torch.is_grad_enabled())  # (E T, N)
+        return output.reshape(experts, tokens, output.shape[1])
 
     grouped_fp8.__name__ = target_name("grouped", recipe.name, lowering.value)
     grouped_fp8.recipe = recipe
