@@ -52,6 +52,8 @@ class Decision:
 
 
 def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site], bool]) -> str | None:
+    if site.gate is not None and recipe is None:
+        return f"{site.gate} (FP8 only when a policy rule names it)"
     if site.blocker is not None:
         return site.blocker
     if site.dtype == torch.float64:
@@ -61,8 +63,6 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
     if recipe is None:
         if not site.is_linear:
             return "activation x activation matmul (FP8 only when a policy rule names it)"
-        if site.gate is not None:
-            return f"{site.gate} (FP8 only when a policy rule names it)"
         return "policy keeps it in high precision"
     if site.is_experts and not isinstance(recipe, EXPERT_RECIPES):
         return (f"{recipe.name} on expert GEMMs is not supported yet: expert sites run row-wise or current "

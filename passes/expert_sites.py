@@ -133,10 +133,11 @@ def _reaches(node: torch.fx.Node, targets: set, hops: int, gemms: set) -> bool:
 
 
 def mark_gates(sites) -> None:
-    """Set ``site.gate`` on routers and shared-expert gates (see the module's doc)."""
+    """Set ``site.gate`` on routers and shared-expert gates (see the module's doc), whatever else keeps them
+    (DeepSeek-V3's router multiplies ``weight.type(torch.float32)``, a weight computed in the graph)."""
     gemms = {site.node for site in sites}
     for site in sites:
-        if not site.is_linear or site.is_experts or site.node.op not in ("call_function", "call_method"):
+        if site.is_experts or site.node.op not in ("call_function", "call_method"):
             continue
         if _reaches(site.node, _TOPK, _ROUTER_HOPS, gemms):
             site.gate = ("MoE router: its output picks each token's experts (topk), and FP8 error flips routing "
