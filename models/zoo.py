@@ -419,12 +419,17 @@ def _record_fp8_run(result: ZooResult, model: torch.nn.Module, run: _FP8Run) -> 
     result.experts_in_high_precision = [path for path in expert_paths(model) if path not in expert_gemms]
 
 
-def train_against_eager(family: str, policy, steps: int = 50, dtype: torch.dtype = torch.bfloat16, batch: int = 2,
-                        sequence: int = 16, lr: float = 3e-3):
-    """``steps`` AdamW steps on one batch of ``family`` with fp8graph's ``policy`` (aot_eager) and in eager, from
-    the same weights; returns ``(fp8 losses, eager losses, the FP8 compile's decisions)``."""
+def train_against_eager(family: str, policy, steps: int = 50, dtype: torch.dtype = torch.bfloat16, batch: int = 4,
+                        sequence: int = 32, lr: float = 1e-3):
+    """``steps`` AdamW steps of a causal ``family`` on real English text (a new batch of bytes each step,
+    ``fp8graph.models.text_data``) with fp8graph's ``policy`` (aot_eager) and in eager, from the same weights
+    and batches; returns ``(fp8 losses, eager losses, the FP8 compile's decisions)``."""
+    from fp8graph.models.text_data import TextBatches
+
+    if FAMILIES[family].kind != "causal":
+        raise ValueError(f"{family} is not a causal language model")
     model = build_zoo_model(family, dtype)
-    inputs = zoo_inputs(family, batch, sequence)
+    batches = TextBatches(batch, sequence, VOCAB)
     torch._dynamo.reset()
     fp8_model, eager_model = copy.deepcopy(model), model
     runs = {"fp8": fp8graph.compile(fp8_model, policy=policy, compiler="aot_eager"), "eager": eager_model}
@@ -432,8 +437,9 @@ def train_against_eager(family: str, policy, steps: int = 50, dtype: torch.dtype
                   "eager": torch.optim.AdamW(eager_model.parameters(), lr=lr)}
     losses = {"fp8": [], "eager": []}
     for _ in range(steps):
+        tokens = batches.next()
         for name, run in runs.items():
-            loss = run(**inputs).loss
+            loss = run(input_ids=tokens, labels=tokens).loss
             loss.backward()
             optimizers[name].step()
             optimizers[name].zero_grad()

@@ -65,8 +65,8 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
             return "activation x activation matmul (FP8 only when a policy rule names it)"
         return "policy keeps it in high precision"
     if site.is_experts and not isinstance(recipe, EXPERT_RECIPES):
-        return (f"{recipe.name} on expert GEMMs is not supported yet: expert sites run row-wise or current "
-                "scaling")
+        return (f"{recipe.name} on expert GEMMs is not supported yet: expert sites run row-wise, current or "
+                "MXFP8 scaling")
     if 0 in (site.M, site.K, site.N):
         return "an empty operand (M, K or N is 0): nothing to cast; the GEMM runs as in high precision"
     if recipe.stateful and not site.is_linear:

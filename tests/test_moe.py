@@ -1,5 +1,6 @@
 """Mixture-of-experts families train in FP8 with every expert GEMM rewritten: 50 AdamW steps of fp8graph's
-row-wise recipe (the native SM90 form of the expert GEMMs) against eager BF16, from tiny configs.
+row-wise recipe (the native SM90 form of the expert GEMMs) against eager BF16, from tiny configs, on real English
+bytes (a new batch each step, the same batches for both).
 
 The loss of every step within 3% of eager's; the routers kept in high precision. The default per-tensor policy
 on the same families is the zoo's (``tests/test_zoo.py``: one step, logits' SQNR, every expert GEMM rewritten).
@@ -24,4 +25,4 @@ def test_moe_family_trains_in_fp8_with_every_expert_gemm_rewritten(family):
     assert routers and not any(d.rewritten for d in routers)
     deltas = [abs(a - b) / b for a, b in zip(fp8_losses, eager_losses)]
     assert max(deltas) <= LOSS_MARGIN, (max(deltas), fp8_losses[-1], eager_losses[-1])
-    assert fp8_losses[-1] < 0.5 * fp8_losses[0], "it learns"
+    assert sum(fp8_losses[-5:]) < 0.8 * sum(fp8_losses[:5]), "it learns"

@@ -1,0 +1,143 @@
+"""``python -m bench model moe`` and ``python -m bench moe``: the MoE block's step, modelled and measured.
+
+The modelled tests compile a small block (models/moe.py's ``tiny`` with 8 experts: hidden 64, top 2, expert
+width 32; 64 tokens) for the fake H100 in child processes, as ``bench model moe`` does, and check what
+cannot come out right by accident: each grouped GEMM is costed as a GEMM with the FLOPs of its form, BF16's
+step runs ``torch._grouped_mm`` and fp8graph's row-wise step ``torch._scaled_grouped_mm``, three per expert
+site (forward, grad_input, grad_weight), and a step the model cannot decide is an error row, never a number.
+The GPU benchmark cannot run here: its argument checks and its refusal without CUDA are tested.
+"""
+
+import pytest
+
+from bench import model as bench_model
+from bench.costmodel import costs
+from bench.targets import judge
+
+TINY = {"hidden": 64, "experts": 8, "top_k": 2, "expert_width": 32}
+TOKENS = 64
+S = TOKENS * TINY["top_k"]  # rows of the sorted tokens: every grouped GEMM's S
+
+
+def _model(contestant: str, overrides: dict | None = None) -> dict:
+    spec = {"workload": "moe", "config": "tiny", "batch": 1, "sequence": TOKENS,
+            "overrides": {"experts": TINY["experts"]} if overrides is None else overrides, "contestant": contestant}
+    return bench_model.run_child(spec, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def steps() -> dict:
+    """bf16's and fp8graph row-wise's modelled steps (one child process each, about 10 s)."""
+    results = {c: _model(c) for c in ("bf16", "rowwise")}
+    for contestant, result in results.items():
+        assert "error" not in result, (contestant, result["error"])
+    costs.summarize(list(results.values()), costs.Machine())
+    return {c: r["cases"][0] for c, r in results.items()}
+
+
+def _grouped(case: dict) -> list[dict]:
+    """The grouped GEMM calls (Triton kernels that feed one carry its name among their fused ops)."""
+    return [row for row in case["rows"] if row["kind"] != "triton" and "grouped_mm" in row["name"]]
+
+
+def test_bf16_runs_grouped_mm_costed_as_gemms_with_their_flops(steps):
+    grouped = _grouped(steps["bf16"])
+    assert {row["name"] for row in grouped} == {"extern_kernels._grouped_mm"}
+    assert all(row["kind"] == "gemm" and row["gemm"] == "bf16 grouped" for row in grouped)
+    h, i = TINY["hidden"], TINY["expert_width"]
+    gate_up, down = 2.0 * S * h * (2 * i), 2.0 * S * i * h
+    # Each site: forward and grad_input in the rows form, grad_weight in the weights form, all 2 S K N.
+    assert sorted(row["flops"] for row in grouped) == sorted([gate_up] * 3 + [down] * 3)
+    forms = sorted(row["detail"].split("(")[1].split(")")[0] for row in grouped)
+    assert forms == ["rows"] * 4 + ["weights"] * 2
+    assert [row["graph"].split(":")[1] for row in grouped].count("forward") == 2
+    summary = steps["bf16"]["summary"]
+    router = 3 * 2.0 * TOKENS * h * TINY["experts"]  # the router's forward, grad_input and grad_weight
+    assert summary["gemm_tflop"] * 1e12 == pytest.approx(3 * (gate_up + down) + router)
+
+
+def test_fp8graph_rowwise_runs_three_scaled_grouped_gemms_per_expert_site(steps):
+    grouped = _grouped(steps["rowwise"])
+    assert {row["name"] for row in grouped} == {"extern_kernels._scaled_grouped_mm"}
+    assert all(row["kind"] == "gemm" and row["gemm"] == "fp8 rowwise grouped" for row in grouped)
+    assert len(grouped) == 6 and [row["graph"].split(":")[1] for row in grouped].count("forward") == 2
+    h, i = TINY["hidden"], TINY["expert_width"]
+    rows_form = sorted(row["flops"] for row in grouped if "(rows)" in row["detail"])
+    assert rows_form == sorted([2.0 * S * h * 2 * i] * 2 + [2.0 * S * i * h] * 2)
+    # grad_weight reduces over each group's tokens zero-padded to 16 (fp8graph.numerics.groups): its operand
+    # has S + 16 E rows, rounded up to 16, and the GEMM is costed on them.
+    padded = -(-(S + TINY["experts"] * 16) // 16) * 16
+    weights_form = sorted(row["flops"] for row in grouped if "(weights)" in row["detail"])
+    assert weights_form == sorted([2.0 * 2 * i * padded * h, 2.0 * h * padded * i])
+    assert not any(row["name"] == "extern_kernels._grouped_mm" for row in steps["rowwise"]["rows"])
+    assert steps["rowwise"]["note"].startswith("fp8graph: 2 of 3 sites in FP8; kept: gate (linear): MoE router")
+
+
+def test_a_step_the_model_cannot_decide_is_an_error_row_not_a_number():
+    """4 experts: the router's mm (N = 4) is misaligned, and Inductor would time it padded and unpadded on the
+    device to decide; the child refuses with the reason."""
+    result = _model("bf16", overrides={})
+    assert "error" in result and "pad_mm" in result["error"] and "cases" not in result
+
+
+def test_grouped_gemm_flops_of_each_form():
+    assert costs.grouped_gemm_flops((128, 64), (8, 64, 32)) == (2.0 * 128 * 64 * 32, "rows")
+    assert costs.grouped_gemm_flops((32, 128), (128, 64)) == (2.0 * 32 * 128 * 64, "weights")
+    assert costs.grouped_gemm_flops((8, 16, 64), (8, 64, 32)) == (2.0 * 8 * 16 * 64 * 32, "batched")
+    with pytest.raises(ValueError):
+        costs.grouped_gemm_flops((4,), (8, 64, 32))
+
+
+def test_grouped_gemms_run_at_the_grouped_rates():
+    machine = costs.Machine()
+    flops = 2.0 * 32768 * 2048 * 1536  # the bench block's gate_up projection, forward
+    for gemm, rate in (("bf16 grouped", machine.grouped_bf16_flops), ("fp8 rowwise grouped", machine.grouped_fp8_flops),
+                       ("bf16", machine.bf16_flops)):
+        row = costs.Row("0:forward", "gemm", "g", flops=flops, gemm=gemm)
+        assert costs.time_us(row, machine) == pytest.approx(flops / rate * 1e6)
+    assert machine.grouped_bf16_flops < machine.bf16_flops and machine.grouped_fp8_flops < machine.fp8_rowwise_flops
+
+
+def test_an_expanded_extern_operand_is_counted_once():
+    """scatter_reduce's index broadcast over each row (stride 0) is read as its distinct elements."""
+    from bench.costmodel.capture import ExternRecord
+
+    extern = ExternRecord("buf1", "aten.scatter_reduce_.two", [((9, 64), "bfloat16"), ((128, 64), "int64"),
+                                                               ((128, 64), "bfloat16")], [], [None, 128, None])
+    row = costs._extern_row("0:forward", extern)
+    assert row.kind == "extern" and row.read == 9 * 64 * 2 + 128 * 8 + 128 * 64 * 2
+
+
+def test_a_moe_result_is_judged_against_its_targets(tmp_path):
+    def capture(contestant, step_ms, duplicate=0):
+        rows = [{"graph": "0:forward", "kind": "gemm", "name": "extern_kernels._grouped_mm", "flops": step_ms * 524e9,
+                 "gemm": "bf16 grouped"}]
+        if duplicate:
+            rows.append({"graph": "0:forward", "kind": "triton", "name": "k", "duplicate_written": duplicate})
+        return {"contestant": contestant, "cases": [{"case": "c", "note": "", "rows": rows}], "versions": {}}
+
+    captures = [capture("bf16", 10.0), capture("rowwise", 7.0, duplicate=10**9), capture("torchao moe rowwise", 8.0)]
+    result = bench_model.build_result("moe", {}, captures, costs.Machine(), "a MoE step")
+    verdicts = {(v["target"], v["case"]): v for v in judge(result)}
+    over_bf16 = verdicts[("row-wise: step over BF16 (modelled)", "rowwise (c)")]
+    assert over_bf16["measured"] == pytest.approx(10 / 7, rel=1e-2) and over_bf16["met"]  # + one 3 us launch
+    over_torchao = verdicts[("row-wise: step over torchao moe rowwise (modelled)", "rowwise (c)")]
+    assert over_torchao["measured"] == pytest.approx(8 / 7, rel=1e-2) and over_torchao["met"]
+    twice = verdicts[("FP8 GB stored twice (modelled)", "rowwise (c)")]
+    assert not twice["met"] and twice["missed_by"] == pytest.approx(1.0)
+    text = bench_model.summary(result)
+    assert "vs torchao moe rowwise" in text and "attention ms" not in text and "SGD ms" in text
+
+
+def test_bench_moe_refuses_without_cuda_and_checks_its_names(capsys):
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit, match="measures on a CUDA GPU.*python -m bench model moe"):
+        main(["moe"])
+    with pytest.raises(SystemExit, match="unknown MoE contestant 'torchao rowwise'"):
+        main(["moe", "--contestants", "torchao rowwise"])
+    with pytest.raises(SystemExit, match="unknown Inductor setting"):
+        main(["moe", "--contestants", "rowwise +nothing"])
+    with pytest.raises(SystemExit):
+        main(["moe", "--tokens", "0"])
+    assert "must be > 0" in capsys.readouterr().err
