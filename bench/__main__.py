@@ -1,4 +1,5 @@
-"""``python -m bench {linear,quantize,decoder,compile} [--smoke]``; ``python -m bench model {decoder,linear,quantize,calibrate}``;
+"""``python -m bench {linear,quantize,decoder,moe,compile} [--smoke]``;
+``python -m bench model {decoder,moe,linear,quantize,calibrate,compare}``;
 ``python -m bench zoo [--families ...]``; ``python -m bench show FILE...``."""
 
 import argparse
@@ -6,14 +7,15 @@ import json
 import pathlib
 import sys
 
-from . import compile_time, decoder, linear, model, quantize, zoo
+from . import compile_time, decoder, linear, model, moe, quantize, zoo
 from .targets import judge
 from .timing import with_verdicts
 
-WORKLOADS = {"linear": linear, "quantize": quantize, "decoder": decoder, "compile": compile_time, "model": model,
-             "zoo": zoo}
+WORKLOADS = {"linear": linear, "quantize": quantize, "decoder": decoder, "moe": moe, "compile": compile_time,
+             "model": model, "zoo": zoo}
 BY_RESULT_NAME = {"linear_fwd_bwd": linear, "quantize": quantize, "decoder_stack": decoder, "compile_time": compile_time,
-                  "model_decoder": model, "model_linear": model, "model_quantize": model, "zoo": zoo}
+                  "model_decoder": model, "model_linear": model, "model_quantize": model, "zoo": zoo,
+                  "moe_block": moe, "model_moe": model}
 
 
 def _stored_result(path: pathlib.Path) -> dict:

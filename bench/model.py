@@ -1,10 +1,12 @@
 """Modelled on a CPU-only machine: an H100 training step from the sm_90 kernels Inductor generates for it.
 
     python -m bench model decoder [--config llama3-8b] [--contestants ...]   bench decoder's step
+    python -m bench model moe [--config bench] [--tokens 4096] [--contestants ...]   bench moe's MoE block step
     python -m bench model linear [--shape M,K,N ...]                         bench linear's step
     python -m bench model quantize [--all]                                   the H100 quantize probe's casts
     python -m bench model calibrate [--only SECTION ...]                     the model against the stored H100 runs
     python -m bench model compare bench/results/decoder-....json             a GPU run beside the modelled step
+                                                                             (decoder-*.json or moe-*.json)
 
 Nothing runs on a GPU. Each contestant (``bench decoder``'s: BF16, fp8graph per recipe, torchao) is
 compiled in a child process of its own for a fake H100 (``bench.costmodel``); every Triton kernel,
@@ -82,7 +84,9 @@ def children(args) -> calibration.Runner:
 
 def machine_of(args) -> costs.Machine:
     return costs.Machine(copy_bandwidth=args.bandwidth * 1e12, triton_bandwidth=args.triton_bandwidth * 1e12,
-                         bf16_flops=args.bf16_tflops * 1e12, fp8_flops=args.fp8_tflops * 1e12)
+                         bf16_flops=args.bf16_tflops * 1e12, fp8_flops=args.fp8_tflops * 1e12,
+                         grouped_bf16_flops=args.grouped_bf16_tflops * 1e12,
+                         grouped_fp8_flops=args.grouped_fp8_tflops * 1e12)
 
 
 def project_commit() -> str:
@@ -98,9 +102,11 @@ def project_commit() -> str:
     return f"{commit}+changes" if commit and changed else commit
 
 
-def contestants_of(requested: list[str] | None, default: list[str]) -> list[str]:
-    """bf16 first (every ratio needs it), then the others, each name checked as bench decoder checks it."""
-    from .decoder import parse_contestant
+def contestants_of(requested: list[str] | None, default: list[str], parse_contestant=None) -> list[str]:
+    """bf16 first (every ratio needs it), then the others, each name checked as bench decoder checks it (or
+    ``parse_contestant``, a workload's own)."""
+    if parse_contestant is None:
+        from .decoder import parse_contestant
 
     wanted = ["bf16", *(c for c in (requested or default) if c != "bf16")]
     for name in wanted:
@@ -146,7 +152,8 @@ def _add_ratios(rows: list[dict]) -> None:
         if "error" in row:
             continue
         for baseline, key in (("bf16", "vs_bf16"), ("torchao tensorwise", "vs_torchao_tensorwise"),
-                              ("torchao rowwise", "vs_torchao_rowwise")):
+                              ("torchao rowwise", "vs_torchao_rowwise"),
+                              ("torchao moe rowwise", "vs_torchao_moe_rowwise")):
             base = step.get((row["case"], baseline))
             if base:
                 row[key] = base / row["step_ms"]
@@ -189,7 +196,8 @@ def summary(result: dict) -> str:
         table = _quantize_table(result, machine)
     else:
         table = _step_table(rows, machine, digits=3 if result["workload"] == "model_linear" else 2,
-                            optimizer=result["workload"] == "model_decoder")
+                            optimizer=result["workload"] in ("model_decoder", "model_moe"),
+                            attention=result["workload"] != "model_moe")
     notes = list(dict.fromkeys(f"- {row['contestant']}: {row['note']}" for row in rows if row.get("note")))
     errors = [f"- **{row['contestant']}: not modelled.** {row['error'].strip().splitlines()[0][:300]}"
               for row in rows if "error" in row]
@@ -197,16 +205,21 @@ def summary(result: dict) -> str:
                       "", _legend(machine)])
 
 
-def _step_table(rows: list[dict], machine: costs.Machine, digits: int, optimizer: bool) -> list[str]:
+def _step_table(rows: list[dict], machine: costs.Machine, digits: int, optimizer: bool,
+                attention: bool = True) -> list[str]:
+    """One row per (case, contestant); a MoE block has no attention column, and a ``vs torchao ...`` column
+    appears for each torchao baseline the run has (tensorwise for the decoder, the MoE one for moe)."""
     entries = [row for row in rows if "error" not in row]
     several = len({row["case"] for row in entries}) > 1
-    with_torchao = any("vs_torchao_tensorwise" in row for row in entries)
+    baselines = [(key, name) for key, name in (("vs_torchao_tensorwise", "vs torchao tensorwise"),
+                                               ("vs_torchao_moe_rowwise", "vs torchao moe rowwise"))
+                 if any(key in row for row in entries)]
     columns = (["case"] if several else []) + [
         "contestant", "Triton launches (distinct)", "custom-op launches", "Triton GB read", "GB written",
         "FP8 GB stored twice",
         "tiny launches", f"Triton ms @{machine.copy_bandwidth / 1e12:.2f} TB/s",
-        f"Triton ms @{machine.triton_bandwidth / 1e12:.2f} TB/s", "GEMM ms", "attention ms", "other extern ms",
-        *(["SGD ms"] if optimizer else []), "step ms", "vs bf16", *(["vs torchao tensorwise"] if with_torchao else [])]
+        f"Triton ms @{machine.triton_bandwidth / 1e12:.2f} TB/s", "GEMM ms", *(["attention ms"] if attention else []),
+        "other extern ms", *(["SGD ms"] if optimizer else []), "step ms", "vs bf16", *(name for _, name in baselines)]
     f = f"{{:.{digits}f}}".format
     table = []
     for s in entries:
@@ -214,9 +227,9 @@ def _step_table(rows: list[dict], machine: costs.Machine, digits: int, optimizer
             s["contestant"], f"{s['triton_launches']} ({s['triton_kernels']})", str(s.get("other_externs", 0)),
             f(s["triton_read_gb"]),
             f(s["triton_written_gb"]), f(s["duplicate_written_gb"]), str(s["tiny_launches"]), f(s["triton_ms_copy"]),
-            f(s["triton_ms"]), f(s["gemm_ms"]), f(s["attention_ms"]), f(s["other_ms"]),
+            f(s["triton_ms"]), f(s["gemm_ms"]), *([f(s["attention_ms"])] if attention else []), f(s["other_ms"]),
             *([f(s["optimizer_ms"])] if optimizer else []), f(s["step_ms"]), _ratio(s, "vs_bf16"),
-            *([_ratio(s, "vs_torchao_tensorwise")] if with_torchao else [])])
+            *(_ratio(s, key) for key, _ in baselines)])
     return markdown_table(columns, table)
 
 
@@ -244,7 +257,8 @@ def _legend(m: costs.Machine) -> str:
             f"tiny: launches under 0.1 MB. Triton ms at a copy's bandwidth and at the rate Inductor's kernels "
             f"reached on the H100, at least {m.launch_floor_us:.0f} us a launch. GEMM: cuBLAS at "
             f"{m.bf16_flops / 1e12:.0f} (BF16), {m.fp8_flops / 1e12:.0f} (FP8 tensorwise), "
-            f"{m.fp8_rowwise_flops / 1e12:.0f} (rowwise), {m.fp8_blockwise_flops / 1e12:.0f} (blockwise) TFLOP/s; "
+            f"{m.fp8_rowwise_flops / 1e12:.0f} (rowwise), {m.fp8_blockwise_flops / 1e12:.0f} (blockwise) TFLOP/s, "
+            f"grouped {m.grouped_bf16_flops / 1e12:.0f} (BF16), {m.grouped_fp8_flops / 1e12:.0f} (FP8 rowwise); "
             f"attention: cuDNN SDPA at {m.attention_flops / 1e12:.0f} TFLOP/s; other extern: custom ops, operand "
             "bytes at copy bandwidth; SGD: bench decoder's eager p.add_(p.grad). step ms: Triton at the H100 rate "
             "plus the rest, kernel time only (no CPU or launch overhead). vs: the baseline's step ms over this "
@@ -316,6 +330,46 @@ def model_decoder(args) -> dict:
                                 f"bench decoder's training step ({args.config}: {case})"), args)
 
 
+def model_moe(args) -> dict:
+    """bench moe's training step of one MoE block (models/moe.py), each contestant in a child process."""
+    import importlib.util
+
+    from .moe import DEFAULT, TORCHAO, parse_contestant
+
+    default = [c for c in DEFAULT if c != TORCHAO or importlib.util.find_spec("torchao")]
+    contestants = contestants_of(args.contestants, default, parse_contestant)
+    overrides = dict(_override(text) for text in args.override or ())
+    spec = {"workload": "moe", "config": args.config, "batch": args.batch, "sequence": args.tokens,
+            "overrides": overrides, "source": args.source, "cubin": args.cubin}
+    print(f"moe ({args.config}{f' {overrides}' if overrides else ''}, {args.batch}x{args.tokens} tokens): "
+          f"{len(contestants)} contestants, one process each", file=sys.stderr)
+    if args.fp8graph_at == "measured":
+        raise SystemExit("--fp8graph-at: 'measured' is the H100 run's commit, which had no expert GEMMs; give a "
+                         "commit, or 'installed'")
+    fp8graph = calibration.measured_fp8graph(args.fp8graph_at)  # "installed": this checkout
+    try:
+        results = children(args)([{**spec, "contestant": c} for c in contestants], fp8graph.env)
+    finally:
+        fp8graph.close()
+    if args.fp8graph_at != "installed":
+        spec["fp8graph_at"] = args.fp8graph_at
+    case = next((c["case"] for r in results for c in r.get("cases", [])), "")
+    what = (f"bench moe's training step, one MoE block ({args.config}: {case or 'not built'}; BF16, forward + "
+            "backward + eager SGD)" + (f"; fp8graph at {args.fp8graph_at}" if args.fp8graph_at != "installed" else ""))
+    return _finish(build_result("moe", spec, results, machine_of(args), what), args)
+
+
+def _override(text: str) -> tuple[str, int]:
+    """``("experts", 8)`` of ``"experts=8"``: a field of models/moe.py's config."""
+    from fp8graph.models.moe import CONFIGS
+
+    name, _, value = text.partition("=")
+    fields = set(CONFIGS["bench"])
+    if name not in fields or not value.isdigit() or int(value) < 1:
+        raise SystemExit(f"--override takes FIELD=N with a positive N, FIELD one of {sorted(fields)}; got {text!r}")
+    return name, int(value)
+
+
 def model_linear(args) -> dict:
     contestants = contestants_of(args.contestants, FP8GRAPH + TORCHAO)
     shapes = [_ints(s, 3) for s in args.shape] if args.shape else calibration.LINEAR_SHAPES
@@ -341,12 +395,22 @@ def model_calibrate(args) -> None:
 
 
 def model_compare(args) -> None:
-    """A measured ``bench decoder`` result beside the modelled one of the same configuration: what the next
-    GPU run checks (``scripts/gpu-run decoder`` prints it)."""
+    """A measured ``bench decoder`` or ``bench moe`` result beside the modelled one of the same configuration:
+    what the next GPU run checks (``scripts/gpu-run decoder`` and ``moe`` print it)."""
     print("\n".join(compare_lines(json.loads(args.measured.read_text()), args.measured.name, args.model)))
 
 
 def _newest_model(measured: dict, results: pathlib.Path) -> pathlib.Path | None:
+    """The newest modelled result of the measured run's workload and configuration: bench moe's block (same
+    config, batch and tokens, no overrides) or bench decoder's stack (same config and layers)."""
+    if measured.get("workload") == "moe_block":
+        for path in sorted(results.glob("model-moe-*.json"), reverse=True):
+            spec = json.loads(path.read_text())["spec"]
+            if ((spec.get("config"), spec.get("batch"), spec.get("sequence")) ==
+                    (measured.get("config"), measured.get("batch"), measured.get("sequence"))
+                    and not spec.get("overrides")):
+                return path
+        return None
     for path in sorted(results.glob("model-decoder-*.json"), reverse=True):
         model = json.loads(path.read_text())
         cases = {row["case"] for row in model["rows"] if "case" in row}  # "4 layers, vocab 32000, 1x4096"
@@ -362,8 +426,9 @@ def compare_lines(measured: dict, measured_name: str, model_path: pathlib.Path |
     profiled, else the wall time from tokens/s), and each one's speedup over BF16."""
     model_path = model_path or _newest_model(measured, results)
     if model_path is None:
-        return [f"no modelled bench decoder result for {measured.get('config')} in {results}: run "
-                "`python -m bench model decoder` (CPU) and commit it"]
+        name = "moe" if measured.get("workload") == "moe_block" else "decoder"
+        return [f"no modelled bench {name} result for {measured.get('config')} in {results}: run "
+                f"`python -m bench model {name}` (CPU) and commit it"]
     model = json.loads(model_path.read_text())
     modelled = {row["contestant"]: row for row in model["rows"] if "error" not in row}
     measured_rows = [row for row in measured["rows"] if "train_tokens_per_s" in row]
@@ -376,7 +441,8 @@ def compare_lines(measured: dict, measured_name: str, model_path: pathlib.Path |
         wall = measured["sequence"] * measured["batch"] / row["train_tokens_per_s"] * 1e3
         profile = row.get("profile")
         kernel = sum(profile["by_category_ms"].values()) if profile else None
-        triton = profile["by_category_ms"].get("triton (fused elementwise/reduce/quantize)") if profile else None
+        categories = profile["by_category_ms"] if profile else {}
+        triton = categories.get("triton (fused elementwise/reduce/quantize)", categories.get("triton"))
         reference = kernel if kernel is not None else wall
         speedup = bf16["train_tokens_per_s"] and row["train_tokens_per_s"] / bf16["train_tokens_per_s"]
         table.append([row["contestant"], f"{ours['step_ms']:.2f}", f"{kernel:.2f}" if kernel else "-",
@@ -411,6 +477,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Inductor's kernels on the H100, TB/s")
     common.add_argument("--bf16-tflops", type=positive(float), default=rates.bf16_flops / 1e12)
     common.add_argument("--fp8-tflops", type=positive(float), default=rates.fp8_flops / 1e12, help="FP8 tensorwise")
+    common.add_argument("--grouped-bf16-tflops", type=positive(float), default=rates.grouped_bf16_flops / 1e12,
+                        help="torch._grouped_mm (a MoE's expert GEMMs)")
+    common.add_argument("--grouped-fp8-tflops", type=positive(float), default=rates.grouped_fp8_flops / 1e12,
+                        help="torch._scaled_grouped_mm, row-wise")
     outputs = argparse.ArgumentParser(add_help=False, parents=[common])
     outputs.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
     outputs.add_argument("--top", type=int, default=0, metavar="N", help="list the N largest kernels per contestant")
@@ -427,6 +497,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence", type=positive(int), default=4096)
     p.add_argument("--batch", type=positive(int), default=1)
     p.set_defaults(model_run=model_decoder)
+
+    p = commands.add_parser("moe", parents=[outputs], help="bench moe's training step of one MoE block")
+    p.add_argument("--contestants", nargs="+", metavar="NAME",
+                   help="bench moe's names: bf16 (always runs), rowwise, current, delayed, 'torchao moe rowwise' "
+                        "(a name may end in '+setting' / '-setting'); default: bf16, rowwise, current, torchao's")
+    p.add_argument("--config", choices=("bench", "tiny", "tiny-odd"), default="bench",
+                   help="models/moe.py's config: bench is Qwen3-30B-A3B's MoE block (hidden 2048, 128 experts, "
+                        "top 8, expert width 768)")
+    p.add_argument("--override", nargs="+", metavar="FIELD=N",
+                   help="change fields of the config: hidden, experts, top_k, expert_width")
+    p.add_argument("--tokens", type=positive(int), default=4096, help="tokens per sequence")
+    p.add_argument("--batch", type=positive(int), default=1)
+    p.add_argument("--fp8graph-at", default="installed", metavar="COMMIT",
+                   help="fp8graph (its package, passes and models) at this commit, extracted from git; default: "
+                        "the working tree")
+    p.set_defaults(model_run=model_moe)
 
     p = commands.add_parser("linear", parents=[outputs], help="bench linear's forward + backward")
     p.add_argument("--shape", nargs="+", metavar="M,K,N",
@@ -449,9 +535,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.set_defaults(model_run=model_calibrate)
 
 
-    p = commands.add_parser("compare", help="a measured bench decoder result beside the modelled one")
-    p.add_argument("measured", type=pathlib.Path, help="a bench decoder JSON (bench/results/decoder-*.json)")
-    p.add_argument("--model", type=pathlib.Path, help="default: the newest model-decoder JSON of its config")
+    p = commands.add_parser("compare", help="a measured bench decoder or moe result beside the modelled one")
+    p.add_argument("measured", type=pathlib.Path,
+                   help="a bench decoder or moe JSON (bench/results/decoder-*.json, moe-*.json)")
+    p.add_argument("--model", type=pathlib.Path,
+                   help="default: the newest model-decoder (model-moe) JSON of its configuration")
     p.set_defaults(model_run=model_compare)
 
 

@@ -44,6 +44,9 @@ class ExternRecord:
     kernel: str  # extern_kernels.mm, extern_kernels._scaled_mm, torch.ops.fp8graph.transpose_fp8.default, ...
     inputs: list[tuple[tuple[int, ...], str]]  # (shape, dtype) of each tensor operand
     outputs: list[tuple[tuple[int, ...], str]]
+    # Elements of each input in memory: fewer than its shape's when it is an expanded view (stride 0), e.g. an
+    # index broadcast over a row for scatter_reduce; None where unknown (then the shape's count).
+    input_elements: list[int | None] | None = None
 
 
 @dataclasses.dataclass
@@ -154,20 +157,35 @@ def _extern_record(snode) -> ExternRecord:
 
     node = snode.node
     kernel = getattr(node, "python_kernel_name", None) or str(getattr(node, "op_overload", "") or type(node).__name__)
-    inputs = []
+    inputs, elements = [], []
     for operand in getattr(node, "inputs", ()) or ():
         for leaf in (operand if isinstance(operand, (list, tuple)) else [operand]):
             if isinstance(leaf, ir.IRNode):
                 try:
                     inputs.append((_shape(leaf), str(leaf.get_dtype()).replace("torch.", "")))
                 except Exception:  # noqa: BLE001 - a layout without sizes (NoneLayout)
-                    pass
+                    continue
+                elements.append(_distinct_elements(leaf, inputs[-1][0]))
     # A single-output extern is its own output; a multi-output one (a custom op, SDPA) lists MultiOutputs.
     candidates = [node] if not isinstance(getattr(node, "layout", None), ir.MultiOutputLayout) else \
         [out for out in (getattr(node, "outputs", None) or []) if isinstance(out, ir.IRNode)]
     outputs = [(_shape(out), str(out.get_dtype()).replace("torch.", "")) for out in candidates
                if not isinstance(getattr(out, "layout", None), (ir.MultiOutputLayout, ir.NoneLayout))]
-    return ExternRecord(node.get_name(), kernel, inputs, outputs)
+    return ExternRecord(node.get_name(), kernel, inputs, outputs, elements)
+
+
+def _distinct_elements(node, shape: tuple[int, ...]) -> int | None:
+    """Elements ``node`` addresses in memory, at most its shape's count: a dimension of stride 0 (an expanded
+    view) reads the same elements again, which an operand-bytes count must not multiply."""
+    try:
+        strides = [_hint(s) for s in node.get_stride()]
+    except Exception:  # noqa: BLE001 - no fixed layout: the shape's count
+        return None
+    distinct = 1
+    for size, stride in zip(shape, strides):
+        if stride != 0:
+            distinct *= size
+    return distinct
 
 
 class Capture:

@@ -4,7 +4,9 @@ Triton kernel (Inductor's)   bytes read + written, as Inductor's ``estimate_kern
                              (each buffer argument once: whole, or the slices the kernel touches), timed at
                              a bandwidth: a device copy's (3.0 TB/s) or the rate Inductor's kernels reached on
                              the H100 in the stored decoder profiles (2.25 TB/s). Never less than 3 us.
-GEMM (cuBLAS, extern)        FLOPs at a rate per operand type and scaling, or its bytes at copy bandwidth.
+GEMM (cuBLAS, extern)        FLOPs at a rate per operand type and scaling, or its bytes at copy bandwidth;
+                             a grouped GEMM (a MoE's experts) 2 S K N FLOPs summed over its groups, at a
+                             grouped rate.
 attention (cuDNN SDPA)       FLOPs (4 B H Sq Sk D forward, 2.5x that backward) at a fitted rate.
 other extern (custom ops)    operand bytes at copy bandwidth: what a custom kernel really achieves is unknown.
 optimizer                    bench decoder's eager SGD (``p.add_(p.grad)``): 3 passes over each parameter.
@@ -43,6 +45,14 @@ class Machine:
     fp8_rowwise_flops: float = 1350e12
     fp8_blockwise_flops: float = 1200e12
     attention_flops: float = 290e12  # cuDNN flash fwd+bwd, causal counted as full: 12.5-13.4 ms (4 layers)
+    # Grouped GEMMs (torch._grouped_mm, torch._scaled_grouped_mm row-wise): no H100 run of this project has
+    # timed one. The H100 timings torchao published ran them well below the dense rates above: pytorch/ao
+    # PR #2490 (2025-07-03), Llama-4 17Bx16E's (8192, 5120) x (16, 5120, 8192), 512 tokens a group on
+    # average: BF16 1.31 ms, FP8 row-wise 0.885 ms for 2 x 8192 x 5120 x 8192 FLOPs: 524 and 776 TFLOP/s;
+    # PR #2756 (2025-08-13), 16640 tokens over the same 16 experts (1040 a group): 576-599 and 895-922.
+    # The rate falls as groups shrink: the bench MoE block has 256 tokens a group, so these are upper bounds.
+    grouped_bf16_flops: float = 524e12
+    grouped_fp8_flops: float = 776e12
     gemm_floor_us: float = 5.0
 
 
@@ -58,7 +68,7 @@ class Row:
     reread: int = 0  # bytes of inputs loaded again in a later loop of the kernel: up to this much more traffic
     duplicate_written: int = 0  # FP8 bytes that store a value already stored, at the same index, in another buffer
     flops: float = 0.0
-    gemm: str = ""  # bf16 | fp8 tensorwise | fp8 rowwise | fp8 blockwise
+    gemm: str = ""  # bf16 | fp8 tensorwise | fp8 rowwise | fp8 blockwise | bf16 grouped | fp8 rowwise grouped
 
     @property
     def bytes(self) -> int:
@@ -71,7 +81,8 @@ def time_us(row: Row, machine: Machine, triton_bandwidth: float | None = None) -
         return max(row.bytes / (triton_bandwidth or machine.copy_bandwidth) * 1e6, machine.launch_floor_us)
     if row.kind == "gemm":
         rate = {"bf16": machine.bf16_flops, "fp8 tensorwise": machine.fp8_flops,
-                "fp8 rowwise": machine.fp8_rowwise_flops, "fp8 blockwise": machine.fp8_blockwise_flops}
+                "fp8 rowwise": machine.fp8_rowwise_flops, "fp8 blockwise": machine.fp8_blockwise_flops,
+                "bf16 grouped": machine.grouped_bf16_flops, "fp8 rowwise grouped": machine.grouped_fp8_flops}
         return max(row.flops / rate.get(row.gemm, machine.bf16_flops) * 1e6,
                    row.bytes / machine.copy_bandwidth * 1e6, machine.gemm_floor_us)
     if row.kind == "attention":
@@ -120,6 +131,9 @@ _KIND = {"poi": "pointwise", "red": "reduction", "per": "persistent", "tem": "te
 _LOAD = re.compile(r"tl\.load\((\w+) \+")
 _STORE = re.compile(r"tl\.store\((\w+) \+ \((.*?)\), (\w+),")
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_mm_v2", "scaled_mm", "_int_mm"}
+# Grouped GEMMs (a mixture of experts' expert GEMMs), as Inductor's wrapper names them: extern_kernels._grouped_mm,
+# extern_kernels._scaled_grouped_mm, or torch.ops.aten._scaled_grouped_mm.default as a fallback.
+_GROUPED_GEMMS = {"_grouped_mm", "_scaled_grouped_mm", "_scaled_grouped_mm_v2", "grouped_mm", "scaled_grouped_mm"}
 
 
 def duplicate_store_bytes(source: str, args) -> int:
@@ -161,13 +175,17 @@ def _extern_row(graph: str, extern) -> Row:
     kernel = extern.kernel
     parts = kernel.split(".")
     op = parts[-2] if parts[-1] == "default" and len(parts) > 1 else parts[-1]
-    read = sum(_numel(s) * DTYPE_BYTES.get(d, 4) for s, d in extern.inputs)
+    elements = getattr(extern, "input_elements", None) or [None] * len(extern.inputs)
+    read = sum((_numel(s) if n is None else min(n, _numel(s))) * DTYPE_BYTES.get(d, 4)
+               for (s, d), n in zip(extern.inputs, elements))
     written = sum(_numel(s) * DTYPE_BYTES.get(d, 4) for s, d in extern.outputs)
     shapes = [s for s, _ in extern.inputs]
     dtypes = [d for _, d in extern.inputs]
     row = Row(graph, "extern", kernel, " ".join("x".join(map(str, s)) + f":{d}" for s, d in extern.inputs),
               read=read, written=written)
-    if op in _GEMMS:
+    if op in _GROUPED_GEMMS:
+        _grouped_gemm(row, op, shapes, dtypes)
+    elif op in _GEMMS:
         matrices = [s for s in shapes if len(s) >= 2]
         a, b = (matrices[-2], matrices[-1]) if op in ("addmm", "baddbmm") else (matrices[0], matrices[1])
         batch = a[0] if len(a) == 3 else 1
@@ -187,6 +205,43 @@ def _extern_row(graph: str, extern) -> Row:
         row.flops = 4.0 * b * h * sq * sk * d * (2.5 if "backward" in op else 1.0)
         row.detail = f"B{b} H{h} S{sq}x{sk} D{d}"
     return row
+
+
+def grouped_gemm_flops(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, str]:
+    """FLOPs of ``torch._grouped_mm(a, b, offs)`` (or ``_scaled_grouped_mm``) summed over its groups, and its form.
+
+    rows      a (S, K), b (E, K, N) -> (S, N): each row of a times its group's matrix: 2 S K N, whatever the
+              routing (rows past offs[-1] are in no group and cost nothing on the GPU; counted here)
+    weights   a (N, S), b (S, K) -> (E, N, K): each group reduces its own tokens, so the groups' products
+              add up to 2 N S K (fp8graph pads each group to a multiple of 16 tokens: its S is the padded
+              bound, rows + 16 E, of which the kernel computes the padded groups, rows + 7.5 E on average)
+    batched   a (E, M, K), b (E, K, N) -> (E, M, N): 2 E M K N
+    columns   a (E, M, K), b (K, N) -> (M, N) in E column groups: 2 M K N
+    """
+    if len(a) == 2 and len(b) == 3:
+        return 2.0 * a[0] * a[1] * b[2], "rows"
+    if len(a) == 2 and len(b) == 2:
+        return 2.0 * a[0] * a[1] * b[1], "weights"
+    if len(a) == 3 and len(b) == 3:
+        return 2.0 * a[0] * a[1] * a[2] * b[2], "batched"
+    if len(a) == 3 and len(b) == 2:
+        return 2.0 * a[1] * a[2] * b[1], "columns"
+    raise ValueError(f"a grouped GEMM of shapes {a} and {b}: no such form")
+
+
+def _grouped_gemm(row: Row, op: str, shapes: list, dtypes: list) -> None:
+    """A grouped GEMM costed as a GEMM by its FLOPs (``grouped_gemm_flops``) at the grouped rates
+    (``Machine.grouped_*_flops``: torchao's H100 timings of these ops, below the dense rates). The scaled one
+    takes row-wise scales on SM90 (a per-tensor scale is passed expanded to rows): "fp8 rowwise grouped"."""
+    a, b = shapes[0], shapes[1]
+    row.kind = "gemm"
+    row.flops, form = grouped_gemm_flops(a, b)
+    fp8 = "scaled" in op or any(d.startswith("float8") for d in dtypes[:2])
+    row.gemm = "fp8 rowwise grouped" if fp8 else "bf16 grouped"
+    offsets = [s for s, d in zip(shapes[2:], dtypes[2:]) if d == "int32" and len(s) == 1]
+    groups = offsets[-1][0] if offsets else (a[0] if len(a) == 3 else None)
+    row.detail = (f"{row.gemm} ({form}) {'x'.join(map(str, a))} . {'x'.join(map(str, b))}"
+                  + (f", {groups} groups" if groups else ""))
 
 
 def rows_of(capture) -> list[Row]:

@@ -294,6 +294,27 @@ def _patch_constant_folding() -> None:
     folder._deduce_value = deduce_value
 
 
+class NeedsDevice(RuntimeError):
+    """Inductor wants a decision only a measurement on the device can make: the step cannot be modelled."""
+
+
+def _refuse_padding_benchmarks() -> None:
+    """Inductor's pad_mm pass decides whether to pad a compute-bound mm whose dimensions are not aligned (e.g. a
+    router of 4 experts, N = 4) by timing it padded and unpadded on the device. Nothing can be timed here,
+    and either answer changes the kernels: refuse the step with the shapes, instead of the CUDA library's
+    "Could not run 'aten::empty.memory_format' with arguments from the 'CUDA' backend". The benchmark is
+    reached only past the pass's cheap checks (aligned shapes, not compute-bound, force_shape_pad), through
+    its cache lookup, which is where it is stopped."""
+    from torch._inductor.fx_passes import pad_mm
+
+    def refuse(key):
+        raise NeedsDevice("Inductor's pad_mm pass would time a misaligned mm padded and unpadded on the device to "
+                          f"decide whether to pad it ({str(key)[:300]}): the cost model cannot decide for it; "
+                          "use dimensions that are multiples of 8 (BF16)")
+
+    pad_mm.get_cached_should_pad = refuse
+
+
 _installed = False
 
 
@@ -310,6 +331,7 @@ def install() -> None:
     _patch_dynamo_device_interface()
     _patch_triton_driver()
     _patch_constant_folding()
+    _refuse_padding_benchmarks()
     from torch.utils import _triton  # answers cached before install() said "no GPU"
 
     for name in ("has_triton", "_device_supports_tma", "has_triton_tma_device", "has_triton_experimental_host_tma",

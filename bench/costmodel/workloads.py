@@ -25,25 +25,27 @@ def _fp8graph_contestant(base: str) -> bool:
 
 
 @contextlib.contextmanager
-def compiled(base: str, model):
-    """``model`` compiled as contestant ``base`` (``bench.decoder``'s way), each Inductor graph lowered under
-    the capture and run eagerly on FakeTensors. Call the result inside the ``with``: compiling happens at
-    the first call. fp8graph's contestants compile each rewritten graph through one FP8Backend method
-    (``_compile_graph``; ``_lower`` in the commits the calibration runs), regional ones too."""
+def compiled(base: str, model, compile_model=None):
+    """``model`` compiled as contestant ``base`` (``bench.decoder``'s way, or ``compile_model(model, base,
+    compiler)``'s), each Inductor graph lowered under the capture and run eagerly on FakeTensors. Call the
+    result inside the ``with``: compiling happens at the first call. fp8graph's contestants compile each
+    rewritten graph through one FP8Backend method (``_compile_graph``; ``_lower`` in the commits the
+    calibration runs), regional ones too."""
     from torch._inductor.compile_fx import compile_fx
 
-    from bench.decoder import _compile
     from fp8graph.backend import FP8Backend
 
+    if compile_model is None:
+        from bench.decoder import _compile as compile_model
     if not _fp8graph_contestant(base):
-        yield _compile(model, base, capture.compile_only(compile_fx))
+        yield compile_model(model, base, capture.compile_only(compile_fx))
         return
     method = "_compile_graph" if hasattr(FP8Backend, "_compile_graph") else "_lower"
     compile_graph = getattr(FP8Backend, method)
     setattr(FP8Backend, method, lambda self, gm, inputs: capture.lower_then_run_eagerly(
         lambda g, e: compile_graph(self, g, e), gm, inputs))
     try:
-        yield _compile(model, base, "inductor")
+        yield compile_model(model, base, "inductor")
     finally:
         setattr(FP8Backend, method, compile_graph)
 
@@ -120,6 +122,61 @@ def decoder(spec: dict) -> list[dict]:
     case = _case(label, cap, _fp8_note(compiled_model, model), _sgd_rows(model))
     _check_attention(case, model)
     return [case]
+
+
+def moe(spec: dict) -> list[dict]:
+    """bench moe's training step: models/moe.py's block (``spec["config"]``, with ``spec["overrides"]``), BF16,
+    ``out = block(x); out.backward(grad_output)`` on x (batch, sequence, hidden), then an eager SGD step.
+    The routing (top-k, sort, histc, cumsum) runs on FakeTensors: shapes do not depend on it, and neither do
+    the grouped GEMMs' FLOPs (every row of x is in one group)."""
+    import torch._inductor.config as inductor_config
+
+    from bench.moe import compile_block, fp8_note, parse_contestant, swap_in_torchao
+    from fp8graph.models import moe as zoo
+
+    base, settings = parse_contestant(spec["contestant"])
+    config = {**zoo.CONFIGS[spec["config"]], **spec.get("overrides", {})}
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):  # no memory: the parameters become FakeTensors on "cuda" below
+            block = zoo.build(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    mode = FakeTensorMode()
+    block = fake_h100.to_fake_cuda(block, mode).train()
+    if base.startswith("torchao"):  # after the move: to_fake_cuda would drop torchao's tensor subclass
+        with mode:
+            swap_in_torchao(block)
+    with mode:
+        x = torch.empty(spec["batch"], spec["sequence"], config["hidden"], dtype=torch.bfloat16, device="cuda",
+                        requires_grad=True)
+        grad_output = torch.empty(x.shape, dtype=torch.bfloat16, device="cuda")
+    with capture.Capture() as cap, inductor_config.patch(settings), mode, \
+            compiled(base, block, compile_block) as compiled_block:
+        compiled_block(x).backward(grad_output)
+    label = (f"{config['experts']} experts, top {config['top_k']}, hidden {config['hidden']}, expert width "
+             f"{config['expert_width']}, {spec['batch']}x{spec['sequence']}")
+    case = _case(label, cap, fp8_note(compiled_block, block), _sgd_rows(block))
+    _check_grouped_gemms(case, base)
+    return [case]
+
+
+def _check_grouped_gemms(case: dict, base: str) -> None:
+    """A MoE step's expert GEMMs must be costed as GEMMs: two grouped GEMMs forward and four backward (grad
+    input and grad weight of each expert site). Fewer means a grouped GEMM went unrecognised (costed by its
+    bytes) or was decomposed into Triton kernels, and every number of the step would be wrong."""
+    grouped = [row for row in case["rows"] if row["kind"] == "gemm" and "grouped" in row["name"]]
+    templates = sorted({row["name"] for row in case["rows"] if row["kind"] == "triton"
+                        and row["name"].startswith("triton_tem") and "grouped" in row["name"]})
+    if templates:
+        raise capture.CaptureError(f"{base}: Inductor generated Triton templates for grouped GEMMs {templates[:3]}, "
+                                   "which the cost model would cost by their bytes, not their FLOPs")
+    if len(grouped) < 6:
+        raise capture.CaptureError(
+            f"{base}: {len(grouped)} grouped GEMMs costed as GEMMs in the MoE step, expected 6 (forward, grad "
+            f"input and grad weight of both expert sites); extern calls seen: "
+            f"{sorted({row['name'] for row in case['rows'] if row['kind'] in ('gemm', 'extern')})}")
 
 
 def linear(spec: dict) -> list[dict]:
@@ -245,7 +302,7 @@ def versions() -> dict:
     return result
 
 
-WORKLOADS = {"decoder": decoder, "linear": linear, "quantize": quantize}
+WORKLOADS = {"decoder": decoder, "linear": linear, "quantize": quantize, "moe": moe}
 
 
 def run(spec: dict) -> dict:

@@ -1,0 +1,281 @@
+"""A mixture-of-experts block (Qwen3-30B-A3B's): training tokens/s per contestant on a CUDA GPU.
+
+The block is ``fp8graph.models.build("moe", config)`` (models/moe.py: HuggingFace's ``grouped_mm`` experts
+path in plain PyTorch: router linear, softmax, top-k, sort, gather, ``torch._grouped_mm`` gate_up, SwiGLU,
+``torch._grouped_mm`` down, weigh, scatter and sum), in BF16 with Inductor, on ``batch`` x ``tokens``
+tokens. ``--config bench`` (the default) is one Qwen3-30B-A3B MoE block: hidden 2048, 128 experts, top 8,
+expert width 768. A training step is
+
+    out = compiled(x); out.backward(grad_output)      x (batch, tokens, hidden) BF16, requiring grad
+    p.add_(p.grad, alpha=-1e-5) for every parameter   eager SGD, as bench decoder's
+
+Contestants (each in a process of its own, as bench decoder's): ``bf16`` (plain ``torch.compile``),
+fp8graph's ``rowwise`` and ``current`` (``fp8graph.compile`` with that recipe: the two expert GEMMs become
+``fp8graph_grouped_<recipe>`` targets, ``torch._scaled_grouped_mm`` on SM90; the router stays BF16),
+``delayed`` on request (expert sites keep high precision under it today: a row that says so, never
+timed as FP8), and ``torchao moe rowwise``: torchao's MoE training (``torchao.prototype.moe_training``,
+``Float8TrainingOpConfig``, row-wise FP8) applied with ``quantize_`` to the ``experts`` module only, whose
+3-D weights become the tensor subclass that runs ``torch._grouped_mm`` as its own FP8 grouped GEMMs.
+Each row: tokens/s from the median step, peak memory, memory saved for backward, first-step (compile)
+time, and with ``--profile`` kernel time by category. ``--smoke`` runs the tiny block on CPU with
+``aot_eager`` (timings mean nothing; torchao's Triton kernels need CUDA, so its row is an error there).
+The device-free model of the same step: ``python -m bench model moe``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from torch._inductor import config as inductor_config
+
+from .cli import positive, require_cuda
+
+__all__ = ["DEFAULT", "KNOWN", "parse_contestant", "swap_in_torchao", "compile_block"]
+
+# The fp8graph recipes an expert site can run (row-wise and per-tensor current) and delayed, which it keeps.
+RECIPES = ("rowwise", "current", "delayed")
+TORCHAO = "torchao moe rowwise"
+KNOWN = ["bf16", *RECIPES, TORCHAO]
+DEFAULT = ["bf16", "rowwise", "current", TORCHAO]
+CONFIGS = ("bench", "tiny", "tiny-odd")  # models/moe.py's
+
+
+def parse_contestant(name: str) -> tuple[str, dict[str, bool]]:
+    """``("rowwise", {"combo_kernels": True})`` of ``"rowwise +combo_kernels"`` (bench decoder's Inductor
+    settings); raises ``ValueError`` on a name this benchmark does not know."""
+    from .decoder import INDUCTOR_SETTINGS
+
+    words = name.split()
+    suffix = [word for word in words if word[:1] in "+-" and len(word) > 1]
+    base = " ".join(word for word in words if word not in suffix)
+    if base not in KNOWN:
+        raise ValueError(f"unknown MoE contestant {base!r} in {name!r}; known: {KNOWN}")
+    patches = {}
+    for word in suffix:
+        if word[1:] not in INDUCTOR_SETTINGS:
+            raise ValueError(f"unknown Inductor setting {word[1:]!r} in {name!r}; known: {sorted(INDUCTOR_SETTINGS)}")
+        patches[INDUCTOR_SETTINGS[word[1:]]] = word[0] == "+"
+    return base, patches
+
+
+def swap_in_torchao(block: torch.nn.Module) -> int:
+    """torchao's row-wise FP8 MoE training on ``block.experts``' parameters only: each becomes a
+    ``Float8TrainingWeightWrapperTensor``, whose ``__torch_function__`` runs ``torch._grouped_mm(x, w, offs)``
+    as torchao's ``_Float8GroupedMM`` (its Triton casts, ``torch._scaled_grouped_mm`` forward, grad_input and
+    grad_weight). The router (``block.gate``) is untouched. Returns how many parameters were wrapped."""
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
+    from torchao.quantization import quantize_
+
+    quantize_(block, Float8TrainingOpConfig(), filter_fn=lambda module, fqn: fqn == "experts")
+    wrapped = sum(isinstance(p, Float8TrainingWeightWrapperTensor) for p in block.experts.parameters())
+    if wrapped != len(list(block.experts.parameters())):
+        raise RuntimeError(f"torchao wrapped {wrapped} of the experts' parameters")
+    return wrapped
+
+
+def compile_block(block: torch.nn.Module, contestant: str, compiler):
+    """``block`` compiled as ``contestant`` (a base name): plain ``torch.compile`` for BF16 and torchao (whose
+    conversion is done beforehand), ``fp8graph.compile`` with the recipe's preset as the policy otherwise."""
+    if contestant == "bf16" or contestant.startswith("torchao"):
+        return torch.compile(block, backend=compiler)
+    import fp8graph
+    from fp8graph.recipes import PRESETS
+
+    return fp8graph.compile(block, policy=PRESETS[contestant], compiler=compiler)
+
+
+def fp8_note(compiled, block) -> str:
+    """What the contestant put in FP8: torchao's wrapped expert weights, or fp8graph's decisions."""
+    wrapped = [name for name, p in block.named_parameters() if "TrainingWeightWrapper" in type(p).__name__]
+    if wrapped:
+        return f"torchao: {', '.join(wrapped)} wrapped (row-wise FP8 grouped GEMMs); the router in BF16"
+    backend = getattr(compiled, "fp8graph_backend", None)
+    if backend is None:
+        return ""
+    decisions = backend.decisions
+    kept = sorted({f"{d.site.path or '<root>'} ({d.site.op}): {d.reason.split(':')[0]}"
+                   for d in decisions if not d.rewritten})
+    return f"fp8graph: {sum(d.rewritten for d in decisions)} of {len(decisions)} sites in FP8" + \
+        (f"; kept: {'; '.join(kept[:4])}" if kept else "")
+
+
+# --- the GPU measurement -----------------------------------------------------------------------------------
+
+def _settings(args) -> dict:
+    if args.smoke:
+        return {"device": torch.device("cpu"), "compiler": "aot_eager", "config": "tiny", "batch": 2, "tokens": 16,
+                "warmup": 1, "repeats": 2}
+    return {"device": torch.device("cuda"), "compiler": "inductor", "config": args.config, "batch": args.batch,
+            "tokens": args.tokens, "warmup": 3, "repeats": args.repeats}
+
+
+def measure_contestant(name: str, args) -> dict:
+    """One contestant's row, measured in this process, under its Inductor settings if its name has any."""
+    from fp8graph.models import build
+
+    from .memory import saved_for_backward_bytes
+    from .profile import profile_steps
+    from .timing import median, require_fp8_sites, time_compiled
+
+    contestant, patches = parse_contestant(name)
+    settings = _settings(args)
+    device = settings["device"]
+    torch._dynamo.reset()
+    block = build("moe", settings["config"], device=device, dtype=torch.bfloat16)
+    if contestant.startswith("torchao"):
+        if device.type != "cuda":
+            raise RuntimeError("torchao's MoE training casts with Triton kernels, which need CUDA")
+        swap_in_torchao(block)
+    hidden = block.gate.in_features
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(settings["batch"], settings["tokens"], hidden, device=device, dtype=torch.bfloat16,
+                    generator=generator, requires_grad=True)
+    grad_output = torch.randn(x.shape, device=device, dtype=torch.bfloat16, generator=generator)
+    with inductor_config.patch(patches):
+        compiled = compile_block(block, contestant, settings["compiler"])
+
+        def step():
+            compiled(x).backward(grad_output)
+            with torch.no_grad():
+                for parameter in block.parameters():
+                    parameter.add_(parameter.grad, alpha=-1e-5)
+                    parameter.grad = None
+            x.grad = None
+
+        torch._dynamo.utils.counters.clear()
+        started = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        row = {"contestant": name, "inductor_settings": patches, "compile_s": time.perf_counter() - started,
+               "note": fp8_note(compiled, block)}
+        require_fp8_sites(compiled)  # an fp8graph contestant with every site kept is not timed as FP8
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        row["train_timings_ms"] = time_compiled(step, device, settings["warmup"], settings["repeats"])
+        row["train_tokens_per_s"] = x.shape[0] * x.shape[1] / (median(row["train_timings_ms"]) / 1e3)
+        row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+        if args.profile:
+            row["profile"] = profile_steps(step, device)
+        row["saved_gb"] = saved_for_backward_bytes(lambda: _as_loss(compiled(x), grad_output),
+                                                   block.parameters()) / 1e9
+    for parameter in block.parameters():
+        parameter.grad = None
+    return row
+
+
+def _as_loss(out: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """A scalar whose gradient on ``out`` is ``grad_output`` (bench.memory runs ``.backward()`` on it)."""
+    return (out * grad_output).sum()
+
+
+def _in_own_process(name: str, args) -> dict:
+    """``measure_contestant`` in a child process (its own CUDA context and peak memory); a crash or timeout
+    is the row's error, and the other contestants go on."""
+    with tempfile.TemporaryDirectory() as scratch:
+        row_file = pathlib.Path(scratch) / "row.json"
+        command = [sys.executable, "-m", "bench", "moe", "--one", name, "--row-file", str(row_file),
+                   "--config", args.config, "--tokens", str(args.tokens), "--batch", str(args.batch),
+                   "--repeats", str(args.repeats)]
+        command += [flag for flag, wanted in (("--smoke", args.smoke), ("--profile", args.profile)) if wanted]
+        try:
+            finished = subprocess.run(command, capture_output=True, text=True, timeout=args.contestant_timeout)
+        except subprocess.TimeoutExpired as expired:
+            output = expired.stdout or ""
+            output = output.decode(errors="replace") if isinstance(output, bytes) else output
+            return {"contestant": name, "error": f"timed out after {args.contestant_timeout} s; last output: "
+                                                 f"{output[-2000:]}"}
+        if finished.returncode != 0 or not row_file.exists():
+            return {"contestant": name, "error": f"exited with code {finished.returncode}: "
+                                                 f"{(finished.stdout + finished.stderr)[-2000:]}"}
+        return json.loads(row_file.read_text())
+
+
+def wanted_contestants(requested: list[str] | None) -> list[str]:
+    """bf16 first (every ratio needs it), then the others; an unknown name exits before anything runs."""
+    wanted = ["bf16", *(name for name in requested or DEFAULT if name != "bf16")]
+    for name in wanted:
+        try:
+            parse_contestant(name)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+    return wanted
+
+
+def run(args: argparse.Namespace) -> dict:
+    from .timing import attempt, environment, report, write_partial
+
+    if args.one:  # a child process of a run: one contestant's row into --row-file
+        row = attempt({"contestant": args.one}, lambda: measure_contestant(args.one, args))
+        args.row_file.write_text(json.dumps(row))
+        return row
+    wanted = wanted_contestants(args.contestants)
+    require_cuda("moe", args)
+    settings = _settings(args)
+    rows: list[dict] = []
+    result = {"workload": "moe_block", "smoke": args.smoke, "compiler": settings["compiler"],
+              "config": settings["config"], "batch": settings["batch"], "sequence": settings["tokens"],
+              "environment": environment(settings["device"]), "warmup": settings["warmup"],
+              "repeats": settings["repeats"], "process_per_contestant": True, "rows": rows}
+    for name in wanted:
+        rows.append(_in_own_process(name, args))
+        print(f"{name}: {'error' if 'error' in rows[-1] else 'measured'}", flush=True)
+        write_partial(result, args.out, "moe")
+    add_ratios(rows)
+    return report(result, args.out, "moe", summary)
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each row's tokens/s over BF16's and over torchao's (above 1: this row is faster)."""
+    measured = {row["contestant"]: row for row in rows if "error" not in row}
+    for row in measured.values():
+        for baseline, key in (("bf16", "train_speedup_vs_bf16_compile"), (TORCHAO, "train_speedup_vs_torchao")):
+            if baseline in measured:
+                row[key] = row["train_tokens_per_s"] / measured[baseline]["train_tokens_per_s"]
+
+
+def summary(result: dict) -> str:
+    from .decoder import _profile_tables
+    from .timing import failed, markdown_table, title
+
+    def number(row, key, form):
+        return form.format(row[key]) if row.get(key) is not None else "-"
+
+    rows = [[r["contestant"], f"{r['train_tokens_per_s']:.0f}", number(r, "train_speedup_vs_bf16_compile", "{:.2f}x"),
+             number(r, "train_speedup_vs_torchao", "{:.2f}x"), number(r, "peak_memory_gb", "{:.1f}"),
+             number(r, "saved_gb", "{:.3g}"), number(r, "compile_s", "{:.1f}")]
+            for r in result["rows"] if "error" not in r]
+    columns = ["contestant", "train tokens/s", "vs bf16", "vs torchao moe rowwise", "peak GB",
+               "saved for backward GB", "first step (compile) s"]
+    heading = (f"MoE block ({result['config']}, batch {result['batch']}, {result['sequence']} tokens, forward + "
+               "backward + SGD)")
+    notes = [f"- {r['contestant']}: {r['note']}" for r in result["rows"] if r.get("note")]
+    return "\n".join([title(heading, result), "", *markdown_table(columns, rows), *([""] + notes if notes else []),
+                      *failed(result["rows"]), *_profile_tables(result["rows"])])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--smoke", action="store_true", help="the tiny block on CPU with aot_eager, for the tests")
+    parser.add_argument("--config", choices=CONFIGS, default="bench",
+                        help="models/moe.py's config: bench is Qwen3-30B-A3B's MoE block")
+    parser.add_argument("--tokens", type=positive(int), default=4096, help="tokens per sequence")
+    parser.add_argument("--batch", type=positive(int), default=1)
+    parser.add_argument("--contestants", nargs="+", metavar="NAME",
+                        help=f"run these (and the BF16 baseline) only; known: {KNOWN}; a name may end in "
+                             "'+setting' / '-setting' (bench decoder's Inductor settings); default: "
+                             f"{DEFAULT}")
+    parser.add_argument("--repeats", type=positive(int), default=20)
+    parser.add_argument("--profile", action="store_true", help="also profile training steps: kernel time by category")
+    parser.add_argument("--contestant-timeout", type=positive(float), default=600,
+                        help="seconds one contestant may take")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    parser.add_argument("--one", metavar="NAME", help=argparse.SUPPRESS)  # a child process's contestant
+    parser.add_argument("--row-file", type=pathlib.Path, help=argparse.SUPPRESS)
