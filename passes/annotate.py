@@ -65,13 +65,16 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
             return "activation x activation matmul (FP8 only when a policy rule names it)"
         return "policy keeps it in high precision"
     if site.is_experts and not isinstance(recipe, EXPERT_RECIPES):
-        return (f"{recipe.name} on expert GEMMs is not supported yet: expert sites run row-wise, current or "
-                "MXFP8 scaling")
+        return (f"{recipe.name} on expert GEMMs is not supported yet: expert sites run row-wise, current, "
+                "delayed or MXFP8 scaling")
     if 0 in (site.M, site.K, site.N):
         return "an empty operand (M, K or N is 0): nothing to cast; the GEMM runs as in high precision"
     if recipe.stateful and not site.is_linear:
         return ("delayed scaling has no state here: fp8graph.compile registers it per weight parameter, "
                 "which activation matmuls lack")
+    if recipe.stateful and site.is_experts and site.checkpoint_region is not None:
+        return ("delayed scaling of expert GEMMs inside torch.utils.checkpoint is not supported yet (their state "
+                "would need the snapshots linears get: fp8graph.buffers.snapshots)")
     if recipe.stateful and site.checkpoint_region is not None \
             and CONTEXT_FN_KEY in site.checkpoint_region.meta:
         return ("delayed scaling in a torch.utils.checkpoint region with its own context_fn: its replayed "

@@ -131,7 +131,7 @@ class _Buffers:
         return None if stats is None else self.subgraphs.lift(stats, gm)
 
     def state(self, decision: Decision, gm) -> tuple[torch.fx.Node, ...] | None:
-        """``(history, scale, grad_history, grad_scale)`` of a delayed-scaling linear site."""
+        """``(history, scale, grad_history, grad_scale)`` of a delayed-scaling linear or expert site."""
         if not (decision.site.is_linear and decision.recipe.stateful):
             return None
         return self._lift(self._state_nodes(decision.site), gm)
@@ -183,7 +183,8 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
         else:
             state, cache = states[0], caches[0]
             if site.is_experts:
-                target = grouped_fp8_target(first.recipe, first.lowering)
+                target = grouped_fp8_target(first.recipe, first.lowering,
+                                            state is None or buffers.updates_state(site))
                 args = (site.input_node, _weight_nk(graph, first), site.offsets_node)
             elif first.recipe.tiled:
                 target = linear_tiled_target(first.recipe, first.lowering)

@@ -9,6 +9,7 @@ on the same families is the zoo's (``tests/test_zoo.py``: one step, logits' SQNR
 import pytest
 import torch
 
+import fp8graph
 from fp8graph import Float8RowwiseScaling
 from fp8graph.models.zoo import build_zoo_model, expert_paths, train_against_eager
 
@@ -26,3 +27,42 @@ def test_moe_family_trains_in_fp8_with_every_expert_gemm_rewritten(family):
     deltas = [abs(a - b) / b for a, b in zip(fp8_losses, eager_losses)]
     assert max(deltas) <= LOSS_MARGIN, (max(deltas), fp8_losses[-1], eager_losses[-1])
     assert sum(fp8_losses[-5:]) < 0.8 * sum(fp8_losses[:5]), "it learns"
+
+
+def test_delayed_expert_state_resumes_from_a_checkpoint_bit_for_bit(tmp_path):
+    """Three steps, save model (its per-expert amax histories included) and optimizer, two more; a fresh model
+    loaded from the checkpoint and compiled takes the same two steps: losses, weights and state equal."""
+    from fp8graph import DelayedScaling
+    from fp8graph.models import build
+
+    recipe = DelayedScaling(amax_history_len=8)
+    inputs = [torch.randn(2, 8, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(i))
+              for i in range(5)]
+
+    def steps(compiled, optimizer, batches):
+        losses = []
+        for x in batches:
+            loss = compiled(x).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    model = build("moe", "tiny", dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager")
+    steps(compiled, optimizer, inputs[:3])
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "checkpoint.pt")
+    assert torch.count_nonzero(model.experts.fp8graph_amax_history_down_proj[1:]) > 0
+    expected = steps(compiled, optimizer, inputs[3:])
+
+    resumed = build("moe", "tiny", dtype=torch.bfloat16, seed=1)  # other weights, overwritten by the load
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
+    resumed_compiled = fp8graph.compile(resumed, policy=recipe, compiler="aot_eager")  # registers the state
+    checkpoint = torch.load(tmp_path / "checkpoint.pt")
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    assert steps(resumed_compiled, resumed_optimizer, inputs[3:]) == expected
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -9,6 +9,9 @@ gives a ``DelayedScaling`` recipe it registers, per weight parameter ``<name>``:
     fp8graph_grad_output_amax_history_<name>  (1, amax_history_len)                  zeros
     fp8graph_grad_output_scale_<name>         (1,)                                   ones
 
+and for experts' 3-D weights (E, N, K) a weight row per expert: forward buffers of 1 + E rows (the
+input, then expert 0 to E - 1), the grad_output pair as above (``fp8graph.targets.grouped``)
+
 so ``state_dict()`` and ``load_state_dict()`` carry them (a checkpoint
 saved without them loads with fresh state and a logged notice; one saved
 with the three roles in one buffer loads split; one whose history has
@@ -42,7 +45,8 @@ from fp8graph.recipes.policy import Policy, resolve_weight
 from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
 
 __all__ = ["FORWARD_ROLES", "GRAD_HISTORY_PREFIX", "GRAD_SCALE_PREFIX", "HISTORY_PREFIX", "SCALE_PREFIX",
-           "STATE_PREFIXES", "DelayedState", "SiteState", "register_delayed_state"]
+           "STATE_PREFIXES", "DelayedState", "SiteState", "forward_rows", "register_delayed_state",
+           "weight_candidates"]
 
 log = logging.getLogger("fp8graph")
 
@@ -101,14 +105,20 @@ def _fill_missing_state(module: torch.nn.Module, state_dict, prefix, *args) -> N
 
 
 def weight_candidates(module: torch.nn.Module):
-    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
-        return  # looked up by index, never multiplied
+    """The weights of ``module`` an FP8 site may multiply: matrices, and experts' 3-D weights (E, N, K)."""
+    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag, torch.nn.modules.conv._ConvNd)):
+        return  # looked up by index, or convolved: never a GEMM's weight
     for name, param in module.named_parameters(recurse=False):
-        # FP8 GEMMs need both dims of the weight to be multiples of 16, whichever
+        # FP8 GEMMs need both dims of the matrix to be multiples of 16, whichever
         # way round it is stored; other weights stay in high precision anyway.
-        aligned = not any(dim % FP8_GEMM_DIM_MULTIPLE for dim in param.shape)
-        if param.dim() == 2 and param.is_floating_point() and aligned:
+        aligned = not any(dim % FP8_GEMM_DIM_MULTIPLE for dim in param.shape[-2:])
+        if param.dim() in (2, 3) and param.is_floating_point() and aligned:
             yield name, param
+
+
+def forward_rows(param: torch.Tensor) -> int:
+    """Rows of a weight's forward state: input and weight, or input and one per expert of a 3-D weight."""
+    return 1 + (param.shape[0] if param.dim() == 3 else 1)
 
 
 def _state_names(owner: torch.nn.Module) -> list[str]:
@@ -216,8 +226,9 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedSta
             if recipe is None:
                 continue
             history_len, device = recipe.amax_history_len, param.device
-            for prefix, initial in ((HISTORY_PREFIX, torch.zeros(len(FORWARD_ROLES), history_len, device=device)),
-                                    (SCALE_PREFIX, torch.ones(len(FORWARD_ROLES), device=device)),
+            rows = forward_rows(param)
+            for prefix, initial in ((HISTORY_PREFIX, torch.zeros(rows, history_len, device=device)),
+                                    (SCALE_PREFIX, torch.ones(rows, device=device)),
                                     (GRAD_HISTORY_PREFIX, torch.zeros(1, history_len, device=device)),
                                     (GRAD_SCALE_PREFIX, torch.ones(1, device=device))):
                 new_buffers.append(NewBuffer(module, path, prefix + name, initial, persistent=True))

@@ -119,6 +119,11 @@ def _storage_address(weight: torch.Tensor) -> int | None:
         return None
 
 
+def matrices(module: torch.nn.Module):
+    """The 2-D weight candidates: experts' 3-D weights have no FP8 copy (their sites cast them each call)."""
+    return ((name, param) for name, param in weight_candidates(module) if param.dim() == 2)
+
+
 def _copy_shape(module: torch.nn.Module, param: torch.Tensor) -> tuple[int, int]:
     """The FP8 copy's shape: (N, K), or the weight's own where its module leaves the orientation open."""
     orientations = weight_orientations(module, param)
@@ -138,7 +143,7 @@ def _reuse_registered_cache(model: torch.nn.Module, policy: Policy, cache: Weigh
     for path, module in model.named_modules():
         if module is model:
             continue
-        for name, param in weight_candidates(module):
+        for name, param in matrices(module):
             recipe = _cacheable_recipe(policy, path, module, param)
             wanted = None if recipe is None else recipe.fp8_dtype(Role.WEIGHT)
             there = copies[id(param)][0].dtype if id(param) in copies else None
@@ -167,7 +172,7 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy) -> WeightCache
     for path, module in model.named_modules():
         if module is model:
             continue
-        for name, param in weight_candidates(module):
+        for name, param in matrices(module):
             if id(param) in owner_of:  # a tied weight: one copy, kept by the first module
                 owner, owner_name = owner_of[id(param)]
                 cache.add(module, name, owner, owner_name)

@@ -231,8 +231,9 @@ class WeightRecipes:
 
 def weight_orientations(module: torch.nn.Module | None, weight: torch.Tensor) -> list[tuple[int, int]]:
     """The ``(N, K)`` a linear on ``weight`` can have: ``nn.Linear`` stores (N, K), HuggingFace's ``Conv1D``
-    (GPT-2) stores (K, N); a weight of any other module may be multiplied either way."""
-    rows, columns = weight.shape
+    (GPT-2) stores (K, N); a weight of any other module (an expert's, the last two dims of a 3-D weight) may
+    be multiplied either way."""
+    rows, columns = weight.shape[-2:]
     if isinstance(module, torch.nn.Linear):
         return [(rows, columns)]
     if type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers."):
@@ -241,10 +242,11 @@ def weight_orientations(module: torch.nn.Module | None, weight: torch.Tensor) ->
 
 
 def resolve_weight(policy: Policy, path: str, module: torch.nn.Module | None, weight: torch.Tensor) -> WeightRecipes:
-    """The recipes ``policy`` can give a linear on the 2-D ``weight`` of ``module`` (at ``path``), before
-    tracing: see :class:`WeightRecipes`."""
-    sites = [SiteInfo(op="linear", M=None, K=k, N=n, dtype=weight.dtype)
-             for n, k in weight_orientations(module, weight)]
+    """The recipes ``policy`` can give a linear on the 2-D ``weight`` of ``module`` (at ``path``), or an expert
+    site on its 3-D one (E, N, K), before tracing: see :class:`WeightRecipes`."""
+    experts = weight.shape[0] if weight.dim() == 3 else None
+    sites = [SiteInfo(op="linear" if experts is None else "grouped_mm", M=None, K=k, N=n, dtype=weight.dtype,
+                      experts=experts) for n, k in weight_orientations(module, weight)]
     recipes, rule_indices, undecided = [], [], []
     for index, (pattern, recipe) in enumerate(policy.rules):
         verdicts = set()

@@ -15,6 +15,8 @@ Scales, per recipe (``fp8graph.numerics.groups`` draws the groups):
     rowwise    per row                     per output row (N), and per    per group and column
                                            column (K) for grad_input
     current    per tensor                  per expert                     the same casts, read again
+    delayed    per tensor, from its        per expert, from its history   the same casts, read again
+               history                     (a row per expert)
     mxfp8      blocks of 32 along K (N     blocks of 32 along K (N for    blocks of 32 tokens, each group
                for grad_input), E8M0       grad_input)                    zero-padded to a multiple of 32
 
@@ -39,21 +41,25 @@ from fp8graph.numerics.formats import Format, Role
 from fp8graph.numerics.groups import padded_group_rows, quantize_group_columns, row_groups
 from fp8graph.numerics.quantize import amax, amax_to_scale, finite_magnitude, quantize, row_amaxes
 from fp8graph.numerics.tiles import Tiling, expand_scale, reference_dequantize_tiles, reference_quantize_tiles
-from fp8graph.recipes.scaling import Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling, Recipe
+from fp8graph.recipes.scaling import (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling,
+                                     Recipe)
+from fp8graph.buffers.amax_reduction import amax_reduction
+from fp8graph.numerics.delayed_scaling import scale_from_history
 from fp8graph.targets.cache_hash import register_target
-from fp8graph.targets.linear_tensorwise import record_health, target_name
+from fp8graph.targets.linear_tensorwise import record_health, record_states, target_name
+from fp8graph.targets.partitioning import read_in_backward, saved_not_recomputed
 
 __all__ = ["EXPERT_RECIPES", "expert_recipe", "grouped_fp8_target"]
 
 _FP8 = torch.float8_e4m3fn
 # The recipes expert sites run (the others are kept in high precision with the reason: passes.annotate).
-EXPERT_RECIPES = (Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling)
+EXPERT_RECIPES = (Float8CurrentScaling, DelayedScaling, Float8RowwiseScaling, MXFP8BlockScaling)
 
 
 def expert_recipe(recipe: Recipe) -> Recipe:
     """The recipe an expert site runs when a policy gives it ``recipe``: its grad_output in E4M3 (see the
     module's doc), the rest unchanged."""
-    if isinstance(recipe, Float8CurrentScaling) and recipe.fp8_format is not Format.E4M3:
+    if isinstance(recipe, (Float8CurrentScaling, DelayedScaling)) and recipe.fp8_format is not Format.E4M3:
         return dataclasses.replace(recipe, fp8_format=Format.E4M3)
     return recipe
 
@@ -64,6 +70,11 @@ class GroupedSpec:
 
     recipe: Recipe
     lowering: Lowering
+    update: bool = True  # delayed scaling: False in graphs without gradients, which read the stored scales
+
+    @property
+    def delayed(self) -> bool:
+        return self.recipe.stateful
 
     @property
     def per_row(self) -> bool:
@@ -97,18 +108,61 @@ def _cast_experts(weight_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Ten
     return quantize(weight_hp, scale[:, :, None], _FP8), scale, scale.reciprocal().expand(experts, rows)
 
 
+def _cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec):
+    """The forward casts with delayed scaling: the input's scale from row 0 of the history, expert e's from row
+    1 + e; every row moves one step (new scales, histories rolled, this call's amaxes recorded) in one
+    ``fp8graph::record_delayed_``. Returns the two casts as :func:`_cast_rows` and :func:`_cast_experts` do."""
+    history, scale = state[0], state[1]  # (1 + E, len), (1 + E,)
+    recipe = spec.recipe
+    if not spec.update:
+        new_scales = scale.clone()
+    else:
+        # Read from the buffers this forward then updates: saved for the backward, never recomputed from them.
+        with saved_not_recomputed():
+            new_scales = scale_from_history(history, scale, _FP8, recipe.margin, recipe.amax_compute_algo)
+    inverse = new_scales.reciprocal()
+    experts, rows, _ = weight_hp.shape
+    input_scale, weight_scale = new_scales[0], new_scales[1:, None]  # 0-dim, (E, 1)
+    input_fp8 = quantize(input_hp, input_scale, _FP8)
+    weight_fp8 = quantize(weight_hp, weight_scale[:, :, None], _FP8)
+    if spec.update:
+        # Per-row partial amaxes, computed with the casts in one read; the op finishes them.
+        partials = [row_amaxes(input_hp.detach()), *finite_magnitude(weight_hp.detach()).amax(dim=2).unbind(0)]
+        record_states([(history, scale)], [partials], new_scales[None].contiguous(),
+                      amax_reduction(recipe.reduce_amax))
+    return ((input_fp8, input_scale, inverse[0].expand(input_hp.shape[0])),
+            (weight_fp8, weight_scale, inverse[1:, None].expand(experts, rows)))
+
+
+def _cast_grad_output_delayed(grad_output_hp, state, spec: GroupedSpec):
+    """grad_output's cast with delayed scaling, from its own history, read when this backward runs."""
+    history, scale = (read_in_backward(buffer, grad_output_hp) for buffer in state[2:])  # (1, len), (1,)
+    recipe = spec.recipe
+    new_scale = (scale_from_history(history, scale, _FP8, recipe.margin, recipe.amax_compute_algo) if spec.update
+                 else scale.clone())  # (1,)
+    grad_output_fp8 = quantize(grad_output_hp, new_scale[0], _FP8)
+    if spec.update:
+        record_states([state[2:]], [[row_amaxes(grad_output_hp.detach())]], new_scale[None].contiguous(),
+                      amax_reduction(recipe.reduce_amax))
+    return grad_output_fp8, new_scale[0], new_scale.reciprocal().expand(grad_output_hp.shape[0])
+
+
 class _GroupedFP8(torch.autograd.Function):
     """``output = grouped_mm(input, weight^T, offsets)`` (see the module's doc) on the sorted (S, K) input;
     the output is the GEMM's own (S, N) result, never a view."""
 
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, offsets, spec: GroupedSpec, stats, grad_enabled: bool):
+    def forward(ctx, input_hp, weight_hp, offsets, spec: GroupedSpec, stats, grad_enabled: bool, state=None):
         experts = weight_hp.shape[0]
         output_dtype = input_hp.dtype  # as torch._grouped_mm's
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         with torch.autocast(input_hp.device.type, enabled=False):
-            input_fp8, input_scale, input_inverse = _cast_rows(input_hp, spec)  # (S, K), along K
-            weight_fp8, weight_scale, weight_inverse = _cast_experts(weight_hp, spec)  # (E, N, K), along K
+            if spec.delayed:
+                (input_fp8, input_scale, input_inverse), (weight_fp8, weight_scale, weight_inverse) = \
+                    _cast_forward_delayed(input_hp, weight_hp, state, spec)
+            else:
+                input_fp8, input_scale, input_inverse = _cast_rows(input_hp, spec)  # (S, K), along K
+                weight_fp8, weight_scale, weight_inverse = _cast_experts(weight_hp, spec)  # (E, N, K), along K
             # output = input . weight_e^T  (S, N); fast accumulation for the forward GEMM, as for linears.
             output = grouped_scaled_gemm(input_fp8, input_inverse, weight_fp8.transpose(-2, -1), weight_inverse,
                                          offsets, output_dtype, spec.lowering, use_fast_accum=True)
@@ -134,7 +188,9 @@ class _GroupedFP8(torch.autograd.Function):
                     saved_weight = (weight_fp8.transpose(-2, -1), weight_inverse[:, :1].expand(
                         experts, weight_hp.shape[2]))
         ctx.save_for_backward(offsets, *saved_input, *saved_weight)
-        ctx.spec, ctx.stats = spec, stats
+        # The state's buffers are read and written in place by the backward, not saved (as the linears' are:
+        # fp8graph.targets.partitioning).
+        ctx.spec, ctx.stats, ctx.state = spec, stats, state
         ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
         return output
 
@@ -146,7 +202,9 @@ class _GroupedFP8(torch.autograd.Function):
         grad_input = grad_weight = None
         experts = offsets.shape[0]
         with torch.autocast(grad_output_hp.device.type, enabled=False):
-            grad_output_fp8, grad_output_scale, grad_output_inverse = _cast_rows(grad_output_hp, spec)  # along N
+            grad_output_fp8, grad_output_scale, grad_output_inverse = (  # along N
+                _cast_grad_output_delayed(grad_output_hp, ctx.state, spec) if spec.delayed
+                else _cast_rows(grad_output_hp, spec))
             if ctx.stats is not None:
                 record_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp, grad_output_fp8,
                               _per_row(grad_output_scale, grad_output_hp), spec.recipe)
@@ -165,7 +223,7 @@ class _GroupedFP8(torch.autograd.Function):
                 # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
                 grad_weight = grouped_scaled_gemm_weights(grad_output_g_fp8.t(), grad_output_g_inverse, input_g_fp8,
                                                           input_g_inverse, offsets, ctx.weight_dtype, spec.lowering)
-        return grad_input, grad_weight, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None, None
 
 
 def _per_row(scale: torch.Tensor, x_hp: torch.Tensor) -> torch.Tensor:
@@ -186,7 +244,7 @@ class _GroupedBlocks(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, offsets, spec: GroupedSpec, stats, grad_enabled: bool):
+    def forward(ctx, input_hp, weight_hp, offsets, spec: GroupedSpec, stats, grad_enabled: bool, state=None):
         tiling = spec.recipe.tiling(Role.INPUT)
         experts, rows, columns = weight_hp.shape
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
@@ -225,7 +283,7 @@ class _GroupedBlocks(torch.autograd.Function):
                 grad_output_t_dq = _blocks(_padded(grad_output_hp, padding).t(), tiling)  # (N, S')
                 # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
                 grad_weight = grouped_mm_exact(grad_output_t_dq, input_t_dq.t(), padded_offsets).to(ctx.weight_dtype)
-        return grad_input, grad_weight, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None, None
 
 
 def _blocks(x_hp: torch.Tensor, tiling: Tiling, stats=None, role: Role | None = None, recipe=None) -> torch.Tensor:
@@ -244,24 +302,32 @@ def _padded(x_hp: torch.Tensor, padding) -> torch.Tensor:
 
 
 @functools.cache
-def grouped_fp8_target(recipe: Recipe, lowering: Lowering) -> Callable[..., torch.Tensor]:
+def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True) -> Callable[..., torch.Tensor]:
     """The graph target for expert sites with ``recipe`` (one of :data:`EXPERT_RECIPES`), named for it:
-    ``grouped_fp8(input_hp (S, K), weight_hp (E, N, K), offsets (E,), stats=None)``, or, for
-    ``torch.bmm`` over every expert (Llama-4), ``input_hp`` (E, T, K) and ``offsets=None``: E groups of T."""
+    ``grouped_fp8(input_hp (S, K), weight_hp (E, N, K), offsets (E,), stats=None, history=None, scale=None,
+    grad_history=None, grad_scale=None)``, or, for ``torch.bmm`` over every expert (Llama-4), ``input_hp``
+    (E, T, K) and ``offsets=None``: E groups of T. Delayed scaling takes the weight's state
+    (``fp8graph.buffers.delayed_state``: 1 + E forward rows) and, with ``update=False`` (graphs without
+    gradients, eval-mode modules), only reads its scales."""
 
     function = _GroupedBlocks if isinstance(recipe, MXFP8BlockScaling) else _GroupedFP8
 
-    def grouped_fp8(input_hp, weight_hp, offsets=None, stats=None):
-        spec = GroupedSpec(recipe, lowering)
+    def grouped_fp8(input_hp, weight_hp, offsets=None, stats=None, history=None, scale=None, grad_history=None,
+                    grad_scale=None):
+        spec = GroupedSpec(recipe, lowering, update)
+        state = None if history is None else (history, scale, grad_history, grad_scale)
+        if recipe.stateful and state is None:
+            raise ValueError(f"{recipe.name} on an expert GEMM needs the weight's delayed-scaling state")
         if offsets is not None:
-            return function.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled())
+            return function.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled(), state)
         experts, tokens, _ = input_hp.shape
         offsets = torch.arange(1, experts + 1, device=input_hp.device, dtype=torch.int32) * tokens
         output = function.apply(input_hp.reshape(experts * tokens, input_hp.shape[2]), weight_hp, offsets, spec,
-                                stats, torch.is_grad_enabled())  # (E T, N)
+                                stats, torch.is_grad_enabled(), state)  # (E T, N)
         return output.reshape(experts, tokens, output.shape[1])
 
-    grouped_fp8.__name__ = target_name("grouped", recipe.name, lowering.value)
+    label = recipe.name if update else f"{recipe.name}_frozen"
+    grouped_fp8.__name__ = target_name("grouped", label, lowering.value)
     grouped_fp8.recipe = recipe
     grouped_fp8.lowering = lowering
-    return register_target(grouped_fp8, recipe, lowering)
+    return register_target(grouped_fp8, recipe, lowering, update)

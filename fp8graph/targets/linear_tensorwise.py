@@ -68,7 +68,8 @@ from fp8graph.recipes.scaling import Recipe
 from fp8graph.buffers.snapshots import state_snapshot
 from fp8graph.buffers.delayed_state import FORWARD_ROLES
 
-__all__ = ["autocast_dtype", "linear_fp8_target", "linears_fp8_target", "record_health", "target_name"]
+__all__ = ["autocast_dtype", "linear_fp8_target", "linears_fp8_target", "record_health", "record_states",
+           "target_name"]
 
 _INPUT, _WEIGHT = (FORWARD_ROLES.index(role) for role in FORWARD_ROLES)  # rows of the forward state
 
@@ -160,7 +161,7 @@ def _states(spec: CallSpec, members: Sequence[Member], forward: bool,
     return torch.stack(histories), torch.stack(scales)
 
 
-def _record_states(states: Sequence[tuple[torch.Tensor, torch.Tensor]], row_amaxes_by_member: list[list[torch.Tensor]],
+def record_states(states: Sequence[tuple[torch.Tensor, torch.Tensor]], row_amaxes_by_member: list[list[torch.Tensor]],
                    new_scales: torch.Tensor, reduce) -> None:
     """Move every row of every member's ``(history, scale)`` one step, in place: each row's history records
     the amax of its ``row_amaxes_by_member[i][row]`` (per-row partial magnitudes, finished by the op) and
@@ -219,7 +220,7 @@ def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Se
         # The per-row partial amaxes ride along with the casts: Inductor computes each with its cast in
         # one read; the op finishes them. The input's is recorded by every member.
         input_row_amaxes = row_amaxes(input_hp.detach())
-        _record_states([member.state for member in members],
+        record_states([member.state for member in members],
                        [[input_row_amaxes, row_amaxes(w.detach())] for w in weights_hp],
                        new_scales.contiguous(), reduce)
     return input_fp8, input_scale, inverse_scales[_INPUT], weights
@@ -267,7 +268,7 @@ def _cast_grad_outputs(spec: CallSpec, grad_outputs_hp: Sequence[torch.Tensor], 
                                                         scalars_of(new_scales.reciprocal()))]
     if not spec.update:
         return casts
-    _record_states([member.grad_state for member in members], [[row_amaxes(grad.detach())] for grad in grad_outputs_hp],
+    record_states([member.grad_state for member in members], [[row_amaxes(grad.detach())] for grad in grad_outputs_hp],
                    new_scales[:, None].contiguous(), amax_reduction(recipe.reduce_amax))
     return casts
 

@@ -8,14 +8,15 @@ import pytest
 import torch
 
 import fp8graph
-from fp8graph import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Policy
+from fp8graph import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling, Policy
 from fp8graph.models import build
 from fp8graph.models.zoo import build_zoo_model, zoo_inputs
 from helpers import compile_fp8
 
 
 def _moe(dtype=torch.bfloat16, **overrides):
-    return build("moe", "tiny", dtype=dtype, **overrides), torch.randn(2, 8, 64, dtype=dtype)
+    model = build("moe", "tiny", dtype=dtype, **overrides)
+    return model, torch.randn(2, 8, model.gate.in_features, dtype=dtype)
 
 
 def _by_path_and_op(report):
@@ -58,14 +59,28 @@ def test_per_tensor_expert_sites_run_e4m3_gradients_and_say_so():
 
 
 def test_an_unsupported_expert_recipe_is_kept_with_the_reason_and_refused_under_strict():
+    model, x = _moe(hidden=128, expert_width=128)  # block scaling's 128-wide tiles fit
+    report = fp8graph.explain(model, x, policy=Float8BlockScaling())
+    experts = [r for r in report if r.op == "grouped_mm"]
+    assert len(experts) == 2 and all("not supported yet" in r.reason for r in experts)
+    with pytest.raises(Exception, match=r"fp8graph: experts \(grouped_mm\).*block"):
+        fp8graph.explain(model, x, policy=Policy(rules=[("experts", Float8BlockScaling())], strict=True))
+
+
+def test_delayed_expert_state_has_a_row_per_expert_and_records_each_experts_amax():
     model, x = _moe()
-    compiled, backend = compile_fp8(model, policy=DelayedScaling())
-    compiled(x)
-    experts = [d for d in backend.decisions if d.site.op == "grouped_mm"]
-    assert len(experts) == 2 and all("not supported yet" in d.reason for d in experts)
-    strict, _ = compile_fp8(_moe()[0], policy=Policy(rules=[("experts", DelayedScaling())], strict=True))
-    with pytest.raises(Exception, match=r"fp8graph: experts \(grouped_mm\).*delayed"):
-        strict(x)
+    compiled, backend = compile_fp8(model, policy=DelayedScaling(amax_history_len=4))
+    compiled(x).float().pow(2).mean().backward()
+    experts = model.experts
+    for name in ("gate_up_proj", "down_proj"):
+        history = getattr(experts, f"fp8graph_amax_history_{name}")
+        assert history.shape == (1 + 4, 4) and getattr(experts, f"fp8graph_scale_{name}").shape == (5,)
+        assert getattr(experts, f"fp8graph_grad_output_amax_history_{name}").shape == (1, 4)
+        weight = getattr(experts, name).detach().float()
+        assert torch.equal(history[1:, 0], weight.abs().amax(dim=(1, 2))), "expert e's amax in row 1 + e"
+    assert torch.equal(experts.fp8graph_amax_history_gate_up_proj[0, 0], x.float().abs().amax()), \
+        "the sorted tokens' amax: every token goes to some expert"
+    assert all(d.rewritten for d in backend.decisions if d.site.is_experts)
 
 
 def test_rewritten_block_trains_and_keep_all_equals_torch_compile():

@@ -10,7 +10,7 @@ import torch
 
 from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.numerics.health import sqnr_db
-from fp8graph.recipes.scaling import Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling
+from fp8graph.recipes.scaling import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling
 from fp8graph.targets.grouped import grouped_fp8_target
 
 RECIPES = [Float8RowwiseScaling(), Float8RowwiseScaling(power_2_scales=False), Float8CurrentScaling(),
@@ -69,6 +69,32 @@ def test_every_gemm_above_its_floor(recipe, offsets):
     output_db, grad_input_db, grad_weight_db = _sqnrs(recipe, *_case(offsets))
     assert output_db >= OUTPUT_FLOOR_DB and grad_input_db >= GRAD_FLOOR_DB and grad_weight_db >= GRAD_FLOOR_DB, (
         output_db, grad_input_db, grad_weight_db)
+
+
+def test_delayed_expert_gemms_scale_from_each_experts_history():
+    """State (1 + E forward rows: the input, then each expert's weight): the first call casts at scale 1 and records
+    the amaxes; the second casts with the scales they give and is above the floors."""
+    x, w, offsets, grad = _case([40, 40, 100, 160])
+    experts = w.shape[0]
+    state = (torch.zeros(1 + experts, 4), torch.ones(1 + experts), torch.zeros(1, 4), torch.ones(1))
+    target = grouped_fp8_target(DelayedScaling(amax_history_len=4), Lowering.EMULATED)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    reference = _reference(x64, w64, offsets)
+    reference.backward(grad.double())
+    for call in range(2):
+        x_run, w_run = x.clone().requires_grad_(), w.clone().requires_grad_()
+        output = target(x_run, w_run, offsets, None, *state)
+        output.backward(grad)
+    history, scale, grad_history, grad_scale = state
+    # The newest amax in slot 0, the one before rolled to the end.
+    assert torch.equal(history[0, [0, 3]], x.abs().amax().expand(2)), "the input's amax, recorded by both calls"
+    assert torch.equal(history[1:, 0], w.abs().amax(dim=(1, 2)))
+    assert torch.equal(scale[1:], 448 / w.abs().amax(dim=(1, 2))), "the second call's scales, from the first's"
+    assert torch.equal(grad_history[0, 0], grad.abs().amax()) and grad_scale[0] == 448 / grad.abs().amax()
+    rows = slice(0, 160)
+    assert sqnr_db(reference[rows], output[rows].double()) >= OUTPUT_FLOOR_DB
+    assert sqnr_db(x64.grad[rows], x_run.grad[rows].double()) >= GRAD_FLOOR_DB
+    assert sqnr_db(w64.grad, w_run.grad.double()) >= GRAD_FLOOR_DB
 
 
 def test_empty_experts_get_zero_weight_gradients():
