@@ -94,3 +94,21 @@ def test_frozen_graphs_keep_stats_and_delayed_scales(recipe):
     for frozen_row, row in zip(frozen_rows, rows):
         # Folded at compile time, a weight's SQNR may round differently in the last bits.
         assert dataclasses.astuple(frozen_row)[3:] == pytest.approx(dataclasses.astuple(row)[3:], rel=1e-5)
+
+
+@pytest.mark.inductor
+def test_frozen_expert_weights_are_fp8_constants():
+    """A MoE block's expert weights (E, N, K) are cast once, when compiling: the frozen code holds them as FP8
+    constants and no BF16 expert weight, and computes what the unfrozen graph does."""
+    from helpers import sqnr_db
+
+    model = build("moe", "tiny", dtype=torch.bfloat16).eval()
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = fp8graph.compile(copy.deepcopy(model), compiler="aot_eager")(x)
+        _, output, code = _compile_and_run(model, x, freeze_weights=True)
+    constants = [line for line in code.splitlines() if line.startswith("_frozen_param") and "= None  #" in line]
+    assert sum("float8_e4m3fn (4, 64, 64)" in line for line in constants) == 1  # gate_up, (E, 2I, H)
+    assert sum("float8_e4m3fn (4, 32, 64)" in line for line in constants) == 1  # down, (E, H, I) cast along I
+    assert not any("bfloat16 (4," in line for line in constants), "no expert weight in high precision"
+    assert sqnr_db(expected.float(), output.float()) > 30
