@@ -89,6 +89,14 @@ EXEMPT = [
      "H100 workloads the same way",
      ["tests/bench/test_step_structure.py::test_the_modelled_step_keeps_its_structure",
       "tests/bench/test_cost_model.py::test_the_model_reproduces_the_h100_linear_and_decoder_steps"], "bench"),
+    (r"\.venv/bin/python -m bench model moe", "8-15 s of CPU a contestant, and writes into bench/results/; the "
+     "tests model the same block's step at a small size, each contestant in a child process the same way",
+     ["tests/bench/test_moe_bench.py::test_bf16_runs_grouped_mm_costed_as_gemms_with_their_flops",
+      "tests/bench/test_moe_bench.py::test_fp8graph_rowwise_runs_three_scaled_grouped_gemms_per_expert_site"],
+     "bench"),
+    (r"\.venv/bin/python -m bench moe", "needs a CUDA GPU and refuses without one; the test checks that refusal "
+     "and its argument checks", ["tests/bench/test_moe_bench.py::test_bench_moe_refuses_without_cuda_and_checks_its_names"],
+     "bench"),
     (r"scripts/gpu-run ", "runs on the lent GPU machine (torch 2.11, CUDA); its benchmark steps are the "
      "commands above, whose --smoke forms the tests run",
      ["tests/test_gpu.py", "tests/bench/test_bench_and_demo.py::test_decoder_benchmark_smoke_writes_raw_results"],
@@ -436,7 +444,7 @@ def test_the_targets_table_states_every_bound_of_bench_targets():
     from bench.targets import TARGETS
 
     workload_in_docs = {"quantize": "quantize", "linear_fwd_bwd": "linear", "decoder_stack": "decoder",
-                        "compile_time": "compile", "model_decoder": "model"}
+                        "compile_time": "compile", "model_decoder": "model", "moe_block": "moe", "model_moe": "moe"}
     table_rows = collections.defaultdict(str)
     for line in (REPO / "docs" / "benchmarks.md").read_text().splitlines():
         match = re.match(r"^\| `(\w+)` \| (.*) \|$", line)

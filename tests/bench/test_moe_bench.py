@@ -141,3 +141,24 @@ def test_bench_moe_refuses_without_cuda_and_checks_its_names(capsys):
     with pytest.raises(SystemExit):
         main(["moe", "--tokens", "0"])
     assert "must be > 0" in capsys.readouterr().err
+
+
+def test_a_gpu_run_of_the_moe_block_is_shown_beside_the_committed_modelled_step():
+    """``scripts/gpu-run moe`` prints its measurement beside the newest committed model-moe result of the same
+    configuration (``bench model compare``): here a measured result written like bench moe's."""
+    import json
+    import pathlib
+
+    results = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results"
+    shape = {"workload": "moe_block", "config": "bench", "batch": 1, "sequence": 4096}
+    path = bench_model._newest_model(shape, results)
+    assert path is not None and path.name.startswith("model-moe-")
+    modelled = {row["contestant"]: row for row in json.loads(path.read_text())["rows"] if "error" not in row}
+    measured = {**shape, "environment": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"},
+                "rows": [{"contestant": name, "train_tokens_per_s": 4096 / (modelled[name]["step_ms"] / 1e3)}
+                         for name in ("bf16", "rowwise")]}
+    lines = bench_model.compare_lines(measured, "moe-test.json", None, results)
+    rowwise = next(line for line in lines if line.startswith("| rowwise"))
+    assert path.name in lines[0] and "+0%" in rowwise and f"{modelled['rowwise']['vs_bf16']:.2f}x" in rowwise
+    assert bench_model.compare_lines({**measured, "sequence": 1024}, "x", None, results)[0].startswith(
+        "no modelled bench moe result")
