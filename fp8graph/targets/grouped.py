@@ -147,6 +147,16 @@ def _cast_grad_output_delayed(grad_output_hp, state, spec: GroupedSpec):
     return grad_output_fp8, new_scale[0], new_scale.reciprocal().expand(grad_output_hp.shape[0])
 
 
+def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight_hp`` (E, N, K) cast along N, one scale per expert and column: ``(weight_t_fp8 (E, K, N),
+    inverse_scale (E, K))``, written in the layout grad_input's GEMM reads (N contiguous). The amax and the
+    cast read the weight where it lies; only the FP8 write is transposed (a transposed bf16 copy first would
+    cost the weight's bytes twice more)."""
+    scale = _scale(finite_magnitude(weight_hp.detach()).amax(dim=1), spec)  # (E, K)
+    weight_t_fp8 = quantize(weight_hp, scale[:, None, :], _FP8).transpose(-2, -1).contiguous()
+    return weight_t_fp8, scale.reciprocal()
+
+
 class _GroupedFP8(torch.autograd.Function):
     """``output = grouped_mm(input, weight^T, offsets)`` (see the module's doc) on the sorted (S, K) input;
     the output is the GEMM's own (S, N) result, never a view."""
@@ -182,8 +192,7 @@ class _GroupedFP8(torch.autograd.Function):
             if needs_grad_input:
                 # grad_input reduces along N: row-wise casts each expert's columns; per expert, the cast is kept.
                 if spec.per_row:
-                    weight_t_fp8, _, weight_t_inverse = _cast_experts(weight_hp.transpose(-2, -1), spec)
-                    saved_weight = (weight_t_fp8, weight_t_inverse)  # (E, K, N), (E, K)
+                    saved_weight = _cast_expert_columns(weight_hp, spec)  # (E, K, N), (E, K)
                 else:
                     saved_weight = (weight_fp8.transpose(-2, -1), weight_inverse[:, :1].expand(
                         experts, weight_hp.shape[2]))
