@@ -501,7 +501,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = commands.add_parser("moe", parents=[outputs], help="bench moe's training step of one MoE block")
     p.add_argument("--contestants", nargs="+", metavar="NAME",
                    help="bench moe's names: bf16 (always runs), rowwise, current, delayed, 'torchao moe rowwise' "
-                        "(a name may end in '+setting' / '-setting'); default: bf16, rowwise, current, torchao's")
+                        "(a name may end in '+setting' / '-setting'); default: all of them")
     p.add_argument("--config", choices=("bench", "tiny", "tiny-odd"), default="bench",
                    help="models/moe.py's config: bench is Qwen3-30B-A3B's MoE block (hidden 2048, 128 experts, "
                         "top 8, expert width 768)")

@@ -10,10 +10,10 @@ expert width 768. A training step is
     p.add_(p.grad, alpha=-1e-5) for every parameter   eager SGD, as bench decoder's
 
 Contestants (each in a process of its own, as bench decoder's): ``bf16`` (plain ``torch.compile``),
-fp8graph's ``rowwise`` and ``current`` (``fp8graph.compile`` with that recipe: the two expert GEMMs become
-``fp8graph_grouped_<recipe>`` targets, ``torch._scaled_grouped_mm`` on SM90; the router stays BF16),
-``delayed`` on request (expert sites keep high precision under it today: a row that says so, never
-timed as FP8), and ``torchao moe rowwise``: torchao's MoE training (``torchao.prototype.moe_training``,
+fp8graph's ``rowwise``, ``current`` and ``delayed`` (``fp8graph.compile`` with that recipe: the two expert
+GEMMs become ``fp8graph_grouped_<recipe>`` targets, ``torch._scaled_grouped_mm`` on SM90; the router stays
+BF16; an fp8graph whose expert sites keep a recipe in high precision gives an error row, never a timing),
+and ``torchao moe rowwise``: torchao's MoE training (``torchao.prototype.moe_training``,
 ``Float8TrainingOpConfig``, row-wise FP8) applied with ``quantize_`` to the ``experts`` module only, whose
 3-D weights become the tensor subclass that runs ``torch._grouped_mm`` as its own FP8 grouped GEMMs.
 Each row: tokens/s from the median step, peak memory, memory saved for backward, first-step (compile)
@@ -39,11 +39,11 @@ from .cli import positive, require_cuda
 
 __all__ = ["DEFAULT", "KNOWN", "parse_contestant", "swap_in_torchao", "compile_block"]
 
-# The fp8graph recipes an expert site can run (row-wise and per-tensor current) and delayed, which it keeps.
+# fp8graph's recipes on expert sites with a native SM90 GEMM (delayed since commit 8d924b3).
 RECIPES = ("rowwise", "current", "delayed")
 TORCHAO = "torchao moe rowwise"
 KNOWN = ["bf16", *RECIPES, TORCHAO]
-DEFAULT = ["bf16", "rowwise", "current", TORCHAO]
+DEFAULT = ["bf16", "rowwise", "current", TORCHAO, "delayed"]
 CONFIGS = ("bench", "tiny", "tiny-odd")  # models/moe.py's
 
 
