@@ -15,6 +15,13 @@ parameter, ``weight_is_kn`` for a (E, K, N) one). :func:`read_dense_experts` rea
 and no offsets: its groups are the E slices of T tokens. Grouped GEMMs the FP8 target cannot take (no offsets,
 a bias, a weight computed in the graph) carry a ``blocker``.
 
+The sorted tokens reach the first expert GEMM as a row gather of the hidden states,
+``x_sorted = hidden[perm // top_k]`` (S = T top_k rows of T). :func:`read_gather` records that
+``gather_source`` and ``gather_index`` when nothing else reads the gathered rows (an in-place write
+into them, transformers' expert-parallel ``masked_fill_``, keeps the gather as it is): the rewrite then
+casts the T source rows and gathers FP8 bytes (``fp8graph.targets.grouped``), where the gathered BF16
+rows would be written, then read for the amax and again for the cast.
+
 The router is a plain linear whose output picks the experts (it reaches ``topk``); a shared-expert gate
 is a one-column linear whose sigmoid scales the shared expert's output. FP8 error in either flips
 routing decisions or the shared expert's weight, which no FP8 system accepts: :func:`mark_gates`
@@ -29,7 +36,7 @@ import operator
 import torch
 import torch.fx
 
-__all__ = ["GROUPED_OP", "is_grouped_gemm", "mark_gates", "read_dense_experts", "read_grouped"]
+__all__ = ["GROUPED_OP", "is_grouped_gemm", "mark_gates", "read_dense_experts", "read_gather", "read_grouped"]
 
 GROUPED_OP = "grouped_mm"
 _GROUPED_FUNCTIONS = {torch._grouped_mm} | ({torch.nn.functional.grouped_mm}
@@ -107,6 +114,34 @@ def read_dense_experts(site, weight: torch.fx.Node, transposed: bool) -> None:
         return
     tokens = input_value.shape[1]
     site.M = experts * tokens if isinstance(tokens, int) else f"{experts} * {tokens}"
+
+
+def _same_dtype_copy(node) -> bool:
+    """``x.to(dtype)`` / ``x.type(dtype)`` that keeps ``x``'s dtype: transformers' ``input.to(weight.dtype)``."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in ("to", "type")):
+        return False
+    before, after = _value(node.args[0]), _value(node)
+    return before is not None and after is not None and before.dtype == after.dtype \
+        and before.device == after.device and len(node.users) == 1
+
+
+def read_gather(site) -> None:
+    """Record the row gather ``site``'s input is (see the module's doc), if it is one only the site reads."""
+    if site.offsets_node is None or site.blocker is not None:
+        return
+    gathered = site.input_node
+    while _same_dtype_copy(gathered):
+        gathered = gathered.args[0]
+    if not (isinstance(gathered, torch.fx.Node) and gathered.op == "call_function"
+            and gathered.target is operator.getitem and len(gathered.users) == 1):
+        return
+    source, index = gathered.args
+    source_value, index_value, rows_value = _value(source), _value(index), _value(gathered)
+    if source_value is None or index_value is None or rows_value is None:
+        return
+    if source_value.dim() == 2 and index_value.dim() == 1 and not index_value.is_floating_point() \
+            and index_value.dtype != torch.bool and source_value.dtype == rows_value.dtype:
+        site.gather_source, site.gather_index = source, index
 
 
 def is_grouped_fallback(node: torch.fx.Node) -> bool:

@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from .expert_sites import GROUPED_OP, is_grouped_gemm, mark_gates, read_dense_experts, read_grouped
+from .expert_sites import GROUPED_OP, is_grouped_gemm, mark_gates, read_dense_experts, read_gather, read_grouped
 from .expand_attention import MHA_ARGUMENTS, UNEXPANDED_KEY, attention_arguments, is_multi_head_attention
 from .module_paths import module_path, module_type
 from .subgraphs import Subgraphs
@@ -104,6 +104,8 @@ class Site:
     experts: int | None = None  # E of an expert site (op "grouped_mm"), whose weight is (E, N, K)
     offsets_node: torch.fx.Node | None = None  # where each expert's group of sorted tokens ends (E,)
     gate: str | None = None  # a router or shared-expert gate: why only a rule naming it moves it to FP8
+    gather_source: torch.fx.Node | None = None  # an expert site's input is gather_source[gather_index] (rows)
+    gather_index: torch.fx.Node | None = None
 
 
 def _value(node) -> torch.Tensor | None:
@@ -409,6 +411,7 @@ def find_sites(
                 found = [Site(node=node, op=GROUPED_OP, path=module_path(node, paths_by_id),
                               module_type=module_type(node))]
                 read_grouped(found[0], node, params.resolve)
+                read_gather(found[0])
             elif node.op == "call_function" and node.target in _FUSED_CALLS:
                 found = _fused_sites(node, _FUSED_CALLS[node.target], params, module_path(node, paths_by_id))
             elif is_multi_head_attention(node):

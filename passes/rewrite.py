@@ -12,6 +12,9 @@
     before:  y = _grouped_mm(x, w.transpose(-2, -1), offs=o)  | y = _grouped_mm(x, w_ekn, offs=o)   (experts)
     after:   y = fp8graph_grouped_<recipe>(x, w, o)           | weight fed as w_ekn.transpose(-2, -1)
 
+    before:  x = h[idx]; y = _grouped_mm(x, w.t(-2, -1), offs=o)      (the tokens gathered, read only here)
+    after:   y = fp8graph_grouped_<recipe>(h, w, o, gather_index=idx)  h cast, FP8 rows gathered; x left unused
+
 With stats on, every FP8 call also takes its module's stats buffer:
 ``fp8graph_linear_<recipe>(x, w, b, stats)``, likewise for matmuls; a group's
 call takes lists of its sites' buffers (``stats=[...]``, ``histories=[...]``).
@@ -112,7 +115,7 @@ def rewrite_sites(
 def _with_replaced_operands(decision: Decision, replaced: dict) -> Decision:
     site = dataclasses.replace(decision.site, **{
         field: replaced.get(getattr(decision.site, field), getattr(decision.site, field))
-        for field in ("input_node", "other_node", "bias_node", "offsets_node")})
+        for field in ("input_node", "other_node", "bias_node", "offsets_node", "gather_source", "gather_index")})
     return dataclasses.replace(decision, site=site)
 
 
@@ -185,7 +188,9 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
             if site.is_experts:
                 target = grouped_fp8_target(first.recipe, first.lowering,
                                             state is None or buffers.updates_state(site))
-                args = (site.input_node, _weight_nk(graph, first), site.offsets_node)
+                # Sorted tokens gathered from the hidden states: the call casts the source rows, then gathers.
+                rows = site.input_node if site.gather_source is None else site.gather_source
+                args = (rows, _weight_nk(graph, first), site.offsets_node)
             elif first.recipe.tiled:
                 target = linear_tiled_target(first.recipe, first.lowering)
                 args = (site.input_node, _weight_nk(graph, first), site.bias_node)
@@ -200,6 +205,8 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
             if state is not None:
                 args = args + state
             kwargs = {} if cache is None else dict(zip(("cached_weight", "cached_weight_scale"), cache))
+            if site.is_experts and site.gather_source is not None:
+                kwargs["gather_index"] = site.gather_index
             call = graph.call_function(target, args, kwargs)
             call.meta.update(site.node.meta)
             mark_cacheable(call, target)

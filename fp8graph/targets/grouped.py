@@ -162,7 +162,12 @@ class _GroupedFP8(torch.autograd.Function):
     the output is the GEMM's own (S, N) result, never a view."""
 
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, offsets, spec: GroupedSpec, stats, grad_enabled: bool, state=None):
+    def forward(ctx, input_hp, weight_hp, offsets, spec: GroupedSpec, stats, grad_enabled: bool, state=None,
+                gather_index=None):
+        # With gather_index, input_hp is the (T, K) source and the GEMMs' rows are input_hp[gather_index] (S, K):
+        # a row's cast does not depend on the other rows, so casting the T source rows and gathering FP8 bytes
+        # gives the same FP8 rows (row-wise exactly; per tensor, the amax of the source, which is the rows'
+        # when every source row is gathered, as top-k routing gathers each token k times).
         experts = weight_hp.shape[0]
         output_dtype = input_hp.dtype  # as torch._grouped_mm's
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
@@ -171,21 +176,24 @@ class _GroupedFP8(torch.autograd.Function):
                 (input_fp8, input_scale, input_inverse), (weight_fp8, weight_scale, weight_inverse) = \
                     _cast_forward_delayed(input_hp, weight_hp, state, spec)
             else:
-                input_fp8, input_scale, input_inverse = _cast_rows(input_hp, spec)  # (S, K), along K
+                input_fp8, input_scale, input_inverse = _cast_rows(input_hp, spec)  # (S or T, K), along K
                 weight_fp8, weight_scale, weight_inverse = _cast_experts(weight_hp, spec)  # (E, N, K), along K
-            # output = input . weight_e^T  (S, N); fast accumulation for the forward GEMM, as for linears.
-            output = grouped_scaled_gemm(input_fp8, input_inverse, weight_fp8.transpose(-2, -1), weight_inverse,
-                                         offsets, output_dtype, spec.lowering, use_fast_accum=True)
             if stats is not None:
                 record_health(stats, Role.INPUT, input_hp, input_fp8, _per_row(input_scale, input_hp), spec.recipe)
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
+            if gather_index is not None:
+                input_fp8, input_inverse = _gather_rows(input_fp8, gather_index), input_inverse[gather_index]
+            # output = input . weight_e^T  (S, N); fast accumulation for the forward GEMM, as for linears.
+            output = grouped_scaled_gemm(input_fp8, input_inverse, weight_fp8.transpose(-2, -1), weight_inverse,
+                                         offsets, output_dtype, spec.lowering, use_fast_accum=True)
             saved_input = saved_weight = (None, None)
             if needs_grad_weight:
                 # grad_weight reduces over each group's tokens: row-wise casts the input again, per group and
                 # column; a per-tensor scale serves every GEMM, so the forward's cast is kept.
                 if spec.per_row:
-                    groups = row_groups(offsets, input_hp.shape[0])
-                    input_g_fp8, input_g_scale = quantize_group_columns(input_hp, groups, experts, _FP8, spec.power_2)
+                    rows_hp = input_hp if gather_index is None else input_hp[gather_index]  # (S, K)
+                    groups = row_groups(offsets, rows_hp.shape[0])
+                    input_g_fp8, input_g_scale = quantize_group_columns(rows_hp, groups, experts, _FP8, spec.power_2)
                     saved_input = (input_g_fp8, input_g_scale.reciprocal())  # (S, K), (E, K)
                 else:
                     saved_input = (input_fp8, input_inverse[:1].expand(experts, input_hp.shape[1]))
@@ -196,7 +204,8 @@ class _GroupedFP8(torch.autograd.Function):
                 else:
                     saved_weight = (weight_fp8.transpose(-2, -1), weight_inverse[:, :1].expand(
                         experts, weight_hp.shape[2]))
-        ctx.save_for_backward(offsets, *saved_input, *saved_weight)
+        ctx.save_for_backward(offsets, *saved_input, *saved_weight, gather_index)
+        ctx.source_rows = input_hp.shape[0]
         # The state's buffers are read and written in place by the backward, not saved (as the linears' are:
         # fp8graph.targets.partitioning).
         ctx.spec, ctx.stats, ctx.state = spec, stats, state
@@ -205,7 +214,7 @@ class _GroupedFP8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output_hp):  # (S, N)
-        offsets, input_g_fp8, input_g_inverse, weight_t_fp8, weight_t_inverse = ctx.saved_tensors
+        offsets, input_g_fp8, input_g_inverse, weight_t_fp8, weight_t_inverse, gather_index = ctx.saved_tensors
         spec: GroupedSpec = ctx.spec
         needs_grad_input, needs_grad_weight = ctx.needs_input_grad[:2]
         grad_input = grad_weight = None
@@ -221,6 +230,9 @@ class _GroupedFP8(torch.autograd.Function):
                 # grad_input = grad_output . weight_e  (S, K): B is weight_e^T^T, (E, N, K) read column-major.
                 grad_input = grouped_scaled_gemm(grad_output_fp8, grad_output_inverse, weight_t_fp8.transpose(-2, -1),
                                                  weight_t_inverse, offsets, ctx.input_dtype, spec.lowering)
+                if gather_index is not None:  # the gather's backward: each source row sums its gathered rows' grads
+                    grad_input = grad_input.new_zeros((ctx.source_rows, grad_input.shape[1])).index_add(
+                        0, gather_index, grad_input)
             if needs_grad_weight:
                 if spec.per_row:
                     grad_output_g_fp8, grad_output_g_scale = quantize_group_columns(
@@ -232,7 +244,12 @@ class _GroupedFP8(torch.autograd.Function):
                 # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
                 grad_weight = grouped_scaled_gemm_weights(grad_output_g_fp8.t(), grad_output_g_inverse, input_g_fp8,
                                                           input_g_inverse, offsets, ctx.weight_dtype, spec.lowering)
-        return grad_input, grad_weight, None, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None, None, None
+
+
+def _gather_rows(x_fp8: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of an FP8 matrix, gathered as bytes (indexing is not defined for FP8 dtypes)."""
+    return x_fp8.view(torch.uint8)[index].view(x_fp8.dtype)
 
 
 def _per_row(scale: torch.Tensor, x_hp: torch.Tensor) -> torch.Tensor:
@@ -315,20 +332,25 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True) 
     """The graph target for expert sites with ``recipe`` (one of :data:`EXPERT_RECIPES`), named for it:
     ``grouped_fp8(input_hp (S, K), weight_hp (E, N, K), offsets (E,), stats=None, history=None, scale=None,
     grad_history=None, grad_scale=None)``, or, for ``torch.bmm`` over every expert (Llama-4), ``input_hp``
-    (E, T, K) and ``offsets=None``: E groups of T. Delayed scaling takes the weight's state
+    (E, T, K) and ``offsets=None``: E groups of T. With ``gather_index`` (S,), the rows are
+    ``input_hp[gather_index]`` of a (T, K) ``input_hp``, cast before they are gathered. Delayed scaling takes
+    the weight's state
     (``fp8graph.buffers.delayed_state``: 1 + E forward rows) and, with ``update=False`` (graphs without
     gradients, eval-mode modules), only reads its scales."""
 
     function = _GroupedBlocks if isinstance(recipe, MXFP8BlockScaling) else _GroupedFP8
 
     def grouped_fp8(input_hp, weight_hp, offsets=None, stats=None, history=None, scale=None, grad_history=None,
-                    grad_scale=None):
+                    grad_scale=None, gather_index=None):
         spec = GroupedSpec(recipe, lowering, update)
         state = None if history is None else (history, scale, grad_history, grad_scale)
         if recipe.stateful and state is None:
             raise ValueError(f"{recipe.name} on an expert GEMM needs the weight's delayed-scaling state")
+        if gather_index is not None and function is _GroupedBlocks:
+            input_hp, gather_index = input_hp[gather_index], None  # blocks along K: the rows gathered first
         if offsets is not None:
-            return function.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled(), state)
+            rows = () if gather_index is None else (gather_index,)
+            return function.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled(), state, *rows)
         experts, tokens, _ = input_hp.shape
         offsets = torch.arange(1, experts + 1, device=input_hp.device, dtype=torch.int32) * tokens
         output = function.apply(input_hp.reshape(experts * tokens, input_hp.shape[2]), weight_hp, offsets, spec,

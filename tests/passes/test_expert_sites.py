@@ -119,3 +119,38 @@ def test_dense_models_have_no_gates():
     model = build_zoo_model("llama", torch.bfloat16)
     assert not any("router" in (r.reason or "") or "gate:" in (r.reason or "")
                    for r in fp8graph.explain(model, **zoo_inputs("llama")))
+
+
+class _GatherReadTwice(torch.nn.Module):
+    """The MoE block with the gathered rows copied before the first expert GEMM: the gather cannot move."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+        grouped = block.experts._grouped
+        block.experts._grouped = lambda x, weight, offsets: grouped(
+            x.clone() if weight is block.experts.gate_up_proj else x, weight, offsets)
+
+    def forward(self, x):
+        return self.block(x)
+
+
+@pytest.mark.parametrize("recipe", [Float8RowwiseScaling(), Float8CurrentScaling(), DelayedScaling()], ids=str)
+def test_the_token_gather_moves_after_the_cast_and_changes_no_bit(recipe):
+    """x_sorted = hidden[perm // top_k] feeds only the first expert GEMM: the call casts the T hidden rows and
+    gathers FP8 bytes. Outputs and gradients equal the same block whose gathered rows are copied first."""
+    results = []
+    for wrap in (lambda block: block, _GatherReadTwice):
+        block, x = _moe()
+        model = wrap(block)
+        compiled, backend = compile_fp8(model, policy=recipe, regions=None)
+        output = compiled(x)
+        output.float().pow(2).mean().backward()
+        calls = [n for gm in backend.graph_modules for n in gm.graph.nodes
+                 if getattr(n.target, "__name__", "").startswith("fp8graph_grouped_")]
+        results.append((output, [p.grad for p in block.parameters()], [("gather_index" in n.kwargs) for n in calls]))
+    (fused, fused_grads, fused_calls), (plain, plain_grads, plain_calls) = results
+    assert fused_calls == [True, False] and plain_calls == [False, False]  # gate_up reads the gather; down does not
+    assert torch.equal(fused, plain)
+    for fused_grad, plain_grad in zip(fused_grads, plain_grads):
+        assert torch.equal(fused_grad, plain_grad)
