@@ -231,8 +231,10 @@ class _GroupedFP8(torch.autograd.Function):
                 grad_input = grouped_scaled_gemm(grad_output_fp8, grad_output_inverse, weight_t_fp8.transpose(-2, -1),
                                                  weight_t_inverse, offsets, ctx.input_dtype, spec.lowering)
                 if gather_index is not None:  # the gather's backward: each source row sums its gathered rows' grads
-                    grad_input = grad_input.new_zeros((ctx.source_rows, grad_input.shape[1])).index_add(
-                        0, gather_index, grad_input)
+                    # (index_put with accumulate, as autograd's own for an indexing: Inductor makes it one
+                    # scatter-add kernel, where index_add is a library call)
+                    grad_input = torch.index_put(grad_input.new_zeros((ctx.source_rows, grad_input.shape[1])),
+                                                 (gather_index,), grad_input, accumulate=True)
             if needs_grad_weight:
                 if spec.per_row:
                     grad_output_g_fp8, grad_output_g_scale = quantize_group_columns(
