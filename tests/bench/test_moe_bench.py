@@ -27,8 +27,8 @@ def _model(contestant: str, overrides: dict | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def steps() -> dict:
-    """bf16's and fp8graph row-wise's modelled steps (one child process each, about 10 s)."""
-    results = {c: _model(c) for c in ("bf16", "rowwise")}
+    """bf16's, fp8graph row-wise's and current's modelled steps (one child process each, about 10 s)."""
+    results = {c: _model(c) for c in ("bf16", "rowwise", "current")}
     for contestant, result in results.items():
         assert "error" not in result, (contestant, result["error"])
     costs.summarize(list(results.values()), costs.Machine())
@@ -71,6 +71,20 @@ def test_fp8graph_rowwise_runs_three_scaled_grouped_gemms_per_expert_site(steps)
     assert weights_form == sorted([2.0 * 2 * i * padded * h, 2.0 * h * padded * i])
     assert not any(row["name"] == "extern_kernels._grouped_mm" for row in steps["rowwise"]["rows"])
     assert steps["rowwise"]["note"].startswith("fp8graph: 2 of 3 sites in FP8; kept: gate (linear): MoE router")
+
+
+def test_the_tokens_are_cast_before_they_are_gathered(steps):
+    """The sm_90 forward of current scaling: the amax reads the T hidden rows, and the kernel that gathers the S
+    sorted rows casts them on the way (indirect loads of the hidden states, FP8 stores); no kernel stores the
+    gathered rows in BF16 (fp8graph.passes.expert_sites.read_gather)."""
+    forward = [row for row in steps["current"]["rows"] if row["graph"].endswith("forward") and row["kind"] == "triton"]
+    tokens, hidden = TOKENS, TINY["hidden"]
+    source_amax = [r for r in forward if "amax" in r["name"] and "index" not in r["name"]
+                   and r["read"] == tokens * hidden * 2]
+    gather_cast = [r for r in forward if "index" in r["name"] and "clamp" in r["name"]
+                   and r["written"] == S * hidden and r["read"] < S * hidden * 2]
+    assert len(source_amax) == 1 and len(gather_cast) == 1, [(r["name"], r["read"], r["written"]) for r in forward]
+    assert not any(r["written"] == S * hidden * 2 for r in forward), "gathered rows stored in BF16"
 
 
 def test_a_step_the_model_cannot_decide_is_an_error_row_not_a_number():
