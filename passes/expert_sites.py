@@ -8,6 +8,8 @@ sort the tokens by expert and run each expert projection as one grouped GEMM ove
     torch.ops.transformers.grouped_mm_fallback(x, W.transpose(-2, -1), offsets)      other dtypes under Dynamo
     torch.bmm(x (E, T, K), W (E, K, N))                                              every expert, T tokens each:
                                                                                      Llama-4's dense experts
+    torch.bmm(W[expert_ids], x.unsqueeze(-1))                                        weights gathered per token:
+                                                                                     batched_mm decode (kept)
 
 :func:`read_grouped` reads such a node into a :class:`~fp8graph.passes.find_sites.Site` of op
 ``grouped_mm`` with ``experts`` (E) and ``offsets_node``, in linear form (``weight_node`` the 3-D
@@ -36,7 +38,8 @@ import operator
 import torch
 import torch.fx
 
-__all__ = ["GROUPED_OP", "is_grouped_gemm", "mark_gates", "read_dense_experts", "read_gather", "read_grouped"]
+__all__ = ["GROUPED_OP", "is_grouped_gemm", "mark_gates", "read_dense_experts", "read_gather", "read_gathered_experts",
+           "read_grouped"]
 
 GROUPED_OP = "grouped_mm"
 _GROUPED_FUNCTIONS = {torch._grouped_mm} | ({torch.nn.functional.grouped_mm}
@@ -114,6 +117,31 @@ def read_dense_experts(site, weight: torch.fx.Node, transposed: bool) -> None:
         return
     tokens = input_value.shape[1]
     site.M = experts * tokens if isinstance(tokens, int) else f"{experts} * {tokens}"
+
+
+_GATHERED_BLOCKER = ("expert weights gathered per token (transformers' batched_mm decode, W[expert_ids]): not "
+                     "rewritten to FP8 yet")
+
+
+def read_gathered_experts(site, left, right, parameters) -> bool:
+    """Fill ``site`` (op ``bmm``) when one operand is a 3-D parameter gathered per token, ``W[expert_ids]``
+    (transformers' ``batched_mm`` decode): an expert site of E experts, kept with the reason. ``parameters``
+    is the graph's set of parameter nodes. False when neither operand is such a gather."""
+    for operand, other, weight_first in ((left, right, True), (right, left, False)):
+        if not (isinstance(operand, torch.fx.Node) and operand.op == "call_function"
+                and operand.target is operator.getitem and operand.args[0] in parameters):
+            continue
+        weight_value, index_value = _value(operand.args[0]), _value(operand.args[1])
+        if weight_value is None or weight_value.dim() != 3 or index_value is None \
+                or index_value.is_floating_point() or index_value.dim() != 1:
+            continue
+        site.experts, site.weight_node, site.input_node = weight_value.shape[0], operand.args[0], other
+        # bmm(W[ids] (S, N, K), x (S, K, 1)), or bmm(x (S, 1, K), W[ids] (S, K, N)) for (E, K, N) weights
+        site.N, site.K = weight_value.shape[1:] if weight_first else weight_value.shape[:0:-1]
+        site.M, site.dtype = index_value.shape[0], weight_value.dtype
+        site.blocker = _GATHERED_BLOCKER
+        return True
+    return False
 
 
 def _same_dtype_copy(node) -> bool:

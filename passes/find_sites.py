@@ -35,7 +35,8 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from .expert_sites import GROUPED_OP, is_grouped_gemm, mark_gates, read_dense_experts, read_gather, read_grouped
+from .expert_sites import (GROUPED_OP, is_grouped_gemm, mark_gates, read_dense_experts, read_gather,
+                           read_gathered_experts, read_grouped)
 from .expand_attention import MHA_ARGUMENTS, UNEXPANDED_KEY, attention_arguments, is_multi_head_attention
 from .module_paths import module_path, module_type
 from .subgraphs import Subgraphs
@@ -171,6 +172,11 @@ class _Parameters:
                 if isinstance(value, torch.nn.Parameter):
                     self._nodes.add(node)
 
+    @property
+    def nodes(self) -> frozenset[torch.fx.Node]:
+        """The parameter nodes."""
+        return frozenset(self._nodes)
+
     def slice_of(self, node) -> torch.fx.Node | None:
         """The parameter ``node`` is a piece of (``w.split(...)[i]``, ``w.chunk(3)[i]``, ``w[a:b]``), else None."""
         if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target is not operator.getitem:
@@ -267,6 +273,8 @@ def _read_matmul(site: Site, node: torch.fx.Node, params: _Parameters) -> None:
         site.bias_node = _arg(node, 0, "input")
         if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
             site.blocker = f"{site.op} with alpha or beta other than 1"
+    if site.op == "bmm" and read_gathered_experts(site, left, right, params.nodes):
+        return
     weight, transposed = params.resolve(right)
     site.input_node = left
     if weight is not None and site.op == "bmm" and getattr(_value(weight), "ndim", 0) == 3:

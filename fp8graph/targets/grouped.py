@@ -108,7 +108,7 @@ def _cast_experts(weight_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Ten
     return quantize(weight_hp, scale[:, :, None], _FP8), scale, scale.reciprocal().expand(experts, rows)
 
 
-def _cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec):
+def _cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_index=None):
     """The forward casts with delayed scaling: the input's scale from row 0 of the history, expert e's from row
     1 + e; every row moves one step (new scales, histories rolled, this call's amaxes recorded) in one
     ``fp8graph::record_delayed_``. Returns the two casts as :func:`_cast_rows` and :func:`_cast_experts` do."""
@@ -126,8 +126,10 @@ def _cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec):
     input_fp8 = quantize(input_hp, input_scale, _FP8)
     weight_fp8 = quantize(weight_hp, weight_scale[:, :, None], _FP8)
     if spec.update:
-        # Per-row partial amaxes, computed with the casts in one read; the op finishes them.
-        partials = [row_amaxes(input_hp.detach()), *finite_magnitude(weight_hp.detach()).amax(dim=2).unbind(0)]
+        # Per-row partial amaxes, computed with the casts in one read; the op finishes them. Of the gathered
+        # rows when the input is gathered: the kernel that gathers and casts them takes their amaxes too.
+        rows_hp = input_hp if gather_index is None else input_hp[gather_index]
+        partials = [row_amaxes(rows_hp.detach()), *finite_magnitude(weight_hp.detach()).amax(dim=2).unbind(0)]
         record_states([(history, scale)], [partials], new_scales[None].contiguous(),
                       amax_reduction(recipe.reduce_amax))
     return ((input_fp8, input_scale, inverse[0].expand(input_hp.shape[0])),
@@ -174,7 +176,7 @@ class _GroupedFP8(torch.autograd.Function):
         with torch.autocast(input_hp.device.type, enabled=False):
             if spec.delayed:
                 (input_fp8, input_scale, input_inverse), (weight_fp8, weight_scale, weight_inverse) = \
-                    _cast_forward_delayed(input_hp, weight_hp, state, spec)
+                    _cast_forward_delayed(input_hp, weight_hp, state, spec, gather_index)
             else:
                 input_fp8, input_scale, input_inverse = _cast_rows(input_hp, spec)  # (S or T, K), along K
                 weight_fp8, weight_scale, weight_inverse = _cast_experts(weight_hp, spec)  # (E, N, K), along K

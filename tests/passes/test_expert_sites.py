@@ -154,3 +154,13 @@ def test_the_token_gather_moves_after_the_cast_and_changes_no_bit(recipe):
     assert torch.equal(fused, plain)
     for fused_grad, plain_grad in zip(fused_grads, plain_grads):
         assert torch.equal(fused_grad, plain_grad)
+
+
+def test_the_batched_mm_decode_form_is_an_expert_site_kept_with_its_reason():
+    """transformers' "batched_mm" experts (its decode path on a GPU): bmm(W[expert_ids], x.unsqueeze(-1))."""
+    model = build_zoo_model("qwen3_moe", torch.bfloat16)
+    model.config._experts_implementation = "batched_mm"
+    report = fp8graph.explain(model, **zoo_inputs("qwen3_moe"))
+    experts = [r for r in report if r.path == "model.layers.0.mlp.experts"]
+    assert [(r.op, r.experts, r.M, r.K, r.N) for r in experts] == [("bmm", 4, 32, 64, 64), ("bmm", 4, 32, 32, 64)]
+    assert all(r.reason.startswith("expert weights gathered per token") for r in experts)
