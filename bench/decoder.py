@@ -66,13 +66,15 @@ INDUCTOR_SETTINGS = {"cooperative_reductions": "triton.cooperative_reductions", 
                      "loop_ordering_after_fusion": "loop_ordering_after_fusion"}
 
 
-def parse_contestant(name: str) -> tuple[str, dict[str, bool]]:
-    """``("current", {"combo_kernels": True})`` of ``"current +combo_kernels"``; raises on unknown names."""
+def parse_contestant(name: str, known=None) -> tuple[str, dict[str, bool]]:
+    """``("current", {"combo_kernels": True})`` of ``"current +combo_kernels"``; raises on a name not in
+    ``known`` (default: this benchmark's contestants) or an unknown setting."""
+    known = KNOWN if known is None else known
     words = name.split()
     suffix = [word for word in words if word[:1] in "+-" and len(word) > 1]
     base = " ".join(word for word in words if word not in suffix)
-    if base not in KNOWN:
-        raise ValueError(f"unknown contestant {base!r} in {name!r}; known: {KNOWN}")
+    if base not in known:
+        raise ValueError(f"unknown contestant {base!r} in {name!r}; known: {known}")
     patches = {}
     for word in suffix:
         if word[1:] not in INDUCTOR_SETTINGS:

@@ -50,19 +50,9 @@ CONFIGS = ("bench", "tiny", "tiny-odd")  # models/moe.py's
 def parse_contestant(name: str) -> tuple[str, dict[str, bool]]:
     """``("rowwise", {"combo_kernels": True})`` of ``"rowwise +combo_kernels"`` (bench decoder's Inductor
     settings); raises ``ValueError`` on a name this benchmark does not know."""
-    from .decoder import INDUCTOR_SETTINGS
+    from .decoder import parse_contestant as parse
 
-    words = name.split()
-    suffix = [word for word in words if word[:1] in "+-" and len(word) > 1]
-    base = " ".join(word for word in words if word not in suffix)
-    if base not in KNOWN:
-        raise ValueError(f"unknown MoE contestant {base!r} in {name!r}; known: {KNOWN}")
-    patches = {}
-    for word in suffix:
-        if word[1:] not in INDUCTOR_SETTINGS:
-            raise ValueError(f"unknown Inductor setting {word[1:]!r} in {name!r}; known: {sorted(INDUCTOR_SETTINGS)}")
-        patches[INDUCTOR_SETTINGS[word[1:]]] = word[0] == "+"
-    return base, patches
+    return parse(name, KNOWN)
 
 
 def swap_in_torchao(block: torch.nn.Module) -> int:
@@ -201,13 +191,9 @@ def _in_own_process(name: str, args) -> dict:
 
 def wanted_contestants(requested: list[str] | None) -> list[str]:
     """bf16 first (every ratio needs it), then the others; an unknown name exits before anything runs."""
-    wanted = ["bf16", *(name for name in requested or DEFAULT if name != "bf16")]
-    for name in wanted:
-        try:
-            parse_contestant(name)
-        except ValueError as error:
-            raise SystemExit(str(error)) from None
-    return wanted
+    from .model import contestants_of
+
+    return contestants_of(requested, DEFAULT, parse_contestant)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -148,7 +148,7 @@ def test_bench_moe_refuses_without_cuda_and_checks_its_names(capsys):
 
     with pytest.raises(SystemExit, match="measures on a CUDA GPU.*python -m bench model moe"):
         main(["moe"])
-    with pytest.raises(SystemExit, match="unknown MoE contestant 'torchao rowwise'"):
+    with pytest.raises(SystemExit, match="unknown contestant 'torchao rowwise'"):
         main(["moe", "--contestants", "torchao rowwise"])
     with pytest.raises(SystemExit, match="unknown Inductor setting"):
         main(["moe", "--contestants", "rowwise +nothing"])
