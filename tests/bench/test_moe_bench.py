@@ -87,6 +87,18 @@ def test_the_tokens_are_cast_before_they_are_gathered(steps):
     assert not any(r["written"] == S * hidden * 2 for r in forward), "gathered rows stored in BF16"
 
 
+def test_the_swiglu_between_the_expert_gemms_lives_only_in_the_cast_kernels(steps):
+    """silu(gate) * up, the down projection's input, is computed inside the kernels that take its amax and cast it
+    (reading the gate_up GEMM's BF16 output), never by a kernel of its own that would store it in BF16."""
+    forward = [row for row in steps["current"]["rows"] if row["graph"].endswith("forward") and row["kind"] == "triton"]
+    swiglu = [r for r in forward if "silu" in r["name"]]
+    gate_up_bytes = S * 2 * TINY["expert_width"] * 2
+    assert sorted("amax" in r["name"] for r in swiglu) == [False, True], [r["name"] for r in swiglu]
+    assert all(r["read"] >= gate_up_bytes for r in swiglu)
+    cast = next(r for r in swiglu if "amax" not in r["name"])
+    assert "clamp" in cast["name"] and cast["written"] == 2 * S * TINY["expert_width"]  # FP8, in two layouts
+
+
 def test_a_step_the_model_cannot_decide_is_an_error_row_not_a_number():
     """4 experts: the router's mm (N = 4) is misaligned, and Inductor would time it padded and unpadded on the
     device to decide; the child refuses with the reason."""
