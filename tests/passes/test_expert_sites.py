@@ -164,3 +164,17 @@ def test_the_batched_mm_decode_form_is_an_expert_site_kept_with_its_reason():
     experts = [r for r in report if r.path == "model.layers.0.mlp.experts"]
     assert [(r.op, r.experts, r.M, r.K, r.N) for r in experts] == [("bmm", 4, 32, 64, 64), ("bmm", 4, 32, 32, 64)]
     assert all(r.reason.startswith("expert weights gathered per token") for r in experts)
+
+
+@pytest.mark.parametrize("recipe", [Float8RowwiseScaling(), Float8CurrentScaling()], ids=str)
+def test_expert_sites_record_their_fp8_health(recipe):
+    """stats=True: the experts module's buffer holds the health of its expert GEMMs' casts (the module's two sites
+    share it: the later one's, the down projection, as for any module with two sites)."""
+    model, x = _moe()
+    compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager", stats=True)
+    compiled(x).float().pow(2).mean().backward()
+    rows = {(r.path, r.role): r for r in compiled.fp8graph_stats.record(step=0)}
+    for role in ("input", "weight", "grad_output"):
+        row = rows["experts", role]
+        assert row.sqnr_db > 25 and row.underflow < 0.05 and row.amax > 0, (role, row)
+    assert ("gate", "input") not in rows, "the router stays in high precision"
