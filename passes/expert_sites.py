@@ -75,6 +75,12 @@ def _value(node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def _rows(dim) -> int | str:
+    """A token count as a site records it: an int, or the symbol's text (a symbolic dimension is never compared:
+    that would guard, or specialize, the graph on it)."""
+    return dim if isinstance(dim, int) else str(dim)
+
+
 def read_grouped(site, node: torch.fx.Node, resolve) -> None:
     """Fill ``site`` (op ``grouped_mm``) from a grouped GEMM ``node``; ``resolve(node)`` gives
     ``(parameter node, transposed)`` of a parameter operand (``find_sites._Parameters.resolve``)."""
@@ -89,7 +95,7 @@ def read_grouped(site, node: torch.fx.Node, resolve) -> None:
     if right_value is not None and right_value.dim() == 3:
         site.experts, site.K, site.N = right_value.shape
     if input_value is not None and input_value.dim() == 2:
-        site.M = input_value.shape[0]
+        site.M = _rows(input_value.shape[0])
     if weight is None:
         site.blocker = "expert weights computed in the graph (not a 3-D parameter or its transpose)"
     elif input_value is None or right_value is None or input_value.dim() != 2 or right_value.dim() != 3:
@@ -138,7 +144,7 @@ def read_gathered_experts(site, left, right, parameters) -> bool:
         site.experts, site.weight_node, site.input_node = weight_value.shape[0], operand.args[0], other
         # bmm(W[ids] (S, N, K), x (S, K, 1)), or bmm(x (S, 1, K), W[ids] (S, K, N)) for (E, K, N) weights
         site.N, site.K = weight_value.shape[1:] if weight_first else weight_value.shape[:0:-1]
-        site.M, site.dtype = index_value.shape[0], weight_value.dtype
+        site.M, site.dtype = _rows(index_value.shape[0]), weight_value.dtype
         site.blocker = _GATHERED_BLOCKER
         return True
     return False

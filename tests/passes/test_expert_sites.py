@@ -178,3 +178,14 @@ def test_expert_sites_record_their_fp8_health(recipe):
         row = rows["experts", role]
         assert row.sqnr_db > 25 and row.underflow < 0.05 and row.amax > 0, (role, row)
     assert ("gate", "input") not in rows, "the router stays in high precision"
+
+
+def test_dynamic_token_counts_compile_once_with_a_symbolic_m():
+    model, _ = _moe()
+    compiled, backend = compile_fp8(model, policy=Float8RowwiseScaling(), dynamic=True)
+    for tokens in (8, 12, 20):
+        output = compiled(torch.randn(2, tokens, 64, dtype=torch.bfloat16))
+        output.float().pow(2).mean().backward()
+        assert torch.isfinite(output).all() and torch.isfinite(model.experts.down_proj.grad).all()
+    experts = [d for d in backend.decisions if d.site.is_experts]
+    assert len(experts) == 2 and all(d.rewritten and isinstance(d.site.M, str) for d in experts)
