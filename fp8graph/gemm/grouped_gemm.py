@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from fp8graph.gemm.layouts import column_major, row_major
 from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.numerics.groups import padded_group_rows, row_groups
 from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
@@ -62,23 +63,13 @@ def _(a, b, offsets):
     return a.new_empty((offsets.shape[0], a.shape[0], b.shape[1]), dtype=torch.float32)
 
 
-def _row_major(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _column_major(t: torch.Tensor) -> torch.Tensor:
-    """The last two dims with the second-last contiguous (the "N" of cuBLAS's TN layout)."""
-    t_t = t.transpose(-2, -1)
-    return t if t_t.is_contiguous() else t_t.contiguous().transpose(-2, -1)
-
-
 def grouped_scaled_gemm(a_fp8: torch.Tensor, a_inverse_scale: torch.Tensor, b_fp8: torch.Tensor,
                         b_inverse_scale: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
                         lowering: Lowering, use_fast_accum: bool = False) -> torch.Tensor:
     """The rows form: ``a`` (S, K) with ``a_inverse_scale`` (S,), ``b`` (E, K, N) with ``b_inverse_scale``
     (E, N); returns (S, N) in ``out_dtype``."""
     if lowering is Lowering.SCALED_MM:
-        output = torch._scaled_grouped_mm(_row_major(a_fp8), _column_major(b_fp8), a_inverse_scale.contiguous(),
+        output = torch._scaled_grouped_mm(row_major(a_fp8), column_major(b_fp8), a_inverse_scale.contiguous(),
                                           b_inverse_scale.contiguous(), offs=offsets, out_dtype=torch.bfloat16,
                                           use_fast_accum=use_fast_accum)
         return output.to(out_dtype)

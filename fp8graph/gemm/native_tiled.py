@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import torch
 
+from fp8graph.gemm.layouts import column_major
 from fp8graph.gemm.padding import pad_reduction_dim
 from fp8graph.numerics.tiles import ScaleKind, Tiling
 
 __all__ = ["native_tiled_gemm", "swizzle_mx_scales"]
-
-
-def _column_major(t: torch.Tensor) -> torch.Tensor:
-    return t if t.t().is_contiguous() else t.t().contiguous().t()
 
 
 def swizzle_mx_scales(scale_e8m0: torch.Tensor) -> torch.Tensor:
@@ -61,7 +58,7 @@ def native_tiled_gemm(a_fp8, a_scale, a_tiling: Tiling, b_fp8, b_scale, b_tiling
         # zero-pad it (the weight-gradient GEMM reduces over tokens).
         a_fp8, b_fp8_t = pad_reduction_dim(a_fp8, b_fp8.t())
         output = torch._scaled_mm(
-            a_fp8.contiguous(), _column_major(b_fp8_t),
+            a_fp8.contiguous(), column_major(b_fp8_t),
             scale_a=a_scale.reciprocal().reshape(-1, 1).contiguous(),
             scale_b=b_scale.reciprocal().reshape(1, -1).contiguous(),
             out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum)
@@ -70,7 +67,7 @@ def native_tiled_gemm(a_fp8, a_scale, a_tiling: Tiling, b_fp8, b_scale, b_tiling
 
     if a_tiling.scale_kind is ScaleKind.E8M0:
         output = scaled_mm(
-            a_fp8.contiguous(), _column_major(b_fp8.t()),
+            a_fp8.contiguous(), column_major(b_fp8.t()),
             swizzle_mx_scales(_e8m0_bytes(a_scale)), ScalingType.BlockWise1x32,
             swizzle_mx_scales(_e8m0_bytes(b_scale)), ScalingType.BlockWise1x32,
             swizzle_a=SwizzleType.SWIZZLE_32_4_4, swizzle_b=SwizzleType.SWIZZLE_32_4_4,
@@ -78,7 +75,7 @@ def native_tiled_gemm(a_fp8, a_scale, a_tiling: Tiling, b_fp8, b_scale, b_tiling
         return output.to(out_dtype)
     recipes = {1: ScalingType.BlockWise1x128, 128: ScalingType.BlockWise128x128}
     output = scaled_mm(
-        a_fp8.contiguous(), _column_major(b_fp8.t()),
+        a_fp8.contiguous(), column_major(b_fp8.t()),
         _block_scale_layout(a_scale, a_tiling), recipes[a_tiling.rows],
         _block_scale_layout(b_scale, b_tiling), recipes[b_tiling.rows],
         output_dtype=torch.bfloat16, use_fast_accum=False)  # refused with block scales
@@ -89,7 +86,7 @@ def _block_scale_layout(scale: torch.Tensor, tiling: Tiling) -> torch.Tensor:
     """Dequantization factors of (rows / tile rows, K / 128) scales, laid out as cuBLAS reads them."""
     inverse = scale.reciprocal()
     if tiling.rows == 1:
-        return _column_major(inverse)  # (rows, K/128), strides (1, rows)
+        return column_major(inverse)  # (rows, K/128), strides (1, rows)
     padded_columns = -(-inverse.shape[1] // 4) * 4
     padded = torch.nn.functional.pad(inverse, (0, padded_columns - inverse.shape[1]), value=1.0)
     return padded.contiguous().t()  # (L4, rows/128), strides (1, L4)

@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from fp8graph.gemm.layouts import column_major, row_major
 from fp8graph.gemm.padding import pad_reduction_dim
 from fp8graph.gemm.native_tiled import native_tiled_gemm
 from fp8graph.recipes.scaling import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
@@ -180,14 +181,6 @@ def scalars_of(values: torch.Tensor) -> list[torch.Tensor]:
     return [torch.as_strided(values, (1,), (1,), index) for index in range(values.numel())]
 
 
-def _row_major(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _column_major(t: torch.Tensor) -> torch.Tensor:
-    return t if t.t().is_contiguous() else t.t().contiguous().t()
-
-
 def scaled_gemm(
     a_fp8: torch.Tensor,
     a_scale: torch.Tensor,
@@ -225,8 +218,8 @@ def scaled_gemm_by_inverse(
         a_fp8, b_fp8 = pad_reduction_dim(a_fp8, b_fp8)
         # cuBLAS FP8 GEMMs take A row-major and B column-major (the "TN" layout).
         return torch._scaled_mm(
-            _row_major(a_fp8),
-            _column_major(b_fp8),
+            row_major(a_fp8),
+            column_major(b_fp8),
             scale_a=inverse_scale_a,
             scale_b=inverse_scale_b,
             out_dtype=out_dtype,

@@ -40,7 +40,7 @@ from fp8graph.gemm.grouped_gemm import grouped_scaled_gemm, grouped_scaled_gemm_
 from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.numerics.formats import Format, Role
 from fp8graph.numerics.groups import quantize_group_columns, row_groups
-from fp8graph.numerics.quantize import amax, amax_to_scale, finite_magnitude, quantize, row_amaxes
+from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize, quantize_current, row_amaxes
 from fp8graph.recipes.scaling import (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling,
                                      Recipe)
 from fp8graph.buffers.amax_reduction import amax_reduction
@@ -95,8 +95,8 @@ def _cast_rows(x_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Tensor, tor
     if spec.per_row:
         scale = _scale(row_amaxes(x_hp.detach()), spec)  # (R,)
         return quantize(x_hp, scale[:, None], _FP8), scale, scale.reciprocal()
-    scale = _scale(amax(x_hp.detach()), spec)  # one for the tensor
-    return quantize(x_hp, scale, _FP8), scale, scale.reciprocal().expand(x_hp.shape[0])
+    x_fp8, scale = quantize_current(x_hp, _FP8, spec.power_2)  # one scale for the tensor
+    return x_fp8, scale, scale.reciprocal().expand(x_hp.shape[0])
 
 
 def _cast_experts(weight_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -182,7 +182,7 @@ class _GroupedFP8(torch.autograd.Function):
                 input_fp8, input_scale, input_inverse = _cast_rows(input_hp, spec)  # (S or T, K), along K
                 weight_fp8, weight_scale, weight_inverse = _cast_experts(weight_hp, spec)  # (E, N, K), along K
             if stats is not None:
-                record_health(stats, Role.INPUT, input_hp, input_fp8, _per_row(input_scale, input_hp), spec.recipe)
+                record_health(stats, Role.INPUT, input_hp, input_fp8, _per_row(input_scale), spec.recipe)
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
             if gather_index is not None:
                 input_fp8, input_inverse = _gather_rows(input_fp8, gather_index), input_inverse[gather_index]
@@ -228,7 +228,7 @@ class _GroupedFP8(torch.autograd.Function):
                 else _cast_rows(grad_output_hp, spec))
             if ctx.stats is not None:
                 record_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp, grad_output_fp8,
-                              _per_row(grad_output_scale, grad_output_hp), spec.recipe)
+                              _per_row(grad_output_scale), spec.recipe)
             if needs_grad_input:
                 # grad_input = grad_output . weight_e  (S, K): B is weight_e^T^T, (E, N, K) read column-major.
                 grad_input = grouped_scaled_gemm(grad_output_fp8, grad_output_inverse, weight_t_fp8.transpose(-2, -1),
@@ -257,7 +257,7 @@ def _gather_rows(x_fp8: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x_fp8.view(torch.uint8)[index].view(x_fp8.dtype)
 
 
-def _per_row(scale: torch.Tensor, x_hp: torch.Tensor) -> torch.Tensor:
+def _per_row(scale: torch.Tensor) -> torch.Tensor:
     """A cast's scale broadcastable over its (R, C) tensor, for its health record."""
     return scale[:, None] if scale.dim() == 1 else scale
 
