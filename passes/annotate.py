@@ -23,6 +23,7 @@ from fp8graph.gemm.scaled_gemm import Lowering, NoNativeGemm
 from fp8graph.recipes.policy import Policy, Resolution, SiteInfo, resolve
 from fp8graph.recipes.scaling import Recipe
 from fp8graph.buffers.snapshots import CONTEXT_FN_KEY
+from fp8graph.targets.gathered import GATHERED_RECIPES
 from fp8graph.targets.grouped import EXPERT_RECIPES, expert_recipe
 
 from .find_sites import Site
@@ -67,6 +68,9 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
     if site.is_experts and not isinstance(recipe, EXPERT_RECIPES):
         return (f"{recipe.name} on expert GEMMs is not supported yet: expert sites run row-wise, current, "
                 "delayed or MXFP8 scaling")
+    if site.is_gathered_experts and not isinstance(recipe, GATHERED_RECIPES):
+        return (f"{recipe.name} on the decode form of expert GEMMs (weights gathered per token) is not supported "
+                "yet: its FP8 GEMV takes row-wise, current or delayed scales")
     if 0 in (site.M, site.K, site.N):
         return "an empty operand (M, K or N is 0): nothing to cast; the GEMM runs as in high precision"
     if recipe.stateful and not site.is_linear:

@@ -9,12 +9,14 @@ sort the tokens by expert and run each expert projection as one grouped GEMM ove
     torch.bmm(x (E, T, K), W (E, K, N))                                              every expert, T tokens each:
                                                                                      Llama-4's dense experts
     torch.bmm(W[expert_ids], x.unsqueeze(-1))                                        weights gathered per token:
-                                                                                     batched_mm decode (kept)
+                                                                                     batched_mm decode
 
 :func:`read_grouped` reads such a node into a :class:`~fp8graph.passes.find_sites.Site` of op
 ``grouped_mm`` with ``experts`` (E) and ``offsets_node``, in linear form (``weight_node`` the 3-D
 parameter, ``weight_is_kn`` for a (E, K, N) one). :func:`read_dense_experts` reads the ``bmm`` form into a site of op ``bmm`` with ``experts``
-and no offsets: its groups are the E slices of T tokens. Grouped GEMMs the FP8 target cannot take (no offsets,
+and no offsets: its groups are the E slices of T tokens. :func:`read_gathered_experts` reads the decode
+form into a site of op ``bmm`` with ``expert_ids_node``; it runs in FP8 only with frozen weights, each
+expert's cast folded into a constant that ``fp8graph::gathered_gemv`` reads in place. Grouped GEMMs the FP8 target cannot take (no offsets,
 a bias, a weight computed in the graph) carry a ``blocker``.
 
 The sorted tokens reach the first expert GEMM as a row gather of the hidden states,
@@ -125,27 +127,45 @@ def read_dense_experts(site, weight: torch.fx.Node, transposed: bool) -> None:
     site.M = experts * tokens if isinstance(tokens, int) else f"{experts} * {tokens}"
 
 
-_GATHERED_BLOCKER = ("expert weights gathered per token (transformers' batched_mm decode, W[expert_ids]): not "
-                     "rewritten to FP8 yet")
+_GATHERED_BLOCKER = ("expert weights gathered per token (transformers' batched_mm decode, W[expert_ids]): FP8 "
+                     "reads them cast once, which needs frozen weights (fp8graph.compile(..., freeze_weights=True), "
+                     "called under torch.no_grad()); cast at every call, all E experts' weights would be read to "
+                     "serve the selected ones")
+
+
+def _frozen(weight: torch.fx.Node) -> bool:
+    """Whether ``weight`` is a constant of a graph Inductor freezes: its FP8 cast is then folded, done once."""
+    from torch._inductor import config as inductor_config
+
+    return weight.op == "get_attr" and inductor_config.freezing and not torch.is_grad_enabled()
 
 
 def read_gathered_experts(site, left, right, parameters) -> bool:
     """Fill ``site`` (op ``bmm``) when one operand is a 3-D parameter gathered per token, ``W[expert_ids]``
-    (transformers' ``batched_mm`` decode): an expert site of E experts, kept with the reason. ``parameters``
-    is the graph's set of parameter nodes. False when neither operand is such a gather."""
+    (transformers' ``batched_mm`` decode): an expert site of E experts with ``expert_ids_node``, rewritten
+    only where the weights are frozen (see ``_GATHERED_BLOCKER``). ``parameters`` is the graph's set of
+    parameter nodes. False when neither operand is such a gather."""
     for operand, other, weight_first in ((left, right, True), (right, left, False)):
         if not (isinstance(operand, torch.fx.Node) and operand.op == "call_function"
                 and operand.target is operator.getitem and operand.args[0] in parameters):
             continue
         weight_value, index_value = _value(operand.args[0]), _value(operand.args[1])
         if weight_value is None or weight_value.dim() != 3 or index_value is None \
-                or index_value.is_floating_point() or index_value.dim() != 1:
+                or index_value.is_floating_point() or index_value.dim() != 1 or index_value.dtype == torch.bool:
             continue
         site.experts, site.weight_node, site.input_node = weight_value.shape[0], operand.args[0], other
-        # bmm(W[ids] (S, N, K), x (S, K, 1)), or bmm(x (S, 1, K), W[ids] (S, K, N)) for (E, K, N) weights
+        site.expert_ids_node = operand.args[1]
+        # bmm(W[ids] (S, N, K), x (S, K, 1)) of (E, N, K) weights, or bmm(x (S, 1, K), W[ids] (S, K, N)) of
+        # (E, K, N) ones, which the rewrite feeds transposed.
+        site.weight_is_kn = not weight_first
         site.N, site.K = weight_value.shape[1:] if weight_first else weight_value.shape[:0:-1]
         site.M, site.dtype = _rows(index_value.shape[0]), weight_value.dtype
-        site.blocker = _GATHERED_BLOCKER
+        input_value = _value(other)
+        expected = (site.K, 1) if weight_first else (1, site.K)
+        if input_value is None or input_value.dim() != 3 or tuple(input_value.shape[1:]) != expected:
+            site.blocker = "batched GEMM of gathered expert weights by something other than one row per token"
+        elif not _frozen(site.weight_node):
+            site.blocker = _GATHERED_BLOCKER
         return True
     return False
 

@@ -107,6 +107,12 @@ class Site:
     gate: str | None = None  # a router or shared-expert gate: why only a rule naming it moves it to FP8
     gather_source: torch.fx.Node | None = None  # an expert site's input is gather_source[gather_index] (rows)
     gather_index: torch.fx.Node | None = None
+    expert_ids_node: torch.fx.Node | None = None  # decode form: row s multiplies expert expert_ids[s]'s weight
+
+    @property
+    def is_gathered_experts(self) -> bool:
+        """An expert site whose weights are picked per token row (``bmm(W[expert_ids], x)``): MoE decode."""
+        return self.expert_ids_node is not None
 
 
 def _value(node) -> torch.Tensor | None:

@@ -158,7 +158,7 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], conte
     decisions: list[Decision] = annotate_sites(
         sites, context.policy,
         lambda recipe, site: choose_lowering(device, context.lowering, recipe, batched=not site.is_linear,
-                                             grouped=site.is_experts),
+                                             grouped=site.is_experts, gathered=site.is_gathered_experts),
         context.modules_by_path, has_state=lambda site: state_nodes(site) is not None)
     # Sites that read one input share its cast; they must carry the same kinds of buffers.
     groups = group_sites(decisions, lambda d: (state_nodes(d.site) is not None, updates_state(d.site),

@@ -15,6 +15,9 @@
     before:  x = h[idx]; y = _grouped_mm(x, w.t(-2, -1), offs=o)      (the tokens gathered, read only here)
     after:   y = fp8graph_grouped_<recipe>(h, w, o, gather_index=idx)  h cast, FP8 rows gathered; x left unused
 
+    before:  y = bmm(w[ids], x3)          | y = bmm(x3, w_ekn[ids])   (MoE decode, frozen weights)
+    after:   y = fp8graph_gathered_<recipe>(x3, w, ids)  | weight fed as w_ekn.transpose(-2, -1)
+
 With stats on, every FP8 call also takes its module's stats buffer:
 ``fp8graph_linear_<recipe>(x, w, b, stats)``, likewise for matmuls; a group's
 call takes lists of its sites' buffers (``stats=[...]``, ``histories=[...]``).
@@ -41,6 +44,7 @@ import torch.fx
 from torch._dynamo.utils import counters
 
 from fp8graph.targets.cache_hash import mark_cacheable
+from fp8graph.targets.gathered import gathered_fp8_target
 from fp8graph.targets.grouped import grouped_fp8_target
 from fp8graph.targets.linear_tensorwise import linear_fp8_target, linears_fp8_target
 from fp8graph.targets.linear_tiled import linear_tiled_target
@@ -115,7 +119,8 @@ def rewrite_sites(
 def _with_replaced_operands(decision: Decision, replaced: dict) -> Decision:
     site = dataclasses.replace(decision.site, **{
         field: replaced.get(getattr(decision.site, field), getattr(decision.site, field))
-        for field in ("input_node", "other_node", "bias_node", "offsets_node", "gather_source", "gather_index")})
+        for field in ("input_node", "other_node", "bias_node", "offsets_node", "gather_source", "gather_index",
+                      "expert_ids_node")})
     return dataclasses.replace(decision, site=site)
 
 
@@ -185,7 +190,10 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
             mark_cacheable(call, target)
         else:
             state, cache = states[0], caches[0]
-            if site.is_experts:
+            if site.is_gathered_experts:  # decode: each row's expert weight picked by expert_ids
+                target = gathered_fp8_target(first.recipe, first.lowering)
+                args = (site.input_node, _weight_nk(graph, first), site.expert_ids_node)
+            elif site.is_experts:
                 target = grouped_fp8_target(first.recipe, first.lowering,
                                             state is None or buffers.updates_state(site))
                 # Sorted tokens gathered from the hidden states: the call casts the source rows, then gathers.

@@ -113,3 +113,32 @@ def test_frozen_expert_weights_are_fp8_constants():
     assert sum("float8_e4m3fn (4, 32, 64)" in line for line in constants) == 1  # down, (E, H, I) cast along I
     assert not any("bfloat16 (4," in line for line in constants), "no expert weight in high precision"
     assert sqnr_db(expected.float(), output.float()) > 30
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("weights", ["enk", "ekn"])
+def test_moe_decode_reads_frozen_fp8_expert_weights_by_expert_id(weights):
+    """transformers' batched_mm experts (decode: bmm(W[expert_ids], x)) with frozen weights: each expert GEMM is
+    rewritten, the frozen code holds the expert weights as FP8 constants (E, N, K) in the layout the GEMV reads,
+    and no BF16 expert weight; the output is what the same weights give in the grouped form (prefill), frozen,
+    in FP8 (bit for bit on this CPU; 45 dB allows the two GEMMs' fp32 sums another order). Without freezing
+    the decode form is kept, with the reason."""
+    from helpers import sqnr_db
+
+    model = build("moe", "tiny", dtype=torch.bfloat16, weights=weights, implementation="batched_mm").eval()
+    grouped = build("moe", "tiny", dtype=torch.bfloat16, weights=weights).eval()
+    grouped.load_state_dict(model.state_dict())
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    reasons = [r.reason for r in fp8graph.explain(model, x) if r.op == "bmm"]
+    assert len(reasons) == 2 and all("needs frozen weights" in reason for reason in reasons)
+    with torch.no_grad():
+        _, expected, _ = _compile_and_run(grouped, x, freeze_weights=True)
+        compiled, output, code = _compile_and_run(model, x, freeze_weights=True)
+    decisions = [d for d in compiled.fp8graph_backend.decisions if d.site.is_gathered_experts]
+    assert len(decisions) == 2 and all(d.rewritten for d in decisions)
+    constants = [line for line in code.splitlines() if line.startswith("_frozen_param") and "= None  #" in line]
+    # FP8 constants as the GEMV reads them (bytes, K contiguous): gate_up (E, 2I, H), down (E, H, I).
+    assert sum("uint8 (4, 64, 64) (4096, 64, 1)" in line for line in constants) == 1
+    assert sum("uint8 (4, 64, 32) (2048, 32, 1)" in line for line in constants) == 1
+    assert not any("bfloat16 (4," in line for line in constants), "no expert weight in high precision"
+    assert sqnr_db(expected.float(), output.float()) > 45

@@ -106,7 +106,7 @@ def _device_name(device: torch.device, capability: tuple[int, int] | None) -> st
 
 def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
                     capability: tuple[int, int] | None = None, batched: bool = False,
-                    grouped: bool = False) -> Lowering:
+                    grouped: bool = False, gathered: bool = False) -> Lowering:
     """Pick the GEMM lowering of ``recipe`` (default: per-tensor scaling) for a compile on ``device``.
 
     ``requested`` is ``"auto"`` (scaled_mm where the device has the recipe's
@@ -116,7 +116,8 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
     compute capability (read from the device when ``None``; tests give it).
     ``batched``: an activation matmul, which has no FP8 GEMM on any device.
     ``grouped``: an expert GEMM, native as ``torch._scaled_grouped_mm`` (row-wise scales, SM 9.x), which
-    has no CPU kernel.
+    has no CPU kernel. ``gathered``: an expert GEMM of weights gathered per token (MoE decode), native as
+    ``fp8graph::gathered_gemv``'s Triton kernel (E4M3, SM >= 8.9).
 
     Raises:
         NoNativeGemm: on a CUDA device without the recipe's native GEMM, unless
@@ -131,6 +132,9 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
     what = recipe.name if recipe is not None else "FP8"
     if batched:
         needs, supported = "a 2-D GEMM (cuBLAS has no batched FP8 GEMM): an activation matmul", lambda cc: False
+    elif gathered:
+        needs, supported = ("fp8graph's gathered FP8 GEMV (a Triton kernel: Triton installed, compute capability "
+                            ">= 8.9)", lambda cc: cc >= _MIN_FP8_CAPABILITY and _triton_installed())
     elif grouped and isinstance(recipe, MXFP8BlockScaling):
         needs, supported = ("torch._scaled_grouped_mm's MXFP8 form (SM 10.x), which fp8graph's expert GEMMs do not "
                             "call yet: they are emulated only", lambda cc: False)
@@ -148,9 +152,15 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
         if requested == "auto" or batched:
             raise NoNativeGemm(f"{problem} (lowering='emulated' asks for the emulation anyway)")
         raise ValueError(f"lowering='scaled_mm': {problem}")
-    if has_cpu_kernel(recipe) and not grouped:
+    if has_cpu_kernel(recipe) and not (grouped or gathered):
         return Lowering.SCALED_MM  # _scaled_mm's CPU kernel, asked for
     raise ValueError(f"lowering='scaled_mm' of {what} needs {needs}; the graph runs on {device}")
+
+
+def _triton_installed() -> bool:
+    from fp8graph.kernels.quantize_tiles import triton_available
+
+    return triton_available()
 
 
 def _grouped_supported(recipe) -> Callable[[tuple[int, int]], bool]:

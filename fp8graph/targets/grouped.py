@@ -50,7 +50,8 @@ from fp8graph.targets.grouped_blocks import GroupedBlocks
 from fp8graph.targets.linear_tensorwise import record_health, record_states, target_name
 from fp8graph.targets.partitioning import read_in_backward, saved_not_recomputed
 
-__all__ = ["EXPERT_RECIPES", "expert_recipe", "grouped_fp8_target"]
+__all__ = ["EXPERT_RECIPES", "GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "expert_recipe",
+           "grouped_fp8_target", "health_scales"]
 
 _FP8 = torch.float8_e4m3fn
 # The recipes expert sites run (the others are kept in high precision with the reason: passes.annotate).
@@ -90,7 +91,7 @@ def _scale(amax_fp32: torch.Tensor, spec: GroupedSpec) -> torch.Tensor:
     return amax_to_scale(amax_fp32, _FP8, spec.power_2)
 
 
-def _cast_rows(x_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def cast_rows(x_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x_hp`` (R, C) cast along C: ``(x_fp8, scale (R,) or 0-dim, inverse_scale (R,))``."""
     if spec.per_row:
         scale = _scale(row_amaxes(x_hp.detach()), spec)  # (R,)
@@ -99,20 +100,20 @@ def _cast_rows(x_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Tensor, tor
     return x_fp8, scale, scale.reciprocal().expand(x_hp.shape[0])
 
 
-def _cast_experts(weight_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def cast_experts(weight_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weight_hp`` (E, R, C) cast along C: ``(weight_fp8, scale (E, R) or (E, 1), inverse_scale (E, R))``."""
     experts, rows, columns = weight_hp.shape
     if spec.per_row:
-        weight_fp8, scale, inverse = _cast_rows(weight_hp.reshape(experts * rows, columns), spec)
+        weight_fp8, scale, inverse = cast_rows(weight_hp.reshape(experts * rows, columns), spec)
         return weight_fp8.reshape(experts, rows, columns), scale.reshape(experts, rows), inverse.reshape(experts, rows)
     scale = _scale(finite_magnitude(weight_hp.detach()).amax(dim=(1, 2)), spec)[:, None]  # (E, 1): per expert
     return quantize(weight_hp, scale[:, :, None], _FP8), scale, scale.reciprocal().expand(experts, rows)
 
 
-def _cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_index=None):
+def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_index=None):
     """The forward casts with delayed scaling: the input's scale from row 0 of the history, expert e's from row
     1 + e; every row moves one step (new scales, histories rolled, this call's amaxes recorded) in one
-    ``fp8graph::record_delayed_``. Returns the two casts as :func:`_cast_rows` and :func:`_cast_experts` do."""
+    ``fp8graph::record_delayed_``. Returns the two casts as :func:`cast_rows` and :func:`cast_experts` do."""
     history, scale = state[0], state[1]  # (1 + E, len), (1 + E,)
     recipe = spec.recipe
     if not spec.update:
@@ -177,12 +178,12 @@ class _GroupedFP8(torch.autograd.Function):
         with torch.autocast(input_hp.device.type, enabled=False):
             if spec.delayed:
                 (input_fp8, input_scale, input_inverse), (weight_fp8, weight_scale, weight_inverse) = \
-                    _cast_forward_delayed(input_hp, weight_hp, state, spec, gather_index)
+                    cast_forward_delayed(input_hp, weight_hp, state, spec, gather_index)
             else:
-                input_fp8, input_scale, input_inverse = _cast_rows(input_hp, spec)  # (S or T, K), along K
-                weight_fp8, weight_scale, weight_inverse = _cast_experts(weight_hp, spec)  # (E, N, K), along K
+                input_fp8, input_scale, input_inverse = cast_rows(input_hp, spec)  # (S or T, K), along K
+                weight_fp8, weight_scale, weight_inverse = cast_experts(weight_hp, spec)  # (E, N, K), along K
             if stats is not None:
-                record_health(stats, Role.INPUT, input_hp, input_fp8, _per_row(input_scale), spec.recipe)
+                record_health(stats, Role.INPUT, input_hp, input_fp8, health_scales(input_scale), spec.recipe)
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
             if gather_index is not None:
                 input_fp8, input_inverse = _gather_rows(input_fp8, gather_index), input_inverse[gather_index]
@@ -225,10 +226,10 @@ class _GroupedFP8(torch.autograd.Function):
         with torch.autocast(grad_output_hp.device.type, enabled=False):
             grad_output_fp8, grad_output_scale, grad_output_inverse = (  # along N
                 _cast_grad_output_delayed(grad_output_hp, ctx.state, spec) if spec.delayed
-                else _cast_rows(grad_output_hp, spec))
+                else cast_rows(grad_output_hp, spec))
             if ctx.stats is not None:
                 record_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp, grad_output_fp8,
-                              _per_row(grad_output_scale), spec.recipe)
+                              health_scales(grad_output_scale), spec.recipe)
             if needs_grad_input:
                 # grad_input = grad_output . weight_e  (S, K): B is weight_e^T^T, (E, N, K) read column-major.
                 grad_input = grouped_scaled_gemm(grad_output_fp8, grad_output_inverse, weight_t_fp8.transpose(-2, -1),
@@ -257,7 +258,7 @@ def _gather_rows(x_fp8: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x_fp8.view(torch.uint8)[index].view(x_fp8.dtype)
 
 
-def _per_row(scale: torch.Tensor) -> torch.Tensor:
+def health_scales(scale: torch.Tensor) -> torch.Tensor:
     """A cast's scale broadcastable over its (R, C) tensor, for its health record."""
     return scale[:, None] if scale.dim() == 1 else scale
 

@@ -90,3 +90,16 @@ def test_grouped_lowering_is_native_on_sm90_only_and_never_on_cpu():
             choose_lowering(cpu, "scaled_mm", recipe, grouped=True)
     with pytest.raises(NoNativeGemm):
         choose_lowering(cuda, "auto", MXFP8BlockScaling(), capability=(9, 0), grouped=True)
+
+
+def test_the_decode_form_is_native_where_its_triton_kernel_runs():
+    """Expert weights gathered per token run fp8graph's gathered GEMV (Triton, SM >= 8.9): emulated on CPU."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for recipe in (Float8CurrentScaling(), Float8RowwiseScaling()):
+        for capability in ((8, 9), (9, 0), (10, 0)):
+            assert choose_lowering(cuda, "auto", recipe, capability=capability, gathered=True) is Lowering.SCALED_MM
+        assert choose_lowering(cpu, "auto", recipe, gathered=True) is Lowering.EMULATED
+        with pytest.raises(NoNativeGemm, match="gathered FP8 GEMV"):
+            choose_lowering(cuda, "auto", recipe, capability=(8, 0), gathered=True)
+        with pytest.raises(ValueError, match="gathered FP8 GEMV"):
+            choose_lowering(cpu, "scaled_mm", recipe, gathered=True)

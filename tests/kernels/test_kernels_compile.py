@@ -126,3 +126,25 @@ def test_the_delayed_state_kernel_compiles_to_a_cubin_without_spills(members, ro
                                  [torch.ones(rows) for _ in range(members)], partials, torch.ones(members, rows))
     usage = resource_usage(compile_launch(launch, capability))
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
+
+
+@pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
+@pytest.mark.parametrize("rows, experts, columns, depth", [(8, 128, 1536, 2048), (64, 128, 2048, 768), (1, 8, 1000, 100)],
+                         ids=["qwen3-gate-up", "qwen3-down-64-tokens", "ragged"])
+def test_the_gathered_expert_gemv_compiles_to_a_cubin_reading_fp8_as_vectors(rows, experts, columns, depth, capability):
+    """``fp8graph::gathered_gemv`` (MoE decode on FP8 expert weights): a cubin without spills that reads the
+    weight rows as 16-byte vectors when K divides by 16 (the step is bound by those bytes) and widens E4M3
+    in hardware. Not proven here: its speed (``bench moe`` on a GPU)."""
+    from fp8graph.kernels.gathered_gemv import plan_gathered_gemv
+
+    fp8 = torch.float8_e4m3fn
+    launch, _ = plan_gathered_gemv(torch.empty(rows, depth, dtype=fp8), torch.ones(rows),
+                                   torch.empty(experts, columns, depth, dtype=fp8), torch.ones(experts, columns),
+                                   torch.zeros(rows, dtype=torch.int64), torch.bfloat16)
+    compiled = compile_launch(launch, capability)
+    usage = resource_usage(compiled)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
+    ptx = compiled.asm["ptx"]
+    assert "cvt.rn.f16x2.e4m3x2" in ptx, "E4M3 is not widened by the hardware's conversion"
+    if depth % 16 == 0:
+        assert "ld.global.v4.b32" in ptx, "weight rows are not read as 16-byte vectors"
