@@ -6,6 +6,8 @@
     annotate          each site's decision (a recipe and its GEMM lowering, or why it stays) in node.meta
     group_sites       decided sites that read one input, one cast of it
     rewrite           decided sites replaced by fp8graph's targets, their buffers threaded in
+    unpermute         in graphs with FP8 expert GEMMs, the tokens' order restored by a gather whose backward
+                      gathers too (not index_put into zeros)
 
 Each pass reads only what the ones before it wrote; the report is built from the same decisions.
 Dynamo's graph is not functional: the driver checks that the passes left every node with side effects
@@ -34,6 +36,7 @@ from .find_sites import find_sites
 from .group_sites import group_sites
 from .rewrite import rewrite_sites
 from .side_effects import side_effect_nodes
+from .unpermute import unpermute_expert_outputs
 from .subgraphs import Subgraphs
 
 __all__ = ["PassContext", "run_passes"]
@@ -165,6 +168,9 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], conte
                                                cache_nodes(d.site) is not None))
     rewrite_sites(gm, stats_nodes, state_nodes, updates_state=updates_state, cache_nodes=cache_nodes,
                   weight_cache="reuse" if reuse else "fill", groups=groups)
+    for graph_module in {id(d.site.graph_module): d.site.graph_module for d in decisions
+                         if d.rewritten and d.site.is_experts and not d.site.is_gathered_experts}.values():
+        unpermute_expert_outputs(graph_module)
     _check_side_effects_kept(gm, side_effects_before)
     stats_written = [(d.site.path, value_of[node]) for d in decisions
                      if d.rewritten and (node := stats_nodes(d.site)) is not None]

@@ -188,3 +188,15 @@ def test_a_gpu_run_of_the_moe_block_is_shown_beside_the_committed_modelled_step(
     assert path.name in lines[0] and "+0%" in rowwise and f"{modelled['rowwise']['vs_bf16']:.2f}x" in rowwise
     assert bench_model.compare_lines({**measured, "sequence": 1024}, "x", None, results)[0].startswith(
         "no modelled bench moe result")
+
+
+def test_the_tokens_order_is_restored_without_storing_the_sorted_gradient(steps):
+    """The backward of ``out = rows[inverse]`` (the tokens back in their order, after the down projection) is a
+    gather inside the down projection's grad_output kernels (fp8graph.passes.unpermute), not an index_put that
+    stores the sorted gradient, S x hidden in BF16, for the cast to read again."""
+    sorted_gradient_bytes = S * TINY["hidden"] * 2
+    for contestant in ("rowwise", "current"):
+        backward = [row for row in steps[contestant]["rows"]
+                    if row["graph"].endswith("backward") and row["kind"] == "triton"]
+        stored = [r["name"] for r in backward if "index_put" in r["name"] and r["written"] == sorted_gradient_bytes]
+        assert not stored, (contestant, stored)
