@@ -280,3 +280,25 @@ def test_the_gathered_expert_gemv_matches_its_reference_and_decodes_a_frozen_moe
         torch._dynamo.reset()
         prefilled = fp8graph.compile(grouped, policy=fp8graph.Float8RowwiseScaling(), freeze_weights=True)(x)
     assert sqnr_db(prefilled.float(), decoded.float()) > 40
+
+
+def test_mxfp8_expert_gemms_on_sm100_match_the_emulation():
+    """torch._scaled_grouped_mm's MXFP8 form (SM 10.x; fp8graph.gemm.grouped_mx's blocked scale layouts) against
+    the exact emulation: the three expert GEMMs with an empty expert and ragged groups."""
+    if torch.cuda.get_device_capability()[0] != 10:
+        pytest.skip("torch._scaled_grouped_mm's MXFP8 form runs on SM 10.x")
+    from fp8graph.recipes.scaling import MXFP8BlockScaling
+    from fp8graph.targets.grouped import grouped_fp8_target
+
+    offsets = torch.tensor([13, 13, 200, 333], dtype=torch.int32, device="cuda")
+    input_hp = torch.randn(340, 256, device="cuda", dtype=torch.bfloat16)
+    weight_hp = torch.randn(4, 384, 256, device="cuda", dtype=torch.bfloat16)
+    grad_output = torch.randn(340, 384, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for lowering in (Lowering.SCALED_MM, Lowering.EMULATED):
+        x, w = input_hp.clone().requires_grad_(), weight_hp.clone().requires_grad_()
+        output = grouped_fp8_target(MXFP8BlockScaling(), lowering)(x, w, offsets)
+        output.backward(grad_output)
+        results.append((output[:333].float(), x.grad[:333].float(), w.grad.float()))
+    for native, emulated in zip(*results):
+        assert sqnr_db(emulated, native) > 40

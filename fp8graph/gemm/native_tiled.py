@@ -26,7 +26,7 @@ from fp8graph.gemm.layouts import column_major
 from fp8graph.gemm.padding import pad_reduction_dim
 from fp8graph.numerics.tiles import ScaleKind, Tiling
 
-__all__ = ["native_tiled_gemm", "swizzle_mx_scales"]
+__all__ = ["e8m0_bytes", "native_tiled_gemm", "swizzle_mx_scales"]
 
 
 def swizzle_mx_scales(scale_e8m0: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,7 @@ def swizzle_mx_scales(scale_e8m0: torch.Tensor) -> torch.Tensor:
     return blocks.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16).flatten()
 
 
-def _e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
     """E8M0 bytes of the dequantization factor ``1 / scale``: its fp32 exponent field."""
     inverse = scale.reciprocal()
     return ((inverse.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
@@ -68,8 +68,8 @@ def native_tiled_gemm(a_fp8, a_scale, a_tiling: Tiling, b_fp8, b_scale, b_tiling
     if a_tiling.scale_kind is ScaleKind.E8M0:
         output = scaled_mm(
             a_fp8.contiguous(), column_major(b_fp8.t()),
-            swizzle_mx_scales(_e8m0_bytes(a_scale)), ScalingType.BlockWise1x32,
-            swizzle_mx_scales(_e8m0_bytes(b_scale)), ScalingType.BlockWise1x32,
+            swizzle_mx_scales(e8m0_bytes(a_scale)), ScalingType.BlockWise1x32,
+            swizzle_mx_scales(e8m0_bytes(b_scale)), ScalingType.BlockWise1x32,
             swizzle_a=SwizzleType.SWIZZLE_32_4_4, swizzle_b=SwizzleType.SWIZZLE_32_4_4,
             output_dtype=torch.bfloat16)
         return output.to(out_dtype)

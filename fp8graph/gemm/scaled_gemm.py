@@ -115,8 +115,8 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
     and row-wise recipes only). ``capability`` stands for the device's
     compute capability (read from the device when ``None``; tests give it).
     ``batched``: an activation matmul, which has no FP8 GEMM on any device.
-    ``grouped``: an expert GEMM, native as ``torch._scaled_grouped_mm`` (row-wise scales, SM 9.x), which
-    has no CPU kernel. ``gathered``: an expert GEMM of weights gathered per token (MoE decode), native as
+    ``grouped``: an expert GEMM, native as ``torch._scaled_grouped_mm`` (row-wise scales on SM 9.x, MXFP8
+    on SM 10.x), which has no CPU kernel. ``gathered``: an expert GEMM of weights gathered per token (MoE decode), native as
     ``fp8graph::gathered_gemv``'s Triton kernel (E4M3, SM >= 8.9).
 
     Raises:
@@ -136,8 +136,8 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
         needs, supported = ("fp8graph's gathered FP8 GEMV (a Triton kernel: Triton installed, compute capability "
                             ">= 8.9)", lambda cc: cc >= _MIN_FP8_CAPABILITY and _triton_installed())
     elif grouped and isinstance(recipe, MXFP8BlockScaling):
-        needs, supported = ("torch._scaled_grouped_mm's MXFP8 form (SM 10.x), which fp8graph's expert GEMMs do not "
-                            "call yet: they are emulated only", lambda cc: False)
+        needs, supported = ("torch._scaled_grouped_mm's MXFP8 form, on a CUDA device of compute capability 10.x "
+                            "(SM100)", lambda cc: hasattr(torch, "_scaled_grouped_mm") and cc[0] == 10)
     elif grouped:
         needs, supported = ("torch._scaled_grouped_mm, which takes row-wise and per-tensor scales on a CUDA device "
                             "of compute capability 9.x (SM90)", _grouped_supported(recipe))

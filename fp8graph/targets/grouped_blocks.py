@@ -5,8 +5,9 @@
               grad_weight_e = grad_output_e^T . input_e   blocks of 32 tokens, each expert's group zero-padded
                                                           to a multiple of 32 so that no block spans two experts
 
-Emulated exactly (``fp8graph::grouped_mm_exact`` on the dequantized operands: FP8 values times powers of two
-are exact in fp32); ``torch._scaled_grouped_mm``'s MXFP8 form (SM 10.x) is not called yet.
+Native on SM 10.x (``fp8graph.gemm.grouped_mx``: ``torch._scaled_grouped_mm``'s MXFP8 form); elsewhere
+emulated exactly (``fp8graph::grouped_mm_exact`` on the dequantized operands: FP8 values times powers of two
+are exact in fp32).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 
 from fp8graph.gemm.grouped_gemm import grouped_mm_exact
+from fp8graph.gemm.grouped_mx import grouped_mx_gemm, grouped_mx_gemm_weights
+from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.numerics.formats import Role
 from fp8graph.numerics.groups import padded_group_rows
 from fp8graph.numerics.tiles import Tiling, expand_scale, reference_dequantize_tiles, reference_quantize_tiles
@@ -25,9 +28,8 @@ __all__ = ["GroupedBlocks"]
 class GroupedBlocks(torch.autograd.Function):
     """MXFP8 expert GEMMs: every operand in blocks of 32 along its GEMM's reduction dimension, E8M0 scales.
 
-    The scales vary along the reduction, so the emulation multiplies the dequantized operands (exact in fp32:
-    FP8 values times powers of two). The weight gradient reduces over each group's tokens: the groups are
-    zero-padded to multiples of 32 tokens first, so that no block spans two experts.
+    The weight gradient reduces over each group's tokens: the groups are zero-padded to multiples of 32
+    tokens first, so that no block spans two experts.
     """
 
     @staticmethod
@@ -36,50 +38,86 @@ class GroupedBlocks(torch.autograd.Function):
         experts, rows, columns = weight_hp.shape
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         with torch.autocast(input_hp.device.type, enabled=False):
-            input_dq = _blocks(input_hp, tiling, stats, Role.INPUT, spec.recipe)  # (S, K) along K
-            weight_dq = _blocks(weight_hp.reshape(experts * rows, columns), tiling, stats, Role.WEIGHT,
-                                spec.recipe).reshape(experts, rows, columns)  # (E, N, K) along K
+            input_q = _blocks(input_hp, tiling, stats, Role.INPUT, spec.recipe)  # (S, K) along K
+            weight_q = _experts(_blocks(weight_hp.reshape(experts * rows, columns), tiling, stats, Role.WEIGHT,
+                                        spec.recipe), experts)  # (E, N, K) along K
             # output = input . weight_e^T  (S, N)
-            output = grouped_mm_exact(input_dq, weight_dq.transpose(-2, -1), offsets).to(input_hp.dtype)
-            weight_t_dq = padding = input_t_dq = None
+            output = _gemm_rows(input_q, weight_q, offsets, input_hp.dtype, tiling, spec.lowering)
+            weight_t_q = (None, None)
+            padding = input_t_q = None
             if needs_grad_input:  # along N
-                weight_t_dq = _blocks(weight_hp.transpose(-2, -1).reshape(experts * columns, rows),
-                                      tiling).reshape(experts, columns, rows)  # (E, K, N)
+                weight_t_q = _experts(_blocks(weight_hp.transpose(-2, -1).reshape(experts * columns, rows), tiling),
+                                      experts)  # (E, K, N)
             if needs_grad_weight:  # along each group's tokens
                 padding = padded_group_rows(offsets, input_hp.shape[0], tiling.cols)
-                input_t_dq = _blocks(_padded(input_hp, padding).t(), tiling)  # (K, S')
-        ctx.save_for_backward(offsets, weight_t_dq, input_t_dq, *(padding[:2] if padding else (None, None)))
+                input_t_q = _blocks(_padded(input_hp, padding).t(), tiling)  # (K, S')
+        ctx.save_for_backward(offsets, *weight_t_q, *(input_t_q or (None, None)),
+                              *(padding[:2] if padding else (None, None)))
         ctx.spec, ctx.stats, ctx.padded_rows = spec, stats, padding[2] if padding else None
         ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad_output_hp):  # (S, N)
-        offsets, weight_t_dq, input_t_dq, destination, padded_offsets = ctx.saved_tensors
-        tiling = ctx.spec.recipe.tiling(Role.GRAD_OUTPUT)
+        offsets, weight_t_fp8, weight_t_scale, input_t_fp8, input_t_scale, destination, padded_offsets = \
+            ctx.saved_tensors
+        spec = ctx.spec
+        tiling = spec.recipe.tiling(Role.GRAD_OUTPUT)
         needs_grad_input, needs_grad_weight = ctx.needs_input_grad[:2]
         grad_input = grad_weight = None
         with torch.autocast(grad_output_hp.device.type, enabled=False):
             if needs_grad_input:
-                grad_output_dq = _blocks(grad_output_hp, tiling, ctx.stats, Role.GRAD_OUTPUT, ctx.spec.recipe)
+                grad_output_q = _blocks(grad_output_hp, tiling, ctx.stats, Role.GRAD_OUTPUT, spec.recipe)
                 # grad_input = grad_output . weight_e  (S, K)
-                grad_input = grouped_mm_exact(grad_output_dq, weight_t_dq.transpose(-2, -1),
-                                              offsets).to(ctx.input_dtype)
+                grad_input = _gemm_rows(grad_output_q, (weight_t_fp8, weight_t_scale), offsets, ctx.input_dtype,
+                                        tiling, spec.lowering)
             if needs_grad_weight:
                 padding = (destination, padded_offsets, ctx.padded_rows)
-                grad_output_t_dq = _blocks(_padded(grad_output_hp, padding).t(), tiling)  # (N, S')
+                grad_output_t_q = _blocks(_padded(grad_output_hp, padding).t(), tiling)  # (N, S')
                 # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
-                grad_weight = grouped_mm_exact(grad_output_t_dq, input_t_dq.t(), padded_offsets).to(ctx.weight_dtype)
+                grad_weight = _gemm_weights(grad_output_t_q, (input_t_fp8, input_t_scale), padded_offsets,
+                                            ctx.weight_dtype, tiling, spec.lowering)
         return grad_input, grad_weight, None, None, None, None, None
 
 
-def _blocks(x_hp: torch.Tensor, tiling: Tiling, stats=None, role: Role | None = None, recipe=None) -> torch.Tensor:
-    """``x_hp`` (R, C) quantized in ``tiling``'s blocks along C and dequantized (fp32, exact): what the FP8
-    GEMM multiplies. With ``stats``, the cast's health goes into row ``role``."""
+def _blocks(x_hp: torch.Tensor, tiling: Tiling, stats=None, role: Role | None = None, recipe=None):
+    """``x_hp`` (R, C) quantized in ``tiling``'s blocks along C: ``(x_fp8, scale (R, C / 32))``. With ``stats``,
+    the cast's health goes into row ``role``."""
     x_fp8, scale = reference_quantize_tiles(x_hp, tiling)
     if stats is not None:
         record_health(stats, role, x_hp, x_fp8, expand_scale(scale, tiling, x_fp8.shape), recipe)
+    return x_fp8, scale
+
+
+def _experts(quantized, experts: int):
+    """A cast of E stacked (R, C) matrices, ``(x_fp8 (E R, C), scale)``, as (E, R, C) and (E, R, C / 32)."""
+    x_fp8, scale = quantized
+    return x_fp8.reshape(experts, -1, x_fp8.shape[1]), scale.reshape(experts, -1, scale.shape[1])
+
+
+def _dequantized(quantized, tiling: Tiling) -> torch.Tensor:
+    """What the FP8 GEMM multiplies, in fp32 (exact: FP8 values times powers of two)."""
+    x_fp8, scale = quantized
+    if x_fp8.dim() == 3:
+        experts = x_fp8.shape[0]
+        return reference_dequantize_tiles(x_fp8.flatten(0, 1), scale.flatten(0, 1), tiling).reshape(
+            experts, -1, x_fp8.shape[2])
     return reference_dequantize_tiles(x_fp8, scale, tiling)
+
+
+def _gemm_rows(a_q, b_q, offsets, out_dtype, tiling: Tiling, lowering: Lowering) -> torch.Tensor:
+    """``a`` (S, R) by each expert's ``b`` (E, C, R) transposed, rows grouped by ``offsets``: (S, C)."""
+    if lowering is Lowering.SCALED_MM:
+        return grouped_mx_gemm(*a_q, *b_q, offsets, out_dtype)
+    return grouped_mm_exact(_dequantized(a_q, tiling), _dequantized(b_q, tiling).transpose(-2, -1),
+                            offsets).to(out_dtype)
+
+
+def _gemm_weights(a_q, b_q, offsets, out_dtype, tiling: Tiling, lowering: Lowering) -> torch.Tensor:
+    """``a`` (N, S') by ``b`` (K, S') transposed, reduced over each group of tokens: (E, N, K)."""
+    if lowering is Lowering.SCALED_MM:
+        return grouped_mx_gemm_weights(*a_q, *b_q, offsets, out_dtype)
+    return grouped_mm_exact(_dequantized(a_q, tiling), _dequantized(b_q, tiling).t(), offsets).to(out_dtype)
 
 
 def _padded(x_hp: torch.Tensor, padding) -> torch.Tensor:

@@ -79,7 +79,7 @@ def test_native_lowering_passes_torch_scaled_grouped_mm_its_layouts_and_scales()
     assert grad_weight.shape == (E, N, K)
 
 
-def test_grouped_lowering_is_native_on_sm90_only_and_never_on_cpu():
+def test_grouped_lowering_is_native_on_sm90_and_mxfp8_on_sm100_never_on_cpu():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     for recipe in (Float8CurrentScaling(), Float8RowwiseScaling()):
         assert choose_lowering(cuda, "auto", recipe, capability=(9, 0), grouped=True) is Lowering.SCALED_MM
@@ -88,8 +88,9 @@ def test_grouped_lowering_is_native_on_sm90_only_and_never_on_cpu():
             choose_lowering(cuda, "auto", recipe, capability=(8, 9), grouped=True)
         with pytest.raises(ValueError, match="_scaled_grouped_mm"):
             choose_lowering(cpu, "scaled_mm", recipe, grouped=True)
-    with pytest.raises(NoNativeGemm):
+    with pytest.raises(NoNativeGemm, match="MXFP8 form"):
         choose_lowering(cuda, "auto", MXFP8BlockScaling(), capability=(9, 0), grouped=True)
+    assert choose_lowering(cuda, "auto", MXFP8BlockScaling(), capability=(10, 0), grouped=True) is Lowering.SCALED_MM
 
 
 def test_the_decode_form_is_native_where_its_triton_kernel_runs():
