@@ -5,7 +5,6 @@ import torch
 
 import fp8graph
 from fp8graph import Float8CurrentScaling
-from fp8graph.numerics.formats import Role
 from fp8graph.targets.linear_tensorwise import linear_fp8_target
 from fp8graph.gemm.scaled_gemm import Lowering, choose_lowering, scaled_gemm
 from helpers import sqnr_db
@@ -232,12 +231,14 @@ def test_the_delayed_state_kernel_equals_its_reference_on_the_gpu():
             torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), fp8graph.Float8RowwiseScaling()], ids=str)
-def test_expert_gemms_on_sm90_match_the_emulation(recipe):
-    """torch._scaled_grouped_mm (SM 9.x) against fp8graph::grouped_mm_exact: the three expert GEMMs, with an empty
-    expert and groups whose sizes are no multiple of 16 (the weight-gradient GEMM pads them)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("torch._scaled_grouped_mm's row-wise form runs on SM 9.x")
+@pytest.mark.parametrize("recipe, major", [(Float8CurrentScaling(), 9), (fp8graph.Float8RowwiseScaling(), 9),
+                                           (fp8graph.MXFP8BlockScaling(), 10)], ids=lambda value: str(value))
+def test_native_expert_gemms_match_the_emulation(recipe, major):
+    """torch._scaled_grouped_mm (row-wise and per-tensor scales on SM 9.x; MXFP8 on SM 10.x, with
+    fp8graph.gemm.grouped_mx's scale layouts) against fp8graph::grouped_mm_exact: the three expert GEMMs, with an
+    empty expert and groups whose sizes are no multiple of 16 (the weight-gradient GEMM pads them)."""
+    if torch.cuda.get_device_capability()[0] != major:
+        pytest.skip(f"torch._scaled_grouped_mm's {recipe.name} form runs on SM {major}.x")
     from fp8graph.targets.grouped import grouped_fp8_target
 
     offsets = torch.tensor([13, 13, 200, 333], dtype=torch.int32, device="cuda")
@@ -281,24 +282,3 @@ def test_the_gathered_expert_gemv_matches_its_reference_and_decodes_a_frozen_moe
         prefilled = fp8graph.compile(grouped, policy=fp8graph.Float8RowwiseScaling(), freeze_weights=True)(x)
     assert sqnr_db(prefilled.float(), decoded.float()) > 40
 
-
-def test_mxfp8_expert_gemms_on_sm100_match_the_emulation():
-    """torch._scaled_grouped_mm's MXFP8 form (SM 10.x; fp8graph.gemm.grouped_mx's blocked scale layouts) against
-    the exact emulation: the three expert GEMMs with an empty expert and ragged groups."""
-    if torch.cuda.get_device_capability()[0] != 10:
-        pytest.skip("torch._scaled_grouped_mm's MXFP8 form runs on SM 10.x")
-    from fp8graph.recipes.scaling import MXFP8BlockScaling
-    from fp8graph.targets.grouped import grouped_fp8_target
-
-    offsets = torch.tensor([13, 13, 200, 333], dtype=torch.int32, device="cuda")
-    input_hp = torch.randn(340, 256, device="cuda", dtype=torch.bfloat16)
-    weight_hp = torch.randn(4, 384, 256, device="cuda", dtype=torch.bfloat16)
-    grad_output = torch.randn(340, 384, device="cuda", dtype=torch.bfloat16)
-    results = []
-    for lowering in (Lowering.SCALED_MM, Lowering.EMULATED):
-        x, w = input_hp.clone().requires_grad_(), weight_hp.clone().requires_grad_()
-        output = grouped_fp8_target(MXFP8BlockScaling(), lowering)(x, w, offsets)
-        output.backward(grad_output)
-        results.append((output[:333].float(), x.grad[:333].float(), w.grad.float()))
-    for native, emulated in zip(*results):
-        assert sqnr_db(emulated, native) > 40
