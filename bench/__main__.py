@@ -15,7 +15,7 @@ WORKLOADS = {"linear": linear, "quantize": quantize, "decoder": decoder, "moe": 
              "model": model, "zoo": zoo}
 BY_RESULT_NAME = {"linear_fwd_bwd": linear, "quantize": quantize, "decoder_stack": decoder, "compile_time": compile_time,
                   "model_decoder": model, "model_linear": model, "model_quantize": model, "zoo": zoo,
-                  "moe_block": moe, "model_moe": model}
+                  "moe_block": moe, "moe_decode": moe, "model_moe": model}
 
 
 def _stored_result(path: pathlib.Path) -> dict:

@@ -20,6 +20,14 @@ Each row: tokens/s from the median step, peak memory, memory saved for backward,
 time, and with ``--profile`` kernel time by category. ``--smoke`` runs the tiny block on CPU with
 ``aot_eager`` (timings mean nothing; torchao's Triton kernels need CUDA, so its row is an error there).
 The device-free model of the same step: ``python -m bench model moe``.
+
+``--decode`` measures a decode step instead: the block with transformers' ``batched_mm`` experts
+(``implementation="batched_mm"``: each (token, expert) pair's weight picked by index), in eval mode under
+``torch.no_grad()``, on ``batch`` sequences of one token, compiled with Inductor's freezing: ``bf16`` as
+plain ``torch.compile`` with freezing on, fp8graph's recipes with ``freeze_weights=True`` (their expert
+GEMMs read FP8 constants through ``fp8graph::gathered_gemv``). torchao's MoE training has no decode path:
+it is not a contestant there. ``--smoke --decode`` compiles the tiny block with Inductor on CPU (freezing
+needs it).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ RECIPES = ("rowwise", "current", "delayed")
 TORCHAO = "torchao moe rowwise"
 KNOWN = ["bf16", *RECIPES, TORCHAO]
 DEFAULT = ["bf16", "rowwise", "current", TORCHAO, "delayed"]
+DECODE_DEFAULT = ["bf16", "rowwise", "current", "delayed"]
 CONFIGS = ("bench", "tiny", "tiny-odd")  # models/moe.py's
 
 
@@ -100,11 +109,46 @@ def fp8_note(compiled, block) -> str:
 # --- the GPU measurement -----------------------------------------------------------------------------------
 
 def _settings(args) -> dict:
+    tokens = 1 if args.decode else args.tokens
     if args.smoke:
-        return {"device": torch.device("cpu"), "compiler": "aot_eager", "config": "tiny", "batch": 2, "tokens": 16,
-                "warmup": 1, "repeats": 2}
+        return {"device": torch.device("cpu"), "compiler": "inductor" if args.decode else "aot_eager",
+                "config": "tiny", "batch": 2, "tokens": 1 if args.decode else 16, "warmup": 1, "repeats": 2}
     return {"device": torch.device("cuda"), "compiler": "inductor", "config": args.config, "batch": args.batch,
-            "tokens": args.tokens, "warmup": 3, "repeats": args.repeats}
+            "tokens": tokens, "warmup": 3, "repeats": args.repeats}
+
+
+def measure_decode(name: str, args) -> dict:
+    """One contestant's decode row (see the module's doc), measured in this process."""
+    import fp8graph
+    from fp8graph.models import build
+    from fp8graph.recipes import PRESETS
+
+    from .timing import median, require_fp8_sites, time_compiled
+
+    contestant, patches = parse_contestant(name)
+    if contestant.startswith("torchao"):
+        raise RuntimeError("torchao's MoE training (moe_training) has no decode path")
+    settings = _settings(args)
+    device = settings["device"]
+    torch._dynamo.reset()
+    block = build("moe", settings["config"], device=device, dtype=torch.bfloat16, implementation="batched_mm").eval()
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(settings["batch"], 1, block.gate.in_features, device=device, dtype=torch.bfloat16,
+                    generator=generator)
+    with inductor_config.patch({**patches, "freezing": True}), torch.no_grad():
+        compiled = (torch.compile(block) if contestant == "bf16"
+                    else fp8graph.compile(block, policy=PRESETS[contestant], freeze_weights=True))
+        torch._dynamo.utils.counters.clear()
+        started = time.perf_counter()
+        compiled(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        row = {"contestant": name, "inductor_settings": patches, "compile_s": time.perf_counter() - started,
+               "note": fp8_note(compiled, block)}
+        require_fp8_sites(compiled)
+        row["decode_timings_ms"] = time_compiled(lambda: compiled(x), device, settings["warmup"], settings["repeats"])
+    row["decode_tokens_per_s"] = settings["batch"] / (median(row["decode_timings_ms"]) / 1e3)
+    return row
 
 
 def measure_contestant(name: str, args) -> dict:
@@ -175,7 +219,8 @@ def _in_own_process(name: str, args) -> dict:
         command = [sys.executable, "-m", "bench", "moe", "--one", name, "--row-file", str(row_file),
                    "--config", args.config, "--tokens", str(args.tokens), "--batch", str(args.batch),
                    "--repeats", str(args.repeats)]
-        command += [flag for flag, wanted in (("--smoke", args.smoke), ("--profile", args.profile)) if wanted]
+        command += [flag for flag, wanted in (("--smoke", args.smoke), ("--profile", args.profile),
+                                              ("--decode", args.decode)) if wanted]
         try:
             finished = subprocess.run(command, capture_output=True, text=True, timeout=args.contestant_timeout)
         except subprocess.TimeoutExpired as expired:
@@ -189,25 +234,26 @@ def _in_own_process(name: str, args) -> dict:
         return json.loads(row_file.read_text())
 
 
-def wanted_contestants(requested: list[str] | None) -> list[str]:
+def wanted_contestants(requested: list[str] | None, decode: bool = False) -> list[str]:
     """bf16 first (every ratio needs it), then the others; an unknown name exits before anything runs."""
     from .model import contestants_of
 
-    return contestants_of(requested, DEFAULT, parse_contestant)
+    return contestants_of(requested, DECODE_DEFAULT if decode else DEFAULT, parse_contestant)
 
 
 def run(args: argparse.Namespace) -> dict:
     from .timing import attempt, environment, report, write_partial
 
     if args.one:  # a child process of a run: one contestant's row into --row-file
-        row = attempt({"contestant": args.one}, lambda: measure_contestant(args.one, args))
+        measure = measure_decode if args.decode else measure_contestant
+        row = attempt({"contestant": args.one}, lambda: measure(args.one, args))
         args.row_file.write_text(json.dumps(row))
         return row
-    wanted = wanted_contestants(args.contestants)
+    wanted = wanted_contestants(args.contestants, args.decode)
     require_cuda("moe", args)
     settings = _settings(args)
     rows: list[dict] = []
-    result = {"workload": "moe_block", "smoke": args.smoke, "compiler": settings["compiler"],
+    result = {"workload": "moe_decode" if args.decode else "moe_block", "smoke": args.smoke, "compiler": settings["compiler"],
               "config": settings["config"], "batch": settings["batch"], "sequence": settings["tokens"],
               "environment": environment(settings["device"]), "warmup": settings["warmup"],
               "repeats": settings["repeats"], "process_per_contestant": True, "rows": rows}
@@ -216,7 +262,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{name}: {'error' if 'error' in rows[-1] else 'measured'}", flush=True)
         write_partial(result, args.out, "moe")
     add_ratios(rows)
-    return report(result, args.out, "moe", summary)
+    return report(result, args.out, "moe-decode" if args.decode else "moe", summary)
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -224,8 +270,11 @@ def add_ratios(rows: list[dict]) -> None:
     measured = {row["contestant"]: row for row in rows if "error" not in row}
     for row in measured.values():
         for baseline, key in (("bf16", "train_speedup_vs_bf16_compile"), (TORCHAO, "train_speedup_vs_torchao")):
-            if baseline in measured:
+            if baseline in measured and "train_tokens_per_s" in row:
                 row[key] = row["train_tokens_per_s"] / measured[baseline]["train_tokens_per_s"]
+        if "bf16" in measured and "decode_tokens_per_s" in row:
+            row["decode_speedup_vs_bf16_compile"] = (row["decode_tokens_per_s"]
+                                                     / measured["bf16"]["decode_tokens_per_s"])
 
 
 def summary(result: dict) -> str:
@@ -234,6 +283,14 @@ def summary(result: dict) -> str:
 
     def number(row, key, form):
         return form.format(row[key]) if row.get(key) is not None else "-"
+
+    if result["workload"] == "moe_decode":
+        rows = [[r["contestant"], f"{r['decode_tokens_per_s']:.0f}", number(r, "decode_speedup_vs_bf16_compile",
+                                                                             "{:.2f}x"), number(r, "compile_s", "{:.1f}")]
+                for r in result["rows"] if "error" not in r]
+        heading = f"MoE decode step ({result['config']}, batched_mm experts, frozen weights, batch {result['batch']})"
+        return "\n".join([title(heading, result), "", *markdown_table(
+            ["contestant", "decode tokens/s", "vs bf16", "first call (compile) s"], rows), *failed(result["rows"])])
 
     rows = [[r["contestant"], f"{r['train_tokens_per_s']:.0f}", number(r, "train_speedup_vs_bf16_compile", "{:.2f}x"),
              number(r, "train_speedup_vs_torchao", "{:.2f}x"), number(r, "peak_memory_gb", "{:.1f}"),
@@ -250,6 +307,9 @@ def summary(result: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="the tiny block on CPU with aot_eager, for the tests")
+    parser.add_argument("--decode", action="store_true",
+                        help="a decode step (batched_mm experts, frozen weights, one token a sequence) instead of "
+                             "a training step")
     parser.add_argument("--config", choices=CONFIGS, default="bench",
                         help="models/moe.py's config: bench is Qwen3-30B-A3B's MoE block")
     parser.add_argument("--tokens", type=positive(int), default=4096, help="tokens per sequence")

@@ -320,7 +320,7 @@ def test_commands_not_run_here_are_covered_elsewhere_and_their_arguments_parse()
             assert not test or re.search(rf"^def {re.escape(test)}\(", (REPO / path).read_text(), re.M), \
                 f"EXEMPT[{pattern!r}] names {reference}, which does not exist"
     # Their arguments parse with the real parsers; scripts/gpu-run knows each step.
-    parses, gpu_steps = [], set(re.findall(r"^\s+([a-z0-9]+)\) ", (REPO / "scripts/gpu-run").read_text(), re.M))
+    parses, gpu_steps = [], set(re.findall(r"^\s+([a-z0-9-]+)\) ", (REPO / "scripts/gpu-run").read_text(), re.M))
     for where, command, (_, _, _, check) in exempted:
         words = shlex.split(command, comments=True)
         if check == "bench":

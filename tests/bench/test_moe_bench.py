@@ -200,3 +200,25 @@ def test_the_tokens_order_is_restored_without_storing_the_sorted_gradient(steps)
                     if row["graph"].endswith("backward") and row["kind"] == "triton"]
         stored = [r["name"] for r in backward if "index_put" in r["name"] and r["written"] == sorted_gradient_bytes]
         assert not stored, (contestant, stored)
+
+
+def test_bench_moe_decode_smoke_times_the_frozen_batched_mm_block(tmp_path):
+    """``bench moe --decode`` (the GPU run's moe-decode step) on CPU: BF16 and fp8graph row-wise decode the tiny
+    batched_mm block with frozen weights, each in its own process; fp8graph's expert sites are in FP8, and
+    ``bench show`` reads the result back."""
+    import json
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "bench", "moe", "--smoke", "--decode", "--contestants", "rowwise",
+                    "--out", str(tmp_path)], check=True, capture_output=True, text=True)
+    [path] = tmp_path.glob("moe-decode-*.json")
+    result = json.loads(path.read_text())
+    assert result["workload"] == "moe_decode" and result["sequence"] == 1
+    rows = {row["contestant"]: row for row in result["rows"]}
+    assert list(rows) == ["bf16", "rowwise"] and not any("error" in row for row in rows.values()), rows
+    assert rows["rowwise"]["note"].startswith("fp8graph: 2 of 3 sites in FP8")
+    assert all(row["decode_tokens_per_s"] > 0 for row in rows.values())
+    shown = subprocess.run([sys.executable, "-m", "bench", "show", str(path)], check=True, capture_output=True,
+                           text=True).stdout
+    assert "| contestant | decode tokens/s | vs bf16 |" in shown
