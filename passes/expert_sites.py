@@ -40,6 +40,8 @@ import operator
 import torch
 import torch.fx
 
+from .node_values import argument, tensor_value
+
 __all__ = ["GROUPED_OP", "is_grouped_gemm", "mark_gates", "read_dense_experts", "read_gather", "read_gathered_experts",
            "read_grouped"]
 
@@ -66,17 +68,6 @@ def is_grouped_gemm(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and (node.target in _GROUPED_FUNCTIONS or _is_fallback_op(node.target))
 
 
-def _arg(node: torch.fx.Node, index: int, names: tuple[str, ...]):
-    if len(node.args) > index:
-        return node.args[index]
-    return next((node.kwargs[name] for name in names if name in node.kwargs), None)
-
-
-def _value(node) -> torch.Tensor | None:
-    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def _rows(dim) -> int | str:
     """A token count as a site records it: an int, or the symbol's text (a symbolic dimension is never compared:
     that would guard, or specialize, the graph on it)."""
@@ -86,12 +77,12 @@ def _rows(dim) -> int | str:
 def read_grouped(site, node: torch.fx.Node, resolve) -> None:
     """Fill ``site`` (op ``grouped_mm``) from a grouped GEMM ``node``; ``resolve(node)`` gives
     ``(parameter node, transposed)`` of a parameter operand (``find_sites._Parameters.resolve``)."""
-    site.input_node = _arg(node, 0, ("mat_a", "input"))
-    right = _arg(node, 1, ("mat_b", "weight"))
-    site.offsets_node = _arg(node, 2, ("offs", "offsets"))
+    site.input_node = argument(node, 0, ("mat_a", "input"))
+    right = argument(node, 1, ("mat_b", "weight"))
+    site.offsets_node = argument(node, 2, ("offs", "offsets"))
     site.bias_node = None
     weight, transposed = resolve(right)
-    input_value, right_value = _value(site.input_node), _value(right)
+    input_value, right_value = tensor_value(site.input_node), tensor_value(right)
     if input_value is not None:
         site.dtype = input_value.dtype
     if right_value is not None and right_value.dim() == 3:
@@ -104,8 +95,8 @@ def read_grouped(site, node: torch.fx.Node, resolve) -> None:
         site.blocker = "grouped GEMM not of tokens (S, K) by experts (E, K, N)"
     elif site.offsets_node is None:
         site.blocker = "grouped GEMM without offsets: no token groups to scale"
-    elif not is_grouped_fallback(node) and (_arg(node, 3, ("bias",)) is not None
-                                             or _arg(node, 4, ("out_dtype",)) not in (None, input_value.dtype)):
+    elif not is_grouped_fallback(node) and (argument(node, 3, ("bias",)) is not None
+                                             or argument(node, 4, ("out_dtype",)) not in (None, input_value.dtype)):
         site.blocker = "grouped GEMM with a bias or another output dtype"
     if weight is not None:
         # The op multiplies by (E, K, N): the parameter itself is (E, K, N) unless transposed into it.
@@ -115,7 +106,7 @@ def read_grouped(site, node: torch.fx.Node, resolve) -> None:
 def read_dense_experts(site, weight: torch.fx.Node, transposed: bool) -> None:
     """Fill ``site`` (op ``bmm``) from ``torch.bmm(x (E, T, K), weight)`` of a 3-D parameter ``weight``
     (``transposed``: fed as ``W.transpose(-2, -1)`` of a (E, N, K) parameter)."""
-    input_value, weight_value = _value(site.input_node), _value(weight)
+    input_value, weight_value = tensor_value(site.input_node), tensor_value(weight)
     site.weight_node, site.weight_is_kn = weight, not transposed
     site.dtype = input_value.dtype if input_value is not None else None
     experts, rows, columns = weight_value.shape
@@ -149,7 +140,7 @@ def read_gathered_experts(site, left, right, parameters) -> bool:
         if not (isinstance(operand, torch.fx.Node) and operand.op == "call_function"
                 and operand.target is operator.getitem and operand.args[0] in parameters):
             continue
-        weight_value, index_value = _value(operand.args[0]), _value(operand.args[1])
+        weight_value, index_value = tensor_value(operand.args[0]), tensor_value(operand.args[1])
         if weight_value is None or weight_value.dim() != 3 or index_value is None \
                 or index_value.is_floating_point() or index_value.dim() != 1 or index_value.dtype == torch.bool:
             continue
@@ -160,7 +151,7 @@ def read_gathered_experts(site, left, right, parameters) -> bool:
         site.weight_is_kn = not weight_first
         site.N, site.K = weight_value.shape[1:] if weight_first else weight_value.shape[:0:-1]
         site.M, site.dtype = _rows(index_value.shape[0]), weight_value.dtype
-        input_value = _value(other)
+        input_value = tensor_value(other)
         expected = (site.K, 1) if weight_first else (1, site.K)
         if input_value is None or input_value.dim() != 3 or tuple(input_value.shape[1:]) != expected:
             site.blocker = "batched GEMM of gathered expert weights by something other than one row per token"
@@ -174,7 +165,7 @@ def _same_dtype_copy(node) -> bool:
     """``x.to(dtype)`` / ``x.type(dtype)`` that keeps ``x``'s dtype: transformers' ``input.to(weight.dtype)``."""
     if not (isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in ("to", "type")):
         return False
-    before, after = _value(node.args[0]), _value(node)
+    before, after = tensor_value(node.args[0]), tensor_value(node)
     return before is not None and after is not None and before.dtype == after.dtype \
         and before.device == after.device and len(node.users) == 1
 
@@ -190,7 +181,7 @@ def read_gather(site) -> None:
             and gathered.target is operator.getitem and len(gathered.users) == 1):
         return
     source, index = gathered.args
-    source_value, index_value, rows_value = _value(source), _value(index), _value(gathered)
+    source_value, index_value, rows_value = tensor_value(source), tensor_value(index), tensor_value(gathered)
     if source_value is None or index_value is None or rows_value is None:
         return
     if source_value.dim() == 2 and index_value.dim() == 1 and not index_value.is_floating_point() \

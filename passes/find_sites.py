@@ -39,6 +39,7 @@ from .expert_sites import (GROUPED_OP, is_grouped_gemm, mark_gates, read_dense_e
                            read_gathered_experts, read_grouped)
 from .expand_attention import MHA_ARGUMENTS, UNEXPANDED_KEY, attention_arguments, is_multi_head_attention
 from .module_paths import module_path, module_type
+from .node_values import argument, tensor_value
 from .subgraphs import Subgraphs
 
 __all__ = ["Site", "find_sites"]
@@ -113,14 +114,6 @@ class Site:
     def is_gathered_experts(self) -> bool:
         """An expert site whose weights are picked per token row (``bmm(W[expert_ids], x)``): MoE decode."""
         return self.expert_ids_node is not None
-
-
-def _value(node) -> torch.Tensor | None:
-    if isinstance(node, torch.fx.Node):
-        value = node.meta.get("example_value", node.meta.get("val"))
-        if isinstance(value, torch.Tensor):
-            return value
-    return None
 
 
 def _op_name(node: torch.fx.Node) -> str | None:
@@ -207,12 +200,6 @@ class _Parameters:
         return None, False
 
 
-def _arg(node: torch.fx.Node, index: int, name: str, default=None):
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
 def _rows(lead: Sequence) -> int | str:
     """M of a GEMM whose left operand has leading dims ``lead``; symbolic dims stay symbolic."""
     if all(isinstance(d, int) for d in lead) or 0 in lead:  # a zero-size dim empties it, symbolic or not
@@ -221,7 +208,7 @@ def _rows(lead: Sequence) -> int | str:
 
 
 def _fill_linear_shapes(site: Site) -> None:
-    input_value, weight_value = _value(site.input_node), _value(site.weight_node)
+    input_value, weight_value = tensor_value(site.input_node), tensor_value(site.weight_node)
     if input_value is None or weight_value is None:
         return
     site.dtype = input_value.dtype
@@ -235,7 +222,7 @@ def _fill_linear_shapes(site: Site) -> None:
 
 def _fill_operand_shapes(site: Site, left, right, right_is_nk: bool = False) -> None:
     """M/K/N of a GEMM that will not be rewritten, for the report."""
-    left_value, right_value = _value(left), _value(right)
+    left_value, right_value = tensor_value(left), tensor_value(right)
     if left_value is None:
         return
     site.dtype = left_value.dtype
@@ -247,19 +234,19 @@ def _fill_operand_shapes(site: Site, left, right, right_is_nk: bool = False) -> 
 
 
 def _read_linear(site: Site, node: torch.fx.Node, params: _Parameters) -> None:
-    site.input_node = _arg(node, 0, "input")
-    weight, transposed = params.resolve(_arg(node, 1, "weight"))
-    site.bias_node = _arg(node, 2, "bias")
+    site.input_node = argument(node, 0, "input")
+    weight, transposed = params.resolve(argument(node, 1, "weight"))
+    site.bias_node = argument(node, 2, "bias")
     site.weight_node, site.weight_is_kn = weight, transposed
     if weight is None:
-        if params.slice_of(_arg(node, 1, "weight")) is not None:
+        if params.slice_of(argument(node, 1, "weight")) is not None:
             owner = site.module_type
             what = (" (MultiheadAttention's packed in_proj_weight, split because key or value is not the query)"
                     if isinstance(owner, type) and issubclass(owner, torch.nn.MultiheadAttention) else "")
             site.blocker = _SLICE_BLOCKER.format(what=what)
         else:
             site.blocker = "weight is not a parameter (computed in the graph)"
-        _fill_operand_shapes(site, site.input_node, _arg(node, 1, "weight"), right_is_nk=True)
+        _fill_operand_shapes(site, site.input_node, argument(node, 1, "weight"), right_is_nk=True)
     else:
         _fill_linear_shapes(site)
 
@@ -273,17 +260,17 @@ def _read_matmul(site: Site, node: torch.fx.Node, params: _Parameters) -> None:
     has_addend = site.op in ("addmm", "baddbmm")
     offset = 1 if has_addend else 0
     left_name, right_name = _OPERAND_KWARGS[site.op]
-    left = _arg(node, offset, left_name)
-    right = _arg(node, offset + 1, right_name)
+    left = argument(node, offset, left_name)
+    right = argument(node, offset + 1, right_name)
     if has_addend:
-        site.bias_node = _arg(node, 0, "input")
+        site.bias_node = argument(node, 0, "input")
         if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
             site.blocker = f"{site.op} with alpha or beta other than 1"
     if site.op == "bmm" and read_gathered_experts(site, left, right, params.nodes):
         return
     weight, transposed = params.resolve(right)
     site.input_node = left
-    if weight is not None and site.op == "bmm" and getattr(_value(weight), "ndim", 0) == 3:
+    if weight is not None and site.op == "bmm" and getattr(tensor_value(weight), "ndim", 0) == 3:
         read_dense_experts(site, weight, transposed)
         return
     if weight is not None and site.op != "baddbmm":
@@ -293,7 +280,7 @@ def _read_matmul(site: Site, node: torch.fx.Node, params: _Parameters) -> None:
         return
     _fill_operand_shapes(site, left, right)
     site.other_node = right
-    left_value, right_value = _value(left), _value(right)
+    left_value, right_value = tensor_value(left), tensor_value(right)
     if params.resolve(left)[0] is not None:
         site.blocker = site.blocker or "parameter is the left operand"
     elif left_value is None or right_value is None or left_value.dim() < 2 or right_value.dim() < 2:
@@ -364,7 +351,7 @@ def _fused_sites(node: torch.fx.Node, fused: _FusedCall, params: _Parameters, pa
     arguments = dict(zip(fused.arguments, node.args), **node.kwargs)
     owner = module_type(node)
     is_owner = isinstance(owner, type) and issubclass(owner, fused.owner)
-    rows = _value(arguments.get(fused.gemms[0][0]))
+    rows = tensor_value(arguments.get(fused.gemms[0][0]))
     sites = []
     for input_name, weight_name, bias_name, child in fused.gemms:
         weight = arguments.get(weight_name)
@@ -372,7 +359,7 @@ def _fused_sites(node: torch.fx.Node, fused: _FusedCall, params: _Parameters, pa
                     module_type=fused.children[child] if is_owner else owner,
                     input_node=arguments.get(input_name), weight_node=params.resolve(weight)[0],
                     bias_node=arguments.get(bias_name), blocker=fused.reason)
-        input_value, weight_value = _value(site.input_node) if input_name else rows, _value(weight)
+        input_value, weight_value = tensor_value(site.input_node) if input_name else rows, tensor_value(weight)
         if input_value is not None and weight_value is not None and weight_value.dim() == 2:
             site.dtype = input_value.dtype
             site.N, site.K = weight_value.shape

@@ -22,15 +22,12 @@ import torch.fx
 from fp8graph.targets.cache_hash import mark_cacheable
 from fp8graph.targets.unpermute import unpermute_rows
 
+from .node_values import tensor_value
+
 __all__ = ["unpermute_expert_outputs"]
 
 _SORTS = {torch.sort, "sort"}
 _ARGSORTS = {torch.argsort, "argsort"}
-
-
-def _value(node):
-    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _is_permutation(node) -> bool:
@@ -42,9 +39,9 @@ def _is_permutation(node) -> bool:
         ok = sort.target in _SORTS and sort.op in ("call_function", "call_method")
     else:
         sort, ok = node, node.target in _ARGSORTS
-    value = _value(node)
+    value = tensor_value(node)
     return ok and value is not None and value.dim() == 1 and not value.is_floating_point() \
-        and all(_value(arg) is None or _value(arg).dim() == 1 for arg in sort.args[:1])
+        and all(tensor_value(arg) is None or tensor_value(arg).dim() == 1 for arg in sort.args[:1])
 
 
 def _writes_in_place(node: torch.fx.Node) -> bool:
@@ -58,7 +55,7 @@ def _is_arange_of(node, permutation: torch.fx.Node) -> bool:
         return False
     if len(node.args) != 1 or set(node.kwargs) - {"device", "dtype"}:
         return False
-    end, length = node.args[0], _value(permutation).shape[0]
+    end, length = node.args[0], tensor_value(permutation).shape[0]
     end_value = end.meta.get("example_value") if isinstance(end, torch.fx.Node) else end
     # Compared as text: comparing symbols would guard the graph on them.
     return end_value is not None and str(end_value) == str(length)
