@@ -109,12 +109,11 @@ def fp8_note(compiled, block) -> str:
 # --- the GPU measurement -----------------------------------------------------------------------------------
 
 def _settings(args) -> dict:
-    tokens = 1 if args.decode else args.tokens
-    if args.smoke:
+    if args.smoke:  # decode compiles with Inductor, which freezing needs
         return {"device": torch.device("cpu"), "compiler": "inductor" if args.decode else "aot_eager",
                 "config": "tiny", "batch": 2, "tokens": 1 if args.decode else 16, "warmup": 1, "repeats": 2}
     return {"device": torch.device("cuda"), "compiler": "inductor", "config": args.config, "batch": args.batch,
-            "tokens": tokens, "warmup": 3, "repeats": args.repeats}
+            "tokens": 1 if args.decode else args.tokens, "warmup": 3, "repeats": args.repeats}
 
 
 def measure_decode(name: str, args) -> dict:
@@ -253,8 +252,8 @@ def run(args: argparse.Namespace) -> dict:
     require_cuda("moe", args)
     settings = _settings(args)
     rows: list[dict] = []
-    result = {"workload": "moe_decode" if args.decode else "moe_block", "smoke": args.smoke, "compiler": settings["compiler"],
-              "config": settings["config"], "batch": settings["batch"], "sequence": settings["tokens"],
+    result = {"workload": "moe_decode" if args.decode else "moe_block", "smoke": args.smoke,
+              "compiler": settings["compiler"], "config": settings["config"], "batch": settings["batch"], "sequence": settings["tokens"],
               "environment": environment(settings["device"]), "warmup": settings["warmup"],
               "repeats": settings["repeats"], "process_per_contestant": True, "rows": rows}
     for name in wanted:
@@ -288,7 +287,8 @@ def summary(result: dict) -> str:
         rows = [[r["contestant"], f"{r['decode_tokens_per_s']:.0f}", number(r, "decode_speedup_vs_bf16_compile",
                                                                              "{:.2f}x"), number(r, "compile_s", "{:.1f}")]
                 for r in result["rows"] if "error" not in r]
-        heading = f"MoE decode step ({result['config']}, batched_mm experts, frozen weights, batch {result['batch']})"
+        heading = (f"MoE decode step ({result['config']}, batched_mm experts, frozen weights, "
+                   f"batch {result['batch']})")
         return "\n".join([title(heading, result), "", *markdown_table(
             ["contestant", "decode tokens/s", "vs bf16", "first call (compile) s"], rows), *failed(result["rows"])])
 

@@ -13,11 +13,12 @@ sort the tokens by expert and run each expert projection as one grouped GEMM ove
 
 :func:`read_grouped` reads such a node into a :class:`~fp8graph.passes.find_sites.Site` of op
 ``grouped_mm`` with ``experts`` (E) and ``offsets_node``, in linear form (``weight_node`` the 3-D
-parameter, ``weight_is_kn`` for a (E, K, N) one). :func:`read_dense_experts` reads the ``bmm`` form into a site of op ``bmm`` with ``experts``
-and no offsets: its groups are the E slices of T tokens. :func:`read_gathered_experts` reads the decode
-form into a site of op ``bmm`` with ``expert_ids_node``; it runs in FP8 only with frozen weights, each
-expert's cast folded into a constant that ``fp8graph::gathered_gemv`` reads in place. Grouped GEMMs the FP8 target cannot take (no offsets,
-a bias, a weight computed in the graph) carry a ``blocker``.
+parameter, ``weight_is_kn`` for a (E, K, N) one). :func:`read_dense_experts` reads the ``bmm`` form into a
+site of op ``bmm`` with ``experts`` and no offsets: its groups are the E slices of T tokens.
+:func:`read_gathered_experts` reads the decode form into a site of op ``bmm`` with ``expert_ids_node``; it
+runs in FP8 only with frozen weights, each expert's cast folded into a constant that
+``fp8graph::gathered_gemv`` reads in place. Grouped GEMMs the FP8 target cannot take (no offsets, a bias, a
+weight computed in the graph) carry a ``blocker``.
 
 The sorted tokens reach the first expert GEMM as a row gather of the hidden states,
 ``x_sorted = hidden[perm // top_k]`` (S = T top_k rows of T). :func:`read_gather` records that

@@ -58,16 +58,13 @@ def blocked_column_groups(scale_e8m0: torch.Tensor, column_offsets: torch.Tensor
     destination, padded_offsets, padded_columns = padded_group_rows(column_offsets, columns, _TILE_COLUMNS)
     padded_rows = _padded_to(rows, _TILE_ROWS)
     placed = scale_e8m0.new_zeros((rows, padded_columns)).index_copy(1, destination, scale_e8m0)
-    matrix = torch.cat([placed, placed.new_zeros((padded_rows - rows, padded_columns))])
     row_tiles, column_tiles = padded_rows // _TILE_ROWS, padded_columns // _TILE_COLUMNS
-    # Tile (r, c) swizzled: its 128 rows as 32 rows of 16 bytes (row i holds rows i, i+32, i+64, i+96).
-    tiles = (matrix.view(row_tiles, _TILE_ROWS, column_tiles, _TILE_COLUMNS).permute(0, 2, 1, 3)
-             .reshape(row_tiles, column_tiles, 4, 32, _TILE_COLUMNS).transpose(2, 3)
-             .reshape(row_tiles * column_tiles, _TILE_ROWS * _TILE_COLUMNS))
+    # The whole matrix swizzled gives its tiles in (r, c) order; each group's must be together.
+    tiles = swizzle_mx_scales(placed).reshape(row_tiles * column_tiles, _TILE_ROWS * _TILE_COLUMNS)
     # Group by group, each group's tiles row tile by row tile: ordered by (group, r, c).
     tile_groups = row_groups(padded_offsets // _TILE_COLUMNS, column_tiles).to(torch.int64)  # (column_tiles,)
-    key = (tile_groups[None, :] * row_tiles + torch.arange(row_tiles, device=matrix.device)[:, None]) \
-        * column_tiles + torch.arange(column_tiles, device=matrix.device)[None, :]
+    key = (tile_groups[None, :] * row_tiles + torch.arange(row_tiles, device=placed.device)[:, None]) \
+        * column_tiles + torch.arange(column_tiles, device=placed.device)[None, :]
     return tiles[torch.argsort(key.flatten())].reshape(padded_rows, -1)
 
 

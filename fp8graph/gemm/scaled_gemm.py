@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from fp8graph.gemm.layouts import column_major, row_major
+from fp8graph.kernels.quantize_tiles import triton_available
 from fp8graph.gemm.padding import pad_reduction_dim
 from fp8graph.gemm.native_tiled import native_tiled_gemm
 from fp8graph.recipes.scaling import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
@@ -116,8 +117,8 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
     compute capability (read from the device when ``None``; tests give it).
     ``batched``: an activation matmul, which has no FP8 GEMM on any device.
     ``grouped``: an expert GEMM, native as ``torch._scaled_grouped_mm`` (row-wise scales on SM 9.x, MXFP8
-    on SM 10.x), which has no CPU kernel. ``gathered``: an expert GEMM of weights gathered per token (MoE decode), native as
-    ``fp8graph::gathered_gemv``'s Triton kernel (E4M3, SM >= 8.9).
+    on SM 10.x), which has no CPU kernel. ``gathered``: an expert GEMM of weights gathered per token (MoE
+    decode), native as ``fp8graph::gathered_gemv``'s Triton kernel (E4M3, SM >= 8.9).
 
     Raises:
         NoNativeGemm: on a CUDA device without the recipe's native GEMM, unless
@@ -134,7 +135,7 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
         needs, supported = "a 2-D GEMM (cuBLAS has no batched FP8 GEMM): an activation matmul", lambda cc: False
     elif gathered:
         needs, supported = ("fp8graph's gathered FP8 GEMV (a Triton kernel: Triton installed, compute capability "
-                            ">= 8.9)", lambda cc: cc >= _MIN_FP8_CAPABILITY and _triton_installed())
+                            ">= 8.9)", lambda cc: cc >= _MIN_FP8_CAPABILITY and triton_available())
     elif grouped and isinstance(recipe, MXFP8BlockScaling):
         needs, supported = ("torch._scaled_grouped_mm's MXFP8 form, on a CUDA device of compute capability 10.x "
                             "(SM100)", lambda cc: hasattr(torch, "_scaled_grouped_mm") and cc[0] == 10)
@@ -155,12 +156,6 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
     if has_cpu_kernel(recipe) and not (grouped or gathered):
         return Lowering.SCALED_MM  # _scaled_mm's CPU kernel, asked for
     raise ValueError(f"lowering='scaled_mm' of {what} needs {needs}; the graph runs on {device}")
-
-
-def _triton_installed() -> bool:
-    from fp8graph.kernels.quantize_tiles import triton_available
-
-    return triton_available()
 
 
 def _grouped_supported(recipe) -> Callable[[tuple[int, int]], bool]:

@@ -129,7 +129,8 @@ def test_the_delayed_state_kernel_compiles_to_a_cubin_without_spills(members, ro
 
 
 @pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
-@pytest.mark.parametrize("rows, experts, columns, depth", [(8, 128, 1536, 2048), (64, 128, 2048, 768), (1, 8, 1000, 100)],
+@pytest.mark.parametrize("rows, experts, columns, depth",
+                         [(8, 128, 1536, 2048), (64, 128, 2048, 768), (1, 8, 1000, 100)],
                          ids=["qwen3-gate-up", "qwen3-down-64-tokens", "ragged"])
 def test_the_gathered_expert_gemv_compiles_to_a_cubin_reading_fp8_as_vectors(rows, experts, columns, depth, capability):
     """``fp8graph::gathered_gemv`` (MoE decode on FP8 expert weights): a cubin without spills that reads the
