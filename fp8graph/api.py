@@ -22,6 +22,7 @@ from fp8graph.passes.module_paths import module_paths_by_id
 from fp8graph.inspection.report_html import graph_outline
 from fp8graph.inspection.stats import FP8Stats
 from fp8graph.buffers.weight_cache import register_weight_cache
+from fp8graph.fsdp.install import install_fp8_all_gather
 
 __all__ = ["compile", "explain"]
 
@@ -43,7 +44,8 @@ def unwrap_data_parallel(model):
 
 
 def compile(model, policy=None, compiler: str = "inductor", lowering: str = "auto", stats: bool = False,
-            freeze_weights: bool = False, cache_weights: bool = False, regions=AUTO, **torch_compile_kwargs):
+            freeze_weights: bool = False, cache_weights: bool = False, regions=AUTO, fp8_all_gather: bool = True,
+            **torch_compile_kwargs):
     """Compile ``model`` with its linear sites in FP8.
 
     Args:
@@ -83,6 +85,10 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             Each block instance gets a subclass of its class (same name) whose
             call enters the region while the compiled model runs and is the
             block's own call otherwise (see :mod:`fp8graph.regions.regional_compile`).
+        fp8_all_gather: under FSDP2 (``fully_shard`` before compiling), all-gather each weight whose sites are
+            all FP8 with per-tensor scaling as FP8 bytes and a scale instead of in high precision: half the
+            gathered bytes, and the graph reads them instead of casting the gathered weight (see
+            :mod:`fp8graph.fsdp`). ``fp8graph.explain`` lists how each weight is gathered and why.
         **torch_compile_kwargs: passed to ``torch.compile`` (``dynamic``, ``mode``, ...).
 
     Returns:
@@ -95,7 +101,7 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
         >>> loss = compiled(input_ids, labels=input_ids).loss
     """
     options = dict(policy=policy, compiler=compiler, lowering=lowering, stats=stats, freeze_weights=freeze_weights,
-                   cache_weights=cache_weights, regions=regions, **torch_compile_kwargs)
+                   cache_weights=cache_weights, regions=regions, fp8_all_gather=fp8_all_gather, **torch_compile_kwargs)
     mode = torch_compile_kwargs.pop("mode", None)
     _check_options(model, compiler, stats, freeze_weights, cache_weights, regions)
     user_model = unwrap_data_parallel(model)
@@ -108,6 +114,9 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     collector = FP8Stats(user_model) if stats else None
     state = register_delayed_state(user_model, policy) if policy.needs_state else None
     weight_cache = register_weight_cache(user_model, policy) if cache_weights else None
+    all_gather = install_fp8_all_gather(user_model, policy, module_paths_by_id(user_model),
+                                        dict(stats=stats, cache_weights=cache_weights, freeze_weights=freeze_weights)) \
+        if fp8_all_gather and isinstance(user_model, torch.nn.Module) else None
     blocks = find_blocks(user_model, None if freeze_weights else regions) \
         if isinstance(user_model, torch.nn.Module) else _no_blocks(regions)
     backend, session = _make_backends(
@@ -121,12 +130,14 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
         _checks_rules_at_first_call(backend) if isinstance(model, torch.nn.Module) and policy.rules else None,
         _traces_with_freezing if freeze_weights else None,
         _chooses_weight_cache_mode(weight_cache) if weight_cache is not None else None,
+        _gathers_in_fp8(all_gather) if all_gather is not None else None,
     ]
     for wrap in wrappers:
         if wrap is not None:
             object.__setattr__(compiled, "forward", wrap(compiled.forward))
     # On the wrapper itself: OptimizedModule's setattr would forward to the user's model.
     object.__setattr__(compiled, _BACKEND_ATTRIBUTE, backend)
+    backend.all_gather = all_gather
     object.__setattr__(compiled, "fp8graph_stats", collector)
     if isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule):
         _make_compiled_fp8_module(compiled, user_model, options)
@@ -359,6 +370,18 @@ def _chooses_weight_cache_mode(weight_cache):
     return wrap
 
 
+def _gathers_in_fp8(plan):
+    """Before each call, the FP8 all-gathers' amaxes are reduced afresh (``fp8graph.fsdp.shard_casts``)."""
+    def wrap(forward):
+        def forward_gathering_fp8(*args, **kwargs):
+            plan.before_call()
+            return forward(*args, **kwargs)
+
+        return forward_gathering_fp8
+
+    return wrap
+
+
 def _traces_with_freezing(forward):
     """Make the compiled model trace and compile with Inductor's ``freezing`` on.
 
@@ -394,11 +417,12 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
         draws the rewritten graphs.
     """
     compiled = _find_compiled(model)
-    state = weight_cache = blocks = None
+    state = weight_cache = blocks = all_gather = None
     if compiled is not None:
         compiled_backend = vars(compiled)[_BACKEND_ATTRIBUTE]
         policy, lowering = compiled_backend.policy, compiled_backend.lowering
         state, weight_cache = compiled_backend.state, compiled_backend.weight_cache
+        all_gather = getattr(compiled_backend, "all_gather", None)
         blocks = [(path, module) for group in getattr(compiled_backend, "groups", [])
                   for path, module in zip(group.paths, group.modules)]
         model = compiled  # what was compiled, without the wrappers around it (DDP(compiled), ...)
@@ -415,6 +439,8 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
     if weight_cache is not None:  # explain's run fills the copies: they may be stale or empty
         weight_cache.invalidate()
         weight_cache.before_call()
+    if all_gather is not None:
+        all_gather.before_call()
     torch._dynamo.reset()
     graph_breaks_before = collections.Counter(counters["graph_break"])
     with torch.no_grad(), session.active() if session is not None else contextlib.nullcontext():
@@ -439,4 +465,5 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
         graph_breaks=graph_breaks,
         graph_code=[gm.code for gm in backend.graph_modules],
         graph_outlines=[graph_outline(gm, paths_by_id) for gm in backend.graph_modules],
+        all_gathers=all_gather.records if all_gather is not None else [],
     )

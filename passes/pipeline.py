@@ -26,6 +26,7 @@ import torch.fx
 from fp8graph.buffers.anchors import fill_anchor, reuse_anchor, state_anchor, state_read_anchor, stats_anchor
 from fp8graph.buffers.delayed_state import DelayedState
 from fp8graph.buffers.weight_cache import WeightCache
+from fp8graph.fsdp.graph_check import check_gathered_weights
 from fp8graph.gemm.scaled_gemm import choose_lowering
 from fp8graph.recipes.policy import Policy
 
@@ -172,6 +173,8 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], conte
                          if d.rewritten and d.site.is_experts and not d.site.is_gathered_experts}.values():
         unpermute_expert_outputs(graph_module)
     _check_side_effects_kept(gm, side_effects_before)
+    for graph_module in Subgraphs(gm):
+        check_gathered_weights(graph_module, value_of, decisions)
     stats_written = [(d.site.path, value_of[node]) for d in decisions
                      if d.rewritten and (node := stats_nodes(d.site)) is not None]
     return decisions, stats_written

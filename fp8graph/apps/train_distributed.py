@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import fp8graph
+from fp8graph.fsdp.gather_bytes import count_all_gathers
 from fp8graph.models import build
 from fp8graph.models.text_data import TextBatches
 from fp8graph.recipes.scaling import PRESETS
@@ -43,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--model", default="tiny-blocks", help="Llama config from fp8graph.models.llama")
+    parser.add_argument("--fp8-all-gather", action=argparse.BooleanOptionalAction, default=True,
+                        help="FSDP2 all-gathers per-tensor-scaled weights in FP8 (fp8graph.compile's fp8_all_gather)")
     parser.add_argument("--checkpoint", type=pathlib.Path, default=None,
                         help="resume from this directory when it holds a checkpoint; save into it at the end")
 
@@ -110,9 +113,11 @@ def _train(args: argparse.Namespace, use_cuda: bool) -> None:
     device = torch.device("cuda" if use_cuda else "cpu")
     model = build("llama", args.model, seed=0).to(device)
     module = parallelize(model, args.parallel)
-    compiled = fp8graph.compile(module, policy=PRESETS[args.recipe],
-                                compiler="inductor" if use_cuda else "aot_eager")
+    compiled = fp8graph.compile(module, policy=PRESETS[args.recipe], compiler="inductor" if use_cuda else "aot_eager",
+                                fp8_all_gather=args.fp8_all_gather)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # FSDP2's all-gathers counted at the collective: what each step gathers per rank.
+    gathers = count_all_gathers(model) if args.parallel == "fsdp2" else None
 
     start = _checkpoint_step(args.checkpoint)
     if start:
@@ -130,6 +135,8 @@ def _train(args: argparse.Namespace, use_cuda: bool) -> None:
         if step < start:
             continue  # consumed before the checkpoint
         tokens = tokens[rank * local:(rank + 1) * local].to(device)
+        if gathers is not None:
+            gathers.reset()
         loss = summed_loss(compiled(tokens).logits, tokens, global_tokens)
         loss.backward()
         optimizer.step()
@@ -137,12 +144,16 @@ def _train(args: argparse.Namespace, use_cuda: bool) -> None:
         loss = loss.detach()
         dist.all_reduce(loss)
         if rank == 0:
-            print(f"step {step + 1:4d}  loss {loss.item():.4f}", flush=True)
+            gathered = "" if gathers is None else f"  all-gathered {gathers.gathered_bytes / 1e6:.2f} MB per rank"
+            print(f"step {step + 1:4d}  loss {loss.item():.4f}{gathered}", flush=True)
 
     decisions = compiled.fp8graph_backend.decisions
     if rank == 0 and decisions:
+        plan = compiled.fp8graph_backend.all_gather
+        in_fp8 = "" if plan is None or not plan.records else \
+            f", {sum(r.fp8 for r in plan.records)} of {len(plan.records)} weights all-gathered in FP8"
         print(f"{args.parallel} on {world_size} ranks, {args.recipe}: "
-              f"{sum(d.rewritten for d in decisions)} of {len(decisions)} sites in FP8", flush=True)
+              f"{sum(d.rewritten for d in decisions)} of {len(decisions)} sites in FP8{in_fp8}", flush=True)
     if args.checkpoint is not None:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(args.checkpoint))

@@ -84,12 +84,15 @@ class ExplainReport(list):
         graph_code: the Python code of each rewritten FX graph.
         graph_outlines: each rewritten graph's nodes, for drawing (see ``report_html``).
         unmatched_rules: policy rules that matched no site.
+        all_gathers: under FSDP2, how each sharded weight is all-gathered (in FP8 or in high precision, and
+            why): :class:`fp8graph.fsdp.install.GatherRecord`, empty without FSDP2.
     """
 
     def __init__(self, records, graph_count: int = 0, unmatched_rules: list[str] | None = None,
                  graph_breaks: list[str] | None = None, graph_code: list[str] | None = None,
-                 graph_outlines: list | None = None):
+                 graph_outlines: list | None = None, all_gathers: list | None = None):
         super().__init__(records)
+        self.all_gathers = list(all_gathers or [])
         self.graph_count = graph_count
         self.unmatched_rules = list(unmatched_rules or [])
         self.graph_breaks = list(graph_breaks or [])
@@ -143,6 +146,11 @@ class ExplainReport(list):
         """Counts per recipe and per reason, and the graphs Dynamo produced."""
         lines = [f"{count} site(s) in FP8 with {recipe}" for recipe, count in self.recipe_counts.items()]
         lines += [f"{count} site(s) kept: {reason}" for reason, count in self.reason_counts.items()]
+        if self.all_gathers:
+            fp8 = [record for record in self.all_gathers if record.fp8]
+            lines.append(f"FSDP2 all-gathers {len(fp8)} of {len(self.all_gathers)} sharded weight(s) in FP8")
+            reasons = collections.Counter(record.reason for record in self.all_gathers if not record.fp8)
+            lines += [f"  {count} in high precision: {reason}" for reason, count in reasons.items()]
         lines.append(f"{self.graph_count} graph(s), {len(self.graph_breaks)} graph break(s)")
         lines += [f"  graph break: {reason}" for reason in self.graph_breaks]
         return lines

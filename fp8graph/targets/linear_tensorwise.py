@@ -67,6 +67,7 @@ from fp8graph.numerics.quantize import amax, amax_to_scale, quantize, row_amaxes
 from fp8graph.recipes.scaling import Recipe
 from fp8graph.buffers.snapshots import state_snapshot
 from fp8graph.buffers.delayed_state import FORWARD_ROLES
+from fp8graph.fsdp.gathered_weight import GatheredFP8Weight, is_gathered
 
 __all__ = ["autocast_dtype", "linear_fp8_target", "linears_fp8_target", "record_health", "record_states",
            "target_name"]
@@ -211,17 +212,28 @@ def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Se
             new_scales = amax_to_scale(history_amax, fp8_dtype, margin=recipe.margin,
                                        fallback=scale)  # (m, 2)
             inverse_scales = new_scales.reciprocal()
+    if any(is_gathered(w) for w in weights_hp):
+        # FSDP2 gathered these weights cast with the scale the history gives (fp8graph.fsdp.shard_casts): that
+        # one is used and recorded.
+        with saved_not_recomputed():
+            weight_scales = torch.stack([w.scale if is_gathered(w) else scale
+                                         for w, scale in zip(weights_hp, new_scales[:, _WEIGHT])])
+            new_scales = torch.stack([new_scales[:, _INPUT], weight_scales], 1)
+            inverse_scales = new_scales.reciprocal()
     input_scale, weight_scales = new_scales[0, _INPUT], new_scales[:, _WEIGHT]
     input_fp8 = quantize(input_hp, input_scale, fp8_dtype)
     inverse_scales = scalars_of(inverse_scales)  # (m, 2) row-major: member i's input, then its weight
-    weights = [(quantize(w, weight_scale, fp8_dtype), weight_scale, inverse_scales[2 * i + _WEIGHT], w)
+    weights = [(w.fp8_data, weight_scale, inverse_scales[2 * i + _WEIGHT], None) if is_gathered(w) else
+               (quantize(w, weight_scale, fp8_dtype), weight_scale, inverse_scales[2 * i + _WEIGHT], w)
                for i, (w, weight_scale) in enumerate(zip(weights_hp, weight_scales))]
     if spec.update:
         # The per-row partial amaxes ride along with the casts: Inductor computes each with its cast in
-        # one read; the op finishes them. The input's is recorded by every member.
+        # one read; the op finishes them. The input's is recorded by every member; a gathered weight's whole
+        # amax came with it.
         input_row_amaxes = row_amaxes(input_hp.detach())
         record_states([member.state for member in members],
-                       [[input_row_amaxes, row_amaxes(w.detach())] for w in weights_hp],
+                       [[input_row_amaxes, w.amax.reshape(1) if is_gathered(w) else row_amaxes(w.detach())]
+                        for w in weights_hp],
                        new_scales.contiguous(), reduce)
     return input_fp8, input_scale, inverse_scales[_INPUT], weights
 
@@ -233,6 +245,8 @@ def _cast_weight_current(spec: CallSpec, weight_hp: torch.Tensor, member: Member
     copy is cast from, the weight, or ``None`` for a reused copy (transposed from its bytes, the weight is
     not read).
     """
+    if is_gathered(weight_hp):  # FSDP2 gathered it cast (fp8graph.fsdp.shard_casts)
+        return _gathered_cast(weight_hp)
     if member.weight_cache is None:
         return (*_cast_current(spec, weight_hp, Role.WEIGHT), weight_hp)
     mode, cached_weight, cached_scale = member.weight_cache
@@ -247,6 +261,12 @@ def _cast_weight_current(spec: CallSpec, weight_hp: torch.Tensor, member: Member
     cached_weight.copy_(weight_fp8)
     cached_scale.copy_(weight_scale)
     return weight_fp8, weight_scale, weight_inverse_scale, weight_hp
+
+
+def _gathered_cast(weight: GatheredFP8Weight):
+    """``(weight_fp8, weight_scale, weight_inverse_scale, None)`` of a weight FSDP2 gathered in FP8: its bytes are
+    the cast, and the transposed copy is made from them (no high-precision weight to cast it from)."""
+    return weight.fp8_data, weight.scale, weight.scale.reciprocal(), None
 
 
 def _cast_grad_outputs(spec: CallSpec, grad_outputs_hp: Sequence[torch.Tensor], members: Sequence[Member]):
@@ -320,6 +340,8 @@ class _LinearsFP8(torch.autograd.Function):
                 saved_weights += [weight_fp8_t, weight_inverse_scale]
             for member, weight_hp, (weight_fp8, weight_scale, _, _) in zip(members, weights_hp, weights):
                 if member.stats is not None:
+                    if is_gathered(weight_hp):
+                        raise AssertionError("stats=True gathers weights in high precision (fp8graph.fsdp.install)")
                     record_health(member.stats, Role.WEIGHT, weight_hp, weight_fp8, weight_scale, recipe)
             _record_shared_health([m.stats for m in members], Role.INPUT, input_hp_2d, input_fp8, input_scale,
                                   recipe)
@@ -434,6 +456,7 @@ def linears_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True, 
                                        lowering.value)
     linears_fp8.recipe = recipe
     linears_fp8.lowering = lowering
+    linears_fp8.reads_gathered_weights = True  # FSDP2's FP8-gathered weights (fp8graph.fsdp.graph_check)
     return register_target(linears_fp8, recipe, lowering, update, in_checkpoint, weight_cache)
 
 
@@ -462,4 +485,5 @@ def linear_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     linear_fp8.__name__ = target_name("linear", _label(recipe, update, in_checkpoint, weight_cache), lowering.value)
     linear_fp8.recipe = recipe
     linear_fp8.lowering = lowering
+    linear_fp8.reads_gathered_weights = True
     return register_target(linear_fp8, recipe, lowering, update, in_checkpoint, weight_cache)

@@ -2,7 +2,9 @@
 
     DDP:    fp8graph.compile(DistributedDataParallel(model))     2 and 4 ranks, graph split at buckets
     FSDP2:  fully_shard(each layer), fully_shard(model), then fp8graph.compile
-            current, row-wise, block, delayed                     2 ranks
+            current, row-wise, block, delayed                     2 ranks (delayed all-gathers its weights in
+                                                                  FP8; current's stats=True gathers in high
+                                                                  precision: tests/fsdp/test_fp8_all_gather.py)
             delayed: distributed checkpoint saved on 2 ranks      -> loaded on 4 ranks, training resumes
 
 Every run is compared with one process that sees the same global batches.
@@ -206,10 +208,11 @@ def test_fsdp2_step_issues_amax_reductions_only_for_delayed_scaling(fsdp_runs):
         assert counts[name]["c10d::_allgather_base_"] == counts["delayed"]["c10d::_allgather_base_"]
     # delayed: one max all-reduce per call and direction, each waited on once: a call (q/k/v, o,
     # gate/up, down in each layer) reduces its input's and weights' amaxes together in the forward and
-    # its grad_outputs' in the backward.
+    # its grad_outputs' in the backward. Its weights are all-gathered in FP8 (fp8graph.fsdp): one more
+    # all-reduce per step, of every gathered weight's shard amax at once.
     amax_reductions = 2 * CALLS
     assert counts["delayed"]["_c10d_functional::all_reduce"] == amax_reductions, counts["delayed"]
-    assert counts["delayed"]["c10d::allreduce_"] == amax_reductions + 1
+    assert counts["delayed"]["c10d::allreduce_"] == amax_reductions + 1 + 1
 
 
 def test_fsdp2_checkpoint_from_two_ranks_resumes_on_four(fsdp_runs):
@@ -285,7 +288,10 @@ def test_torchrun_trains_on_two_ranks_and_resumes_on_four(tmp_path):
     checkpoint = tmp_path / "checkpoint"
     two = _torchrun(2, "--recipe", "delayed", "--steps", "2", "--checkpoint", str(checkpoint))
     assert re.findall(r"^step +(\d+)", two, re.M) == ["1", "2"]
-    assert "fsdp2 on 2 ranks, delayed: 14 of 15 sites in FP8" in two
+    assert "fsdp2 on 2 ranks, delayed: 14 of 15 sites in FP8, 14 of 21 weights all-gathered in FP8" in two
     four = _torchrun(4, "--recipe", "delayed", "--steps", "3", "--checkpoint", str(checkpoint))
     assert re.findall(r"^step +(\d+)", four, re.M) == ["3"]
+    # Each rank receives every weight whatever the world size: the same bytes per step on 2 and 4 ranks.
+    gathered = [re.findall(r"all-gathered ([\d.]+) MB per rank", output, re.M) for output in (two, four)]
+    assert len(gathered[0]) == 2 and gathered[0][1] == gathered[1][0] and float(gathered[1][0]) > 0
     assert "fsdp2 on 4 ranks" in four and "saved step 3" in four

@@ -1,0 +1,167 @@
+"""Which weights of a ``fully_shard``-ed model FSDP2 all-gathers in FP8, and setting it up.
+
+``fp8graph.compile`` calls :func:`install_fp8_all_gather` after the model is sharded. A weight is gathered in
+FP8 when every site on it will be FP8 with one recipe that can cast its shard
+(``fp8graph.fsdp.shard_casts``): decided from the policy before tracing, as delayed-scaling state is
+(``fp8graph.recipes.policy.resolve_weight``). Every other weight is gathered in high precision, and its
+:class:`GatherRecord` says why; ``fp8graph.explain`` lists them. A weight gathered in FP8 that a traced
+graph then reads outside an FP8 site is refused when the graph is compiled (``fp8graph.fsdp.graph_check``).
+
+FSDP2's extension point is public (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on the local tensor);
+attaching it to a parameter that ``fully_shard`` already set up is not: :func:`_attach` re-runs the
+parameter's extension set-up and drops any buffers of an earlier high-precision gather (torch 2.11 to
+2.13's ``FSDPParam``), and fails loudly if those internals differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from fp8graph.buffers.delayed_state import weight_candidates
+from fp8graph.fsdp.shard_casts import ShardCast, WeightAmaxes
+from fp8graph.recipes.policy import Policy, resolve_weight, weight_orientations
+from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE, DelayedScaling, Float8CurrentScaling
+
+__all__ = ["AllGatherPlan", "GatherRecord", "install_fp8_all_gather"]
+
+# The recipes whose weight casts are per tensor, so a shard is cast with the whole weight's scale.
+_PER_TENSOR_RECIPES = (Float8CurrentScaling, DelayedScaling)
+
+log = logging.getLogger("fp8graph")
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherRecord:
+    """How FSDP2 all-gathers one weight: ``fp8`` true with ``recipe``, or in high precision with ``reason``."""
+
+    path: str  # "model.layers.0.self_attn.q_proj.weight"
+    fp8: bool
+    recipe: object = None
+    reason: str | None = None
+
+
+@dataclasses.dataclass
+class AllGatherPlan:
+    """Every sharded weight's :class:`GatherRecord`, and what runs the FP8 gathers."""
+
+    records: list[GatherRecord]
+    amaxes: WeightAmaxes
+    casts: list[tuple[object, ShardCast]]  # (FSDPParam, its cast)
+    model: torch.nn.Module
+    first_call: bool = True
+
+    def before_call(self) -> None:
+        """Before each call of the compiled model: amaxes are reduced afresh, lost extensions re-attached
+        (FSDP2 replaces a local tensor when a state dict is loaded with ``assign=True``). At the first call a
+        model that was ``fully_shard``-ed only after compiling is reported: it gathers in high precision."""
+        if self.first_call:
+            self.first_call = False
+            if not self.records and next(_fsdp_params(self.model), None) is not None:
+                log.warning("fp8graph: %s was fully_shard-ed after fp8graph.compile: FSDP2 gathers its weights in "
+                            "high precision. fully_shard first, then compile, to gather them in FP8",
+                            type(self.model).__name__)
+        self.amaxes.begin_call()
+        for fsdp_param, cast in self.casts:
+            if fsdp_param._sharded_local_tensor is not cast.local:
+                cast.local = fsdp_param._sharded_local_tensor
+                _attach(fsdp_param, cast)
+
+
+def _fsdp_params(model: torch.nn.Module):
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                yield group, group.fsdp_params
+
+
+def _reason_not_fp8(policy: Policy, path: str, module, name: str, param, fsdp_param, group, options: dict):
+    """Why the weight is gathered in high precision, else ``None`` and the recipe."""
+    if param.dim() != 2:
+        return "not a matrix", None
+    if not any(candidate is param for _, candidate in weight_candidates(module)):
+        if any(dim % FP8_GEMM_DIM_MULTIPLE for dim in param.shape):
+            return f"shape {tuple(param.shape)}: FP8 GEMMs need multiples of {FP8_GEMM_DIM_MULTIPLE}", None
+        kind = type(module).__name__
+        return f"{'an' if kind[0] in 'AEIOU' else 'a'} {kind}'s weight, not a GEMM's", None
+    if fsdp_param._module_info.shared_modules:
+        return "tied to another module's weight", None
+    if weight_orientations(module, param) != [tuple(param.shape)]:
+        return "its module may multiply it transposed: only nn.Linear weights (N, K) are gathered in FP8", None
+    possible = resolve_weight(policy, path, module, param)
+    if possible.undecided or len(possible.recipes) != 1:
+        return f"the policy decides its recipe only when the graph is traced ({', '.join(possible.undecided)})", None
+    (recipe,) = possible.recipes
+    if recipe is None:
+        return "the policy keeps its sites in high precision", None
+    if not isinstance(recipe, _PER_TENSOR_RECIPES):
+        return f"{recipe}: FP8 all-gather is done for per-tensor scaling (current, delayed) only", None
+    if options.get("stats"):
+        return "stats=True measures each weight's cast inside the graph, from the high-precision weight", None
+    if options.get("cache_weights"):
+        return "cache_weights=True keeps an FP8 copy of the gathered weight instead", None
+    if fsdp_param.offload_to_cpu:
+        return "its shard is offloaded to the CPU", None
+    if fsdp_param.is_dtensor:
+        return "tensor-parallel (a DTensor inside FSDP2)", None
+    if fsdp_param.fsdp_placement.dim != 0:
+        return f"sharded on dim {fsdp_param.fsdp_placement.dim}, not on its rows", None
+    if group.post_forward_mesh_info not in (None, group.mesh_info):
+        return "reshard_after_forward is an int: FSDP2 refuses all-gather extensions there", None
+    return None, recipe
+
+
+def install_fp8_all_gather(model: torch.nn.Module, policy: Policy, paths: dict[str, str], options: dict) -> AllGatherPlan:
+    """Set up FP8 all-gathers for the weights of ``model`` that can take them; ``paths`` maps ``str(id(module))``
+    to its path (``fp8graph.passes.module_paths.module_paths_by_id``). Returns the plan (no FSDP2 module: no records)."""
+    amaxes = WeightAmaxes()
+    records, casts = [], []
+    for group, fsdp_params in _fsdp_params(model):
+        for fsdp_param in fsdp_params:
+            module, name = fsdp_param._module_info.module, fsdp_param._module_info.param_name
+            module_path = paths.get(str(id(module)), "")
+            path = f"{module_path}.{name}" if module_path else name
+            param = getattr(module, name)
+            reason, recipe = _reason_not_fp8(policy, module_path, module, name, param, fsdp_param, group, options)
+            if reason is not None:
+                records.append(GatherRecord(path, False, reason=reason))
+                continue
+            param_dtype = group.mp_policy.param_dtype or param.dtype  # what FSDP2 would gather
+            cast = ShardCast(path, module, name, recipe, fsdp_param._sharded_local_tensor, param_dtype, amaxes)
+            _attach(fsdp_param, cast)
+            amaxes.add(cast, _process_group(fsdp_param))
+            records.append(GatherRecord(path, True, recipe=recipe))
+            casts.append((fsdp_param, cast))
+    return AllGatherPlan(records, amaxes, casts, model)
+
+
+def _process_group(fsdp_param):
+    mesh = fsdp_param.shard_mesh
+    return mesh.get_group() if mesh.size() > 1 else None
+
+
+def _attach(fsdp_param, cast: ShardCast) -> None:
+    """Make FSDP2 gather ``fsdp_param`` through ``cast`` from its next all-gather on."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    missing = [name for name in ("_init_extensions", "all_gather_outputs", "sharded_state", "_sharded_local_tensor")
+               if not hasattr(fsdp_param, name)]
+    if missing:
+        raise RuntimeError(f"{cast.path}: this torch's FSDP2 has no {', '.join(missing)}: FP8 all-gather is built "
+                           f"for torch 2.11 to 2.13 ({torch.__version__} here); compile with fp8_all_gather=False")
+    if fsdp_param.sharded_state != ShardedState.SHARDED:
+        raise RuntimeError(f"{cast.path}: its module is unsharded now (inside a forward, or reshard_after_forward="
+                           "False after a forward); compile the model between steps")
+    local = cast.local
+    local.fsdp_pre_all_gather = cast.fsdp_pre_all_gather
+    local.fsdp_post_all_gather = cast.fsdp_post_all_gather
+    fsdp_param._init_extensions()
+    # A gather in high precision may have run already: its output buffers have the wrong size and dtype.
+    fsdp_param.all_gather_outputs = []
+    if hasattr(fsdp_param, "_unsharded_param"):
+        del fsdp_param._unsharded_param
