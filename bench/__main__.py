@@ -1,18 +1,18 @@
 """``python -m bench {linear,quantize,decoder,moe,compile} [--smoke]``;
 ``python -m bench model {decoder,moe,linear,quantize,calibrate,compare}``;
-``python -m bench zoo [--families ...]``; ``python -m bench show FILE...``."""
+``python -m bench zoo [--families ...]``; ``python -m bench fsdp-comms``; ``python -m bench show FILE...``."""
 
 import argparse
 import json
 import pathlib
 import sys
 
-from . import compile_time, decoder, linear, model, moe, quantize, zoo
+from . import compile_time, decoder, fsdp_comms, linear, model, moe, quantize, zoo
 from .targets import judge
 from .timing import with_verdicts
 
 WORKLOADS = {"linear": linear, "quantize": quantize, "decoder": decoder, "moe": moe, "compile": compile_time,
-             "model": model, "zoo": zoo}
+             "model": model, "zoo": zoo, "fsdp-comms": fsdp_comms}
 BY_RESULT_NAME = {"linear_fwd_bwd": linear, "quantize": quantize, "decoder_stack": decoder, "compile_time": compile_time,
                   "model_decoder": model, "model_linear": model, "model_quantize": model, "zoo": zoo,
                   "moe_block": moe, "moe_decode": moe, "model_moe": model}

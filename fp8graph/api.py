@@ -103,7 +103,7 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     options = dict(policy=policy, compiler=compiler, lowering=lowering, stats=stats, freeze_weights=freeze_weights,
                    cache_weights=cache_weights, regions=regions, fp8_all_gather=fp8_all_gather, **torch_compile_kwargs)
     mode = torch_compile_kwargs.pop("mode", None)
-    _check_options(model, compiler, stats, freeze_weights, cache_weights, regions)
+    _check_options(model, compiler, stats, freeze_weights, cache_weights, regions, fp8_all_gather)
     user_model = unwrap_data_parallel(model)
     policy = normalize_policy(policy)
     bare = _check_buffers_reach_the_graph(model, user_model, policy, stats, cache_weights)
@@ -115,7 +115,7 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     state = register_delayed_state(user_model, policy) if policy.needs_state else None
     weight_cache = register_weight_cache(user_model, policy) if cache_weights else None
     all_gather = install_fp8_all_gather(user_model, policy, module_paths_by_id(user_model),
-                                        dict(stats=stats, cache_weights=cache_weights, freeze_weights=freeze_weights)) \
+                                        dict(stats=stats, cache_weights=cache_weights)) \
         if fp8_all_gather and isinstance(user_model, torch.nn.Module) else None
     blocks = find_blocks(user_model, None if freeze_weights else regions) \
         if isinstance(user_model, torch.nn.Module) else _no_blocks(regions)
@@ -179,8 +179,10 @@ class CompiledFP8Module(torch._dynamo.eval_frame.OptimizedModule):
         return functools.partial(compile, **vars(self)["_fp8graph_options"]), (self._orig_mod,)
 
 
-def _check_options(model, compiler: str, stats: bool, freeze_weights: bool, cache_weights: bool, regions) -> None:
-    for flag, value in (("stats", stats), ("freeze_weights", freeze_weights), ("cache_weights", cache_weights)):
+def _check_options(model, compiler: str, stats: bool, freeze_weights: bool, cache_weights: bool, regions,
+                   fp8_all_gather: bool = True) -> None:
+    for flag, value in (("stats", stats), ("freeze_weights", freeze_weights), ("cache_weights", cache_weights),
+                        ("fp8_all_gather", fp8_all_gather)):
         if not isinstance(value, bool):  # "false" would switch it on
             raise TypeError(f"fp8graph.compile: {flag} must be True or False, got {value!r}")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
@@ -439,11 +441,11 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
     if weight_cache is not None:  # explain's run fills the copies: they may be stale or empty
         weight_cache.invalidate()
         weight_cache.before_call()
-    if all_gather is not None:
-        all_gather.before_call()
     torch._dynamo.reset()
     graph_breaks_before = collections.Counter(counters["graph_break"])
     with torch.no_grad(), session.active() if session is not None else contextlib.nullcontext():
+        if all_gather is not None:  # explain's run gathers as the compiled model's call without gradients does
+            all_gather.before_call()
         if session is not None:  # called as the compiled model calls it
             kwargs = _without_training_cache(user_model, _accepts_keyword(user_model, "use_cache"), kwargs)
         torch.compile(model, backend=root_backend)(*args, **kwargs)

@@ -96,7 +96,7 @@ def test_a_compiled_model_inside_a_torch_compiled_parent_runs_in_fp8():
     assert len(vars(compiled)["fp8graph_backend"].decisions) == 2
 
 
-@pytest.mark.parametrize("flag", ["stats", "freeze_weights", "cache_weights"])
+@pytest.mark.parametrize("flag", ["stats", "freeze_weights", "cache_weights", "fp8_all_gather"])
 def test_flags_must_be_booleans(flag):
     with pytest.raises(TypeError, match=rf"{flag} must be True or False, got 'false'"):
         fp8graph.compile(_mlp(), **{flag: "false"})

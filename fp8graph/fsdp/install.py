@@ -84,11 +84,11 @@ def _reason_not_fp8(policy: Policy, path: str, module, name: str, param, fsdp_pa
     """Why the weight is gathered in high precision, else ``None`` and the recipe."""
     if param.dim() != 2:
         return "not a matrix", None
-    if not any(candidate is param for _, candidate in weight_candidates(module)):
-        if any(dim % FP8_GEMM_DIM_MULTIPLE for dim in param.shape):
-            return f"shape {tuple(param.shape)}: FP8 GEMMs need multiples of {FP8_GEMM_DIM_MULTIPLE}", None
-        kind = type(module).__name__
+    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag, torch.nn.modules.conv._ConvNd)):
+        kind = type(module).__name__  # looked up by index, or convolved
         return f"{'an' if kind[0] in 'AEIOU' else 'a'} {kind}'s weight, not a GEMM's", None
+    if not any(candidate is param for _, candidate in weight_candidates(module)):
+        return f"shape {tuple(param.shape)}: FP8 GEMMs need multiples of {FP8_GEMM_DIM_MULTIPLE}", None
     if fsdp_param._module_info.shared_modules:
         return "tied to another module's weight", None
     if weight_orientations(module, param) != [tuple(param.shape)]:
@@ -111,6 +111,10 @@ def _reason_not_fp8(policy: Policy, path: str, module, name: str, param, fsdp_pa
         return "tensor-parallel (a DTensor inside FSDP2)", None
     if fsdp_param.fsdp_placement.dim != 0:
         return f"sharded on dim {fsdp_param.fsdp_placement.dim}, not on its rows", None
+    ranks = fsdp_param.shard_mesh.size()
+    if param.shape[0] % ranks:
+        # FSDP2 pads the last shards; the casts would have to cover the padding rows (not done).
+        return f"its {param.shape[0]} rows do not split evenly over {ranks} ranks", None
     if group.post_forward_mesh_info not in (None, group.mesh_info):
         return "reshard_after_forward is an int: FSDP2 refuses all-gather extensions there", None
     return None, recipe

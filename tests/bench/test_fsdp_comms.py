@@ -1,0 +1,45 @@
+"""``python -m bench fsdp-comms``: a sharded Llama-3-8B step's communication, modelled from its shapes and the
+cost model's layer times (no torch needed, nothing runs)."""
+
+import json
+
+import pytest
+
+from bench import fsdp_comms
+from bench.__main__ import main
+
+MODEL = fsdp_comms.Llama3_8B()
+
+
+def test_a_step_gathers_each_layer_twice_and_fp8_moves_a_byte_a_projection_element():
+    projections = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096  # q, o; k, v; gate, up, down
+    assert MODEL.layer_linears() == projections == 218_103_808
+    bf16, fp8 = fsdp_comms.step_bytes(MODEL, False), fsdp_comms.step_bytes(MODEL, True)
+    assert bf16["layer_all_gather"] == 2 * 2 * (projections + 2 * 4096)  # before the forward and the backward
+    assert bf16["layer_all_gather"] - fp8["layer_all_gather"] == 2 * projections
+    assert fp8["layer_reduce_scatter"] == bf16["layer_reduce_scatter"]  # gradients reduce in BF16 either way
+    # The embedding stays BF16; lm_head gathers in FP8.
+    assert bf16["root_all_gather"] - fp8["root_all_gather"] == 128256 * 4096
+
+
+def test_what_the_compute_does_not_hide_is_exposed():
+    assert fsdp_comms.exposed_ms(forward_ms=3, backward_ms=6, gather_ms=1, reduce_ms=1) == 0
+    assert fsdp_comms.exposed_ms(forward_ms=3, backward_ms=6, gather_ms=4, reduce_ms=4) == 1 + 2
+
+
+def test_the_table_over_nvlink_hides_the_layers_and_over_infiniband_fp8_gather_shortens_the_step(capsys):
+    result = json.loads(fsdp_comms.DECODER_RESULT.read_text())
+    rows = {(r["link"], r["recipe"], r["gather"]): r for r in fsdp_comms.table(result)}
+    nvlink, infiniband = fsdp_comms.LINKS
+    forward, backward = fsdp_comms.layer_compute_ms(result, "bf16")
+    assert 0 < forward < backward
+    for (link, recipe, gather), row in rows.items():
+        assert row["step_ms"] == pytest.approx(MODEL.layers * (row["layer_forward_ms"] + row["layer_backward_ms"])
+                                               + row["exposed_ms"])
+        if gather == "FP8":
+            assert row["all_gather_gb"] < rows[(link, recipe, "BF16")]["all_gather_gb"]
+            assert row["step_ms"] < rows[(link, recipe, "BF16")]["step_ms"]
+    assert rows[(infiniband, "current", "FP8")]["vs_bf16"] > rows[(infiniband, "current", "BF16")]["vs_bf16"]
+    main(["fsdp-comms"])
+    shown = capsys.readouterr().out
+    assert shown.startswith("MODELLED") and "| 2 x 8 H100, InfiniBand | delayed | FP8 |" in shown
