@@ -39,7 +39,7 @@ def test_linear_benchmark_smoke_writes_raw_results(tmp_path):
     assert result["targets"] == []  # the smoke shape is none of the Llama-3-8B shapes the target names
 
 
-def test_quantize_benchmark_smoke_writes_raw_results_that_show_prints_with_their_verdicts(tmp_path):
+def test_quantize_smoke_writes_results_bench_show_prints(tmp_path):
     result = _run_bench("quantize", tmp_path)
     assert _errors(result) == []
     contestants = [r["contestant"] for r in result["rows"]]
