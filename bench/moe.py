@@ -253,8 +253,9 @@ def run(args: argparse.Namespace) -> dict:
     settings = _settings(args)
     rows: list[dict] = []
     result = {"workload": "moe_decode" if args.decode else "moe_block", "smoke": args.smoke,
-              "compiler": settings["compiler"], "config": settings["config"], "batch": settings["batch"], "sequence": settings["tokens"],
-              "environment": environment(settings["device"]), "warmup": settings["warmup"],
+              "compiler": settings["compiler"], "config": settings["config"], "batch": settings["batch"],
+              "sequence": settings["tokens"], "environment": environment(settings["device"]),
+              "warmup": settings["warmup"],
               "repeats": settings["repeats"], "process_per_contestant": True, "rows": rows}
     for name in wanted:
         rows.append(_in_own_process(name, args))
@@ -284,8 +285,8 @@ def summary(result: dict) -> str:
         return form.format(row[key]) if row.get(key) is not None else "-"
 
     if result["workload"] == "moe_decode":
-        rows = [[r["contestant"], f"{r['decode_tokens_per_s']:.0f}", number(r, "decode_speedup_vs_bf16_compile",
-                                                                             "{:.2f}x"), number(r, "compile_s", "{:.1f}")]
+        rows = [[r["contestant"], f"{r['decode_tokens_per_s']:.0f}",
+                 number(r, "decode_speedup_vs_bf16_compile", "{:.2f}x"), number(r, "compile_s", "{:.1f}")]
                 for r in result["rows"] if "error" not in r]
         heading = (f"MoE decode step ({result['config']}, batched_mm experts, frozen weights, "
                    f"batch {result['batch']})")

@@ -424,7 +424,7 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
         compiled_backend = vars(compiled)[_BACKEND_ATTRIBUTE]
         policy, lowering = compiled_backend.policy, compiled_backend.lowering
         state, weight_cache = compiled_backend.state, compiled_backend.weight_cache
-        all_gather = getattr(compiled_backend, "all_gather", None)
+        all_gather = compiled_backend.all_gather
         blocks = [(path, module) for group in getattr(compiled_backend, "groups", [])
                   for path, module in zip(group.paths, group.modules)]
         model = compiled  # what was compiled, without the wrappers around it (DDP(compiled), ...)

@@ -45,8 +45,8 @@ from fp8graph.recipes.policy import Policy, resolve_weight
 from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
 
 __all__ = ["FORWARD_ROLES", "GRAD_HISTORY_PREFIX", "GRAD_SCALE_PREFIX", "HISTORY_PREFIX", "SCALE_PREFIX",
-           "STATE_PREFIXES", "DelayedState", "SiteState", "forward_rows", "register_delayed_state",
-           "weight_candidates"]
+           "STATE_PREFIXES", "DelayedState", "SiteState", "forward_rows", "looked_up_or_convolved",
+           "register_delayed_state", "weight_candidates"]
 
 log = logging.getLogger("fp8graph")
 
@@ -104,10 +104,15 @@ def _fill_missing_state(module: torch.nn.Module, state_dict, prefix, *args) -> N
                  "scale (1)" if is_scale else "amax history (zeros)")
 
 
+def looked_up_or_convolved(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s weights are read by index or convolved: never a GEMM's weight."""
+    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag, torch.nn.modules.conv._ConvNd))
+
+
 def weight_candidates(module: torch.nn.Module):
     """The weights of ``module`` an FP8 site may multiply: matrices, and experts' 3-D weights (E, N, K)."""
-    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag, torch.nn.modules.conv._ConvNd)):
-        return  # looked up by index, or convolved: never a GEMM's weight
+    if looked_up_or_convolved(module):
+        return
     for name, param in module.named_parameters(recurse=False):
         # FP8 GEMMs need both dims of the matrix to be multiples of 16, whichever
         # way round it is stored; other weights stay in high precision anyway.

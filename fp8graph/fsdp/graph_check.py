@@ -23,15 +23,14 @@ def _reads_gathered_weights(node: torch.fx.Node) -> bool:
 def check_gathered_weights(gm: torch.fx.GraphModule, value_of: dict, decisions) -> None:
     """Raise unless every user of every gathered weight in ``gm`` (after the rewrite) is an FP8 target that
     reads it."""
-    kept = {id(d.site.weight_input): d for d in decisions if not d.rewritten}
+    kept = {d.site.weight_input: d for d in decisions if not d.rewritten}
     for node in gm.graph.find_nodes(op="placeholder"):
-        example = node.meta.get("example_value", value_of.get(node))
-        if not is_gathered(example) and not is_gathered(value_of.get(node)):
+        if not is_gathered(value_of.get(node)):  # the real parameter, or its example
             continue
         for user in node.users:
             if _reads_gathered_weights(user):
                 continue
-            decision = kept.get(id(node))
+            decision = kept.get(node)
             why = (f"its site {decision.site.path} stays in high precision: {decision.reason}" if decision is not None
                    else f"it is read by {user.format_node()}")
             raise RuntimeError(

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from fp8graph.buffers.delayed_state import weight_candidates
+from fp8graph.buffers.delayed_state import looked_up_or_convolved, weight_candidates
 from fp8graph.fsdp.shard_casts import ShardCast, WeightAmaxes
 from fp8graph.recipes.policy import Policy, resolve_weight, weight_orientations
 from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE, DelayedScaling, Float8CurrentScaling
@@ -80,12 +80,12 @@ def _fsdp_params(model: torch.nn.Module):
                 yield group, group.fsdp_params
 
 
-def _reason_not_fp8(policy: Policy, path: str, module, name: str, param, fsdp_param, group, options: dict):
+def _reason_not_fp8(policy: Policy, path: str, module, param, fsdp_param, group, options: dict):
     """Why the weight is gathered in high precision, else ``None`` and the recipe."""
     if param.dim() != 2:
         return "not a matrix", None
-    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag, torch.nn.modules.conv._ConvNd)):
-        kind = type(module).__name__  # looked up by index, or convolved
+    if looked_up_or_convolved(module):
+        kind = type(module).__name__
         return f"{'an' if kind[0] in 'AEIOU' else 'a'} {kind}'s weight, not a GEMM's", None
     if not any(candidate is param for _, candidate in weight_candidates(module)):
         return f"shape {tuple(param.shape)}: FP8 GEMMs need multiples of {FP8_GEMM_DIM_MULTIPLE}", None
@@ -120,9 +120,11 @@ def _reason_not_fp8(policy: Policy, path: str, module, name: str, param, fsdp_pa
     return None, recipe
 
 
-def install_fp8_all_gather(model: torch.nn.Module, policy: Policy, paths: dict[str, str], options: dict) -> AllGatherPlan:
+def install_fp8_all_gather(model: torch.nn.Module, policy: Policy, paths: dict[str, str],
+                           options: dict) -> AllGatherPlan:
     """Set up FP8 all-gathers for the weights of ``model`` that can take them; ``paths`` maps ``str(id(module))``
-    to its path (``fp8graph.passes.module_paths.module_paths_by_id``). Returns the plan (no FSDP2 module: no records)."""
+    to its path (``fp8graph.passes.module_paths.module_paths_by_id``). Returns the plan (no FSDP2 module: no
+    records)."""
     amaxes = WeightAmaxes()
     records, casts = [], []
     for group, fsdp_params in _fsdp_params(model):
@@ -131,7 +133,7 @@ def install_fp8_all_gather(model: torch.nn.Module, policy: Policy, paths: dict[s
             module_path = paths.get(str(id(module)), "")
             path = f"{module_path}.{name}" if module_path else name
             param = getattr(module, name)
-            reason, recipe = _reason_not_fp8(policy, module_path, module, name, param, fsdp_param, group, options)
+            reason, recipe = _reason_not_fp8(policy, module_path, module, param, fsdp_param, group, options)
             if reason is not None:
                 records.append(GatherRecord(path, False, reason=reason))
                 continue

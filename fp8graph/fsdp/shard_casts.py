@@ -115,7 +115,7 @@ class WeightAmaxes:
 
     def __init__(self) -> None:
         self._groups: dict[object, list[ShardCast]] = {}
-        self._amaxes: dict[int, tuple[int, torch.Tensor]] = {}  # id(cast) -> (version, amax)
+        self._amaxes: dict[ShardCast, tuple[int, torch.Tensor]] = {}  # cast -> (version, amax)
         self._stale = True
         self.grad_enabled = True
 
@@ -129,7 +129,7 @@ class WeightAmaxes:
     def amax_of(self, cast: ShardCast) -> torch.Tensor:
         if self._stale:
             self._reduce()
-        version, amax_fp32 = self._amaxes[id(cast)]
+        version, amax_fp32 = self._amaxes[cast]
         if version != cast.local._version:
             raise RuntimeError(
                 f"{cast.path}: the weight changed after its amax was reduced at the start of this call of the "
@@ -138,14 +138,10 @@ class WeightAmaxes:
 
     def _reduce(self) -> None:
         for group, casts in self._groups.items():
-            shard_amaxes = torch.stack([_shard_amax(cast.weight_hp()) for cast in casts])
+            shard_amaxes = torch.stack([amax(cast.weight_hp()) for cast in casts])
             if group is not None:
                 dist.all_reduce(shard_amaxes, op=dist.ReduceOp.MAX, group=group)
             for cast, weight_amax in zip(casts, shard_amaxes.unbind()):
-                self._amaxes[id(cast)] = (cast.local._version, weight_amax)
+                self._amaxes[cast] = (cast.local._version, weight_amax)
         self._stale = False
 
-
-def _shard_amax(shard: torch.Tensor) -> torch.Tensor:
-    """The amax of a shard; an empty one (more ranks than rows) has nothing, 0."""
-    return amax(shard) if shard.numel() else torch.zeros((), dtype=torch.float32, device=shard.device)
