@@ -9,8 +9,9 @@ tokens a GPU, fake H100), read from a committed modelled result.
     bytes       a decoder layer's weights are gathered before its forward and again before its backward
                 (FSDP2's reshard_after_forward=True), the root's (embedding, final norm, lm_head) once; the
                 gradients are reduce-scattered once, in BF16. FP8 all-gather: each weight whose sites are FP8
-                with per-tensor scaling moves 1 byte an element (fp8graph.fsdp); the embedding and the norms
-                stay BF16. Row-wise and block gather in BF16 (FP8 all-gather is not done for them).
+                with per-tensor scaling moves 1 byte an element (fp8graph.fsdp), with block scaling 1 byte
+                an element and 4 bytes a 128x128 tile; the embedding and the norms stay BF16. Row-wise
+                gathers in BF16 (FP8 all-gather is not done for it).
     link        a ring collective moves (N - 1) / N of the gathered size through each GPU's link: 8 H100s
                 on NVLink at 450 GB/s a GPU, 2 x 8 over InfiniBand at 50 GB/s a GPU.
     hiding      FSDP2 gathers a layer while the previous one computes: a layer's forward hides its
@@ -36,6 +37,9 @@ __all__ = ["LINKS", "Llama3_8B", "add_arguments", "exposed_ms", "layer_compute_m
 DECODER_RESULT = pathlib.Path(__file__).resolve().parent / "results" / "model-decoder-2026-11-24T060511Z.json"
 LINKS = {"8 H100, NVLink": (8, 450e9), "2 x 8 H100, InfiniBand": (16, 50e9)}
 BF16_BYTES = 2
+# Bytes an element of a weight gathered in FP8: the bytes, and the scales gathered with them (block scaling: an
+# fp32 a 128x128 tile); per-tensor scales are not gathered (every rank computed them).
+FP8_GATHER_BYTES = {"current": 1.0, "delayed": 1.0, "block": 1.0 + 4 / (128 * 128)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +58,10 @@ class Llama3_8B:
         return 2 * self.hidden
 
 
-def step_bytes(model: Llama3_8B, fp8_gather: bool) -> dict[str, float]:
+def step_bytes(model: Llama3_8B, fp8_gather: bool, recipe: str = "current") -> dict[str, float]:
     """Bytes per step a rank receives from all-gathers (the unsharded sizes) and reduce-scatters, per layer and
-    for the root (embedding, final norm, lm_head)."""
-    weight_bytes = 1 if fp8_gather else BF16_BYTES
+    for the root (embedding, final norm, lm_head), ``recipe``'s weights gathered in FP8 or in BF16."""
+    weight_bytes = FP8_GATHER_BYTES[recipe] if fp8_gather else BF16_BYTES
     layer_gathered = model.layer_linears() * weight_bytes + model.layer_norms() * BF16_BYTES
     root_gathered = (model.vocab * model.hidden * (weight_bytes + BF16_BYTES)  # lm_head, embedding
                      + model.hidden * BF16_BYTES)
@@ -94,13 +98,13 @@ def table(result: dict, model: Llama3_8B = Llama3_8B()) -> list[dict]:
     """One row per link, recipe and gather: bytes, link time, exposed time, and the step (compute + exposed)
     against BF16's with BF16 gathers."""
     recipes = [("bf16", False), ("current", False), ("current", True), ("delayed", False), ("delayed", True),
-               ("rowwise", False)]
+               ("rowwise", False), ("block", False), ("block", True)]
     rows = []
     for link, (ranks, bandwidth) in LINKS.items():
         baseline = None
         for contestant, fp8_gather in recipes:
             forward, backward = layer_compute_ms(result, contestant)
-            sizes = step_bytes(model, fp8_gather)
+            sizes = step_bytes(model, fp8_gather, contestant)
             on_link = (ranks - 1) / ranks / bandwidth * 1e3  # ms a byte
             gather, reduce = sizes["layer_all_gather"] / 2 * on_link, sizes["layer_reduce_scatter"] * on_link
             # The root's gather comes before any compute and its reduce-scatter after the last: neither hidden.

@@ -6,11 +6,14 @@ weight's own (so the module, Dynamo and autograd see the parameter they expect, 
 ordinary high-precision tensor) and whose contents are
 
     fp8_data   (N, K) float8, the gathered shards, a view of FSDP2's all-gather output
-    scale      () fp32, what multiplied the weight into FP8 (the same on every rank)
-    amax       () fp32, the whole weight's largest finite magnitude (delayed scaling records it)
+    scale      what multiplied the weight into FP8: () fp32 for per-tensor scaling (the same on every rank);
+               (N / 128, K / 128) for block scaling's tiles, gathered with the bytes
+    amax       () fp32, the whole weight's largest finite magnitude (delayed scaling records it); None for
+               block scaling
 
 The FP8 targets read ``fp8_data`` and ``scale`` where they would cast the weight
-(``fp8graph.targets.linear_tensorwise``); AOTAutograd flattens the three into graph inputs. Nothing else
+(``fp8graph.targets.linear_tensorwise``, ``fp8graph.targets.linear_tiled``); AOTAutograd flattens them into
+graph inputs. Nothing else
 may compute with it: outside fake tensors (tracing) any other op raises, since an FP8 weight silently
 read as a high-precision one would change what the model computes. The backend checks that every user
 of a gathered weight in a graph is an FP8 site that reads it (``fp8graph.fsdp.graph_check``).
@@ -39,7 +42,7 @@ class GatheredFP8Weight(torch.Tensor):
     """A weight all-gathered in FP8 (see the module's doc); ``dtype`` is the parameter's."""
 
     @staticmethod
-    def __new__(cls, fp8_data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype,
+    def __new__(cls, fp8_data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dtype,
                 requires_grad: bool = False):
         return torch.Tensor._make_wrapper_subclass(cls, fp8_data.size(), strides=fp8_data.stride(), dtype=dtype,
                                                    device=fp8_data.device, requires_grad=requires_grad)
@@ -52,15 +55,19 @@ class GatheredFP8Weight(torch.Tensor):
                 f"scale={self.scale})")
 
     def __tensor_flatten__(self):
-        return ["fp8_data", "scale", "amax"], self.dtype
+        return ["fp8_data", "scale"] + ([] if self.amax is None else ["amax"]), self.dtype
 
     @staticmethod
     def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
-        return GatheredFP8Weight(inner["fp8_data"], inner["scale"], inner["amax"], dtype)
+        return GatheredFP8Weight(inner["fp8_data"], inner["scale"], inner.get("amax"), dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The weight the FP8 bytes stand for, in its dtype."""
-        return (self.fp8_data.to(torch.float32) / self.scale).to(self.dtype)
+        scale = self.scale
+        if scale.dim() == 2:  # one scale per tile: each repeated over its tile's elements
+            rows, cols = self.shape[0] // scale.shape[0], self.shape[1] // scale.shape[1]
+            scale = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+        return (self.fp8_data.to(torch.float32) / scale).to(self.dtype)
 
     def _stand_in(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)

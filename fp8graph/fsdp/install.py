@@ -1,8 +1,9 @@
 """Which weights of a ``fully_shard``-ed model FSDP2 all-gathers in FP8, and setting it up.
 
 ``fp8graph.compile`` calls :func:`install_fp8_all_gather` after the model is sharded. A weight is gathered in
-FP8 when every site on it will be FP8 with one recipe that can cast its shard
-(``fp8graph.fsdp.shard_casts``): decided from the policy before tracing, as delayed-scaling state is
+FP8 when every site on it will be FP8 with one recipe that can cast its shard (``fp8graph.fsdp.shard_casts``:
+current, delayed, and block scaling where each shard holds whole 128-row tiles): decided from the policy
+before tracing, as delayed-scaling state is
 (``fp8graph.recipes.policy.resolve_weight``). Every other weight is gathered in high precision, and its
 :class:`GatherRecord` says why; ``fp8graph.explain`` lists them. A weight gathered in FP8 that a traced
 graph then reads outside an FP8 site is refused when the graph is compiled (``fp8graph.fsdp.graph_check``).
@@ -21,9 +22,10 @@ import logging
 import torch
 
 from fp8graph.buffers.delayed_state import looked_up_or_convolved, weight_candidates
-from fp8graph.fsdp.shard_casts import ShardCast, WeightAmaxes
+from fp8graph.fsdp.shard_casts import BlockShardCast, ShardCast, WeightAmaxes
+from fp8graph.numerics.formats import Role
 from fp8graph.recipes.policy import Policy, resolve_weight, weight_orientations
-from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE, DelayedScaling, Float8CurrentScaling
+from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE, DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 __all__ = ["AllGatherPlan", "GatherRecord", "install_fp8_all_gather"]
 
@@ -49,7 +51,7 @@ class AllGatherPlan:
 
     records: list[GatherRecord]
     amaxes: WeightAmaxes
-    casts: list[tuple[object, ShardCast]]  # (FSDPParam, its cast)
+    casts: list[tuple[object, ShardCast | BlockShardCast]]  # (FSDPParam, its cast)
     model: torch.nn.Module
     first_call: bool = True
 
@@ -99,8 +101,13 @@ def _reason_not_fp8(policy: Policy, path: str, module, param, fsdp_param, group,
     (recipe,) = possible.recipes
     if recipe is None:
         return "the policy keeps its sites in high precision", None
-    if not isinstance(recipe, _PER_TENSOR_RECIPES):
-        return f"{recipe}: FP8 all-gather is done for per-tensor scaling (current, delayed) only", None
+    if not isinstance(recipe, (*_PER_TENSOR_RECIPES, Float8BlockScaling)):
+        # Their backward GEMM reads the weight quantized along N, which a shard cannot cast alone (row-wise: a
+        # scale per column, over every rank's rows) or which needs a second gathered copy (MXFP8).
+        return (f"{recipe.name}: FP8 all-gather is done for per-tensor (current, delayed) and block scaling only",
+                None)
+    if any(size % recipe.dim_multiple for size in param.shape):
+        return f"shape {tuple(param.shape)}: {recipe.name} needs multiples of {recipe.dim_multiple}", None
     if options.get("stats"):
         return "stats=True measures each weight's cast inside the graph, from the high-precision weight", None
     if options.get("cache_weights"):
@@ -115,6 +122,13 @@ def _reason_not_fp8(policy: Policy, path: str, module, param, fsdp_param, group,
     if param.shape[0] % ranks:
         # FSDP2 pads the last shards; the casts would have to cover the padding rows (not done).
         return f"its {param.shape[0]} rows do not split evenly over {ranks} ranks", None
+    if ranks == 1 and isinstance(recipe, Float8BlockScaling):
+        # FSDP2 copies one tensor per weight on a single rank (torch 2.11 to 2.13); nothing is sent anyway.
+        return "one rank: FSDP2 copies a single tensor per weight there, and block scaling gathers two", None
+    tile_rows = recipe.tiling(Role.WEIGHT).rows if isinstance(recipe, Float8BlockScaling) else 1
+    if (param.shape[0] // ranks) % tile_rows:
+        return (f"each of {ranks} ranks holds {param.shape[0] // ranks} of its rows, which splits its "
+                f"{tile_rows}-row tiles"), None
     if group.post_forward_mesh_info not in (None, group.mesh_info):
         return "reshard_after_forward is an int: FSDP2 refuses all-gather extensions there", None
     return None, recipe
@@ -138,9 +152,13 @@ def install_fp8_all_gather(model: torch.nn.Module, policy: Policy, paths: dict[s
                 records.append(GatherRecord(path, False, reason=reason))
                 continue
             param_dtype = group.mp_policy.param_dtype or param.dtype  # what FSDP2 would gather
-            cast = ShardCast(path, module, name, recipe, fsdp_param._sharded_local_tensor, param_dtype, amaxes)
+            local = fsdp_param._sharded_local_tensor
+            if isinstance(recipe, Float8BlockScaling):
+                cast = BlockShardCast(path, recipe, local, param_dtype)
+            else:
+                cast = ShardCast(path, module, name, recipe, local, param_dtype, amaxes)
+                amaxes.add(cast, _process_group(fsdp_param))
             _attach(fsdp_param, cast)
-            amaxes.add(cast, _process_group(fsdp_param))
             records.append(GatherRecord(path, True, recipe=recipe))
             casts.append((fsdp_param, cast))
     return AllGatherPlan(records, amaxes, casts, model)

@@ -16,6 +16,11 @@ has no float8 dtype; FSDP2 packs mixed dtypes as bytes anyway). The scale:
   graph only reads the state: no gradients, or the module in eval mode). The whole weight's amax, which the
   graph records into the history, is the same reduced amax.
 
+Block scaling's 128x128 weight tiles (:class:`BlockShardCast`) need no collective of their own: a shard
+of whole tile rows holds whole tiles, each cast with its own scale exactly as the graph casts the gathered
+weight, and the tiles' scales are gathered beside the bytes. The same tiles serve the backward's
+transposed weight, so one gather serves both GEMMs.
+
 A gather inside the backward (FSDP2 reshards after the forward and gathers again for the backward) sends
 the bytes the forward's gather sent: the forward's graph may read saved views of them, and by then the
 delayed history has moved. The shard is cast again only when it changed (its version counter).
@@ -33,9 +38,10 @@ from fp8graph.fsdp.gathered_weight import GatheredFP8Weight
 from fp8graph.numerics.delayed_scaling import amax_from_history
 from fp8graph.numerics.formats import Role
 from fp8graph.numerics.quantize import amax, amax_to_scale, quantize
-from fp8graph.recipes.scaling import Recipe
+from fp8graph.numerics.tiles import reference_quantize_tiles
+from fp8graph.recipes.scaling import Float8BlockScaling, Recipe
 
-__all__ = ["ShardCast", "WeightAmaxes", "in_backward"]
+__all__ = ["BlockShardCast", "ShardCast", "WeightAmaxes", "in_backward"]
 
 _WEIGHT_ROW = FORWARD_ROLES.index(Role.WEIGHT)
 
@@ -102,6 +108,37 @@ class ShardCast:
             return None
         weight = GatheredFP8Weight(gathered_bytes.view(self.fp8_dtype), scale, amax_fp32, param_dtype)
         return weight, (gathered_bytes,)
+
+
+class BlockShardCast:
+    """FSDP2's all-gather extension for a weight with block scaling's 128x128 tiles; see the module's doc.
+
+    ``local`` is the shard, whole tile rows (``fp8graph.fsdp.install`` refuses any other split); it is cast
+    tile by tile as the FP8 linear casts the whole weight (``fp8graph.targets.linear_tiled``), and FSDP2
+    gathers two tensors: the FP8 bytes (N, K) and the tiles' scales (N / 128, K / 128).
+    """
+
+    def __init__(self, path: str, recipe: Float8BlockScaling, local: torch.Tensor, param_dtype: torch.dtype) -> None:
+        self.path, self.recipe, self.local, self.param_dtype = path, recipe, local, param_dtype
+        self.tiling = recipe.tiling(Role.WEIGHT)
+        self.fp8_dtype = recipe.fp8_dtype(Role.WEIGHT)
+        self._last: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, bytes, tile scales)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        version = self.local._version
+        if not (in_backward() and self._last is not None and self._last[0] == version):
+            shard_fp8, tile_scales = reference_quantize_tiles(self.local.detach().to(self.param_dtype), self.tiling,
+                                                              self.fp8_dtype)
+            self._last = (version, shard_fp8.view(torch.uint8), tile_scales)
+        _, shard_bytes, tile_scales = self._last
+        return (shard_bytes, tile_scales), ()
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        gathered_bytes, tile_scales = outputs
+        if out is not None:  # FSDP2 gathered into the storages the parameter's bytes and scales already view
+            return None
+        weight = GatheredFP8Weight(gathered_bytes.view(self.fp8_dtype), tile_scales, None, param_dtype)
+        return weight, (gathered_bytes, tile_scales)
 
 
 class WeightAmaxes:

@@ -16,8 +16,9 @@ the 1x128 and 128x128 tilings run fp8graph's kernel, which writes both
 layouts from one read; the others run Inductor's code, fused with the
 operand's producer (``fp8graph.kernels.quantize_tiles`` says which and why).
 A weight with square tiles (block scaling's 128x128) has the same tiles
-transposed, so both layouts share one quantization. Only the weight-gradient
-output and the bias stay in high precision.
+transposed, so both layouts share one quantization; under FSDP2 it may arrive
+all-gathered in those tiles already (``fp8graph.fsdp``), and is not cast again.
+Only the weight-gradient output and the bias stay in high precision.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from fp8graph.fsdp.gathered_weight import is_gathered
 from fp8graph.numerics.formats import Role
 from fp8graph.kernels.quantize_tiles import kernel_quantizes
 from fp8graph.targets.linear_tensorwise import autocast_dtype, record_health, target_name
@@ -107,12 +109,20 @@ class _LinearTiled(torch.autograd.Function):
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         with torch.autocast(device_type, enabled=False):
             input_q, input_t_q = _quantize(input_hp_2d, input_tiling, True, needs_grad_weight)  # (M, K), (K, M')
-            weight_q, weight_t_q = _quantize(weight_hp, weight_tiling, True, needs_grad_input)  # (N, K), (K, N)
+            if is_gathered(weight_hp):  # FSDP2 gathered its tiles cast (fp8graph.fsdp.shard_casts)
+                if not weight_tiling.is_square:
+                    raise AssertionError("only square weight tiles are all-gathered in FP8 (fp8graph.fsdp.install)")
+                weight_q = _TiledOperand(weight_hp.fp8_data, weight_hp.scale, weight_tiling)  # (N, K)
+                weight_t_q = weight_q.transposed() if needs_grad_input else None  # (K, N)
+            else:
+                weight_q, weight_t_q = _quantize(weight_hp, weight_tiling, True, needs_grad_input)  # (N, K), (K, N)
             # Fast accumulation for the forward GEMM, as for per-tensor scaling.
             output = _gemm(input_q, weight_q, output_dtype, lowering, use_fast_accum=True)
             if bias_hp is not None:
                 output = output + bias_hp.to(output_dtype)
             if stats is not None:
+                if is_gathered(weight_hp):
+                    raise AssertionError("stats=True gathers weights in high precision (fp8graph.fsdp.install)")
                 record_tiled_health(stats, Role.INPUT, input_hp_2d, input_q, recipe)
                 record_tiled_health(stats, Role.WEIGHT, weight_hp, weight_q, recipe)
         ctx.save_for_backward(*_saved(input_t_q), *_saved(weight_t_q))
@@ -172,4 +182,5 @@ def linear_tiled_target(recipe: TiledRecipe, lowering: Lowering) -> Callable[...
     linear_tiled.__name__ = target_name("linear", recipe.name, lowering.value)
     linear_tiled.recipe = recipe
     linear_tiled.lowering = lowering
+    linear_tiled.reads_gathered_weights = True  # FSDP2's FP8-gathered block weights (fp8graph.fsdp.graph_check)
     return register_target(linear_tiled, recipe, lowering)

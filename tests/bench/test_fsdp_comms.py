@@ -20,6 +20,9 @@ def test_a_step_gathers_each_layer_twice_and_fp8_moves_a_byte_a_projection_eleme
     assert fp8["layer_reduce_scatter"] == bf16["layer_reduce_scatter"]  # gradients reduce in BF16 either way
     # The embedding stays BF16; lm_head gathers in FP8.
     assert bf16["root_all_gather"] - fp8["root_all_gather"] == 128256 * 4096
+    # Block scaling gathers its tiles' scales too: 4 bytes a 128x128 tile.
+    block = fsdp_comms.step_bytes(MODEL, True, "block")
+    assert block["layer_all_gather"] - fp8["layer_all_gather"] == 2 * 4 * projections / (128 * 128)
 
 
 def test_what_the_compute_does_not_hide_is_exposed():

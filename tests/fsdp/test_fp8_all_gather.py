@@ -4,10 +4,12 @@ Each recipe trains 2 steps twice on the same local batches: weights gathered in 
 high precision (``fp8_all_gather=False``). What must hold:
 
 - the gathered bytes, counted at the collective, are the high-precision gather's with each FP8 weight at
-  1 byte an element instead of 4 (fp32 parameters), the same count of all-gathers;
+  1 byte an element instead of 4 (fp32 parameters), plus block scaling's tile scales (4 bytes a 128x128
+  tile), the same count of all-gathers;
 - losses and every rank's gradient shards are bit-equal: each rank casts its shard with the whole weight's
-  scale (current: one all-reduce of the weights' shard amaxes per call; delayed: the history), so the FP8
-  bytes the graph reads are the ones it would have cast from the gathered weight;
+  scale (current: one all-reduce of the weights' shard amaxes per call; delayed: the history; block: each
+  tile its own, whole tiles on each rank), so the FP8 bytes the graph reads are the ones it would have cast
+  from the gathered weight;
 - delayed-scaling state is identical on every rank, and equal to the high-precision gather's;
 - ``explain`` lists which weights were gathered in FP8, and why the others were not.
 """
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import fp8graph
-from fp8graph import DelayedScaling, Float8CurrentScaling
+from fp8graph import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from fp8graph.apps.train_distributed import parallelize, summed_loss
 from fp8graph.fsdp.gather_bytes import count_all_gathers
 from fp8graph.models import build
@@ -27,8 +29,14 @@ from gloo_ranks import spawn_ranks
 CONFIG = "tiny-blocks"
 # 2 steps: the second casts with scales from the state the first left (delayed: its history).
 GLOBAL_BATCH, SEQUENCE, VOCAB, STEPS = 8, 32, 250, 2
-RECIPES = {"current": Float8CurrentScaling(), "delayed": DelayedScaling(amax_history_len=4)}
+RECIPES = {"current": Float8CurrentScaling(), "delayed": DelayedScaling(amax_history_len=4),
+           "block": Float8BlockScaling()}
+# Block scaling's 128x128 tiles need 128-row multiples on every rank: projections of 512 rows, and the MLP's
+# gate and up of 768 rows, whole tiles on 2 ranks (384 rows each), split on 4 (192).
+OVERRIDES = {"block": dict(hidden_size=512, intermediate_size=768)}
 FP8_WEIGHTS = 14  # 7 projections per layer, 2 layers; lm_head (N=250) and the norms gather in high precision
+SPLIT_TILES = {2: [], 4: [f"model.layers.{i}.mlp.{name}.weight" for i in range(2) for name in ("gate_proj", "up_proj")]}
+TILE = 128
 
 
 def _batches(rank, world_size):
@@ -38,8 +46,9 @@ def _batches(rank, world_size):
             for _ in range(STEPS)]
 
 
-def _train(recipe, fp8_all_gather, batches):
-    model = build("llama", CONFIG, seed=0)
+def _train(name, fp8_all_gather, batches):
+    recipe = RECIPES[name]
+    model = build("llama", CONFIG, seed=0, **OVERRIDES.get(name, {}))
     parallelize(model, "fsdp2")
     compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager", fp8_all_gather=fp8_all_gather)
     gathers = count_all_gathers(model)
@@ -59,16 +68,15 @@ def _train(recipe, fp8_all_gather, batches):
     plan = compiled.fp8graph_backend.all_gather
     records = plan.records if plan is not None else []
     fp8_paths = {record.path for record in records if record.fp8}
-    gathered_in_fp8 = {name: param.numel() for name, param in model.named_parameters() if name in fp8_paths}
+    gathered_in_fp8 = {path: param.shape for path, param in model.named_parameters() if path in fp8_paths}
     return {"losses": losses, "bytes": step_bytes, "grads": grads, "state": state, "records": records,
-            "fp8_numels": gathered_in_fp8,
+            "fp8_shapes": gathered_in_fp8,
             "hp_bytes_per_element": next(iter(model.parameters())).element_size()}
 
 
 def _rank(rank, world_size, out_dir):
     batches = _batches(rank, world_size)
-    results = {name: {gather: _train(recipe, gather, batches) for gather in (True, False)}
-               for name, recipe in RECIPES.items()}
+    results = {name: {gather: _train(name, gather, batches) for gather in (True, False)} for name in RECIPES}
     if world_size == 2:
         model = build("llama", CONFIG, seed=0)
         parallelize(model, "fsdp2")
@@ -78,13 +86,26 @@ def _rank(rank, world_size, out_dir):
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
+def _gathered_scale_bytes(name, shape):
+    """Bytes of scales gathered with a weight: block scaling's, one fp32 a tile; per-tensor scales are not
+    gathered (every rank has the same)."""
+    return 4 * (shape[0] // TILE) * (shape[1] // TILE) if name == "block" else 0
+
+
 def _check_against_the_high_precision_gather(runs, name):
+    world_size = len(runs)
     for rank in runs:
         fp8, hp = rank[name][True], rank[name][False]
-        assert len(fp8["fp8_numels"]) == FP8_WEIGHTS, name
-        # Per step: the same all-gathers; each FP8 weight 1 byte an element where it was 4 (fp32), gathered
-        # twice (before the forward, and again before the backward: FSDP2 reshards after the forward).
-        saved = 2 * (hp["hp_bytes_per_element"] - 1) * sum(fp8["fp8_numels"].values())
+        split = SPLIT_TILES[world_size] if name == "block" else []
+        assert len(fp8["fp8_shapes"]) == FP8_WEIGHTS - len(split), name
+        reasons = {record.path: record.reason for record in fp8["records"] if not record.fp8}
+        for path in split:
+            assert reasons[path] == f"each of 4 ranks holds 192 of its rows, which splits its {TILE}-row tiles"
+        # Per step: the same all-gathers; each FP8 weight 1 byte an element where it was 4 (fp32), plus its
+        # scales, gathered twice (before the forward, and again before the backward: FSDP2 reshards after
+        # the forward).
+        saved = 2 * sum((hp["hp_bytes_per_element"] - 1) * shape.numel() - _gathered_scale_bytes(name, shape)
+                        for shape in fp8["fp8_shapes"].values())
         for (fp8_bytes, fp8_calls), (hp_bytes, hp_calls) in zip(fp8["bytes"], hp["bytes"]):
             assert fp8_calls == hp_calls, name
             assert fp8_bytes == hp_bytes - saved, (name, fp8_bytes, hp_bytes, saved)
@@ -111,7 +132,7 @@ def _check_explain(explained):
 # One test per world size: the ranks run once, every check reads their results.
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fp8_gather_halves_the_weight_bytes_and_computes_the_same(tmp_path, world_size):
-    spawn_ranks(_rank, world_size, str(tmp_path))
+    spawn_ranks(_rank, world_size, str(tmp_path), deadline_s=600)
     runs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
     for name in RECIPES:
         _check_against_the_high_precision_gather(runs, name)
