@@ -46,11 +46,32 @@ def run_child(spec: dict, timeout: float, verbose: bool = False, env: dict | Non
     """``bench.costmodel.workloads.run(spec)`` in a fresh process; a crash, error or timeout comes back as
     ``{"error": ...}``. Its Inductor and Triton caches are private and removed: nothing compiled for the
     fake sm_90 reaches the user's caches, and no cache hit can skip the capture."""
-    label = spec.get("contestant", spec["workload"])
+    (result,) = _run_process(spec, [spec], timeout, verbose, env)
+    return result
+
+
+def run_children(specs: list[dict], timeout: float, env: dict | None = None) -> list[dict]:
+    """As :func:`run_child` for each of ``specs``, one after another in one fresh process (Dynamo reset
+    between them; the captures are those of a process each): what the tests use, saving each process's
+    start (``timeout`` is per spec). torchao's contestants still get a process each: converting a model
+    patches Inductor for the rest of the process."""
+    alone = [i for i, spec in enumerate(specs) if spec.get("contestant", "").startswith("torchao")]
+    together = [i for i in range(len(specs)) if i not in alone]
+    results: list[dict] = [{} for _ in specs]
+    batch = [specs[i] for i in together]
+    for i, result in zip(together, _run_process(batch, batch, timeout * len(batch), False, env) if batch else []):
+        results[i] = result
+    for i in alone:
+        results[i] = run_child(specs[i], timeout, env=env)
+    return results
+
+
+def _run_process(payload, specs: list[dict], timeout: float, verbose: bool, env: dict | None) -> list[dict]:
+    labels = [spec.get("contestant", spec["workload"]) for spec in specs]
     with tempfile.TemporaryDirectory(prefix="costmodel-") as scratch:
         spec_file, result_file = os.path.join(scratch, "spec.json"), os.path.join(scratch, "result.json")
         with open(spec_file, "w") as f:
-            json.dump(spec, f)
+            json.dump(payload, f)
         child_env = {**os.environ, **(env or {}), "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor"),
                      "TRITON_CACHE_DIR": os.path.join(scratch, "triton")}
         command = [sys.executable, "-m", "bench.costmodel.child", spec_file, result_file]
@@ -59,12 +80,14 @@ def run_child(spec: dict, timeout: float, verbose: bool = False, env: dict | Non
                                   stdout=None if verbose else subprocess.PIPE,
                                   stderr=None if verbose else subprocess.STDOUT)
         except subprocess.TimeoutExpired:
-            return {"contestant": label, "error": f"timed out after {timeout:.0f} s"}
+            return [{"contestant": label, "error": f"timed out after {timeout:.0f} s"} for label in labels]
         if os.path.exists(result_file):
             with open(result_file) as f:
-                return json.load(f)
+                result = json.load(f)
+            return result if isinstance(payload, list) else [result]
         tail = "\n".join((done.stdout or "").strip().splitlines()[-15:])
-        return {"contestant": label, "error": f"the child process exited with code {done.returncode}\n{tail}"}
+        return [{"contestant": label, "error": f"the child process exited with code {done.returncode}\n{tail}"}
+                for label in labels]
 
 
 def children(args) -> calibration.Runner:

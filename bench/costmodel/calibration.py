@@ -45,7 +45,8 @@ LLAMA3_PROFILE = "profile-llama3-8b-32layers-bf16-current.json"
 SECTIONS = ("quantize", "linear", "decoder", "bench-decoder", "llama3-8b")
 _TRITON = "triton (fused elementwise/reduce/quantize)"
 
-# run(specs, env) -> one result per spec, each from a child process (bench.model.run_children)
+# run(specs, env) -> one result per spec, from child processes (bench.model.children: one a spec;
+# bench.model.run_children: one for them all)
 Runner = Callable[[list[dict], "dict | None"], list[dict]]
 
 
@@ -120,11 +121,23 @@ class Calibration:
             self.comparisons.append(comparison)
 
     def _run_one(self, spec: dict) -> dict:
-        env = self.fp8graph_env if _is_fp8graph(spec.get("contestant", "bf16")) else None
-        (result,) = self.run([spec], env)
-        if "error" not in result:
-            summarize([result], self.machine)
+        (result,) = self._run_many([spec])
         return result
+
+    def _run_many(self, specs: list[dict]) -> list[dict]:
+        """Each spec's summarized result, in order: fp8graph's contestants in the measured commit's environment,
+        the others (BF16, torchao) in this one; one ``run`` per environment, which may share a process."""
+        by_env: dict[bool, list[int]] = {}
+        for index, spec in enumerate(specs):
+            by_env.setdefault(_is_fp8graph(spec.get("contestant", "bf16")), []).append(index)
+        results: list[dict] = [{} for _ in specs]
+        for fp8graph_contestants, indices in by_env.items():
+            env = self.fp8graph_env if fp8graph_contestants else None
+            for index, result in zip(indices, self.run([specs[i] for i in indices], env)):
+                if "error" not in result:
+                    summarize([result], self.machine)
+                results[index] = result
+        return results
 
     def _path(self, *parts: str) -> str:
         return os.path.join(self.results_dir, *parts)
@@ -165,8 +178,8 @@ class Calibration:
                       "torchao rowwise": "torchao rowwise (inductor)"}
         probe_name = {"bf16": "bf16", "current": "fp8", "torchao tensorwise": "torchao tensorwise",
                       "torchao rowwise": "torchao rowwise"}
-        results = [self._run_one({"workload": "linear", "shapes": shapes, "bias": False, "contestant": c})
-                   for c in contestants]
+        results = self._run_many([{"workload": "linear", "shapes": shapes, "bias": False, "contestant": c}
+                                  for c in contestants])
         table, errors = [], []
         for (m, k, n) in shapes:
             for result in results:
@@ -200,8 +213,8 @@ class Calibration:
         spec = {"workload": "decoder", "config": "bench-8b-layer", "overrides": overrides, "batch": 1,
                 "sequence": 4096}
         summaries, errors = {}, []
-        for contestant in dict.fromkeys(contestants):
-            result = self._run_one({**spec, "contestant": contestant})
+        contestants = list(dict.fromkeys(contestants))
+        for contestant, result in zip(contestants, self._run_many([{**spec, "contestant": c} for c in contestants])):
             if "error" in result:
                 errors.append(f"{contestant}: not modelled: {result['error']}")
                 continue

@@ -1,7 +1,8 @@
 """``python -m bench.costmodel.child SPEC RESULT``: one contestant of one workload, in a process of its own.
 
 Reads the JSON spec, runs :func:`bench.costmodel.workloads.run` and writes its JSON result; an exception
-becomes ``{"error": ...}`` so that one contestant's failure is a row of the table, never a lost run.
+becomes ``{"error": ...}`` so that one contestant's failure is a row of the table, never a lost run. A list
+of specs runs them one after another, Dynamo reset between them, and writes the list of their results.
 """
 
 from __future__ import annotations
@@ -17,17 +18,25 @@ def main(spec_file: str, result_file: str) -> None:
     if root:
         sys.path.insert(0, root)
     with open(spec_file) as f:
-        spec = json.load(f)
+        specs = json.load(f)
+    # A list of specs runs one after another in this process (bench.model.run_children), each result its own.
+    results = [_run(spec) for spec in specs] if isinstance(specs, list) else _run(specs)
+    with open(result_file, "w") as f:
+        json.dump(results, f)
+
+
+def _run(spec: dict) -> dict:
     try:
+        import torch
+
         from .workloads import run
 
-        result = run(spec)
+        torch._dynamo.reset()  # each spec compiles from scratch, as in a process of its own
+        return run(spec)
     except Exception as error:  # noqa: BLE001 - one contestant's failure is a row of the table
         trace = traceback.format_exc().strip().splitlines()
-        result = {"contestant": spec.get("contestant", spec["workload"]),
-                  "error": f"{type(error).__name__}: {str(error)[:1500]}\n" + "\n".join(trace[-8:])}
-    with open(result_file, "w") as f:
-        json.dump(result, f)
+        return {"contestant": spec.get("contestant", spec["workload"]),
+                "error": f"{type(error).__name__}: {str(error)[:1500]}\n" + "\n".join(trace[-8:])}
 
 
 if __name__ == "__main__":

@@ -97,8 +97,8 @@ def dataclasses_row(**fields) -> dict:
 # --- the model against the H100 (child processes; minutes) ---------------------------------------------------
 
 def _runner(timeout: float = 900):
-    def run(specs, env=None):
-        return [bench_model.run_child(spec, timeout, env=env) for spec in specs]
+    def run(specs, env=None):  # one child process for the specs of one environment: each start costs seconds
+        return bench_model.run_children(specs, timeout, env=env)
     return run
 
 

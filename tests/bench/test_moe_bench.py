@@ -19,16 +19,20 @@ TOKENS = 64
 S = TOKENS * TINY["top_k"]  # rows of the sorted tokens: every grouped GEMM's S
 
 
-def _model(contestant: str, overrides: dict | None = None) -> dict:
-    spec = {"workload": "moe", "config": "tiny", "batch": 1, "sequence": TOKENS,
+def _spec(contestant: str, overrides: dict | None = None) -> dict:
+    return {"workload": "moe", "config": "tiny", "batch": 1, "sequence": TOKENS,
             "overrides": {"experts": TINY["experts"]} if overrides is None else overrides, "contestant": contestant}
-    return bench_model.run_child(spec, timeout=600)
+
+
+def _model(contestant: str, overrides: dict | None = None) -> dict:
+    return bench_model.run_child(_spec(contestant, overrides), timeout=600)
 
 
 @pytest.fixture(scope="module")
 def steps() -> dict:
-    """bf16's, fp8graph row-wise's and current's modelled steps (one child process each, about 10 s)."""
-    results = {c: _model(c) for c in ("bf16", "rowwise", "current")}
+    """bf16's, fp8graph row-wise's and current's modelled steps, one after another in one child process."""
+    contestants = ("bf16", "rowwise", "current")
+    results = dict(zip(contestants, bench_model.run_children([_spec(c) for c in contestants], timeout=600)))
     for contestant, result in results.items():
         assert "error" not in result, (contestant, result["error"])
     costs.summarize(list(results.values()), costs.Machine())

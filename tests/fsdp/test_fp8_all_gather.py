@@ -240,3 +240,19 @@ def test_the_gathered_weight_is_fp8_bytes_that_only_its_shape_can_be_read_from()
     torch.testing.assert_close(weight.dequantized(), weight_hp, rtol=0.07, atol=0)
     with pytest.raises(RuntimeError, match="all-gathered in FP8 by fp8graph"):
         weight.sum()
+
+
+def test_a_block_scaled_gathered_weight_carries_its_tiles_scales_and_no_amax():
+    from fp8graph.fsdp.gathered_weight import GatheredFP8Weight
+    from fp8graph.numerics.formats import Role
+    from fp8graph.numerics.tiles import reference_quantize_tiles
+
+    weight_hp = torch.randn(256, 128)
+    weight_hp[128:] *= 100  # the second tile row's scale differs from the first's
+    weight_fp8, tile_scales = reference_quantize_tiles(weight_hp, Float8BlockScaling().tiling(Role.WEIGHT))
+    weight = GatheredFP8Weight(weight_fp8, tile_scales, None, torch.float32)
+    names, dtype = weight.__tensor_flatten__()
+    assert names == ["fp8_data", "scale"] and dtype == torch.float32 and tile_scales.shape == (2, 1)
+    rebuilt = GatheredFP8Weight.__tensor_unflatten__({"fp8_data": weight_fp8, "scale": tile_scales}, dtype, None, None)
+    assert rebuilt.amax is None and rebuilt.shape == (256, 128)
+    torch.testing.assert_close(weight.dequantized(), weight_hp, rtol=0.07, atol=0)
