@@ -90,7 +90,7 @@ EXEMPT = [
      ["tests/bench/test_step_structure.py::test_the_modelled_step_keeps_its_structure",
       "tests/bench/test_cost_model.py::test_the_model_reproduces_the_h100_linear_and_decoder_steps"], "bench"),
     (r"\.venv/bin/python -m bench model moe", "8-15 s of CPU a contestant, and writes into bench/results/; the "
-     "tests model the same block's step at a small size, each contestant in a child process the same way",
+     "tests model the same block's step at a small size, its contestants one after another in a child process",
      ["tests/bench/test_moe_bench.py::test_bf16_runs_grouped_mm_costed_as_gemms_with_their_flops",
       "tests/bench/test_moe_bench.py::test_fp8graph_rowwise_runs_three_scaled_grouped_gemms_per_expert_site"],
      "bench"),
@@ -231,7 +231,7 @@ def _page_runner(page: pathlib.Path, gpu: bool) -> int:
             missing = [line for line in block.code.splitlines()
                        if line.strip() and "..." not in line and _normalized(line) not in output]
             if missing:
-                print(f"the python block before prints no such line:\n" + "\n".join(missing), file=sys.stderr)
+                print("the python block before prints no such line:\n" + "\n".join(missing), file=sys.stderr)
                 print(f"DOCS BLOCK FAILED {block.where}", file=sys.stderr, flush=True)
                 return 1
             continue

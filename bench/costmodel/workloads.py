@@ -275,17 +275,23 @@ def _write_sources(directory: str, contestant: str, case: dict) -> None:
                 f.write(record.source)
 
 
+# Each kernel's compiled configs by its source with its name taken out: a kernel that another graph or another
+# contestant of this process generated under another name compiles once (what a cubin says does not depend
+# on the name).
+_COMPILED: dict[str, list[dict]] = {}
+
+
 def _attach_cubins(case: dict) -> None:
     """Every autotuning config of every Triton kernel compiled for sm_90: registers, spills, access widths."""
     from . import cubins
 
-    done = {}
+    by_name = {}
     for graph in case["_capture"].graphs:
         for name, record in graph.kernels.items():
-            if record.source not in done:
-                done[record.source] = cubins.compile_kernel(name, record.source)
-    by_name = {(f"{g.index}:{g.kind}", name): done[record.source]
-               for g in case["_capture"].graphs for name, record in g.kernels.items()}
+            unnamed = record.source.replace(name, "<kernel>")
+            if unnamed not in _COMPILED:
+                _COMPILED[unnamed] = cubins.compile_kernel(name, record.source)
+            by_name[(f"{graph.index}:{graph.kind}", name)] = _COMPILED[unnamed]
     for row in case["rows"]:
         if (row["graph"], row["name"]) in by_name:
             row["cubin"] = by_name[(row["graph"], row["name"])]
