@@ -55,8 +55,14 @@ def in_backward() -> bool:
 class _Cast:
     version: int
     shard_bytes: torch.Tensor  # uint8, the shard's FP8 bytes
-    scale: torch.Tensor
-    amax: torch.Tensor
+    scale: torch.Tensor  # per-tensor: the weight's; block scaling: the shard's tiles'
+    amax: torch.Tensor | None  # per-tensor: the whole weight's; block scaling: None
+
+
+def _resends(last: _Cast | None, local: torch.Tensor) -> bool:
+    """Whether a gather sends ``last`` again instead of casting the shard: inside the backward, while the shard
+    has not changed since (see the module's doc)."""
+    return in_backward() and last is not None and last.version == local._version
 
 
 class ShardCast:
@@ -91,14 +97,12 @@ class ShardCast:
                              margin=recipe.margin, fallback=stored)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        version = self.local._version
-        last = self._last
-        if not (in_backward() and last is not None and last.version == version):
+        if not _resends(self._last, self.local):
             amax_fp32 = self.amaxes.amax_of(self)
             scale = self._scale(amax_fp32)
             shard_fp8 = quantize(self.weight_hp(), scale, self.fp8_dtype)
-            last = self._last = _Cast(version, shard_fp8.view(torch.uint8), scale, amax_fp32)
-        return (last.shard_bytes,), (last.scale, last.amax)
+            self._last = _Cast(self.local._version, shard_fp8.view(torch.uint8), scale, amax_fp32)
+        return (self._last.shard_bytes,), (self._last.scale, self._last.amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         (gathered_bytes,) = outputs
@@ -122,16 +126,14 @@ class BlockShardCast:
         self.path, self.recipe, self.local, self.param_dtype = path, recipe, local, param_dtype
         self.tiling = recipe.tiling(Role.WEIGHT)
         self.fp8_dtype = recipe.fp8_dtype(Role.WEIGHT)
-        self._last: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, bytes, tile scales)
+        self._last: _Cast | None = None
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        version = self.local._version
-        if not (in_backward() and self._last is not None and self._last[0] == version):
+        if not _resends(self._last, self.local):
             shard_fp8, tile_scales = reference_quantize_tiles(self.local.detach().to(self.param_dtype), self.tiling,
                                                               self.fp8_dtype)
-            self._last = (version, shard_fp8.view(torch.uint8), tile_scales)
-        _, shard_bytes, tile_scales = self._last
-        return (shard_bytes, tile_scales), ()
+            self._last = _Cast(self.local._version, shard_fp8.view(torch.uint8), tile_scales, None)
+        return (self._last.shard_bytes, self._last.scale), ()
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         gathered_bytes, tile_scales = outputs

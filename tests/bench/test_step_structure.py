@@ -5,8 +5,8 @@
 Each contestant is compiled for a fake H100 as ``python -m bench model decoder`` does (the four one after
 another in one child process, ``bench.model.run_children``), and its kernels are read, never run. Bytes,
 launches, duplicated stores and register spills are facts of the generated code, the same on any machine
-for the pinned torch and triton, so a fusion that regresses fails here. What this does not prove: time on a GPU (``bench decoder`` measures it; the model
-estimates it, docs/cost-model.md says how well).
+for the pinned torch and triton, so a fusion that regresses fails here. What this does not prove: time on a
+GPU (``bench decoder`` measures it; the model estimates it, docs/cost-model.md says how well).
 
 Budgets are the modelled result committed in bench/results/ (``BUDGET_SOURCE``) plus 1%: an
 improvement passes, and its commit lowers the budget.
