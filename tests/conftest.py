@@ -1,5 +1,18 @@
-import pytest
-import torch
+import os
+
+# Each xdist worker gets its share of the cores: a thread each when 2 workers share 2 cores. With a thread per core
+# in every worker, OpenMP's threads spin while they wait and the workers take each other's CPU: tests/regions and
+# tests/test_training.py took a third longer that way (README.md, "Tests"). Set before torch loads, so the
+# child processes the tests start inherit it too.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if _WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):
