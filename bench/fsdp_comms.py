@@ -8,10 +8,12 @@ tokens a GPU, fake H100), read from a committed modelled result.
 
     bytes       a decoder layer's weights are gathered before its forward and again before its backward
                 (FSDP2's reshard_after_forward=True), the root's (embedding, final norm, lm_head) once; the
-                gradients are reduce-scattered once, in BF16. FP8 all-gather: each weight whose sites are FP8
-                with per-tensor scaling moves 1 byte an element (fp8graph.fsdp), with block scaling 1 byte
-                an element and 4 bytes a 128x128 tile; the embedding and the norms stay BF16. Row-wise
-                gathers in BF16 (FP8 all-gather is not done for it).
+                gradients are reduce-scattered once, in BF16. FP8 all-gather (fp8graph.fsdp): each weight whose
+                sites are FP8 moves 1 byte an element with per-tensor scaling, and the scales gathered with
+                it: block scaling 4 bytes a 128x128 tile, row-wise 4 bytes a row; MXFP8 gathers both layouts,
+                2 bytes an element and an E8M0 byte a block of 32 in each (no MXFP8 step is modelled: the
+                decoder result is an H100's, which has no MXFP8 GEMM; its bytes are printed). The embedding
+                and the norms stay BF16.
     link        a ring collective moves (N - 1) / N of the gathered size through each GPU's link: 8 H100s
                 on NVLink at 450 GB/s a GPU, 2 x 8 over InfiniBand at 50 GB/s a GPU.
     hiding      FSDP2 gathers a layer while the previous one computes: a layer's forward hides its
@@ -32,14 +34,28 @@ import re
 
 from .costmodel import costs
 
-__all__ = ["LINKS", "Llama3_8B", "add_arguments", "exposed_ms", "layer_compute_ms", "run", "step_bytes", "table"]
+__all__ = ["LINKS", "Llama3_8B", "add_arguments", "exposed_ms", "layer_compute_ms", "run", "step_bytes", "table",
+           "weight_gather_bytes"]
 
 DECODER_RESULT = pathlib.Path(__file__).resolve().parent / "results" / "model-decoder-2026-11-24T060511Z.json"
 LINKS = {"8 H100, NVLink": (8, 450e9), "2 x 8 H100, InfiniBand": (16, 50e9)}
 BF16_BYTES = 2
-# Bytes an element of a weight gathered in FP8: the bytes, and the scales gathered with them (block scaling: an
-# fp32 a 128x128 tile); per-tensor scales are not gathered (every rank computed them).
-FP8_GATHER_BYTES = {"current": 1.0, "delayed": 1.0, "block": 1.0 + 4 / (128 * 128)}
+TILE, MX_BLOCK = 128, 32
+
+
+def weight_gather_bytes(rows: int, columns: int, recipe: str, fp8_gather: bool) -> int:
+    """Bytes of one (rows, columns) weight all-gathered: BF16, or ``recipe``'s FP8 bytes and the scales
+    gathered with them (per-tensor scales are not gathered: every rank computed them)."""
+    elements = rows * columns
+    if not fp8_gather:
+        return BF16_BYTES * elements
+    if recipe == "block":
+        return elements + 4 * (rows // TILE) * (columns // TILE)
+    if recipe == "rowwise":
+        return elements + 4 * rows
+    if recipe == "mxfp8":  # both layouts (blocks along K, and along N for grad_input)
+        return 2 * elements + 2 * elements // MX_BLOCK
+    return elements
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +66,14 @@ class Llama3_8B:
     layers: int = 32
     vocab: int = 128256
 
+    def layer_weights(self) -> list[tuple[int, int]]:
+        """(N, K) of a layer's projections: q, o; k, v; gate, up; down."""
+        return ([(self.hidden, self.hidden)] * 2 + [(self.kv, self.hidden)] * 2
+                + [(self.intermediate, self.hidden)] * 2 + [(self.hidden, self.intermediate)])
+
     def layer_linears(self) -> int:
-        """Elements of a layer's projections (q, o; k, v; gate, up, down)."""
-        return 2 * self.hidden ** 2 + 2 * self.kv * self.hidden + 3 * self.intermediate * self.hidden
+        """Elements of a layer's projections."""
+        return sum(rows * columns for rows, columns in self.layer_weights())
 
     def layer_norms(self) -> int:
         return 2 * self.hidden
@@ -61,10 +82,10 @@ class Llama3_8B:
 def step_bytes(model: Llama3_8B, fp8_gather: bool, recipe: str = "current") -> dict[str, float]:
     """Bytes per step a rank receives from all-gathers (the unsharded sizes) and reduce-scatters, per layer and
     for the root (embedding, final norm, lm_head), ``recipe``'s weights gathered in FP8 or in BF16."""
-    weight_bytes = FP8_GATHER_BYTES[recipe] if fp8_gather else BF16_BYTES
-    layer_gathered = model.layer_linears() * weight_bytes + model.layer_norms() * BF16_BYTES
-    root_gathered = (model.vocab * model.hidden * (weight_bytes + BF16_BYTES)  # lm_head, embedding
-                     + model.hidden * BF16_BYTES)
+    layer_gathered = (sum(weight_gather_bytes(*shape, recipe, fp8_gather) for shape in model.layer_weights())
+                      + model.layer_norms() * BF16_BYTES)
+    root_gathered = (weight_gather_bytes(model.vocab, model.hidden, recipe, fp8_gather)  # lm_head
+                     + model.vocab * model.hidden * BF16_BYTES + model.hidden * BF16_BYTES)  # embedding, norm
     layer_reduced = (model.layer_linears() + model.layer_norms()) * BF16_BYTES
     root_reduced = (2 * model.vocab * model.hidden + model.hidden) * BF16_BYTES
     return {"layer_all_gather": 2 * layer_gathered, "layer_reduce_scatter": layer_reduced,
@@ -98,7 +119,7 @@ def table(result: dict, model: Llama3_8B = Llama3_8B()) -> list[dict]:
     """One row per link, recipe and gather: bytes, link time, exposed time, and the step (compute + exposed)
     against BF16's with BF16 gathers."""
     recipes = [("bf16", False), ("current", False), ("current", True), ("delayed", False), ("delayed", True),
-               ("rowwise", False), ("block", False), ("block", True)]
+               ("rowwise", False), ("rowwise", True), ("block", False), ("block", True)]
     rows = []
     for link, (ranks, bandwidth) in LINKS.items():
         baseline = None
@@ -144,3 +165,9 @@ def run(args: argparse.Namespace) -> None:
     print(f"MODELLED (nothing ran): Llama-3-8B, 32 layers, 1 x 4096 tokens a GPU; compute from "
           f"{args.decoder_result.name}")
     print("\n".join(markdown(table(result))))
+    model = Llama3_8B()
+    gathered = {recipe: step_bytes(model, recipe != "bf16", recipe) for recipe in
+                ("bf16", "current", "rowwise", "block", "mxfp8")}
+    print("All-gather GB a step, each recipe's weights gathered in FP8 (BF16 for bf16): " + ", ".join(
+        f"{recipe} {(model.layers * b['layer_all_gather'] + b['root_all_gather']) / 1e9:.2f}"
+        for recipe, b in gathered.items()))

@@ -86,9 +86,10 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             call enters the region while the compiled model runs and is the
             block's own call otherwise (see :mod:`fp8graph.regions.regional_compile`).
         fp8_all_gather: under FSDP2 (``fully_shard`` before compiling), all-gather each weight whose sites are
-            all FP8 with per-tensor scaling as FP8 bytes and a scale instead of in high precision: half the
-            gathered bytes, and the graph reads them instead of casting the gathered weight (see
-            :mod:`fp8graph.fsdp`). ``fp8graph.explain`` lists how each weight is gathered and why.
+            all FP8 with one recipe as FP8 bytes and its scales instead of in high precision: half BF16's
+            gathered bytes (MXFP8 gathers both its layouts: about BF16's), and the graph reads them instead of
+            casting the gathered weight (see :mod:`fp8graph.fsdp`). ``fp8graph.explain`` lists how each weight
+            is gathered and why.
         **torch_compile_kwargs: passed to ``torch.compile`` (``dynamic``, ``mode``, ...).
 
     Returns:

@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--model", default="tiny-blocks", help="Llama config from fp8graph.models.llama")
     parser.add_argument("--fp8-all-gather", action=argparse.BooleanOptionalAction, default=True,
-                        help="FSDP2 all-gathers per-tensor- and block-scaled weights in FP8 "
+                        help="FSDP2 all-gathers the FP8 sites' weights in FP8 "
                              "(fp8graph.compile's fp8_all_gather)")
     parser.add_argument("--checkpoint", type=pathlib.Path, default=None,
                         help="resume from this directory when it holds a checkpoint; save into it at the end")

@@ -6,14 +6,21 @@ weight's own (so the module, Dynamo and autograd see the parameter they expect, 
 ordinary high-precision tensor) and whose contents are
 
     fp8_data   (N, K) float8, the gathered shards, a view of FSDP2's all-gather output
-    scale      what multiplied the weight into FP8: () fp32 for per-tensor scaling (the same on every rank);
-               (N / 128, K / 128) for block scaling's tiles, gathered with the bytes
-    amax       () fp32, the whole weight's largest finite magnitude (delayed scaling records it); None for
-               block scaling
+    scale      what multiplied the weight into FP8, by its ``form``:
+               "tensor"  () fp32, per-tensor scaling's (the same on every rank, not gathered)
+               "tiles"   (N / 128, K / 128) fp32, block scaling's 128x128 tiles, gathered with the bytes
+               "rows"    (N,) fp32, row-wise's: one a row, gathered with the bytes
+               "mx"      (N, K / 32) E8M0 bytes (uint8), MXFP8's blocks of 32 along K
+    amax       () fp32, the whole weight's largest finite magnitude (delayed scaling records it); None but
+               for the "tensor" form
+    fp8_t_data, scale_t
+               "mx" only: the same weight quantized in blocks of 32 along N, for grad_input's GEMM, which
+               reduces over N: (N, K) float8 (each element where the weight has it) and (N / 32, K) E8M0
+               bytes. None otherwise: square tiles serve both GEMMs, and row-wise's grad_input reads the
+               forward's bytes with the row scales folded into grad_output (``fp8graph.targets.linear_tiled``)
 
-The FP8 targets read ``fp8_data`` and ``scale`` where they would cast the weight
-(``fp8graph.targets.linear_tensorwise``, ``fp8graph.targets.linear_tiled``); AOTAutograd flattens them into
-graph inputs. Nothing else
+The FP8 targets read these where they would cast the weight (``fp8graph.targets.linear_tensorwise``,
+``fp8graph.targets.linear_tiled``); AOTAutograd flattens them into graph inputs. Nothing else
 may compute with it: outside fake tensors (tracing) any other op raises, since an FP8 weight silently
 read as a high-precision one would change what the model computes. The backend checks that every user
 of a gathered weight in a graph is an FP8 site that reads it (``fp8graph.fsdp.graph_check``).
@@ -25,7 +32,13 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["GatheredFP8Weight", "is_gathered"]
+from fp8graph.numerics.tiles import e8m0_to_scale
+
+__all__ = ["FORMS", "GatheredFP8Weight", "is_gathered"]
+
+FORMS = ("tensor", "tiles", "rows", "mx")
+_INNER = ("fp8_data", "scale", "amax", "fp8_t_data", "scale_t")  # the inner tensors, those present flattened
+_MX_BLOCK = 32
 
 aten = torch.ops.aten
 
@@ -42,32 +55,59 @@ class GatheredFP8Weight(torch.Tensor):
     """A weight all-gathered in FP8 (see the module's doc); ``dtype`` is the parameter's."""
 
     @staticmethod
-    def __new__(cls, fp8_data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dtype,
-                requires_grad: bool = False):
+    def __new__(cls, fp8_data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, form: str,
+                amax: torch.Tensor | None = None, fp8_t_data: torch.Tensor | None = None,
+                scale_t: torch.Tensor | None = None, requires_grad: bool = False):
         return torch.Tensor._make_wrapper_subclass(cls, fp8_data.size(), strides=fp8_data.stride(), dtype=dtype,
                                                    device=fp8_data.device, requires_grad=requires_grad)
 
-    def __init__(self, fp8_data, scale, amax, dtype, requires_grad: bool = False):
-        self.fp8_data, self.scale, self.amax = fp8_data, scale, amax
+    def __init__(self, fp8_data, scale, dtype, *, form, amax=None, fp8_t_data=None, scale_t=None,
+                 requires_grad: bool = False):
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, not {form!r}")
+        second_layout = fp8_t_data is not None or scale_t is not None
+        if (amax is not None) != (form == "tensor") or second_layout != (form == "mx"):
+            raise ValueError(f"a {form!r} gathered weight: amax is per tensor only, fp8_t_data and scale_t mx only")
+        self.fp8_data, self.scale, self.form = fp8_data, scale, form
+        self.amax, self.fp8_t_data, self.scale_t = amax, fp8_t_data, scale_t
 
     def __repr__(self) -> str:
-        return (f"GatheredFP8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, fp8={self.fp8_data.dtype}, "
-                f"scale={self.scale})")
+        return (f"GatheredFP8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, form={self.form}, "
+                f"fp8={self.fp8_data.dtype}, scale={tuple(self.scale.shape)})")
+
+    def _inner(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in _INNER if getattr(self, name) is not None}
 
     def __tensor_flatten__(self):
-        return ["fp8_data", "scale"] + ([] if self.amax is None else ["amax"]), self.dtype
+        return list(self._inner()), (self.dtype, self.form)
 
     @staticmethod
-    def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
-        return GatheredFP8Weight(inner["fp8_data"], inner["scale"], inner.get("amax"), dtype)
+    def __tensor_unflatten__(inner, context, outer_size, outer_stride):
+        dtype, form = context
+        return GatheredFP8Weight(inner["fp8_data"], inner["scale"], dtype, form=form, amax=inner.get("amax"),
+                                 fp8_t_data=inner.get("fp8_t_data"), scale_t=inner.get("scale_t"))
+
+    def replaced(self, fp8_data: torch.Tensor) -> "GatheredFP8Weight":
+        """The same weight over other FP8 bytes (a view of these), every other inner tensor kept."""
+        inner = self._inner()
+        inner["fp8_data"] = fp8_data
+        return GatheredFP8Weight.__tensor_unflatten__(inner, (self.dtype, self.form), None, None)
+
+    def element_scale(self) -> torch.Tensor:
+        """What multiplied each element of ``fp8_data`` into FP8, broadcastable to its (N, K), fp32."""
+        scale = self.scale
+        if self.form == "rows":
+            return scale.reshape(-1, 1)
+        if self.form == "mx":
+            return e8m0_to_scale(scale).repeat_interleave(_MX_BLOCK, 1)
+        if self.form == "tiles":  # one scale per tile: each repeated over its tile's elements
+            rows, cols = self.shape[0] // scale.shape[0], self.shape[1] // scale.shape[1]
+            return scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+        return scale
 
     def dequantized(self) -> torch.Tensor:
         """The weight the FP8 bytes stand for, in its dtype."""
-        scale = self.scale
-        if scale.dim() == 2:  # one scale per tile: each repeated over its tile's elements
-            rows, cols = self.shape[0] // scale.shape[0], self.shape[1] // scale.shape[1]
-            scale = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
-        return (self.fp8_data.to(torch.float32) / scale).to(self.dtype)
+        return (self.fp8_data.to(torch.float32) / self.element_scale()).to(self.dtype)
 
     def _stand_in(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -77,7 +117,7 @@ class GatheredFP8Weight(torch.Tensor):
         kwargs = kwargs or {}
         if func in _VIEWS:
             weight, *rest = args
-            return GatheredFP8Weight(func(weight.fp8_data, *rest, **kwargs), weight.scale, weight.amax, weight.dtype)
+            return weight.replaced(func(weight.fp8_data, *rest, **kwargs))
         if func in _LIKE:
             args, kwargs = tree_map_only(GatheredFP8Weight, GatheredFP8Weight._stand_in, (args, kwargs))
             return func(*args, **kwargs)

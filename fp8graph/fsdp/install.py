@@ -2,8 +2,8 @@
 
 ``fp8graph.compile`` calls :func:`install_fp8_all_gather` after the model is sharded. A weight is gathered in
 FP8 when every site on it will be FP8 with one recipe that can cast its shard (``fp8graph.fsdp.shard_casts``:
-current, delayed, and block scaling where each shard holds whole 128-row tiles): decided from the policy
-before tracing, as delayed-scaling state is
+current, delayed and row-wise scaling; block scaling and MXFP8 where each shard holds whole tile rows: 128
+rows, 32 rows): decided from the policy before tracing, as delayed-scaling state is
 (``fp8graph.recipes.policy.resolve_weight``). Every other weight is gathered in high precision, and its
 :class:`GatherRecord` says why; ``fp8graph.explain`` lists them. A weight gathered in FP8 that a traced
 graph then reads outside an FP8 site is refused when the graph is compiled (``fp8graph.fsdp.graph_check``).
@@ -22,27 +22,31 @@ import logging
 import torch
 
 from fp8graph.buffers.delayed_state import looked_up_or_convolved, weight_candidates
-from fp8graph.fsdp.shard_casts import BlockShardCast, ShardCast, WeightAmaxes
-from fp8graph.numerics.formats import Role
+from fp8graph.fsdp.shard_casts import ShardCast, TiledShardCast, WeightAmaxes, fp8_gathered_bytes
 from fp8graph.recipes.policy import Policy, resolve_weight, weight_orientations
-from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE, DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE, Float8BlockScaling, MXFP8BlockScaling
 
 __all__ = ["AllGatherPlan", "GatherRecord", "install_fp8_all_gather"]
 
-# The recipes whose weight casts are per tensor, so a shard is cast with the whole weight's scale.
-_PER_TENSOR_RECIPES = (Float8CurrentScaling, DelayedScaling)
+
+# Rows a shard must hold a multiple of, for its casts to be the whole weight's: block scaling's 128x128 tiles;
+# MXFP8's blocks of 32 along N, which grad_input's copy is quantized in.
+_SHARD_ROW_MULTIPLE = {Float8BlockScaling: 128, MXFP8BlockScaling: 32}
 
 log = logging.getLogger("fp8graph")
 
 
 @dataclasses.dataclass(frozen=True)
 class GatherRecord:
-    """How FSDP2 all-gathers one weight: ``fp8`` true with ``recipe``, or in high precision with ``reason``."""
+    """How FSDP2 all-gathers one weight: ``fp8`` true with ``recipe``, or in high precision with ``reason``;
+    the bytes of one gather of the whole weight in FP8 (scales included) and in high precision."""
 
     path: str  # "model.layers.0.self_attn.q_proj.weight"
     fp8: bool
     recipe: object = None
     reason: str | None = None
+    fp8_bytes: int | None = None
+    high_precision_bytes: int | None = None
 
 
 @dataclasses.dataclass
@@ -51,7 +55,7 @@ class AllGatherPlan:
 
     records: list[GatherRecord]
     amaxes: WeightAmaxes
-    casts: list[tuple[object, ShardCast | BlockShardCast]]  # (FSDPParam, its cast)
+    casts: list[tuple[object, ShardCast | TiledShardCast]]  # (FSDPParam, its cast)
     model: torch.nn.Module
     first_call: bool = True
 
@@ -101,11 +105,6 @@ def _reason_not_fp8(policy: Policy, path: str, module, param, fsdp_param, group,
     (recipe,) = possible.recipes
     if recipe is None:
         return "the policy keeps its sites in high precision", None
-    if not isinstance(recipe, (*_PER_TENSOR_RECIPES, Float8BlockScaling)):
-        # Their backward GEMM reads the weight quantized along N, which a shard cannot cast alone (row-wise: a
-        # scale per column, over every rank's rows) or which needs a second gathered copy (MXFP8).
-        return (f"{recipe.name}: FP8 all-gather is done for per-tensor (current, delayed) and block scaling only",
-                None)
     if any(size % recipe.dim_multiple for size in param.shape):
         return f"shape {tuple(param.shape)}: {recipe.name} needs multiples of {recipe.dim_multiple}", None
     if options.get("stats"):
@@ -122,10 +121,10 @@ def _reason_not_fp8(policy: Policy, path: str, module, param, fsdp_param, group,
     if param.shape[0] % ranks:
         # FSDP2 pads the last shards; the casts would have to cover the padding rows (not done).
         return f"its {param.shape[0]} rows do not split evenly over {ranks} ranks", None
-    if ranks == 1 and isinstance(recipe, Float8BlockScaling):
+    if ranks == 1 and recipe.tiled:
         # FSDP2 copies one tensor per weight on a single rank (torch 2.11 to 2.13); nothing is sent anyway.
-        return "one rank: FSDP2 copies a single tensor per weight there, and block scaling gathers two", None
-    tile_rows = recipe.tiling(Role.WEIGHT).rows if isinstance(recipe, Float8BlockScaling) else 1
+        return f"one rank: FSDP2 copies a single tensor per weight there, and {recipe.name} gathers scales too", None
+    tile_rows = _SHARD_ROW_MULTIPLE.get(type(recipe), 1)
     if (param.shape[0] // ranks) % tile_rows:
         return (f"each of {ranks} ranks holds {param.shape[0] // ranks} of its rows, which splits its "
                 f"{tile_rows}-row tiles"), None
@@ -148,18 +147,20 @@ def install_fp8_all_gather(model: torch.nn.Module, policy: Policy, paths: dict[s
             path = f"{module_path}.{name}" if module_path else name
             param = getattr(module, name)
             reason, recipe = _reason_not_fp8(policy, module_path, module, param, fsdp_param, group, options)
-            if reason is not None:
-                records.append(GatherRecord(path, False, reason=reason))
-                continue
             param_dtype = group.mp_policy.param_dtype or param.dtype  # what FSDP2 would gather
+            high_precision_bytes = param.numel() * param_dtype.itemsize
+            if reason is not None:
+                records.append(GatherRecord(path, False, reason=reason, high_precision_bytes=high_precision_bytes))
+                continue
             local = fsdp_param._sharded_local_tensor
-            if isinstance(recipe, Float8BlockScaling):
-                cast = BlockShardCast(path, recipe, local, param_dtype)
+            if recipe.tiled:
+                cast = TiledShardCast(path, recipe, local, param_dtype)
             else:
                 cast = ShardCast(path, module, name, recipe, local, param_dtype, amaxes)
                 amaxes.add(cast, _process_group(fsdp_param))
             _attach(fsdp_param, cast)
-            records.append(GatherRecord(path, True, recipe=recipe))
+            records.append(GatherRecord(path, True, recipe=recipe, fp8_bytes=fp8_gathered_bytes(*param.shape, recipe),
+                                        high_precision_bytes=high_precision_bytes))
             casts.append((fsdp_param, cast))
     return AllGatherPlan(records, amaxes, casts, model)
 

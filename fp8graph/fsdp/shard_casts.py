@@ -16,10 +16,18 @@ has no float8 dtype; FSDP2 packs mixed dtypes as bytes anyway). The scale:
   graph only reads the state: no gradients, or the module in eval mode). The whole weight's amax, which the
   graph records into the history, is the same reduced amax.
 
-Block scaling's 128x128 weight tiles (:class:`BlockShardCast`) need no collective of their own: a shard
-of whole tile rows holds whole tiles, each cast with its own scale exactly as the graph casts the gathered
-weight, and the tiles' scales are gathered beside the bytes. The same tiles serve the backward's
-transposed weight, so one gather serves both GEMMs.
+The tiled recipes (:class:`TiledShardCast`) need no collective of their own: each scale covers elements of
+one rank's shard, and the scales are gathered beside the bytes.
+
+- Block scaling: a shard of whole 128-row tile rows holds whole 128x128 tiles, each cast with its own scale
+  exactly as the graph casts the gathered weight. The same tiles serve the backward's transposed weight, so
+  one gather serves both GEMMs.
+- Row-wise: a scale per row, along K, each row on one rank. grad_input's GEMM reduces over N, where
+  row-wise casts the weight per column, over every rank's rows; instead it reads these bytes transposed,
+  with the rows' scales folded into grad_output (``fp8graph.targets.linear_tiled``): one layout gathered.
+- MXFP8: blocks of 32 along K for the forward, and (grad_input) blocks of 32 along N, local to a shard of
+  whole 32-row blocks. Both layouts are cast and gathered (2 bytes an element, and E8M0 scales), since a
+  block's scale cannot be folded into a GEMM's other operand.
 
 A gather inside the backward (FSDP2 reshards after the forward and gathers again for the backward) sends
 the bytes the forward's gather sent: the forward's graph may read saved views of them, and by then the
@@ -37,11 +45,12 @@ from fp8graph.buffers.delayed_state import HISTORY_PREFIX, SCALE_PREFIX, FORWARD
 from fp8graph.fsdp.gathered_weight import GatheredFP8Weight
 from fp8graph.numerics.delayed_scaling import amax_from_history
 from fp8graph.numerics.formats import Role
+from fp8graph.gemm.native_tiled import e8m0_bytes
 from fp8graph.numerics.quantize import amax, amax_to_scale, quantize
 from fp8graph.numerics.tiles import reference_quantize_tiles
-from fp8graph.recipes.scaling import Float8BlockScaling, Recipe
+from fp8graph.recipes.scaling import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, Recipe, TiledRecipe
 
-__all__ = ["BlockShardCast", "ShardCast", "WeightAmaxes", "in_backward"]
+__all__ = ["TiledShardCast", "ShardCast", "WeightAmaxes", "fp8_gathered_bytes", "gathered_form", "in_backward"]
 
 _WEIGHT_ROW = FORWARD_ROLES.index(Role.WEIGHT)
 
@@ -51,12 +60,38 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def gathered_form(recipe: Recipe) -> str:
+    """How a weight gathered in FP8 under ``recipe`` is scaled: a ``GatheredFP8Weight`` form."""
+    if isinstance(recipe, Float8BlockScaling):
+        return "tiles"
+    if isinstance(recipe, Float8RowwiseScaling):
+        return "rows"
+    if isinstance(recipe, MXFP8BlockScaling):
+        return "mx"
+    return "tensor"
+
+
+def fp8_gathered_bytes(rows: int, columns: int, recipe: Recipe) -> int:
+    """Bytes of a (rows, columns) weight all-gathered in FP8 under ``recipe``: its FP8 bytes and the scales
+    gathered with them (what :meth:`TiledShardCast._cast` sends; a per-tensor scale is not gathered)."""
+    elements = rows * columns
+    form = gathered_form(recipe)
+    if form == "tiles":
+        tile = recipe.tiling(Role.WEIGHT)
+        return elements + 4 * (rows // tile.rows) * (columns // tile.cols)
+    if form == "rows":
+        return elements + 4 * rows
+    if form == "mx":  # both layouts, an E8M0 byte a block in each
+        return 2 * (elements + elements // recipe.tiling(Role.WEIGHT).cols)
+    return elements
+
+
 @dataclasses.dataclass
 class _Cast:
     version: int
-    shard_bytes: torch.Tensor  # uint8, the shard's FP8 bytes
-    scale: torch.Tensor  # per-tensor: the weight's; block scaling: the shard's tiles'
-    amax: torch.Tensor | None  # per-tensor: the whole weight's; block scaling: None
+    sent: tuple[torch.Tensor, ...]  # what the rank all-gathers: its shard's FP8 bytes (uint8), tiled scales
+    scale: torch.Tensor | None = None  # per-tensor: the weight's (every rank has it; not gathered)
+    amax: torch.Tensor | None = None  # per-tensor: the whole weight's
 
 
 def _resends(last: _Cast | None, local: torch.Tensor) -> bool:
@@ -101,8 +136,8 @@ class ShardCast:
             amax_fp32 = self.amaxes.amax_of(self)
             scale = self._scale(amax_fp32)
             shard_fp8 = quantize(self.weight_hp(), scale, self.fp8_dtype)
-            self._last = _Cast(self.local._version, shard_fp8.view(torch.uint8), scale, amax_fp32)
-        return (self._last.shard_bytes,), (self._last.scale, self._last.amax)
+            self._last = _Cast(self.local._version, (shard_fp8.view(torch.uint8),), scale, amax_fp32)
+        return self._last.sent, (self._last.scale, self._last.amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         (gathered_bytes,) = outputs
@@ -110,37 +145,63 @@ class ShardCast:
         if out is not None:  # FSDP2 gathered into the storage the parameter already views
             out.scale, out.amax = scale, amax_fp32
             return None
-        weight = GatheredFP8Weight(gathered_bytes.view(self.fp8_dtype), scale, amax_fp32, param_dtype)
+        weight = GatheredFP8Weight(gathered_bytes.view(self.fp8_dtype), scale, param_dtype, form="tensor",
+                                   amax=amax_fp32)
         return weight, (gathered_bytes,)
 
 
-class BlockShardCast:
-    """FSDP2's all-gather extension for a weight with block scaling's 128x128 tiles; see the module's doc.
+def _e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """MXFP8's fp32 power-of-2 scales as their E8M0 bytes (uint8: gloo has no E8M0 dtype)."""
+    return e8m0_bytes(scale).view(torch.uint8)
 
-    ``local`` is the shard, whole tile rows (``fp8graph.fsdp.install`` refuses any other split); it is cast
-    tile by tile as the FP8 linear casts the whole weight (``fp8graph.targets.linear_tiled``), and FSDP2
-    gathers two tensors: the FP8 bytes (N, K) and the tiles' scales (N / 128, K / 128).
+
+class TiledShardCast:
+    """FSDP2's all-gather extension for a weight with a tiled recipe (block, row-wise, MXFP8); see the module's doc.
+
+    ``local`` is the shard, whole rows of its recipe's tiles (``fp8graph.fsdp.install`` refuses any other
+    split); it is cast as the FP8 linear casts the whole weight (``fp8graph.targets.linear_tiled``), and FSDP2
+    gathers each tensor :meth:`_cast` returns along its first dimension, ranks one after another.
     """
 
-    def __init__(self, path: str, recipe: Float8BlockScaling, local: torch.Tensor, param_dtype: torch.dtype) -> None:
+    def __init__(self, path: str, recipe: TiledRecipe, local: torch.Tensor, param_dtype: torch.dtype) -> None:
         self.path, self.recipe, self.local, self.param_dtype = path, recipe, local, param_dtype
+        self.form = gathered_form(recipe)
         self.tiling = recipe.tiling(Role.WEIGHT)
         self.fp8_dtype = recipe.fp8_dtype(Role.WEIGHT)
         self._last: _Cast | None = None
 
+    def _cast(self, shard_hp: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The tensors the shard (N_s, K) sends, FP8 bytes as uint8:
+
+        tiles  bytes (N_s, K), tile scales (N_s / 128, K / 128) fp32
+        rows   bytes (N_s, K), row scales (N_s,) fp32
+        mx     bytes (N_s, K) and E8M0 scales (N_s, K / 32) in blocks along K; bytes (N_s, K) and E8M0 scales
+               (N_s / 32, K) in blocks along N, each element where the weight has it
+        """
+        shard_fp8, scale = reference_quantize_tiles(shard_hp, self.tiling, self.fp8_dtype)
+        if self.form == "tiles":
+            return shard_fp8.view(torch.uint8), scale
+        if self.form == "rows":
+            return shard_fp8.view(torch.uint8), scale.reshape(-1)
+        shard_t_fp8, scale_t = reference_quantize_tiles(shard_hp.t(), self.tiling, self.fp8_dtype)  # (K, N_s)
+        return (shard_fp8.view(torch.uint8), _e8m0(scale),
+                shard_t_fp8.t().contiguous().view(torch.uint8), _e8m0(scale_t).t().contiguous())
+
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         if not _resends(self._last, self.local):
-            shard_fp8, tile_scales = reference_quantize_tiles(self.local.detach().to(self.param_dtype), self.tiling,
-                                                              self.fp8_dtype)
-            self._last = _Cast(self.local._version, shard_fp8.view(torch.uint8), tile_scales, None)
-        return (self._last.shard_bytes, self._last.scale), ()
+            self._last = _Cast(self.local._version, self._cast(self.local.detach().to(self.param_dtype)))
+        return self._last.sent, ()
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
-        gathered_bytes, tile_scales = outputs
-        if out is not None:  # FSDP2 gathered into the storages the parameter's bytes and scales already view
+        if out is not None:  # FSDP2 gathered into the storages the parameter's tensors already view
             return None
-        weight = GatheredFP8Weight(gathered_bytes.view(self.fp8_dtype), tile_scales, None, param_dtype)
-        return weight, (gathered_bytes, tile_scales)
+        gathered_bytes, scale, *second_layout = outputs
+        layouts = {}
+        if second_layout:
+            gathered_t_bytes, scale_t = second_layout
+            layouts = dict(fp8_t_data=gathered_t_bytes.view(self.fp8_dtype), scale_t=scale_t)
+        weight = GatheredFP8Weight(gathered_bytes.view(self.fp8_dtype), scale, param_dtype, form=self.form, **layouts)
+        return weight, tuple(outputs)
 
 
 class WeightAmaxes:

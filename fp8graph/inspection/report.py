@@ -149,6 +149,12 @@ class ExplainReport(list):
         if self.all_gathers:
             fp8 = [record for record in self.all_gathers if record.fp8]
             lines.append(f"FSDP2 all-gathers {len(fp8)} of {len(self.all_gathers)} sharded weight(s) in FP8")
+            if fp8:
+                lines.append(f"  {sum(r.fp8_bytes for r in fp8) / 1e6:.3g} MB a gather of them, scales included, "
+                             f"against {sum(r.high_precision_bytes for r in fp8) / 1e6:.3g} MB in high precision")
+            no_fewer = collections.Counter(r.recipe.name for r in fp8 if r.fp8_bytes >= r.high_precision_bytes)
+            lines += [f"  {count} of them ({recipe}) gather no fewer bytes than in high precision: they save the "
+                      "graph's casts, not bytes" for recipe, count in no_fewer.items()]
             reasons = collections.Counter(record.reason for record in self.all_gathers if not record.fp8)
             lines += [f"  {count} in high precision: {reason}" for reason, count in reasons.items()]
         lines.append(f"{self.graph_count} graph(s), {len(self.graph_breaks)} graph break(s)")

@@ -16,8 +16,22 @@ the 1x128 and 128x128 tilings run fp8graph's kernel, which writes both
 layouts from one read; the others run Inductor's code, fused with the
 operand's producer (``fp8graph.kernels.quantize_tiles`` says which and why).
 A weight with square tiles (block scaling's 128x128) has the same tiles
-transposed, so both layouts share one quantization; under FSDP2 it may arrive
-all-gathered in those tiles already (``fp8graph.fsdp``), and is not cast again.
+transposed, so both layouts share one quantization.
+
+Under FSDP2 a weight may arrive all-gathered in FP8 already (``fp8graph.fsdp``),
+and is not cast again: block scaling's tiles serve both GEMMs; MXFP8 gathers
+both layouts. Row-wise gathers only the forward's, a scale ``s_n`` per row
+along K; grad_input, which reduces over N, reads those bytes transposed with
+each row's scale moved to grad_output's column::
+
+    grad_input = sum_n grad_output[:, n] * weight[n, :]
+               = sum_n (grad_output[:, n] / s_n) * (weight[n, :] * s_n)
+
+so grad_output / s is quantized along N and the weight's FP8 bytes are the
+other operand, unscaled. With power-of-2 scales (the default) both operands
+round as the column-scaled copy would, but where an element falls below
+E4M3's normal range.
+
 Only the weight-gradient output and the bias stay in high precision.
 """
 
@@ -28,14 +42,14 @@ from typing import Callable
 
 import torch
 
-from fp8graph.fsdp.gathered_weight import is_gathered
+from fp8graph.fsdp.gathered_weight import GatheredFP8Weight, is_gathered
 from fp8graph.numerics.formats import Role
 from fp8graph.kernels.quantize_tiles import kernel_quantizes
 from fp8graph.targets.linear_tensorwise import autocast_dtype, record_health, target_name
 from fp8graph.gemm.scaled_gemm import Lowering, one_buffer, tiled_scaled_gemm
 from fp8graph.recipes.scaling import TiledRecipe
 from fp8graph.targets.cache_hash import register_target
-from fp8graph.numerics.tiles import Tiling, expand_scale, reference_quantize_tiles
+from fp8graph.numerics.tiles import Tiling, e8m0_to_scale, expand_scale, reference_quantize_tiles
 
 __all__ = ["linear_tiled_target", "record_tiled_health"]
 
@@ -88,6 +102,29 @@ def _inductor_quantized(x_hp: torch.Tensor, tiling: Tiling) -> _TiledOperand:
     return _TiledOperand(one_buffer(x_fp8) if x_hp.device.type == "cuda" else x_fp8, scale, tiling)
 
 
+def _gathered_operands(weight: GatheredFP8Weight, tiling: Tiling, needs_grad_input: bool):
+    """``(weight_q (N, K), weight_t_q (K, N) or None, row_scale)`` of a weight FSDP2 gathered in FP8
+    (``fp8graph.fsdp.shard_casts``); ``row_scale`` (N,): row-wise's scales, which grad_input moves to
+    grad_output (see the module's doc), else None."""
+    if weight.form == "tiles":
+        if not tiling.is_square:
+            raise AssertionError("only square weight tiles are all-gathered in tiles (fp8graph.fsdp.install)")
+        weight_q = _TiledOperand(weight.fp8_data, weight.scale, tiling)
+        return weight_q, weight_q.transposed() if needs_grad_input else None, None
+    if weight.form == "rows":
+        weight_q = _TiledOperand(weight.fp8_data, weight.scale.reshape(-1, 1), tiling)
+        if not needs_grad_input:
+            return weight_q, None, None
+        unscaled = torch.ones((weight.shape[1], 1), dtype=torch.float32, device=weight.fp8_data.device)
+        return weight_q, _TiledOperand(weight.fp8_data.t(), unscaled, tiling), weight.scale
+    if weight.form == "mx":
+        weight_q = _TiledOperand(weight.fp8_data, e8m0_to_scale(weight.scale), tiling)
+        weight_t_q = (_TiledOperand(weight.fp8_t_data.t(), e8m0_to_scale(weight.scale_t).t(), tiling)
+                      if needs_grad_input else None)
+        return weight_q, weight_t_q, None
+    raise AssertionError(f"a weight gathered per tensor ({weight.form}) in a tiled linear (fp8graph.fsdp.install)")
+
+
 def _gemm(a: _TiledOperand, b: _TiledOperand, out_dtype, lowering, use_fast_accum=False) -> torch.Tensor:
     return tiled_scaled_gemm(a.fp8, a.scale, a.tiling, b.fp8, b.scale, b.tiling, out_dtype, lowering,
                              use_fast_accum)
@@ -109,11 +146,9 @@ class _LinearTiled(torch.autograd.Function):
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         with torch.autocast(device_type, enabled=False):
             input_q, input_t_q = _quantize(input_hp_2d, input_tiling, True, needs_grad_weight)  # (M, K), (K, M')
-            if is_gathered(weight_hp):  # FSDP2 gathered its tiles cast (fp8graph.fsdp.shard_casts)
-                if not weight_tiling.is_square:
-                    raise AssertionError("only square weight tiles are all-gathered in FP8 (fp8graph.fsdp.install)")
-                weight_q = _TiledOperand(weight_hp.fp8_data, weight_hp.scale, weight_tiling)  # (N, K)
-                weight_t_q = weight_q.transposed() if needs_grad_input else None  # (K, N)
+            weight_row_scale = None
+            if is_gathered(weight_hp):  # FSDP2 gathered it cast (fp8graph.fsdp.shard_casts)
+                weight_q, weight_t_q, weight_row_scale = _gathered_operands(weight_hp, weight_tiling, needs_grad_input)
             else:
                 weight_q, weight_t_q = _quantize(weight_hp, weight_tiling, True, needs_grad_input)  # (N, K), (K, N)
             # Fast accumulation for the forward GEMM, as for per-tensor scaling.
@@ -125,7 +160,7 @@ class _LinearTiled(torch.autograd.Function):
                     raise AssertionError("stats=True gathers weights in high precision (fp8graph.fsdp.install)")
                 record_tiled_health(stats, Role.INPUT, input_hp_2d, input_q, recipe)
                 record_tiled_health(stats, Role.WEIGHT, weight_hp, weight_q, recipe)
-        ctx.save_for_backward(*_saved(input_t_q), *_saved(weight_t_q))
+        ctx.save_for_backward(*_saved(input_t_q), *_saved(weight_t_q), weight_row_scale)
         ctx.recipe, ctx.lowering, ctx.stats = recipe, lowering, stats
         ctx.input_dtype, ctx.weight_dtype = input_hp_2d.dtype, weight_hp.dtype
         ctx.bias_dtype = None if bias_hp is None else bias_hp.dtype
@@ -133,15 +168,20 @@ class _LinearTiled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output_hp_2d):  # (M, N)
-        input_t_fp8, input_t_scale, weight_t_fp8, weight_t_scale = ctx.saved_tensors
+        input_t_fp8, input_t_scale, weight_t_fp8, weight_t_scale, weight_row_scale = ctx.saved_tensors
         recipe: TiledRecipe = ctx.recipe
         needs_grad_input, needs_grad_weight, needs_grad_bias = ctx.needs_input_grad[:3]
         grad_input = grad_weight = grad_bias = None
         grad_tiling = recipe.tiling(Role.GRAD_OUTPUT)
         with torch.autocast(grad_output_hp_2d.device.type, enabled=False):
-            # Along N for grad_input, along M (transposed) for grad_weight; one read where both are needed.
-            grad_output_q, grad_output_t_q = _quantize(
-                grad_output_hp_2d, grad_tiling, needs_grad_input or ctx.stats is not None, needs_grad_weight)
+            if weight_row_scale is not None and needs_grad_input:
+                # A row-wise weight gathered in FP8: its row scales move to grad_output (see the module's doc).
+                grad_output_q, _ = _quantize(grad_output_hp_2d.float() / weight_row_scale, grad_tiling, True, False)
+                _, grad_output_t_q = _quantize(grad_output_hp_2d, grad_tiling, False, needs_grad_weight)
+            else:
+                # Along N for grad_input, along M (transposed) for grad_weight; one read where both are needed.
+                grad_output_q, grad_output_t_q = _quantize(
+                    grad_output_hp_2d, grad_tiling, needs_grad_input or ctx.stats is not None, needs_grad_weight)
             if ctx.stats is not None:
                 record_tiled_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp_2d, grad_output_q, recipe)
             if needs_grad_input:

@@ -2,9 +2,10 @@
 
     DDP:    fp8graph.compile(DistributedDataParallel(model))     2 and 4 ranks, graph split at buckets
     FSDP2:  fully_shard(each layer), fully_shard(model), then fp8graph.compile
-            current, row-wise, block, delayed                     2 ranks (delayed all-gathers its weights in
-                                                                  FP8; current's stats=True gathers in high
-                                                                  precision: tests/fsdp/test_fp8_all_gather.py)
+            current, row-wise, block, delayed                     2 ranks (delayed and row-wise all-gather their
+                                                                  weights in FP8; current's stats=True and
+                                                                  block's split tiles gather in high precision:
+                                                                  tests/fsdp/test_fp8_all_gather.py)
             delayed: distributed checkpoint saved on 2 ranks      -> loaded on 4 ranks, training resumes
 
 Every run is compared with one process that sees the same global batches.

@@ -23,6 +23,12 @@ def test_a_step_gathers_each_layer_twice_and_fp8_moves_a_byte_a_projection_eleme
     # Block scaling gathers its tiles' scales too: 4 bytes a 128x128 tile.
     block = fsdp_comms.step_bytes(MODEL, True, "block")
     assert block["layer_all_gather"] - fp8["layer_all_gather"] == 2 * 4 * projections / (128 * 128)
+    # Row-wise gathers 4 bytes a row: q, o, down 4096 rows; k, v 1024; gate, up 14336.
+    rowwise = fsdp_comms.step_bytes(MODEL, True, "rowwise")
+    assert rowwise["layer_all_gather"] - fp8["layer_all_gather"] == 2 * 4 * (3 * 4096 + 2 * 1024 + 2 * 14336)
+    # MXFP8 gathers both layouts: 2 bytes an element, and an E8M0 byte a block of 32 in each.
+    mxfp8 = fsdp_comms.step_bytes(MODEL, True, "mxfp8")
+    assert mxfp8["layer_all_gather"] - bf16["layer_all_gather"] == 2 * 2 * projections / 32
 
 
 def test_what_the_compute_does_not_hide_is_exposed():
@@ -46,3 +52,4 @@ def test_the_table_over_nvlink_hides_the_layers_and_over_infiniband_fp8_gather_s
     main(["fsdp-comms"])
     shown = capsys.readouterr().out
     assert shown.startswith("MODELLED") and "| 2 x 8 H100, InfiniBand | delayed | FP8 |" in shown
+    assert "| 2 x 8 H100, InfiniBand | rowwise | FP8 |" in shown and "mxfp8 " in shown
