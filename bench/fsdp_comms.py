@@ -41,13 +41,18 @@ DECODER_RESULT = pathlib.Path(__file__).resolve().parent / "results" / "model-de
 LINKS = {"8 H100, NVLink": (8, 450e9), "2 x 8 H100, InfiniBand": (16, 50e9)}
 BF16_BYTES = 2
 TILE, MX_BLOCK = 128, 32
+# Rows each rank's shard must hold a multiple of to gather in FP8 (fp8graph.fsdp.install): whole tiles, and
+# MXFP8's whole blocks along N.
+SHARD_ROW_MULTIPLE = {"block": TILE, "mxfp8": MX_BLOCK}
 
 
-def weight_gather_bytes(rows: int, columns: int, recipe: str, fp8_gather: bool) -> int:
-    """Bytes of one (rows, columns) weight all-gathered: BF16, or ``recipe``'s FP8 bytes and the scales
-    gathered with them (per-tensor scales are not gathered: every rank computed them)."""
+def weight_gather_bytes(rows: int, columns: int, recipe: str, fp8_gather: bool, ranks: int) -> int:
+    """Bytes of one (rows, columns) weight all-gathered over ``ranks``: BF16, or ``recipe``'s FP8 bytes and the
+    scales gathered with them (per-tensor scales are not gathered: every rank computed them). A weight whose
+    rows do not split into whole tiles per rank gathers in BF16, as fp8graph.fsdp.install decides."""
     elements = rows * columns
-    if not fp8_gather:
+    whole_shards = rows % ranks == 0 and (rows // ranks) % SHARD_ROW_MULTIPLE.get(recipe, 1) == 0
+    if not (fp8_gather and whole_shards):
         return BF16_BYTES * elements
     if recipe == "block":
         return elements + 4 * (rows // TILE) * (columns // TILE)
@@ -79,12 +84,12 @@ class Llama3_8B:
         return 2 * self.hidden
 
 
-def step_bytes(model: Llama3_8B, fp8_gather: bool, recipe: str = "current") -> dict[str, float]:
+def step_bytes(model: Llama3_8B, fp8_gather: bool, recipe: str = "current", ranks: int = 8) -> dict[str, float]:
     """Bytes per step a rank receives from all-gathers (the unsharded sizes) and reduce-scatters, per layer and
     for the root (embedding, final norm, lm_head), ``recipe``'s weights gathered in FP8 or in BF16."""
-    layer_gathered = (sum(weight_gather_bytes(*shape, recipe, fp8_gather) for shape in model.layer_weights())
+    layer_gathered = (sum(weight_gather_bytes(*shape, recipe, fp8_gather, ranks) for shape in model.layer_weights())
                       + model.layer_norms() * BF16_BYTES)
-    root_gathered = (weight_gather_bytes(model.vocab, model.hidden, recipe, fp8_gather)  # lm_head
+    root_gathered = (weight_gather_bytes(model.vocab, model.hidden, recipe, fp8_gather, ranks)  # lm_head
                      + model.vocab * model.hidden * BF16_BYTES + model.hidden * BF16_BYTES)  # embedding, norm
     layer_reduced = (model.layer_linears() + model.layer_norms()) * BF16_BYTES
     root_reduced = (2 * model.vocab * model.hidden + model.hidden) * BF16_BYTES
@@ -125,7 +130,7 @@ def table(result: dict, model: Llama3_8B = Llama3_8B()) -> list[dict]:
         baseline = None
         for contestant, fp8_gather in recipes:
             forward, backward = layer_compute_ms(result, contestant)
-            sizes = step_bytes(model, fp8_gather, contestant)
+            sizes = step_bytes(model, fp8_gather, contestant, ranks)
             on_link = (ranks - 1) / ranks / bandwidth * 1e3  # ms a byte
             gather, reduce = sizes["layer_all_gather"] / 2 * on_link, sizes["layer_reduce_scatter"] * on_link
             # The root's gather comes before any compute and its reduce-scatter after the last: neither hidden.
@@ -166,8 +171,9 @@ def run(args: argparse.Namespace) -> None:
           f"{args.decoder_result.name}")
     print("\n".join(markdown(table(result))))
     model = Llama3_8B()
-    gathered = {recipe: step_bytes(model, recipe != "bf16", recipe) for recipe in
-                ("bf16", "current", "rowwise", "block", "mxfp8")}
-    print("All-gather GB a step, each recipe's weights gathered in FP8 (BF16 for bf16): " + ", ".join(
-        f"{recipe} {(model.layers * b['layer_all_gather'] + b['root_all_gather']) / 1e9:.2f}"
-        for recipe, b in gathered.items()))
+    for link, (ranks, _) in LINKS.items():
+        gathered = {recipe: step_bytes(model, recipe != "bf16", recipe, ranks) for recipe in
+                    ("bf16", "current", "rowwise", "block", "mxfp8")}
+        print(f"All-gather GB a step on {link}, each recipe's weights gathered in FP8 (BF16 for bf16): " + ", ".join(
+            f"{recipe} {(model.layers * b['layer_all_gather'] + b['root_all_gather']) / 1e9:.2f}"
+            for recipe, b in gathered.items()))

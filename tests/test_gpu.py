@@ -142,27 +142,28 @@ def test_native_tiled_gemms_match_emulation(tokens):
 
 def test_weights_gathered_in_fp8_run_the_native_tiled_gemms_like_the_emulation():
     """A weight FSDP2 all-gathered in FP8 (two shards' casts, gathered: fp8graph.fsdp.shard_casts) through the
-    native GEMMs: row-wise's grad_input reads the forward's bytes transposed with unit scales, MXFP8 its second
-    layout, block its tiles transposed; each against the same gathered weight emulated."""
-    from fp8graph.fsdp.shard_casts import TiledShardCast
+    native GEMMs: row-wise's grad_input reads the forward's bytes transposed with unit scales and grad_output
+    divided by the row scales (rows of every magnitude, so the scales differ), block its tiles transposed,
+    MXFP8 (SM 10.x only: native_requirement) its second layout; each against the same gathered weight
+    emulated."""
     from fp8graph.targets.linear_tiled import linear_tiled_target
+    from helpers import gathered_by_two_ranks
 
     recipes = _tiled_recipes_native_here()
     if not recipes:
         pytest.skip("no tiled recipe has a native GEMM on this GPU")
     generator = torch.Generator("cuda").manual_seed(0)
     input_hp = torch.randn(512, 256, device="cuda", generator=generator)
-    weight_hp = torch.randn(256, 256, device="cuda", generator=generator)
+    weight_hp = torch.randn(256, 256, device="cuda", generator=generator) * torch.logspace(-2, 2, 256,
+                                                                                            device="cuda")[:, None]
+    grad = torch.randn(512, 256, device="cuda", generator=generator)
     for recipe in recipes:
-        cast = TiledShardCast("w", recipe, weight_hp, weight_hp.dtype)
-        sent = [cast._cast(shard) for shard in weight_hp.chunk(2)]
         results = []
         for lowering in (Lowering.SCALED_MM, Lowering.EMULATED):
-            weight, _ = cast.fsdp_post_all_gather(tuple(torch.cat(parts) for parts in zip(*sent)), (), torch.float32)
-            weight.requires_grad_(True)
+            weight = gathered_by_two_ranks(recipe, weight_hp, requires_grad=True)
             x = input_hp.clone().requires_grad_(True)
             output = linear_tiled_target(recipe, lowering)(x, weight)
-            output.backward(torch.ones_like(output))
+            output.backward(grad)
             results.append((output.detach().float(), x.grad, weight.grad))
         for native, emulated in zip(*results):
             assert sqnr_db(emulated, native) > 40, recipe.name

@@ -38,7 +38,6 @@ __all__ = ["FORMS", "GatheredFP8Weight", "is_gathered"]
 
 FORMS = ("tensor", "tiles", "rows", "mx")
 _INNER = ("fp8_data", "scale", "amax", "fp8_t_data", "scale_t")  # the inner tensors, those present flattened
-_MX_BLOCK = 32
 
 aten = torch.ops.aten
 
@@ -65,9 +64,10 @@ class GatheredFP8Weight(torch.Tensor):
                  requires_grad: bool = False):
         if form not in FORMS:
             raise ValueError(f"form must be one of {FORMS}, not {form!r}")
-        second_layout = fp8_t_data is not None or scale_t is not None
-        if (amax is not None) != (form == "tensor") or second_layout != (form == "mx"):
-            raise ValueError(f"a {form!r} gathered weight: amax is per tensor only, fp8_t_data and scale_t mx only")
+        second_layout = (fp8_t_data is not None, scale_t is not None)
+        if (amax is not None) != (form == "tensor") or second_layout != ((form == "mx"),) * 2:
+            raise ValueError(f"a {form!r} gathered weight: amax is per tensor only, fp8_t_data and scale_t mx only, "
+                             "both")
         self.fp8_data, self.scale, self.form = fp8_data, scale, form
         self.amax, self.fp8_t_data, self.scale_t = amax, fp8_t_data, scale_t
 
@@ -88,7 +88,11 @@ class GatheredFP8Weight(torch.Tensor):
                                  fp8_t_data=inner.get("fp8_t_data"), scale_t=inner.get("scale_t"))
 
     def replaced(self, fp8_data: torch.Tensor) -> "GatheredFP8Weight":
-        """The same weight over other FP8 bytes (a view of these), every other inner tensor kept."""
+        """The same weight over other FP8 bytes (a view of these, of the same shape: the scales and MXFP8's second
+        layout stay as they are), every other inner tensor kept."""
+        if fp8_data.shape != self.shape:
+            raise RuntimeError(f"a view of shape {tuple(fp8_data.shape)} of a weight all-gathered in FP8 "
+                               f"{tuple(self.shape)}: its scales would no longer match its bytes")
         inner = self._inner()
         inner["fp8_data"] = fp8_data
         return GatheredFP8Weight.__tensor_unflatten__(inner, (self.dtype, self.form), None, None)
@@ -98,8 +102,8 @@ class GatheredFP8Weight(torch.Tensor):
         scale = self.scale
         if self.form == "rows":
             return scale.reshape(-1, 1)
-        if self.form == "mx":
-            return e8m0_to_scale(scale).repeat_interleave(_MX_BLOCK, 1)
+        if self.form == "mx":  # blocks along K
+            return e8m0_to_scale(scale).repeat_interleave(self.shape[1] // scale.shape[1], 1)
         if self.form == "tiles":  # one scale per tile: each repeated over its tile's elements
             rows, cols = self.shape[0] // scale.shape[0], self.shape[1] // scale.shape[1]
             return scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)

@@ -16,7 +16,7 @@ __all__ = ["check_gathered_weights"]
 
 
 def _reads_gathered_weights(node: torch.fx.Node) -> bool:
-    """Whether ``node`` calls an FP8 target that reads a gathered weight's bytes (the per-tensor linears)."""
+    """Whether ``node`` calls an FP8 target that reads a gathered weight's bytes (the linears' targets)."""
     return node.op == "call_function" and getattr(node.target, "reads_gathered_weights", False)
 
 

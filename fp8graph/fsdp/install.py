@@ -22,16 +22,12 @@ import logging
 import torch
 
 from fp8graph.buffers.delayed_state import looked_up_or_convolved, weight_candidates
-from fp8graph.fsdp.shard_casts import ShardCast, TiledShardCast, WeightAmaxes, fp8_gathered_bytes
+from fp8graph.fsdp.shard_casts import (ShardCast, TiledShardCast, WeightAmaxes, fp8_gathered_bytes,
+                                      shard_row_multiple)
 from fp8graph.recipes.policy import Policy, resolve_weight, weight_orientations
-from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE, Float8BlockScaling, MXFP8BlockScaling
+from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
 
 __all__ = ["AllGatherPlan", "GatherRecord", "install_fp8_all_gather"]
-
-
-# Rows a shard must hold a multiple of, for its casts to be the whole weight's: block scaling's 128x128 tiles;
-# MXFP8's blocks of 32 along N, which grad_input's copy is quantized in.
-_SHARD_ROW_MULTIPLE = {Float8BlockScaling: 128, MXFP8BlockScaling: 32}
 
 log = logging.getLogger("fp8graph")
 
@@ -124,7 +120,7 @@ def _reason_not_fp8(policy: Policy, path: str, module, param, fsdp_param, group,
     if ranks == 1 and recipe.tiled:
         # FSDP2 copies one tensor per weight on a single rank (torch 2.11 to 2.13); nothing is sent anyway.
         return f"one rank: FSDP2 copies a single tensor per weight there, and {recipe.name} gathers scales too", None
-    tile_rows = _SHARD_ROW_MULTIPLE.get(type(recipe), 1)
+    tile_rows = shard_row_multiple(recipe)
     if (param.shape[0] // ranks) % tile_rows:
         return (f"each of {ranks} ranks holds {param.shape[0] // ranks} of its rows, which splits its "
                 f"{tile_rows}-row tiles"), None

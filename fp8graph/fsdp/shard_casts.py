@@ -45,12 +45,12 @@ from fp8graph.buffers.delayed_state import HISTORY_PREFIX, SCALE_PREFIX, FORWARD
 from fp8graph.fsdp.gathered_weight import GatheredFP8Weight
 from fp8graph.numerics.delayed_scaling import amax_from_history
 from fp8graph.numerics.formats import Role
-from fp8graph.gemm.native_tiled import e8m0_bytes
 from fp8graph.numerics.quantize import amax, amax_to_scale, quantize
-from fp8graph.numerics.tiles import reference_quantize_tiles
+from fp8graph.numerics.tiles import e8m0_bytes, reference_quantize_tiles
 from fp8graph.recipes.scaling import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, Recipe, TiledRecipe
 
-__all__ = ["TiledShardCast", "ShardCast", "WeightAmaxes", "fp8_gathered_bytes", "gathered_form", "in_backward"]
+__all__ = ["TiledShardCast", "ShardCast", "WeightAmaxes", "fp8_gathered_bytes", "gathered_form", "in_backward",
+           "shard_row_multiple"]
 
 _WEIGHT_ROW = FORWARD_ROLES.index(Role.WEIGHT)
 
@@ -69,6 +69,18 @@ def gathered_form(recipe: Recipe) -> str:
     if isinstance(recipe, MXFP8BlockScaling):
         return "mx"
     return "tensor"
+
+
+def shard_row_multiple(recipe: Recipe) -> int:
+    """Rows each rank's shard must hold a multiple of, for its casts to be the whole weight's: block scaling's
+    square tiles; MXFP8's blocks along N (grad_input's copy is blocked along N); one for per-row and
+    per-tensor scales."""
+    form = gathered_form(recipe)
+    if form == "tiles":
+        return recipe.tiling(Role.WEIGHT).rows
+    if form == "mx":
+        return recipe.tiling(Role.WEIGHT).cols
+    return 1
 
 
 def fp8_gathered_bytes(rows: int, columns: int, recipe: Recipe) -> int:

@@ -28,8 +28,9 @@ from __future__ import annotations
 import torch
 
 from fp8graph.gemm.layouts import column_major, row_major
-from fp8graph.gemm.native_tiled import e8m0_bytes, swizzle_mx_scales
+from fp8graph.gemm.native_tiled import swizzle_mx_scales
 from fp8graph.numerics.groups import padded_group_rows, row_groups
+from fp8graph.numerics.tiles import e8m0_bytes
 
 __all__ = ["blocked_column_groups", "blocked_row_groups", "grouped_mx_gemm", "grouped_mx_gemm_weights"]
 

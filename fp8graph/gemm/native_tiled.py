@@ -24,9 +24,9 @@ import torch
 
 from fp8graph.gemm.layouts import column_major
 from fp8graph.gemm.padding import pad_reduction_dim
-from fp8graph.numerics.tiles import ScaleKind, Tiling
+from fp8graph.numerics.tiles import ScaleKind, Tiling, e8m0_bytes
 
-__all__ = ["e8m0_bytes", "native_tiled_gemm", "swizzle_mx_scales"]
+__all__ = ["native_tiled_gemm", "swizzle_mx_scales"]
 
 
 def swizzle_mx_scales(scale_e8m0: torch.Tensor) -> torch.Tensor:
@@ -42,12 +42,6 @@ def swizzle_mx_scales(scale_e8m0: torch.Tensor) -> torch.Tensor:
     padded[:rows, :columns] = scale_e8m0
     blocks = padded.view(padded_rows // 128, 128, padded_columns // 4, 4).permute(0, 2, 1, 3)
     return blocks.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16).flatten()
-
-
-def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes of the dequantization factor ``1 / scale``: its fp32 exponent field."""
-    inverse = scale.reciprocal()
-    return ((inverse.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def native_tiled_gemm(a_fp8, a_scale, a_tiling: Tiling, b_fp8, b_scale, b_tiling: Tiling, out_dtype,

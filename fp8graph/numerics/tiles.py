@@ -31,7 +31,7 @@ import torch
 from fp8graph.numerics.formats import fp8_max_exponent
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
-__all__ = ["ScaleKind", "Tiling", "reference_dequantize_tiles", "e8m0_to_scale", "expand_scale", "mx_scale_e8m0",
+__all__ = ["ScaleKind", "Tiling", "reference_dequantize_tiles", "e8m0_bytes", "e8m0_to_scale", "expand_scale", "mx_scale_e8m0",
            "reference_quantize_tiles", "reference_quantize_tiles_and_transpose", "tile_amax"]
 
 
@@ -115,6 +115,14 @@ def e8m0_to_scale(e8m0: torch.Tensor) -> torch.Tensor:
     scale = ((254 - exponent).clamp(min=1) << _MANTISSA_BITS).view(torch.float32)
     scale = torch.where(exponent == 254, 2.0 ** -127, scale)
     return torch.where(exponent == _E8M0_NAN, float("nan"), scale)
+
+
+def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes of the dequantization factor ``1 / scale`` (float8_e8m0fnu): its fp32 exponent field. The inverse
+    of :func:`e8m0_to_scale` (every byte, 0, 254 and 255 included), for MX scales the GEMMs and the FSDP2 gather
+    take as bytes."""
+    inverse = scale.reciprocal()
+    return ((inverse.view(torch.int32) >> _MANTISSA_BITS) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def reference_quantize_tiles(

@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 
 from fp8graph.fsdp.gathered_weight import GatheredFP8Weight, is_gathered
+from fp8graph.fsdp.shard_casts import gathered_form
 from fp8graph.numerics.formats import Role
 from fp8graph.kernels.quantize_tiles import kernel_quantizes
 from fp8graph.targets.linear_tensorwise import autocast_dtype, record_health, target_name
@@ -102,10 +103,14 @@ def _inductor_quantized(x_hp: torch.Tensor, tiling: Tiling) -> _TiledOperand:
     return _TiledOperand(one_buffer(x_fp8) if x_hp.device.type == "cuda" else x_fp8, scale, tiling)
 
 
-def _gathered_operands(weight: GatheredFP8Weight, tiling: Tiling, needs_grad_input: bool):
+def _gathered_operands(weight: GatheredFP8Weight, recipe: TiledRecipe, needs_grad_input: bool):
     """``(weight_q (N, K), weight_t_q (K, N) or None, row_scale)`` of a weight FSDP2 gathered in FP8
     (``fp8graph.fsdp.shard_casts``); ``row_scale`` (N,): row-wise's scales, which grad_input moves to
     grad_output (see the module's doc), else None."""
+    if weight.form != gathered_form(recipe):
+        raise AssertionError(f"a weight gathered in the {weight.form!r} form read by a {recipe.name} site: "
+                             "fp8graph.fsdp.install decides the gather from the same policy")
+    tiling = recipe.tiling(Role.WEIGHT)
     if weight.form == "tiles":
         if not tiling.is_square:
             raise AssertionError("only square weight tiles are all-gathered in tiles (fp8graph.fsdp.install)")
@@ -117,12 +122,11 @@ def _gathered_operands(weight: GatheredFP8Weight, tiling: Tiling, needs_grad_inp
             return weight_q, None, None
         unscaled = torch.ones((weight.shape[1], 1), dtype=torch.float32, device=weight.fp8_data.device)
         return weight_q, _TiledOperand(weight.fp8_data.t(), unscaled, tiling), weight.scale
-    if weight.form == "mx":
-        weight_q = _TiledOperand(weight.fp8_data, e8m0_to_scale(weight.scale), tiling)
-        weight_t_q = (_TiledOperand(weight.fp8_t_data.t(), e8m0_to_scale(weight.scale_t).t(), tiling)
-                      if needs_grad_input else None)
-        return weight_q, weight_t_q, None
-    raise AssertionError(f"a weight gathered per tensor ({weight.form}) in a tiled linear (fp8graph.fsdp.install)")
+    # MXFP8: both layouts gathered, grad_input's blocked along N.
+    weight_q = _TiledOperand(weight.fp8_data, e8m0_to_scale(weight.scale), tiling)
+    weight_t_q = (_TiledOperand(weight.fp8_t_data.t(), e8m0_to_scale(weight.scale_t).t(), tiling)
+                  if needs_grad_input else None)
+    return weight_q, weight_t_q, None
 
 
 def _gemm(a: _TiledOperand, b: _TiledOperand, out_dtype, lowering, use_fast_accum=False) -> torch.Tensor:
@@ -148,7 +152,7 @@ class _LinearTiled(torch.autograd.Function):
             input_q, input_t_q = _quantize(input_hp_2d, input_tiling, True, needs_grad_weight)  # (M, K), (K, M')
             weight_row_scale = None
             if is_gathered(weight_hp):  # FSDP2 gathered it cast (fp8graph.fsdp.shard_casts)
-                weight_q, weight_t_q, weight_row_scale = _gathered_operands(weight_hp, weight_tiling, needs_grad_input)
+                weight_q, weight_t_q, weight_row_scale = _gathered_operands(weight_hp, recipe, needs_grad_input)
             else:
                 weight_q, weight_t_q = _quantize(weight_hp, weight_tiling, True, needs_grad_input)  # (N, K), (K, N)
             # Fast accumulation for the forward GEMM, as for per-tensor scaling.
@@ -222,5 +226,5 @@ def linear_tiled_target(recipe: TiledRecipe, lowering: Lowering) -> Callable[...
     linear_tiled.__name__ = target_name("linear", recipe.name, lowering.value)
     linear_tiled.recipe = recipe
     linear_tiled.lowering = lowering
-    linear_tiled.reads_gathered_weights = True  # FSDP2's FP8-gathered block weights (fp8graph.fsdp.graph_check)
+    linear_tiled.reads_gathered_weights = True  # FSDP2's FP8-gathered weights (fp8graph.fsdp.graph_check)
     return register_target(linear_tiled, recipe, lowering)

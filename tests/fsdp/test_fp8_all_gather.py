@@ -36,7 +36,7 @@ from fp8graph.fsdp.gather_bytes import count_all_gathers
 from fp8graph.models import build
 
 from gloo_ranks import spawn_ranks
-from helpers import sqnr_db
+from helpers import gathered_by_two_ranks, sqnr_db
 
 CONFIG = "tiny-blocks"
 # 2 steps: the second casts with scales from the state the first left (delayed: its history).
@@ -308,17 +308,6 @@ def test_a_block_scaled_gathered_weight_carries_its_tiles_scales_and_no_amax():
         GatheredFP8Weight(weight_fp8, tile_scales, torch.float32, form="tiles", amax=weight_hp.abs().amax())
 
 
-def _cast_by_two_ranks(recipe, weight_hp):
-    """What two ranks' shard casts send, gathered (concatenated along their first dimension), as the
-    GatheredFP8Weight FSDP2 would be handed."""
-    from fp8graph.fsdp.shard_casts import TiledShardCast
-
-    cast = TiledShardCast("w", recipe, weight_hp, weight_hp.dtype)
-    sent = [cast._cast(shard) for shard in weight_hp.chunk(2)]
-    weight, _ = cast.fsdp_post_all_gather(tuple(torch.cat(parts) for parts in zip(*sent)), (), weight_hp.dtype)
-    return weight
-
-
 def test_row_wise_and_mxfp8_shards_gather_to_the_whole_weights_casts():
     """Two shards' casts, gathered, are the casts of the whole weight, scales included: row-wise's bytes
     and row scales; MXFP8's blocks along K, and along N (grad_input's copy), with E8M0 bytes."""
@@ -326,14 +315,14 @@ def test_row_wise_and_mxfp8_shards_gather_to_the_whole_weights_casts():
     from fp8graph.numerics.tiles import e8m0_to_scale, reference_quantize_tiles
 
     weight_hp = torch.randn(128, 96) * torch.logspace(-3, 3, 128)[:, None]  # rows of every magnitude
-    rows = _cast_by_two_ranks(Float8RowwiseScaling(), weight_hp)
+    rows = gathered_by_two_ranks(Float8RowwiseScaling(), weight_hp)
     whole_fp8, whole_scale = reference_quantize_tiles(weight_hp, Float8RowwiseScaling().tiling(Role.WEIGHT))
     assert rows.form == "rows" and rows.fp8_t_data is None
     assert torch.equal(rows.fp8_data.view(torch.uint8), whole_fp8.view(torch.uint8))
     assert torch.equal(rows.scale, whole_scale.reshape(-1))
     torch.testing.assert_close(rows.dequantized(), weight_hp, rtol=0.07, atol=0)
 
-    mx = _cast_by_two_ranks(MXFP8BlockScaling(), weight_hp)
+    mx = gathered_by_two_ranks(MXFP8BlockScaling(), weight_hp)
     tiling = MXFP8BlockScaling().tiling(Role.WEIGHT)
     along_k, along_k_scale = reference_quantize_tiles(weight_hp, tiling)
     along_n, along_n_scale = reference_quantize_tiles(weight_hp.t(), tiling)  # (K, N), blocks along N

@@ -18,7 +18,7 @@ from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
 from fp8graph.numerics.formats import Role
 from fp8graph.targets.linear_tiled import linear_tiled_target
 from fp8graph.gemm.scaled_gemm import Lowering, choose_lowering
-from helpers import graphs_per_unit, sqnr_db
+from helpers import gathered_by_two_ranks, graphs_per_unit, sqnr_db
 from fp8graph.numerics.quantize import dequantize, quantize_current
 from fp8graph.numerics.tiles import (ScaleKind, Tiling, e8m0_to_scale, mx_scale_e8m0, reference_dequantize_tiles,
                                      reference_quantize_tiles)
@@ -312,17 +312,6 @@ def test_stats_of_tiled_casts_use_each_tiles_scale(recipe):
 
 # --- weights FSDP2 all-gathered in FP8 (fp8graph.fsdp) ----------------------------------------
 
-def _gathered(recipe, weight_hp):
-    """``weight_hp`` as two ranks' FP8 all-gather hands it to the graph (fp8graph.fsdp.shard_casts)."""
-    from fp8graph.fsdp.shard_casts import TiledShardCast
-
-    cast = TiledShardCast("w", recipe, weight_hp, weight_hp.dtype)
-    sent = [cast._cast(shard) for shard in weight_hp.detach().chunk(2)]
-    weight, _ = cast.fsdp_post_all_gather(tuple(torch.cat(parts) for parts in zip(*sent)), (), weight_hp.dtype)
-    weight.requires_grad_(True)
-    return weight
-
-
 def _linear(recipe, x, weight, grad):
     x = x.detach().requires_grad_(True)
     output = linear_tiled_target(recipe, Lowering.EMULATED)(x, weight)
@@ -341,7 +330,7 @@ def test_a_weight_gathered_in_fp8_computes_what_its_own_casts_compute(recipe):
     weight_hp = torch.randn(64, 128, generator=generator) * torch.logspace(-2, 2, 64)[:, None]
     grad = torch.randn(96, 64, generator=generator)
     own_output, own_grad_input, own_grad_weight = _linear(recipe, x, weight_hp.clone().requires_grad_(True), grad)
-    output, grad_input, grad_weight = _linear(recipe, x, _gathered(recipe, weight_hp), grad)
+    output, grad_input, grad_weight = _linear(recipe, x, gathered_by_two_ranks(recipe, weight_hp, True), grad)
     assert torch.equal(output, own_output)
     assert torch.equal(grad_weight, own_grad_weight)
     if isinstance(recipe, MXFP8BlockScaling):
