@@ -33,10 +33,24 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map_only
 
 from fp8graph.numerics.tiles import e8m0_to_scale
+from fp8graph.recipes.scaling import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, Recipe
 
-__all__ = ["FORMS", "GatheredFP8Weight", "is_gathered"]
+__all__ = ["FORMS", "GatheredFP8Weight", "gathered_form", "is_gathered"]
 
 FORMS = ("tensor", "tiles", "rows", "mx")
+
+
+def gathered_form(recipe: Recipe) -> str:
+    """How a weight gathered in FP8 under ``recipe`` is scaled: its ``form``."""
+    if isinstance(recipe, Float8BlockScaling):
+        return "tiles"
+    if isinstance(recipe, Float8RowwiseScaling):
+        return "rows"
+    if isinstance(recipe, MXFP8BlockScaling):
+        return "mx"
+    return "tensor"
+
+
 _INNER = ("fp8_data", "scale", "amax", "fp8_t_data", "scale_t")  # the inner tensors, those present flattened
 
 aten = torch.ops.aten
@@ -96,6 +110,13 @@ class GatheredFP8Weight(torch.Tensor):
         inner = self._inner()
         inner["fp8_data"] = fp8_data
         return GatheredFP8Weight.__tensor_unflatten__(inner, (self.dtype, self.form), None, None)
+
+    def require_form_of(self, recipe: Recipe) -> None:
+        """Raise unless this weight was gathered in the form ``recipe``'s sites read: ``fp8graph.fsdp.install``
+        decides the gather from the same policy as the sites, so another form is a bug, never a user's input."""
+        if self.form != gathered_form(recipe):
+            raise AssertionError(f"a weight gathered in the {self.form!r} form read by a {recipe.name} site: "
+                                 "fp8graph.fsdp.install decides the gather from the same policy")
 
     def element_scale(self) -> torch.Tensor:
         """What multiplied each element of ``fp8_data`` into FP8, broadcastable to its (N, K), fp32."""

@@ -42,15 +42,14 @@ import torch
 import torch.distributed as dist
 
 from fp8graph.buffers.delayed_state import HISTORY_PREFIX, SCALE_PREFIX, FORWARD_ROLES
-from fp8graph.fsdp.gathered_weight import GatheredFP8Weight
+from fp8graph.fsdp.gathered_weight import GatheredFP8Weight, gathered_form
 from fp8graph.numerics.delayed_scaling import amax_from_history
 from fp8graph.numerics.formats import Role
 from fp8graph.numerics.quantize import amax, amax_to_scale, quantize
 from fp8graph.numerics.tiles import e8m0_bytes, reference_quantize_tiles
-from fp8graph.recipes.scaling import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, Recipe, TiledRecipe
+from fp8graph.recipes.scaling import Recipe, TiledRecipe
 
-__all__ = ["TiledShardCast", "ShardCast", "WeightAmaxes", "fp8_gathered_bytes", "gathered_form", "in_backward",
-           "shard_row_multiple"]
+__all__ = ["TiledShardCast", "ShardCast", "WeightAmaxes", "fp8_gathered_bytes", "in_backward", "shard_row_multiple"]
 
 _WEIGHT_ROW = FORWARD_ROLES.index(Role.WEIGHT)
 
@@ -58,17 +57,6 @@ _WEIGHT_ROW = FORWARD_ROLES.index(Role.WEIGHT)
 def in_backward() -> bool:
     """Whether autograd is running a backward now (FSDP2's pre-backward gathers run inside it)."""
     return torch._C._current_graph_task_id() != -1
-
-
-def gathered_form(recipe: Recipe) -> str:
-    """How a weight gathered in FP8 under ``recipe`` is scaled: a ``GatheredFP8Weight`` form."""
-    if isinstance(recipe, Float8BlockScaling):
-        return "tiles"
-    if isinstance(recipe, Float8RowwiseScaling):
-        return "rows"
-    if isinstance(recipe, MXFP8BlockScaling):
-        return "mx"
-    return "tensor"
 
 
 def shard_row_multiple(recipe: Recipe) -> int:

@@ -31,8 +31,8 @@ import torch
 from fp8graph.numerics.formats import fp8_max_exponent
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
-__all__ = ["ScaleKind", "Tiling", "reference_dequantize_tiles", "e8m0_bytes", "e8m0_to_scale", "expand_scale", "mx_scale_e8m0",
-           "reference_quantize_tiles", "reference_quantize_tiles_and_transpose", "tile_amax"]
+__all__ = ["ScaleKind", "Tiling", "reference_dequantize_tiles", "e8m0_bytes", "e8m0_to_scale", "expand_scale",
+           "mx_scale_e8m0", "reference_quantize_tiles", "reference_quantize_tiles_and_transpose", "tile_amax"]
 
 
 class ScaleKind(str, enum.Enum):

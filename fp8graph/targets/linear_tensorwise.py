@@ -305,9 +305,8 @@ class _LinearsFP8(torch.autograd.Function):
         weights_hp, biases_hp = weights_and_biases[:count], weights_and_biases[count:]
         recipe = spec.recipe
         for weight_hp in weights_hp:
-            if is_gathered(weight_hp) and weight_hp.form != "tensor":
-                raise AssertionError(f"a weight gathered in the {weight_hp.form!r} form read by a {recipe.name} "
-                                     "site: fp8graph.fsdp.install decides the gather from the same policy")
+            if is_gathered(weight_hp):
+                weight_hp.require_form_of(recipe)
         device_type = input_hp_2d.device.type
         # Under autocast F.linear returns the autocast dtype; so does this.
         output_dtype = autocast_dtype(device_type) or input_hp_2d.dtype

@@ -43,7 +43,6 @@ from typing import Callable
 import torch
 
 from fp8graph.fsdp.gathered_weight import GatheredFP8Weight, is_gathered
-from fp8graph.fsdp.shard_casts import gathered_form
 from fp8graph.numerics.formats import Role
 from fp8graph.kernels.quantize_tiles import kernel_quantizes
 from fp8graph.targets.linear_tensorwise import autocast_dtype, record_health, target_name
@@ -107,9 +106,7 @@ def _gathered_operands(weight: GatheredFP8Weight, recipe: TiledRecipe, needs_gra
     """``(weight_q (N, K), weight_t_q (K, N) or None, row_scale)`` of a weight FSDP2 gathered in FP8
     (``fp8graph.fsdp.shard_casts``); ``row_scale`` (N,): row-wise's scales, which grad_input moves to
     grad_output (see the module's doc), else None."""
-    if weight.form != gathered_form(recipe):
-        raise AssertionError(f"a weight gathered in the {weight.form!r} form read by a {recipe.name} site: "
-                             "fp8graph.fsdp.install decides the gather from the same policy")
+    weight.require_form_of(recipe)
     tiling = recipe.tiling(Role.WEIGHT)
     if weight.form == "tiles":
         if not tiling.is_square:
