@@ -1,6 +1,7 @@
 """The command-line entry point.
 
     python -m fp8graph demo [--steps N] ...
+    python -m fp8graph passes                 # the backend's graph passes, in the order they run
     torchrun --nproc-per-node 2 -m fp8graph train-distributed [--recipe delayed] ...
 """
 
@@ -23,8 +24,16 @@ def main(argv=None) -> int:
     demo.add_arguments(commands.add_parser("demo", help=demo.__doc__.splitlines()[0]))
     train_distributed.add_arguments(commands.add_parser(
         "train-distributed", help=train_distributed.__doc__.splitlines()[0]))
+    commands.add_parser("passes", help="print the backend's graph passes, in the order they run")
     args = parser.parse_args(argv)
-    return {"demo": demo.run, "train-distributed": train_distributed.run}[args.command](args)
+    return {"demo": demo.run, "train-distributed": train_distributed.run, "passes": _print_passes}[args.command](args)
+
+
+def _print_passes(args) -> int:
+    from fp8graph.passes.pipeline import describe_passes
+
+    print(describe_passes())
+    return 0
 
 
 if __name__ == "__main__":

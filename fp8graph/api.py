@@ -410,8 +410,10 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
     :func:`compile` takes it); a compiled one with its own regions.
     Policy rules that match no site are listed in ``report.unmatched_rules``
     (a strict policy raises ``ValueError`` instead).
-    Like ``torch._dynamo.explain``, this resets Dynamo's caches first, so
-    compiled models recompile on their next call.
+    Nothing else the process compiled is touched: Dynamo keeps a compiled frame for
+    the backend it was compiled with, so explain's run compiles the model's frames for
+    its own backend, beside (never instead of) what ``torch.compile`` or
+    :func:`compile` compiled before, and those run on without recompiling.
 
     Returns:
         An :class:`ExplainReport`: a list of :class:`SiteRecord` with counts per
@@ -442,7 +444,6 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
     if weight_cache is not None:  # explain's run fills the copies: they may be stale or empty
         weight_cache.invalidate()
         weight_cache.before_call()
-    torch._dynamo.reset()
     graph_breaks_before = collections.Counter(counters["graph_break"])
     with torch.no_grad(), session.active() if session is not None else contextlib.nullcontext():
         if all_gather is not None:  # explain's run gathers as the compiled model's call without gradients does
@@ -450,7 +451,6 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
         if session is not None:  # called as the compiled model calls it
             kwargs = _without_training_cache(user_model, _accepts_keyword(user_model, "use_cache"), kwargs)
         torch.compile(model, backend=root_backend)(*args, **kwargs)
-    torch._dynamo.reset()
     graph_breaks = [reason for reason in
                     (collections.Counter(counters["graph_break"]) - graph_breaks_before).elements()
                     if not is_region_boundary(reason)]

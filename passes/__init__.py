@@ -1,9 +1,8 @@
-"""FX graph passes of the fp8 backend; ``pipeline.run_passes`` runs them in order.
-
-``anchored_inputs`` -> ``find_sites`` -> ``annotate`` -> ``group_sites`` -> ``rewrite``. The annotate
-pass only writes a decision into ``node.meta``; ``group_sites`` groups the
-decided sites that read one input; the rewrite pass only reads decisions and
-groups; the report is built from the same decisions.
+"""FX graph passes of the fp8 backend: ``pipeline.PASSES`` is their ordered list, ``pipeline.run_passes`` the
+driver that runs them and checks the graph's side effects after each (``python -m fp8graph passes`` prints
+the list). The annotate pass only writes a decision into ``node.meta``; ``group_sites`` groups the decided
+sites that read one input; the rewrite pass only reads decisions and groups; the report is built from the
+same decisions.
 """
 
 from .annotate import DECISION_KEY, annotate_sites

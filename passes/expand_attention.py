@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .module_paths import with_child_module
+from .side_effects import REPLACES_KEY
 
 __all__ = ["MHA_ARGUMENTS", "UNEXPANDED_KEY", "attention_arguments", "expand_attention", "is_multi_head_attention"]
 
@@ -156,7 +157,11 @@ def _expand(graph_module: torch.fx.GraphModule, call: torch.fx.Node) -> None:
     nodes_by_value = {id(value): node for node, value in zip(tree_flatten((call.args, call.kwargs))[0],
                                                                tree_flatten((args, kwargs))[0])
                       if isinstance(node, torch.fx.Node)}
-    meta = {key: value for key, value in call.meta.items() if key not in ("example_value", "val")}
+    # The ops stand for the call (the side-effect check keeps it where they are); what was read of the call
+    # itself (its value, its effects, its stamp) is not theirs.
+    meta = {key: value for key, value in call.meta.items()
+            if key not in ("example_value", "val") and not key.startswith("fp8graph_")}
+    meta[REPLACES_KEY] = call
     graph = graph_module.graph
     recorder = _Recorder(graph, nodes_by_value, meta)
     try:

@@ -1,24 +1,27 @@
-"""The fp8 backend's passes over one Dynamo graph, in order: :func:`run_passes`.
+"""The fp8 backend's passes over one Dynamo graph: the ordered list :data:`PASSES`, run by :func:`run_passes`.
 
-    anchored_inputs   the buffers the model's hooks anchored become known graph inputs; anchors removed
-    expand_attention  F.multi_head_attention_forward calls opened into the ops they run, their GEMMs visible
-    find_sites        every linear and matmul node, read into linear form
-    annotate          each site's decision (a recipe and its GEMM lowering, or why it stays) in node.meta
-    group_sites       decided sites that read one input, one cast of it
-    rewrite           decided sites replaced by fp8graph's targets, their buffers threaded in
-    unpermute         in graphs with FP8 expert GEMMs, the tokens' order restored by a gather whose backward
-                      gathers too (not index_put into zeros)
+    anchored_inputs         the buffers the model's hooks anchored become known graph inputs; anchors removed
+    expand_attention        F.multi_head_attention_forward calls opened into the ops they run, GEMMs visible
+    find_sites              every linear and matmul node, read into linear form
+    annotate                each site's decision (a recipe and its GEMM lowering, or why it stays) in node.meta
+    group_sites             decided sites that read one input, one cast of it
+    rewrite                 decided sites replaced by fp8graph's targets, their buffers threaded in
+    unpermute               in graphs with FP8 expert GEMMs, the tokens' order restored by a gather whose
+                            backward gathers too (not index_put into zeros)
+    check_gathered_weights  FSDP2's FP8-gathered weights are read only by FP8 sites of their recipe
 
-Each pass reads only what the ones before it wrote; the report is built from the same decisions.
-Dynamo's graph is not functional: the driver checks that the passes left every node with side effects
-(in-place writes, RNG; ``side_effects``) in place and in order, and refuses the graph otherwise.
+Every pass has one signature, ``pass(state: PassState) -> None``: it rewrites ``state.gm`` in place and
+writes what later passes read into ``state``. ``python -m fp8graph passes`` prints the list. Dynamo's graph
+is not functional: after every pass the driver checks that each node with side effects (in-place writes,
+RNG, opaque calls; ``side_effects``) is still there, once and in order, and refuses the graph otherwise.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import operator
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.fx
@@ -36,7 +39,7 @@ from .annotate import Decision, annotate_sites
 from .find_sites import find_sites
 from .group_sites import group_sites
 from .rewrite import rewrite_sites
-from .side_effects import side_effect_nodes
+from .side_effects import REPLACES_KEY, side_effect_nodes
 from .unpermute import unpermute_expert_outputs
 from .subgraphs import Subgraphs
 
@@ -96,85 +99,215 @@ def parameter_owners(modules_by_path: dict | None) -> dict[int, tuple[str, type]
     return owners
 
 
+@dataclasses.dataclass
+class PassState:
+    """One graph on its way through the passes: what each pass reads from the ones before it and writes.
+
+    Each field is written by one pass (named beside it) and only read after.
+    """
+
+    gm: torch.fx.GraphModule
+    example_inputs: Sequence[object]
+    context: PassContext
+    device: torch.device = torch.device("cpu")
+    value_of: dict = dataclasses.field(default_factory=dict)  # placeholder -> its real tensor
+    buffers: "AnchoredBuffers | None" = None  # anchored_inputs
+    sites: list = dataclasses.field(default_factory=list)  # find_sites
+    decisions: list = dataclasses.field(default_factory=list)  # annotate
+    groups: list = dataclasses.field(default_factory=list)  # group_sites
+
+
+@dataclasses.dataclass
+class AnchoredBuffers:
+    """The graph inputs the model's hooks anchored, by kind, and the lookups of each site's buffers."""
+
+    stats: dict  # id(stats buffer) -> placeholder
+    state: dict  # id(delayed-state buffer) -> placeholder
+    state_updated: set  # placeholders of the state a call updates (a training call of a training module)
+    cache: dict  # id(FP8 weight copy) -> placeholder
+    weight_cache_mode: str  # "fill" or "reuse": a call does one or the other
+    state_by_weight: dict
+    cache_by_weight: dict
+    value_of: dict
+    stats_collector: object | None
+
+    def cache_nodes(self, site):
+        buffers = self.cache_by_weight.get(id(self.value_of.get(site.weight_input)), ())
+        nodes = tuple(self.cache.get(id(buffer)) for buffer in buffers)
+        return nodes if nodes and None not in nodes else None
+
+    def state_nodes(self, site):
+        entry = self.state_by_weight.get(id(self.value_of.get(site.weight_input)))
+        if entry is None:
+            return None
+        nodes = tuple(self.state.get(id(buffer)) for buffer in entry.buffers())
+        return None if None in nodes else nodes
+
+    def updates_state(self, site) -> bool:
+        nodes = self.state_nodes(site)
+        return nodes is not None and nodes[0] in self.state_updated
+
+    def stats_node(self, site):
+        buffer = self.stats_collector.buffer_of(site.path) if self.stats_collector is not None else None
+        return self.stats.get(id(buffer))
+
+    def compatibility(self, decision) -> tuple:
+        """Sites that share one cast of their input must carry the same kinds of buffers."""
+        return (self.state_nodes(decision.site) is not None, self.updates_state(decision.site),
+                self.cache_nodes(decision.site) is not None)
+
+
+def take_anchors(state: PassState) -> None:
+    """The buffers the model's hooks anchored become known graph inputs; the anchors go."""
+    gm, value_of = state.gm, state.value_of
+    stats = {id(value_of[n]): n for n in take_anchored_inputs(gm, stats_anchor)}
+    # Delayed state a call updates (its module trains) or only reads (eval mode); without gradients, only reads.
+    updating = take_anchored_inputs(gm, state_anchor)
+    delayed = {id(value_of[n]): n for n in take_anchored_inputs(gm, state_read_anchor) + updating}
+    # A call fills the weights' FP8 copies or reuses them, never both: one kind of anchor per graph.
+    fill, reuse = take_anchored_inputs(gm, fill_anchor), take_anchored_inputs(gm, reuse_anchor)
+    context = state.context
+    state.buffers = AnchoredBuffers(
+        stats=stats, state=delayed, state_updated=set(updating) if torch.is_grad_enabled() else set(),
+        cache={id(value_of[n]): n for n in fill + reuse}, weight_cache_mode="reuse" if reuse else "fill",
+        state_by_weight=context.state.by_weight(), cache_by_weight=context.weight_cache.by_weight(),
+        value_of=value_of, stats_collector=context.stats)
+
+
+def open_attention(state: PassState) -> None:
+    """``F.multi_head_attention_forward`` calls opened into the ops they run, their GEMMs visible."""
+    for graph_module in Subgraphs(state.gm):
+        expand_attention(graph_module)
+
+
+def find(state: PassState) -> None:
+    """Every linear and matmul node, read into linear form."""
+    context = state.context
+    state.sites = find_sites(state.gm, state.example_inputs, context.paths_by_id,
+                             parameter_owners(context.modules_by_path))
+
+
+def annotate(state: PassState) -> None:
+    """Each site's decision (a recipe and its GEMM lowering, or why it stays) in ``node.meta``."""
+    context, device, buffers = state.context, state.device, state.buffers
+    state.decisions = annotate_sites(
+        state.sites, context.policy,
+        lambda recipe, site: choose_lowering(device, context.lowering, recipe, batched=not site.is_linear,
+                                             grouped=site.is_experts, gathered=site.is_gathered_experts),
+        context.modules_by_path, has_state=lambda site: buffers.state_nodes(site) is not None)
+
+
+def group(state: PassState) -> None:
+    """Decided sites that read one input: one cast of it."""
+    state.groups = group_sites(state.decisions, state.buffers.compatibility)
+
+
+def rewrite(state: PassState) -> None:
+    """Decided sites replaced by fp8graph's targets, their buffers threaded in."""
+    buffers = state.buffers
+    rewrite_sites(state.gm, buffers.stats_node, buffers.state_nodes, updates_state=buffers.updates_state,
+                  cache_nodes=buffers.cache_nodes, weight_cache=buffers.weight_cache_mode, groups=state.groups)
+
+
+def unpermute(state: PassState) -> None:
+    """In graphs with FP8 expert GEMMs, the tokens' order restored by a gather whose backward gathers too."""
+    for graph_module in {id(d.site.graph_module): d.site.graph_module for d in state.decisions
+                         if d.rewritten and d.site.is_experts and not d.site.is_gathered_experts}.values():
+        unpermute_expert_outputs(graph_module)
+
+
+def check_gathers(state: PassState) -> None:
+    """FSDP2's FP8-gathered weights are read only by FP8 sites of their recipe (a check; changes nothing)."""
+    for graph_module in Subgraphs(state.gm):
+        check_gathered_weights(graph_module, state.value_of, state.decisions)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPass:
+    """One pass: a name, and a function of the :class:`PassState` that rewrites ``state.gm`` in place."""
+
+    name: str
+    run: Callable[[PassState], None]
+
+    @property
+    def summary(self) -> str:
+        return (self.run.__doc__ or "").strip().splitlines()[0]
+
+
+# The passes, in order. Each reads only what the ones before it wrote; the driver checks after each one that
+# the graph's side effects are all still there, in order.
+PASSES: tuple[GraphPass, ...] = (
+    GraphPass("anchored_inputs", take_anchors),
+    GraphPass("expand_attention", open_attention),
+    GraphPass("find_sites", find),
+    GraphPass("annotate", annotate),
+    GraphPass("group_sites", group),
+    GraphPass("rewrite", rewrite),
+    GraphPass("unpermute", unpermute),
+    GraphPass("check_gathered_weights", check_gathers),
+)
+
+
+def describe_passes() -> str:
+    """The pass list as ``python -m fp8graph passes`` prints it."""
+    width = max(len(graph_pass.name) for graph_pass in PASSES)
+    return "\n".join(f"{index}. {graph_pass.name:<{width}}  {graph_pass.summary}"
+                     for index, graph_pass in enumerate(PASSES, 1))
+
+
 def _side_effects_by_graph(gm: torch.fx.GraphModule) -> list[list[torch.fx.Node]]:
-    return [side_effect_nodes(graph_module) for graph_module in Subgraphs(gm)]
+    """Each graph's side-effect nodes, in order, each stamped in its meta: a copy of one (``node_copy``, or a
+    copied ``meta``) carries the stamp too, which is how the check finds duplicates."""
+    nodes_by_graph = [side_effect_nodes(graph_module) for graph_module in Subgraphs(gm)]
+    for nodes in nodes_by_graph:
+        for node in nodes:
+            node.meta[_STAMP_KEY] = node
+    return nodes_by_graph
 
 
-def _check_side_effects_kept(gm: torch.fx.GraphModule, before: list[list[torch.fx.Node]]) -> None:
-    """Raise if a pass deleted or reordered a node with side effects that was in ``gm`` before."""
+_STAMP_KEY = "fp8graph_side_effect"
+
+
+def _check_side_effects_kept(gm: torch.fx.GraphModule, before: list[list[torch.fx.Node]],
+                             pass_name: str = "a pass") -> None:
+    """Raise if ``pass_name`` deleted, duplicated or reordered a node with side effects that was in ``gm`` before.
+
+    A node a pass replaced by the ops it runs (``expand_attention``) is kept where its replacements stand:
+    they name it in ``node.meta[REPLACES_KEY]``.
+    """
     after = {id(graph_module.graph): graph_module for graph_module in Subgraphs(gm)}
     for nodes in before:
         if not nodes:
             continue
         graph = nodes[0].graph
-        kept = set(graph.nodes) if id(graph) in after else set()
-        order = {node: index for index, node in enumerate(graph.nodes)}
-        lost = [node for node in nodes if node not in kept]
-        positions = [order[node] for node in nodes if node in kept]
-        if lost or positions != sorted(positions):
-            node = lost[0] if lost else nodes[0]
+        kept = list(graph.nodes) if id(graph) in after else []
+        order: dict = {}
+        for index, node in enumerate(kept):
+            order[node] = index
+            if REPLACES_KEY in node.meta:
+                order.setdefault(node.meta[REPLACES_KEY], index)
+        stamps = collections.Counter(node.meta.get(_STAMP_KEY) for node in kept)
+        lost = [node for node in nodes if node not in order]
+        duplicated = [node for node in nodes if stamps[node] > 1]
+        positions = [order[node] for node in nodes if node in order]
+        if lost or duplicated or positions != sorted(positions):
+            node = lost[0] if lost else duplicated[0] if duplicated else nodes[0]
             where = (node.meta.get("stack_trace") or "").strip().splitlines()[-1:] or ["<no user code>"]
-            what = f"deleted {node.name} ({node.target}, {where[0].strip()})" if lost else "reordered the graph's writes"
-            raise AssertionError(f"fp8graph: a pass {what}; Dynamo's graph keeps in-place writes and RNG as "
-                                 "nodes nobody reads, and no pass may remove or move them")
+            what = ("deleted" if lost else "duplicated" if duplicated else "reordered the graph's writes, e.g.")
+            raise AssertionError(f"fp8graph: pass {pass_name} {what} {node.name} ({node.target}, {where[0].strip()}); "
+                                 "Dynamo's graph keeps in-place writes and RNG as nodes nobody reads, and no pass may "
+                                 "remove, copy or move them")
 
 
 def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], context: PassContext):
-    """Rewrite ``gm`` in place; returns ``(decisions, stats buffers written)``: every site's decision, and
-    ``[(module path, buffer)]`` of the stats buffers the rewritten sites write."""
-    side_effects_before = _side_effects_by_graph(gm)
-    device = graph_device(example_inputs)
-    value_of = placeholder_values(gm, example_inputs)
-    stats_placeholders = {id(value_of[n]): n for n in take_anchored_inputs(gm, stats_anchor)}
-    # Delayed state a call updates (its module trains) or only reads (eval mode); without gradients, only reads.
-    updating = take_anchored_inputs(gm, state_anchor)
-    state_placeholders = {id(value_of[n]): n for n in take_anchored_inputs(gm, state_read_anchor) + updating}
-    state_updated = set(updating) if torch.is_grad_enabled() else set()
-    # A call fills the weights' FP8 copies or reuses them, never both: one kind of anchor per graph.
-    fill, reuse = take_anchored_inputs(gm, fill_anchor), take_anchored_inputs(gm, reuse_anchor)
-    cache_placeholders = {id(value_of[n]): n for n in fill + reuse}
-    for graph_module in Subgraphs(gm):
-        expand_attention(graph_module)
-    sites = find_sites(gm, example_inputs, context.paths_by_id, parameter_owners(context.modules_by_path))
-    state_by_weight = context.state.by_weight()
-    cache_by_weight = context.weight_cache.by_weight()
-
-    def cache_nodes(site):
-        buffers = cache_by_weight.get(id(value_of.get(site.weight_input)), ())
-        nodes = tuple(cache_placeholders.get(id(buffer)) for buffer in buffers)
-        return nodes if nodes and None not in nodes else None
-
-    def state_nodes(site):
-        entry = state_by_weight.get(id(value_of.get(site.weight_input)))
-        if entry is None:
-            return None
-        nodes = tuple(state_placeholders.get(id(buffer)) for buffer in entry.buffers())
-        return None if None in nodes else nodes
-
-    def updates_state(site):
-        nodes = state_nodes(site)
-        return nodes is not None and nodes[0] in state_updated
-
-    def stats_nodes(site):
-        buffer = context.stats.buffer_of(site.path) if context.stats is not None else None
-        return stats_placeholders.get(id(buffer))
-
-    decisions: list[Decision] = annotate_sites(
-        sites, context.policy,
-        lambda recipe, site: choose_lowering(device, context.lowering, recipe, batched=not site.is_linear,
-                                             grouped=site.is_experts, gathered=site.is_gathered_experts),
-        context.modules_by_path, has_state=lambda site: state_nodes(site) is not None)
-    # Sites that read one input share its cast; they must carry the same kinds of buffers.
-    groups = group_sites(decisions, lambda d: (state_nodes(d.site) is not None, updates_state(d.site),
-                                               cache_nodes(d.site) is not None))
-    rewrite_sites(gm, stats_nodes, state_nodes, updates_state=updates_state, cache_nodes=cache_nodes,
-                  weight_cache="reuse" if reuse else "fill", groups=groups)
-    for graph_module in {id(d.site.graph_module): d.site.graph_module for d in decisions
-                         if d.rewritten and d.site.is_experts and not d.site.is_gathered_experts}.values():
-        unpermute_expert_outputs(graph_module)
-    _check_side_effects_kept(gm, side_effects_before)
-    for graph_module in Subgraphs(gm):
-        check_gathered_weights(graph_module, value_of, decisions)
-    stats_written = [(d.site.path, value_of[node]) for d in decisions
-                     if d.rewritten and (node := stats_nodes(d.site)) is not None]
-    return decisions, stats_written
+    """Run :data:`PASSES` over ``gm`` in place; returns ``(decisions, stats buffers written)``: every site's
+    decision, and ``[(module path, buffer)]`` of the stats buffers the rewritten sites write."""
+    state = PassState(gm, example_inputs, context, device=graph_device(example_inputs),
+                      value_of=placeholder_values(gm, example_inputs))
+    for graph_pass in PASSES:
+        before = _side_effects_by_graph(gm)
+        graph_pass.run(state)
+        _check_side_effects_kept(gm, before, graph_pass.name)
+    stats_written = [(d.site.path, state.value_of[node]) for d in state.decisions
+                     if d.rewritten and (node := state.buffers.stats_node(d.site)) is not None]
+    return state.decisions, stats_written

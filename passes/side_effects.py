@@ -20,12 +20,19 @@ checks are still there, in order, after every pass.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import operator
+import types
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["has_side_effects", "side_effect_nodes", "written_nodes", "UNKNOWN"]
+__all__ = ["EFFECTS_KEY", "Effects", "REPLACES_KEY", "UNKNOWN", "effects_of", "has_side_effects", "side_effect_nodes", "written_nodes"]
 
 # The in-place operators of Python's data model: ``y += x`` reaches the graph as operator.iadd.
 _INPLACE_OPERATORS = {
@@ -33,12 +40,21 @@ _INPLACE_OPERATORS = {
     operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
     operator.ixor, operator.ilshift, operator.irshift,
 }
-# Name fragments of the ops that draw from the random number generator: moving or deleting one changes
-# every random number drawn after it.
+# Name fragments of the ops that draw from the random number generator, for a node the probe cannot run:
+# moving or deleting one changes every random number drawn after it.
 _RANDOM_FRAGMENTS = ("rand", "dropout", "bernoulli", "multinomial", "poisson", "rrelu")
 _RANDOM_NAMES = {"normal", "normal_", "uniform_", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_",
                  "seed", "manual_seed"}
+# Functions that change the generator itself rather than draw from it: never run by the probe (they would
+# reseed the process's real generator), always a side effect.
+_GENERATOR_STATE_NAMES = {"seed", "manual_seed", "set_rng_state", "get_rng_state", "fork_rng"}
 _IN_PLACE_DUNDERS = {f"__{name.__name__}__" for name in _INPLACE_OPERATORS}
+# Where a target the probe may run comes from: torch's ops (their effects go through the dispatcher, where
+# the probe sees them), Python's operators on tensors and the builtins Dynamo leaves in graphs.
+_PROBED_MODULES = ("torch", "operator", "_operator", "builtins", "math")
+EFFECTS_KEY = "fp8graph_effects"
+# On a node a pass made to stand for one it removed (the ops of an opened call): the node it replaces.
+REPLACES_KEY = "fp8graph_replaces"
 
 
 class _Unknown:
@@ -49,6 +65,199 @@ class _Unknown:
 
 
 UNKNOWN = _Unknown()
+
+
+@dataclasses.dataclass(frozen=True)
+class Effects:
+    """What one node does besides computing its result.
+
+    ``written``: the graph nodes whose storage it writes (``()`` for none), or :data:`UNKNOWN` when it may
+    write anything it can reach; ``draws_random``: it draws from the random number generator (or changes it).
+    """
+
+    written: tuple | _Unknown
+    draws_random: bool
+
+    @property
+    def any(self) -> bool:
+        return self.written is UNKNOWN or bool(self.written) or self.draws_random
+
+
+_OPAQUE = Effects(UNKNOWN, False)
+_NONE = Effects((), False)
+
+
+def effects_of(node: torch.fx.Node) -> Effects:
+    """What ``node`` does, known by running it, not by how it is spelled.
+
+    A call of a torch op, a tensor method or a Python operator runs once on fresh fake tensors shaped as
+    its arguments (their values are never touched) under a dispatch mode that records every ATen op it
+    reaches: an argument is written where an op's schema marks a write into its storage (``relu_`` behind
+    ``F.relu(h, inplace=True)``, ``copy_`` behind ``x[i] = v``, ``out=``), and a draw is an op tagged
+    ``nondeterministic_seeded`` (``bernoulli_`` behind ``F.dropout``). A write into storage that is neither an
+    argument's nor made during the call is a write to something else the graph holds: :data:`UNKNOWN`.
+    Modules, higher-order ops, FX's impure calls (grad mode, autocast, profiler ranges, asserts) and code
+    from outside torch are opaque: :data:`UNKNOWN`. A call the probe cannot run (no example values, or a
+    data-dependent op) is read from its spelling instead. Remembered in ``node.meta``.
+    """
+    # Remembered with the call it was read from: a pass that copies a node's meta onto another call, or gives
+    # the node other arguments, does not carry the answer over.
+    call = (node.op, node.target, node.args, node.kwargs)
+    cached = node.meta.get(EFFECTS_KEY)
+    if cached is None or not _same_call(cached[0], call):
+        cached = node.meta[EFFECTS_KEY] = (call, _effects(node))
+    return cached[1]
+
+
+def _same_call(a: tuple, b: tuple) -> bool:
+    try:
+        return a[0] == b[0] and a[1] is b[1] and a[2] == b[2] and a[3] == b[3]
+    except Exception:  # arguments whose comparison is not a bool (tensors as constants)
+        return False
+
+
+def _effects(node: torch.fx.Node) -> Effects:
+    if node.op in ("placeholder", "get_attr", "output"):
+        return _NONE
+    if getattr(node.target, "_fp8graph_writes_nothing", False):
+        return _NONE  # fp8graph's own markers (the buffers' anchors): identities that only mark their inputs
+    if node.op == "call_module" or isinstance(node.target, torch._ops.HigherOrderOperator):
+        return _OPAQUE
+    if _name(node) in _GENERATOR_STATE_NAMES:
+        return Effects(UNKNOWN, True)
+    if node.op == "call_function" and _has_global_effects(node.target):
+        return _OPAQUE  # never run: grad mode, autocast, profiler ranges, asserts
+    if node.op == "call_function" and not _from_probed_module(node.target):
+        return _OPAQUE
+    read = _effects_by_schema(node)
+    if read is not None:
+        return read
+    probed = _probe(node)
+    return probed if probed is not None else _effects_by_spelling(node)
+
+
+# Where torch's C-bound functions live; each calls the ATen op of its own name.
+_BINDING_MODULES = {"torch", "torch._C._nn", "torch._C._VariableFunctions", "torch._C._linalg", "torch._C._special",
+                    "torch._C._fft"}
+_C_METHOD_TYPES = (types.MethodDescriptorType, types.WrapperDescriptorType, types.BuiltinFunctionType)
+
+
+def _effects_by_schema(node: torch.fx.Node) -> Effects | None:
+    """No effects, read from the schemas, for a C-bound torch function or tensor method whose ATen op of
+    the same name has no overload that writes a positional argument (or a keyword one the node passes) or
+    draws random numbers; None where the probe must decide. An ATen op that writes its input says so in its
+    schema; a C binding calls the op of its name, so no overload of it writing means the call writes
+    nothing. This answers most of a graph's nodes (matmul, view, add) without running them."""
+    if node.op == "call_function" and getattr(node.target, "__module__", None) in ("_operator", "operator") \
+            and node.target not in _INPLACE_OPERATORS:
+        return _NONE  # Python's out-of-place operators (a * b, x[i]): the data model keeps them out of place
+    if node.op == "call_method":
+        name = str(node.target)
+        if not isinstance(getattr(torch.Tensor, name, None), _C_METHOD_TYPES):
+            return None  # a method written in Python (torch/_tensor.py): the probe runs it
+    elif isinstance(node.target, types.BuiltinFunctionType) and node.target.__module__ in _BINDING_MODULES:
+        name = node.target.__name__
+    else:
+        return None
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+    for overload in packet.overloads():
+        op = getattr(packet, overload)
+        if torch.Tag.nondeterministic_seeded in op.tags:
+            return None
+        for argument in op._schema.arguments:
+            if argument.alias_info is not None and argument.alias_info.is_write \
+                    and (not argument.kwarg_only or argument.name in node.kwargs):
+                return None
+    return _NONE
+
+
+def _has_global_effects(target) -> bool:
+    """FX's list of calls whose effects are not on tensors (it also lists setitem, a tensor write the probe
+    sees)."""
+    try:
+        return target in torch.fx.node._side_effectful_functions and target not in _INPLACE_OPERATORS
+    except TypeError:  # an unhashable target
+        return True
+
+
+def _from_probed_module(target) -> bool:
+    module = getattr(target, "__module__", None) or type(target).__module__ or ""
+    return module.split(".")[0] in _PROBED_MODULES or isinstance(target, (torch._ops.OpOverload,
+                                                                          torch._ops.OpOverloadPacket))
+
+
+def _value(node: torch.fx.Node):
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the storages each ATen op writes and whether one draws random numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.written: list = []
+        self.made: set = set()
+        self.draws_random = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.draws_random = True
+        for index, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                value = args[index] if index < len(args) else kwargs.get(argument.name)
+                self.written += [_storage_of(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+        result = func(*args, **kwargs)
+        self.made.update(_storage_of(t) for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor))
+        return result
+
+
+def _storage_of(tensor: torch.Tensor):
+    return StorageWeakRef(tensor.untyped_storage())
+
+
+def _probe(node: torch.fx.Node) -> Effects | None:
+    """Run ``node`` on fresh fake arguments and see what it writes and draws; None when it cannot run."""
+    values = {n: _value(n) for n in node.all_input_nodes}
+    if any(isinstance(v, torch.fx.Node) for v in values.values()):
+        return None
+    tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
+    output = _value(node)
+    fake_mode = detect_fake_mode(tensors + [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)])
+    if fake_mode is None:
+        if tensors or isinstance(output, torch.Tensor) or any(v is None for v in values.values()):
+            return None  # real tensors (a frozen graph's constants) or no example values: not run
+        return Effects((), _draws_random(node))  # no tensor in or out (arithmetic on sizes): none to write
+    recorder = _Recorder()
+    try:
+        with fake_mode, torch.no_grad():
+            fresh = {n: _fresh_like(v) for n, v in values.items()}
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: fresh[n])
+            target = getattr(args[0], node.target) if node.op == "call_method" else node.target
+            call_args = args[1:] if node.op == "call_method" else args
+            with recorder:
+                target(*call_args, **kwargs)
+    except Exception:  # data-dependent outputs, ops fake tensors do not implement, ...
+        return None
+    storage_of_argument = {_storage_of(v): n for n, v in fresh.items() if isinstance(v, torch.Tensor)}
+    written = []
+    for storage in recorder.written:
+        if storage in storage_of_argument:
+            written.append(storage_of_argument[storage])
+        elif storage not in recorder.made:
+            return Effects(UNKNOWN, recorder.draws_random)
+    return Effects(tuple(dict.fromkeys(written)), recorder.draws_random)
+
+
+def _fresh_like(value):
+    """A fake tensor of ``value``'s layout in a storage of its own, so nothing the probe runs touches the
+    graph's example values; other values as they are."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
 
 
 def _name(node: torch.fx.Node) -> str:
@@ -80,37 +289,43 @@ def _mutated_schema_args(node: torch.fx.Node) -> list | None:
     return written
 
 
-def written_nodes(node: torch.fx.Node):
-    """The graph nodes whose storage ``node`` writes, or :data:`UNKNOWN` when it may write anything.
+def _in_place_keyword(node: torch.fx.Node) -> bool:
+    """``F.relu(x, inplace=True)``, ``F.dropout(x, 0.1, True, True)``: the ``inplace`` parameter, however passed."""
+    if node.op != "call_function":
+        return False
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):
+        return False
+    return bound.arguments.get("inplace") is True
 
-    ``[]`` for a node that writes nothing. Higher-order ops and modules are
-    opaque: :data:`UNKNOWN`.
-    """
-    if node.op in ("placeholder", "get_attr", "output"):
-        return []
-    if node.op == "call_module":
-        return UNKNOWN
+
+def _effects_by_spelling(node: torch.fx.Node) -> Effects:
+    """What a node the probe could not run writes, read from its name, schema and keywords."""
     out = node.kwargs.get("out")
     written = [out] if out is not None else []
     if node.op == "call_method":
         if _is_in_place_name(str(node.target)):
             written.append(node.args[0])
-    elif node.target in _INPLACE_OPERATORS:
+    elif node.target in _INPLACE_OPERATORS or _in_place_keyword(node):
         written.append(node.args[0])
-    elif isinstance(node.target, torch._ops.HigherOrderOperator):
-        return UNKNOWN
     else:
         schema_written = _mutated_schema_args(node)
         if schema_written is not None:
             written += schema_written
         elif _is_in_place_name(_name(node)) and node.args:
             written.append(node.args[0])  # torch.relu_(x), torch.index_add_(x, ...)
-        elif node.is_impure() and not _draws_random(node):  # FX counts torch.rand impure: it writes no tensor
-            return UNKNOWN  # FX's own list: autograd state, profiler ranges, asserts, ...
     values = [value for value in _flatten(written) if value is not None]
     if not all(isinstance(value, torch.fx.Node) for value in values):
-        return UNKNOWN  # writes something that is not a graph value
-    return values
+        return Effects(UNKNOWN, _draws_random(node))  # writes something that is not a graph value
+    return Effects(tuple(values), _draws_random(node))
+
+
+def written_nodes(node: torch.fx.Node):
+    """The graph nodes whose storage ``node`` writes, or :data:`UNKNOWN` when it may write anything
+    (``[]`` for a node that writes nothing)."""
+    written = effects_of(node).written
+    return written if written is UNKNOWN else list(written)
 
 
 def _flatten(value):
@@ -126,8 +341,7 @@ def has_side_effects(node: torch.fx.Node) -> bool:
     it writes a tensor, draws random numbers, or does something FX cannot see into."""
     if node.op in ("placeholder", "output"):
         return True
-    written = written_nodes(node)
-    return written is UNKNOWN or bool(written) or (node.op in ("call_function", "call_method") and _draws_random(node))
+    return effects_of(node).any
 
 
 def side_effect_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

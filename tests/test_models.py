@@ -90,3 +90,23 @@ def test_explain_unwraps_a_model_compiled_with_the_backend_string():
     compiled = torch.compile(model, backend="fp8")
     report = fp8graph.explain(compiled, example_input("mlp"))
     assert [r.path for r in report] == ["up", "mid", "head"]
+
+
+def test_explain_leaves_what_the_process_compiled_before_it_alone():
+    """explain compiles the model for its own backend: a function and a model compiled before it, plainly
+    and by fp8graph, run on after it without recompiling (no reset of Dynamo's caches)."""
+    from torch._dynamo.testing import CompileCounter
+
+    model, x = build("mlp", "tiny"), example_input("mlp")
+    counter = CompileCounter()
+    plain_function = torch.compile(lambda a: torch.sin(a) + 1, backend=counter)
+    plain_model = torch.compile(build("mlp", "tiny"), backend=counter)
+    fp8_model = fp8graph.compile(model, compiler="aot_eager")
+    plain_function(torch.randn(4)), plain_model(x), fp8_model(x)
+    frames, fp8_graphs = counter.frame_count, fp8_model.fp8graph_backend.graph_count
+    assert frames == 2 and fp8_graphs == 1
+
+    report = fp8graph.explain(model, x)
+    assert [r.path for r in report] == ["up", "mid", "head"]  # explain saw the graph the compiled model holds
+    plain_function(torch.randn(4)), plain_model(x), fp8_model(x)
+    assert counter.frame_count == frames and fp8_model.fp8graph_backend.graph_count == fp8_graphs

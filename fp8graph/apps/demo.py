@@ -4,7 +4,7 @@ Both runs start from the same seeded weights, see the same batches and keep
 fp32 master weights; the FP8 run also has every eligible projection
 rewritten by the fp8 backend, with FP8 health statistics recorded every few
 steps. The high precision is BF16 autocast on a GPU and on a CPU with BF16
-matrix units, fp32 on a CPU without them (see ``fp8graph.apps.demo_baseline``).
+matrix units (AMX), fp32 on a CPU without them (see ``fp8graph.apps.demo_baseline``).
 Prints the rewrite table, the least healthy FP8 tensors, both final losses
 and the wall time of each phase, and writes the loss curves with their gap,
 the per-site health plot and CSV, and the HTML view of the rewritten graph.
@@ -170,10 +170,7 @@ def run(args: argparse.Namespace) -> int:
     with phases.phase("build the models"):
         fp8_model = build("llama", args.model, seed=0).to(device)
         reference_model = build("llama", args.model, seed=0).to(device)
-    with phases.phase("choose the high precision"):
-        config = fp8_model.config
-        baseline = choose_baseline(device, args.precision, (
-            args.batch_size * args.seq_len, config.hidden_size, config.intermediate_size))
+    baseline = choose_baseline(device, args.precision)
     console.print(f"[bold]fp8graph demo[/bold]: Llama '{args.model}' on {device}, compiler {compiler}, "
                   f"{args.steps} steps of {args.batch_size}x{args.seq_len} bytes, torch {torch.__version__}")
     console.print(f"high precision: {baseline.name} ({baseline.reason})")

@@ -1,30 +1,66 @@
 """Which high-precision dtype the demo's baseline (and FP8's high-precision ops) run in.
 
-On a CUDA GPU the baseline is BF16 autocast, what FP8 training is compared with
-in practice. A CPU is another matter: one without BF16 matrix units (AVX2-only
-x86, most AMD EPYCs before Zen 4) has oneDNN refuse BF16 and ATen fall back to a
-reference GEMM, tens of times slower than fp32 (measured: the README's demo
-section). So on CPU the demo times one matmul of
-the demo's shape in both dtypes and runs both of its runs in BF16 autocast,
-unless BF16 is over 2x slower than fp32 (emulated): then in plain fp32. The
-comparison stays fair (both runs in the same precision, same weights and
-batches); the choice and its measured reason are printed.
+On a CUDA GPU the baseline is BF16 autocast, what FP8 training is compared with in practice. On a CPU it
+is decided from what the CPU reports, never from a timing: BF16 autocast only where the CPU has AMX's
+BF16 tile units and both ATen and oneDNN may use them; fp32 everywhere else. Without AMX a BF16 matmul
+is emulated (AVX2-only x86) or run on AVX-512 BF16 dot products that can be slower than fp32's FMAs on
+the demo's small shapes; a single timed matmul told these apart badly on a busy machine and once chose
+BF16 where a step took many times fp32's (README, "The demo"). Both runs use the chosen precision, so
+the comparison stays fair; the choice and the features behind it are printed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
+import os
+import pathlib
 
 import torch
 
-__all__ = ["Baseline", "EMULATED_BF16_SLOWDOWN", "choose_baseline", "time_matmul"]
+__all__ = ["Baseline", "CpuFeatures", "choose_baseline", "cpu_features"]
 
-# Where BF16 matmuls are native they are faster than fp32 (4x in the probe here); emulated, 48x
-# slower. A BF16 time within 2x of fp32's is timing noise on a small shape, or a CPU doing BF16
-# at some cost, not emulation: the demo stays on BF16, the usual baseline, there.
-EMULATED_BF16_SLOWDOWN = 2.0
+# Flags of /proc/cpuinfo: the tile registers and their BF16 multiply (Intel Sapphire Rapids and later).
+_AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuFeatures:
+    """What the CPU and the libraries report, as the choice reads it.
+
+    ``flags``: the instruction-set flags the operating system lists (empty where it lists none);
+    ``aten_capability``: ``torch.backends.cpu.get_cpu_capability()`` (``ATEN_CPU_CAPABILITY`` lowers it);
+    ``onednn_max_isa``: ``ONEDNN_MAX_CPU_ISA`` when set (it keeps oneDNN from AMX when it names an older ISA).
+    """
+
+    flags: frozenset[str]
+    aten_capability: str
+    onednn_max_isa: str | None = None
+
+    @property
+    def amx_usable(self) -> bool:
+        onednn_allows = self.onednn_max_isa is None or "AMX" in self.onednn_max_isa.upper() \
+            or self.onednn_max_isa.upper() in ("ALL", "DEFAULT")
+        return _AMX_FLAGS <= self.flags and self.aten_capability.startswith("AVX512") and onednn_allows
+
+    def describe(self) -> str:
+        amx = "AMX BF16" if _AMX_FLAGS <= self.flags else "no AMX"
+        avx512_bf16 = ", AVX-512 BF16" if "avx512_bf16" in self.flags else ""
+        limit = f", oneDNN limited to {self.onednn_max_isa}" if self.onednn_max_isa else ""
+        return f"{amx}{avx512_bf16}, ATen {self.aten_capability}{limit}"
+
+
+def cpu_features() -> CpuFeatures:
+    """This machine's :class:`CpuFeatures` (Linux lists flags in /proc/cpuinfo; elsewhere none are read)."""
+    flags: frozenset[str] = frozenset()
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = frozenset(line.partition(":")[2].split())
+                break
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    return CpuFeatures(flags, torch.backends.cpu.get_cpu_capability(), onednn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,23 +81,8 @@ class Baseline:
         return torch.autocast(device.type, dtype=self.dtype)
 
 
-def time_matmul(dtype: torch.dtype, m: int, k: int, n: int, repeats: int = 5) -> float:
-    """Median seconds of one (m, k) @ (k, n) matmul in ``dtype`` on the CPU, after one warm-up."""
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=generator).to(dtype)
-    b = torch.randn(k, n, generator=generator).to(dtype)
-    a @ b
-    timings = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        timings.append(time.perf_counter() - start)
-    return sorted(timings)[len(timings) // 2]
-
-
-def choose_baseline(device: torch.device, requested: str, shape: tuple[int, int, int],
-                    timer=time_matmul) -> Baseline:
-    """``requested`` is "bf16", "fp32" or "auto"; ``shape`` the (m, k, n) of a typical projection."""
+def choose_baseline(device: torch.device, requested: str, features: CpuFeatures | None = None) -> Baseline:
+    """``requested`` is "bf16", "fp32" or "auto"; ``features`` default to this machine's (read only on a CPU)."""
     if requested == "bf16":
         return Baseline(torch.bfloat16, "asked for (--precision bf16)")
     if requested == "fp32":
@@ -70,11 +91,9 @@ def choose_baseline(device: torch.device, requested: str, shape: tuple[int, int,
         raise ValueError(f"--precision must be auto, bf16 or fp32, not {requested!r}")
     if device.type == "cuda":
         return Baseline(torch.bfloat16, "CUDA GPU: BF16 autocast, the usual baseline for FP8")
-    m, k, n = shape
-    bf16_s, fp32_s = timer(torch.bfloat16, m, k, n), timer(torch.float32, m, k, n)
-    measured = (f"a {m}x{k}x{n} matmul took {1e3 * bf16_s:.2f} ms in BF16 and "
-                f"{1e3 * fp32_s:.2f} ms in fp32 on this CPU")
-    if bf16_s <= EMULATED_BF16_SLOWDOWN * fp32_s:
-        return Baseline(torch.bfloat16, f"{measured}: BF16 autocast, the usual baseline for FP8")
-    return Baseline(torch.float32, f"{measured}, over {EMULATED_BF16_SLOWDOWN:g}x slower in BF16: "
-                                   "BF16 is emulated here, so both runs in fp32")
+    features = features if features is not None else cpu_features()
+    if features.amx_usable:
+        return Baseline(torch.bfloat16, f"this CPU has {features.describe()}: BF16 autocast on its AMX tiles, "
+                                        "the usual baseline for FP8")
+    return Baseline(torch.float32, f"this CPU has {features.describe()}: without AMX a BF16 matmul is emulated "
+                                   "or slower than fp32 here, so both runs in fp32")

@@ -40,6 +40,8 @@ def make_anchor(kind: str, what: str) -> Callable[..., tuple[torch.Tensor, ...]]
     anchor.__name__ = anchor.__qualname__ = f"{kind}_anchor"
     anchor.__doc__ = f"Identity kept as a graph node: {what}."
     anchor.__module__ = __name__
+    # Read by fp8graph.passes.side_effects: an identity whose node has no side effect to keep.
+    anchor._fp8graph_writes_nothing = True
     return torch._dynamo.allow_in_graph(anchor)
 
 

@@ -1,9 +1,9 @@
 """The benchmark and the demo run end to end in their smallest CPU configurations."""
 
 import contextlib
+import dataclasses
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -83,35 +83,41 @@ def test_demo_trains_both_runs_and_writes_the_plot(tmp_path, steps):
     assert completed.stderr == "", completed.stderr
 
 
-def test_demo_baseline_is_the_faster_precision_and_says_why():
-    from fp8graph.apps.demo_baseline import choose_baseline
+def test_demo_baseline_comes_from_the_cpu_features_and_says_why():
+    from fp8graph.apps.demo_baseline import CpuFeatures, choose_baseline
 
-    cpu, cuda, shape = torch.device("cpu"), torch.device("cuda"), (2048, 128, 352)
-    slow_bf16 = choose_baseline(cpu, "auto", shape, timer=lambda dtype, *mkn: 0.1 if dtype == torch.bfloat16 else 0.001)
-    assert slow_bf16.dtype == torch.float32 and "100.00 ms in BF16 and 1.00 ms in fp32" in slow_bf16.reason
-    fast_bf16 = choose_baseline(cpu, "auto", shape, timer=lambda dtype, *mkn: 0.001 if dtype == torch.bfloat16 else 0.002)
-    assert fast_bf16.dtype == torch.bfloat16 and fast_bf16.name == "BF16"
-    # Slower, but not emulation-slow (noise on a small shape): BF16 stays the baseline.
-    noisy = choose_baseline(cpu, "auto", shape, timer=lambda dtype, *mkn: 0.0019 if dtype == torch.bfloat16 else 0.001)
-    assert noisy.dtype == torch.bfloat16
-    assert choose_baseline(cuda, "auto", shape, timer=None).dtype == torch.bfloat16  # never timed on a GPU
-    assert choose_baseline(cpu, "fp32", shape, timer=None).name == "FP32"
-    assert isinstance(choose_baseline(cpu, "fp32", shape, timer=None).autocast(cpu), contextlib.nullcontext)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    base_flags = {"sse4_2", "avx", "avx2", "fma"}
+    avx2_only = CpuFeatures(frozenset(base_flags), "AVX2")
+    avx512_bf16_no_amx = CpuFeatures(frozenset(base_flags | {"avx512f", "avx512_bf16"}), "AVX512")
+    amx = CpuFeatures(frozenset(base_flags | {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}), "AVX512")
+    assert choose_baseline(cpu, "auto", avx2_only).dtype == torch.float32
+    no_amx = choose_baseline(cpu, "auto", avx512_bf16_no_amx)
+    assert no_amx.dtype == torch.float32 and "no AMX, AVX-512 BF16" in no_amx.reason
+    with_amx = choose_baseline(cpu, "auto", amx)
+    assert with_amx.dtype == torch.bfloat16 and with_amx.name == "BF16" and "AMX BF16" in with_amx.reason
+    # AMX that ATen or oneDNN were told not to use (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2): fp32.
+    assert choose_baseline(cpu, "auto", dataclasses.replace(amx, aten_capability="AVX2")).dtype == torch.float32
+    limited = choose_baseline(cpu, "auto", dataclasses.replace(amx, onednn_max_isa="AVX512_CORE_BF16"))
+    assert limited.dtype == torch.float32 and "oneDNN limited to AVX512_CORE_BF16" in limited.reason
+    assert choose_baseline(cpu, "auto", dataclasses.replace(amx, onednn_max_isa="AVX512_CORE_AMX")).dtype \
+        == torch.bfloat16
+    assert choose_baseline(cuda, "auto", avx2_only).dtype == torch.bfloat16  # a GPU's choice ignores the CPU
+    assert choose_baseline(cpu, "bf16", avx2_only).name == "BF16"  # asked for: honoured
+    assert isinstance(choose_baseline(cpu, "fp32", amx).autocast(cpu), contextlib.nullcontext)
     with pytest.raises(ValueError, match="--precision must be auto, bf16 or fp32"):
-        choose_baseline(cpu, "fp16", shape)
+        choose_baseline(cpu, "fp16", amx)
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set limits")
-def test_demo_picks_fp32_on_a_cpu_without_bf16_matrix_units():
-    # oneDNN and MKL limited to AVX2, ATen's kernels too: how the demo sees an AVX2-only EPYC. The BF16
-    # matmul then falls back to ATen's reference GEMM, which the measurement must catch.
-    avx2_only = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-                 "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+def test_demo_reads_this_machines_features_and_the_isa_limits_it_is_given():
+    # ATen and oneDNN limited to AVX2, as the README's second demo run was: fp32 whatever this CPU has.
+    avx2_only = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     completed = subprocess.run(
-        [sys.executable, "-c", "import torch; from fp8graph.apps.demo_baseline import choose_baseline; "
-                               "print(choose_baseline(torch.device('cpu'), 'auto', (2048, 128, 352)))"],
+        [sys.executable, "-c", "import torch; from fp8graph.apps.demo_baseline import choose_baseline, cpu_features; "
+                               "print(cpu_features()); print(choose_baseline(torch.device('cpu'), 'auto'))"],
         env=avx2_only, check=True, capture_output=True, text=True)
-    assert "dtype=torch.float32" in completed.stdout and "BF16 is emulated here" in completed.stdout
+    assert "aten_capability='AVX2'" in completed.stdout and "onednn_max_isa='AVX2'" in completed.stdout
+    assert "dtype=torch.float32" in completed.stdout
 
 
 def test_decoder_benchmark_smoke_writes_raw_results(tmp_path):

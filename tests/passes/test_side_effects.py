@@ -221,3 +221,36 @@ def test_the_driver_refuses_a_pass_that_drops_a_write():
     gm.graph.eliminate_dead_code()  # FX's own DCE: counts the unused add_ as dead
     with pytest.raises(AssertionError, match="deleted"):
         _check_side_effects_kept(gm, before)
+
+
+def test_the_pass_list_is_printed_in_order_and_each_pass_is_checked(monkeypatch):
+    import subprocess
+    import sys
+
+    from fp8graph.passes import pipeline
+
+    printed = subprocess.run([sys.executable, "-m", "fp8graph", "passes"], check=True, capture_output=True,
+                             text=True).stdout.splitlines()
+    assert [line.split()[1] for line in printed] == [p.name for p in pipeline.PASSES]
+    assert [p.name for p in pipeline.PASSES][:3] == ["anchored_inputs", "expand_attention", "find_sites"]
+
+    def drop_writes(state):
+        """A faulty pass: FX's dead-code elimination, which deletes unread in-place writes."""
+        state.gm.graph.eliminate_dead_code()
+
+    def copy_writes(state):
+        """A faulty pass: copies every in-place write."""
+        graph = state.gm.graph
+        for node in [n for n in graph.nodes if n.op == "call_method" and n.target == "add_"]:
+            with graph.inserting_after(node):
+                graph.node_copy(node)
+
+    def model(x):
+        x.add_(1)
+        return torch.nn.functional.linear(x, torch.ones(16, 16))
+
+    for faulty, what in ((drop_writes, "deleted"), (copy_writes, "duplicated")):
+        monkeypatch.setattr(pipeline, "PASSES", pipeline.PASSES[:3] + (pipeline.GraphPass("faulty", faulty),))
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=f"pass faulty {what} add_"):
+            torch.compile(model, backend="fp8", options={"compiler": "eager"})(torch.randn(4, 16))
