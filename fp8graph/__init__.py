@@ -3,10 +3,12 @@
     compiled = torch.compile(model, backend="fp8")           # every eligible linear in FP8
     compiled = fp8graph.compile(model, policy=fp8graph.Float8CurrentScaling())
     print(fp8graph.explain(model, input_ids))                 # what was rewritten, and why not
+    print(fp8graph.plan(model, policy))                       # what each weight will get, before tracing
 """
 
 from fp8graph import policies
 from fp8graph.api import compile, explain
+from fp8graph.recipes.plan import Plan, plan
 from fp8graph.numerics.formats import Format
 from fp8graph.recipes.policy import Policy
 from fp8graph.recipes.scaling import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling
@@ -20,10 +22,12 @@ __all__ = [
     "Float8RowwiseScaling",
     "Format",
     "MXFP8BlockScaling",
+    "Plan",
     "Policy",
     "SiteRecord",
     "compile",
     "explain",
+    "plan",
     "policies",
 ]
 __version__ = "0.1.0"

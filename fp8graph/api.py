@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 
 from fp8graph.backend import FP8Backend
 from fp8graph.buffers.anchors import restore_buffer_dtypes
+from fp8graph.recipes.plan import Plan
 from fp8graph.recipes.policy import normalize_policy
 from fp8graph.regions.regional_compile import BlockBackend, RegionalBackend, compile_regions, is_region_boundary
 from fp8graph.regions.repeated_blocks import AUTO, find_blocks, find_trunks, group_blocks, trunk_parts
@@ -113,16 +114,18 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     if isinstance(user_model, torch.nn.Module):
         restore_buffer_dtypes(user_model)
     collector = FP8Stats(user_model) if stats else None
-    state = register_delayed_state(user_model, policy) if policy.needs_state else None
-    weight_cache = register_weight_cache(user_model, policy) if cache_weights else None
+    # What the policy gives every weight, decided here once; everything below reads it.
+    plan = Plan(user_model, policy) if isinstance(user_model, torch.nn.Module) else None
+    state = register_delayed_state(user_model, policy, plan) if policy.needs_state else None
+    weight_cache = register_weight_cache(user_model, policy, plan) if cache_weights else None
     all_gather = install_fp8_all_gather(user_model, policy, module_paths_by_id(user_model),
-                                        dict(stats=stats, cache_weights=cache_weights)) \
+                                        dict(stats=stats, cache_weights=cache_weights), plan) \
         if fp8_all_gather and isinstance(user_model, torch.nn.Module) else None
     blocks = find_blocks(user_model, None if freeze_weights else regions) \
         if isinstance(user_model, torch.nn.Module) else _no_blocks(regions)
     backend, session = _make_backends(
         dict(policy=policy, compiler=compiler, lowering=lowering, model=user_model, mode=mode, stats=collector,
-             state=state, weight_cache=weight_cache), blocks, torch_compile_kwargs)
+             state=state, weight_cache=weight_cache, plan=plan), blocks, torch_compile_kwargs)
     compiled = torch.compile(model, backend=backend.root if session is not None else backend, **torch_compile_kwargs)
     # The compiled model's forward, innermost first: each wrapper calls the one before it.
     wrappers = [
@@ -231,11 +234,11 @@ def _make_backends(backend_kwargs: dict, blocks, torch_compile_kwargs: dict):
     root = FP8Backend(**backend_kwargs)
     if not blocks:
         return root, None
-    model, policy = backend_kwargs["model"], root.policy
-    trunks = find_trunks(model, blocks, policy)
+    model, plan = backend_kwargs["model"], root.plan
+    trunks = find_trunks(model, blocks, plan)
     session, block_backends = compile_regions(
-        group_blocks(blocks + trunk_parts(trunks, blocks), policy), [trunk for _, trunk in trunks],
-        lambda group: BlockBackend(group, **backend_kwargs), torch_compile_kwargs)
+        group_blocks(blocks + trunk_parts(trunks, blocks), plan), [trunk for _, trunk in trunks],
+        lambda group: BlockBackend(group, **{**backend_kwargs, "plan": plan}), torch_compile_kwargs)
     order = {path: index for index, (path, _) in enumerate(model.named_modules())}
     return RegionalBackend(root, block_backends, order), session
 

@@ -26,7 +26,9 @@ from fp8graph.buffers.weight_cache import WeightCache
 from fp8graph.gemm.scaled_gemm import LOWERING_CHOICES
 from fp8graph.passes.annotate import Decision
 from fp8graph.passes.module_paths import module_paths_by_id
-from fp8graph.passes.pipeline import PassContext, run_passes
+from fp8graph.passes.pipeline import PassContext, placeholder_values, run_passes
+from fp8graph.instances import InstanceSignatures, served_decisions
+from fp8graph.recipes.plan import Plan
 from fp8graph.recipes.policy import normalize_policy
 from fp8graph.targets.partitioning import joint_pre_pass, partition_min_cut
 
@@ -56,14 +58,27 @@ class FP8Backend:
             registered on ``model``; required when the policy uses ``DelayedScaling``.
         weight_cache: the :class:`fp8graph.buffers.weight_cache.WeightCache` registered on
             ``model`` (``cache_weights=True``), or ``None``.
+        plan: the :class:`fp8graph.recipes.plan.Plan` of ``model`` under ``policy`` (made here when ``None``).
+            With policy rules, each graph is guarded on the plan signature of the modules its weights
+            are read through (``fp8graph.instances``): instances the policy treats differently never
+            share a compiled frame.
 
     Every graph's decisions are appended to ``self.decisions`` and each
-    rewritten graph to ``self.graph_modules``.
+    rewritten graph to ``self.graph_modules``. A graph traced for one instance of a module whose forward
+    Dynamo compiles as a frame of its own serves every instance of its class with the same plan signature:
+    their decisions are recorded too, under their own paths.
     """
 
+    # Regions report every instance of their groups themselves (fp8graph.regions.regional_compile).
+    records_served_instances = True
+
     def __init__(self, policy=None, compiler="inductor", lowering="auto", model=None, mode=None, stats=None,
-                 state=None, weight_cache=None):
+                 state=None, weight_cache=None, plan=None):
         self.policy = normalize_policy(policy)
+        if plan is not None and plan.policy != self.policy:
+            raise ValueError("the plan was made for another policy than the backend's")
+        self.plan = plan if plan is not None or not isinstance(model, torch.nn.Module) else Plan(model, self.policy)
+        self.instances = InstanceSignatures.of(model, self.plan) if self.plan is not None else None
         if self.policy.needs_state and state is None:
             raise ValueError(
                 "the policy uses DelayedScaling, whose amax histories and scales live in buffers that "
@@ -142,12 +157,20 @@ class FP8Backend:
                 f"{', '.join(converted[:3])}: model.to(dtype), .half() or .bfloat16() converts every floating-point "
                 "buffer. Call fp8graph.compile(model, ...) again after converting the model (it restores them), "
                 "or convert before compiling")
+        # The instances the graph's weights are read through, found before the passes take the anchors.
+        roots = self.instances.roots(gm, placeholder_values(gm, example_inputs)) if self.instances else {}
+        if self.instances is not None and self.policy.rules:  # without rules every instance resolves alike
+            self.instances.guard(roots)
         decisions = self.run_passes(gm, example_inputs)
         compiled = self._compile_graph(gm, example_inputs)
         # Recorded only once compiling succeeded: Dynamo may abort a compile by
         # an exception raised inside it (e.g. to restart analysis with a
         # Python scalar specialized) and call the backend again.
         self.decisions.extend(decisions)
+        if self.records_served_instances:
+            for traced in roots:
+                for instance in self.instances.alike(traced):
+                    self.decisions.extend(served_decisions(decisions, traced, instance))
         self.graph_modules.append(gm)
         return compiled
 

@@ -6,7 +6,7 @@ import torch
 import fp8graph
 from fp8graph import Float8CurrentScaling, Format
 from fp8graph.models import build
-from helpers import compile_fp8, sqnr_db
+from helpers import compile_fp8, fp8_target_count, sqnr_db
 
 
 def _forward_backward(compiled, model, x):
@@ -138,17 +138,12 @@ class _TwoGates(torch.nn.Module):
         return self.b(self.a(x))
 
 
-_SHARED_FRAME = pytest.mark.xfail(strict=True, reason="a graph-broken frame shared by two instances runs the "
-                                                     "first one's decisions")
-
-
 @pytest.mark.parametrize("grad, input_requires_grad", [
-    (True, False),  # b's input requires grad where a's did not: a guard fails, b gets a graph of its own
-    # Known bug: where nothing Dynamo guards on differs between the two calls (no gradients, or an input that
-    # requires grad already), Dynamo reuses the frame compiled for `a` when `b` calls the same forward, so `b`
-    # runs `a`'s decision (kept) instead of its own (FP8), and no decision of `b` is recorded.
-    pytest.param(False, False, marks=_SHARED_FRAME),
-    pytest.param(True, True, marks=_SHARED_FRAME),
+    (True, False),  # b's input requires grad where a's did not: a guard of Dynamo's own tells them apart
+    # Nothing Dynamo guards on differs between the two calls (no gradients, or an input that requires grad
+    # already): b's plan signature does (fp8graph.instances), so b gets a graph of its own.
+    (False, False),
+    (True, True),
 ])
 def test_two_instances_of_a_graph_broken_module_each_get_their_own_decision(grad, input_requires_grad):
     torch.manual_seed(0)
@@ -158,3 +153,15 @@ def test_two_instances_of_a_graph_broken_module_each_get_their_own_decision(grad
         fp8_output, eager_output = compiled(x), model(x)
     assert {d.site.path: d.rewritten for d in backend.decisions} == {"a.layer": False, "b.layer": True}
     assert not torch.equal(fp8_output, eager_output)  # b's GEMM ran in FP8
+    assert backend.unmatched_rules() == []
+
+
+def test_instances_the_policy_treats_alike_share_one_graph_and_each_is_reported():
+    torch.manual_seed(0)
+    model, x = _TwoGates(), torch.randn(4, 32)
+    with torch.no_grad():
+        compiled, backend = compile_fp8(model, regions=None)
+        compiled(x)
+    layer_graphs = [gm for gm in backend.graph_modules if fp8_target_count(gm)]
+    assert len(layer_graphs) == 1  # b ran the frame traced for a
+    assert {d.site.path: d.rewritten for d in backend.decisions} == {"a.layer": True, "b.layer": True}

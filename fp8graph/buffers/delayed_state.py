@@ -41,7 +41,8 @@ import torch
 
 from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
 from fp8graph.numerics.formats import Role
-from fp8graph.recipes.policy import Policy, resolve_weight
+from fp8graph.recipes.plan import Plan
+from fp8graph.recipes.policy import Policy
 from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
 
 __all__ = ["FORWARD_ROLES", "GRAD_HISTORY_PREFIX", "GRAD_SCALE_PREFIX", "HISTORY_PREFIX", "SCALE_PREFIX",
@@ -159,14 +160,14 @@ class DelayedState:
 _REGISTERED_ATTRIBUTE = "_fp8graph_delayed_state"
 
 
-def _delayed_recipe(policy: Policy, path: str, module: torch.nn.Module, param: torch.Tensor):
+def _delayed_recipe(plan: Plan, path: str, param: torch.Tensor):
     """The ``DelayedScaling`` recipe the policy may give a linear on ``param``, else ``None``.
 
     State is registered wherever a site on the weight may take delayed scaling (a rule on ``M`` is decided
     when the graph is traced; unused state stays at its initial values). Two delayed recipes with
     different history lengths cannot share one buffer: refused, naming the rules.
     """
-    possible = resolve_weight(policy, path, module, param)
+    possible = plan.recipes(param)
     delayed = possible.having("stateful")
     lengths = sorted({recipe.amax_history_len for recipe in delayed})
     if len(lengths) > 1:
@@ -178,7 +179,7 @@ def _delayed_recipe(policy: Policy, path: str, module: torch.nn.Module, param: t
     return delayed[0] if delayed else None
 
 
-def _reuse_registered_state(model: torch.nn.Module, policy: Policy, delayed_state: DelayedState) -> DelayedState:
+def _reuse_registered_state(model: torch.nn.Module, plan: Plan, delayed_state: DelayedState) -> DelayedState:
     """The state an earlier ``fp8graph.compile`` registered, if it serves ``policy`` as it is.
 
     Compiling a model again (for inference with ``freeze_weights``, with
@@ -189,7 +190,7 @@ def _reuse_registered_state(model: torch.nn.Module, policy: Policy, delayed_stat
     by_weight = delayed_state.by_weight()
     for path, module in model.named_modules():
         for name, param in weight_candidates(module):
-            recipe = _delayed_recipe(policy, path, module, param)
+            recipe = _delayed_recipe(plan, path, param)
             site_state = by_weight.get(id(param))
             if recipe is None or (site_state is not None and
                                   site_state.history.shape[1] == recipe.amax_history_len):
@@ -202,7 +203,7 @@ def _reuse_registered_state(model: torch.nn.Module, policy: Policy, delayed_stat
     return delayed_state
 
 
-def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedState:
+def register_delayed_state(model: torch.nn.Module, policy: Policy, plan: Plan | None = None) -> DelayedState:
     """Register state for every weight the policy gives delayed scaling.
 
     A weight has one state wherever it is used (a module called twice, a
@@ -210,11 +211,13 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedSta
     module's). The root module's own weights keep their state on the root;
     Dynamo runs the root's hooks outside the graph, so every submodule's
     forward hook anchors it. A model compiled before keeps the state of its
-    first compile (see :func:`_reuse_registered_state`).
+    first compile (see :func:`_reuse_registered_state`). ``plan``: the model's plan under ``policy``
+    (``fp8graph.compile`` passes the one every subsystem reads; made here when ``None``).
     """
+    plan = plan if plan is not None else Plan(model, policy)
     earlier = model.__dict__.get(_REGISTERED_ATTRIBUTE)
     if earlier is not None:
-        return _reuse_registered_state(model, policy, earlier)
+        return _reuse_registered_state(model, plan, earlier)
     registered: dict[int, SiteState] = {}
     delayed_state = DelayedState()
     new_buffers: list[NewBuffer] = []
@@ -227,7 +230,7 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy) -> DelayedSta
                 delayed_state.add(module, name, registered[id(param)])
                 tied_holders.setdefault(module, []).append(registered[id(param)].module)
                 continue
-            recipe = _delayed_recipe(policy, path, module, param)
+            recipe = _delayed_recipe(plan, path, param)
             if recipe is None:
                 continue
             history_len, device = recipe.amax_history_len, param.device

@@ -43,7 +43,8 @@ import torch
 
 from fp8graph.numerics.formats import Role
 from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
-from fp8graph.recipes.policy import Policy, resolve_weight, weight_orientations
+from fp8graph.recipes.plan import Plan
+from fp8graph.recipes.policy import Policy, weight_orientations
 from fp8graph.buffers.delayed_state import weight_candidates
 
 __all__ = ["CACHED_WEIGHT_PREFIX", "CACHED_SCALE_PREFIX", "WeightCache", "register_weight_cache"]
@@ -130,12 +131,12 @@ def _copy_shape(module: torch.nn.Module, param: torch.Tensor) -> tuple[int, int]
     return orientations[0] if len(orientations) == 1 else tuple(param.shape)
 
 
-def _cacheable_recipe(policy: Policy, path: str, module: torch.nn.Module, param: torch.Tensor):
-    cacheable = resolve_weight(policy, path, module, param).having("caches_weights")
+def _cacheable_recipe(plan: Plan, param: torch.Tensor):
+    cacheable = plan.recipes(param).having("caches_weights")
     return cacheable[0] if cacheable else None
 
 
-def _reuse_registered_cache(model: torch.nn.Module, policy: Policy, cache: WeightCache) -> WeightCache:
+def _reuse_registered_cache(model: torch.nn.Module, plan: Plan, cache: WeightCache) -> WeightCache:
     """The copies an earlier ``fp8graph.compile(cache_weights=True)`` registered (or a copy of that model
     brought), if they serve ``policy``: the same weights, in the FP8 dtypes it asks for. Invalidated: a
     copied model's weights are new tensors, whose ids and versions say nothing of the copies' contents."""
@@ -144,7 +145,7 @@ def _reuse_registered_cache(model: torch.nn.Module, policy: Policy, cache: Weigh
         if module is model:
             continue
         for name, param in matrices(module):
-            recipe = _cacheable_recipe(policy, path, module, param)
+            recipe = _cacheable_recipe(plan, param)
             wanted = None if recipe is None else recipe.fp8_dtype(Role.WEIGHT)
             there = copies[id(param)][0].dtype if id(param) in copies else None
             if wanted != there:
@@ -156,15 +157,17 @@ def _reuse_registered_cache(model: torch.nn.Module, policy: Policy, cache: Weigh
     return cache
 
 
-def register_weight_cache(model: torch.nn.Module, policy: Policy) -> WeightCache:
+def register_weight_cache(model: torch.nn.Module, policy: Policy, plan: Plan | None = None) -> WeightCache:
     """Register FP8 copies for the weights of submodules that the policy gives per-tensor current scaling.
 
     A model that holds them already (compiled before with ``cache_weights=True``, or a copy of one) keeps
     them when they serve ``policy`` (:func:`_reuse_registered_cache`), and refills them at its next call.
+    ``plan``: the model's plan under ``policy`` (made here when ``None``).
     """
+    plan = plan if plan is not None else Plan(model, policy)
     earlier = model.__dict__.get(_REGISTERED_ATTRIBUTE)
     if earlier is not None:
-        return _reuse_registered_cache(model, policy, earlier)
+        return _reuse_registered_cache(model, plan, earlier)
     cache = WeightCache()
     new_buffers: list[NewBuffer] = []
     owner_of: dict[int, tuple[torch.nn.Module, str]] = {}
@@ -178,7 +181,7 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy) -> WeightCache
                 cache.add(module, name, owner, owner_name)
                 anchored.setdefault(module, []).append((owner, owner_name))
                 continue
-            recipe = _cacheable_recipe(policy, path, module, param)
+            recipe = _cacheable_recipe(plan, param)
             if recipe is None:
                 continue
             copy_shape = _copy_shape(module, param)  # (N, K): a Conv1D's (K, N) weight is copied transposed

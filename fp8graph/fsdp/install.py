@@ -4,7 +4,7 @@
 FP8 when every site on it will be FP8 with one recipe that can cast its shard (``fp8graph.fsdp.shard_casts``:
 current, delayed and row-wise scaling; block scaling and MXFP8 where each shard holds whole tile rows: 128
 rows, 32 rows): decided from the policy before tracing, as delayed-scaling state is
-(``fp8graph.recipes.policy.resolve_weight``). Every other weight is gathered in high precision, and its
+(``fp8graph.recipes.plan.Plan``). Every other weight is gathered in high precision, and its
 :class:`GatherRecord` says why; ``fp8graph.explain`` lists them. A weight gathered in FP8 that a traced
 graph then reads outside an FP8 site is refused when the graph is compiled (``fp8graph.fsdp.graph_check``).
 
@@ -24,7 +24,8 @@ import torch
 from fp8graph.buffers.delayed_state import looked_up_or_convolved, weight_candidates
 from fp8graph.fsdp.shard_casts import (ShardCast, TiledShardCast, WeightAmaxes, fp8_gathered_bytes,
                                       shard_row_multiple)
-from fp8graph.recipes.policy import Policy, resolve_weight, weight_orientations
+from fp8graph.recipes.plan import Plan
+from fp8graph.recipes.policy import Policy, weight_orientations
 from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
 
 __all__ = ["AllGatherPlan", "GatherRecord", "install_fp8_all_gather"]
@@ -82,7 +83,7 @@ def _fsdp_params(model: torch.nn.Module):
                 yield group, group.fsdp_params
 
 
-def _reason_not_fp8(policy: Policy, path: str, module, param, fsdp_param, group, options: dict):
+def _reason_not_fp8(plan: Plan, module, param, fsdp_param, group, options: dict):
     """Why the weight is gathered in high precision, else ``None`` and the recipe."""
     if param.dim() != 2:
         return "not a matrix", None
@@ -95,7 +96,7 @@ def _reason_not_fp8(policy: Policy, path: str, module, param, fsdp_param, group,
         return "tied to another module's weight", None
     if weight_orientations(module, param) != [tuple(param.shape)]:
         return "its module may multiply it transposed: only nn.Linear weights (N, K) are gathered in FP8", None
-    possible = resolve_weight(policy, path, module, param)
+    possible = plan.recipes(param)
     if possible.undecided or len(possible.recipes) != 1:
         return f"the policy decides its recipe only when the graph is traced ({', '.join(possible.undecided)})", None
     (recipe,) = possible.recipes
@@ -130,10 +131,11 @@ def _reason_not_fp8(policy: Policy, path: str, module, param, fsdp_param, group,
 
 
 def install_fp8_all_gather(model: torch.nn.Module, policy: Policy, paths: dict[str, str],
-                           options: dict) -> AllGatherPlan:
+                           options: dict, plan: Plan | None = None) -> AllGatherPlan:
     """Set up FP8 all-gathers for the weights of ``model`` that can take them; ``paths`` maps ``str(id(module))``
     to its path (``fp8graph.passes.module_paths.module_paths_by_id``). Returns the plan (no FSDP2 module: no
-    records)."""
+    records). ``plan``: the model's plan under ``policy`` (made here when ``None``)."""
+    plan = plan if plan is not None else Plan(model, policy)
     amaxes = WeightAmaxes()
     records, casts = [], []
     for group, fsdp_params in _fsdp_params(model):
@@ -142,7 +144,7 @@ def install_fp8_all_gather(model: torch.nn.Module, policy: Policy, paths: dict[s
             module_path = paths.get(str(id(module)), "")
             path = f"{module_path}.{name}" if module_path else name
             param = getattr(module, name)
-            reason, recipe = _reason_not_fp8(policy, module_path, module, param, fsdp_param, group, options)
+            reason, recipe = _reason_not_fp8(plan, module, param, fsdp_param, group, options)
             param_dtype = group.mp_policy.param_dtype or param.dtype  # what FSDP2 would gather
             high_precision_bytes = param.numel() * param_dtype.itemsize
             if reason is not None:

@@ -186,6 +186,8 @@ class BlockBackend(FP8Backend):
     on another, so it is refused, naming both modules.
     """
 
+    records_served_instances = False  # the group's instances are reported by RegionalBackend.decisions
+
     def __init__(self, group: BlockGroup, **backend_kwargs):
         super().__init__(**backend_kwargs)
         self.group = group

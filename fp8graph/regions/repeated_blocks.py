@@ -32,7 +32,7 @@ from typing import Iterable
 
 import torch
 
-from fp8graph.recipes.policy import Policy, resolve_weight
+from fp8graph.recipes.plan import Plan
 from fp8graph.buffers.delayed_state import weight_candidates
 
 __all__ = ["BlockGroup", "find_blocks", "find_trunks", "group_blocks", "instance_path", "trunk_parts"]
@@ -139,23 +139,12 @@ def instance_path(path: str, template: str, instance: str) -> str | None:
     return None
 
 
-def policy_signature(policy: Policy, path: str, block: torch.nn.Module) -> tuple:
-    """What ``policy`` gives each weight of ``block`` (at ``path``), keyed relative to the block."""
-    signature = []
-    for relative, module in block.named_modules():
-        full = f"{path}.{relative}" if relative else path
-        for name, param in module.named_parameters(recurse=False):
-            if param.dim() != 2:
-                continue
-            signature.append((relative, name, resolve_weight(policy, full, module, param)))
-    return tuple(signature)
-
-
-def group_blocks(blocks: list[tuple[str, torch.nn.Module]], policy: Policy) -> list[BlockGroup]:
-    """Instances grouped by class and policy signature, in the order their first instance appears."""
+def group_blocks(blocks: list[tuple[str, torch.nn.Module]], plan: Plan) -> list[BlockGroup]:
+    """Instances grouped by class and plan signature (what the policy gives their weights, relative to each),
+    in the order their first instance appears."""
     keyed: list[tuple[tuple, BlockGroup]] = []
     for path, module in blocks:
-        key = (type(module), policy_signature(policy, path, module))
+        key = (type(module), plan.signature(path))
         for other_key, group in keyed:
             if other_key == key:
                 group.paths.append(path)
@@ -171,7 +160,7 @@ _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 
 
 def find_trunks(model: torch.nn.Module, blocks: list[tuple[str, torch.nn.Module]],
-                policy: Policy) -> list[tuple[str, torch.nn.Module]]:
+                plan: Plan) -> list[tuple[str, torch.nn.Module]]:
     """The modules that call the blocks (HuggingFace's ``model.model``), where they can run eagerly.
 
     Between its block calls a trunk runs the embedding, the rotary tables,
@@ -203,7 +192,7 @@ def find_trunks(model: torch.nn.Module, blocks: list[tuple[str, torch.nn.Module]
             if inside_a_block(full):
                 continue
             for _, param in weight_candidates(module):
-                if resolve_weight(policy, full, module, param).recipes != (None,):
+                if plan.recipes(param).recipes != (None,):
                     return True
         return False
 

@@ -104,7 +104,7 @@ def test_explicit_regions_take_classes_or_path_globs_and_refuse_what_matches_not
 def test_instances_the_policy_treats_differently_get_their_own_group():
     model = _llama(4)
     policy = Policy(default=Float8CurrentScaling(), rules=[("model.layers.0.*", None), ("*.3.mlp.*", None)])
-    groups = group_blocks(find_blocks(model), policy)
+    groups = group_blocks(find_blocks(model), fp8graph.plan(model, policy))
     assert [group.paths for group in groups] == [["model.layers.0"], ["model.layers.1", "model.layers.2"],
                                                 ["model.layers.3"]]
 

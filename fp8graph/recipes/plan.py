@@ -1,0 +1,128 @@
+"""The plan: what a policy gives every weight of a model, decided once, before anything is traced.
+
+    plan = fp8graph.plan(model, policy)      # or compiled.fp8graph_backend.plan
+    print(plan)                               # a row per weight: its recipes, the rule, or why it stays
+
+Everything fp8graph registers or arranges before tracing asks the plan, not the policy: delayed-scaling
+state, the FP8 weight cache, FSDP2's FP8 gathers, which trunks run eagerly, and which module instances may
+share a compiled frame (``fp8graph.instances``) or a region. The traced graph then decides each site
+with its shape (``fp8graph.passes.annotate``), joined to its weight's entry.
+
+A weight's entry is the recipes its sites may get (:class:`~fp8graph.recipes.policy.WeightRecipes`: a
+rule whose predicate needs the traced token count leaves more than one possible) and the rules that may
+decide them. Every weight of two or three dimensions is planned (linears, expert weights; an embedding's
+table too, which no site reads as a GEMM operand); vectors (norms, biases) are not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Iterator
+
+import torch
+
+from fp8graph.recipes.policy import Policy, WeightRecipes, normalize_policy, resolve_weight
+
+__all__ = ["Plan", "WeightEntry", "plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightEntry:
+    """One weight's plan: where it is, and what the policy can give the sites that read it."""
+
+    path: str  # the module holding it, as named_modules() names it
+    name: str  # its attribute on that module
+    shape: tuple[int, ...]
+    recipes: WeightRecipes
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.path}.{self.name}" if self.path else self.name
+
+    @property
+    def may_be_fp8(self) -> bool:
+        return self.recipes.recipes != (None,)
+
+    def describe(self, policy: Policy) -> str:
+        names = ", ".join("high precision" if r is None else str(r) for r in self.recipes.recipes)
+        rules = ", ".join("default" if i is None else policy.rule_label(i) for i in self.recipes.rule_indices)
+        undecided = f" (decided when traced: {', '.join(self.recipes.undecided)})" if self.recipes.undecided else ""
+        return f"{names} by {rules}{undecided}"
+
+
+class Plan:
+    """Every weight's :class:`WeightEntry` for one model and policy, computed once.
+
+    Entries are found by the weight itself (:meth:`entry`) or by the module path (:meth:`under`); a
+    module's :meth:`signature` is what the policy gives its subtree, keyed relative to it, so two
+    instances with equal signatures can run one compiled graph.
+    """
+
+    def __init__(self, model: torch.nn.Module, policy: Policy):
+        self.policy = normalize_policy(policy)
+        self._entries: dict[int, WeightEntry] = {}
+        self._by_path: dict[str, list[WeightEntry]] = {}
+        for path, module in model.named_modules():
+            for name, weight in module.named_parameters(recurse=False):
+                if weight.dim() not in (2, 3) or id(weight) in self._entries:
+                    continue  # a shared weight is planned once, by its first path, as named_parameters() names it
+                entry = WeightEntry(path, name, tuple(weight.shape), resolve_weight(self.policy, path, module, weight))
+                self._entries[id(weight)] = entry
+                self._by_path.setdefault(path, []).append(entry)
+        self._signatures: dict[str, str] = {}
+
+    def __iter__(self) -> Iterator[WeightEntry]:
+        return iter(self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entry(self, weight: torch.Tensor) -> WeightEntry | None:
+        """The entry of ``weight`` (the parameter object itself), or None for a tensor the model does not hold."""
+        return self._entries.get(id(weight))
+
+    def under(self, path: str) -> list[WeightEntry]:
+        """The entries of the weights at ``path`` and below, in the model's order."""
+        prefix = f"{path}." if path else ""
+        return [e for p, entries in self._by_path.items() if p == path or p.startswith(prefix) for e in entries]
+
+    def signature(self, path: str) -> str:
+        """What the policy gives the weights under ``path``, relative to it, as a short digest."""
+        if path not in self._signatures:
+            start = len(path) + 1 if path else 0
+            relative = tuple((e.path[start:], e.name, e.shape, e.recipes) for e in self.under(path))
+            self._signatures[path] = hashlib.sha1(repr(relative).encode()).hexdigest()[:12]
+        return self._signatures[path]
+
+    def recipes(self, weight: torch.Tensor) -> WeightRecipes:
+        """What the policy can give the sites on ``weight``; a weight the plan does not hold is refused."""
+        entry = self.entry(weight)
+        if entry is None:
+            raise KeyError(f"a weight of shape {tuple(weight.shape)} that the plan of this model does not hold: "
+                           "compile the model it belongs to")
+        return entry.recipes
+
+    def __str__(self) -> str:
+        width = max((len(e.qualified_name) for e in self), default=0)
+        rows = [f"{e.qualified_name:<{width}}  {'x'.join(map(str, e.shape)):>11}  {e.describe(self.policy)}"
+                for e in self]
+        return "\n".join([f"fp8graph plan: {len(self)} weights, policy {self.policy}"] + rows)
+
+
+def plan(model: torch.nn.Module, policy=None) -> Plan:
+    """What ``policy`` gives each weight of ``model``, before anything is traced.
+
+    Args:
+        model: the ``nn.Module`` to plan.
+        policy: a :class:`fp8graph.Policy`, a bare recipe, or ``None`` (current scaling everywhere eligible).
+
+    Returns:
+        A :class:`Plan`; ``print()`` it for a row per weight.
+
+    Example:
+        >>> print(fp8graph.plan(model, fp8graph.Policy(rules=[("lm_head", None)])))
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fp8graph.plan needs an nn.Module, got {type(model).__name__}")
+    return Plan(model, policy)
