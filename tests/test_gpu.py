@@ -172,28 +172,41 @@ def test_weights_gathered_in_fp8_run_the_native_tiled_gemms_like_the_emulation()
 @pytest.mark.parametrize("sequence", [64, 200])  # 200 tokens: the 1x128 tiles along M are zero-padded
 def test_tiled_recipes_train_through_inductor_on_the_gpu_like_the_emulation(sequence):
     """Row-wise and block scaling compiled by Inductor on the GPU (native GEMMs, fp8graph's quantize
-    kernels as custom ops in the graph) against the same model emulated, under BF16 autocast."""
+    kernels as custom ops in the graph) against the same model emulated, under BF16 autocast, each held
+    against the model in high precision.
+
+    Two FP8 runs carry independent rounding, so they are compared through the high-precision run: on the
+    H100 (2026-11-25) row-wise gradients were 19.3-19.8 dB from high precision at worst emulated and
+    17.3-17.7 dB through Inductor (19.4-19.9 dB with the same native GEMMs under aot_eager), and 18.6-18.7 dB
+    from each other. A wrong layout or scale costs far more than the 3 dB allowed here."""
     recipes = [r for r in _tiled_recipes_native_here() if not isinstance(r, fp8graph.MXFP8BlockScaling)]
     if not recipes:
         pytest.skip("no row-wise or block GEMM on this GPU")
     tokens = torch.randint(0, 250, (2, sequence), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+
+    def loss_and_grads(policy, compiler, lowering):
+        torch._dynamo.reset()
+        model = build("llama", "tiny-blocks").cuda()  # every projection a multiple of 128
+        compiled = fp8graph.compile(model, policy=policy, compiler=compiler, lowering=lowering)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(tokens, labels=tokens).loss
+        loss.backward()
+        return compiled, loss.item(), [p.grad.float() for p in model.parameters()]
+
+    _, reference_loss, reference_grads = loss_and_grads(fp8graph.Policy(default=None), "aot_eager", "auto")
     for recipe in recipes:
         results = {}
         for lowering, compiler in (("emulated", "aot_eager"), ("auto", "inductor")):
-            torch._dynamo.reset()
-            model = build("llama", "tiny-blocks").cuda()  # every projection a multiple of 128
-            compiled = fp8graph.compile(model, policy=recipe, compiler=compiler, lowering=lowering)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = compiled(tokens, labels=tokens).loss
-            loss.backward()
+            compiled, loss, grads = loss_and_grads(recipe, compiler, lowering)
             assert {d.lowering for d in compiled.fp8graph_backend.decisions if d.rewritten} == {
                 Lowering.EMULATED if lowering == "emulated" else Lowering.SCALED_MM}
-            results[lowering] = loss.item(), [p.grad.float() for p in model.parameters()]
-        (emulated_loss, emulated_grads), (native_loss, native_grads) = results.values()
+            results[lowering] = loss, [sqnr_db(reference, grad) for reference, grad in zip(reference_grads, grads,
+                                                                                          strict=True)]
+        (emulated_loss, emulated_db), (native_loss, native_db) = results.values()
         assert native_loss == pytest.approx(emulated_loss, rel=1e-2), recipe.name
-        for native, emulated in zip(native_grads, emulated_grads, strict=True):
-            # As on the CPU's scaled_mm path (27 dB at worst there): a wrong layout or scale gives a few dB.
-            assert sqnr_db(emulated, native) > 20, recipe.name
+        assert emulated_loss == pytest.approx(reference_loss, rel=1e-2), recipe.name
+        for native, emulated in zip(native_db, emulated_db, strict=True):
+            assert emulated > 15 and native > emulated - 3, (recipe.name, native, emulated)
 
 
 def test_quantize_kernels_are_exact_on_the_gpu():
