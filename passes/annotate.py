@@ -21,7 +21,7 @@ import torch
 
 from fp8graph.gemm.scaled_gemm import Lowering, NoNativeGemm
 from fp8graph.recipes.policy import Policy, Resolution, SiteInfo, resolve
-from fp8graph.recipes.scaling import Recipe
+from fp8graph.recipes.scaling import Recipe, misaligned
 from fp8graph.buffers.snapshots import CONTEXT_FN_KEY
 from fp8graph.targets.gathered import GATHERED_RECIPES
 from fp8graph.targets.grouped import EXPERT_RECIPES, expert_recipe
@@ -87,12 +87,9 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
         return f"{recipe.name} applies to linear sites (a parameter operand), not activation matmuls"
     if not site.is_linear:
         return None  # emulated whatever the device: no cuBLAS shape constraint
-    multiple = recipe.dim_multiple
-    for dim_name in ("K", "N"):
-        dim = getattr(site, dim_name)
-        if dim % multiple:
-            tiles = f" ({recipe.name} tiles)" if recipe.tiled else ""
-            return f"{dim_name}={dim} is not a multiple of {multiple}{tiles}"
+    shape_reason = misaligned(recipe, K=site.K, N=site.N)
+    if shape_reason is not None:
+        return shape_reason
     if recipe.stateful and not has_state(site):
         return ("delayed scaling has no state in this graph: the weight's amax history and scale are not "
                 "among the graph's inputs (registered after compiling, a graph split between the GEMM "

@@ -43,7 +43,7 @@ from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
 from fp8graph.numerics.formats import Role
 from fp8graph.recipes.plan import Plan
 from fp8graph.recipes.policy import Policy
-from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
+from fp8graph.recipes.scaling import misaligned
 
 __all__ = ["FORWARD_ROLES", "GRAD_HISTORY_PREFIX", "GRAD_SCALE_PREFIX", "HISTORY_PREFIX", "SCALE_PREFIX",
            "STATE_PREFIXES", "DelayedState", "SiteState", "forward_rows", "looked_up_or_convolved",
@@ -117,8 +117,8 @@ def weight_candidates(module: torch.nn.Module):
     for name, param in module.named_parameters(recurse=False):
         # FP8 GEMMs need both dims of the matrix to be multiples of 16, whichever
         # way round it is stored; other weights stay in high precision anyway.
-        aligned = not any(dim % FP8_GEMM_DIM_MULTIPLE for dim in param.shape[-2:])
-        if param.dim() in (2, 3) and param.is_floating_point() and aligned:
+        if param.dim() in (2, 3) and param.is_floating_point() \
+                and misaligned(None, rows=param.shape[-2], columns=param.shape[-1]) is None:
             yield name, param
 
 

@@ -26,7 +26,7 @@ from fp8graph.fsdp.shard_casts import (ShardCast, TiledShardCast, WeightAmaxes, 
                                       shard_row_multiple)
 from fp8graph.recipes.plan import Plan
 from fp8graph.recipes.policy import Policy, weight_orientations
-from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
+from fp8graph.recipes.scaling import misaligned
 
 __all__ = ["AllGatherPlan", "GatherRecord", "install_fp8_all_gather"]
 
@@ -91,7 +91,7 @@ def _reason_not_fp8(plan: Plan, module, param, fsdp_param, group, options: dict)
         kind = type(module).__name__
         return f"{'an' if kind[0] in 'AEIOU' else 'a'} {kind}'s weight, not a GEMM's", None
     if not any(candidate is param for _, candidate in weight_candidates(module)):
-        return f"shape {tuple(param.shape)}: FP8 GEMMs need multiples of {FP8_GEMM_DIM_MULTIPLE}", None
+        return f"shape {tuple(param.shape)}: {misaligned(None, N=param.shape[0], K=param.shape[1])}", None
     if fsdp_param._module_info.shared_modules:
         return "tied to another module's weight", None
     if weight_orientations(module, param) != [tuple(param.shape)]:
@@ -102,8 +102,9 @@ def _reason_not_fp8(plan: Plan, module, param, fsdp_param, group, options: dict)
     (recipe,) = possible.recipes
     if recipe is None:
         return "the policy keeps its sites in high precision", None
-    if any(size % recipe.dim_multiple for size in param.shape):
-        return f"shape {tuple(param.shape)}: {recipe.name} needs multiples of {recipe.dim_multiple}", None
+    shape_reason = misaligned(recipe, N=param.shape[0], K=param.shape[1])
+    if shape_reason is not None:
+        return f"shape {tuple(param.shape)}: {shape_reason}", None
     if options.get("stats"):
         return "stats=True measures each weight's cast inside the graph, from the high-precision weight", None
     if options.get("cache_weights"):

@@ -22,7 +22,8 @@ from typing import Iterator
 
 import torch
 
-from fp8graph.recipes.policy import Policy, WeightRecipes, normalize_policy, resolve_weight
+from fp8graph.recipes.policy import Policy, WeightRecipes, normalize_policy, resolve_weight, weight_orientations
+from fp8graph.recipes.scaling import misaligned
 
 __all__ = ["Plan", "WeightEntry", "plan"]
 
@@ -35,6 +36,8 @@ class WeightEntry:
     name: str  # its attribute on that module
     shape: tuple[int, ...]
     recipes: WeightRecipes
+    # Beside each of recipes.recipes: why the weight's shape rules that recipe out (None: it does not).
+    misaligned: tuple[str | None, ...] = ()
 
     @property
     def qualified_name(self) -> str:
@@ -42,10 +45,13 @@ class WeightEntry:
 
     @property
     def may_be_fp8(self) -> bool:
-        return self.recipes.recipes != (None,)
+        """Whether a site on the weight may run in FP8: a recipe the policy may give it fits its shape."""
+        return any(recipe is not None and reason is None
+                   for recipe, reason in zip(self.recipes.recipes, self.misaligned))
 
     def describe(self, policy: Policy) -> str:
-        names = ", ".join("high precision" if r is None else str(r) for r in self.recipes.recipes)
+        names = ", ".join("high precision" if r is None else str(r) if reason is None else f"{r} (kept: {reason})"
+                          for r, reason in zip(self.recipes.recipes, self.misaligned))
         rules = ", ".join("default" if i is None else policy.rule_label(i) for i in self.recipes.rule_indices)
         undecided = f" (decided when traced: {', '.join(self.recipes.undecided)})" if self.recipes.undecided else ""
         return f"{names} by {rules}{undecided}"
@@ -67,7 +73,9 @@ class Plan:
             for name, weight in module.named_parameters(recurse=False):
                 if weight.dim() not in (2, 3) or id(weight) in self._entries:
                     continue  # a shared weight is planned once, by its first path, as named_parameters() names it
-                entry = WeightEntry(path, name, tuple(weight.shape), resolve_weight(self.policy, path, module, weight))
+                recipes = resolve_weight(self.policy, path, module, weight)
+                entry = WeightEntry(path, name, tuple(weight.shape), recipes,
+                                    tuple(_misaligned(recipe, module, weight) for recipe in recipes.recipes))
                 self._entries[id(weight)] = entry
                 self._by_path.setdefault(path, []).append(entry)
         self._signatures: dict[str, str] = {}
@@ -108,6 +116,14 @@ class Plan:
         rows = [f"{e.qualified_name:<{width}}  {'x'.join(map(str, e.shape)):>11}  {e.describe(self.policy)}"
                 for e in self]
         return "\n".join([f"fp8graph plan: {len(self)} weights, policy {self.policy}"] + rows)
+
+
+def _misaligned(recipe, module: torch.nn.Module, weight: torch.Tensor) -> str | None:
+    """Why ``weight``'s shape rules ``recipe`` out whichever way round its module multiplies it, or None."""
+    if recipe is None:
+        return None
+    reasons = [misaligned(recipe, K=k, N=n) for n, k in weight_orientations(module, weight)]
+    return None if None in reasons else reasons[0]
 
 
 def plan(model: torch.nn.Module, policy=None) -> Plan:

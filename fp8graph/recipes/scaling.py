@@ -17,7 +17,7 @@ from fp8graph.numerics.formats import ROLES, Format, Role, fp8_max
 from fp8graph.numerics.tiles import ScaleKind, Tiling
 
 __all__ = ["FP8_GEMM_DIM_MULTIPLE", "DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling",
-           "Float8RowwiseScaling", "MXFP8BlockScaling", "PRESETS", "Recipe", "TiledRecipe"]
+           "Float8RowwiseScaling", "MXFP8BlockScaling", "PRESETS", "Recipe", "TiledRecipe", "misaligned"]
 
 # cuBLAS's FP8 GEMMs need the dimensions they do not reduce over, and K, to be multiples of 16.
 FP8_GEMM_DIM_MULTIPLE = 16
@@ -61,6 +61,21 @@ def _check_amax_algo(algo) -> None:
         raise ValueError(
             f"DelayedScaling.amax_compute_algo {getattr(algo, '__name__', algo)!r} must return one amax (a "
             f"0-dim float tensor, or a number), got {got}")
+
+
+def misaligned(recipe, **dims: int) -> str | None:
+    """Why a GEMM whose dimensions are ``dims`` (``K=..., N=...``) cannot run ``recipe`` in FP8, or ``None``.
+
+    Each dimension must be a multiple of the recipe's ``dim_multiple`` (its tile, or cuBLAS's 16); with
+    ``recipe=None``, of 16, which every FP8 GEMM needs. The one place this is written: the traced sites
+    (``fp8graph.passes.annotate``), the plan, the weights given state and FSDP2's FP8 gathers all ask it.
+    """
+    multiple = FP8_GEMM_DIM_MULTIPLE if recipe is None else recipe.dim_multiple
+    for name, size in dims.items():
+        if isinstance(size, int) and size % multiple:
+            tiles = f" ({recipe.name} tiles)" if recipe is not None and recipe.tiled else ""
+            return f"{name}={size} is not a multiple of {multiple}{tiles}"
+    return None
 
 
 class _RecipeKind:

@@ -171,7 +171,7 @@ def _check_explain(explained):
     # Current scaling gathers a byte an element where fp32 gathers 4; the scale is not gathered.
     assert all(4 * r.fp8_bytes == r.high_precision_bytes for r in explained["all_gathers"] if r.fp8)
     kept = {record.path: record.reason for record in explained["all_gathers"] if not record.fp8}
-    assert kept["lm_head.weight"] == "shape (250, 128): FP8 GEMMs need multiples of 16"
+    assert kept["lm_head.weight"] == "shape (250, 128): N=250 is not a multiple of 16"
     assert kept["model.embed_tokens.weight"] == "an Embedding's weight, not a GEMM's"
     assert kept["model.norm.weight"] == "not a matrix"
     assert f"FSDP2 all-gathers {2 * LAYER_WEIGHTS} of {len(explained['all_gathers'])} sharded weight(s) in FP8" in \
@@ -385,5 +385,6 @@ def test_which_shards_each_recipe_gathers_in_fp8(recipe, rows, ranks, reason):
                                  is_dtensor=False, fsdp_placement=SimpleNamespace(dim=0),
                                  shard_mesh=SimpleNamespace(size=lambda: ranks))
     group = SimpleNamespace(mesh_info=mesh_info, post_forward_mesh_info=mesh_info)
-    decided = _reason_not_fp8(fp8graph.Policy(default=recipe), "proj", module, module.weight, fsdp_param, group, {})
+    plan = fp8graph.plan(module, fp8graph.Policy(default=recipe))
+    decided = _reason_not_fp8(plan, module, module.weight, fsdp_param, group, {})
     assert decided == ((None, recipe) if reason is None else (reason, None))
