@@ -3,9 +3,10 @@
 The most common FP8 policy keeps the first and last layers in high precision. On four families of 4 layers
 (JetMoE, whose layers break the graph, among them) the compiled model's logits are held against an
 independent oracle: the same model run eagerly, with only layers 1 and 2 replaced by each one compiled
-alone with fp8graph. They must agree to fp32's rounding (the same ATen ops run on the same values) and
-be far from the model with layers 1 to 3 in FP8 (what a policy not honoured in layer 3 computes): with and
-without gradients, with regions and with ``regions=None``; ``explain`` must report it too.
+alone with fp8graph. They must agree to fp32's rounding (the same ATen ops run on the same values; one
+FP8 layer more moves the logits to 30-45 dB), each layer's decisions must be recorded, and ``explain``
+must report them. Toy modules whose forward breaks the graph four ways check the same for instances held
+as attributes and in a ModuleList, bit for bit, with and without gradients.
 """
 
 import copy
@@ -52,10 +53,11 @@ def _logits(run, inputs, grad: bool) -> torch.Tensor:
     return output.logits.detach()
 
 
-# Each family without gradients on the one-graph path (where instances of a graph-broken layer share a frame),
-# and training with regions; JetMoE, whose layers break the graph, training on the one-graph path too.
-MODES = {family: ((False, None), (True, "auto")) for family in FAMILIES}
-MODES["jetmoe"] += ((True, None),)
+# Each family without gradients on the one-graph path (regions=None: where instances of a graph-broken layer
+# share a frame); JetMoE, whose layers break the graph, also training with regions (the other families'
+# regions are tests/regions'; the toys below train on the one-graph path).
+MODES = {family: ((False, None),) for family in FAMILIES}
+MODES["jetmoe"] += ((True, "auto"),)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -66,7 +68,6 @@ def test_first_and_last_layers_kept_in_high_precision_against_an_oracle(family):
     layers_path, _ = _layers(model)
     policy = _policy(layers_path)
     honoured = _logits(_oracle(model, (1, 2)), inputs, grad=False)
-    not_honoured = _logits(_oracle(model, (1, 2, 3)), inputs, grad=False)
 
     for grad, regions in MODES[family]:
         torch._dynamo.reset()
@@ -74,7 +75,6 @@ def test_first_and_last_layers_kept_in_high_precision_against_an_oracle(family):
         logits = _logits(compiled, inputs, grad)
         where = f"{family}, grad={grad}, regions={regions}"
         assert sqnr_db(honoured, logits) > SAME_DB, where
-        assert sqnr_db(not_honoured, logits) < 50, where
         decided = {d.site.path: d.rewritten for d in compiled.fp8graph_backend.decisions}
         for index, fp8 in ((0, False), (1, True), (2, True), (3, False)):
             mine = {path: rewritten for path, rewritten in decided.items()
@@ -144,9 +144,12 @@ class _Three(torch.nn.Module):
         return x
 
 
-@pytest.mark.parametrize("regions", [None, "auto"])
-@pytest.mark.parametrize("in_list", [False, True], ids=["attributes", "module_list"])
-@pytest.mark.parametrize("breaks", list(BREAKS))
+# Every way of breaking on the one-graph path, where the frame is shared; regions once per container.
+CASES = [(breaks, in_list, None) for breaks in BREAKS for in_list in (False, True)] + \
+        [("item", in_list, "auto") for in_list in (False, True)]
+
+
+@pytest.mark.parametrize("breaks, in_list, regions", CASES)
 def test_each_instance_of_a_graph_broken_module_runs_its_own_decisions(breaks, in_list, regions):
     torch.manual_seed(0)
     model, x = _Three(BREAKS[breaks], in_list), torch.randn(4, 32)
