@@ -27,6 +27,9 @@ import torch.fx
 from torch._dynamo.guards import GuardBuilder
 from torch._dynamo.source import AttrSource
 
+from fp8graph.passes.pipeline import parameter_owners
+from fp8graph.recipes.plan import instance_path
+
 __all__ = ["InstanceSignatures", "served_decisions"]
 
 _TOKENS = itertools.count()
@@ -54,11 +57,11 @@ class InstanceSignatures:
         return _BY_PLAN[plan]
 
     def __init__(self, model: torch.nn.Module, plan):
-        """``plan``: the model's :class:`fp8graph.recipes.plan.Plan`; its ``signature(path)`` is written on each module."""
+        """``plan``: the model's :class:`fp8graph.recipes.plan.Plan`; each module gets its ``signature(path)``."""
         self.attribute = f"_fp8graph_plan_{next(_TOKENS)}"
         self._modules = dict(model.named_modules())
-        self._owners = {id(p): path for path, module in self._modules.items()
-                        for p in module.parameters(recurse=False)}
+        # A weight two modules share is owned by the first, as the passes name it.
+        self._owners = {key: path for key, (path, _) in parameter_owners(self._modules).items()}
         for path, module in self._modules.items():
             module.__dict__[self.attribute] = plan.signature(path)
 
@@ -103,10 +106,5 @@ class InstanceSignatures:
 
 def served_decisions(decisions: list, traced: str, instance: str) -> list:
     """``decisions`` of the instance at ``traced`` as the ones its frame takes for the instance at ``instance``."""
-    served = []
-    for decision in decisions:
-        path = decision.site.path
-        if path == traced or path.startswith(traced + "."):
-            site = dataclasses.replace(decision.site, path=instance + path[len(traced):])
-            served.append(dataclasses.replace(decision, site=site))
-    return served
+    return [dataclasses.replace(decision, site=dataclasses.replace(decision.site, path=path))
+            for decision in decisions if (path := instance_path(decision.site.path, traced, instance)) is not None]

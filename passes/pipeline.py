@@ -35,7 +35,7 @@ from fp8graph.recipes.policy import Policy
 
 from .anchored_inputs import take_anchored_inputs
 from .expand_attention import expand_attention
-from .annotate import Decision, annotate_sites
+from .annotate import annotate_sites
 from .find_sites import find_sites
 from .group_sites import group_sites
 from .rewrite import rewrite_sites

@@ -32,7 +32,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["EFFECTS_KEY", "Effects", "REPLACES_KEY", "UNKNOWN", "effects_of", "has_side_effects", "side_effect_nodes", "written_nodes"]
+__all__ = ["EFFECTS_KEY", "Effects", "REPLACES_KEY", "UNKNOWN", "effects_of", "has_side_effects", "side_effect_nodes",
+           "written_nodes"]
 
 # The in-place operators of Python's data model: ``y += x`` reaches the graph as operator.iadd.
 _INPLACE_OPERATORS = {
@@ -168,8 +169,7 @@ def _effects_by_schema(node: torch.fx.Node) -> Effects | None:
         if torch.Tag.nondeterministic_seeded in op.tags:
             return None
         for argument in op._schema.arguments:
-            if argument.alias_info is not None and argument.alias_info.is_write \
-                    and (not argument.kwarg_only or argument.name in node.kwargs):
+            if _writes(argument) and (not argument.kwarg_only or argument.name in node.kwargs):
                 return None
     return _NONE
 
@@ -206,10 +206,8 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded in func.tags:
             self.draws_random = True
-        for index, argument in enumerate(func._schema.arguments):
-            if argument.alias_info is not None and argument.alias_info.is_write:
-                value = args[index] if index < len(args) else kwargs.get(argument.name)
-                self.written += [_storage_of(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+        self.written += [_storage_of(t) for t in pytree.tree_leaves(_written_arguments(func._schema, args, kwargs))
+                         if isinstance(t, torch.Tensor)]
         result = func(*args, **kwargs)
         self.made.update(_storage_of(t) for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor))
         return result
@@ -276,17 +274,21 @@ def _draws_random(node: torch.fx.Node) -> bool:
     return name in _RANDOM_NAMES or any(fragment in name for fragment in _RANDOM_FRAGMENTS)
 
 
+def _writes(argument) -> bool:
+    """Whether a schema argument is written (``Tensor(a!)``)."""
+    return argument.alias_info is not None and argument.alias_info.is_write
+
+
+def _written_arguments(schema, args, kwargs) -> list:
+    """The values passed (positionally or by keyword) for the arguments ``schema`` marks written."""
+    return [args[index] if index < len(args) else kwargs.get(argument.name)
+            for index, argument in enumerate(schema.arguments) if _writes(argument)]
+
+
 def _mutated_schema_args(node: torch.fx.Node) -> list | None:
     """The arguments an OpOverload's schema marks written, or None when the target has no schema."""
     schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return None
-    written = []
-    for index, argument in enumerate(schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
-            written.append(value)
-    return written
+    return None if schema is None else _written_arguments(schema, node.args, node.kwargs)
 
 
 def _in_place_keyword(node: torch.fx.Node) -> bool:

@@ -25,7 +25,7 @@ import torch
 from fp8graph.recipes.policy import Policy, WeightRecipes, normalize_policy, resolve_weight, weight_orientations
 from fp8graph.recipes.scaling import misaligned
 
-__all__ = ["Plan", "WeightEntry", "plan"]
+__all__ = ["Plan", "WeightEntry", "instance_path", "plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +116,15 @@ class Plan:
         rows = [f"{e.qualified_name:<{width}}  {'x'.join(map(str, e.shape)):>11}  {e.describe(self.policy)}"
                 for e in self]
         return "\n".join([f"fp8graph plan: {len(self)} weights, policy {self.policy}"] + rows)
+
+
+def instance_path(path: str, template: str, instance: str) -> str | None:
+    """``path`` inside ``template`` moved to the same place inside ``instance``; ``None`` if outside."""
+    if path == template:
+        return instance
+    if path.startswith(template + "."):
+        return instance + path[len(template):]
+    return None
 
 
 def _misaligned(recipe, module: torch.nn.Module, weight: torch.Tensor) -> str | None:

@@ -48,7 +48,8 @@ import torch
 from fp8graph.passes.annotate import Decision, resolve_site
 
 from fp8graph.backend import FP8Backend
-from fp8graph.regions.repeated_blocks import BlockGroup, instance_path
+from fp8graph.recipes.plan import instance_path
+from fp8graph.regions.repeated_blocks import BlockGroup
 
 __all__ = ["BlockBackend", "RegionSession", "RegionalBackend", "block_class", "compile_regions",
            "is_region_boundary"]

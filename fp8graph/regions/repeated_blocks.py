@@ -35,7 +35,7 @@ import torch
 from fp8graph.recipes.plan import Plan
 from fp8graph.buffers.delayed_state import weight_candidates
 
-__all__ = ["BlockGroup", "find_blocks", "find_trunks", "group_blocks", "instance_path", "trunk_parts"]
+__all__ = ["BlockGroup", "find_blocks", "find_trunks", "group_blocks", "trunk_parts"]
 
 AUTO = "auto"
 
@@ -128,15 +128,6 @@ def find_blocks(model: torch.nn.Module, regions: object = AUTO) -> list[tuple[st
     if isinstance(regions, (str, type)):
         raise ValueError(f"regions must be 'auto', None, or a list of classes and path globs, got {regions!r}")
     return _explicit_blocks(model, regions)
-
-
-def instance_path(path: str, template: str, instance: str) -> str | None:
-    """``path`` inside ``template`` moved to the same place inside ``instance``; ``None`` if outside."""
-    if path == template:
-        return instance
-    if path.startswith(template + "."):
-        return instance + path[len(template):]
-    return None
 
 
 def group_blocks(blocks: list[tuple[str, torch.nn.Module]], plan: Plan) -> list[BlockGroup]:
