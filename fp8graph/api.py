@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 from fp8graph.backend import FP8Backend
 from fp8graph.buffers.anchors import restore_buffer_dtypes
-from fp8graph.recipes.plan import Plan
+from fp8graph.recipes.plan import Plan, weight_copies_of
 from fp8graph.recipes.policy import normalize_policy
 from fp8graph.regions.regional_compile import BlockBackend, RegionalBackend, compile_regions, is_region_boundary
 from fp8graph.regions.repeated_blocks import AUTO, find_blocks, find_trunks, group_blocks, trunk_parts
@@ -115,7 +115,8 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
         restore_buffer_dtypes(user_model)
     collector = FP8Stats(user_model) if stats else None
     # What the policy gives every weight, decided here once; everything below reads it.
-    plan = Plan(user_model, policy) if isinstance(user_model, torch.nn.Module) else None
+    plan = Plan(user_model, policy, weight_copies_of(cache_weights, freeze_weights)) \
+        if isinstance(user_model, torch.nn.Module) else None
     state = register_delayed_state(user_model, policy, plan) if policy.needs_state else None
     weight_cache = register_weight_cache(user_model, policy, plan) if cache_weights else None
     all_gather = install_fp8_all_gather(user_model, policy, module_paths_by_id(user_model),

@@ -99,7 +99,7 @@ class FP8Backend:
         self.mode = mode
         self.stats = stats
         self.pass_context = PassContext(self.policy, lowering, self.paths_by_id, self.modules_by_path, self.state,
-                                        self.weight_cache, stats)
+                                        self.weight_cache, stats, self.plan)
         self.decisions: list[Decision] = []
         self._buffer_frames: dict[int, int | None] = {}  # id(state or stats buffer) -> Dynamo frame id
         self.graph_modules: list[torch.fx.GraphModule] = []

@@ -6,11 +6,13 @@ same decisions.
 """
 
 from .annotate import DECISION_KEY, annotate_sites
-from .find_sites import Site, find_sites
+from .find_sites import find_sites
 from .group_sites import group_sites
 from .module_paths import module_path
 from .rewrite import rewrite_sites
 from .anchored_inputs import take_anchored_inputs
+from .sites import ExpertSite, FusedCallSite, GatheredExpertSite, GroupedExpertSite, LinearSite, MatmulSite, Site
 
-__all__ = ["DECISION_KEY", "Site", "annotate_sites", "find_sites", "group_sites", "module_path", "rewrite_sites",
+__all__ = ["DECISION_KEY", "ExpertSite", "FusedCallSite", "GatheredExpertSite", "GroupedExpertSite", "LinearSite",
+           "MatmulSite", "Site", "annotate_sites", "find_sites", "group_sites", "module_path", "rewrite_sites",
            "take_anchored_inputs"]

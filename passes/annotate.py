@@ -15,18 +15,20 @@ no native GEMM for a site's recipe.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
 
 from fp8graph.gemm.scaled_gemm import Lowering, NoNativeGemm
-from fp8graph.recipes.policy import Policy, Resolution, SiteInfo, resolve
+from fp8graph.recipes.plan import WeightEntry
+from fp8graph.recipes.policy import Policy, Resolution, resolve
 from fp8graph.recipes.scaling import Recipe, misaligned
 from fp8graph.buffers.snapshots import CONTEXT_FN_KEY
-from fp8graph.targets.gathered import GATHERED_RECIPES
-from fp8graph.targets.grouped import EXPERT_RECIPES, expert_recipe
+from fp8graph.targets.gathered import GATHERED_GRANULARITIES
+from fp8graph.targets.grouped import EXPERT_GRANULARITIES, expert_recipe
 
-from .find_sites import Site
+from .sites import ExpertSite, GatheredExpertSite, LinearSite, MatmulSite, Site
 
 __all__ = ["DECISION_KEY", "Decision", "annotate_sites"]
 
@@ -46,6 +48,8 @@ class Decision:
     reason: str | None
     lowering: Lowering | None
     rule_index: int | None = None
+    # The plan's entry of the weight the site reads (fp8graph.recipes.plan), None for a site without one.
+    planned: WeightEntry | None = None
 
     @property
     def rewritten(self) -> bool:
@@ -53,6 +57,7 @@ class Decision:
 
 
 def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site], bool]) -> str | None:
+    """Why ``site`` stays in high precision although the policy gives it ``recipe`` (or none), else None."""
     if site.gate is not None and recipe is None:
         return f"{site.gate} (FP8 only when a policy rule names it)"
     if site.blocker is not None:
@@ -62,31 +67,27 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
     if site.dtype not in _REPLACEABLE_DTYPES:
         return f"dtype {site.dtype} is not a 16- or 32-bit float"
     if recipe is None:
-        if not site.is_linear:
+        if isinstance(site, MatmulSite):
             return "activation x activation matmul (FP8 only when a policy rule names it)"
         return "policy keeps it in high precision"
-    if site.is_experts and not isinstance(recipe, EXPERT_RECIPES):
-        return (f"{recipe.name} on expert GEMMs is not supported yet: expert sites run row-wise, current, "
-                "delayed or MXFP8 scaling")
-    if site.is_gathered_experts and not isinstance(recipe, GATHERED_RECIPES):
-        return (f"{recipe.name} on the decode form of expert GEMMs (weights gathered per token) is not supported "
-                "yet: its FP8 GEMV takes row-wise, current or delayed scales")
+    return _refuses(site, recipe, has_state)
+
+
+def _empty(site: Site) -> str | None:
     if 0 in (site.M, site.K, site.N):
         return "an empty operand (M, K or N is 0): nothing to cast; the GEMM runs as in high precision"
-    if recipe.stateful and not site.is_linear:
-        return ("delayed scaling has no state here: fp8graph.compile registers it per weight parameter, "
-                "which activation matmuls lack")
-    if recipe.stateful and site.is_experts and site.checkpoint_region is not None:
-        return ("delayed scaling of expert GEMMs inside torch.utils.checkpoint is not supported yet (their state "
-                "would need the snapshots linears get: fp8graph.buffers.snapshots)")
+    return None
+
+
+@functools.singledispatch
+def _refuses(site: LinearSite, recipe: Recipe, has_state: Callable[[Site], bool]) -> str | None:
+    """Why a site of its kind cannot run ``recipe`` (None: it can). A linear: its shape and its state."""
+    if (reason := _empty(site)) is not None:
+        return reason
     if recipe.stateful and site.checkpoint_region is not None \
             and CONTEXT_FN_KEY in site.checkpoint_region.meta:
         return ("delayed scaling in a torch.utils.checkpoint region with its own context_fn: its replayed "
                 "casts would need fp8graph's policy to save the state they read (fp8graph.buffers.snapshots)")
-    if recipe.tiled and not site.is_linear:
-        return f"{recipe.name} applies to linear sites (a parameter operand), not activation matmuls"
-    if not site.is_linear:
-        return None  # emulated whatever the device: no cuBLAS shape constraint
     shape_reason = misaligned(recipe, K=site.K, N=site.N)
     if shape_reason is not None:
         return shape_reason
@@ -98,12 +99,40 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
     return None
 
 
+@_refuses.register
+def _matmul_refuses(site: MatmulSite, recipe: Recipe, has_state) -> str | None:
+    """An activation matmul runs emulated (no cuBLAS shape constraint) in per-tensor recipes without state."""
+    if (reason := _empty(site)) is not None:
+        return reason
+    if recipe.stateful:
+        return ("delayed scaling has no state here: fp8graph.compile registers it per weight parameter, "
+                "which activation matmuls lack")
+    if recipe.tiled:
+        return f"{recipe.name} applies to linear sites (a parameter operand), not activation matmuls"
+    return None
+
+
+@_refuses.register
+def _experts_refuse(site: ExpertSite, recipe: Recipe, has_state: Callable[[Site], bool]) -> str | None:
+    """Expert GEMMs: the recipes their targets run, no delayed state in checkpoint regions, then as a linear."""
+    if recipe.granularity not in EXPERT_GRANULARITIES:
+        return (f"{recipe.name} on expert GEMMs is not supported yet: expert sites run row-wise, current, "
+                "delayed or MXFP8 scaling")
+    if isinstance(site, GatheredExpertSite) and recipe.granularity not in GATHERED_GRANULARITIES:
+        return (f"{recipe.name} on the decode form of expert GEMMs (weights gathered per token) is not supported "
+                "yet: its FP8 GEMV takes row-wise, current or delayed scales")
+    if (reason := _empty(site)) is not None:
+        return reason
+    if recipe.stateful and site.checkpoint_region is not None:
+        return ("delayed scaling of expert GEMMs inside torch.utils.checkpoint is not supported yet (their state "
+                "would need the snapshots linears get: fp8graph.buffers.snapshots)")
+    return _refuses.dispatch(LinearSite)(site, recipe, has_state)
+
+
 def resolve_site(policy: Policy, site: Site, path: str | None = None,
                  module: torch.nn.Module | None = None) -> Resolution:
     """The recipe ``policy`` gives a traced site, or the same site at another ``path`` (a block instance's)."""
-    info = SiteInfo(op=site.op, M=site.M, K=site.K, N=site.N, dtype=site.dtype, is_linear=site.is_linear,
-                    experts=site.experts, gate=site.gate is not None)
-    return resolve(policy, site.path if path is None else path, info, module, site.module_type)
+    return resolve(policy, site.path if path is None else path, site.info, module, site.module_type)
 
 
 def annotate_sites(
@@ -112,8 +141,14 @@ def annotate_sites(
     lowering_for: Callable[[Recipe, Site], Lowering],
     modules_by_path: dict[str, torch.nn.Module] | None = None,
     has_state: Callable[[Site], bool] = lambda site: False,
+    planned: Callable[[Site], WeightEntry | None] = lambda site: None,
 ) -> list[Decision]:
     """Attach a decision to each site's node and return the decisions in order.
+
+    ``planned(site)`` is the plan's entry of the weight the site reads, joined to its decision: every
+    buffer fp8graph registered before tracing (delayed state, FP8 weight copies, FSDP2's FP8 gathers)
+    followed that entry, so a site of the module that owns the weight may run only a recipe the plan holds
+    for it; a site that reads another module's weight (a tied ``lm_head``) is decided for its own path.
 
     ``lowering_for(recipe, site)`` says how a recipe's GEMMs run on the
     graph's device (see ``fp8graph.gemm.scaled_gemm.choose_lowering``); where the
@@ -147,11 +182,17 @@ def annotate_sites(
             if policy.strict:
                 raise ValueError(f"{where}: {request}, but {reason}")
             reason = f"{reason}; {request}"
-        if reason is None and site.is_experts:
+        entry = planned(site)
+        if reason is None and entry is not None and entry.path == site.path \
+                and recipe not in entry.recipes.recipes:
+            raise AssertionError(f"{where}: traced, the policy gives it {recipe.name}, which the plan of "
+                                 f"{entry.qualified_name} ({entry.describe(policy)}) does not hold: the buffers "
+                                 "registered before tracing would not be the ones this site needs")
+        if reason is None and isinstance(site, ExpertSite):
             recipe = expert_recipe(recipe)  # what the expert GEMMs can run of it (E4M3 operands)
         decision = (
-            Decision(site, recipe, None, site_lowering, resolution.rule_index) if reason is None
-            else Decision(site, None, reason, None, resolution.rule_index)
+            Decision(site, recipe, None, site_lowering, resolution.rule_index, entry) if reason is None
+            else Decision(site, None, reason, None, resolution.rule_index, entry)
         )
         site.node.meta[DECISION_KEY] = decision
         decisions.append(decision)

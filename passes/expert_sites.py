@@ -11,11 +11,11 @@ sort the tokens by expert and run each expert projection as one grouped GEMM ove
     torch.bmm(W[expert_ids], x.unsqueeze(-1))                                        weights gathered per token:
                                                                                      batched_mm decode
 
-:func:`read_grouped` reads such a node into a :class:`~fp8graph.passes.find_sites.Site` of op
+:func:`read_grouped` fills a :class:`~fp8graph.passes.sites.GroupedExpertSite` of op
 ``grouped_mm`` with ``experts`` (E) and ``offsets_node``, in linear form (``weight_node`` the 3-D
 parameter, ``weight_is_kn`` for a (E, K, N) one). :func:`read_dense_experts` reads the ``bmm`` form into a
-site of op ``bmm`` with ``experts`` and no offsets: its groups are the E slices of T tokens.
-:func:`read_gathered_experts` reads the decode form into a site of op ``bmm`` with ``expert_ids_node``; it
+grouped expert site of op ``bmm`` with no offsets: its groups are the E slices of T tokens.
+:func:`read_gathered_experts` reads the decode form into a :class:`~fp8graph.passes.sites.GatheredExpertSite`; it
 runs in FP8 only with frozen weights, each expert's cast folded into a constant that
 ``fp8graph::gathered_gemv`` reads in place. Grouped GEMMs the FP8 target cannot take (no offsets, a bias, a
 weight computed in the graph) carry a ``blocker``.
@@ -42,6 +42,7 @@ import torch
 import torch.fx
 
 from .node_values import argument, tensor_value
+from .sites import ExpertSite, GatheredExpertSite, GroupedExpertSite
 
 __all__ = ["GROUPED_OP", "is_grouped_gemm", "mark_gates", "read_dense_experts", "read_gather", "read_gathered_experts",
            "read_grouped"]
@@ -75,7 +76,7 @@ def _rows(dim) -> int | str:
     return dim if isinstance(dim, int) else str(dim)
 
 
-def read_grouped(site, node: torch.fx.Node, resolve) -> None:
+def read_grouped(site: GroupedExpertSite, node: torch.fx.Node, resolve) -> None:
     """Fill ``site`` (op ``grouped_mm``) from a grouped GEMM ``node``; ``resolve(node)`` gives
     ``(parameter node, transposed)`` of a parameter operand (``find_sites._Parameters.resolve``)."""
     site.input_node = argument(node, 0, ("mat_a", "input"))
@@ -104,19 +105,21 @@ def read_grouped(site, node: torch.fx.Node, resolve) -> None:
         site.weight_node, site.weight_is_kn = weight, not transposed
 
 
-def read_dense_experts(site, weight: torch.fx.Node, transposed: bool) -> None:
-    """Fill ``site`` (op ``bmm``) from ``torch.bmm(x (E, T, K), weight)`` of a 3-D parameter ``weight``
-    (``transposed``: fed as ``W.transpose(-2, -1)`` of a (E, N, K) parameter)."""
-    input_value, weight_value = tensor_value(site.input_node), tensor_value(weight)
-    site.weight_node, site.weight_is_kn = weight, not transposed
-    site.dtype = input_value.dtype if input_value is not None else None
+def read_dense_experts(where: dict, input_node, weight: torch.fx.Node, transposed: bool) -> GroupedExpertSite:
+    """``torch.bmm(x (E, T, K), weight)`` of a 3-D parameter ``weight`` (``transposed``: fed as
+    ``W.transpose(-2, -1)`` of a (E, N, K) parameter), as an expert site of E groups of T tokens; ``where``
+    holds the site's node, op, path and module type."""
+    input_value, weight_value = tensor_value(input_node), tensor_value(weight)
     experts, rows, columns = weight_value.shape
-    site.experts, (site.K, site.N) = experts, ((columns, rows) if transposed else (rows, columns))
+    site = GroupedExpertSite(**where, input_node=input_node, weight_node=weight, weight_is_kn=not transposed,
+                             dtype=input_value.dtype if input_value is not None else None, experts=experts)
+    site.K, site.N = (columns, rows) if transposed else (rows, columns)
     if input_value is None or input_value.dim() != 3 or input_value.shape[0] != experts:
         site.blocker = "batched GEMM of expert weights whose batch is not the experts"
-        return
+        return site
     tokens = input_value.shape[1]
     site.M = experts * tokens if isinstance(tokens, int) else f"{experts} * {tokens}"
+    return site
 
 
 _GATHERED_BLOCKER = ("expert weights gathered per token (transformers' batched_mm decode, W[expert_ids]): FP8 "
@@ -132,11 +135,11 @@ def _frozen(weight: torch.fx.Node) -> bool:
     return weight.op == "get_attr" and inductor_config.freezing and not torch.is_grad_enabled()
 
 
-def read_gathered_experts(site, left, right, parameters) -> bool:
-    """Fill ``site`` (op ``bmm``) when one operand is a 3-D parameter gathered per token, ``W[expert_ids]``
-    (transformers' ``batched_mm`` decode): an expert site of E experts with ``expert_ids_node``, rewritten
-    only where the weights are frozen (see ``_GATHERED_BLOCKER``). ``parameters`` is the graph's set of
-    parameter nodes. False when neither operand is such a gather."""
+def read_gathered_experts(where: dict, left, right, parameters) -> GatheredExpertSite | None:
+    """The decode form, when one operand of a ``bmm`` is a 3-D parameter gathered per token, ``W[expert_ids]``
+    (transformers' ``batched_mm`` decode): an expert site of E experts, rewritten only where the weights are
+    frozen (see ``_GATHERED_BLOCKER``). ``where`` holds the site's node, op, path and module type;
+    ``parameters`` is the graph's set of parameter nodes. None when neither operand is such a gather."""
     for operand, other, weight_first in ((left, right, True), (right, left, False)):
         if not (isinstance(operand, torch.fx.Node) and operand.op == "call_function"
                 and operand.target is operator.getitem and operand.args[0] in parameters):
@@ -145,21 +148,21 @@ def read_gathered_experts(site, left, right, parameters) -> bool:
         if weight_value is None or weight_value.dim() != 3 or index_value is None \
                 or index_value.is_floating_point() or index_value.dim() != 1 or index_value.dtype == torch.bool:
             continue
-        site.experts, site.weight_node, site.input_node = weight_value.shape[0], operand.args[0], other
-        site.expert_ids_node = operand.args[1]
         # bmm(W[ids] (S, N, K), x (S, K, 1)) of (E, N, K) weights, or bmm(x (S, 1, K), W[ids] (S, K, N)) of
         # (E, K, N) ones, which the rewrite feeds transposed.
-        site.weight_is_kn = not weight_first
+        site = GatheredExpertSite(**where, input_node=other, weight_node=operand.args[0],
+                                  weight_is_kn=not weight_first, expert_ids_node=operand.args[1],
+                                  experts=weight_value.shape[0], M=_rows(index_value.shape[0]),
+                                  dtype=weight_value.dtype)
         site.N, site.K = weight_value.shape[1:] if weight_first else weight_value.shape[:0:-1]
-        site.M, site.dtype = _rows(index_value.shape[0]), weight_value.dtype
         input_value = tensor_value(other)
         expected = (site.K, 1) if weight_first else (1, site.K)
         if input_value is None or input_value.dim() != 3 or tuple(input_value.shape[1:]) != expected:
             site.blocker = "batched GEMM of gathered expert weights by something other than one row per token"
         elif not _frozen(site.weight_node):
             site.blocker = _GATHERED_BLOCKER
-        return True
-    return False
+        return site
+    return None
 
 
 def _same_dtype_copy(node) -> bool:
@@ -171,7 +174,7 @@ def _same_dtype_copy(node) -> bool:
         and before.device == after.device and len(node.users) == 1
 
 
-def read_gather(site) -> None:
+def read_gather(site: GroupedExpertSite) -> None:
     """Record the row gather ``site``'s input is (see the module's doc), if it is one only the site reads."""
     if site.offsets_node is None or site.blocker is not None:
         return
@@ -218,7 +221,7 @@ def mark_gates(sites) -> None:
     (DeepSeek-V3's router multiplies ``weight.type(torch.float32)``, a weight computed in the graph)."""
     gemms = {site.node for site in sites}
     for site in sites:
-        if site.is_experts or site.node.op not in ("call_function", "call_method"):
+        if isinstance(site, ExpertSite) or site.node.op not in ("call_function", "call_method"):
             continue
         if _reaches(site.node, _TOPK, _ROUTER_HOPS, gemms):
             site.gate = ("MoE router: its output picks each token's experts (topk), and FP8 error flips routing "

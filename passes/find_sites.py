@@ -6,7 +6,7 @@ Dynamo's IR is not normalized: one ``y = x W^T + b`` can reach the backend as
     torch.addmm(b, x2d, w)                  GPT-2's Conv1D, weight stored (K, N)
     torch.matmul(x, w) / x @ w / x.matmul(w) / torch.mm(x, w) / x @ w.t()
 
-This pass reads each such node into a :class:`Site`: which operand is the
+This pass reads each such node into a site of its kind (``passes.sites``): which operand is the
 activation, which is the weight parameter and how it is laid out, the bias,
 and M/K/N. A site that can never run in FP8 (a computed weight, a parameter
 on the left, a scaled ``addmm``) carries a ``blocker`` saying why. A matmul
@@ -37,12 +37,13 @@ import torch.fx
 
 from .expert_sites import (GROUPED_OP, is_grouped_gemm, mark_gates, read_dense_experts, read_gather,
                            read_gathered_experts, read_grouped)
+from .sites import FusedCallSite, GroupedExpertSite, LinearSite, MatmulSite, Site
 from .expand_attention import MHA_ARGUMENTS, UNEXPANDED_KEY, attention_arguments, is_multi_head_attention
 from .module_paths import module_path, module_type
 from .node_values import argument, tensor_value
 from .subgraphs import Subgraphs
 
-__all__ = ["Site", "find_sites"]
+__all__ = ["find_sites"]
 
 _LINEAR_TARGETS = {torch._C._nn.linear, torch.nn.functional.linear}
 _MATMUL_TARGETS = {torch.matmul, operator.matmul, torch.mm}
@@ -63,57 +64,6 @@ _SPLIT_METHODS = {"split", "chunk", "tensor_split", "split_with_sizes", "unbind"
 _SPLIT_FUNCTIONS = {torch.split, torch.chunk, torch.tensor_split, torch.unbind}
 _SLICE_BLOCKER = ("weight is a slice of a parameter{what}: FP8 sites multiply whole parameters, the unit "
                   "their delayed-scaling state and FP8 weight copies are kept for")
-
-
-@dataclasses.dataclass
-class Site:
-    """One GEMM of the graph, read into linear form ``input @ weight^T + bias``.
-
-    ``weight_is_kn`` is True when the parameter is stored (K, N), as GPT-2's
-    Conv1D stores it; the rewrite then feeds ``weight.t()`` to the FP8 linear.
-    An activation-by-activation matmul (attention scores) has no weight: its
-    right operand is ``other_node``, and only an explicit policy rule moves
-    it to FP8.
-    """
-
-    @property
-    def is_linear(self) -> bool:
-        return self.weight_node is not None
-
-    @property
-    def is_experts(self) -> bool:
-        """An expert site: E GEMMs of a 3-D weight, each over its group of tokens (``expert_sites``)."""
-        return self.experts is not None
-
-    node: torch.fx.Node
-    op: str
-    path: str
-    module_type: type | None = None
-    input_node: torch.fx.Node | None = None
-    weight_node: torch.fx.Node | None = None
-    other_node: torch.fx.Node | None = None
-    weight_is_kn: bool = False
-    bias_node: torch.fx.Node | None = None
-    M: int | str | None = None
-    K: int | None = None
-    N: int | None = None
-    dtype: torch.dtype | None = None
-    blocker: str | None = None
-    graph_module: torch.fx.GraphModule | None = None
-    in_subgraph: bool = False
-    weight_input: torch.fx.Node | None = None  # the top-level placeholder the weight arrives through
-    checkpoint_region: torch.fx.GraphModule | None = None  # body of the enclosing torch.utils.checkpoint
-    experts: int | None = None  # E of an expert site (op "grouped_mm"), whose weight is (E, N, K)
-    offsets_node: torch.fx.Node | None = None  # where each expert's group of sorted tokens ends (E,)
-    gate: str | None = None  # a router or shared-expert gate: why only a rule naming it moves it to FP8
-    gather_source: torch.fx.Node | None = None  # an expert site's input is gather_source[gather_index] (rows)
-    gather_index: torch.fx.Node | None = None
-    expert_ids_node: torch.fx.Node | None = None  # decode form: row s multiplies expert expert_ids[s]'s weight
-
-    @property
-    def is_gathered_experts(self) -> bool:
-        """An expert site whose weights are picked per token row (``bmm(W[expert_ids], x)``): MoE decode."""
-        return self.expert_ids_node is not None
 
 
 def _op_name(node: torch.fx.Node) -> str | None:
@@ -207,7 +157,7 @@ def _rows(lead: Sequence) -> int | str:
     return " * ".join(str(d) for d in lead)  # dynamic token dimension: never specialized
 
 
-def _fill_linear_shapes(site: Site) -> None:
+def _fill_linear_shapes(site: LinearSite) -> None:
     input_value, weight_value = tensor_value(site.input_node), tensor_value(site.weight_node)
     if input_value is None or weight_value is None:
         return
@@ -233,67 +183,67 @@ def _fill_operand_shapes(site: Site, left, right, right_is_nk: bool = False) -> 
     site.N = right_value.shape[-2] if right_is_nk else right_value.shape[-1]
 
 
-def _read_linear(site: Site, node: torch.fx.Node, params: _Parameters) -> None:
-    site.input_node = argument(node, 0, "input")
-    weight, transposed = params.resolve(argument(node, 1, "weight"))
-    site.bias_node = argument(node, 2, "bias")
-    site.weight_node, site.weight_is_kn = weight, transposed
-    if weight is None:
-        if params.slice_of(argument(node, 1, "weight")) is not None:
-            owner = site.module_type
-            what = (" (MultiheadAttention's packed in_proj_weight, split because key or value is not the query)"
-                    if isinstance(owner, type) and issubclass(owner, torch.nn.MultiheadAttention) else "")
-            site.blocker = _SLICE_BLOCKER.format(what=what)
-        else:
-            site.blocker = "weight is not a parameter (computed in the graph)"
-        _fill_operand_shapes(site, site.input_node, argument(node, 1, "weight"), right_is_nk=True)
-    else:
+def _read_linear(where: dict, node: torch.fx.Node, params: _Parameters) -> Site:
+    """``F.linear(input, weight, bias)``: a linear site, or a kept matmul when the weight is no parameter."""
+    input_node, weight_argument = argument(node, 0, "input"), argument(node, 1, "weight")
+    weight, transposed = params.resolve(weight_argument)
+    if weight is not None:
+        site = LinearSite(**where, input_node=input_node, weight_node=weight, weight_is_kn=transposed,
+                          bias_node=argument(node, 2, "bias"))
         _fill_linear_shapes(site)
+        return site
+    site = MatmulSite(**where, input_node=input_node, other_node=weight_argument, bias_node=argument(node, 2, "bias"))
+    if params.slice_of(weight_argument) is not None:
+        owner = site.module_type
+        what = (" (MultiheadAttention's packed in_proj_weight, split because key or value is not the query)"
+                if isinstance(owner, type) and issubclass(owner, torch.nn.MultiheadAttention) else "")
+        site.blocker = _SLICE_BLOCKER.format(what=what)
+    else:
+        site.blocker = "weight is not a parameter (computed in the graph)"
+    _fill_operand_shapes(site, input_node, weight_argument, right_is_nk=True)
+    return site
 
 
-def _read_matmul(site: Site, node: torch.fx.Node, params: _Parameters) -> None:
+def _read_matmul(where: dict, node: torch.fx.Node, params: _Parameters) -> Site:
     """matmul / mm / bmm / addmm / baddbmm: a linear when the right operand is a parameter.
 
     Otherwise a matmul of two activations, whose added term (addmm, baddbmm)
     is kept in ``bias_node``.
     """
-    has_addend = site.op in ("addmm", "baddbmm")
+    op = where["op"]
+    has_addend = op in ("addmm", "baddbmm")
     offset = 1 if has_addend else 0
-    left_name, right_name = _OPERAND_KWARGS[site.op]
+    left_name, right_name = _OPERAND_KWARGS[op]
     left = argument(node, offset, left_name)
     right = argument(node, offset + 1, right_name)
-    if has_addend:
-        site.bias_node = argument(node, 0, "input")
-        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
-            site.blocker = f"{site.op} with alpha or beta other than 1"
-    if site.op == "bmm" and read_gathered_experts(site, left, right, params.nodes):
-        return
+    addend = argument(node, 0, "input") if has_addend else None
+    blocker = None
+    if has_addend and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
+        blocker = f"{op} with alpha or beta other than 1"
+    if op == "bmm" and (gathered := read_gathered_experts(where, left, right, params.nodes)) is not None:
+        return gathered
     weight, transposed = params.resolve(right)
-    site.input_node = left
-    if weight is not None and site.op == "bmm" and getattr(tensor_value(weight), "ndim", 0) == 3:
-        read_dense_experts(site, weight, transposed)
-        return
-    if weight is not None and site.op != "baddbmm":
+    if weight is not None and op == "bmm" and getattr(tensor_value(weight), "ndim", 0) == 3:
+        return read_dense_experts(where, left, weight, transposed)
+    if weight is not None and op != "baddbmm":
         # matmul(x, W) with W stored (K, N) is a linear with weight W^T.
-        site.weight_node, site.weight_is_kn = weight, not transposed
+        site = LinearSite(**where, input_node=left, weight_node=weight, weight_is_kn=not transposed,
+                          bias_node=addend, blocker=blocker)
         _fill_linear_shapes(site)
-        return
+        return site
+    site = MatmulSite(**where, input_node=left, other_node=right, bias_node=addend, blocker=blocker)
     _fill_operand_shapes(site, left, right)
-    site.other_node = right
     left_value, right_value = tensor_value(left), tensor_value(right)
     if params.resolve(left)[0] is not None:
         site.blocker = site.blocker or "parameter is the left operand"
     elif left_value is None or right_value is None or left_value.dim() < 2 or right_value.dim() < 2:
         site.blocker = site.blocker or "matmul with a 1-D operand"
+    return site
 
 
 def _read_site(node: torch.fx.Node, op: str, params: _Parameters, path: str) -> Site:
-    site = Site(node=node, op=op, path=path, module_type=module_type(node))
-    if op == "linear":
-        _read_linear(site, node, params)
-    else:
-        _read_matmul(site, node, params)
-    return site
+    where = dict(node=node, op=op, path=path, module_type=module_type(node))
+    return _read_linear(where, node, params) if op == "linear" else _read_matmul(where, node, params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,10 +305,11 @@ def _fused_sites(node: torch.fx.Node, fused: _FusedCall, params: _Parameters, pa
     sites = []
     for input_name, weight_name, bias_name, child in fused.gemms:
         weight = arguments.get(weight_name)
-        site = Site(node=node, op="linear", path=".".join(p for p in (path, child if is_owner else "") if p),
-                    module_type=fused.children[child] if is_owner else owner,
-                    input_node=arguments.get(input_name), weight_node=params.resolve(weight)[0],
-                    bias_node=arguments.get(bias_name), blocker=fused.reason)
+        site = FusedCallSite(node=node, op="linear",
+                             path=".".join(p for p in (path, child if is_owner else "") if p),
+                             module_type=fused.children[child] if is_owner else owner,
+                             input_node=arguments.get(input_name), weight_node=params.resolve(weight)[0],
+                             bias_node=arguments.get(bias_name), blocker=fused.reason)
         input_value, weight_value = tensor_value(site.input_node) if input_name else rows, tensor_value(weight)
         if input_value is not None and weight_value is not None and weight_value.dim() == 2:
             site.dtype = input_value.dtype
@@ -409,8 +360,8 @@ def find_sites(
             if op is not None:
                 found = [_read_site(node, op, params, module_path(node, paths_by_id))]
             elif is_grouped_gemm(node):
-                found = [Site(node=node, op=GROUPED_OP, path=module_path(node, paths_by_id),
-                              module_type=module_type(node))]
+                found = [GroupedExpertSite(node=node, op=GROUPED_OP, path=module_path(node, paths_by_id),
+                                           module_type=module_type(node))]
                 read_grouped(found[0], node, params.resolve)
                 read_gather(found[0])
             elif node.op == "call_function" and node.target in _FUSED_CALLS:
@@ -424,9 +375,10 @@ def find_sites(
                 site.graph_module = graph_module
                 site.in_subgraph = graph_module is not gm
                 site.checkpoint_region = subgraphs.checkpoint_region(graph_module)
-                if site.weight_node is not None:
-                    site.weight_input = subgraphs.top_node(site.weight_node, graph_module)
-                parameter = site.weight_node or params.resolve(site.input_node)[0]
+                weight = site.weight_node if isinstance(site, LinearSite) else None
+                if weight is not None:
+                    site.weight_input = subgraphs.top_node(weight, graph_module)
+                parameter = weight or params.resolve(site.input_node)[0]
                 if owner_paths and parameter is not None:
                     _owned_by_a_child(site, subgraphs.top_node(parameter, graph_module), top_values, owner_paths)
                 sites.append(site)

@@ -31,6 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .annotate import Decision
 from .side_effects import UNKNOWN, written_nodes
+from .sites import LinearSite
 
 __all__ = ["group_sites"]
 
@@ -50,7 +51,7 @@ def group_sites(decisions: list[Decision],
     groups: dict[tuple, list[Decision]] = {}
     for decision in decisions:
         site = decision.site
-        if not decision.rewritten or not site.is_linear or decision.recipe.tiled or site.is_experts:
+        if not decision.rewritten or type(site) is not LinearSite or decision.recipe.tiled:
             continue
         key = (id(site.graph_module), site.input_node, id(site.checkpoint_region), decision.recipe,
                decision.lowering, compatible(decision))

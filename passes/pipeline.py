@@ -31,6 +31,7 @@ from fp8graph.buffers.delayed_state import DelayedState
 from fp8graph.buffers.weight_cache import WeightCache
 from fp8graph.fsdp.graph_check import check_gathered_weights
 from fp8graph.gemm.scaled_gemm import choose_lowering
+from fp8graph.recipes.plan import Plan
 from fp8graph.recipes.policy import Policy
 
 from .anchored_inputs import take_anchored_inputs
@@ -40,6 +41,7 @@ from .find_sites import find_sites
 from .group_sites import group_sites
 from .rewrite import rewrite_sites
 from .side_effects import REPLACES_KEY, side_effect_nodes
+from .sites import GroupedExpertSite
 from .unpermute import unpermute_expert_outputs
 from .subgraphs import Subgraphs
 
@@ -58,6 +60,7 @@ class PassContext:
     state: DelayedState
     weight_cache: WeightCache
     stats: object | None  # an FP8Stats: its buffer_of(path)
+    plan: Plan | None = None  # every weight's plan (fp8graph.recipes.plan); None for a function
 
 
 def graph_device(example_inputs: Sequence[object]) -> torch.device:
@@ -192,9 +195,16 @@ def annotate(state: PassState) -> None:
     context, device, buffers = state.context, state.device, state.buffers
     state.decisions = annotate_sites(
         state.sites, context.policy,
-        lambda recipe, site: choose_lowering(device, context.lowering, recipe, batched=not site.is_linear,
-                                             grouped=site.is_experts, gathered=site.is_gathered_experts),
-        context.modules_by_path, has_state=lambda site: buffers.state_nodes(site) is not None)
+        lambda recipe, site: choose_lowering(device, context.lowering, recipe, form=site.form),
+        context.modules_by_path, has_state=lambda site: buffers.state_nodes(site) is not None,
+        planned=lambda site: planned_entry(context.plan, site, state.value_of))
+
+
+def planned_entry(plan: Plan | None, site, value_of: dict):
+    """The plan's entry of the weight ``site`` reads: the parameter behind its top-level placeholder."""
+    if plan is None or not site.has_weight or site.weight_input is None:
+        return None
+    return plan.entry(value_of.get(site.weight_input))
 
 
 def group(state: PassState) -> None:
@@ -212,7 +222,7 @@ def rewrite(state: PassState) -> None:
 def unpermute(state: PassState) -> None:
     """In graphs with FP8 expert GEMMs, the tokens' order restored by a gather whose backward gathers too."""
     for graph_module in {id(d.site.graph_module): d.site.graph_module for d in state.decisions
-                         if d.rewritten and d.site.is_experts and not d.site.is_gathered_experts}.values():
+                         if d.rewritten and isinstance(d.site, GroupedExpertSite)}.values():
         unpermute_expert_outputs(graph_module)
 
 

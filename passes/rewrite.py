@@ -37,6 +37,7 @@ sites it replaces: nothing else, dead or not (``side_effects``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Callable
 
@@ -53,7 +54,7 @@ from fp8graph.targets.matmul import matmul_fp8_target
 from fp8graph.buffers.snapshots import CONTEXT_FN_KEY, checkpoint_context_fn
 
 from .annotate import DECISION_KEY, Decision
-from .find_sites import Site
+from .sites import GatheredExpertSite, GroupedExpertSite, LinearSite, MatmulSite, Site
 from .subgraphs import Subgraphs
 
 __all__ = ["rewrite_sites"]
@@ -117,11 +118,7 @@ def rewrite_sites(
 
 
 def _with_replaced_operands(decision: Decision, replaced: dict) -> Decision:
-    site = dataclasses.replace(decision.site, **{
-        field: replaced.get(getattr(decision.site, field), getattr(decision.site, field))
-        for field in ("input_node", "other_node", "bias_node", "offsets_node", "gather_source", "gather_index",
-                      "expert_ids_node")})
-    return dataclasses.replace(decision, site=site)
+    return dataclasses.replace(decision, site=decision.site.with_operands(replaced))
 
 
 class _Buffers:
@@ -140,13 +137,13 @@ class _Buffers:
 
     def state(self, decision: Decision, gm) -> tuple[torch.fx.Node, ...] | None:
         """``(history, scale, grad_history, grad_scale)`` of a delayed-scaling linear or expert site."""
-        if not (decision.site.is_linear and decision.recipe.stateful):
+        if not (decision.site.has_weight and decision.recipe.stateful):
             return None
         return self._lift(self._state_nodes(decision.site), gm)
 
     def cache(self, decision: Decision, gm) -> tuple[torch.fx.Node, torch.fx.Node] | None:
         """``(FP8 copy, scale)`` of the weight of a current-scaling linear site with ``cache_weights``."""
-        if not (decision.site.is_linear and decision.recipe.caches_weights):
+        if not (decision.site.has_weight and decision.recipe.caches_weights):
             return None
         return self._lift(self._cache_nodes(decision.site), gm)
 
@@ -190,31 +187,13 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
             mark_cacheable(call, target)
         else:
             state, cache = states[0], caches[0]
-            if site.is_gathered_experts:  # decode: each row's expert weight picked by expert_ids
-                target = gathered_fp8_target(first.recipe, first.lowering)
-                args = (site.input_node, _weight_nk(graph, first), site.expert_ids_node)
-            elif site.is_experts:
-                target = grouped_fp8_target(first.recipe, first.lowering,
-                                            state is None or buffers.updates_state(site))
-                # Sorted tokens gathered from the hidden states: the call casts the source rows, then gathers.
-                rows = site.input_node if site.gather_source is None else site.gather_source
-                args = (rows, _weight_nk(graph, first), site.offsets_node)
-            elif first.recipe.tiled:
-                target = linear_tiled_target(first.recipe, first.lowering)
-                args = (site.input_node, _weight_nk(graph, first), site.bias_node)
-            elif site.is_linear:
-                target = _linear_target(first, state, cache, buffers, group=False)
-                args = (site.input_node, _weight_nk(graph, first), site.bias_node)
-            else:
-                target = matmul_fp8_target(first.recipe)
-                args = (site.input_node, site.other_node, site.bias_node)
+            target, args, kwargs = _single_call(site, first, graph, state, cache, buffers)
+            if cache is not None:
+                kwargs.update(zip(("cached_weight", "cached_weight_scale"), cache))
             if stats[0] is not None or state is not None:
                 args = args + (stats[0],)
             if state is not None:
                 args = args + state
-            kwargs = {} if cache is None else dict(zip(("cached_weight", "cached_weight_scale"), cache))
-            if site.is_experts and site.gather_source is not None:
-                kwargs["gather_index"] = site.gather_index
             call = graph.call_function(target, args, kwargs)
             call.meta.update(site.node.meta)
             mark_cacheable(call, target)
@@ -224,6 +203,38 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
         node = decision.site.node
         node.replace_all_uses_with(output)
         graph.erase_node(node)
+
+
+@functools.singledispatch
+def _single_call(site: LinearSite, decision: Decision, graph: torch.fx.Graph, state, cache, buffers: _Buffers):
+    """``(target, args, kwargs)`` of the FP8 call replacing one site of its kind, before its buffer operands."""
+    weight = _weight_nk(graph, decision)
+    if decision.recipe.tiled:
+        return linear_tiled_target(decision.recipe, decision.lowering), (site.input_node, weight, site.bias_node), {}
+    target = _linear_target(decision, state, cache, buffers, group=False)
+    return target, (site.input_node, weight, site.bias_node), {}
+
+
+@_single_call.register
+def _matmul_call(site: MatmulSite, decision: Decision, graph, state, cache, buffers):
+    return matmul_fp8_target(decision.recipe), (site.input_node, site.other_node, site.bias_node), {}
+
+
+@_single_call.register
+def _grouped_call(site: GroupedExpertSite, decision: Decision, graph, state, cache, buffers):
+    target = grouped_fp8_target(decision.recipe, decision.lowering, state is None or buffers.updates_state(site))
+    if site.gather_source is None:
+        return target, (site.input_node, _weight_nk(graph, decision), site.offsets_node), {}
+    # Sorted tokens gathered from the hidden states: the call casts the source rows, then gathers.
+    return (target, (site.gather_source, _weight_nk(graph, decision), site.offsets_node),
+            {"gather_index": site.gather_index})
+
+
+@_single_call.register
+def _gathered_call(site: GatheredExpertSite, decision: Decision, graph, state, cache, buffers):
+    """Decode: each row's expert weight picked by ``expert_ids``."""
+    return (gathered_fp8_target(decision.recipe, decision.lowering),
+            (site.input_node, _weight_nk(graph, decision), site.expert_ids_node), {})
 
 
 def _prepare_checkpoint_region(site: Site) -> bool:

@@ -16,6 +16,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import fp8graph
+from fp8graph.passes.sites import GatheredExpertSite
 from fp8graph.models import build
 
 # A reduction over a tensor compiles to C++ that calls max_propagate_nan once per reduced vector.
@@ -140,7 +141,7 @@ def test_moe_decode_reads_frozen_fp8_expert_weights_by_expert_id(weights):
     with torch.no_grad():
         _, expected, _ = _compile_and_run(grouped, x, freeze_weights=True)
         compiled, output, code = _compile_and_run(model, x, freeze_weights=True)
-    decisions = [d for d in compiled.fp8graph_backend.decisions if d.site.is_gathered_experts]
+    decisions = [d for d in compiled.fp8graph_backend.decisions if isinstance(d.site, GatheredExpertSite)]
     assert len(decisions) == 2 and all(d.rewritten for d in decisions)
     constants = [line for line in code.splitlines() if line.startswith("_frozen_param") and "= None  #" in line]
     # FP8 constants as the GEMV reads them (bytes, K contiguous): gate_up (E, 2I, H), down (E, H, I).

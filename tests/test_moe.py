@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fp8graph
+from fp8graph.passes.sites import ExpertSite
 from fp8graph import Float8RowwiseScaling
 from fp8graph.models.zoo import build_zoo_model, expert_paths, train_against_eager
 
@@ -19,7 +20,7 @@ LOSS_MARGIN = 0.03
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "olmoe", "gpt_oss"])
 def test_moe_family_trains_in_fp8_with_every_expert_gemm_rewritten(family):
     fp8_losses, eager_losses, decisions = train_against_eager(family, Float8RowwiseScaling(), steps=50)
-    experts = [d for d in decisions if d.site.is_experts]
+    experts = [d for d in decisions if isinstance(d.site, ExpertSite)]
     assert {d.site.path for d in experts} == set(expert_paths(build_zoo_model(family, torch.bfloat16)))
     assert experts and all(d.rewritten for d in experts), [d.reason for d in experts]
     routers = [d for d in decisions if d.site.gate is not None]

@@ -160,25 +160,6 @@ class DelayedState:
 _REGISTERED_ATTRIBUTE = "_fp8graph_delayed_state"
 
 
-def _delayed_recipe(plan: Plan, path: str, param: torch.Tensor):
-    """The ``DelayedScaling`` recipe the policy may give a linear on ``param``, else ``None``.
-
-    State is registered wherever a site on the weight may take delayed scaling (a rule on ``M`` is decided
-    when the graph is traced; unused state stays at its initial values). Two delayed recipes with
-    different history lengths cannot share one buffer: refused, naming the rules.
-    """
-    possible = plan.recipes(param)
-    delayed = possible.having("stateful")
-    lengths = sorted({recipe.amax_history_len for recipe in delayed})
-    if len(lengths) > 1:
-        raise ValueError(
-            f"{path or '<root>'}: before tracing, the policy may give this weight delayed scaling with "
-            f"amax histories of lengths {lengths} (undecided: "
-            f"{', '.join(possible.undecided)}), and a weight keeps one history: give those recipes one "
-            "amax_history_len")
-    return delayed[0] if delayed else None
-
-
 def _reuse_registered_state(model: torch.nn.Module, plan: Plan, delayed_state: DelayedState) -> DelayedState:
     """The state an earlier ``fp8graph.compile`` registered, if it serves ``policy`` as it is.
 
@@ -190,7 +171,7 @@ def _reuse_registered_state(model: torch.nn.Module, plan: Plan, delayed_state: D
     by_weight = delayed_state.by_weight()
     for path, module in model.named_modules():
         for name, param in weight_candidates(module):
-            recipe = _delayed_recipe(plan, path, param)
+            recipe = plan[param].delayed
             site_state = by_weight.get(id(param))
             if recipe is None or (site_state is not None and
                                   site_state.history.shape[1] == recipe.amax_history_len):
@@ -230,7 +211,7 @@ def register_delayed_state(model: torch.nn.Module, policy: Policy, plan: Plan | 
                 delayed_state.add(module, name, registered[id(param)])
                 tied_holders.setdefault(module, []).append(registered[id(param)].module)
                 continue
-            recipe = _delayed_recipe(plan, path, param)
+            recipe = plan[param].delayed
             if recipe is None:
                 continue
             history_len, device = recipe.amax_history_len, param.device

@@ -131,11 +131,6 @@ def _copy_shape(module: torch.nn.Module, param: torch.Tensor) -> tuple[int, int]
     return orientations[0] if len(orientations) == 1 else tuple(param.shape)
 
 
-def _cacheable_recipe(plan: Plan, param: torch.Tensor):
-    cacheable = plan.recipes(param).having("caches_weights")
-    return cacheable[0] if cacheable else None
-
-
 def _reuse_registered_cache(model: torch.nn.Module, plan: Plan, cache: WeightCache) -> WeightCache:
     """The copies an earlier ``fp8graph.compile(cache_weights=True)`` registered (or a copy of that model
     brought), if they serve ``policy``: the same weights, in the FP8 dtypes it asks for. Invalidated: a
@@ -145,7 +140,7 @@ def _reuse_registered_cache(model: torch.nn.Module, plan: Plan, cache: WeightCac
         if module is model:
             continue
         for name, param in matrices(module):
-            recipe = _cacheable_recipe(plan, param)
+            recipe = plan[param].cached
             wanted = None if recipe is None else recipe.fp8_dtype(Role.WEIGHT)
             there = copies[id(param)][0].dtype if id(param) in copies else None
             if wanted != there:
@@ -181,7 +176,7 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy, plan: Plan | N
                 cache.add(module, name, owner, owner_name)
                 anchored.setdefault(module, []).append((owner, owner_name))
                 continue
-            recipe = _cacheable_recipe(plan, param)
+            recipe = plan[param].cached
             if recipe is None:
                 continue
             copy_shape = _copy_shape(module, param)  # (N, K): a Conv1D's (K, N) weight is copied transposed

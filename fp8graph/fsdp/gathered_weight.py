@@ -33,22 +33,17 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map_only
 
 from fp8graph.numerics.tiles import e8m0_to_scale
-from fp8graph.recipes.scaling import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, Recipe
+from fp8graph.recipes.scaling import Granularity, Recipe
 
 __all__ = ["FORMS", "GatheredFP8Weight", "gathered_form", "is_gathered"]
 
 FORMS = ("tensor", "tiles", "rows", "mx")
+_FORM_OF = {Granularity.TENSOR: "tensor", Granularity.BLOCK: "tiles", Granularity.ROW: "rows", Granularity.MX: "mx"}
 
 
 def gathered_form(recipe: Recipe) -> str:
     """How a weight gathered in FP8 under ``recipe`` is scaled: its ``form``."""
-    if isinstance(recipe, Float8BlockScaling):
-        return "tiles"
-    if isinstance(recipe, Float8RowwiseScaling):
-        return "rows"
-    if isinstance(recipe, MXFP8BlockScaling):
-        return "mx"
-    return "tensor"
+    return _FORM_OF[recipe.granularity]
 
 
 _INNER = ("fp8_data", "scale", "amax", "fp8_t_data", "scale_t")  # the inner tensors, those present flattened

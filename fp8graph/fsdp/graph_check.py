@@ -23,7 +23,7 @@ def _reads_gathered_weights(node: torch.fx.Node) -> bool:
 def check_gathered_weights(gm: torch.fx.GraphModule, value_of: dict, decisions) -> None:
     """Raise unless every user of every gathered weight in ``gm`` (after the rewrite) is an FP8 target that
     reads it."""
-    kept = {d.site.weight_input: d for d in decisions if not d.rewritten}
+    kept = {d.site.weight_input: d for d in decisions if not d.rewritten and d.site.has_weight}
     for node in gm.graph.find_nodes(op="placeholder"):
         if not is_gathered(value_of.get(node)):  # the real parameter, or its example
             continue

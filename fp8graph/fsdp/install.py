@@ -24,7 +24,7 @@ import torch
 from fp8graph.buffers.delayed_state import looked_up_or_convolved, weight_candidates
 from fp8graph.fsdp.shard_casts import (ShardCast, TiledShardCast, WeightAmaxes, fp8_gathered_bytes,
                                       shard_row_multiple)
-from fp8graph.recipes.plan import Plan
+from fp8graph.recipes.plan import UNDECIDED, Plan
 from fp8graph.recipes.policy import Policy, weight_orientations
 from fp8graph.recipes.scaling import misaligned
 
@@ -96,10 +96,11 @@ def _reason_not_fp8(plan: Plan, module, param, fsdp_param, group, options: dict)
         return "tied to another module's weight", None
     if weight_orientations(module, param) != [tuple(param.shape)]:
         return "its module may multiply it transposed: only nn.Linear weights (N, K) are gathered in FP8", None
-    possible = plan.recipes(param)
-    if possible.undecided or len(possible.recipes) != 1:
-        return f"the policy decides its recipe only when the graph is traced ({', '.join(possible.undecided)})", None
-    (recipe,) = possible.recipes
+    entry = plan[param]
+    recipe = entry.decided
+    if recipe is UNDECIDED:
+        return (f"the policy decides its recipe only when the graph is traced "
+                f"({', '.join(entry.recipes.undecided)})"), None
     if recipe is None:
         return "the policy keeps its sites in high precision", None
     shape_reason = misaligned(recipe, N=param.shape[0], K=param.shape[1])

@@ -34,10 +34,11 @@ from fp8graph.gemm.layouts import column_major, row_major
 from fp8graph.kernels.quantize_tiles import triton_available
 from fp8graph.gemm.padding import pad_reduction_dim
 from fp8graph.gemm.native_tiled import native_tiled_gemm
-from fp8graph.recipes.scaling import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
+from fp8graph.recipes.scaling import Granularity
 from fp8graph.numerics.tiles import Tiling, reference_dequantize_tiles
 
-__all__ = ["LOWERING_CHOICES", "Lowering", "NoNativeGemm", "choose_lowering", "has_cpu_kernel", "native_requirement",
+__all__ = ["GEMM_FORMS", "LOWERING_CHOICES", "Lowering", "NoNativeGemm", "choose_lowering", "has_cpu_kernel",
+           "native_requirement",
            "one_buffer", "scalars_of",
            "scaled_gemm", "scaled_gemm_by_inverse", "tiled_scaled_gemm"]
 
@@ -67,9 +68,10 @@ def native_requirement(recipe=None) -> tuple[str, Callable[[tuple[int, int]], bo
     with E8M0 scales on SM100.
     """
     has_v2 = hasattr(torch.nn.functional, "scaled_mm")
-    if isinstance(recipe, Float8BlockScaling):
+    granularity = _granularity(recipe)
+    if granularity is Granularity.BLOCK:
         return "a CUDA device of compute capability 9.x (SM90)", lambda cc: has_v2 and cc[0] == 9
-    if isinstance(recipe, MXFP8BlockScaling):
+    if granularity is Granularity.MX:
         return "a CUDA device of compute capability 10.x (SM100)", lambda cc: has_v2 and cc[0] == 10
     return "a CUDA device of compute capability >= 8.9", lambda cc: cc >= _MIN_FP8_CAPABILITY
 
@@ -81,9 +83,15 @@ def has_cpu_kernel(recipe=None) -> bool:
     them, torch 2.11 refuses them ("only supports per-tensor scaling for CPU
     backend"), so they are probed once. Block and MX scales: never.
     """
-    if isinstance(recipe, (Float8BlockScaling, MXFP8BlockScaling)):
+    granularity = _granularity(recipe)
+    if granularity in (Granularity.BLOCK, Granularity.MX):
         return False
-    return not isinstance(recipe, Float8RowwiseScaling) or _cpu_kernel_takes_rowwise_scales()
+    return granularity is not Granularity.ROW or _cpu_kernel_takes_rowwise_scales()
+
+
+def _granularity(recipe) -> Granularity:
+    """What one scale of ``recipe`` covers; ``None`` stands for per-tensor scaling."""
+    return Granularity.TENSOR if recipe is None else recipe.granularity
 
 
 @functools.cache
@@ -105,9 +113,11 @@ def _device_name(device: torch.device, capability: tuple[int, int] | None) -> st
     return f"{device} (compute capability {capability[0]}.{capability[1]})" if capability else str(device)
 
 
+GEMM_FORMS = ("linear", "batched", "grouped", "gathered")
+
+
 def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
-                    capability: tuple[int, int] | None = None, batched: bool = False,
-                    grouped: bool = False, gathered: bool = False) -> Lowering:
+                    capability: tuple[int, int] | None = None, form: str = "linear") -> Lowering:
     """Pick the GEMM lowering of ``recipe`` (default: per-tensor scaling) for a compile on ``device``.
 
     ``requested`` is ``"auto"`` (scaled_mm where the device has the recipe's
@@ -115,10 +125,11 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
     ``"scaled_mm"`` on CPU runs ``_scaled_mm``'s slow CPU kernel (per-tensor
     and row-wise recipes only). ``capability`` stands for the device's
     compute capability (read from the device when ``None``; tests give it).
-    ``batched``: an activation matmul, which has no FP8 GEMM on any device.
-    ``grouped``: an expert GEMM, native as ``torch._scaled_grouped_mm`` (row-wise scales on SM 9.x, MXFP8
-    on SM 10.x), which has no CPU kernel. ``gathered``: an expert GEMM of weights gathered per token (MoE
-    decode), native as ``fp8graph::gathered_gemv``'s Triton kernel (E4M3, SM >= 8.9).
+    ``form`` is the site's (``passes.sites.Site.form``): ``"linear"``; ``"batched"``, an activation matmul,
+    which has no FP8 GEMM on any device; ``"grouped"``, an expert GEMM, native as ``torch._scaled_grouped_mm``
+    (row-wise scales on SM 9.x, MXFP8 on SM 10.x), which has no CPU kernel; ``"gathered"``, an expert GEMM of
+    weights gathered per token (MoE decode), native as ``fp8graph::gathered_gemv``'s Triton kernel (E4M3,
+    SM >= 8.9).
 
     Raises:
         NoNativeGemm: on a CUDA device without the recipe's native GEMM, unless
@@ -127,6 +138,9 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
     """
     if requested not in LOWERING_CHOICES:
         raise ValueError(f"lowering must be one of {LOWERING_CHOICES}, got {requested!r}")
+    if form not in GEMM_FORMS:
+        raise ValueError(f"form must be one of {GEMM_FORMS}, got {form!r}")
+    batched, grouped, gathered = (form == name for name in GEMM_FORMS[1:])
     if capability is None:
         capability = _capability(device)
     needs, supported = native_requirement(recipe)
@@ -136,7 +150,7 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
     elif gathered:
         needs, supported = ("fp8graph's gathered FP8 GEMV (a Triton kernel: Triton installed, compute capability "
                             ">= 8.9)", lambda cc: cc >= _MIN_FP8_CAPABILITY and triton_available())
-    elif grouped and isinstance(recipe, MXFP8BlockScaling):
+    elif grouped and _granularity(recipe) is Granularity.MX:
         needs, supported = ("torch._scaled_grouped_mm's MXFP8 form, on a CUDA device of compute capability 10.x "
                             "(SM100)", lambda cc: hasattr(torch, "_scaled_grouped_mm") and cc[0] == 10)
     elif grouped:
@@ -159,7 +173,7 @@ def choose_lowering(device: torch.device, requested: str = "auto", recipe=None,
 
 
 def _grouped_supported(recipe) -> Callable[[tuple[int, int]], bool]:
-    tiled_by_blocks = isinstance(recipe, (Float8BlockScaling, MXFP8BlockScaling))
+    tiled_by_blocks = _granularity(recipe) in (Granularity.BLOCK, Granularity.MX)
     return lambda cc: hasattr(torch, "_scaled_grouped_mm") and cc[0] == 9 and not tiled_by_blocks
 
 

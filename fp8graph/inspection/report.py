@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fp8graph.passes.annotate import Decision
-from fp8graph.recipes.policy import Policy
+from fp8graph.recipes.policy import Policy, SiteInfo
 from fp8graph.recipes.scaling import Recipe
 
 __all__ = ["ExplainReport", "SiteRecord"]
@@ -20,9 +20,11 @@ __all__ = ["ExplainReport", "SiteRecord"]
 
 @dataclasses.dataclass(frozen=True)
 class SiteRecord:
-    """One site: where it is, its GEMM shape, and what fp8graph did with it.
+    """One site: where it is, what a policy sees of it, and what fp8graph did with it.
 
-    ``recipe`` is the recipe object when the site runs in FP8 (frozen and
+    ``site`` is the site as policy rules see it (:class:`fp8graph.recipes.policy.SiteInfo`: op, GEMM shape,
+    dtype, experts), derived from the traced site, and ``op``, ``M``, ``K``, ``N``, ``dtype`` and ``experts``
+    read it. ``recipe`` is the recipe object when the site runs in FP8 (frozen and
     hashable: ``record.recipe == policy_recipe`` holds, rows filter by
     ``isinstance``; ``str`` gives the short name tables print), else ``None``
     and ``reason`` says why it stays in high precision. ``M`` is a string
@@ -31,16 +33,18 @@ class SiteRecord:
     """
 
     path: str
-    op: str
-    M: int | str | None
-    K: int | None
-    N: int | None
-    dtype: torch.dtype | None
+    site: SiteInfo
     recipe: Recipe | None
     reason: str | None
     lowering: str | None
     rule: str = "default"
-    experts: int | None = None  # E of an expert site (op grouped_mm): E GEMMs over the M sorted tokens
+
+    op = property(lambda self: self.site.op)
+    M = property(lambda self: self.site.M)
+    K = property(lambda self: self.site.K)
+    N = property(lambda self: self.site.N)
+    dtype = property(lambda self: self.site.dtype)
+    experts = property(lambda self: self.site.experts)  # E of an expert site: E GEMMs over the M sorted tokens
 
     @property
     def rewritten(self) -> bool:
@@ -48,23 +52,12 @@ class SiteRecord:
 
     @classmethod
     def from_decision(cls, decision: Decision, policy: Policy | None = None) -> "SiteRecord":
-        site = decision.site
         rule = "default"
         if decision.rule_index is not None and policy is not None:
             rule = policy.rule_label(decision.rule_index)
-        return cls(
-            path=site.path,
-            op=site.op,
-            M=site.M,
-            K=site.K,
-            N=site.N,
-            dtype=site.dtype,
-            recipe=decision.recipe if decision.rewritten else None,
-            reason=decision.reason,
-            lowering=decision.lowering.value if decision.lowering else None,
-            rule=rule,
-            experts=site.experts,
-        )
+        return cls(path=decision.site.path, site=decision.site.info,
+                   recipe=decision.recipe if decision.rewritten else None, reason=decision.reason,
+                   lowering=decision.lowering.value if decision.lowering else None, rule=rule)
 
 
 def _cell(value) -> str:

@@ -73,7 +73,7 @@ def graph_outline(gm: torch.fx.GraphModule, paths_by_id: dict[str, str] | None =
         elif decision is not None and decision.rewritten:
             entry.update(kind="fp8_site", label=decision.site.path or "<root>",
                          recipe=decision.recipe.name, lowering=decision.lowering.value,
-                         is_linear=decision.site.is_linear, op=decision.site.op)
+                         is_linear=decision.site.has_weight, op=decision.site.op)
         elif decision is not None:
             entry.update(kind="kept_site", label=f"{decision.site.op}: {decision.site.path or '<root>'}",
                          detail=decision.reason)

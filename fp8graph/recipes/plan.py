@@ -10,7 +10,10 @@ with its shape (``fp8graph.passes.annotate``), joined to its weight's entry.
 
 A weight's entry is the recipes its sites may get (:class:`~fp8graph.recipes.policy.WeightRecipes`: a
 rule whose predicate needs the traced token count leaves more than one possible) and the rules that may
-decide them. Every weight of two or three dimensions is planned (linears, expert weights; an embedding's
+decide them, and what follows from them for everything arranged before tracing: the delayed-scaling
+recipe its state is laid out for (``delayed``), the recipe of its kept FP8 copy (``cached``), the one
+recipe FSDP2 may gather it in (``decided``); a module's ``signature`` is its region group's key.
+Every weight of two or three dimensions is planned (linears, expert weights; an embedding's
 table too, which no site reads as a GEMM operand); vectors (norms, biases) are not.
 """
 
@@ -23,9 +26,20 @@ from typing import Iterator
 import torch
 
 from fp8graph.recipes.policy import Policy, WeightRecipes, normalize_policy, resolve_weight, weight_orientations
-from fp8graph.recipes.scaling import misaligned
+from fp8graph.recipes.scaling import DelayedScaling, Recipe, misaligned
 
-__all__ = ["Plan", "WeightEntry", "instance_path", "plan"]
+__all__ = ["Plan", "UNDECIDED", "WEIGHT_COPIES", "WeightEntry", "instance_path", "plan"]
+
+
+class _Undecided:
+    def __repr__(self) -> str:
+        return "UNDECIDED"
+
+
+# A weight whose recipe only the traced graph decides (WeightEntry.decided).
+UNDECIDED = _Undecided()
+# How a compile keeps FP8 weight copies: cast by every call, cached between calls, or frozen into constants.
+WEIGHT_COPIES = ("per call", "cached", "frozen")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +52,8 @@ class WeightEntry:
     recipes: WeightRecipes
     # Beside each of recipes.recipes: why the weight's shape rules that recipe out (None: it does not).
     misaligned: tuple[str | None, ...] = ()
+    # How the compile asked FP8 weight copies to live (Plan's weight_copies); fp8_copy says what this one gets.
+    weight_copies: str = "per call"
 
     @property
     def qualified_name(self) -> str:
@@ -49,12 +65,56 @@ class WeightEntry:
         return any(recipe is not None and reason is None
                    for recipe, reason in zip(self.recipes.recipes, self.misaligned))
 
+    @property
+    def decided(self) -> Recipe | None | _Undecided:
+        """The one recipe every site on the weight gets (None: high precision), or :data:`UNDECIDED` when a rule
+        needs the traced shape or more than one recipe is possible. FSDP2 gathers a weight in FP8 only when
+        this is a recipe: the gathered bytes are its form (``fp8graph.fsdp.gathered_weight.gathered_form``)."""
+        if self.recipes.undecided or len(self.recipes.recipes) != 1:
+            return UNDECIDED
+        return self.recipes.recipes[0]
+
+    @property
+    def delayed(self) -> DelayedScaling | None:
+        """The delayed-scaling recipe the weight's state is laid out for (its history length), None for none.
+
+        State is kept wherever a site on the weight may take delayed scaling (a rule on ``M`` is decided when
+        the graph is traced; unused state stays at its initial values). Two delayed recipes with different
+        history lengths cannot share one history: refused, naming the rules."""
+        delayed = self.recipes.having("stateful")
+        lengths = sorted({recipe.amax_history_len for recipe in delayed})
+        if len(lengths) > 1:
+            raise ValueError(
+                f"{self.path or '<root>'}: before tracing, the policy may give this weight delayed scaling with "
+                f"amax histories of lengths {lengths} (undecided: {', '.join(self.recipes.undecided)}), and a "
+                "weight keeps one history: give those recipes one amax_history_len")
+        return delayed[0] if delayed else None
+
+    @property
+    def cached(self) -> Recipe | None:
+        """The recipe whose FP8 copy of the weight is kept between calls (``cache_weights=True``), None for none:
+        the first the policy may give it whose weight cast depends on the weight alone."""
+        cacheable = self.recipes.having("caches_weights")
+        return cacheable[0] if cacheable else None
+
+    @property
+    def fp8_copy(self) -> str | None:
+        """How the weight's FP8 copy lives: ``"per call"`` (cast by each call that reads it, inside the graph),
+        ``"cached"`` (kept between calls while the weight does not change: ``cache_weights=True``),
+        ``"frozen"`` (a constant cast once: ``freeze_weights=True``), or None when no site on it may run in FP8."""
+        if not self.may_be_fp8:
+            return None
+        if self.weight_copies == "cached" and self.cached is None:
+            return "per call"  # its recipe's weight cast depends on more than the weight (delayed scaling)
+        return self.weight_copies
+
     def describe(self, policy: Policy) -> str:
         names = ", ".join("high precision" if r is None else str(r) if reason is None else f"{r} (kept: {reason})"
                           for r, reason in zip(self.recipes.recipes, self.misaligned))
         rules = ", ".join("default" if i is None else policy.rule_label(i) for i in self.recipes.rule_indices)
         undecided = f" (decided when traced: {', '.join(self.recipes.undecided)})" if self.recipes.undecided else ""
-        return f"{names} by {rules}{undecided}"
+        copy = "" if self.fp8_copy in (None, "per call") else f", FP8 copy {self.fp8_copy}"
+        return f"{names} by {rules}{undecided}{copy}"
 
 
 class Plan:
@@ -65,8 +125,11 @@ class Plan:
     instances with equal signatures can run one compiled graph.
     """
 
-    def __init__(self, model: torch.nn.Module, policy: Policy):
+    def __init__(self, model: torch.nn.Module, policy: Policy, weight_copies: str = "per call"):
+        if weight_copies not in WEIGHT_COPIES:
+            raise ValueError(f"weight_copies must be one of {WEIGHT_COPIES}, got {weight_copies!r}")
         self.policy = normalize_policy(policy)
+        self.weight_copies = weight_copies
         self._entries: dict[int, WeightEntry] = {}
         self._by_path: dict[str, list[WeightEntry]] = {}
         for path, module in model.named_modules():
@@ -75,7 +138,8 @@ class Plan:
                     continue  # a shared weight is planned once, by its first path, as named_parameters() names it
                 recipes = resolve_weight(self.policy, path, module, weight)
                 entry = WeightEntry(path, name, tuple(weight.shape), recipes,
-                                    tuple(_misaligned(recipe, module, weight) for recipe in recipes.recipes))
+                                    tuple(_misaligned(recipe, module, weight) for recipe in recipes.recipes),
+                                    weight_copies)
                 self._entries[id(weight)] = entry
                 self._by_path.setdefault(path, []).append(entry)
         self._signatures: dict[str, str] = {}
@@ -103,13 +167,17 @@ class Plan:
             self._signatures[path] = hashlib.sha1(repr(relative).encode()).hexdigest()[:12]
         return self._signatures[path]
 
-    def recipes(self, weight: torch.Tensor) -> WeightRecipes:
-        """What the policy can give the sites on ``weight``; a weight the plan does not hold is refused."""
+    def __getitem__(self, weight: torch.Tensor) -> WeightEntry:
+        """The entry of ``weight``; a weight the plan does not hold is refused."""
         entry = self.entry(weight)
         if entry is None:
             raise KeyError(f"a weight of shape {tuple(weight.shape)} that the plan of this model does not hold: "
                            "compile the model it belongs to")
-        return entry.recipes
+        return entry
+
+    def recipes(self, weight: torch.Tensor) -> WeightRecipes:
+        """What the policy can give the sites on ``weight``; a weight the plan does not hold is refused."""
+        return self[weight].recipes
 
     def __str__(self) -> str:
         width = max((len(e.qualified_name) for e in self), default=0)
@@ -135,12 +203,14 @@ def _misaligned(recipe, module: torch.nn.Module, weight: torch.Tensor) -> str | 
     return None if None in reasons else reasons[0]
 
 
-def plan(model: torch.nn.Module, policy=None) -> Plan:
+def plan(model: torch.nn.Module, policy=None, cache_weights: bool = False, freeze_weights: bool = False) -> Plan:
     """What ``policy`` gives each weight of ``model``, before anything is traced.
 
     Args:
         model: the ``nn.Module`` to plan.
         policy: a :class:`fp8graph.Policy`, a bare recipe, or ``None`` (current scaling everywhere eligible).
+        cache_weights, freeze_weights: as :func:`fp8graph.compile` will be given them: how FP8 weight
+            copies live (each entry's ``fp8_copy``).
 
     Returns:
         A :class:`Plan`; ``print()`` it for a row per weight.
@@ -150,4 +220,9 @@ def plan(model: torch.nn.Module, policy=None) -> Plan:
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fp8graph.plan needs an nn.Module, got {type(model).__name__}")
-    return Plan(model, policy)
+    return Plan(model, policy, weight_copies_of(cache_weights, freeze_weights))
+
+
+def weight_copies_of(cache_weights: bool, freeze_weights: bool) -> str:
+    """The :data:`WEIGHT_COPIES` entry of a compile's options."""
+    return "frozen" if freeze_weights else "cached" if cache_weights else "per call"

@@ -241,6 +241,19 @@ def weight_orientations(module: torch.nn.Module | None, weight: torch.Tensor) ->
     return [(rows, columns)] if rows == columns else [(rows, columns), (columns, rows)]
 
 
+class _BeforeTracing:
+    """A site as a rule sees it before tracing: reading ``M``, which only the traced graph knows, leaves the
+    rule undecided whatever the predicate answers (``site.M is not None and ...`` answers False here)."""
+
+    def __init__(self, site: SiteInfo):
+        self._site, self.read_tokens = site, False
+
+    def __getattr__(self, name: str):
+        if name == "M":
+            self.read_tokens = True
+        return getattr(self._site, name)
+
+
 def resolve_weight(policy: Policy, path: str, module: torch.nn.Module | None, weight: torch.Tensor) -> WeightRecipes:
     """The recipes ``policy`` can give a linear on the 2-D ``weight`` of ``module`` (at ``path``), or an expert
     site on its 3-D one (E, N, K), before tracing: see :class:`WeightRecipes`."""
@@ -251,10 +264,12 @@ def resolve_weight(policy: Policy, path: str, module: torch.nn.Module | None, we
     for index, (pattern, recipe) in enumerate(policy.rules):
         verdicts = set()
         for site in sites:
+            probe = _BeforeTracing(site)
             try:
-                verdicts.add(_matches(pattern, path, module, None, site))
+                verdict = _matches(pattern, path, module, None, probe)
             except Exception:  # noqa: BLE001 - a predicate that needs the traced site (M is None here)
-                verdicts.add(None)
+                verdict = None
+            verdicts.add(None if probe.read_tokens else verdict)
         if verdicts == {False}:
             continue
         rule_indices.append(index)

@@ -7,6 +7,7 @@ key caches and be compared; variations are made with ``dataclasses.replace``.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import ClassVar, Union
 
@@ -16,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fp8graph.numerics.formats import ROLES, Format, Role, fp8_max
 from fp8graph.numerics.tiles import ScaleKind, Tiling
 
-__all__ = ["FP8_GEMM_DIM_MULTIPLE", "DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling",
+__all__ = ["FP8_GEMM_DIM_MULTIPLE", "DelayedScaling", "Granularity", "Float8BlockScaling", "Float8CurrentScaling",
            "Float8RowwiseScaling", "MXFP8BlockScaling", "PRESETS", "Recipe", "TiledRecipe", "misaligned"]
 
 # cuBLAS's FP8 GEMMs need the dimensions they do not reduce over, and K, to be multiples of 16.
@@ -78,6 +79,15 @@ def misaligned(recipe, **dims: int) -> str | None:
     return None
 
 
+class Granularity(enum.Enum):
+    """What one scale of a recipe covers: what a GEMM, a kernel or a target asks of a recipe."""
+
+    TENSOR = "one scale per tensor"
+    ROW = "one scale per row along the reduction dimension"
+    BLOCK = "one scale per 1x128 tile of activations, 128x128 block of weights"
+    MX = "one E8M0 scale per block of 32 along the reduction dimension"
+
+
 class _RecipeKind:
     """What every recipe says of itself, so that no caller has to ask with ``isinstance``.
 
@@ -93,6 +103,8 @@ class _RecipeKind:
     caches_weights: ClassVar[bool] = False
     # K and N of an eligible site are multiples of this.
     dim_multiple: ClassVar[int] = FP8_GEMM_DIM_MULTIPLE
+    # What one scale covers.
+    granularity: ClassVar[Granularity] = Granularity.TENSOR
 
     def __str__(self) -> str:
         return self.name
@@ -265,6 +277,8 @@ class Float8RowwiseScaling(_ExactOrPower2Scaling):
         power_2_scales: round each scale down to a power of two (exact scaling).
     """
 
+    granularity = Granularity.ROW
+
     @property
     def name(self) -> str:
         return self._named("rowwise(E4M3)")
@@ -287,6 +301,7 @@ class Float8BlockScaling(_ExactOrPower2Scaling):
     """
 
     dim_multiple = 128
+    granularity = Granularity.BLOCK
 
     @property
     def name(self) -> str:
@@ -306,6 +321,7 @@ class MXFP8BlockScaling(_TiledScaling):
     """
 
     dim_multiple = 32
+    granularity = Granularity.MX
 
     @property
     def power_2_scales(self) -> bool:

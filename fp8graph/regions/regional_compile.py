@@ -231,7 +231,17 @@ class BlockBackend(FP8Backend):
         return self.group.template
 
     def _check_alike(self, decision: Decision, traced: str) -> None:
+        """Refuse a region whose instances the policy treats differently at this site.
+
+        A site on a weight its module owns, whose plan entry was decided before tracing, needs no look:
+        the group's instances share their plan signature (``group_blocks``). The rest, sites without a
+        weight (activation matmuls) and weights whose rules read the traced shape, are resolved here for
+        each instance's path.
+        """
         site = decision.site
+        planned = decision.planned
+        if planned is not None and planned.path == site.path and not planned.recipes.undecided:
+            return
         modules = self.modules_by_path or {}
 
         def resolution(path):

@@ -29,20 +29,21 @@ import torch
 from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.kernels.gathered_gemv import reference_gathered_gemv
 from fp8graph.numerics.formats import Role
-from fp8graph.recipes.scaling import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Recipe
+from fp8graph.recipes.scaling import Granularity, Recipe
 from fp8graph.targets.cache_hash import register_target
 from fp8graph.targets.grouped import GroupedSpec, cast_experts, cast_forward_delayed, cast_rows, health_scales
 from fp8graph.targets.linear_tensorwise import record_health, target_name
 
-__all__ = ["GATHERED_RECIPES", "gathered_fp8_target"]
+__all__ = ["GATHERED_GRANULARITIES", "gathered_fp8_target"]
 
-# The recipes the decode form runs (its kernel takes scales per row and per expert row: not MXFP8's blocks).
-GATHERED_RECIPES = (Float8CurrentScaling, DelayedScaling, Float8RowwiseScaling)
+# What a scale of the recipes the decode form runs covers (its kernel takes scales per tensor or per row: not
+# blocks).
+GATHERED_GRANULARITIES = frozenset({Granularity.TENSOR, Granularity.ROW})
 
 
 @functools.cache
 def gathered_fp8_target(recipe: Recipe, lowering: Lowering) -> Callable[..., torch.Tensor]:
-    """The graph target for decode-form expert sites with ``recipe`` (one of :data:`GATHERED_RECIPES`):
+    """The graph target for decode-form expert sites with ``recipe`` (one of :data:`GATHERED_GRANULARITIES`):
     ``gathered_fp8(input_hp (S, K, 1) or (S, 1, K), weight_hp (E, N, K), expert_ids (S,), stats=None,
     history=None, scale=None, grad_history=None, grad_scale=None)`` -> (S, N, 1) or (S, 1, N)."""
 

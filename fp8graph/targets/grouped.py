@@ -41,8 +41,7 @@ from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.numerics.formats import Format, Role
 from fp8graph.numerics.groups import quantize_group_columns, row_groups
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize, quantize_current, row_amaxes
-from fp8graph.recipes.scaling import (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling,
-                                     Recipe)
+from fp8graph.recipes.scaling import Granularity, Recipe
 from fp8graph.buffers.amax_reduction import amax_reduction
 from fp8graph.numerics.delayed_scaling import scale_from_history
 from fp8graph.targets.cache_hash import register_target
@@ -50,18 +49,19 @@ from fp8graph.targets.grouped_blocks import GroupedBlocks
 from fp8graph.targets.linear_tensorwise import record_health, record_states, target_name
 from fp8graph.targets.partitioning import read_in_backward, saved_not_recomputed
 
-__all__ = ["EXPERT_RECIPES", "GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "expert_recipe",
+__all__ = ["EXPERT_GRANULARITIES", "GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "expert_recipe",
            "grouped_fp8_target", "health_scales"]
 
 _FP8 = torch.float8_e4m3fn
-# The recipes expert sites run (the others are kept in high precision with the reason: passes.annotate).
-EXPERT_RECIPES = (Float8CurrentScaling, DelayedScaling, Float8RowwiseScaling, MXFP8BlockScaling)
+# What a scale of the recipes expert sites run covers (the others are kept in high precision with the reason:
+# passes.annotate): no 128x128 weight blocks, which would tile across experts' groups of tokens.
+EXPERT_GRANULARITIES = frozenset({Granularity.TENSOR, Granularity.ROW, Granularity.MX})
 
 
 def expert_recipe(recipe: Recipe) -> Recipe:
     """The recipe an expert site runs when a policy gives it ``recipe``: its grad_output in E4M3 (see the
     module's doc), the rest unchanged."""
-    if isinstance(recipe, (Float8CurrentScaling, DelayedScaling)) and recipe.fp8_format is not Format.E4M3:
+    if recipe.granularity is Granularity.TENSOR and recipe.fp8_format is not Format.E4M3:
         return dataclasses.replace(recipe, fp8_format=Format.E4M3)
     return recipe
 
@@ -269,7 +269,7 @@ def _per_expert_row(scale: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True) -> Callable[..., torch.Tensor]:
-    """The graph target for expert sites with ``recipe`` (one of :data:`EXPERT_RECIPES`), named for it:
+    """The graph target for expert sites with ``recipe`` (one of :data:`EXPERT_GRANULARITIES`), named for it:
     ``grouped_fp8(input_hp (S, K), weight_hp (E, N, K), offsets (E,), stats=None, history=None, scale=None,
     grad_history=None, grad_scale=None)``, or, for ``torch.bmm`` over every expert (Llama-4), ``input_hp``
     (E, T, K) and ``offsets=None``: E groups of T. With ``gather_index`` (S,), the rows are
@@ -278,7 +278,7 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True) 
     (``fp8graph.buffers.delayed_state``: 1 + E forward rows) and, with ``update=False`` (graphs without
     gradients, eval-mode modules), only reads its scales."""
 
-    function = GroupedBlocks if isinstance(recipe, MXFP8BlockScaling) else _GroupedFP8
+    function = GroupedBlocks if recipe.granularity is Granularity.MX else _GroupedFP8
 
     def grouped_fp8(input_hp, weight_hp, offsets=None, stats=None, history=None, scale=None, grad_history=None,
                     grad_scale=None, gather_index=None):

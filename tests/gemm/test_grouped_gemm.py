@@ -82,15 +82,15 @@ def test_native_lowering_passes_torch_scaled_grouped_mm_its_layouts_and_scales()
 def test_grouped_lowering_is_native_on_sm90_and_mxfp8_on_sm100_never_on_cpu():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     for recipe in (Float8CurrentScaling(), Float8RowwiseScaling()):
-        assert choose_lowering(cuda, "auto", recipe, capability=(9, 0), grouped=True) is Lowering.SCALED_MM
-        assert choose_lowering(cpu, "auto", recipe, grouped=True) is Lowering.EMULATED
+        assert choose_lowering(cuda, "auto", recipe, capability=(9, 0), form="grouped") is Lowering.SCALED_MM
+        assert choose_lowering(cpu, "auto", recipe, form="grouped") is Lowering.EMULATED
         with pytest.raises(NoNativeGemm, match="_scaled_grouped_mm"):
-            choose_lowering(cuda, "auto", recipe, capability=(8, 9), grouped=True)
+            choose_lowering(cuda, "auto", recipe, capability=(8, 9), form="grouped")
         with pytest.raises(ValueError, match="_scaled_grouped_mm"):
-            choose_lowering(cpu, "scaled_mm", recipe, grouped=True)
+            choose_lowering(cpu, "scaled_mm", recipe, form="grouped")
     with pytest.raises(NoNativeGemm, match="MXFP8 form"):
-        choose_lowering(cuda, "auto", MXFP8BlockScaling(), capability=(9, 0), grouped=True)
-    assert choose_lowering(cuda, "auto", MXFP8BlockScaling(), capability=(10, 0), grouped=True) is Lowering.SCALED_MM
+        choose_lowering(cuda, "auto", MXFP8BlockScaling(), capability=(9, 0), form="grouped")
+    assert choose_lowering(cuda, "auto", MXFP8BlockScaling(), capability=(10, 0), form="grouped") is Lowering.SCALED_MM
 
 
 def test_the_decode_form_is_native_where_its_triton_kernel_runs():
@@ -98,9 +98,9 @@ def test_the_decode_form_is_native_where_its_triton_kernel_runs():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     for recipe in (Float8CurrentScaling(), Float8RowwiseScaling()):
         for capability in ((8, 9), (9, 0), (10, 0)):
-            assert choose_lowering(cuda, "auto", recipe, capability=capability, gathered=True) is Lowering.SCALED_MM
-        assert choose_lowering(cpu, "auto", recipe, gathered=True) is Lowering.EMULATED
+            assert choose_lowering(cuda, "auto", recipe, capability=capability, form="gathered") is Lowering.SCALED_MM
+        assert choose_lowering(cpu, "auto", recipe, form="gathered") is Lowering.EMULATED
         with pytest.raises(NoNativeGemm, match="gathered FP8 GEMV"):
-            choose_lowering(cuda, "auto", recipe, capability=(8, 0), gathered=True)
+            choose_lowering(cuda, "auto", recipe, capability=(8, 0), form="gathered")
         with pytest.raises(ValueError, match="gathered FP8 GEMV"):
-            choose_lowering(cpu, "scaled_mm", recipe, gathered=True)
+            choose_lowering(cpu, "scaled_mm", recipe, form="gathered")

@@ -79,9 +79,9 @@ def test_a_cuda_device_without_the_recipes_gemm_gets_no_silent_emulation(recipe,
 
 def test_activation_matmuls_are_emulated_on_cuda_only_when_asked():
     with pytest.raises(NoNativeGemm, match="activation matmul"):
-        choose_lowering(CUDA, "auto", CURRENT, capability=(9, 0), batched=True)
-    assert choose_lowering(CUDA, "emulated", CURRENT, capability=(9, 0), batched=True) is Lowering.EMULATED
-    assert choose_lowering(torch.device("cpu"), "scaled_mm", CURRENT, batched=True) is Lowering.EMULATED
+        choose_lowering(CUDA, "auto", CURRENT, capability=(9, 0), form="batched")
+    assert choose_lowering(CUDA, "emulated", CURRENT, capability=(9, 0), form="batched") is Lowering.EMULATED
+    assert choose_lowering(torch.device("cpu"), "scaled_mm", CURRENT, form="batched") is Lowering.EMULATED
 
 
 def _passes_on_a_pretend_gpu(monkeypatch, capability, policy):

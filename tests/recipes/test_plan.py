@@ -1,9 +1,12 @@
 """The plan: what a policy gives every weight, before anything is traced (``fp8graph.recipes.plan``)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import fp8graph
+import fp8graph.backend
 from fp8graph import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Policy
 from fp8graph.models import build
 from fp8graph.recipes.plan import Plan
@@ -61,3 +64,69 @@ def test_signatures_are_equal_for_instances_the_policy_treats_alike():
 ])
 def test_eligibility_is_written_once(recipe, dims, reason):
     assert misaligned(recipe, **dims) == reason
+
+
+def _compiled_decisions(model, policy, plan=None):
+    backend = fp8graph.backend.FP8Backend(policy, compiler="eager", model=model, plan=plan)
+    x = torch.randn(4, 64)
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(x)
+    return backend.decisions
+
+
+def test_each_traced_site_is_joined_to_its_weights_plan_entry():
+    model = build("mlp", "tiny")
+    policy = Policy(rules=[("mid", None)])
+    decisions = _compiled_decisions(model, policy)
+    planned = {d.site.path: d.planned for d in decisions}
+    plan = Plan(model, policy)
+    assert planned == {"up": plan.entry(model.up.weight), "mid": plan.entry(model.mid.weight),
+                       "head": plan.entry(model.head.weight)}
+    assert all(d.recipe in d.planned.recipes.recipes for d in decisions if d.rewritten)
+
+
+def test_a_site_running_a_recipe_its_plan_does_not_hold_is_refused():
+    """Delayed state, weight copies and FSDP2's gathers were arranged from the plan: a traced site that would
+    run another recipe is an error naming the module, never a site without the buffers it needs."""
+    model = build("mlp", "tiny")
+    plan = Plan(model, Policy())
+    entry = plan.entry(model.up.weight)
+    plan._entries[id(model.up.weight)] = dataclasses.replace(
+        entry, recipes=dataclasses.replace(entry.recipes, recipes=(None,)))  # a plan that kept up
+    with pytest.raises(Exception, match=r"fp8graph: up \(linear\): traced, the policy gives it current\(HYBRID\), "
+                                        r"which the plan of up.weight"):
+        _compiled_decisions(model, Policy(), plan)
+
+
+def test_the_entry_holds_what_is_arranged_before_tracing():
+    """Delayed state's history length, the kept FP8 copy's recipe and FSDP2's gather recipe come from the entry."""
+    from fp8graph.recipes.plan import UNDECIDED
+
+    delayed = DelayedScaling(amax_history_len=8)
+    on_tokens = (lambda path, module, site: path == "mid" and site.M > 64, fp8graph.Float8RowwiseScaling())
+    model = build("mlp", "tiny")
+    plan = Plan(model, Policy(default=delayed, rules=[("up", Float8CurrentScaling()), on_tokens]))
+    up, mid, head = plan[model.up.weight], plan[model.mid.weight], plan[model.head.weight]
+    assert (up.decided, up.delayed, up.cached) == (Float8CurrentScaling(), None, Float8CurrentScaling())
+    assert (mid.decided, mid.delayed, mid.cached) == (UNDECIDED, delayed, None)
+    assert (head.decided, head.delayed, head.cached) == (delayed, delayed, None)
+    two_lengths = Plan(model, Policy(default=delayed, rules=[(lambda path, module, site: site.M > 64,
+                                                              DelayedScaling(amax_history_len=16))]))
+    with pytest.raises(ValueError, match=r"^up: .* amax histories of lengths \[8, 16\]"):
+        two_lengths[model.up.weight].delayed
+
+
+def test_the_entry_says_how_its_fp8_weight_copy_lives():
+    model = build("mlp", "tiny")  # head (10, 64) never runs in FP8
+    policy = Policy(rules=[("mid", DelayedScaling())])
+    copies = {name: [e.fp8_copy for e in fp8graph.plan(model, policy, **options)]
+              for name, options in (("per call", {}), ("cached", dict(cache_weights=True)),
+                                    ("frozen", dict(freeze_weights=True)))}
+    # Delayed scaling's weight cast reads the scale of earlier steps: no copy is kept between calls.
+    assert copies == {"per call": ["per call", "per call", None], "cached": ["cached", "per call", None],
+                      "frozen": ["frozen", "frozen", None]}
+    assert "FP8 copy cached" in fp8graph.plan(model, policy, cache_weights=True).entry(model.up.weight).describe(policy)
+    compiled = fp8graph.compile(model, compiler="eager", cache_weights=True)
+    assert compiled.fp8graph_backend.plan.entry(model.up.weight).fp8_copy == "cached"
+    with pytest.raises(ValueError, match="weight_copies must be one of"):
+        Plan(model, policy, "sometimes")

@@ -132,16 +132,31 @@ def test_a_policy_that_differs_between_instances_is_honoured_per_instance():
 
 
 def test_a_policy_that_tells_instances_apart_only_once_traced_is_refused():
-    def layer_0_with_many_tokens(path, module, site):  # needs M, which only tracing knows
-        return path.startswith("model.layers.0.") and site.M is not None and site.M >= 32
+    def many_tokens_in_layer_0(path, module, site):  # reads M, which only tracing knows, for every layer
+        return site.M is not None and site.M >= 32 and path.startswith("model.layers.0.")
 
     model = _llama()
-    compiled = fp8graph.compile(model, policy=Policy(rules=[(layer_0_with_many_tokens, None)]),
-                                compiler="aot_eager")
+    compiled = fp8graph.compile(model, policy=Policy(rules=[(many_tokens_in_layer_0, None)]), compiler="aot_eager")
     tokens = torch.randint(0, 250, (2, 16))
     with pytest.raises(Exception, match=r"gives model\.layers\.1\.self_attn\.q_proj .* another recipe than "
                                         r"model\.layers\.0\.self_attn\.q_proj"):
         compiled(tokens, labels=tokens)
+
+
+def test_a_rule_on_the_token_count_of_one_layer_gives_that_layer_its_own_region():
+    """The plan sees the rule read M for layer 0 only: layer 0 is grouped apart and its rule decided when traced."""
+    def layer_0_with_many_tokens(path, module, site):
+        return path.startswith("model.layers.0.") and site.M is not None and site.M >= 32
+
+    model = _llama()
+    compiled = fp8graph.compile(model, policy=Policy(rules=[(layer_0_with_many_tokens, None)]), compiler="aot_eager")
+    tokens = torch.randint(0, 250, (2, 16))
+    compiled(tokens, labels=tokens)
+    groups = [backend.group.paths for backend in compiled.fp8graph_backend.block_backends
+              if backend.group.block_type is LlamaDecoderLayer]
+    assert sorted(groups) == [["model.layers.0"], ["model.layers.1", "model.layers.2"]]
+    rewritten = {d.site.path: d.rewritten for d in compiled.fp8graph_backend.decisions}
+    assert not rewritten["model.layers.0.self_attn.q_proj"] and rewritten["model.layers.1.self_attn.q_proj"]
 
 
 def test_delayed_scaling_state_stays_per_instance_and_matches_the_whole_model_compile():
