@@ -232,20 +232,25 @@ def test_no_recompiles_over_a_hundred_steps():
     assert len(backend.root.graph_modules) == 1  # the head and the loss; the trunk (model.model) runs eagerly
 
 
+# Dynamo's recompile limit (8 by default) lowered to 4, so that 6 layers compiled one by one go past it (as 10
+# layers would past 8): each compile of a layer's region costs seconds.
+@torch._dynamo.config.patch(recompile_limit=4)
 def test_a_training_call_builds_no_kv_cache_and_an_inference_cache_still_gets_fp8_everywhere(caplog):
-    model = _llama(10)
+    layers = 6
+    assert layers > torch._dynamo.config.recompile_limit
+    model = _llama(layers)
     compiled = fp8graph.compile(model, compiler="aot_eager")
     tokens = torch.randint(0, 250, (2, 16))
     output = compiled(tokens, labels=tokens)
     assert output.past_key_values is None  # the training call ran with use_cache=False
     assert _block_graphs(compiled) == [1]
     # Inference with a KV cache: each layer indexes the cache by its number, so Dynamo compiles each
-    # layer on its own (said in a warning); past Dynamo's recompile limit (8) none may run eagerly.
+    # layer on its own (said in a warning); past Dynamo's recompile limit none may run eagerly.
     model.eval()
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fp8graph"):
         logits = compiled(tokens, use_cache=True).logits
     assert "compiled again for model.layers.1" in caplog.text
-    reference = _llama(10).eval()
+    reference = _llama(layers).eval()
     reference.load_state_dict(model.state_dict())
     whole = fp8graph.compile(reference, compiler="aot_eager", regions=None)
     with torch.no_grad():
