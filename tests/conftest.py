@@ -1,4 +1,5 @@
 import os
+import pathlib
 
 # Each xdist worker gets its share of the cores: a thread each when 2 workers share 2 cores. With a thread per core
 # in every worker, OpenMP's threads spin while they wait and the workers take each other's CPU: tests/regions and
@@ -15,12 +16,70 @@ if _WORKERS > 1:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """``-n 2`` without ``--dist`` schedules as ``scripts/test`` does, with ``worksteal``: the default ``load``
+    sends each worker 140 consecutive tests at the start and the suite's long tests can end up queued behind
+    each other on one worker while the other runs out of work."""
+    if config.option.numprocesses and config.option.dist == "no":
+        config.option.dist = "worksteal"
+
+
 def pytest_collection_modifyitems(config, items):
     has_fp8_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU with FP8 support (compute capability >= 8.9)")
     for item in items:
         if "gpu" in item.keywords and not has_fp8_gpu:
             item.add_marker(skip_gpu)
+    if _WORKERS == 2:
+        items[:] = _two_halves_slowest_first(items)
+
+
+# Modules whose tests share a module-scoped fixture or a cached result: kept together on one worker, so that
+# the expensive part runs once (FSDP2's ranks, the modelled MoE steps, the fp32 reference losses).
+_SHARED_MODULES = {"tests/apps/test_train_distributed.py", "tests/bench/test_moe_bench.py",
+                   "tests/bench/test_cost_model.py", "tests/inspection/test_report.py", "tests/test_training.py"}
+
+
+def _known_seconds() -> dict[str, float]:
+    """Each slow test's seconds from ``tests/slow_tests.txt`` (lines of pytest's ``--durations`` output)."""
+    seconds: dict[str, float] = {}
+    for line in (pathlib.Path(__file__).parent / "slow_tests.txt").read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 3 and fields[0].endswith("s") and not line.startswith("#"):
+            seconds[fields[2]] = seconds.get(fields[2], 0.0) + float(fields[0][:-1])
+    return seconds
+
+
+def _two_halves_slowest_first(items):
+    """The collection reordered for two workers under ``worksteal``, which hands the first half of the list
+    (by count) to one worker and the second half to the other, and later moves tests from the end of a
+    worker's queue to a worker that ran out.
+
+    The known slow tests are dealt to the halves, longest first, each to the half with fewer known seconds,
+    and open their half: both workers start on them at once, and what is left at the end is the short tests,
+    which stealing spreads evenly. The other tests fill both halves in collection order."""
+    known = _known_seconds()
+    units: dict[str, list] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        units.setdefault(module if module in _SHARED_MODULES else item.nodeid, []).append(item)
+
+    def seconds(unit) -> float:
+        return sum(known.get(item.nodeid, 0.0) for item in unit)
+
+    halves, loads, rest = ([], []), [0.0, 0.0], []
+    for unit in sorted(units.values(), key=seconds, reverse=True):  # stable: collection order among equals
+        if seconds(unit) == 0:
+            rest.extend(unit)
+            continue
+        side = loads.index(min(loads))
+        halves[side].extend(unit)
+        loads[side] += seconds(unit)
+    fill = len(items) // 2 - len(halves[0])
+    if fill < 0:  # a run of mostly slow tests: the longest first is all that helps
+        return halves[0] + halves[1] + rest
+    return halves[0] + rest[:fill] + halves[1] + rest[fill:]
 
 
 @pytest.fixture(autouse=True)
