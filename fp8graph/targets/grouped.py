@@ -39,7 +39,7 @@ import torch
 from fp8graph.gemm.grouped_gemm import grouped_scaled_gemm, grouped_scaled_gemm_weights
 from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.numerics.formats import Format, Role
-from fp8graph.numerics.groups import quantize_group_columns, row_groups
+from fp8graph.numerics.groups import quantize_group_columns
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize, quantize_current, row_amaxes
 from fp8graph.recipes.scaling import Granularity, Recipe
 from fp8graph.buffers.amax_reduction import amax_reduction
@@ -196,8 +196,7 @@ class _GroupedFP8(torch.autograd.Function):
                 # column; a per-tensor scale serves every GEMM, so the forward's cast is kept.
                 if spec.per_row:
                     rows_hp = input_hp if gather_index is None else input_hp[gather_index]  # (S, K)
-                    groups = row_groups(offsets, rows_hp.shape[0])
-                    input_g_fp8, input_g_scale = quantize_group_columns(rows_hp, groups, experts, _FP8, spec.power_2)
+                    input_g_fp8, input_g_scale = quantize_group_columns(rows_hp, offsets, _FP8, spec.power_2)
                     saved_input = (input_g_fp8, input_g_scale.reciprocal())  # (S, K), (E, K)
                 else:
                     saved_input = (input_fp8, input_inverse[:1].expand(experts, input_hp.shape[1]))
@@ -242,7 +241,7 @@ class _GroupedFP8(torch.autograd.Function):
             if needs_grad_weight:
                 if spec.per_row:
                     grad_output_g_fp8, grad_output_g_scale = quantize_group_columns(
-                        grad_output_hp, row_groups(offsets, grad_output_hp.shape[0]), experts, _FP8, spec.power_2)
+                        grad_output_hp, offsets, _FP8, spec.power_2)
                     grad_output_g_inverse = grad_output_g_scale.reciprocal()  # (E, N)
                 else:
                     grad_output_g_fp8 = grad_output_fp8

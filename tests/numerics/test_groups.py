@@ -19,7 +19,7 @@ def test_group_column_amax_is_each_groups_own_and_empty_groups_zero():
     torch.manual_seed(0)
     x = torch.randn(ROWS, 6, dtype=torch.bfloat16)
     x[4, 1] = float("nan")  # a non-finite value changes no amax (fp8graph.numerics.quantize.finite_magnitude)
-    table = group_column_amax(x, row_groups(OFFSETS, ROWS), len(OFFSETS))
+    table = group_column_amax(x, OFFSETS)
     assert table.shape == (len(OFFSETS) + 1, 6) and table.dtype == torch.float32
     starts = [0, *OFFSETS.tolist()]
     for group, (start, end) in enumerate(zip(starts, OFFSETS.tolist())):
@@ -32,7 +32,7 @@ def test_group_column_amax_is_each_groups_own_and_empty_groups_zero():
 def test_quantize_group_columns_equals_a_per_tensor_cast_of_each_group_column():
     torch.manual_seed(1)
     x = torch.randn(ROWS, 4) * torch.logspace(-3, 3, 4)  # columns of very different magnitude
-    x_fp8, scale = quantize_group_columns(x, row_groups(OFFSETS, ROWS), len(OFFSETS), torch.float8_e4m3fn)
+    x_fp8, scale = quantize_group_columns(x, OFFSETS, torch.float8_e4m3fn)
     assert scale.shape == (len(OFFSETS), 4)
     starts = [0, *OFFSETS.tolist()]
     for group, (start, end) in enumerate(zip(starts, OFFSETS.tolist())):
