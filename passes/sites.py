@@ -1,4 +1,4 @@
-"""What a site of the graph is: one GEMM, of one of four kinds, each a class.
+"""What a site of the graph is: one GEMM, of one of five kinds, each a class.
 
     Site                   where a GEMM is and its shape; the kinds below add their operands
     ├── LinearSite         input @ weight^T + bias, the weight a parameter (2-D)

@@ -37,8 +37,8 @@ from fp8graph.recipes.scaling import Granularity, Recipe
 
 __all__ = ["FORMS", "GatheredFP8Weight", "gathered_form", "is_gathered"]
 
-FORMS = ("tensor", "tiles", "rows", "mx")
 _FORM_OF = {Granularity.TENSOR: "tensor", Granularity.BLOCK: "tiles", Granularity.ROW: "rows", Granularity.MX: "mx"}
+FORMS = tuple(_FORM_OF.values())
 
 
 def gathered_form(recipe: Recipe) -> str:

@@ -39,8 +39,8 @@ def group_column_amax(x_hp: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor
 
     The groups are contiguous runs of rows, so each is one segment of a segment reduction: one pass over
     ``x_hp``, each output element reduced by one thread. A scatter of every element into its group's row
-    (``scatter_reduce``) computes the same with an atomic per element, which on an H200 took 12 ms a call
-    at 2048 tokens an expert (``docs/mixture-of-experts.md``).
+    (``scatter_reduce``) computes the same with an atomic per element, several times slower on a GPU
+    (measured in ``docs/mixture-of-experts.md``).
     """
     magnitude = finite_magnitude(x_hp.detach())
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
