@@ -4,10 +4,12 @@
     compiled = fp8graph.compile(model, policy=fp8graph.Float8CurrentScaling())
     print(fp8graph.explain(model, input_ids))                 # what was rewritten, and why not
     print(fp8graph.plan(model, policy))                       # what each weight will get, before tracing
+    fp8graph.save_fp8(compiled, "fp8_checkpoint")             # the FP8 weights as trained, for serving engines
 """
 
 from fp8graph import policies
 from fp8graph.api import compile, explain
+from fp8graph.export import load_fp8, save_fp8
 from fp8graph.recipes.plan import Plan, plan
 from fp8graph.numerics.formats import Format
 from fp8graph.recipes.policy import Policy
@@ -27,7 +29,9 @@ __all__ = [
     "SiteRecord",
     "compile",
     "explain",
+    "load_fp8",
     "plan",
     "policies",
+    "save_fp8",
 ]
 __version__ = "0.1.0"

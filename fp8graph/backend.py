@@ -170,7 +170,7 @@ class FP8Backend:
         if self.records_served_instances:
             for traced in roots:
                 for instance in self.instances.alike(traced):
-                    self.decisions.extend(served_decisions(decisions, traced, instance))
+                    self.decisions.extend(served_decisions(decisions, traced, instance, self.plan))
         self.graph_modules.append(gm)
         return compiled
 

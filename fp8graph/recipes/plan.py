@@ -154,6 +154,10 @@ class Plan:
         """The entry of ``weight`` (the parameter object itself), or None for a tensor the model does not hold."""
         return self._entries.get(id(weight))
 
+    def named(self, path: str, name: str) -> WeightEntry | None:
+        """The entry of the weight ``name`` of the module at ``path``, or None."""
+        return next((e for e in self._by_path.get(path, ()) if e.name == name), None)
+
     def under(self, path: str) -> list[WeightEntry]:
         """The entries of the weights at ``path`` and below, in the model's order."""
         prefix = f"{path}." if path else ""

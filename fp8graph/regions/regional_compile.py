@@ -48,6 +48,7 @@ import torch
 from fp8graph.passes.annotate import Decision, resolve_site
 
 from fp8graph.backend import FP8Backend
+from fp8graph.instances import served_decisions
 from fp8graph.recipes.plan import instance_path
 from fp8graph.regions.repeated_blocks import BlockGroup
 
@@ -261,16 +262,14 @@ class BlockBackend(FP8Backend):
                     "classes, or compile with regions=None")
 
 
-def _expand(decisions: list[Decision], traced: str, group: BlockGroup) -> list[Decision]:
-    """One decision per instance of ``group`` for each decision taken on the traced instance."""
-    expanded = []
-    for decision in decisions:
-        if instance_path(decision.site.path, traced, traced) is None:
-            expanded.append(decision)  # a site outside the block (none in practice): reported as traced
-            continue
-        for instance in group.paths:
-            site = dataclasses.replace(decision.site, path=instance_path(decision.site.path, traced, instance))
-            expanded.append(dataclasses.replace(decision, site=site))
+def _expand(decisions: list[Decision], traced: str, group: BlockGroup, plan) -> list[Decision]:
+    """One decision per instance of ``group`` for each decision taken on the traced instance, joined to that
+    instance's weights in ``plan``."""
+    inside = [d for d in decisions if instance_path(d.site.path, traced, traced) is not None]
+    # A site outside the block (none in practice) is reported as traced.
+    expanded = [d for d in decisions if instance_path(d.site.path, traced, traced) is None]
+    for instance in group.paths:
+        expanded += served_decisions(inside, traced, instance, plan)
     return expanded
 
 
@@ -295,6 +294,7 @@ class RegionalBackend:
     stats = property(lambda self: self.root.stats)
     state = property(lambda self: self.root.state)
     weight_cache = property(lambda self: self.root.weight_cache)
+    plan = property(lambda self: self.root.plan)
 
     @property
     def groups(self) -> list[BlockGroup]:
@@ -307,7 +307,7 @@ class RegionalBackend:
             for traced, graph_decisions, per_instance in backend.traced:
                 # A per-instance recompile repeats sites that its kind's first graph reported for every instance.
                 if not per_instance:
-                    decisions += _expand(graph_decisions, traced, backend.group)
+                    decisions += _expand(graph_decisions, traced, backend.group, self.root.plan)
         order = self._module_order
         # Module order, as a whole-model graph lists them; calls of one module keep their order.
         return sorted(decisions, key=lambda d: _order_key(d.site.path, order))
