@@ -2,6 +2,7 @@
 
     python -m fp8graph demo [--steps N] ...
     python -m fp8graph passes                 # the backend's graph passes, in the order they run
+    python -m fp8graph export MODEL_DIR OUT_DIR --recipe block   # an FP8 checkpoint serving engines load
     torchrun --nproc-per-node 2 -m fp8graph train-distributed [--recipe delayed] ...
 """
 
@@ -15,7 +16,7 @@ import sys
 for _foreign in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_foreign).setLevel(logging.ERROR)
 
-from fp8graph.apps import demo, train_distributed  # noqa: E402
+from fp8graph.apps import demo, export, train_distributed  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -24,9 +25,11 @@ def main(argv=None) -> int:
     demo.add_arguments(commands.add_parser("demo", help=demo.__doc__.splitlines()[0]))
     train_distributed.add_arguments(commands.add_parser(
         "train-distributed", help=train_distributed.__doc__.splitlines()[0]))
+    export.add_arguments(commands.add_parser("export", help=export.__doc__.splitlines()[0]))
     commands.add_parser("passes", help="print the backend's graph passes, in the order they run")
     args = parser.parse_args(argv)
-    return {"demo": demo.run, "train-distributed": train_distributed.run, "passes": _print_passes}[args.command](args)
+    return {"demo": demo.run, "train-distributed": train_distributed.run, "export": export.run,
+            "passes": _print_passes}[args.command](args)
 
 
 def _print_passes(args) -> int:

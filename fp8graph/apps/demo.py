@@ -7,7 +7,8 @@ steps. The high precision is BF16 autocast on a GPU and on a CPU with BF16
 matrix units (AMX), fp32 on a CPU without them (see ``fp8graph.apps.demo_baseline``).
 Prints the rewrite table, the least healthy FP8 tensors, both final losses
 and the wall time of each phase, and writes the loss curves with their gap,
-the per-site health plot and CSV, and the HTML view of the rewritten graph.
+the per-site health plot and CSV, the HTML view of the rewritten graph, and
+the trained FP8 model as a checkpoint transformers and vLLM load (``fp8_checkpoint/``).
 On CPU the GEMMs are emulated and the graphs lowered with ``aot_eager``
 (Inductor's CPU compile would take minutes); on a CUDA GPU with FP8 support
 they run on ``_scaled_mm`` through Inductor.
@@ -211,6 +212,13 @@ def run(args: argparse.Namespace) -> int:
         health_png = stats.plot(args.out / "fp8_health.png")
         png = save_loss_figure(fp8.losses, reference.losses, reference.name, args.out / "loss_curve.png")
     console.print(stats.table(worst), "(the 8 tensors with the lowest SQNR at the last step)")
+
+    with phases.phase("the FP8 checkpoint"):
+        # The FP8 weights the model trained with, in the format their recipe is served in.
+        checkpoint = fp8graph.save_fp8(fp8_compiled, str(args.out / "fp8_checkpoint"))
+    console.print(str(checkpoint), markup=False, highlight=False)
+    console.print(f"load it with: transformers.AutoModelForCausalLM.from_pretrained({checkpoint.directory!r})",
+                  markup=False, highlight=False, soft_wrap=True)  # one line, to copy
 
     for result in (fp8, reference):
         training = result.first_steps_seconds + result.steps_seconds
