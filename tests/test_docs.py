@@ -158,7 +158,8 @@ def test_every_block_says_what_it_is():
 def test_the_pages_are_the_documented_set():
     names = {page.name for page in PAGES if page.parent.name == "docs"}
     assert names == {"README.md", "recipes.md", "policies-and-inspection.md", "training-and-checkpoints.md",
-                     "distributed.md", "benchmarks.md", "cost-model.md", "limits.md", "mixture-of-experts.md"}, names
+                     "distributed.md", "benchmarks.md", "cost-model.md", "limits.md", "mixture-of-experts.md",
+                     "export-and-fine-tuning.md"}, names
 
 
 # --- Python blocks --------------------------------------------------------------------------------

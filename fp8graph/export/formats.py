@@ -7,9 +7,9 @@
                          rowwise ("channel"), block ("block")   <m>.input_scale (static)
 
 Both store dequantization factors (``real = fp8 x scale``): "fp8" names them ``weight_scale_inv`` (DeepSeek-V3's
-name, which transformers' ``FineGrainedFP8`` reads for every block size, per-tensor included), compressed-tensors
-``weight_scale``; a loader that reads one name finds nothing under the other, so the name is the format's, never
-chosen per weight. "fp8" holds one block size and one activation scheme for the whole model; compressed-tensors
+name, which transformers' ``FineGrainedFP8`` reads for every block size, per-tensor included; vLLM and SGLang read
+it for blocks only, and per-tensor scales as ``weight_scale``), compressed-tensors ``weight_scale``; a loader that
+reads one name finds nothing under the other, so the name is the format's, never chosen per weight. "fp8" holds one block size and one activation scheme for the whole model; compressed-tensors
 holds a group per recipe. Activations: dynamic per tensor (current), static per tensor (delayed: the input's
 stored scale), dynamic per token (rowwise), dynamic per 1x128 group (block), as the recipe casts them.
 """
@@ -173,15 +173,26 @@ class CompressedTensors(CheckpointFormat):
 FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in (FineGrainedFP8(), CompressedTensors())}
 
 
+def _preferred(weights: list[TrainedWeight]) -> list[CheckpointFormat]:
+    """The formats in the order ``format=None`` tries them. Block and MXFP8 scales have one name in every
+    engine ("fp8"'s ``weight_scale_inv``, DeepSeek-V3's). Per-tensor "fp8" does not: transformers reads
+    ``weight_scale_inv`` and ``activation_scale``, vLLM and SGLang ``weight_scale`` and ``input_scale``, so no
+    per-tensor "fp8" checkpoint loads in both; compressed-tensors reads the same in all three."""
+    blocks = all(w.granularity in (Granularity.BLOCK, Granularity.MX) for w in weights)
+    order = ("fp8", "compressed-tensors") if blocks else ("compressed-tensors", "fp8")
+    return [FORMATS[name] for name in order]
+
+
 def choose_format(weights: list[TrainedWeight], name: str | None) -> CheckpointFormat:
-    """The format ``name`` (checked to hold every weight), or with ``None`` the first of :data:`FORMATS` that does."""
+    """The format ``name`` (checked to hold every weight), or with ``None`` the first that does: "fp8" for block
+    and MXFP8 scales, compressed-tensors for the rest (:func:`_preferred` says why)."""
     if name is not None:
         if name not in FORMATS:
             raise ValueError(f"unknown FP8 checkpoint format {name!r}; known: {', '.join(FORMATS)}")
         FORMATS[name].check(weights)
         return FORMATS[name]
     refusals = {}
-    for checkpoint_format in FORMATS.values():
+    for checkpoint_format in _preferred(weights):
         refusals[checkpoint_format.name] = checkpoint_format.refusals(weights)
         if not refusals[checkpoint_format.name]:
             return checkpoint_format

@@ -80,11 +80,11 @@ def test_demo_trains_both_runs_and_writes_the_plot(tmp_path, steps):
     assert (tmp_path / "loss_curve.png").stat().st_size > 10_000
     assert (tmp_path / "fp8_health.png").stat().st_size > 10_000
     # The trained FP8 model, as transformers' FP8 loader reads it: every projection and lm_head in FP8.
-    assert "fp8graph export: 29 FP8 weights, 1 kept in high precision, format 'fp8'" in completed.stdout
+    assert "fp8graph export: 29 FP8 weights, 1 kept in high precision, format 'compressed-tensors'" in completed.stdout
     load_line = f"load it with: transformers.AutoModelForCausalLM.from_pretrained('{tmp_path / 'fp8_checkpoint'}')"
     assert load_line in completed.stdout.splitlines()
     config = json.loads((tmp_path / "fp8_checkpoint" / "config.json").read_text())
-    assert config["quantization_config"]["quant_method"] == "fp8"
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"  # per-tensor scales
     # A quiet start: torchao (which transformers imports) and torch's enum warnings stay out of the output.
     assert completed.stderr == "", completed.stderr
 

@@ -1,6 +1,6 @@
 """FP8 checkpoints: what fp8graph trained, written in the formats serving engines load, read by their loaders.
 
-    tiny Qwen3-MoE (hidden 128: every weight whole 128x128 blocks), one training step under a policy
+    tiny DeepSeek-V3, Qwen3-MoE and Llama (hidden 128: whole 128x128 blocks), one training step under a policy
       -> fp8graph.save_fp8 -> transformers.from_pretrained (its FP8 / compressed-tensors loaders, dequantizing)
       -> every FP8 weight equal to fp8graph's bytes x scales bit for bit; every other weight as trained;
          the loaded model's logits against fp8graph's FP8 inference within FP8's error
@@ -25,37 +25,43 @@ from fp8graph.models.zoo import build_zoo_model, zoo_inputs
 from fp8graph.recipes.scaling import PRESETS, Granularity
 from helpers import sqnr_db
 
-# Hidden 128, expert width 128, 4 heads of 32 (query, key and value 128 wide): whole 128x128 blocks everywhere.
+# Hidden 128, expert width 128, 4 heads of 32 (query, key and value 128 wide): whole 128x128 blocks.
 SHAPE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, head_dim=32, num_key_value_heads=4)
+# DeepSeek-V3's latent attention at ranks 128: its kv_a_proj (N = 128 + 32) is not whole blocks and stays.
+DEEPSEEK_SHAPE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, q_lora_rank=128,
+                      kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
+SHAPES = {"qwen3_moe": SHAPE, "llama": SHAPE, "deepseek_v3": DEEPSEEK_SHAPE}
 ATTENTION = "*.self_attn.*"
-EXPERTS = "*.experts"
 
-# (case id, policy rules before the lm_head rule, default recipe, format asked, format expected)
+# case id: (family, policy rules before the lm_head rule, default recipe, format asked, format expected)
 CASES = {
-    # Experts never run block scaling (their 128x128 blocks would cross groups of tokens): kept, listed.
-    "block": ([], PRESETS["block"], None, "fp8"),
-    "current": ([], PRESETS["current"], None, "fp8"),
-    "mxfp8": ([], PRESETS["mxfp8"], None, "fp8"),
-    # Static activation scales: the attention in delayed scaling, the experts kept.
-    "delayed": ([(EXPERTS, None)], PRESETS["delayed"], None, "fp8"),
-    "rowwise": ([], PRESETS["rowwise"], None, "compressed-tensors"),
+    # DeepSeek-V3's own format. Experts never run block scaling (their 128x128 blocks would cross groups of
+    # tokens): kept and listed, as the latent attention's kv_a_proj.
+    "deepseek_v3-block": ("deepseek_v3", [], PRESETS["block"], None, "fp8"),
+    # Per-tensor scales: compressed-tensors unless "fp8" is asked for (engines name per-tensor "fp8" apart).
+    "qwen3_moe-current": ("qwen3_moe", [], PRESETS["current"], None, "compressed-tensors"),
+    "qwen3_moe-mxfp8": ("qwen3_moe", [], PRESETS["mxfp8"], None, "fp8"),
+    # Static activation scales: the input's stored scale, under transformers' per-tensor "fp8" names.
+    "llama-delayed": ("llama", [], PRESETS["delayed"], "fp8", "fp8"),
+    "qwen3_moe-rowwise": ("qwen3_moe", [], PRESETS["rowwise"], None, "compressed-tensors"),
     # Two groups in one checkpoint: static per-tensor attention, dynamic per-tensor experts.
-    "delayed+current": ([(ATTENTION, PRESETS["delayed"])], PRESETS["current"], "compressed-tensors",
-                        "compressed-tensors"),
+    "qwen3_moe-delayed+current": ("qwen3_moe", [(ATTENTION, PRESETS["delayed"])], PRESETS["current"],
+                                  "compressed-tensors", "compressed-tensors"),
 }
 
 
 def _train_and_export(case: str, directory: str):
-    rules, default, asked, _ = CASES[case]
-    model = build_zoo_model("qwen3_moe", torch.bfloat16, **SHAPE)
+    family, rules, default, asked, _ = CASES[case]
+    model = build_zoo_model(family, torch.bfloat16, **SHAPES[family])
     policy = fp8graph.Policy(default=default, rules=[*rules, ("lm_head", None)])
     compiled = fp8graph.compile(model, policy=policy, compiler="aot_eager")
-    inputs = zoo_inputs("qwen3_moe")
+    inputs = zoo_inputs(family)
     compiled(**inputs).loss.backward()
     with torch.no_grad():
         for parameter in model.parameters():  # one SGD step, so the weights exported are trained ones
-            parameter -= 0.05 * parameter.grad
-            parameter.grad = None
+            if parameter.grad is not None:
+                parameter -= 0.05 * parameter.grad
+                parameter.grad = None
     model.eval()
     with torch.no_grad():
         logits_fp8 = compiled(**inputs).logits.float()
@@ -83,16 +89,16 @@ def _load_with_transformers(directory: str, checkpoint_format: str):
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_export_loads_in_transformers_as_trained_and_loads_back_for_fine_tuning(case, tmp_path):
     compiled, summary, logits_fp8, inputs = _train_and_export(case, str(tmp_path / "export"))
-    expected_format = CASES[case][3]
+    expected_format = CASES[case][4]
     assert summary.format == expected_format
     weights, kept = trained_weights(compiled)
     config = json.loads((tmp_path / "export" / "config.json").read_text())["quantization_config"]
     not_converted = config.get("modules_to_not_convert", config.get("ignore"))
     assert "lm_head" in not_converted and not any(w.module_path in not_converted for w in weights)
-    if case == "block":  # every expert kept, and listed
-        assert all(key in kept for key in ("model.layers.0.mlp.experts.gate_up_proj",
-                                           "model.layers.0.mlp.experts.down_proj"))
-        assert "model.layers.0.mlp.experts" in not_converted
+    if case == "deepseek_v3-block":  # what is not whole blocks, and the experts, kept and listed
+        assert all(key in kept for key in ("model.layers.1.mlp.experts.gate_up_proj",
+                                           "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"))
+        assert {"model.layers.1.mlp.experts", "model.layers.1.self_attn.kv_a_proj_with_mqa"} <= set(not_converted)
 
     loaded = _load_with_transformers(str(tmp_path / "export"), expected_format)
     state = loaded.state_dict()
@@ -180,6 +186,9 @@ def test_a_format_refuses_what_it_cannot_hold_naming_the_weights():
     rowwise = _weight("a.q.weight", PRESETS["rowwise"])
     with pytest.raises(UnsupportedExport, match=r"row-wise scales .*compressed-tensors.*a\.q\.weight"):
         FORMATS["fp8"].check([rowwise])
+    for recipe in ("block", "mxfp8"):  # block scales: one name in every engine
+        assert choose_format([_weight("a.q.weight", PRESETS[recipe])], None).name == "fp8"
+    assert choose_format([_weight("a.k.weight", PRESETS["current"])], None).name == "compressed-tensors"
     mixed = [_weight("a.q.weight", PRESETS["block"]), _weight("a.k.weight", PRESETS["current"])]
     with pytest.raises(UnsupportedExport, match="one block size and one activation scheme"):
         FORMATS["fp8"].check(mixed)
