@@ -52,7 +52,22 @@ class CheckpointFormat:
 
     def refusals(self, weights: list[TrainedWeight]) -> dict[str, list[str]]:
         """``{reason: [weight keys]}`` of the weights this format cannot hold (empty: it holds them all)."""
-        raise NotImplementedError
+        refusals: dict[str, list[str]] = {}
+        for weight in weights:
+            reason = self.refusal(weight)
+            if reason is None and weight.weight_fp8.dtype != torch.float8_e4m3fn:
+                reason = (f"{weight.weight_fp8.dtype} weights (format {self.name!r} is E4M3): train with "
+                          "Format.HYBRID or E4M3")
+            if reason is None and weight.experts and _static(weight):
+                reason = ("delayed scaling of expert weights: their static input scales have no per-expert layout "
+                          "transformers loads; train the experts with current scaling to export them")
+            if reason:
+                refusals.setdefault(reason, []).append(weight.key)
+        return refusals
+
+    def refusal(self, weight: TrainedWeight) -> str | None:
+        """Why this format cannot hold ``weight``'s granularity, or None."""
+        return None
 
     def check(self, weights: list[TrainedWeight]) -> None:
         _refuse(self.name, self.refusals(weights))
@@ -74,20 +89,14 @@ class FineGrainedFP8(CheckpointFormat):
     scale_suffix: str = "_scale_inv"
     input_scale_name: str = "activation_scale"
 
+    def refusal(self, weight):
+        if weight.granularity is Granularity.ROW:
+            return ("row-wise scales (one per output channel) are not a block size of format 'fp8': "
+                    "export with format='compressed-tensors' (strategy 'channel')")
+        return None
+
     def refusals(self, weights):
-        refusals: dict[str, list[str]] = {}
-        for weight in weights:
-            reason = None
-            if weight.granularity is Granularity.ROW:
-                reason = ("row-wise scales (one per output channel) are not a block size of format 'fp8': "
-                          "export with format='compressed-tensors' (strategy 'channel')")
-            elif weight.weight_fp8.dtype != torch.float8_e4m3fn:
-                reason = f"{weight.weight_fp8.dtype} weights (format 'fp8' is E4M3): train with Format.HYBRID or E4M3"
-            elif weight.experts and _static(weight):
-                reason = ("delayed scaling of expert weights: their static input scales have no per-expert layout "
-                          "transformers loads; train the experts with current scaling to export them")
-            if reason:
-                refusals.setdefault(reason, []).append(weight.key)
+        refusals = super().refusals(weights)
         kinds = {(w.granularity, _static(w)) for w in weights if w.granularity is not Granularity.ROW}
         if len(kinds) > 1:  # one weight_block_size and one activation_scheme per checkpoint
             names = {(g, s): sorted({str(w.recipe) for w in weights if (w.granularity, _static(w)) == (g, s)})
@@ -125,20 +134,10 @@ class CompressedTensors(CheckpointFormat):
     scale_suffix: str = "_scale"
     input_scale_name: str = "input_scale"
 
-    def refusals(self, weights):
-        refusals: dict[str, list[str]] = {}
-        for weight in weights:
-            reason = None
-            if weight.granularity is Granularity.MX:
-                reason = "MXFP8 (E8M0 scales per 32) is not a float-quantized strategy: export with format='fp8'"
-            elif weight.weight_fp8.dtype != torch.float8_e4m3fn:
-                reason = f"{weight.weight_fp8.dtype} weights (float-quantized is E4M3): train with Format.HYBRID or E4M3"
-            elif weight.experts and _static(weight):
-                reason = ("delayed scaling of expert weights: their static input scales have no per-expert layout "
-                          "transformers loads; train the experts with current scaling to export them")
-            if reason:
-                refusals.setdefault(reason, []).append(weight.key)
-        return refusals
+    def refusal(self, weight):
+        if weight.granularity is Granularity.MX:
+            return "MXFP8 (E8M0 scales per 32) is not a float-quantized strategy: export with format='fp8'"
+        return None
 
     def scale_tensor(self, weight, scale_inv):
         if weight.granularity is Granularity.TENSOR:
