@@ -107,10 +107,18 @@ def _rule(target: str):
     return target
 
 
+def _not_converted(name: str):
+    """The paths transformers leaves unconverted for a ``modules_to_not_convert`` entry: the entry as a regex
+    from the start of the path up to a module boundary (the module and its subtree), or the path's tail."""
+    import re
+
+    return re.compile(rf"(?:{name})(?:\..*)?|.*{re.escape(name)}")
+
+
 def _policy(quantization: dict, directory: str) -> Policy:
     if quantization["quant_method"] == "fp8":
         recipe = _fp8_recipe(quantization, _all_powers_of_two(directory, "_scale_inv"))
-        keep = [(_rule(m), None) for m in quantization.get("modules_to_not_convert") or ()]
+        keep = [(_not_converted(name), None) for name in quantization.get("modules_to_not_convert") or ()]
         return Policy(default=recipe, rules=keep)
     power_2 = _all_powers_of_two(directory, "weight_scale")
     keep = [(_rule(m), None) for m in quantization.get("ignore") or ()]

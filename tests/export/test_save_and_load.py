@@ -217,3 +217,13 @@ def test_export_refuses_a_model_not_yet_called_and_a_weight_no_loader_converts(t
     assert os.listdir(tmp_path) == []
     with pytest.raises(TypeError, match="fp8graph export needs the model fp8graph.compile returned"):
         fp8graph.save_fp8(model, str(tmp_path))
+
+
+def test_load_keeps_what_transformers_leaves_unconverted():
+    """An "fp8" checkpoint's modules_to_not_convert, as transformers matches it: from the start of the path
+    up to a module boundary (the module and its subtree), or as the path's tail."""
+    from fp8graph.export.load import _not_converted
+
+    gate, layer = _not_converted("mlp.gate"), _not_converted("model.layers.0")
+    assert gate.fullmatch("model.layers.3.mlp.gate") and not gate.fullmatch("model.layers.3.mlp.gate_proj")
+    assert layer.fullmatch("model.layers.0.mlp.up_proj") and not layer.fullmatch("model.layers.01.mlp.up_proj")
