@@ -227,3 +227,23 @@ def test_load_keeps_what_transformers_leaves_unconverted():
     gate, layer = _not_converted("mlp.gate"), _not_converted("model.layers.0")
     assert gate.fullmatch("model.layers.3.mlp.gate") and not gate.fullmatch("model.layers.3.mlp.gate_proj")
     assert layer.fullmatch("model.layers.0.mlp.up_proj") and not layer.fullmatch("model.layers.01.mlp.up_proj")
+
+
+def test_the_export_command_writes_a_transformers_checkpoint_as_fp8graph_would_train_it(tmp_path, capsys):
+    from fp8graph.__main__ import main
+
+    model = build_zoo_model("llama", torch.bfloat16, **SHAPE)
+    model.save_pretrained(tmp_path / "bf16")
+    assert main(["export", str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--recipe", "block"]) == 0
+    printed = capsys.readouterr().out
+    assert "fp8graph export: 7 FP8 weights" in printed and "format 'fp8'" in printed
+    assert f"from_pretrained({str(tmp_path / 'fp8')!r})" in printed
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    assert config["weight_block_size"] == [128, 128] and config["modules_to_not_convert"] == ["lm_head"]
+    loaded = _load_with_transformers(str(tmp_path / "fp8"), "fp8")
+    original = model.state_dict()
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):  # within a block's FP8 error of the BF16 weights
+        key = f"model.layers.0.self_attn.{name}.weight"
+        assert sqnr_db(original[key].float(), loaded.state_dict()[key]) > 25.0, key
+    with pytest.raises(SystemExit):
+        main(["export", str(tmp_path / "bf16"), str(tmp_path / "x"), "--recipe", "delayed"])  # scales from training
