@@ -104,7 +104,7 @@ class InstanceSignatures:
                 if other_path != path and type(other) is type(module) and other.__dict__[self.attribute] == signature]
 
 
-def served_decisions(decisions: list, traced: str, instance: str, plan=None) -> list:
+def served_decisions(decisions: list, traced: str, instance: str, plan) -> list:
     """``decisions`` of the instance at ``traced`` as the ones its frame takes for the instance at ``instance``:
     each site moved to the instance's path, and joined to the instance's own weight in ``plan``."""
     served = []
@@ -113,7 +113,7 @@ def served_decisions(decisions: list, traced: str, instance: str, plan=None) -> 
         if path is None:
             continue
         planned = decision.planned
-        if planned is not None and plan is not None:
+        if planned is not None:
             weight_path = instance_path(planned.path, traced, instance)
             planned = (plan.named(weight_path, planned.name) if weight_path is not None else None) or planned
         served.append(dataclasses.replace(decision, site=dataclasses.replace(decision.site, path=path), planned=planned))

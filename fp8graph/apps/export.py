@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default="current", choices=[name for name in PRESETS if name != "delayed"],
                         help="the recipe of every eligible weight (default: current)")
     parser.add_argument("--format", choices=list(FORMATS), default=None,
-                        help="checkpoint format (default: the first that holds the recipe)")
+                        help="checkpoint format (default: 'fp8' for block and MXFP8, compressed-tensors for the others)")
     parser.add_argument("--keep", action="append", default=None, metavar="PATTERN",
                         help="module paths (globs) kept in high precision, besides lm_head (see --fp8-lm-head)")
     parser.add_argument("--fp8-lm-head", action="store_true", help="give lm_head the recipe too")

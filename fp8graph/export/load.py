@@ -45,22 +45,25 @@ def _quantization_config(directory: str) -> dict:
     return quantization
 
 
-def _all_powers_of_two(directory: str, suffix: str) -> bool:
-    """Whether every weight scale (tensors named ``*<suffix>``) of the checkpoint is a power of two."""
+def _stored(directory: str, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors whose names end with one of ``suffixes``, from every safetensors file."""
     from safetensors import safe_open
 
+    tensors = {}
     for name in sorted(os.listdir(directory)):
-        if not name.endswith(".safetensors"):
-            continue
-        with safe_open(os.path.join(directory, name), "pt") as f:
-            for key in f.keys():
-                if key.endswith(suffix):
-                    scale = f.get_tensor(key)
-                    if scale.dtype == torch.uint8 or scale.dtype.itemsize == 1:
-                        continue  # E8M0 bytes: powers of two by construction
-                    mantissa = scale.float().view(torch.int32) & 0x7FFFFF
-                    if bool((mantissa != 0).any()):
-                        return False
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, name), "pt") as f:
+                tensors.update({key: f.get_tensor(key) for key in f.keys() if key.endswith(suffixes)})
+    return tensors
+
+
+def _all_powers_of_two(directory: str, suffix: str) -> bool:
+    """Whether every weight scale (tensors named ``*<suffix>``) of the checkpoint is a power of two."""
+    for scale in _stored(directory, (suffix,)).values():
+        if scale.dtype.itemsize == 1:
+            continue  # E8M0 bytes: powers of two by construction
+        if bool(((scale.float().view(torch.int32) & 0x7FFFFF) != 0).any()):
+            return False
     return True
 
 
@@ -135,17 +138,6 @@ def _dequantizing(quantization: dict):
     return transformers.CompressedTensorsConfig(**{**quantization, "dequantize": True})
 
 
-def _checkpoint_tensors(directory: str, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    tensors = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, name), "pt") as f:
-                tensors.update({key: f.get_tensor(key) for key in f.keys() if key.endswith(suffixes)})
-    return tensors
-
-
 def _set_delayed_scales(model: torch.nn.Module, policy: Policy, quantization: dict, directory: str) -> None:
     """Register delayed-scaling state (``fp8graph.compile`` then keeps it) and set each stored scale from the
     checkpoint: the input's from its static activation scale, the weight's from its weight scale (scales here
@@ -156,7 +148,7 @@ def _set_delayed_scales(model: torch.nn.Module, policy: Policy, quantization: di
     fine_grained = quantization["quant_method"] == "fp8"
     weight_suffix, input_name = ("weight_scale_inv", "activation_scale") if fine_grained else ("weight_scale",
                                                                                                "input_scale")
-    stored = _checkpoint_tensors(directory, (weight_suffix, input_name))
+    stored = _stored(directory, (weight_suffix, input_name))
     for path, module in model.named_modules():
         scale = getattr(module, SCALE_PREFIX + "weight", None)
         if scale is None:

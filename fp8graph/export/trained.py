@@ -26,7 +26,7 @@ import torch
 
 from fp8graph.numerics.formats import Role
 from fp8graph.numerics.quantize import quantize, quantize_current
-from fp8graph.numerics.tiles import mx_scale_e8m0, reference_quantize_tiles, tile_amax
+from fp8graph.numerics.tiles import e8m0_bytes, reference_quantize_tiles
 from fp8graph.recipes.scaling import Granularity, Recipe
 
 __all__ = ["TrainedWeight", "trained_weights"]
@@ -63,10 +63,9 @@ def _cast_matrix(weight_hp: torch.Tensor, recipe: Recipe, state_scale: torch.Ten
     if recipe.granularity is Granularity.TENSOR:
         weight_fp8, scale = quantize_current(weight_hp, fp8_dtype, recipe.power_2_scales)
         return weight_fp8, scale.reciprocal()
-    tiling = recipe.tiling(Role.WEIGHT)
-    weight_fp8, scale = reference_quantize_tiles(weight_hp, tiling)
+    weight_fp8, scale = reference_quantize_tiles(weight_hp, recipe.tiling(Role.WEIGHT))
     if recipe.granularity is Granularity.MX:
-        return weight_fp8, mx_scale_e8m0(tile_amax(weight_hp, tiling))
+        return weight_fp8, e8m0_bytes(scale).view(torch.uint8)  # the E8M0 bytes the scale was built from
     return weight_fp8, scale.reciprocal()
 
 
@@ -89,13 +88,13 @@ def _backend_of(compiled):
     return backend
 
 
-def _recipes_by_weight(backend) -> dict[str, set]:
-    """``{weight key: {recipe, ...}}`` over every rewritten site that read the weight."""
-    recipes: dict[str, set] = {}
+def _decisions_by_weight(backend) -> dict[str, list]:
+    """``{weight key: [decision, ...]}`` of every site joined to a planned weight."""
+    by_weight: dict[str, list] = {}
     for decision in backend.decisions:
-        if decision.rewritten and decision.planned is not None:
-            recipes.setdefault(decision.planned.qualified_name, set()).add(decision.recipe)
-    return recipes
+        if decision.planned is not None:
+            by_weight.setdefault(decision.planned.qualified_name, []).append(decision)
+    return by_weight
 
 
 def _delayed_scales(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,12 +122,14 @@ def trained_weights(compiled) -> tuple[list[TrainedWeight], dict[str, str]]:
                          "so run one step (or one forward) before exporting")
     model = getattr(compiled, "_orig_mod", compiled)
     modules = dict(model.named_modules())
-    by_weight = _recipes_by_weight(backend)
+    by_weight = _decisions_by_weight(backend)
     weights, kept = [], {}
     for entry in backend.plan:
-        recipes = by_weight.get(entry.qualified_name)
+        decisions = by_weight.get(entry.qualified_name, [])
+        recipes = {d.recipe for d in decisions if d.rewritten}
         if not recipes:
-            kept[entry.qualified_name] = _kept_reason(backend, entry)
+            reasons = sorted({d.reason for d in decisions if d.reason})
+            kept[entry.qualified_name] = "; ".join(reasons) or "no traced site reads it as a GEMM weight"
             continue
         if len(recipes) > 1:
             raise ValueError(f"{entry.qualified_name}: its sites ran {len(recipes)} recipes "
@@ -145,8 +146,3 @@ def trained_weights(compiled) -> tuple[list[TrainedWeight], dict[str, str]]:
                                      input_scale_inv))
     return weights, kept
 
-
-def _kept_reason(backend, entry) -> str:
-    reasons = sorted({d.reason for d in backend.decisions
-                      if d.planned is not None and d.planned.qualified_name == entry.qualified_name and d.reason})
-    return "; ".join(reasons) if reasons else "no traced site reads it as a GEMM weight"
