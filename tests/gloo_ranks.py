@@ -2,12 +2,15 @@
 
 import collections
 import datetime
+import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import forked
 
 # Profiler event names of the collectives a step can issue: c10d ops (FSDP2's
 # all-gather and reduce-scatter) and functional collectives traced into a
@@ -16,7 +19,8 @@ COLLECTIVE_EVENTS = ("c10d::", "_c10d_functional::all_reduce", "_c10d_functional
                      "_c10d_functional::reduce_scatter")
 
 
-def _rank_entry(rank: int, fn, world_size: int, out_dir: str) -> None:
+def _rank_entry(rank: int, fn, world_size: int, out_dir: str, env: dict[str, str]) -> None:
+    forked.apply_environment(env)
     # A file rendezvous needs no port; the timeout turns a stuck collective into an error.
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous-{world_size}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=120))
@@ -30,9 +34,12 @@ def _rank_entry(rank: int, fn, world_size: int, out_dir: str) -> None:
 
 
 def spawn_ranks(fn, world_size: int, out_dir: str, deadline_s: float = 300) -> None:
-    """Run ``fn(rank, world_size, out_dir)`` in a gloo process group of ``world_size`` processes;
-    fail (not hang) past the deadline."""
-    context = mp.spawn(_rank_entry, args=(fn, world_size, out_dir), nprocs=world_size, join=False)
+    """Run ``fn(rank, world_size, out_dir)`` in a gloo process group of ``world_size`` processes forked
+    from the preloaded server (``forked``: no rank pays for importing torch); fail (not hang) past the
+    deadline."""
+    forked.context()  # the server imports what every rank needs, once
+    context = mp.start_processes(_rank_entry, args=(fn, world_size, out_dir, dict(os.environ)), nprocs=world_size,
+                                 join=False, start_method="forkserver")
     deadline = time.monotonic() + deadline_s
     while not context.join(timeout=2):
         if time.monotonic() > deadline:

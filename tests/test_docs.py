@@ -39,6 +39,8 @@ import traceback
 
 import pytest
 
+import forked
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -171,11 +173,10 @@ def _python_pages(gpu: bool):
 
 def _run_python_page(page: pathlib.Path, workdir: pathlib.Path, gpu: bool) -> None:
     (workdir / "bench").symlink_to(REPO / "bench")  # the examples read stored results under bench/results
-    command = [sys.executable, __file__, "python", str(page), *(["--gpu"] if gpu else [])]
+    command = [__file__, "python", str(page), *(["--gpu"] if gpu else [])]
     env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"}
-    try:
-        result = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True,
-                                timeout=PAGE_TIMEOUT_S)
+    try:  # a process of its own for each page, as a reader's would be (forked: without importing torch again)
+        result = forked.run_python(command, cwd=workdir, env=env, timeout=PAGE_TIMEOUT_S)
     except subprocess.TimeoutExpired as timeout:
         out = timeout.stdout.decode() if isinstance(timeout.stdout, bytes) else (timeout.stdout or "")
         started = re.findall(r"^--- block (\S+)$", out, re.M)
@@ -288,6 +289,16 @@ RUN_COMMANDS = [(where, command) for where, command in ALL_COMMANDS if _exemptio
 
 @pytest.mark.parametrize("where,command", RUN_COMMANDS, ids=[where for where, _ in RUN_COMMANDS])
 def test_shell_commands_run(where, command):
+    words = shlex.split(command, comments=True)
+    if words[0] in ("python", ".venv/bin/python") and not set("|&;<>$`*?") & set(command):
+        # A plain python command: the same argv in a forked child (forked.py), without importing torch again.
+        try:
+            result = forked.run_python(words[1:], cwd=REPO, timeout=COMMAND_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{where}: `{command}` did not finish within {COMMAND_TIMEOUT_S} s", pytrace=False)
+        assert result.returncode == 0, (f"{where}: `{command}` exited with {result.returncode}:\n"
+                                        f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+        return
     env = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     # A session of its own, so that a command that runs too long is stopped with all its processes.
     process = subprocess.Popen(["bash", "-euo", "pipefail", "-c", command], cwd=REPO, env=env,
@@ -331,8 +342,7 @@ def test_commands_not_run_here_are_covered_elsewhere_and_their_arguments_parse()
         elif check == "gpu-run":
             unknown = [step for step in words[1:] if step not in gpu_steps]
             assert not unknown, f"{where}: scripts/gpu-run has no step {unknown} (it has {sorted(gpu_steps)})"
-    result = subprocess.run([sys.executable, __file__, "parse", json.dumps(parses)], cwd=REPO,
-                            capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    result = forked.run_python([__file__, "parse", json.dumps(parses)], cwd=REPO, timeout=COMMAND_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 

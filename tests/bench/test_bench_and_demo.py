@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -12,11 +13,14 @@ import time
 import pytest
 import torch
 
+import forked
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
 
 def _run_bench(workload, out_dir, *options):
     """``python -m bench WORKLOAD --smoke OPTIONS``; the raw result it wrote."""
-    subprocess.run([sys.executable, "-m", "bench", workload, "--smoke", *options, "--out", str(out_dir)],
-                   check=True, capture_output=True, text=True)
+    forked.run_python(["-m", "bench", workload, "--smoke", *options, "--out", str(out_dir)], cwd=REPO, check=True)
     [path] = out_dir.glob("*.json")
     return json.loads(path.read_text())
 
@@ -55,18 +59,15 @@ def test_quantize_smoke_writes_results_bench_show_prints(tmp_path):
         "rmsnorm + delayed cast", "rowwise (aot_eager)", "mxfp8 1x32 (aot_eager)"]
     # bench show reads the stored result back (one smoke run serves both checks).
     [path] = tmp_path.glob("quantize-*.json")
-    shown = subprocess.run([sys.executable, "-m", "bench", "show", str(path)],
-                           check=True, capture_output=True, text=True).stdout
+    shown = forked.run_python(["-m", "bench", "show", str(path)], cwd=REPO, check=True).stdout
     assert "| contestant | median ms |" in shown
     assert "Targets (smoke run: not meaningful):" in shown and "fraction of copy bandwidth" in shown
 
 
 @pytest.mark.parametrize("steps", [4])
 def test_demo_trains_both_runs_and_writes_the_plot(tmp_path, steps):
-    completed = subprocess.run(
-        [sys.executable, "-m", "fp8graph", "demo", "--steps", str(steps), "--batch-size", "2",
-         "--seq-len", "32", "--out", str(tmp_path)],
-        check=True, capture_output=True, text=True)
+    completed = forked.run_python(["-m", "fp8graph", "demo", "--steps", str(steps), "--batch-size", "2",
+                                   "--seq-len", "32", "--out", str(tmp_path)], check=True)
     # The high precision follows this CPU's features (BF16 only with AMX): named with the features read.
     [chosen] = re.findall(r"high precision: (BF16|FP32) \((.*?)\)", completed.stdout.replace("\n", " "))
     reference, reason = chosen
@@ -235,8 +236,7 @@ def test_demo_refuses_an_unwritable_out_before_training(tmp_path):
     blocker = tmp_path / "a file"
     blocker.write_text("")
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "fp8graph", "demo", "--out", str(blocker / "x")],
-                            capture_output=True, text=True)
+    result = forked.run_python(["-m", "fp8graph", "demo", "--out", str(blocker / "x")])
     assert result.returncode == 1 and time.perf_counter() - started < 60
     assert f"fp8graph demo: cannot write the results to --out {blocker / 'x'}" in result.stderr
     assert "Traceback" not in result.stderr and "fp8graph demo" not in result.stdout  # nothing trained

@@ -1,14 +1,16 @@
 """``python -m bench zoo`` runs the zoo's checks end to end and stores a row per family and dtype."""
 
 import json
-import subprocess
-import sys
+import pathlib
+
+import forked
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_zoo_benchmark_smoke_writes_a_row_per_family_and_dtype(tmp_path):
-    completed = subprocess.run([sys.executable, "-m", "bench", "zoo", "--smoke", "--families", "llama",
-                                "--dtypes", "float32", "--out", str(tmp_path)], check=True, capture_output=True,
-                               text=True)
+    completed = forked.run_python(["-m", "bench", "zoo", "--smoke", "--families", "llama", "--dtypes", "float32",
+                                   "--out", str(tmp_path)], cwd=REPO, check=True)
     [path] = tmp_path.glob("zoo-*.json")
     result = json.loads(path.read_text())
     assert result["workload"] == "zoo" and result["complete"] and result["targets"] == []
@@ -19,7 +21,7 @@ def test_zoo_benchmark_smoke_writes_a_row_per_family_and_dtype(tmp_path):
 
 
 def test_zoo_benchmark_refuses_an_unknown_family(tmp_path):
-    completed = subprocess.run([sys.executable, "-m", "bench", "zoo", "--families", "qwen3_next", "--out",
-                                str(tmp_path)], capture_output=True, text=True)
+    completed = forked.run_python(["-m", "bench", "zoo", "--families", "qwen3_next", "--out", str(tmp_path)],
+                                  cwd=REPO)
     assert completed.returncode != 0 and "gated delta rule" in completed.stderr
     assert not list(tmp_path.glob("*.json"))

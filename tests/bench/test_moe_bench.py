@@ -8,11 +8,17 @@ site (forward, grad_input, grad_weight), and a step the model cannot decide is a
 The GPU benchmark cannot run here: its argument checks and its refusal without CUDA are tested.
 """
 
+import pathlib
+
 import pytest
 
 from bench import model as bench_model
 from bench.costmodel import costs
 from bench.targets import judge
+
+import forked
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 TINY = {"hidden": 64, "experts": 8, "top_k": 2, "expert_width": 32}
 TOKENS = 64
@@ -211,11 +217,8 @@ def test_bench_moe_decode_smoke_times_the_frozen_batched_mm_block(tmp_path):
     batched_mm block with frozen weights, each in its own process; fp8graph's expert sites are in FP8, and
     ``bench show`` reads the result back."""
     import json
-    import subprocess
-    import sys
-
-    subprocess.run([sys.executable, "-m", "bench", "moe", "--smoke", "--decode", "--contestants", "rowwise",
-                    "--out", str(tmp_path)], check=True, capture_output=True, text=True)
+    forked.run_python(["-m", "bench", "moe", "--smoke", "--decode", "--contestants", "rowwise", "--out",
+                       str(tmp_path)], cwd=REPO, check=True)
     [path] = tmp_path.glob("moe-decode-*.json")
     result = json.loads(path.read_text())
     assert result["workload"] == "moe_decode" and result["sequence"] == 1
@@ -223,6 +226,5 @@ def test_bench_moe_decode_smoke_times_the_frozen_batched_mm_block(tmp_path):
     assert list(rows) == ["bf16", "rowwise"] and not any("error" in row for row in rows.values()), rows
     assert rows["rowwise"]["note"].startswith("fp8graph: 2 of 3 sites in FP8")
     assert all(row["decode_tokens_per_s"] > 0 for row in rows.values())
-    shown = subprocess.run([sys.executable, "-m", "bench", "show", str(path)], check=True, capture_output=True,
-                           text=True).stdout
+    shown = forked.run_python(["-m", "bench", "show", str(path)], cwd=REPO, check=True).stdout
     assert "| contestant | decode tokens/s | vs bf16 |" in shown

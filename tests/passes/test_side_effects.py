@@ -15,6 +15,7 @@ import torch.fx
 from torch import nn
 from torch.nn import functional as F
 
+import forked
 import fp8graph
 from fp8graph.passes.pipeline import _check_side_effects_kept
 from fp8graph.passes.side_effects import UNKNOWN, has_side_effects, side_effect_nodes, written_nodes
@@ -224,13 +225,10 @@ def test_the_driver_refuses_a_pass_that_drops_a_write():
 
 
 def test_the_pass_list_is_printed_in_order_and_each_pass_is_checked(monkeypatch):
-    import subprocess
-    import sys
 
     from fp8graph.passes import pipeline
 
-    printed = subprocess.run([sys.executable, "-m", "fp8graph", "passes"], check=True, capture_output=True,
-                             text=True).stdout.splitlines()
+    printed = forked.run_python(["-m", "fp8graph", "passes"], check=True).stdout.splitlines()
     assert [line.split()[1] for line in printed] == [p.name for p in pipeline.PASSES]
     assert [p.name for p in pipeline.PASSES][:3] == ["anchored_inputs", "expand_attention", "find_sites"]
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+import forked
 import fp8graph
 from fp8graph import DelayedScaling, Float8CurrentScaling, Policy
 from fp8graph.models import build
@@ -311,12 +312,9 @@ def _start(policy_name, cache_dir, grad_path):
     """A fresh process's first training step with Inductor's caches in ``cache_dir``: its counters and gradient."""
     import json
     import os
-    import subprocess
-    import sys
 
-    completed = subprocess.run([sys.executable, "-c", _STEP_IN_A_NEW_PROCESS, policy_name, str(grad_path)],
-                               env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)},
-                               capture_output=True, text=True, check=True)
+    completed = forked.run_python(["-c", _STEP_IN_A_NEW_PROCESS, policy_name, str(grad_path)],
+                                  env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}, check=True)
     result = json.loads(completed.stdout.strip().splitlines()[-1])
     return result["counters"], result["graphs"], torch.load(grad_path)
 
