@@ -28,7 +28,8 @@ import tempfile
 PRELOAD = ["torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed", "transformers",
            "transformers.models.llama.modeling_llama", "fp8graph", "fp8graph.models"]
 # Read once, when the server imports torch, triton or Inductor's config: a child cannot change them.
-IMPORT_TIME_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TRITON_INTERPRET", "TORCHINDUCTOR_VEC_ISA_OK",
+IMPORT_TIME_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                         "DNNL_MAX_CPU_ISA", "TRITON_INTERPRET", "TORCHINDUCTOR_VEC_ISA_OK", "TORCH_LOGS",
                          "CUDA_VISIBLE_DEVICES", "PYTHONPATH", "PYTHONHASHSEED")
 
 _context = None
