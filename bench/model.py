@@ -357,15 +357,26 @@ def model_moe(args) -> dict:
     """bench moe's training step of one MoE block (models/moe.py), each contestant in a child process."""
     import importlib.util
 
-    from .moe import DEFAULT, TORCHAO, parse_contestant
+    from .moe import DEFAULT, SWEEP, TORCHAO, parse_contestant
 
     default = [c for c in DEFAULT if c != TORCHAO or importlib.util.find_spec("torchao")]
     contestants = contestants_of(args.contestants, default, parse_contestant)
-    overrides = dict(_override(text) for text in args.override or ())
-    spec = {"workload": "moe", "config": args.config, "batch": args.batch, "sequence": args.tokens,
-            "overrides": overrides, "source": args.source, "cubin": args.cubin}
-    print(f"moe ({args.config}{f' {overrides}' if overrides else ''}, {args.batch}x{args.tokens} tokens): "
-          f"{len(contestants)} contestants, one process each", file=sys.stderr)
+    if args.sweep:
+        given = [flag for flag, value in (("--config", args.config), ("--override", args.override),
+                                          ("--tokens", args.tokens), ("--batch", args.batch)) if value is not None]
+        if given:
+            raise SystemExit(f"--sweep models its own shapes (bench/moe.py's SWEEP); drop {', '.join(given)}")
+        spec = {"workload": "moe", "config": "bench", "batch": None, "sequence": None, "overrides": {},
+                "shapes": [{"label": shape.label, "config": shape.config, "overrides": shape.overrides,
+                            "batch": shape.batch, "sequence": shape.tokens} for shape in SWEEP]}
+        print(f"moe sweep ({len(SWEEP)} blocks): {len(contestants)} contestants, one process each", file=sys.stderr)
+    else:
+        config, batch, tokens = args.config or "bench", args.batch or 1, args.tokens or 4096
+        overrides = dict(_override(text) for text in args.override or ())
+        spec = {"workload": "moe", "config": config, "batch": batch, "sequence": tokens, "overrides": overrides}
+        print(f"moe ({config}{f' {overrides}' if overrides else ''}, {batch}x{tokens} tokens): "
+              f"{len(contestants)} contestants, one process each", file=sys.stderr)
+    spec.update(source=args.source, cubin=args.cubin, grad_accumulation=args.grad_accumulation)
     if args.fp8graph_at == "measured":
         raise SystemExit("--fp8graph-at: 'measured' is the H100 run's commit, which had no expert GEMMs; give a "
                          "commit, or 'installed'")
@@ -376,10 +387,37 @@ def model_moe(args) -> dict:
         fp8graph.close()
     if args.fp8graph_at != "installed":
         spec["fp8graph_at"] = args.fp8graph_at
+    accumulate(results, args.grad_accumulation)
     case = next((c["case"] for r in results for c in r.get("cases", [])), "")
-    what = (f"bench moe's training step, one MoE block ({args.config}: {case or 'not built'}; BF16, forward + "
-            "backward + eager SGD)" + (f"; fp8graph at {args.fp8graph_at}" if args.fp8graph_at != "installed" else ""))
+    blocks = f"the sweep's {len(SWEEP)} MoE blocks" if args.sweep else f"one MoE block ({spec['config']}: " \
+        f"{case or 'not built'})"
+    what = (f"bench moe's training step, {blocks}; BF16, forward + backward + eager SGD"
+            + (f", {' or '.join(map(str, args.grad_accumulation))} micro-batches a step"
+               if args.grad_accumulation != [1] else "")
+            + (f"; fp8graph at {args.fp8graph_at}" if args.fp8graph_at != "installed" else ""))
     return _finish(build_result("moe", spec, results, machine_of(args), what), args)
+
+
+def accumulate(results: list[dict], micro_batches: list[int]) -> None:
+    """Each captured case as a step of ``n`` micro-batches, for each ``n``: the forward and backward kernels
+    ``n`` times, then one optimizer step; after the first micro-batch autograd adds each parameter's gradient
+    into the one it holds (read 2, write 1: the optimizer row's bytes). Every kernel of the forward and
+    backward runs again, weight casts included: fp8graph casts its weights at every call."""
+    if micro_batches == [1]:
+        return
+    for result in results:
+        if "cases" not in result:
+            continue
+        result["cases"] = [{**case, "case": f"{case['case']}, {n} micro-batch{'es' if n > 1 else ''}",
+                            "rows": _accumulated_rows(case["rows"], n)}
+                           for case in result["cases"] for n in micro_batches]
+
+
+def _accumulated_rows(rows: list[dict], micro_batches: int) -> list[dict]:
+    step = [row if row["kind"] == "optimizer" else {**row, "count": row["count"] * micro_batches} for row in rows]
+    adds = [{**row, "name": "param.grad += the micro-batch's gradient (autograd, eager)",
+             "count": row["count"] * (micro_batches - 1)} for row in rows if row["kind"] == "optimizer"]
+    return step + (adds if micro_batches > 1 else [])
 
 
 def _override(text: str) -> tuple[str, int]:
@@ -428,10 +466,11 @@ def _newest_model(measured: dict, results: pathlib.Path) -> pathlib.Path | None:
     config, batch and tokens, no overrides) or bench decoder's stack (same config and layers)."""
     if measured.get("workload") == "moe_block":
         for path in sorted(results.glob("model-moe-*.json"), reverse=True):
-            spec = json.loads(path.read_text())["spec"]
+            model = json.loads(path.read_text())
+            spec = model["spec"]
             if ((spec.get("config"), spec.get("batch"), spec.get("sequence")) ==
                     (measured.get("config"), measured.get("batch"), measured.get("sequence"))
-                    and not spec.get("overrides")):
+                    and not spec.get("overrides")) or _sweep_case(model, measured):
                 return path
         return None
     for path in sorted(results.glob("model-decoder-*.json"), reverse=True):
@@ -440,6 +479,19 @@ def _newest_model(measured: dict, results: pathlib.Path) -> pathlib.Path | None:
         if (model["spec"].get("config") == measured.get("config")
                 and any(case.startswith(f"{measured.get('layers')} layers,") for case in cases)):
             return path
+    return None
+
+
+def _sweep_case(model: dict, measured: dict) -> str | None:
+    """The case of a ``bench model moe --sweep`` result that models the measured block (same config, batch and
+    tokens, no overrides; one micro-batch a step, as bench moe runs it), or ``None``."""
+    spec = model.get("spec", {})
+    if 1 not in spec.get("grad_accumulation", [1]):
+        return None
+    for shape in spec.get("shapes") or ():
+        if ((shape["config"], shape["batch"], shape["sequence"]) ==
+                (measured.get("config"), measured.get("batch"), measured.get("sequence")) and not shape["overrides"]):
+            return shape["label"] + (", 1 micro-batch" if spec.get("grad_accumulation", [1]) != [1] else "")
     return None
 
 
@@ -453,7 +505,9 @@ def compare_lines(measured: dict, measured_name: str, model_path: pathlib.Path |
         return [f"no modelled bench {name} result for {measured.get('config')} in {results}: run "
                 f"`python -m bench model {name}` (CPU) and commit it"]
     model = json.loads(model_path.read_text())
-    modelled = {row["contestant"]: row for row in model["rows"] if "error" not in row}
+    case = _sweep_case(model, measured)
+    modelled = {row["contestant"]: row for row in model["rows"] if "error" not in row
+                and (case is None or row["case"] == case)}
     measured_rows = [row for row in measured["rows"] if "train_tokens_per_s" in row]
     bf16 = next((row for row in measured_rows if row["contestant"] == "bf16"), None)
     table = []
@@ -525,13 +579,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--contestants", nargs="+", metavar="NAME",
                    help="bench moe's names: bf16 (always runs), rowwise, current, delayed, 'torchao moe rowwise' "
                         "(a name may end in '+setting' / '-setting'); default: all of them")
-    p.add_argument("--config", choices=("bench", "tiny", "tiny-odd"), default="bench",
-                   help="models/moe.py's config: bench is Qwen3-30B-A3B's MoE block (hidden 2048, 128 experts, "
-                        "top 8, expert width 768)")
+    p.add_argument("--config", choices=("bench", "tiny", "tiny-odd"),
+                   help="models/moe.py's config: bench (the default) is Qwen3-30B-A3B's MoE block (hidden 2048, "
+                        "128 experts, top 8, expert width 768)")
     p.add_argument("--override", nargs="+", metavar="FIELD=N",
                    help="change fields of the config: hidden, experts, top_k, expert_width")
-    p.add_argument("--tokens", type=positive(int), default=4096, help="tokens per sequence")
-    p.add_argument("--batch", type=positive(int), default=1)
+    p.add_argument("--tokens", type=positive(int), help="tokens per sequence (default 4096)")
+    p.add_argument("--batch", type=positive(int), help="sequences (default 1)")
+    p.add_argument("--sweep", action="store_true",
+                   help="every block of bench/moe.py's SWEEP (Qwen3-30B-A3B at 256, 1024 and 2048 tokens an expert, "
+                        "DeepSeek-V3's experts 8 a rank, Llama-4 Scout's) instead of one")
+    p.add_argument("--grad-accumulation", nargs="+", type=positive(int), default=[1], metavar="N",
+                   help="model each step as N micro-batches and one optimizer step, for each N given (default 1)")
     p.add_argument("--fp8graph-at", default="installed", metavar="COMMIT",
                    help="fp8graph (its package, passes and models) at this commit, extracted from git; default: "
                         "the working tree")

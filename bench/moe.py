@@ -33,6 +33,7 @@ needs it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -45,7 +46,7 @@ from torch._inductor import config as inductor_config
 
 from .cli import positive, require_cuda
 
-__all__ = ["DEFAULT", "KNOWN", "parse_contestant", "swap_in_torchao", "compile_block"]
+__all__ = ["DEFAULT", "KNOWN", "SWEEP", "SweepShape", "parse_contestant", "swap_in_torchao", "compile_block"]
 
 # fp8graph's recipes on expert sites with a native SM90 GEMM (delayed since commit 8d924b3).
 RECIPES = ("rowwise", "current", "delayed")
@@ -54,6 +55,43 @@ KNOWN = ["bf16", *RECIPES, TORCHAO]
 DEFAULT = ["bf16", "rowwise", "current", TORCHAO, "delayed"]
 DECODE_DEFAULT = ["bf16", "rowwise", "current", "delayed"]
 CONFIGS = ("bench", "tiny", "tiny-odd")  # models/moe.py's
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepShape:
+    """One MoE block of the sweep (``bench model moe --sweep``): models/moe.py's ``config`` with ``overrides``,
+    on ``batch`` x ``tokens`` tokens."""
+
+    name: str
+    overrides: dict
+    batch: int
+    tokens: int
+    config: str = "bench"
+
+    @property
+    def tokens_per_expert(self) -> int:
+        from fp8graph.models.moe import CONFIGS as model_configs
+
+        fields = {**model_configs[self.config], **self.overrides}
+        return self.batch * self.tokens * fields["top_k"] // fields["experts"]
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}, {self.batch}x{self.tokens}, {self.tokens_per_expert} tokens an expert"
+
+
+# The shapes people train MoE experts at. Qwen3-30B-A3B's block (the bench config: hidden 2048, 128 experts, top
+# 8, expert width 768) at 256, 1024 and 2048 tokens an expert. DeepSeek-V3's experts (hidden 7168, width 2048;
+# 256 experts, top 8) as one rank of expert parallelism holds them: 8 experts, and 4096 (token, expert) rows
+# routed to each, which the rank receives as 32768 rows of one expert each (top 1 of its 8). Llama-4 Scout's
+# (16 experts, top 1, hidden 5120, width 8192) on 1 x 8192 tokens: 512 an expert.
+SWEEP = (
+    SweepShape("Qwen3-30B-A3B", {}, 1, 4096),
+    SweepShape("Qwen3-30B-A3B", {}, 4, 4096),
+    SweepShape("Qwen3-30B-A3B", {}, 8, 4096),
+    SweepShape("DeepSeek-V3 experts, 8 a rank", dict(hidden=7168, expert_width=2048, experts=8, top_k=1), 8, 4096),
+    SweepShape("Llama-4 Scout experts", dict(hidden=5120, expert_width=8192, experts=16, top_k=1), 1, 8192),
+)
 
 
 def parse_contestant(name: str) -> tuple[str, dict[str, bool]]:

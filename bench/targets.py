@@ -33,6 +33,9 @@
     model_moe  (modelled, ``bench model moe``: the same step, Triton at the H100 rate)
                FP8 GB stored twice                == 0 for every fp8graph recipe
                row-wise step                      >= 1.25x BF16, >= 1.05x torchao moe rowwise (same run)
+               the sweep (``--sweep``), best recipe: >= 1.20x BF16 and >= 1.15x torchao moe rowwise at 2048 or
+                                                  more tokens an expert; >= 1.05x BF16 for Qwen3-30B-A3B at
+                                                  256 tokens an expert with 4 micro-batches a step
 
 Every result file carries its verdicts (``"targets"``) and every summary
 prints them, so a miss is stated with its size in the same place as the
@@ -42,6 +45,7 @@ timings. A smoke run is judged too, but its timings mean nothing.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable, Iterator
 
 __all__ = ["TARGETS", "Target", "judge", "verdict_table"]
@@ -329,6 +333,33 @@ def _moe_speedups(column: str):
     return measure
 
 
+def _tokens_per_expert(case: str) -> int | None:
+    """``2048`` of a sweep case ``"Qwen3-30B-A3B, 8x4096, 2048 tokens an expert, 4 micro-batches"``."""
+    found = re.search(r"(\d+) tokens an expert", case)
+    return int(found.group(1)) if found else None
+
+
+def _best_recipe(column: str, case_matches):
+    """The best fp8graph recipe's ``column`` per sweep case (``bench model moe --sweep``) that
+    ``case_matches(case)``: the target is met when one recipe meets it."""
+    def measure(result):
+        best: dict[str, tuple[float, str]] = {}
+        for row in _fp8graph_rows(result):
+            if column in row and case_matches(row["case"]):
+                best[row["case"]] = max(best.get(row["case"], (float("-inf"), "")), (row[column], row["contestant"]))
+        for case, (value, contestant) in best.items():
+            yield f"{contestant} ({case})", value
+    return measure
+
+
+def _many_tokens_an_expert(case: str) -> bool:
+    return (_tokens_per_expert(case) or 0) >= 2048
+
+
+def _qwen3_at_256_accumulating_4(case: str) -> bool:
+    return case.startswith("Qwen3-30B-A3B") and _tokens_per_expert(case) == 256 and "4 micro-batches" in case
+
+
 MOE_TARGETS = (
     # One MoE block of Qwen3-30B-A3B: its 6 grouped GEMMs carry over 99% of the FLOPs; the routing, gather,
     # SwiGLU and scatter are memory-bound BF16 work in every contestant, and an FP8 step adds its casts.
@@ -340,6 +371,14 @@ MOE_TARGETS = (
     Target("model_moe", "row-wise: step over BF16 (modelled)", 1.25, True, _modelled("vs_bf16", ("rowwise",))),
     Target("model_moe", "row-wise: step over torchao moe rowwise (modelled)", 1.05, True,
            _modelled("vs_torchao_moe_rowwise", ("rowwise",))),
+    # The sweep (--sweep): where FP8 expert GEMMs must pay, at 2048 and more tokens an expert, and where only
+    # weights cast once per optimizer step can make them pay (256 tokens an expert, 4 micro-batches).
+    Target("model_moe", "best recipe: step over BF16, >= 2048 tokens an expert (modelled)", 1.20, True,
+           _best_recipe("vs_bf16", _many_tokens_an_expert)),
+    Target("model_moe", "best recipe: step over torchao moe rowwise, >= 2048 tokens an expert (modelled)", 1.15,
+           True, _best_recipe("vs_torchao_moe_rowwise", _many_tokens_an_expert)),
+    Target("model_moe", "best recipe: step over BF16, Qwen3 at 256 tokens an expert, 4 micro-batches (modelled)",
+           1.05, True, _best_recipe("vs_bf16", _qwen3_at_256_accumulating_4)),
 )
 TARGETS = TARGETS + MOE_TARGETS
 

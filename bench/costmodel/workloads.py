@@ -128,14 +128,25 @@ def moe(spec: dict) -> list[dict]:
     """bench moe's training step: models/moe.py's block (``spec["config"]``, with ``spec["overrides"]``), BF16,
     ``out = block(x); out.backward(grad_output)`` on x (batch, sequence, hidden), then an eager SGD step.
     The routing (top-k, sort, histc, cumsum) runs on FakeTensors: shapes do not depend on it, and neither do
-    the grouped GEMMs' FLOPs (every row of x is in one group)."""
+    the grouped GEMMs' FLOPs (every row of x is in one group). ``spec["shapes"]`` (the sweep: dicts of
+    label, config, overrides, batch and sequence) gives a case each, Dynamo reset between them."""
+    shapes = spec.get("shapes") or [{"label": None, "config": spec["config"], "overrides": spec.get("overrides", {}),
+                                     "batch": spec["batch"], "sequence": spec["sequence"]}]
+    cases = []
+    for shape in shapes:
+        torch._dynamo.reset()
+        cases.append(_moe_case(spec["contestant"], shape))
+    return cases
+
+
+def _moe_case(contestant: str, shape: dict) -> dict:
     import torch._inductor.config as inductor_config
 
     from bench.moe import compile_block, fp8_note, parse_contestant, swap_in_torchao
     from fp8graph.models import moe as zoo
 
-    base, settings = parse_contestant(spec["contestant"])
-    config = {**zoo.CONFIGS[spec["config"]], **spec.get("overrides", {})}
+    base, settings = parse_contestant(contestant)
+    config = {**zoo.CONFIGS[shape["config"]], **shape["overrides"]}
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -149,17 +160,17 @@ def moe(spec: dict) -> list[dict]:
         with mode:
             swap_in_torchao(block)
     with mode:
-        x = torch.empty(spec["batch"], spec["sequence"], config["hidden"], dtype=torch.bfloat16, device="cuda",
+        x = torch.empty(shape["batch"], shape["sequence"], config["hidden"], dtype=torch.bfloat16, device="cuda",
                         requires_grad=True)
         grad_output = torch.empty(x.shape, dtype=torch.bfloat16, device="cuda")
     with capture.Capture() as cap, inductor_config.patch(settings), mode, \
             compiled(base, block, compile_block) as compiled_block:
         compiled_block(x).backward(grad_output)
-    label = (f"{config['experts']} experts, top {config['top_k']}, hidden {config['hidden']}, expert width "
-             f"{config['expert_width']}, {spec['batch']}x{spec['sequence']}")
+    label = shape["label"] or (f"{config['experts']} experts, top {config['top_k']}, hidden {config['hidden']}, "
+                               f"expert width {config['expert_width']}, {shape['batch']}x{shape['sequence']}")
     case = _case(label, cap, fp8_note(compiled_block, block), _sgd_rows(block))
     _check_grouped_gemms(case, base)
-    return [case]
+    return case
 
 
 def _check_grouped_gemms(case: dict, base: str) -> None:

@@ -34,15 +34,73 @@ def _model(contestant: str, overrides: dict | None = None) -> dict:
     return bench_model.run_child(_spec(contestant, overrides), timeout=600)
 
 
+HALF_TOKENS = {"label": "half the tokens", "config": "tiny", "overrides": {"experts": TINY["experts"]}, "batch": 1,
+               "sequence": TOKENS // 2}
+
+
 @pytest.fixture(scope="module")
 def steps() -> dict:
-    """bf16's, fp8graph row-wise's and current's modelled steps, one after another in one child process."""
+    """bf16's, fp8graph row-wise's and current's modelled steps, one after another in one child process; bf16's
+    spec is a sweep of two blocks (the second on half the tokens), as ``bench model moe --sweep`` runs them."""
     contestants = ("bf16", "rowwise", "current")
-    results = dict(zip(contestants, bench_model.run_children([_spec(c) for c in contestants], timeout=600)))
+    specs = [_spec(c) for c in contestants]
+    specs[0]["shapes"] = [{"label": None, "config": "tiny", "overrides": specs[0]["overrides"], "batch": 1,
+                           "sequence": TOKENS}, HALF_TOKENS]
+    results = dict(zip(contestants, bench_model.run_children(specs, timeout=600)))
     for contestant, result in results.items():
         assert "error" not in result, (contestant, result["error"])
     costs.summarize(list(results.values()), costs.Machine())
-    return {c: r["cases"][0] for c, r in results.items()}
+    return {**{c: r["cases"][0] for c, r in results.items()}, "bf16 cases": results["bf16"]["cases"]}
+
+
+def test_a_sweep_spec_models_each_of_its_blocks_as_a_case(steps):
+    first, second = steps["bf16 cases"]
+    assert first["case"].endswith(f"1x{TOKENS}") and second["case"] == "half the tokens"
+    assert len(steps["bf16 cases"]) == 2
+    # Every grouped GEMM's FLOPs are linear in the routed rows: half the tokens, half the FLOPs.
+    assert sum(r["flops"] for r in _grouped(second)) * 2 == pytest.approx(sum(r["flops"] for r in _grouped(first)))
+
+
+def test_gradient_accumulation_repeats_the_micro_batch_and_adds_gradients_before_one_optimizer_step():
+    rows = [{"graph": "0:forward", "kind": "triton", "name": "cast", "count": 1, "read": 10, "written": 5},
+            {"graph": "1:backward", "kind": "gemm", "name": "mm", "count": 2, "flops": 1e9},
+            {"graph": "optimizer", "kind": "optimizer", "name": "sgd", "count": 3, "read": 8, "written": 4}]
+    results = [{"contestant": "bf16", "cases": [{"case": "block", "rows": rows}]}, {"contestant": "x", "error": "e"}]
+    bench_model.accumulate(results, [1, 4])
+    one, four = results[0]["cases"]
+    assert (one["case"], four["case"]) == ("block, 1 micro-batch", "block, 4 micro-batches")
+    assert one["rows"] == rows
+    assert [(r["name"], r["count"]) for r in four["rows"]] == [
+        ("cast", 4), ("mm", 8), ("sgd", 3), ("param.grad += the micro-batch's gradient (autograd, eager)", 9)]
+    assert four["rows"][-1]["read"] == 8 and four["rows"][-1]["written"] == 4  # the optimizer row's bytes
+    assert results[1] == {"contestant": "x", "error": "e"}
+
+
+def test_the_sweep_has_the_shapes_people_train_at_and_refuses_shape_options():
+    from bench.__main__ import main
+    from bench.moe import SWEEP
+
+    assert [shape.tokens_per_expert for shape in SWEEP] == [256, 1024, 2048, 4096, 512]
+    assert SWEEP[3].label == "DeepSeek-V3 experts, 8 a rank, 8x4096, 4096 tokens an expert"
+    with pytest.raises(SystemExit, match="--sweep models its own shapes.*drop --override, --batch"):
+        main(["model", "moe", "--sweep", "--override", "experts=8", "--batch", "2"])
+
+
+def test_the_sweep_targets_take_each_case_s_best_recipe():
+    case = "Qwen3-30B-A3B, 8x4096, 2048 tokens an expert, 4 micro-batches"
+    small = "Qwen3-30B-A3B, 1x4096, 256 tokens an expert, 4 micro-batches"
+    rows = [{"contestant": "bf16", "case": case, "vs_bf16": 1.0},
+            {"contestant": "rowwise", "case": case, "vs_bf16": 1.1, "vs_torchao_moe_rowwise": 1.2},
+            {"contestant": "delayed", "case": case, "vs_bf16": 1.3, "vs_torchao_moe_rowwise": 1.1},
+            {"contestant": "current", "case": small, "vs_bf16": 0.8}]
+    verdicts = [(v["target"], v["case"], v["measured"], v["met"])
+                for v in judge({"workload": "model_moe", "rows": rows}) if v["target"].startswith("best recipe")]
+    assert verdicts == [
+        ("best recipe: step over BF16, >= 2048 tokens an expert (modelled)", f"delayed ({case})", 1.3, True),
+        ("best recipe: step over torchao moe rowwise, >= 2048 tokens an expert (modelled)", f"rowwise ({case})",
+         1.2, True),
+        ("best recipe: step over BF16, Qwen3 at 256 tokens an expert, 4 micro-batches (modelled)",
+         f"current ({small})", 0.8, False)]
 
 
 def _grouped(case: dict) -> list[dict]:
@@ -189,7 +247,9 @@ def test_a_gpu_run_of_the_moe_block_is_shown_beside_the_committed_modelled_step(
     shape = {"workload": "moe_block", "config": "bench", "batch": 1, "sequence": 4096}
     path = bench_model._newest_model(shape, results)
     assert path is not None and path.name.startswith("model-moe-")
-    modelled = {row["contestant"]: row for row in json.loads(path.read_text())["rows"] if "error" not in row}
+    model = json.loads(path.read_text())
+    case = bench_model._sweep_case(model, shape)  # a sweep's block of that shape, one micro-batch a step
+    modelled = {row["contestant"]: row for row in model["rows"] if "error" not in row and case in (None, row["case"])}
     measured = {**shape, "environment": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"},
                 "rows": [{"contestant": name, "train_tokens_per_s": 4096 / (modelled[name]["step_ms"] / 1e3)}
                          for name in ("bf16", "rowwise")]}
