@@ -408,9 +408,14 @@ def accumulate(results: list[dict], micro_batches: list[int]) -> None:
     for result in results:
         if "cases" not in result:
             continue
-        result["cases"] = [{**case, "case": f"{case['case']}, {n} micro-batch{'es' if n > 1 else ''}",
+        result["cases"] = [{**case, "case": _with_micro_batches(case["case"], n),
                             "rows": _accumulated_rows(case["rows"], n)}
                            for case in result["cases"] for n in micro_batches]
+
+
+def _with_micro_batches(case: str, micro_batches: int) -> str:
+    """The label of ``case`` as a step of ``micro_batches`` micro-batches (``accumulate``)."""
+    return f"{case}, {micro_batches} micro-batch{'es' if micro_batches > 1 else ''}"
 
 
 def _accumulated_rows(rows: list[dict], micro_batches: int) -> list[dict]:
@@ -491,7 +496,8 @@ def _sweep_case(model: dict, measured: dict) -> str | None:
     for shape in spec.get("shapes") or ():
         if ((shape["config"], shape["batch"], shape["sequence"]) ==
                 (measured.get("config"), measured.get("batch"), measured.get("sequence")) and not shape["overrides"]):
-            return shape["label"] + (", 1 micro-batch" if spec.get("grad_accumulation", [1]) != [1] else "")
+            return _with_micro_batches(shape["label"], 1) if spec.get("grad_accumulation", [1]) != [1] \
+                else shape["label"]
     return None
 
 

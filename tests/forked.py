@@ -71,17 +71,17 @@ def _run_argv(argv: list[str], env: dict[str, str], cwd: str, stdout_path: str, 
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     code = 0
     try:
-        sys.argv = list(argv)
+        if argv[0] in ("-m", "-c"):  # what the interpreter puts first: the working directory
+            sys.path.insert(0, cwd)
+            sys.argv = [argv[1] if argv[0] == "-m" else "-c", *argv[2:]]
+        else:  # a script: its folder
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            sys.argv = list(argv)
         if argv[0] == "-m":
-            sys.argv = [argv[1], *argv[2:]]
-            sys.path.insert(0, cwd)  # what `python -m` puts first
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         elif argv[0] == "-c":
-            sys.argv = ["-c", *argv[2:]]
-            sys.path.insert(0, cwd)
             exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
         else:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)

@@ -287,18 +287,13 @@ ALL_COMMANDS = [(where, command) for page in PAGES for where, command in _comman
 RUN_COMMANDS = [(where, command) for where, command in ALL_COMMANDS if _exemption(command) is None]
 
 
-@pytest.mark.parametrize("where,command", RUN_COMMANDS, ids=[where for where, _ in RUN_COMMANDS])
-def test_shell_commands_run(where, command):
+def _run_command(command: str) -> subprocess.CompletedProcess:
+    """``command`` as the page's reader would run it from the repository root; raises
+    ``subprocess.TimeoutExpired`` past ``COMMAND_TIMEOUT_S``."""
     words = shlex.split(command, comments=True)
     if words[0] in ("python", ".venv/bin/python") and not set("|&;<>$`*?") & set(command):
         # A plain python command: the same argv in a forked child (forked.py), without importing torch again.
-        try:
-            result = forked.run_python(words[1:], cwd=REPO, timeout=COMMAND_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{where}: `{command}` did not finish within {COMMAND_TIMEOUT_S} s", pytrace=False)
-        assert result.returncode == 0, (f"{where}: `{command}` exited with {result.returncode}:\n"
-                                        f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-        return
+        return forked.run_python(words[1:], cwd=REPO, timeout=COMMAND_TIMEOUT_S)
     env = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     # A session of its own, so that a command that runs too long is stopped with all its processes.
     process = subprocess.Popen(["bash", "-euo", "pipefail", "-c", command], cwd=REPO, env=env,
@@ -308,9 +303,18 @@ def test_shell_commands_run(where, command):
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+@pytest.mark.parametrize("where,command", RUN_COMMANDS, ids=[where for where, _ in RUN_COMMANDS])
+def test_shell_commands_run(where, command):
+    try:
+        result = _run_command(command)
+    except subprocess.TimeoutExpired:
         pytest.fail(f"{where}: `{command}` did not finish within {COMMAND_TIMEOUT_S} s", pytrace=False)
-    assert process.returncode == 0, (f"{where}: `{command}` exited with {process.returncode}:\n"
-                                     f"{stdout[-2000:]}\n{stderr[-4000:]}")
+    assert result.returncode == 0, (f"{where}: `{command}` exited with {result.returncode}:\n"
+                                    f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
 
 
 def _argv_after_module(words: list[str], module: str) -> list[str]:
