@@ -357,9 +357,11 @@ def model_moe(args) -> dict:
     """bench moe's training step of one MoE block (models/moe.py), each contestant in a child process."""
     import importlib.util
 
-    from .moe import DEFAULT, SWEEP, TORCHAO, parse_contestant
+    from .moe import AUTO, DEFAULT, SWEEP, TORCHAO, parse_contestant
 
-    default = [c for c in DEFAULT if c != TORCHAO or importlib.util.find_spec("torchao")]
+    # The sweep judges policies.auto() too: FP8 only where the cost model says a site gains.
+    default = [c for c in DEFAULT + (list(AUTO) if args.sweep else [])
+               if c != TORCHAO or importlib.util.find_spec("torchao")]
     contestants = contestants_of(args.contestants, default, parse_contestant)
     if args.sweep:
         given = [flag for flag, value in (("--config", args.config), ("--override", args.override),
@@ -437,12 +439,28 @@ def _override(text: str) -> tuple[str, int]:
 
 
 def model_linear(args) -> dict:
+    if args.casts:
+        return model_casts(args)
     contestants = contestants_of(args.contestants, FP8GRAPH + TORCHAO)
     shapes = [_ints(s, 3) for s in args.shape] if args.shape else calibration.LINEAR_SHAPES
     spec = {"workload": "linear", "shapes": shapes, "bias": args.bias, "source": args.source, "cubin": args.cubin}
     results = children(args)([{**spec, "contestant": c} for c in contestants])
     what = "bench linear's step: nn.Linear(K, N) forward + backward on M tokens, BF16"
     return _finish(build_result("linear", spec, results, machine_of(args), what), args)
+
+
+def model_casts(args) -> dict:
+    """Print fp8graph.costs.casts's table as this version's kernels give it (nothing written)."""
+    from bench.costmodel import site_casts
+
+    spec = {"workload": "linear", "shapes": [list(site_casts.SHAPE)], "bias": False, "cubin": False}
+    results = children(args)([{**spec, "contestant": c} for c in FP8GRAPH])
+    failed = [f"{c}: {r['error']}" for c, r in zip(FP8GRAPH, results) if "error" in r]
+    if failed:
+        raise SystemExit("bench model linear --casts: " + "\n".join(failed))
+    derived = {c: site_casts.derive(r["cases"][0]["rows"], *site_casts.SHAPE) for c, r in zip(FP8GRAPH, results)}
+    print(site_casts.table_source(derived))
+    return {"casts": derived}
 
 
 def model_quantize(args) -> dict:
@@ -607,6 +625,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="default: bench linear's 16384-token shapes and 4096,1024,1024")
     p.add_argument("--contestants", nargs="+", metavar="NAME", help="as for decoder")
     p.add_argument("--bias", action="store_true")
+    p.add_argument("--casts", action="store_true",
+                   help="print fp8graph.costs.casts's table (each recipe's cast traffic) from this version's kernels")
     p.set_defaults(model_run=model_linear)
 
     p = commands.add_parser("quantize", parents=[outputs], help="the H100 quantize probe's amax/cast variants")

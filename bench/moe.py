@@ -46,12 +46,14 @@ from torch._inductor import config as inductor_config
 
 from .cli import positive, require_cuda
 
-__all__ = ["DEFAULT", "KNOWN", "SWEEP", "SweepShape", "parse_contestant", "swap_in_torchao", "compile_block"]
+__all__ = ["AUTO", "DEFAULT", "KNOWN", "SWEEP", "SweepShape", "parse_contestant", "swap_in_torchao", "compile_block"]
 
 # fp8graph's recipes on expert sites with a native SM90 GEMM (delayed since commit 8d924b3).
 RECIPES = ("rowwise", "current", "delayed")
 TORCHAO = "torchao moe rowwise"
-KNOWN = ["bf16", *RECIPES, TORCHAO]
+# fp8graph.policies.auto() with current and with delayed scaling: FP8 only on the sites the cost model says gain.
+AUTO = ("auto", "auto delayed")
+KNOWN = ["bf16", *RECIPES, TORCHAO, *AUTO]
 DEFAULT = ["bf16", "rowwise", "current", TORCHAO, "delayed"]
 DECODE_DEFAULT = ["bf16", "rowwise", "current", "delayed"]
 CONFIGS = ("bench", "tiny", "tiny-odd")  # models/moe.py's
@@ -120,12 +122,16 @@ def swap_in_torchao(block: torch.nn.Module) -> int:
 
 def compile_block(block: torch.nn.Module, contestant: str, compiler):
     """``block`` compiled as ``contestant`` (a base name): plain ``torch.compile`` for BF16 and torchao (whose
-    conversion is done beforehand), ``fp8graph.compile`` with the recipe's preset as the policy otherwise."""
+    conversion is done beforehand), ``fp8graph.compile`` with ``policies.auto()`` of the named recipe (current
+    by default) for ``auto``, with the recipe's preset as the policy otherwise."""
     if contestant == "bf16" or contestant.startswith("torchao"):
         return torch.compile(block, backend=compiler)
     import fp8graph
     from fp8graph.recipes import PRESETS
 
+    if contestant in AUTO:
+        recipe = contestant.removeprefix("auto").strip() or "current"
+        return fp8graph.compile(block, policy=fp8graph.policies.auto(recipe=recipe), compiler=compiler)
     return fp8graph.compile(block, policy=PRESETS[contestant], compiler=compiler)
 
 

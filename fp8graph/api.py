@@ -11,6 +11,7 @@ import logging
 import torch
 from torch._dynamo.utils import counters
 
+from fp8graph import costs
 from fp8graph.backend import FP8Backend
 from fp8graph.buffers.anchors import restore_buffer_dtypes
 from fp8graph.recipes.plan import Plan, weight_copies_of
@@ -405,7 +406,7 @@ def _traces_with_freezing(forward):
     return forward_with_freezing
 
 
-def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **kwargs) -> ExplainReport:
+def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu="H100", **kwargs) -> ExplainReport:
     """Trace ``model(*args, **kwargs)`` and report what fp8graph does with each site.
 
     A model returned by :func:`compile` (also inside a DDP wrapper) is
@@ -413,7 +414,9 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
     An uncompiled model is explained with the blocks ``regions`` selects (as
     :func:`compile` takes it); a compiled one with its own regions.
     Policy rules that match no site are listed in ``report.unmatched_rules``
-    (a strict policy raises ``ValueError`` instead).
+    (a strict policy raises ``ValueError`` instead). Each site with a known GEMM shape carries its
+    modelled kernel time per training call on ``gpu`` (``"H100"``, ``"H200"``, ``"B200"``, a
+    :class:`fp8graph.costs.GPU`, or ``None`` for none) in BF16 and in its recipe (:mod:`fp8graph.costs`).
     Nothing else the process compiled is touched: Dynamo keeps a compiled frame for
     the backend it was compiled with, so explain's run compiles the model's frames for
     its own backend, beside (never instead of) what ``torch.compile`` or
@@ -425,6 +428,8 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
         ``print()`` it for a table, ``report.to_html(path)`` for a page that
         draws the rewritten graphs.
     """
+    if gpu is not None:
+        gpu = costs.gpu(gpu)  # an unknown name fails here, before anything is traced
     compiled = _find_compiled(model)
     state = weight_cache = blocks = all_gather = None
     if compiled is not None:
@@ -466,7 +471,7 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, **k
     unmatched = _unmatched_rule_names(backend)
     paths_by_id = module_paths_by_id(user_model) if isinstance(user_model, torch.nn.Module) else None
     return ExplainReport(
-        [SiteRecord.from_decision(d, backend.policy) for d in backend.decisions],
+        [SiteRecord.from_decision(d, backend.policy, gpu) for d in backend.decisions],
         backend.graph_count,
         unmatched_rules=unmatched,
         graph_breaks=graph_breaks,

@@ -1,14 +1,13 @@
-"""Ready-made policies: :func:`auto` keeps in high precision the sites too small to gain from FP8.
+"""Ready-made policies: :func:`auto` keeps in high precision the sites FP8 would make slower.
 
-    measured = "bench/results/linear-2026-....json"          # python -m bench linear, on the GPU you train on
-    compiled = fp8graph.compile(model, policy=fp8graph.policies.auto(measured))
-    print(fp8graph.explain(compiled, input_ids))              # kept sites name the measurement
+    compiled = fp8graph.compile(model, policy=fp8graph.policies.auto())    # modelled on an H100
+    print(fp8graph.explain(compiled, input_ids))                            # each kept site says why, in us
 
 FP8 pays for its quantization only on GEMMs large enough that the faster
-GEMM outweighs the extra amax, scale and cast passes. Where that point lies
-depends on the GPU, the recipe and the shapes, so ``auto`` takes it from a
-measurement (``python -m bench linear``: forward + backward of one linear
-layer, fp8graph against BF16 ``torch.compile``) instead of a built-in guess.
+GEMM outweighs the extra amax, scale and cast passes. ``auto`` decides each
+site from its modelled kernel time (:mod:`fp8graph.costs`: the GPU's rates and
+the bytes this version's casts move), or, given a ``python -m bench linear``
+measurement from the GPU you train on, from the smallest measured shape that gained.
 """
 
 from __future__ import annotations
@@ -17,10 +16,11 @@ import dataclasses
 import json
 import pathlib
 
+from fp8graph.costs import GPU, gpu as gpu_named, site_times
 from fp8graph.recipes.policy import Policy, SiteInfo
-from fp8graph.recipes.scaling import PRESETS
+from fp8graph.recipes.scaling import PRESETS, Recipe
 
-__all__ = ["H100_LINEAR_SPEEDUPS", "auto"]
+__all__ = ["auto"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,67 +71,56 @@ def _threshold(shapes: list[_Shape], min_speedup: float) -> _Shape | None:
     return threshold
 
 
-# The built-in measurement: ``python -m bench linear`` on an H100 80GB HBM3 (torch 2.11.0+cu130,
-# triton 3.6.0, 2026-11-23), forward + backward of one linear layer, fp8graph's speedup over BF16
-# torch.compile per (M, K, N), rounded to 0.01; the raw result is bench/results/linear-2026-11-23T081002Z.json
-# (tests/recipes/test_policies_auto.py checks this table against it). Current scaling lost at 1024x1024x1024
-# (0.73x) and 4096x1024x1024 (0.87x) and won 1.48-1.55x at the Llama-3-8B shapes. The tiled
-# recipes ran that day on their previous kernels (block and MXFP8 never gained; MXFP8 is emulated
-# on an H100): measure again with this version's kernels and pass the file.
-H100_LINEAR_SPEEDUPS = {
-    "current": {(1024, 1024, 1024): 0.73, (4096, 1024, 1024): 0.87, (16384, 4096, 4096): 1.51,
-                (16384, 4096, 14336): 1.48, (16384, 14336, 4096): 1.55},
-    "delayed": {(1024, 1024, 1024): 0.46, (4096, 1024, 1024): 0.64, (16384, 4096, 4096): 1.39,
-                (16384, 4096, 14336): 1.47, (16384, 14336, 4096): 1.45},
-    "rowwise": {(1024, 1024, 1024): 0.32, (4096, 1024, 1024): 0.38, (16384, 4096, 4096): 0.91,
-                (16384, 4096, 14336): 1.06, (16384, 14336, 4096): 1.05},
-    "block": {(1024, 1024, 1024): 0.31, (4096, 1024, 1024): 0.37, (16384, 4096, 4096): 0.74,
-              (16384, 4096, 14336): 0.88, (16384, 14336, 4096): 0.87},
-    "mxfp8": {(1024, 1024, 1024): 0.31, (4096, 1024, 1024): 0.41, (16384, 4096, 4096): 0.06,
-              (16384, 4096, 14336): 0.06, (16384, 14336, 4096): 0.06},
-}
-H100_LINEAR_SOURCE = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-23",
-                      "file": "bench/results/linear-2026-11-23T081002Z.json"}
-
-
-def _built_in_measurements() -> dict:
-    """The built-in H100 table in the form of a ``bench linear`` result."""
-    rows = [{"contestant": f"fp8graph {recipe} (inductor)", "M": M, "K": K, "N": N, "speedup_vs_bf16_compile": speedup}
-            for recipe, shapes in H100_LINEAR_SPEEDUPS.items() for (M, K, N), speedup in shapes.items()]
-    return {"workload": "linear_fwd_bwd", "smoke": False, "rows": rows,
-            "environment": {"device": H100_LINEAR_SOURCE["device"],
-                            "date": f"{H100_LINEAR_SOURCE['date']}, {H100_LINEAR_SOURCE['file']}"}}
-
-
-def auto(measurements=None, recipe: str = "current", min_speedup: float = 1.0) -> Policy:
-    """A policy that gives ``recipe`` to the linear sites large enough to gain, by measurement.
+def auto(measurements=None, recipe: str = "current", min_speedup: float = 1.0, gpu: "str | GPU" = "H100",
+         tokens: int = 8192) -> Policy:
+    """A policy that gives ``recipe`` to the linear and expert sites that gain from it.
 
     Args:
-        measurements: a ``python -m bench linear`` result (the JSON file's path,
-            or the loaded dict) from the GPU the model will run on; ``None``
-            takes the built-in H100 measurement (:data:`H100_LINEAR_SPEEDUPS`).
-        recipe: a name of :data:`fp8graph.recipes.scaling.PRESETS` whose rows in the
-            measurements decide (``"current"``, ``"rowwise"``, ``"block"``, ``"mxfp8"``).
-        min_speedup: the speedup over BF16 ``torch.compile`` a shape must
-            reach to count as a gain (1.0: any gain).
+        measurements: ``None`` decides from the cost model (:func:`fp8graph.costs.site_times`: the site's
+            forward and backward GEMMs and the casts ``recipe`` adds, at ``gpu``'s rates); a
+            ``python -m bench linear`` result (the JSON file's path, or the loaded dict) from the GPU the
+            model will run on decides from the smallest measured shape that gained instead.
+        recipe: a name of :data:`fp8graph.recipes.scaling.PRESETS` (``"current"``, ``"delayed"``,
+            ``"rowwise"``, ``"block"``, ``"mxfp8"``).
+        min_speedup: the speedup over BF16 a site must reach to run in FP8 (1.0: any gain).
+        gpu: the GPU the cost model times sites on (``"H100"``, ``"H200"``, ``"B200"``, or a
+            :class:`fp8graph.costs.GPU`); unused with ``measurements``.
+        tokens: the ``M`` the model times a site at when its ``M`` is symbolic (``dynamic=True``).
 
-    A site runs in FP8 when its ``M*K*N`` is at least that of the smallest
-    measured shape from which every larger measured shape reached
-    ``min_speedup``; smaller sites stay in high precision, with a reason
-    that names the threshold and the measurement. Between two measured
-    shapes nothing is interpolated: a site smaller than the threshold shape
-    stays in high precision even if it is larger than the last losing one.
-    A site whose ``M`` is symbolic (``dynamic=True``) is judged by ``K*N``
-    against the threshold shape's. If no shape gained, every linear site
-    stays in high precision.
+    Modelled, a site stays in high precision when its modelled time in ``recipe`` is more than its BF16
+    time over ``min_speedup``, and ``explain`` gives both times as its reason. Measured, a site runs in
+    FP8 when its ``M*K*N`` is at least that of the smallest measured shape from which every larger
+    measured shape reached ``min_speedup``; nothing is interpolated, a symbolic ``M`` is judged by
+    ``K*N``, and if no shape gained every linear site stays in high precision. Either way a rule of the
+    user's own comes first: ``Policy(default=..., rules=[*mine, *auto().rules])``.
 
     Raises:
-        ValueError: the measurements are not a GPU ``bench linear`` result or
-            have no row for ``recipe``; ``recipe`` is not a preset name.
+        ValueError: ``recipe`` is not a preset name; ``gpu`` is unknown; the measurements are not a GPU
+            ``bench linear`` result or have no row for ``recipe``.
     """
     if recipe not in PRESETS:
         raise ValueError(f"fp8graph.policies.auto: recipe must be one of {sorted(PRESETS)}, got {recipe!r}")
-    result = _built_in_measurements() if measurements is None else _load(measurements)
+    if measurements is None:
+        return _modelled(PRESETS[recipe], min_speedup, gpu_named(gpu), tokens)
+    return _measured(measurements, recipe, min_speedup)
+
+
+def _modelled(recipe: Recipe, min_speedup: float, gpu: GPU, tokens: int) -> Policy:
+    def modelled_slower(path: str, module, site: SiteInfo) -> "str | bool":
+        if site.K is None or site.N is None:
+            return False  # not a GEMM the model speaks to
+        times = site_times(site, recipe, gpu, training=True, tokens=tokens)
+        if times.speedup >= min_speedup:
+            return False
+        below = f", below the {min_speedup}x asked" if min_speedup != 1.0 else ""
+        return f"FP8 modelled slower: {times.describe()}{below}"
+
+    modelled_slower.__name__ = f"auto: {recipe.kind} modelled below {min_speedup}x of BF16 on {gpu.name}"
+    return Policy(default=recipe, rules=[(modelled_slower, None)])
+
+
+def _measured(measurements, recipe: str, min_speedup: float) -> Policy:
+    result = _load(measurements)
     shapes = _measured_shapes(result, recipe)
     threshold = _threshold(shapes, min_speedup)
     environment = result.get("environment", {})

@@ -56,8 +56,10 @@ class Decision:
         return self.recipe is not None
 
 
-def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site], bool]) -> str | None:
-    """Why ``site`` stays in high precision although the policy gives it ``recipe`` (or none), else None."""
+def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site], bool],
+                    policy_reason: str | None = None) -> str | None:
+    """Why ``site`` stays in high precision although the policy gives it ``recipe`` (or none), else None;
+    ``policy_reason``: what the rule that kept it said of it."""
     if site.gate is not None and recipe is None:
         return f"{site.gate} (FP8 only when a policy rule names it)"
     if site.blocker is not None:
@@ -69,7 +71,7 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
     if recipe is None:
         if isinstance(site, MatmulSite):
             return "activation x activation matmul (FP8 only when a policy rule names it)"
-        return "policy keeps it in high precision"
+        return policy_reason or "policy keeps it in high precision"
     return _refuses(site, recipe, has_state)
 
 
@@ -166,7 +168,7 @@ def annotate_sites(
         resolution = resolve_site(policy, site, module=module)
         recipe = resolution.recipe
         where = f"fp8graph: {site.path or '<root>'} ({site.op})"
-        reason = _reason_to_keep(site, recipe, has_state)
+        reason = _reason_to_keep(site, recipe, has_state, resolution.reason)
         site_lowering = None
         if reason is None:
             try:

@@ -11,8 +11,8 @@ attention (cuDNN SDPA)       FLOPs (4 B H Sq Sk D forward, 2.5x that backward) a
 other extern (custom ops)    operand bytes at copy bandwidth: what a custom kernel really achieves is unknown.
 optimizer                    bench decoder's eager SGD (``p.add_(p.grad)``): 3 passes over each parameter.
 
-Nothing here imports torch: ``bench model`` re-times the rows its child processes captured, and
-``bench show`` re-reads them from a result file.
+``bench model`` re-times here the rows its child processes captured, and ``bench show`` re-reads them from a
+result file; the H100's rates are fp8graph's own (``fp8graph.costs.gpus``), which per-site decisions use too.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+
+from fp8graph.costs.gpus import H100
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1,
                "float8_e5m2": 1, "float8_e8m0fnu": 1, "uint8": 1, "int8": 1, "bool": 1, "int32": 4, "int64": 8,
@@ -29,31 +31,21 @@ TINY_BYTES = 100_000  # a launch moving under 0.1 MB is all launch latency and t
 
 @dataclasses.dataclass
 class Machine:
-    """H100 SXM rates: the copy bandwidth is measured, the others are fitted to the stored H100 runs of
-    2026-11-23 (torch 2.11; bench/results/), so ``bench model calibrate`` on those runs shows a fit."""
+    """The H100's rates (fp8graph.costs.gpus.H100, where each is sourced): the copy bandwidth is measured, the
+    others are fitted to the stored H100 runs of 2026-11-23 (torch 2.11; bench/results/), so ``bench model
+    calibrate`` on those runs shows a fit. ``bench model``'s rate options override them."""
 
-    copy_bandwidth: float = 3.0e12  # device-to-device copy of 16384x8192 bf16: 2947-2968 GB/s
-    # Inductor's kernels in the four 4-layer decoder profiles, this model's bytes over the H100's Triton time:
-    # BF16 2.35 TB/s, fp8graph current / delayed (at the measured commit) and torchao tensorwise 1.85-2.03
-    # (their amax reductions ran slower). 2.2 keeps all four within 8% (BF16 +8%, the FP8 ones -6%).
-    triton_bandwidth: float = 2.2e12
-    launch_floor_us: float = 3.0  # shortest kernel, launch latency and tail (no CPU overhead modelled)
-    bf16_flops: float = 740e12  # cuBLAS BF16: 763 TF/s in the decoder profile, 693-721 in the linear bench
-    fp8_flops: float = 1350e12  # cuBLAS FP8 tensorwise: 1404 TF/s in the decoder profile
-    # A kernel breakdown of bench linear's 16384x4096x14336 on the same H100 (not stored in bench/results):
-    # rowwise GEMMs 4.1 ms (1400 TF/s), 1x128 / 128x128 block GEMMs 4.8 ms (1200 TF/s).
-    fp8_rowwise_flops: float = 1350e12
-    fp8_blockwise_flops: float = 1200e12
+    copy_bandwidth: float = H100.copy_bandwidth
+    triton_bandwidth: float = H100.triton_bandwidth
+    launch_floor_us: float = H100.launch_floor_us  # shortest kernel, launch latency and tail (no CPU overhead)
+    bf16_flops: float = H100.bf16_flops
+    fp8_flops: float = H100.fp8_gemm_flops["current"]  # FP8 tensorwise
+    fp8_rowwise_flops: float = H100.fp8_gemm_flops["rowwise"]
+    fp8_blockwise_flops: float = H100.fp8_gemm_flops["block"]
     attention_flops: float = 290e12  # cuDNN flash fwd+bwd, causal counted as full: 12.5-13.4 ms (4 layers)
-    # Grouped GEMMs (torch._grouped_mm, torch._scaled_grouped_mm row-wise): no H100 run of this project has
-    # timed one. The H100 timings torchao published ran them well below the dense rates above: pytorch/ao
-    # PR #2490 (2025-07-03), Llama-4 17Bx16E's (8192, 5120) x (16, 5120, 8192), 512 tokens a group on
-    # average: BF16 1.31 ms, FP8 row-wise 0.885 ms for 2 x 8192 x 5120 x 8192 FLOPs: 524 and 776 TFLOP/s;
-    # PR #2756 (2025-08-13), 16640 tokens over the same 16 experts (1040 a group): 576-599 and 895-922.
-    # The rate falls as groups shrink: the bench MoE block has 256 tokens a group, so these are upper bounds.
-    grouped_bf16_flops: float = 524e12
-    grouped_fp8_flops: float = 776e12
-    gemm_floor_us: float = 5.0
+    grouped_bf16_flops: float = H100.grouped_bf16_flops
+    grouped_fp8_flops: float = H100.grouped_fp8_flops
+    gemm_floor_us: float = H100.gemm_floor_us
 
 
 @dataclasses.dataclass
@@ -69,6 +61,7 @@ class Row:
     duplicate_written: int = 0  # FP8 bytes that store a value already stored, at the same index, in another buffer
     flops: float = 0.0
     gemm: str = ""  # bf16 | fp8 tensorwise | fp8 rowwise | fp8 blockwise | bf16 grouped | fp8 rowwise grouped
+    largest_numel: int = 0  # elements of its largest tensor operand: which of a site's operands it works on
 
     @property
     def bytes(self) -> int:
@@ -182,7 +175,8 @@ def _extern_row(graph: str, extern) -> Row:
     shapes = [s for s, _ in extern.inputs]
     dtypes = [d for _, d in extern.inputs]
     row = Row(graph, "extern", kernel, " ".join("x".join(map(str, s)) + f":{d}" for s, d in extern.inputs),
-              read=read, written=written)
+              read=read, written=written,
+              largest_numel=max((_numel(s) for s, _ in [*extern.inputs, *extern.outputs]), default=0))
     if op in _GROUPED_GEMMS:
         _grouped_gemm(row, op, shapes, dtypes)
     elif op in _GEMMS:
@@ -259,7 +253,8 @@ def rows_of(capture) -> list[Row]:
                           read=sum(a.read for a in record.args or ()),
                           written=sum(a.written for a in record.args or ()),
                           reread=reread_bytes(record.source, record.args),
-                          duplicate_written=duplicate_store_bytes(record.source, record.args))
+                          duplicate_written=duplicate_store_bytes(record.source, record.args),
+                          largest_numel=max((a.numel for a in record.args or ()), default=0))
             elif what == "extern":
                 row = _extern_row(label, externs[name])
             else:

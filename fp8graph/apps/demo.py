@@ -31,6 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import fp8graph
 from fp8graph.apps.demo_baseline import Baseline, choose_baseline
+from fp8graph.costs import GPUS
 from fp8graph.inspection.loss_plot import save_loss_figure
 from fp8graph.models import build
 from fp8graph.models.text_data import TextBatches
@@ -64,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="high precision of both runs; auto: BF16 autocast on CUDA, and on a CPU "
                              "unless its BF16 matmuls run over 2x slower than fp32 (emulated)")
+    parser.add_argument("--policy", choices=("fp8", "auto"), default="fp8",
+                        help="fp8: every eligible site in FP8 (current scaling); auto: only the sites the cost "
+                             "model says gain on --gpu (fp8graph.policies.auto)")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default=None,
+                        help="the GPU --policy auto models (default: this CUDA device if it is one of them, "
+                             "else H100)")
     parser.add_argument("--stats-every", type=_positive_int, default=10, help="record FP8 health every N steps")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("demo_out"))
 
@@ -161,6 +168,34 @@ def _check_writable(out: pathlib.Path) -> None:
         raise SystemExit(f"fp8graph demo: cannot write the results to --out {out}: {error.strerror or error}")
 
 
+def policy_gpu(args: argparse.Namespace, device: torch.device) -> str:
+    """The GPU the cost model times sites on: --gpu, else this CUDA device when it is one it knows."""
+    if args.gpu is not None:
+        return args.gpu
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).upper()
+        return next((known for known in GPUS if known in name), "H100")
+    return "H100"
+
+
+def _policy(args: argparse.Namespace, device: torch.device, model: torch.nn.Module):
+    """The FP8 run's policy; --policy auto is refused where it would keep every site (nothing to show)."""
+    if args.policy == "fp8":
+        return None  # fp8graph's default: every eligible site in current scaling
+    gpu = policy_gpu(args, device)
+    policy = fp8graph.policies.auto(gpu=gpu)
+    sample = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device=device)
+    report = fp8graph.explain(model, sample, policy=policy, regions=None, gpu=gpu)
+    if not report.rewritten:
+        largest = max((r for r in report if r.modelled is not None), key=lambda r: r.modelled.bf16_us)
+        raise SystemExit(
+            f"fp8graph demo --policy auto: the cost model keeps all {len(report)} sites of Llama '{args.model}' in "
+            f"high precision on {gpu}: none gains at {args.batch_size}x{args.seq_len} tokens (the largest, "
+            f"{largest.path}: {largest.modelled.describe()}), so the FP8 run would train nothing in FP8. Give a "
+            "larger --model, --batch-size or --seq-len, or --policy fp8")
+    return policy
+
+
 def run(args: argparse.Namespace) -> int:
     _check_writable(args.out)
     phases = PhaseTimes()
@@ -176,10 +211,11 @@ def run(args: argparse.Namespace) -> int:
                   f"{args.steps} steps of {args.batch_size}x{args.seq_len} bytes, torch {torch.__version__}")
     console.print(f"high precision: {baseline.name} ({baseline.reason})")
 
-    fp8_compiled = fp8graph.compile(fp8_model, compiler=compiler)
+    policy = _policy(args, device, fp8_model)
+    fp8_compiled = fp8graph.compile(fp8_model, policy=policy, compiler=compiler)
     # A second compile of the same model with stats: the steps that sample
     # FP8 health run through it, the others pay nothing for the statistics.
-    fp8_with_stats = fp8graph.compile(fp8_model, compiler=compiler, stats=True)
+    fp8_with_stats = fp8graph.compile(fp8_model, policy=policy, compiler=compiler, stats=True)
     stats = fp8_with_stats.fp8graph_stats
     reference_compiled = torch.compile(reference_model, backend=compiler)
 
@@ -201,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
             # Training compiled each decoder layer once (regions). The report traces the whole
             # model as one graph instead, with the same policy and so the same decisions, so
             # the page draws every layer as its own collapsible section, in model order.
-            report = fp8graph.explain(fp8_model, sample, regions=None)
+            report = fp8graph.explain(fp8_model, sample, policy=policy, regions=None, gpu=policy_gpu(args, device))
         html = report.to_html(args.out / "fp8_report.html")
     console.print(report.table())
 

@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from fp8graph.costs import GPU, SiteTimes, site_times
 from fp8graph.passes.annotate import Decision
 from fp8graph.recipes.policy import Policy, SiteInfo
 from fp8graph.recipes.scaling import Recipe
@@ -30,6 +31,9 @@ class SiteRecord:
     and ``reason`` says why it stays in high precision. ``M`` is a string
     when the token dimension is symbolic (``dynamic=True``). ``experts`` is
     the number of experts of an expert site (op ``grouped_mm``), else ``None``.
+    ``modelled`` is the site's modelled kernel time per training call on a GPU, in BF16 and in its recipe
+    (a kept site: in the recipe the policy's default would give it), from :mod:`fp8graph.costs`; ``None``
+    where nothing was modelled (no GEMM shape, a symbolic ``M``, or ``explain(..., gpu=None)``).
     """
 
     path: str
@@ -38,6 +42,7 @@ class SiteRecord:
     reason: str | None
     lowering: str | None
     rule: str = "default"
+    modelled: SiteTimes | None = None
 
     op = property(lambda self: self.site.op)
     M = property(lambda self: self.site.M)
@@ -51,13 +56,22 @@ class SiteRecord:
         return self.recipe is not None
 
     @classmethod
-    def from_decision(cls, decision: Decision, policy: Policy | None = None) -> "SiteRecord":
+    def from_decision(cls, decision: Decision, policy: Policy | None = None,
+                      gpu: "str | GPU | None" = None) -> "SiteRecord":
         rule = "default"
         if decision.rule_index is not None and policy is not None:
             rule = policy.rule_label(decision.rule_index)
-        return cls(path=decision.site.path, site=decision.site.info,
-                   recipe=decision.recipe if decision.rewritten else None, reason=decision.reason,
-                   lowering=decision.lowering.value if decision.lowering else None, rule=rule)
+        recipe = decision.recipe if decision.rewritten else None
+        return cls(path=decision.site.path, site=decision.site.info, recipe=recipe, reason=decision.reason,
+                   lowering=decision.lowering.value if decision.lowering else None, rule=rule,
+                   modelled=_modelled(decision.site.info, recipe or (policy.default if policy else None), gpu))
+
+
+def _modelled(site: SiteInfo, recipe: Recipe | None, gpu: "str | GPU | None") -> SiteTimes | None:
+    """The site's modelled times in ``recipe`` (current scaling's when there is none to compare with)."""
+    if gpu is None or site.K is None or site.N is None or not isinstance(site.M, int) or 0 in (site.M, site.K, site.N):
+        return None
+    return site_times(site, recipe if recipe is not None else "current", gpu)
 
 
 def _cell(value) -> str:
@@ -122,15 +136,20 @@ class ExplainReport(list):
         table = Table(title=f"fp8graph: {len(self.rewritten)} of {len(self)} sites in FP8, "
                             f"{self.graph_count} graph(s)")
         with_experts = any(r.experts is not None for r in self)
+        gpus = sorted({r.modelled.gpu for r in self if r.modelled is not None})
+        modelled = (f"{', '.join(gpus)} us BF16 / FP8",) if gpus else ()
         columns = ("module path", "op", "M", "K", "N", *(("E",) if with_experts else ()), "input dtype",
-                   "FP8 recipe / reason kept", "lowering", "decided by")
+                   "FP8 recipe / reason kept", *modelled, "lowering", "decided by")
         for column in columns:
             table.add_column(column, overflow="fold")
         for r in self:
             decision = f"[green]{r.recipe}[/green]" if r.rewritten else f"[yellow]{r.reason}[/yellow]"
             experts = (_cell(r.experts),) if with_experts else ()
+            times = ()
+            if modelled:
+                times = ("-" if r.modelled is None else f"{r.modelled.bf16_us:,.1f} / {r.modelled.fp8_us:,.1f}",)
             table.add_row(r.path or "<root>", r.op, _cell(r.M), _cell(r.K), _cell(r.N), *experts,
-                          _cell(r.dtype), decision, _cell(r.lowering), r.rule)
+                          _cell(r.dtype), decision, *times, _cell(r.lowering), r.rule)
         if self.unmatched_rules:
             table.caption = "policy rules that matched no site: " + ", ".join(self.unmatched_rules)
         return table
@@ -156,7 +175,7 @@ class ExplainReport(list):
 
     def __str__(self) -> str:
         buffer = io.StringIO()
-        console = Console(file=buffer, width=160, color_system=None)
+        console = Console(file=buffer, width=180, color_system=None)
         console.print(self.table())
         for line in self.summary_lines():
             console.print(line, highlight=False)

@@ -101,7 +101,9 @@ class Policy:
             module path (``"*.mlp.*"``, ``"lm_head"``), a compiled regex that
             must match the whole path, an ``nn.Module`` subclass, or a
             predicate ``(path, module, site) -> bool``. ``None`` as recipe
-            keeps matching sites in high precision.
+            keeps matching sites in high precision. A predicate may return a
+            non-empty string instead of ``True``: the site matches, and a site
+            the rule keeps in high precision shows the string as its reason.
         strict: raise instead of reporting when a rule names a site its recipe
             cannot apply to, or (in :func:`fp8graph.explain`) matches no site.
 
@@ -177,10 +179,11 @@ class Resolution:
 
     recipe: Recipe | None
     rule_index: int | None
+    reason: str | None = None  # what the matching predicate said of the site, when it said a string
 
 
 def _matches(pattern: Pattern, path: str, module: torch.nn.Module | None,
-             module_type: type | None, site: SiteInfo) -> bool:
+             module_type: type | None, site: SiteInfo) -> "bool | str":
     if isinstance(pattern, str):
         return fnmatch.fnmatchcase(path, pattern)
     if isinstance(pattern, re.Pattern):
@@ -188,7 +191,8 @@ def _matches(pattern: Pattern, path: str, module: torch.nn.Module | None,
     if isinstance(pattern, type):
         owner_type = type(module) if module is not None else module_type
         return owner_type is not None and issubclass(owner_type, pattern)
-    return bool(pattern(path, module, site))
+    answer = pattern(path, module, site)
+    return answer if isinstance(answer, str) else bool(answer)
 
 
 def resolve(policy: Policy, path: str, site: SiteInfo, module: torch.nn.Module | None = None,
@@ -199,8 +203,8 @@ def resolve(policy: Policy, path: str, site: SiteInfo, module: torch.nn.Module |
     otherwise class patterns match on ``module_type``.
     """
     for index, (pattern, recipe) in enumerate(policy.rules):
-        if _matches(pattern, path, module, module_type, site):
-            return Resolution(recipe, index)
+        if matched := _matches(pattern, path, module, module_type, site):
+            return Resolution(recipe, index, matched if isinstance(matched, str) else None)
     if not site.is_linear or site.gate:
         return Resolution(None, None)
     return Resolution(policy.default, None)

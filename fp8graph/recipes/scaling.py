@@ -105,6 +105,8 @@ class _RecipeKind:
     dim_multiple: ClassVar[int] = FP8_GEMM_DIM_MULTIPLE
     # What one scale covers.
     granularity: ClassVar[Granularity] = Granularity.TENSOR
+    # Its preset's name in PRESETS: what the cost model (fp8graph.costs) knows its casts and GEMM by.
+    kind: ClassVar[str]
 
     def __str__(self) -> str:
         return self.name
@@ -134,6 +136,8 @@ class Float8CurrentScaling(_RecipeKind):
         >>> Float8CurrentScaling(fp8_format=Format.E4M3)
         Float8CurrentScaling(fp8_format=<Format.E4M3: 'E4M3'>, power_2_scales=False)
     """
+
+    kind: ClassVar[str] = "current"
 
     caches_weights: ClassVar[bool] = True
 
@@ -183,6 +187,8 @@ class DelayedScaling(_RecipeKind):
             the history tensor (newest in slot 0) and returning an amax.
         reduce_amax: max-reduce amaxes across the data-parallel group.
     """
+
+    kind: ClassVar[str] = "delayed"
 
     stateful: ClassVar[bool] = True
 
@@ -277,6 +283,8 @@ class Float8RowwiseScaling(_ExactOrPower2Scaling):
         power_2_scales: round each scale down to a power of two (exact scaling).
     """
 
+    kind: ClassVar[str] = "rowwise"
+
     granularity = Granularity.ROW
 
     @property
@@ -300,6 +308,8 @@ class Float8BlockScaling(_ExactOrPower2Scaling):
         power_2_scales: round each scale down to a power of two.
     """
 
+    kind: ClassVar[str] = "block"
+
     dim_multiple = 128
     granularity = Granularity.BLOCK
 
@@ -319,6 +329,8 @@ class MXFP8BlockScaling(_TiledScaling):
     element saturates. Every GEMM quantizes its operands along its own
     reduction dimension from high precision. K and N must be multiples of 32.
     """
+
+    kind: ClassVar[str] = "mxfp8"
 
     dim_multiple = 32
     granularity = Granularity.MX

@@ -292,3 +292,23 @@ def test_a_gpu_measurement_without_a_gpu_says_what_runs_instead(workload):
 
     with pytest.raises(SystemExit, match=rf"bench {workload} measures on a CUDA GPU.*--smoke.*bench model {workload}"):
         main([workload])
+
+
+def test_demo_policy_auto_refuses_a_model_whose_every_site_would_stay_in_high_precision():
+    """The demo's Llama (hidden 128) gains nothing from FP8 on an H100 at any batch: --policy auto would
+    train nothing in FP8, so the demo says so before training instead of comparing BF16 with BF16."""
+    import argparse
+
+    from fp8graph.apps import demo
+    from fp8graph.models import build
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--policy", "auto", "--batch-size", "2", "--seq-len", "16"])
+    with pytest.raises(SystemExit) as refused:
+        demo._policy(args, torch.device("cpu"), build("llama", "demo", seed=0))
+    message = str(refused.value)
+    assert message.startswith("fp8graph demo --policy auto: the cost model keeps all 29 sites of Llama 'demo' in "
+                              "high precision on H100: none gains at 2x16 tokens (the largest, ")
+    assert "modelled), so the FP8 run would train nothing in FP8" in message
+    assert demo._policy(parser.parse_args([]), torch.device("cpu"), None) is None  # --policy fp8: the default

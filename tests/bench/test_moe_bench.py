@@ -92,7 +92,9 @@ def test_the_sweep_targets_take_each_case_s_best_recipe():
     rows = [{"contestant": "bf16", "case": case, "vs_bf16": 1.0},
             {"contestant": "rowwise", "case": case, "vs_bf16": 1.1, "vs_torchao_moe_rowwise": 1.2},
             {"contestant": "delayed", "case": case, "vs_bf16": 1.3, "vs_torchao_moe_rowwise": 1.1},
-            {"contestant": "current", "case": small, "vs_bf16": 0.8}]
+            {"contestant": "current", "case": small, "vs_bf16": 0.8},
+            {"contestant": "auto", "case": small, "vs_bf16": 1.0},       # a policy's row, not a recipe's
+            {"contestant": "auto delayed", "case": case, "vs_bf16": 0.99}]
     verdicts = [(v["target"], v["case"], v["measured"], v["met"])
                 for v in judge({"workload": "model_moe", "rows": rows}) if v["target"].startswith("best recipe")]
     assert verdicts == [
@@ -101,6 +103,9 @@ def test_the_sweep_targets_take_each_case_s_best_recipe():
          1.2, True),
         ("best recipe: step over BF16, Qwen3 at 256 tokens an expert, 4 micro-batches (modelled)",
          f"current ({small})", 0.8, False)]
+    auto = [(v["case"], v["met"]) for v in judge({"workload": "model_moe", "rows": rows})
+            if v["target"] == "policies.auto(): step over BF16 (modelled)"]
+    assert auto == [(f"auto ({small})", True), (f"auto delayed ({case})", False)]
 
 
 def _grouped(case: dict) -> list[dict]:

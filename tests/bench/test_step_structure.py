@@ -17,7 +17,8 @@ import json
 import pytest
 
 from bench import model as bench_model
-from bench.costmodel import costs
+from bench.costmodel import costs, site_casts
+from fp8graph.costs.casts import CAST_TRAFFIC
 
 BUDGET_SOURCE = "bench/results/model-decoder-2026-11-24T060511Z.json"
 # Per contestant: launches (Triton kernels and custom ops) and Triton GB (read + written) per step, and FP8 GB
@@ -31,19 +32,22 @@ BUDGETS = {
 SLACK = 1.01
 
 
-def _modelled_steps() -> dict:
+def _modelled_steps() -> tuple[dict, dict]:
     """Each contestant's summary and rows of bench decoder's step, modelled one after another in one child
     process with every Triton config compiled to an sm_90 cubin (a kernel two contestants share compiles
-    once)."""
+    once); and the rows of its bench linear step at fp8graph.costs.casts's shape, in the same process."""
     spec = {"workload": "decoder", "config": "bench-8b-layer", "batch": 1, "sequence": 4096, "overrides": {},
             "cubin": True}
-    results = bench_model.run_children([{**spec, "contestant": c} for c in BUDGETS], timeout=1200)
-    steps = {}
-    for contestant, result in zip(BUDGETS, results):
-        assert "error" not in result, (contestant, result["error"])
+    linear = {"workload": "linear", "shapes": [list(site_casts.SHAPE)], "bias": False, "cubin": False}
+    specs = [{**spec, "contestant": c} for c in BUDGETS] + [{**linear, "contestant": c} for c in BUDGETS]
+    results = bench_model.run_children(specs, timeout=1200)
+    steps, linears = {}, {}
+    for spec, result in zip(specs, results):
+        assert "error" not in result, (spec["contestant"], result["error"])
         costs.summarize([result], costs.Machine())
-        (steps[contestant],) = result["cases"]
-    return steps
+        (case,) = result["cases"]
+        (linears if spec["workload"] == "linear" else steps)[spec["contestant"]] = case
+    return steps, linears
 
 
 def _structure_failures(contestant: str, step: dict) -> list[str]:
@@ -82,11 +86,20 @@ def test_the_modelled_step_keeps_its_structure():
     - Each autotuning config of each Triton kernel compiles with Triton's ptxas for sm_90 and keeps its
       values in registers (what the interpreter, which runs the numerics tests, never checks).
 
+    And the per-element traffic of each recipe's casts on one linear site, which fp8graph.costs (the
+    modelled policy, explain's times) holds as a table: a change to the casts fails here until
+    ``python -m bench model linear --casts`` has regenerated the table.
+
     One test for the four: their child process compiles each kernel they share once.
     """
-    steps = _modelled_steps()
-    assert list(steps) == list(BUDGETS)
+    steps, linears = _modelled_steps()
+    assert list(steps) == list(linears) == list(BUDGETS)
     failures = [failure for contestant, step in steps.items() for failure in _structure_failures(contestant, step)]
+    for contestant, case in linears.items():
+        derived = site_casts.as_recipe_casts(site_casts.derive(case["rows"], *site_casts.SHAPE))
+        if derived != CAST_TRAFFIC[contestant]:
+            failures.append(f"{contestant}: the casts of a linear site are {derived}, fp8graph.costs.casts holds "
+                            f"{CAST_TRAFFIC[contestant]}")
     assert failures == []
 
 

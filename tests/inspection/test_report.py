@@ -318,3 +318,19 @@ def test_nodes_reached_through_a_hook_are_named_by_the_model_s_module_paths(tmp_
     page = report.to_html(tmp_path / "report.html").read_text()
     titles = re.findall(r'<span class="group-path">([^<]*)', page)
     assert titles == ["model", "model.layers.0", "model.layers.1", "model.norm, lm_head"]
+
+
+def test_each_site_carries_its_modelled_times_on_the_named_gpu():
+    """A rewritten site: in its recipe; a kept one: in the policy's default recipe; no GPU: no column."""
+    model, tokens = build("llama", "tiny"), torch.randint(0, 250, (2, 16))
+    report = fp8graph.explain(model, tokens, policy=MIXED, gpu="B200")
+    head = next(record for record in report if record.path == "lm_head")
+    gate = next(record for record in report if record.path.endswith("mlp.gate_proj"))
+    assert head.modelled.gpu == gate.modelled.gpu == "B200"
+    assert head.modelled.recipe == gate.modelled.recipe == "current"
+    assert (head.modelled.M, head.modelled.bf16_us) == (32, 15.0)  # three GEMMs at the 5 us floor
+    assert "B200 us BF16 / FP8" in str(report) and "15.0 / " in str(report)
+    bare = fp8graph.explain(model, tokens, policy=MIXED, gpu=None)
+    assert all(record.modelled is None for record in bare) and "us BF16 / FP8" not in str(bare)
+    with pytest.raises(ValueError, match="no rates for GPU 'V100'"):
+        fp8graph.explain(model, tokens, gpu="V100")

@@ -1,10 +1,13 @@
-"""fp8graph.policies.auto: FP8 for the sites a `bench linear` measurement says gain, high precision for the rest.
+"""fp8graph.policies.auto: FP8 for the sites that gain, high precision for the rest, by the cost model
+(fp8graph.costs) or by a `bench linear` measurement.
 
-The measurements here are written by the tests, in the format `python -m bench linear`
-writes, with speedups chosen to exercise each case of the threshold rule.
+The measurements of the threshold tests are written by the tests, in the format `python -m bench linear`
+writes, with speedups chosen to exercise each case of the threshold rule; the modelled policy is held to the
+committed H100 run.
 """
 
 import json
+import pathlib
 
 import pytest
 import torch
@@ -104,40 +107,61 @@ def test_unknown_recipe_and_unreadable_file_are_refused(tmp_path):
         auto(tmp_path / "missing.json")
 
 
-def test_the_built_in_h100_table_is_the_committed_measurement_rounded():
-    import pathlib
+H100_MEASUREMENT = pathlib.Path(__file__).parents[2] / "bench/results/linear-2026-11-23T081002Z.json"
+# Where the committed H100 run and this version's model part: that run's row-wise and block casts were
+# fp8graph's own kernels of the day (custom ops, 1fda4ce), slower than the Inductor-generated casts this
+# version models; MXFP8 has no H100 GEMM and was emulated (0.06x), modelled as never gaining.
+REPLACED_KERNELS = {("rowwise", (16384, 4096, 4096)), ("block", (16384, 4096, 4096)),
+                    ("block", (16384, 4096, 14336)), ("block", (16384, 14336, 4096))}
 
-    from fp8graph.policies import H100_LINEAR_SOURCE, H100_LINEAR_SPEEDUPS
 
-    raw = json.loads((pathlib.Path(__file__).parents[2] / H100_LINEAR_SOURCE["file"]).read_text())
-    assert raw["environment"]["device"] == H100_LINEAR_SOURCE["device"]
-    measured = {}
+def _measured_speedups() -> dict:
+    raw = json.loads(H100_MEASUREMENT.read_text())
+    assert raw["environment"]["device"] == "NVIDIA H100 80GB HBM3"
+    speedups = {}
     for row in raw["rows"]:
         name = row["contestant"].split()
         if name[0] == "fp8graph" and "cached" not in row["contestant"]:
-            measured.setdefault(name[1], {})[row["M"], row["K"], row["N"]] = round(row["speedup_vs_bf16_compile"], 2)
-    assert measured == H100_LINEAR_SPEEDUPS
+            speedups[name[1], (row["M"], row["K"], row["N"])] = row["speedup_vs_bf16_compile"]
+    return speedups
 
 
-@pytest.mark.parametrize("recipe,threshold", [("current", (16384, 4096, 4096)), ("delayed", (16384, 4096, 4096)),
-                                              ("rowwise", (16384, 4096, 14336)), ("block", None)])
-def test_auto_without_measurements_uses_the_h100_thresholds_per_recipe(recipe, threshold):
-    policy = auto(recipe=recipe)
-    # Both losing H100 shapes stay in BF16 for every recipe (0.73x and 0.87x for current scaling).
-    assert _recipe_for(policy, 1024, 1024, 1024) is None and _recipe_for(policy, 4096, 1024, 1024) is None
-    if threshold is None:  # block never gained on that run: every site stays in high precision
-        assert _recipe_for(policy, 16384, 14336, 4096) is None
-        return
-    assert _recipe_for(policy, *threshold) == PRESETS[recipe]
-    assert _recipe_for(policy, 8192, 4096, 4096) is None  # smaller than the smallest winning shape
-    [(pattern, _)] = policy.rules
-    assert "NVIDIA H100 80GB HBM3" in pattern.__name__ and "linear-2026-11-23T081002Z.json" in pattern.__name__
+def test_the_modelled_policy_agrees_with_every_win_and_loss_of_the_h100_run_whose_kernels_it_models():
+    """25 (recipe, shape) pairs, measured on an H100 (torch 2.11, 2026-11-23): FP8 where the run gained,
+    BF16 where it lost, for every pair but the four whose casts were kernels since replaced."""
+    disagreements = set()
+    for (recipe, shape), measured in _measured_speedups().items():
+        chosen = _recipe_for(auto(recipe=recipe), *shape)
+        if (chosen is not None) != (measured >= 1.0):
+            disagreements.add((recipe, shape))
+    assert disagreements == REPLACED_KERNELS
+    assert len(_measured_speedups()) == 25
 
 
-def test_a_site_auto_keeps_says_why_in_explain():
+def test_a_site_auto_keeps_gives_its_modelled_times_in_explain():
     model = torch.nn.Sequential(torch.nn.Linear(64, 64))
     [row] = fp8graph.explain(model, torch.randn(8, 64), policy=auto())
-    assert row.recipe is None and row.reason == "policy keeps it in high precision"
-    assert row.rule == ("rule 0 (auto: M*K*N below 16384x4096x4096, the smallest shape from which current reached "
-                        "1.0x of BF16 torch.compile (bench linear on NVIDIA H100 80GB HBM3, 2026-11-23, "
-                        "bench/results/linear-2026-11-23T081002Z.json))")
+    assert row.recipe is None and row.rule == "rule 0 (auto: current modelled below 1.0x of BF16 on H100)"
+    assert row.reason.startswith("FP8 modelled slower: BF16 15.0 us, current ")
+    assert row.reason.endswith("on H100, modelled") and row.modelled.speedup < 1
+    assert row.reason == "FP8 modelled slower: " + row.modelled.describe()
+
+
+def test_min_speedup_gpu_and_symbolic_tokens_move_the_modelled_decision():
+    assert _recipe_for(auto(), 16384, 4096, 4096) == PRESETS["current"]             # 1.35x on an H100
+    assert _recipe_for(auto(min_speedup=1.4), 16384, 4096, 4096) is None
+    assert _recipe_for(auto(recipe="mxfp8"), 16384, 4096, 4096) is None              # emulated on an H100
+    assert _recipe_for(auto(recipe="mxfp8", gpu="B200"), 16384, 4096, 4096) == PRESETS["mxfp8"]
+    assert _recipe_for(auto(), "s0", 4096, 4096) == PRESETS["current"]               # modelled at 8192 tokens
+    assert _recipe_for(auto(tokens=16), "s0", 4096, 4096) is None
+    with pytest.raises(ValueError, match="no rates for GPU 'A100'"):
+        auto(gpu="A100")
+
+
+def test_an_explicit_rule_before_autos_wins():
+    from fp8graph.recipes.policy import Policy
+
+    modelled = auto()
+    policy = Policy(default=modelled.default, rules=[("small", PRESETS["current"]), *modelled.rules])
+    assert resolve(policy, "small", SiteInfo("linear", 8, 64, 64, torch.bfloat16)).recipe == PRESETS["current"]
+    assert resolve(policy, "other", SiteInfo("linear", 8, 64, 64, torch.bfloat16)).recipe is None

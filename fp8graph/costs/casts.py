@@ -1,0 +1,73 @@
+"""The memory traffic each recipe's casts add to a linear site, as this version's generated kernels move it.
+
+For one ``nn.Linear(K, N)`` on M tokens, forward and backward, every kernel fp8graph adds (amax, scale, cast,
+transposed copy) is counted against the operand whose size it scales with: ``input`` (M x K), ``weight``
+(N x K) or ``grad_output`` (M x N), in bytes read and written per element of that operand; the kernels
+that move under 0.1 MB or work on scales alone (scale arithmetic, delayed scaling's history update, the
+second pass of a split amax) count as small launches.
+
+The table is what ``python -m bench model linear --casts`` derives from the kernels Inductor generates for
+sm_90 at 16384x4096x14336 (every operand a different size), and tests/bench/test_step_structure.py derives it
+again from a fresh capture and compares: a change to what the casts read or write fails there until this
+table is regenerated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["CAST_TRAFFIC", "CastKernels", "OPERANDS", "RecipeCasts"]
+
+OPERANDS = ("input", "weight", "grad_output")
+
+
+@dataclasses.dataclass(frozen=True)
+class CastKernels:
+    """The kernels of one operand in one pass that run at one rate."""
+
+    operand: str  # input | weight | grad_output
+    backward: bool  # run in the backward graph
+    custom_op: bool  # one of fp8graph's own kernels (a custom op), else one Inductor generated
+    launches: int
+    read: float  # bytes per element of the operand, all launches together
+    written: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeCasts:
+    kernels: tuple[CastKernels, ...]
+    small_launches: int  # kernels moving under 0.1 MB or working on scales only: latency
+    small_backward_launches: int  # of which in the backward graph
+
+
+def _k(operand, backward, custom_op, launches, read, written):
+    return CastKernels(operand, backward, custom_op, launches, read, written)
+
+
+# python -m bench model linear --casts (torch 2.13.0, triton 3.6.0, sm_90), regenerated with the kernels.
+CAST_TRAFFIC: dict[str, RecipeCasts] = {
+    "current": RecipeCasts((
+        _k("input", False, False, 2, 4.0, 2.0),
+        _k("weight", False, False, 2, 4.0, 2.0),
+        _k("grad_output", True, False, 2, 4.0, 2.0),
+    ), small_launches=6, small_backward_launches=2),
+    "delayed": RecipeCasts((
+        _k("input", False, False, 1, 2.0, 1.0),
+        _k("input", False, True, 1, 1.0, 1.0),
+        _k("weight", False, False, 1, 2.0, 1.0),
+        _k("weight", False, True, 1, 1.0, 1.0),
+        _k("grad_output", True, False, 1, 2.0, 1.0),
+        _k("grad_output", True, True, 1, 1.0, 1.0),
+    ), small_launches=5, small_backward_launches=2),
+    "rowwise": RecipeCasts((
+        _k("input", False, False, 2, 4.0, 3.015625),
+        _k("weight", False, False, 1, 2.0, 1.0),
+        _k("weight", True, False, 2, 4.0, 1.015625),
+        _k("grad_output", True, False, 2, 4.0, 3.0),
+    ), small_launches=2, small_backward_launches=1),
+    "block": RecipeCasts((
+        _k("input", False, True, 1, 2.0, 2.0625),
+        _k("weight", False, True, 1, 2.0, 2.0),
+        _k("grad_output", True, True, 1, 2.0, 2.0625),
+    ), small_launches=6, small_backward_launches=2),
+}

@@ -1,0 +1,86 @@
+"""The rates a GPU runs fp8graph's kernels at: what :mod:`fp8graph.costs.sites` times a site with.
+
+The H100's rates are the cost model's (``python -m bench model``, docs/cost-model.md): fitted to this
+project's H100 runs and checked against them by ``bench model calibrate``. No H200 or B200 run has
+calibrated anything: their rates are the H100's scaled by the ratio of the data-sheet figures (HBM bandwidth
+for copies and Inductor's kernels, dense tensor-core FLOP/s for GEMMs), so they say what the data sheet
+predicts, not what was measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["B200", "GPU", "GPUS", "H100", "H200", "gpu"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    """Rates in bytes/s and FLOP/s; floors in microseconds.
+
+    ``fp8_gemm_flops`` is keyed by a recipe's ``kind`` (:data:`fp8graph.recipes.scaling.PRESETS`); a kind
+    missing there has no FP8 GEMM on this GPU and is emulated (dequantized, then a BF16 GEMM).
+    """
+
+    name: str
+    copy_bandwidth: float  # a device-to-device copy
+    triton_bandwidth: float  # what Inductor's generated kernels reach
+    launch_floor_us: float  # the shortest kernel: launch latency and tail
+    gemm_floor_us: float
+    bf16_flops: float
+    fp8_gemm_flops: dict[str, float]
+    grouped_bf16_flops: float  # torch._grouped_mm (a MoE's expert GEMMs)
+    grouped_fp8_flops: float  # torch._scaled_grouped_mm
+
+    def scaled(self, name: str, bandwidth: float, flops: float) -> "GPU":
+        """This GPU with every bandwidth times ``bandwidth`` and every FLOP rate times ``flops``."""
+        return dataclasses.replace(
+            self, name=name, copy_bandwidth=self.copy_bandwidth * bandwidth,
+            triton_bandwidth=self.triton_bandwidth * bandwidth, bf16_flops=self.bf16_flops * flops,
+            fp8_gemm_flops={kind: rate * flops for kind, rate in self.fp8_gemm_flops.items()},
+            grouped_bf16_flops=self.grouped_bf16_flops * flops, grouped_fp8_flops=self.grouped_fp8_flops * flops)
+
+
+H100 = GPU(
+    name="H100",
+    copy_bandwidth=3.0e12,  # device-to-device copy of 16384x8192 BF16: 2947-2968 GB/s
+    # Inductor's kernels in the H100's 4-layer decoder profiles, the model's bytes over their time: 1.85-2.35 TB/s
+    triton_bandwidth=2.2e12,
+    launch_floor_us=3.0,
+    gemm_floor_us=5.0,
+    bf16_flops=740e12,  # cuBLAS BF16: 763 TF/s in the decoder profile, 693-721 in the linear bench
+    # FP8 tensorwise 1404 TF/s in the decoder profile; a kernel breakdown of bench linear's 16384x4096x14336:
+    # row-wise GEMMs at 1400 TF/s, 1x128 / 128x128 block GEMMs at 1200. The H100 has no MXFP8 GEMM.
+    fp8_gemm_flops={"current": 1350e12, "delayed": 1350e12, "rowwise": 1350e12, "block": 1200e12},
+    # No run of this project timed a grouped GEMM; torchao's published H100 timings (pytorch/ao PR #2490) of
+    # Llama-4 Scout's 16 experts at 512 tokens a group: BF16 524 TF/s, FP8 row-wise 776 TF/s.
+    grouped_bf16_flops=524e12,
+    grouped_fp8_flops=776e12,
+)
+
+# The same GH100 tensor cores with HBM3e: 4.8 TB/s against the H100 SXM's 3.35.
+H200 = H100.scaled("H200", bandwidth=4.8 / 3.35, flops=1.0)
+
+# Dense tensor-core FLOP/s, B200 over H100 SXM data sheets: BF16 2.25 / 0.989 PFLOP/s, FP8 4.5 / 1.979;
+# HBM3e 8 TB/s against 3.35. Blackwell runs MXFP8 (1x32 E8M0 scales) at the FP8 rate.
+B200 = dataclasses.replace(
+    H100.scaled("B200", bandwidth=8.0 / 3.35, flops=2.25 / 0.989),
+    fp8_gemm_flops={kind: rate * 4.5 / 1.979 for kind, rate in
+                    {**H100.fp8_gemm_flops, "mxfp8": H100.fp8_gemm_flops["current"]}.items()},
+    grouped_fp8_flops=H100.grouped_fp8_flops * 4.5 / 1.979)
+
+GPUS = {gpu.name: gpu for gpu in (H100, H200, B200)}
+
+
+def gpu(name: "str | GPU") -> GPU:
+    """A GPU by name (``"H100"``, ``"H200"``, ``"B200"``, any case), or ``name`` itself when it is a :class:`GPU`.
+
+    Raises:
+        ValueError: no GPU of that name.
+    """
+    if isinstance(name, GPU):
+        return name
+    found = GPUS.get(str(name).upper())
+    if found is None:
+        raise ValueError(f"fp8graph.costs: no rates for GPU {name!r}; known: {sorted(GPUS)} (or pass a GPU)")
+    return found

@@ -1,0 +1,126 @@
+"""A site's modelled time on a GPU, in BF16 and in an FP8 recipe: what :func:`fp8graph.policies.auto` decides by
+and :func:`fp8graph.explain` reports.
+
+For one linear site (``M`` tokens, ``K`` in, ``N`` out; an expert site: ``M`` sorted tokens over ``E`` groups)::
+
+    BF16   output = input @ weight.T, and in training grad_input = grad_output @ weight and
+           grad_weight = grad_output.T @ input: each 2 M K N FLOPs at the GPU's BF16 rate, never less than
+           its operands' bytes at copy bandwidth or the GEMM floor
+    FP8    the same GEMMs at the recipe's FP8 rate, plus the casts: every kernel of
+           fp8graph.costs.casts at Inductor's bandwidth (fp8graph's own kernels at copy bandwidth), never
+           less than the launch floor each, and the small launches at the floor
+
+A recipe whose GEMM the GPU lacks (MXFP8 before Blackwell) is emulated: its GEMMs run at the BF16 rate after
+the casts, so it never gains. Only kernel time is modelled: no CPU overhead, no overlap, no attention or
+elementwise work the site does not add. The cost model (``python -m bench model``) times whole steps from
+the kernels Inductor generates; this module times one site from the per-element traffic those kernels
+showed, so the two agree on a linear site by construction and may differ where a graph fuses casts into
+other kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fp8graph.costs.casts import CAST_TRAFFIC, RecipeCasts
+from fp8graph.costs.gpus import GPU, gpu as gpu_named
+from fp8graph.recipes.policy import SiteInfo
+
+__all__ = ["SiteTimes", "site_times"]
+
+_BF16_BYTES = 2
+# MXFP8's casts are not in the table (the cost model has no MXFP8 contestant): block scaling's are the
+# nearest, one read of each operand writing it and its transposed copy with a scale per 32 or 128 elements.
+_CASTS_STANDING_IN = {"mxfp8": "block"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteTimes:
+    """Microseconds of kernel time per call (forward, and backward when ``training``)."""
+
+    gpu: str
+    recipe: str  # the recipe's kind (fp8graph.recipes.scaling.PRESETS)
+    M: int
+    bf16_us: float
+    fp8_gemm_us: float
+    fp8_casts_us: float
+    emulated: bool  # the GPU has no FP8 GEMM for the recipe
+
+    @property
+    def fp8_us(self) -> float:
+        return self.fp8_gemm_us + self.fp8_casts_us
+
+    @property
+    def speedup(self) -> float:
+        return self.bf16_us / self.fp8_us
+
+    def describe(self) -> str:
+        """``BF16 12.3 us, current 15.2 us (0.81x) on H100, modelled``."""
+        emulated = ", its GEMM emulated" if self.emulated else ""
+        return (f"BF16 {self.bf16_us:,.1f} us, {self.recipe} {self.fp8_us:,.1f} us ({self.speedup:.2f}x{emulated}) "
+                f"on {self.gpu}, modelled")
+
+
+def _gemms_us(M: int, K: int, N: int, weights: int, flops_rate: float, operand_bytes: float, gpu: GPU,
+              training: bool) -> float:
+    """The forward GEMM, and in training the two backward ones (same FLOPs, same operands' sizes)."""
+    flops = 2 * M * K * N
+    moved = operand_bytes * (M * K + weights * K * N + M * N)
+    one = max(flops / flops_rate * 1e6, moved / gpu.copy_bandwidth * 1e6, gpu.gemm_floor_us)
+    return one * (3 if training else 1)
+
+
+def _casts_us(casts: RecipeCasts, sizes: dict[str, int], gpu: GPU, training: bool) -> float:
+    total = 0.0
+    for kernels in casts.kernels:
+        if kernels.backward and not training:
+            continue
+        rate = gpu.copy_bandwidth if kernels.custom_op else gpu.triton_bandwidth
+        moved = (kernels.read + kernels.written) * sizes[kernels.operand]
+        total += max(moved / rate * 1e6, kernels.launches * gpu.launch_floor_us)
+    small = casts.small_launches if training else casts.small_launches - casts.small_backward_launches
+    return total + small * gpu.launch_floor_us
+
+
+def site_times(site: SiteInfo, recipe, gpu: "str | GPU" = "H100", training: bool = True,
+               tokens: int | None = None) -> SiteTimes:
+    """The modelled kernel time of ``site`` per call in BF16 and in ``recipe`` on ``gpu``.
+
+    Args:
+        site: the site as policy rules see it; ``site.M`` a string (a symbolic token count) is modelled at
+            ``tokens``.
+        recipe: a recipe (:data:`fp8graph.recipes.scaling.PRESETS`' values and their variations) or a kind's name.
+        gpu: ``"H100"``, ``"H200"``, ``"B200"`` or a :class:`fp8graph.costs.gpus.GPU`.
+        training: forward and backward (three GEMMs), else the forward alone.
+        tokens: the M of a site whose M is symbolic.
+
+    Raises:
+        ValueError: the site has no GEMM shape, a symbolic M and no ``tokens``, or ``recipe`` is unknown.
+    """
+    rates = gpu_named(gpu)
+    kind = recipe if isinstance(recipe, str) else getattr(recipe, "kind", None)
+    casts = CAST_TRAFFIC.get(_CASTS_STANDING_IN.get(kind, kind))
+    if casts is None:
+        raise ValueError(f"fp8graph.costs: no modelled casts for recipe {recipe!r}; known: "
+                         f"{sorted({*CAST_TRAFFIC, *_CASTS_STANDING_IN})}")
+    if site.K is None or site.N is None:
+        raise ValueError(f"fp8graph.costs: {site.op} has no GEMM shape to model")
+    M = site.M
+    if not isinstance(M, int):
+        if tokens is None:
+            raise ValueError(f"fp8graph.costs: M is symbolic ({M}); pass the tokens to model it at")
+        M = tokens
+    K, N = site.K, site.N
+    weights = site.experts or 1
+    if site.experts:
+        bf16_rate, fp8_rate = rates.grouped_bf16_flops, rates.grouped_fp8_flops
+    else:
+        bf16_rate, fp8_rate = rates.bf16_flops, rates.fp8_gemm_flops.get(kind)
+    emulated = fp8_rate is None
+    bf16_us = _gemms_us(M, K, N, weights, bf16_rate, _BF16_BYTES, rates, training)
+    if emulated:  # dequantized to BF16 and multiplied there: the BF16 GEMMs, after the casts
+        fp8_gemm_us = bf16_us
+    else:  # FP8 operands, a BF16 output: about 1.3 bytes an element read and written
+        fp8_gemm_us = _gemms_us(M, K, N, weights, fp8_rate, 4 / 3, rates, training)
+    sizes = {"input": M * K, "weight": weights * K * N, "grad_output": M * N}
+    return SiteTimes(rates.name, kind, M, bf16_us, fp8_gemm_us, _casts_us(casts, sizes, rates, training), emulated)
