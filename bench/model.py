@@ -397,7 +397,14 @@ def model_moe(args) -> dict:
             + (f", {' or '.join(map(str, args.grad_accumulation))} micro-batches a step"
                if args.grad_accumulation != [1] else "")
             + (f"; fp8graph at {args.fp8graph_at}" if args.fp8graph_at != "installed" else ""))
-    return _finish(build_result("moe", spec, results, machine_of(args), what), args)
+    result = _finish(build_result("moe", spec, results, machine_of(args), what), args)
+    if args.sweep and {"bf16", "current", "delayed", "rowwise"} <= set(contestants) and \
+            all("error" not in r for r in results):
+        from bench.costmodel import site_casts
+
+        print("fp8graph/costs/casts.py's table of expert sites, from this sweep's kernels:")
+        print(site_casts.grouped_table_source(site_casts.derive_grouped(result)))
+    return result
 
 
 def accumulate(results: list[dict], micro_batches: list[int]) -> None:

@@ -64,3 +64,68 @@ def table_source(derived: dict[str, dict]) -> str:
                      f'small_backward_launches={casts["small_backward_launches"]}),')
     lines.append("}")
     return "\n".join(lines)
+
+
+# --- expert sites: what a recipe adds to a MoE block, per routed-token element and per weight element -------
+
+# The two Qwen3-30B-A3B blocks of the sweep the grouped table is solved from: the same weights, 8x the tokens.
+GROUPED_CASES = ("Qwen3-30B-A3B, 1x4096, 256 tokens an expert, 1 micro-batch",
+                 "Qwen3-30B-A3B, 8x4096, 2048 tokens an expert, 1 micro-batch")
+
+
+def _extra(rows: list[dict], baseline: list[dict]) -> dict[str, float]:
+    """What ``rows`` move and launch beyond ``baseline``'s, outside the GEMMs and the optimizer: bytes of
+    Inductor's kernels and of custom ops, and launches."""
+    def totals(selection):
+        moved = {"triton": 0, "custom_op": 0, "launches": 0}
+        for row in selection:
+            if row["kind"] in ("gemm", "attention", "optimizer", "memset"):
+                continue
+            moved["triton" if row["kind"] == "triton" else "custom_op"] += (row["read"] + row["written"]) * row["count"]
+            moved["launches"] += row["count"]
+        return moved
+
+    mine, theirs = totals(rows), totals(baseline)
+    return {key: mine[key] - theirs[key] for key in mine}
+
+
+def block_elements(shape: dict) -> tuple[int, int]:
+    """A sweep block's (routed-token elements, expert-weight elements) over its two expert GEMMs: gate_up
+    (K = hidden, N = 2 x width) and down (K = width, N = hidden), each M x (K + N) and E x K x N."""
+    from fp8graph.models.moe import CONFIGS
+
+    fields = {**CONFIGS[shape["config"]], **shape["overrides"]}
+    hidden, width, experts = fields["hidden"], fields["expert_width"], fields["experts"]
+    rows = shape["batch"] * shape["sequence"] * fields["top_k"]
+    return rows * ((hidden + 2 * width) + (width + hidden)), experts * 3 * width * hidden
+
+
+def derive_grouped(result: dict) -> dict[str, dict]:
+    """Per recipe of a ``bench model moe --sweep`` result: bytes per routed-token element and per weight
+    element (Inductor's kernels and custom ops apart) and launches a block adds over BF16's, solved from
+    :data:`GROUPED_CASES` (two equations, two unknowns per kind of kernel)."""
+    shapes = {f"{shape['label']}, 1 micro-batch": shape for shape in result["spec"]["shapes"]}
+    captures = {capture["contestant"]: {case["case"]: case["rows"] for case in capture["cases"]}
+                for capture in result["captures"]}
+    (a1, w1), (a2, w2) = (block_elements(shapes[case]) for case in GROUPED_CASES)
+    determinant = a1 * w2 - a2 * w1
+    derived = {}
+    for contestant in ("current", "delayed", "rowwise"):
+        extras = [_extra(captures[contestant][case], captures["bf16"][case]) for case in GROUPED_CASES]
+        per_element = {}
+        for kind in ("triton", "custom_op"):
+            e1, e2 = extras[0][kind], extras[1][kind]
+            per_element[kind] = (round((e1 * w2 - e2 * w1) / determinant * 64) / 64,
+                                 round((a1 * e2 - a2 * e1) / determinant * 64) / 64)
+        derived[contestant] = {"activation": (per_element["triton"][0], per_element["custom_op"][0]),
+                               "weight": (per_element["triton"][1], per_element["custom_op"][1]),
+                               "launches": extras[0]["launches"]}
+    return derived
+
+
+def grouped_table_source(derived: dict[str, dict]) -> str:
+    """``GROUPED_CAST_TRAFFIC``'s Python source for :func:`derive_grouped`'s answer."""
+    lines = ["GROUPED_CAST_TRAFFIC: dict[str, GroupedCasts] = {"]
+    lines += [f'    "{kind}": GroupedCasts({", ".join(map(repr, (*c["activation"], *c["weight"], c["launches"])))}),'
+              for kind, c in derived.items()]
+    return "\n".join(lines + ["}"])

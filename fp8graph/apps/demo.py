@@ -190,7 +190,7 @@ def _policy(args: argparse.Namespace, device: torch.device, model: torch.nn.Modu
         largest = max((r for r in report if r.modelled is not None), key=lambda r: r.modelled.bf16_us)
         raise SystemExit(
             f"fp8graph demo --policy auto: the cost model keeps all {len(report)} sites of Llama '{args.model}' in "
-            f"high precision on {gpu}: none gains at {args.batch_size}x{args.seq_len} tokens (the largest, "
+            f"high precision on {gpu} at {args.batch_size}x{args.seq_len} tokens (the largest, "
             f"{largest.path}: {largest.modelled.describe()}), so the FP8 run would train nothing in FP8. Give a "
             "larger --model, --batch-size or --seq-len, or --policy fp8")
     return policy

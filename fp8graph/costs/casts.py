@@ -10,13 +10,17 @@ The table is what ``python -m bench model linear --casts`` derives from the kern
 sm_90 at 16384x4096x14336 (every operand a different size), and tests/bench/test_step_structure.py derives it
 again from a fresh capture and compares: a change to what the casts read or write fails there until this
 table is regenerated.
+
+An expert site's casts (the gather, padding and per-group scales of the grouped path) are counted apart, per
+element of its routed tokens' operands (``M x (K + N)``) and per element of its experts' weights
+(``E x K x N``), over a MoE block's two expert GEMMs (:data:`GROUPED_CAST_TRAFFIC`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["CAST_TRAFFIC", "CastKernels", "OPERANDS", "RecipeCasts"]
+__all__ = ["CAST_TRAFFIC", "CastKernels", "GROUPED_CAST_TRAFFIC", "GroupedCasts", "OPERANDS", "RecipeCasts"]
 
 OPERANDS = ("input", "weight", "grad_output")
 
@@ -70,4 +74,28 @@ CAST_TRAFFIC: dict[str, RecipeCasts] = {
         _k("weight", False, True, 1, 2.0, 2.0),
         _k("grad_output", True, True, 1, 2.0, 2.0625),
     ), small_launches=6, small_backward_launches=2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedCasts:
+    """What a recipe adds to a MoE block's two expert GEMMs over BF16's kernels, outside the GEMMs: bytes per
+    routed-token element (``M x (K + N)`` of each expert GEMM) and per expert-weight element (``E x K x N``),
+    in Inductor's kernels and in custom ops, and the launches it adds to the block."""
+
+    activation: float
+    activation_custom_op: float
+    weight: float
+    weight_custom_op: float
+    block_launches: int
+
+
+# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-26T110748Z.json
+# (Qwen3-30B-A3B's block at 256 and 2048 tokens an expert, sm_90, torch 2.13.0, triton 3.6.0); it reproduces
+# the block at 1024 tokens an expert exactly, Llama-4 Scout's within 6% and DeepSeek-V3's within 12% (row-wise:
+# 33% under, its per-group column scales grow with the tokens an expert). Regenerated with the sweep.
+GROUPED_CAST_TRAFFIC: dict[str, GroupedCasts] = {
+    "current": GroupedCasts(1.890625, 0.0, 8.03125, 0.0, 38),
+    "delayed": GroupedCasts(1.890625, 0.0, 6.03125, 0.0, 30),
+    "rowwise": GroupedCasts(3.734375, 2.0, 8.046875, 0.0, 29),
 }

@@ -8,7 +8,8 @@ For one linear site (``M`` tokens, ``K`` in, ``N`` out; an expert site: ``M`` so
            its operands' bytes at copy bandwidth or the GEMM floor
     FP8    the same GEMMs at the recipe's FP8 rate, plus the casts: every kernel of
            fp8graph.costs.casts at Inductor's bandwidth (fp8graph's own kernels at copy bandwidth), never
-           less than the launch floor each, and the small launches at the floor
+           less than the launch floor each, and the small launches at the floor; an expert site in training,
+           its share of what the recipe adds to a MoE block (GROUPED_CAST_TRAFFIC)
 
 A recipe whose GEMM the GPU lacks (MXFP8 before Blackwell) is emulated: its GEMMs run at the BF16 rate after
 the casts, so it never gains. Only kernel time is modelled: no CPU overhead, no overlap, no attention or
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fp8graph.costs.casts import CAST_TRAFFIC, RecipeCasts
+from fp8graph.costs.casts import CAST_TRAFFIC, GROUPED_CAST_TRAFFIC, GroupedCasts, RecipeCasts
 from fp8graph.costs.gpus import GPU, gpu as gpu_named
 from fp8graph.recipes.policy import SiteInfo
 
@@ -82,6 +83,14 @@ def _casts_us(casts: RecipeCasts, sizes: dict[str, int], gpu: GPU, training: boo
     return total + small * gpu.launch_floor_us
 
 
+def _grouped_casts_us(casts: GroupedCasts, M: int, K: int, N: int, experts: int, gpu: GPU) -> float:
+    """One expert GEMM's share of a block's casts: its own elements' bytes, half the block's launches."""
+    tokens, weights = M * (K + N), experts * K * N
+    inductor = (casts.activation * tokens + casts.weight * weights) / gpu.triton_bandwidth * 1e6
+    custom = (casts.activation_custom_op * tokens + casts.weight_custom_op * weights) / gpu.copy_bandwidth * 1e6
+    return max(inductor + custom, casts.block_launches / 2 * gpu.launch_floor_us)
+
+
 def site_times(site: SiteInfo, recipe, gpu: "str | GPU" = "H100", training: bool = True,
                tokens: int | None = None) -> SiteTimes:
     """The modelled kernel time of ``site`` per call in BF16 and in ``recipe`` on ``gpu``.
@@ -122,5 +131,10 @@ def site_times(site: SiteInfo, recipe, gpu: "str | GPU" = "H100", training: bool
         fp8_gemm_us = bf16_us
     else:  # FP8 operands, a BF16 output: about 1.3 bytes an element read and written
         fp8_gemm_us = _gemms_us(M, K, N, weights, fp8_rate, 4 / 3, rates, training)
-    sizes = {"input": M * K, "weight": weights * K * N, "grad_output": M * N}
-    return SiteTimes(rates.name, kind, M, bf16_us, fp8_gemm_us, _casts_us(casts, sizes, rates, training), emulated)
+    grouped = GROUPED_CAST_TRAFFIC.get(kind) if site.experts else None
+    if grouped is not None and training:
+        casts_us = _grouped_casts_us(grouped, M, K, N, weights, rates)
+    else:  # dense sites; expert sites of the recipes the sweep did not model, or in inference: the dense casts
+        sizes = {"input": M * K, "weight": weights * K * N, "grad_output": M * N}
+        casts_us = _casts_us(casts, sizes, rates, training)
+    return SiteTimes(rates.name, kind, M, bf16_us, fp8_gemm_us, casts_us, emulated)
