@@ -79,6 +79,8 @@ def test_an_expert_site_runs_at_the_grouped_rates_and_casts_every_experts_weight
     experts = site_times(_linear(32768, 2048, 1536, experts=128), "current")
     assert experts.bf16_us == pytest.approx(dense.bf16_us * GPUS["H100"].bf16_flops / GPUS["H100"].grouped_bf16_flops)
     assert experts.fp8_casts_us > dense.fp8_casts_us  # 128 weights cast, not one
+    mxfp8 = site_times(_linear(32768, 2048, 1536, experts=128), "mxfp8", "B200")
+    assert mxfp8.emulated and mxfp8.speedup < 1  # fp8graph's MXFP8 expert GEMMs are emulated on every GPU
 
 
 def test_what_cannot_be_modelled_is_refused_by_name():
