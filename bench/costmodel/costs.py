@@ -21,12 +21,22 @@ import dataclasses
 import math
 import re
 
-from fp8graph.costs.gpus import H100
-
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1,
                "float8_e5m2": 1, "float8_e8m0fnu": 1, "uint8": 1, "int8": 1, "bool": 1, "int32": 4, "int64": 8,
                "float64": 8}
 TINY_BYTES = 100_000  # a launch moving under 0.1 MB is all launch latency and tail on an H100
+
+
+def _h100(rate):
+    """A Machine field defaulting to ``rate(fp8graph.costs.gpus.H100)``, read when a Machine is made: the
+    capture's child processes import this module beside an earlier commit's fp8graph (calibration), which
+    has no fp8graph.costs, and make no Machine."""
+    def default():
+        from fp8graph.costs.gpus import H100
+
+        return rate(H100)
+
+    return dataclasses.field(default_factory=default)
 
 
 @dataclasses.dataclass
@@ -35,17 +45,17 @@ class Machine:
     others are fitted to the stored H100 runs of 2026-11-23 (torch 2.11; bench/results/), so ``bench model
     calibrate`` on those runs shows a fit. ``bench model``'s rate options override them."""
 
-    copy_bandwidth: float = H100.copy_bandwidth
-    triton_bandwidth: float = H100.triton_bandwidth
-    launch_floor_us: float = H100.launch_floor_us  # shortest kernel, launch latency and tail (no CPU overhead)
-    bf16_flops: float = H100.bf16_flops
-    fp8_flops: float = H100.fp8_gemm_flops["current"]  # FP8 tensorwise
-    fp8_rowwise_flops: float = H100.fp8_gemm_flops["rowwise"]
-    fp8_blockwise_flops: float = H100.fp8_gemm_flops["block"]
+    copy_bandwidth: float = _h100(lambda gpu: gpu.copy_bandwidth)
+    triton_bandwidth: float = _h100(lambda gpu: gpu.triton_bandwidth)
+    launch_floor_us: float = _h100(lambda gpu: gpu.launch_floor_us)  # launch latency and tail (no CPU overhead)
+    bf16_flops: float = _h100(lambda gpu: gpu.bf16_flops)
+    fp8_flops: float = _h100(lambda gpu: gpu.fp8_gemm_flops["current"])  # FP8 tensorwise
+    fp8_rowwise_flops: float = _h100(lambda gpu: gpu.fp8_gemm_flops["rowwise"])
+    fp8_blockwise_flops: float = _h100(lambda gpu: gpu.fp8_gemm_flops["block"])
     attention_flops: float = 290e12  # cuDNN flash fwd+bwd, causal counted as full: 12.5-13.4 ms (4 layers)
-    grouped_bf16_flops: float = H100.grouped_bf16_flops
-    grouped_fp8_flops: float = H100.grouped_fp8_flops
-    gemm_floor_us: float = H100.gemm_floor_us
+    grouped_bf16_flops: float = _h100(lambda gpu: gpu.grouped_bf16_flops)
+    grouped_fp8_flops: float = _h100(lambda gpu: gpu.grouped_fp8_flops)
+    gemm_floor_us: float = _h100(lambda gpu: gpu.gemm_floor_us)
 
 
 @dataclasses.dataclass
