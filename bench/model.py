@@ -31,7 +31,7 @@ import tempfile
 import time
 
 from .cli import positive
-from .costmodel import calibration, costs
+from .costmodel import calibration, costs, site_casts
 from .targets import judge
 from .timing import markdown_table, with_verdicts, write_result
 
@@ -398,10 +398,8 @@ def model_moe(args) -> dict:
                if args.grad_accumulation != [1] else "")
             + (f"; fp8graph at {args.fp8graph_at}" if args.fp8graph_at != "installed" else ""))
     result = _finish(build_result("moe", spec, results, machine_of(args), what), args)
-    if args.sweep and {"bf16", "current", "delayed", "rowwise"} <= set(contestants) and \
+    if args.sweep and {"bf16", *site_casts.GROUPED_RECIPES} <= set(contestants) and \
             all("error" not in r for r in results):
-        from bench.costmodel import site_casts
-
         print("fp8graph/costs/casts.py's table of expert sites, from this sweep's kernels:")
         print(site_casts.grouped_table_source(site_casts.derive_grouped(result)))
     return result
@@ -458,10 +456,7 @@ def model_linear(args) -> dict:
 
 def model_casts(args) -> dict:
     """Print fp8graph.costs.casts's table as this version's kernels give it (nothing written)."""
-    from bench.costmodel import site_casts
-
-    spec = {"workload": "linear", "shapes": [list(site_casts.SHAPE)], "bias": False, "cubin": False}
-    results = children(args)([{**spec, "contestant": c} for c in FP8GRAPH])
+    results = children(args)([site_casts.linear_spec(c) for c in FP8GRAPH])
     failed = [f"{c}: {r['error']}" for c, r in zip(FP8GRAPH, results) if "error" in r]
     if failed:
         raise SystemExit("bench model linear --casts: " + "\n".join(failed))

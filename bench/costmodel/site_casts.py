@@ -13,6 +13,11 @@ from bench.costmodel.costs import TINY_BYTES
 SHAPE = (16384, 4096, 14336)  # M, K, N: input, weight and grad_output of three different sizes
 
 
+def linear_spec(contestant: str) -> dict:
+    """The capture the table is derived from: ``contestant``'s bench linear step at :data:`SHAPE`."""
+    return {"workload": "linear", "shapes": [list(SHAPE)], "bias": False, "cubin": False, "contestant": contestant}
+
+
 def _operand(row: dict, sizes: dict[str, int]) -> str | None:
     """The operand the row's kernel works on: the one of its largest argument's size, if any."""
     return next((operand for operand, size in sizes.items() if row["largest_numel"] == size), None)
@@ -71,6 +76,8 @@ def table_source(derived: dict[str, dict]) -> str:
 # The two Qwen3-30B-A3B blocks of the sweep the grouped table is solved from: the same weights, 8x the tokens.
 GROUPED_CASES = ("Qwen3-30B-A3B, 1x4096, 256 tokens an expert, 1 micro-batch",
                  "Qwen3-30B-A3B, 8x4096, 2048 tokens an expert, 1 micro-batch")
+# The recipes whose rows the sweep holds (bench moe's), each against BF16's.
+GROUPED_RECIPES = ("current", "delayed", "rowwise")
 
 
 def _extra(rows: list[dict], baseline: list[dict]) -> dict[str, float]:
@@ -110,7 +117,7 @@ def derive_grouped(result: dict) -> dict[str, dict]:
     (a1, w1), (a2, w2) = (block_elements(shapes[case]) for case in GROUPED_CASES)
     determinant = a1 * w2 - a2 * w1
     derived = {}
-    for contestant in ("current", "delayed", "rowwise"):
+    for contestant in GROUPED_RECIPES:
         extras = [_extra(captures[contestant][case], captures["bf16"][case]) for case in GROUPED_CASES]
         per_element = {}
         for kind in ("triton", "custom_op"):

@@ -178,11 +178,11 @@ def policy_gpu(args: argparse.Namespace, device: torch.device) -> str:
     return "H100"
 
 
-def _policy(args: argparse.Namespace, device: torch.device, model: torch.nn.Module):
-    """The FP8 run's policy; --policy auto is refused where it would keep every site (nothing to show)."""
+def _policy(args: argparse.Namespace, gpu: str, device: torch.device, model: torch.nn.Module):
+    """The FP8 run's policy (``gpu``: what --policy auto models); --policy auto is refused where it would keep
+    every site (nothing to show)."""
     if args.policy == "fp8":
         return None  # fp8graph's default: every eligible site in current scaling
-    gpu = policy_gpu(args, device)
     policy = fp8graph.policies.auto(gpu=gpu)
     sample = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device=device)
     report = fp8graph.explain(model, sample, policy=policy, regions=None, gpu=gpu)
@@ -211,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{args.steps} steps of {args.batch_size}x{args.seq_len} bytes, torch {torch.__version__}")
     console.print(f"high precision: {baseline.name} ({baseline.reason})")
 
-    policy = _policy(args, device, fp8_model)
+    gpu = policy_gpu(args, device)
+    policy = _policy(args, gpu, device, fp8_model)
     fp8_compiled = fp8graph.compile(fp8_model, policy=policy, compiler=compiler)
     # A second compile of the same model with stats: the steps that sample
     # FP8 health run through it, the others pay nothing for the statistics.
@@ -237,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
             # Training compiled each decoder layer once (regions). The report traces the whole
             # model as one graph instead, with the same policy and so the same decisions, so
             # the page draws every layer as its own collapsible section, in model order.
-            report = fp8graph.explain(fp8_model, sample, policy=policy, regions=None, gpu=policy_gpu(args, device))
+            report = fp8graph.explain(fp8_model, sample, policy=policy, regions=None, gpu=gpu)
         html = report.to_html(args.out / "fp8_report.html")
     console.print(report.table())
 

@@ -306,9 +306,9 @@ def test_demo_policy_auto_refuses_a_model_whose_every_site_would_stay_in_high_pr
     demo.add_arguments(parser)
     args = parser.parse_args(["--policy", "auto", "--batch-size", "2", "--seq-len", "16"])
     with pytest.raises(SystemExit) as refused:
-        demo._policy(args, torch.device("cpu"), build("llama", "demo", seed=0))
+        demo._policy(args, "H100", torch.device("cpu"), build("llama", "demo", seed=0))
     message = str(refused.value)
     assert message.startswith("fp8graph demo --policy auto: the cost model keeps all 29 sites of Llama 'demo' in "
                               "high precision on H100 at 2x16 tokens (the largest, ")
     assert "modelled), so the FP8 run would train nothing in FP8" in message
-    assert demo._policy(parser.parse_args([]), torch.device("cpu"), None) is None  # --policy fp8: the default
+    assert demo._policy(parser.parse_args([]), "H100", torch.device("cpu"), None) is None  # --policy fp8

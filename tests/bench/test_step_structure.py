@@ -38,8 +38,7 @@ def _modelled_steps() -> tuple[dict, dict]:
     once); and the rows of its bench linear step at fp8graph.costs.casts's shape, in the same process."""
     spec = {"workload": "decoder", "config": "bench-8b-layer", "batch": 1, "sequence": 4096, "overrides": {},
             "cubin": True}
-    linear = {"workload": "linear", "shapes": [list(site_casts.SHAPE)], "bias": False, "cubin": False}
-    specs = [{**spec, "contestant": c} for c in BUDGETS] + [{**linear, "contestant": c} for c in BUDGETS]
+    specs = [{**spec, "contestant": c} for c in BUDGETS] + [site_casts.linear_spec(c) for c in BUDGETS]
     results = bench_model.run_children(specs, timeout=1200)
     steps, linears = {}, {}
     for spec, result in zip(specs, results):
