@@ -31,7 +31,7 @@ import tempfile
 import time
 
 from .cli import positive
-from .costmodel import calibration, costs, site_casts
+from .costmodel import calibration, costs, cubins, site_casts
 from .targets import judge
 from .timing import markdown_table, with_verdicts, write_result
 
@@ -91,14 +91,17 @@ def _run_process(payload, specs: list[dict], timeout: float, verbose: bool, env:
 
 
 def children(args) -> calibration.Runner:
-    """Run specs one after another (a 2-core machine: never two compiles at once), saying how each went."""
+    """Run specs one after another (a 2-core machine: never two compiles at once), saying how each went. What
+    a ``--cubin`` child compiled for the first time is added to the cubin facts (bench.costmodel.cubins)."""
     def run(specs: list[dict], env: dict | None = None) -> list[dict]:
         results = []
         for spec in specs:
             started = time.time()
             result = run_child(spec, args.timeout, args.verbose, env)
             status = "error" if "error" in result else "modelled"
-            print(f"  {spec.get('contestant', spec['workload'])}: {status} in {time.time() - started:.0f} s",
+            added = cubins.CubinFacts().write(result.pop("cubin_facts_new", {}))
+            print(f"  {spec.get('contestant', spec['workload'])}: {status} in {time.time() - started:.0f} s"
+                  + (f", {added} kernels' cubin facts added to {cubins.FACTS_PATH.name}" if added else ""),
                   file=sys.stderr, flush=True)
             results.append(result)
         return results

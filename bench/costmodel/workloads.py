@@ -286,23 +286,20 @@ def _write_sources(directory: str, contestant: str, case: dict) -> None:
                 f.write(record.source)
 
 
-# Each kernel's compiled configs by its source with its name taken out: a kernel that another graph or another
-# contestant of this process generated under another name compiles once (what a cubin says does not depend
-# on the name).
-_COMPILED: dict[str, list[dict]] = {}
+# Each kernel's compiled configs, found in or added to the facts of earlier compiles (bench.costmodel.cubins).
+_FACTS = None
 
 
 def _attach_cubins(case: dict) -> None:
     """Every autotuning config of every Triton kernel compiled for sm_90: registers, spills, access widths."""
+    global _FACTS
     from . import cubins
 
+    _FACTS = _FACTS or cubins.CubinFacts()
     by_name = {}
     for graph in case["_capture"].graphs:
         for name, record in graph.kernels.items():
-            unnamed = record.source.replace(name, "<kernel>")
-            if unnamed not in _COMPILED:
-                _COMPILED[unnamed] = cubins.compile_kernel(name, record.source)
-            by_name[(f"{graph.index}:{graph.kind}", name)] = _COMPILED[unnamed]
+            by_name[(f"{graph.index}:{graph.kind}", name)] = _FACTS.configs(name, record.source)
     for row in case["rows"]:
         if (row["graph"], row["name"]) in by_name:
             row["cubin"] = by_name[(row["graph"], row["name"])]
@@ -339,5 +336,8 @@ def run(spec: dict) -> dict:
         if spec.get("cubin"):
             _attach_cubins(case)
         del case["_capture"]
-    return {"contestant": spec.get("contestant", "inductor"), "cases": cases, "versions": versions(),
-            "capture_s": time.time() - started}
+    result = {"contestant": spec.get("contestant", "inductor"), "cases": cases, "versions": versions(),
+              "capture_s": time.time() - started}
+    if spec.get("cubin"):  # what this process compiled that the facts file did not hold (the caller may add it)
+        result["cubin_facts_new"] = dict(_FACTS.new) if _FACTS else {}
+    return result

@@ -34,8 +34,10 @@ SLACK = 1.01
 
 def _modelled_steps() -> tuple[dict, dict]:
     """Each contestant's summary and rows of bench decoder's step, modelled one after another in one child
-    process with every Triton config compiled to an sm_90 cubin (a kernel two contestants share compiles
-    once); and the rows of its bench linear step at fp8graph.costs.casts's shape, in the same process."""
+    process with every Triton config compiled to an sm_90 cubin, or found in the findings of an earlier compile
+    of the same source by the same toolchain (bench/costmodel/sm90_cubin_facts.json: a kernel this version
+    changed is compiled here); and the rows of its bench linear step at fp8graph.costs.casts's shape, in the
+    same process."""
     spec = {"workload": "decoder", "config": "bench-8b-layer", "batch": 1, "sequence": 4096, "overrides": {},
             "cubin": True}
     specs = [{**spec, "contestant": c} for c in BUDGETS] + [site_casts.linear_spec(c) for c in BUDGETS]
@@ -113,3 +115,32 @@ def test_the_budgets_are_the_committed_modelled_result():
         assert budget["launches"] == row["triton_launches"] + row["other_externs"], contestant
         assert budget["gb"] == pytest.approx(row["triton_read_gb"] + row["triton_written_gb"], abs=0.005), contestant
         assert budget["fp8_stored_twice_gb"] >= row["duplicate_written_gb"], contestant
+
+
+def test_a_kernel_in_the_cubin_facts_is_not_compiled_again(tmp_path, monkeypatch):
+    """The facts are keyed by the kernel's source without its name and by the toolchain: the same kernel under
+    another name is found, a changed one is compiled; a failed compile is never written."""
+    from bench.costmodel import cubins
+
+    compiled = []
+
+    def compile_kernel(name, source):
+        compiled.append(name)
+        return [{"config": "XBLOCK=1024,w4,s1", "regs": 16, "spill_bytes": 0}] if "ok" in source else \
+            [{"config": "?", "error": "RuntimeError: ptxas", "regs": None, "spill_bytes": None}]
+
+    monkeypatch.setattr(cubins, "compile_kernel", compile_kernel)
+    path = tmp_path / "facts.json"
+    first = cubins.CubinFacts(path)
+    first.configs("triton_poi_0", "def triton_poi_0(): ok")
+    first.configs("triton_poi_1", "def triton_poi_1(): fails")
+    assert compiled == ["triton_poi_0", "triton_poi_1"]
+    assert first.write(first.new) == 1  # the failed one is left out
+
+    again = cubins.CubinFacts(path)
+    assert again.configs("triton_poi_7", "def triton_poi_7(): ok")[0]["regs"] == 16  # another name, found
+    again.configs("triton_poi_0", "def triton_poi_0(): ok, changed")
+    again.configs("triton_poi_1", "def triton_poi_1(): fails")
+    assert compiled[2:] == ["triton_poi_0", "triton_poi_1"] and len(again.new) == 2
+    monkeypatch.setattr(cubins, "toolchain", lambda: "another triton")
+    assert cubins.CubinFacts(path).configs("triton_poi_7", "def triton_poi_7(): ok") and len(compiled) == 5
