@@ -8,13 +8,12 @@ start takes a few seconds, and one sample of it moves by a third from run to
 run on a 2-core machine).
 
 Each measurement runs in its own process so nothing stays in memory between
-them: a fork of a server that has imported torch, transformers and fp8graph
-(``multiprocessing``'s forkserver), which compiled nothing and whose imports
-the measurement does not time, so that each measurement does not first spend
-seconds importing. Full mode: the tiny Llama (the figure the README reports, target <= 1.3x);
-``--deep``: 12 layers of it at sequence 64, where the cost of compiling every
-layer shows (target: ``fp8`` <= 1.0x ``inductor`` cold and warm); ``--smoke``:
-the toy MLP, for the tests, or with ``--deep`` 2 layers at sequence 16.
+them (``bench.forked``: a fork of a server that imported torch, transformers
+and fp8graph; imports are never timed). Full mode: the tiny Llama (the
+figure the README reports, target <= 1.3x); ``--deep``: 12 layers of it at
+sequence 64, where the cost of compiling every layer shows (target: ``fp8``
+<= 1.0x ``inductor`` cold and warm); ``--smoke``: the toy MLP, for the
+tests, or with ``--deep`` 2 layers at sequence 16.
 
 Backends (``--backends``):
 
@@ -32,7 +31,6 @@ otherwise makes every layer's guards differ (one compile per layer).
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import pathlib
 import tempfile
@@ -40,6 +38,7 @@ import time
 
 import torch
 
+from . import forked
 from .cli import positive
 from .timing import environment, markdown_table, median, report, title
 
@@ -78,11 +77,6 @@ def _first_step_seconds(family: str, config: str, backend: str, layers: int | No
     return time.perf_counter() - start
 
 
-# What each measuring process would import anyway: imported once, by the forkserver.
-_PRELOAD = ["torch", "torch._dynamo", "torch._inductor.compile_fx", "transformers",
-            "transformers.models.llama.modeling_llama", "fp8graph", "fp8graph.models"]
-
-
 def _child(results, cache_dir: str, arguments: tuple) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # read by Inductor at each use, not at import
     results.put(_first_step_seconds(*arguments))
@@ -90,8 +84,7 @@ def _child(results, cache_dir: str, arguments: tuple) -> None:
 
 def _measure_in_child(family: str, config: str, backend: str, cache_dir: str, layers: int | None = None,
                       sequence: int = 16) -> float:
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)
+    context = forked.context()
     results = context.SimpleQueue()
     child = context.Process(target=_child, args=(results, cache_dir, (family, config, backend, layers, sequence)))
     child.start()

@@ -35,8 +35,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -47,6 +45,7 @@ import fp8graph
 from fp8graph.models import build
 from fp8graph.recipes import PRESETS
 
+from . import forked
 from .cli import positive, require_cuda
 from .memory import saved_for_backward_bytes
 from .profile import CATEGORIES, profile_steps
@@ -247,21 +246,17 @@ def _in_own_process(contestant: str, args) -> dict:
     """
     with tempfile.TemporaryDirectory() as scratch:
         row_file = pathlib.Path(scratch) / "row.json"
-        command = [sys.executable, "-m", "bench", "decoder", "--one", contestant, "--row-file", str(row_file),
+        command = ["decoder", "--one", contestant, "--row-file", str(row_file),
                    "--config", args.config, "--repeats", str(args.repeats)]
         command += (["--layers", str(args.layers)] if args.layers is not None else [])
         command += [flag for flag, wanted in (("--smoke", args.smoke), ("--profile", args.profile),
                                               ("--skip-prefill", args.skip_prefill)) if wanted]
-        try:
-            finished = subprocess.run(command, capture_output=True, text=True, timeout=args.contestant_timeout)
-        except subprocess.TimeoutExpired as expired:
-            output = expired.stdout or ""
-            output = output.decode(errors="replace") if isinstance(output, bytes) else output
+        code, output = forked.run_bench(command, args.contestant_timeout)
+        if code is None:
             return {"contestant": contestant,
                     "error": f"timed out after {args.contestant_timeout} s; last output: {output[-2000:]}"}
-        if finished.returncode != 0 or not row_file.exists():
-            return {"contestant": contestant, "error": f"exited with code {finished.returncode}: "
-                                                       f"{(finished.stdout + finished.stderr)[-2000:]}"}
+        if code != 0 or not row_file.exists():
+            return {"contestant": contestant, "error": f"exited with code {code}: {output[-2000:]}"}
         return json.loads(row_file.read_text())
 
 

@@ -36,14 +36,13 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 from torch._inductor import config as inductor_config
 
+from . import forked
 from .cli import positive, require_cuda
 
 __all__ = ["AUTO", "DEFAULT", "KNOWN", "SWEEP", "SweepShape", "parse_contestant", "swap_in_torchao", "compile_block"]
@@ -259,21 +258,17 @@ def _in_own_process(name: str, args) -> dict:
     is the row's error, and the other contestants go on."""
     with tempfile.TemporaryDirectory() as scratch:
         row_file = pathlib.Path(scratch) / "row.json"
-        command = [sys.executable, "-m", "bench", "moe", "--one", name, "--row-file", str(row_file),
+        command = ["moe", "--one", name, "--row-file", str(row_file),
                    "--config", args.config, "--tokens", str(args.tokens), "--batch", str(args.batch),
                    "--repeats", str(args.repeats)]
         command += [flag for flag, wanted in (("--smoke", args.smoke), ("--profile", args.profile),
                                               ("--decode", args.decode)) if wanted]
-        try:
-            finished = subprocess.run(command, capture_output=True, text=True, timeout=args.contestant_timeout)
-        except subprocess.TimeoutExpired as expired:
-            output = expired.stdout or ""
-            output = output.decode(errors="replace") if isinstance(output, bytes) else output
-            return {"contestant": name, "error": f"timed out after {args.contestant_timeout} s; last output: "
-                                                 f"{output[-2000:]}"}
-        if finished.returncode != 0 or not row_file.exists():
-            return {"contestant": name, "error": f"exited with code {finished.returncode}: "
-                                                 f"{(finished.stdout + finished.stderr)[-2000:]}"}
+        code, output = forked.run_bench(command, args.contestant_timeout)
+        if code is None:
+            return {"contestant": name,
+                    "error": f"timed out after {args.contestant_timeout} s; last output: {output[-2000:]}"}
+        if code != 0 or not row_file.exists():
+            return {"contestant": name, "error": f"exited with code {code}: {output[-2000:]}"}
         return json.loads(row_file.read_text())
 
 
