@@ -26,13 +26,11 @@ import dataclasses
 from fp8graph.costs.casts import CAST_TRAFFIC, GROUPED_CAST_TRAFFIC, GroupedCasts, RecipeCasts
 from fp8graph.costs.gpus import GPU, gpu as gpu_named
 from fp8graph.recipes.policy import SiteInfo
+from fp8graph.recipes.scaling import NATIVE_GROUPED_GRANULARITIES, PRESETS
 
 __all__ = ["SiteTimes", "site_times"]
 
 _BF16_BYTES = 2
-# The recipes whose expert GEMMs run torch._scaled_grouped_mm; MXFP8's are emulated on every GPU
-# (fp8graph.targets.grouped_blocks) and block scaling's 128x128 weight blocks are never given to experts.
-_NATIVE_EXPERT_KINDS = frozenset({"current", "delayed", "rowwise"})
 # MXFP8's casts are not in the table (the cost model has no MXFP8 contestant): block scaling's are the
 # nearest, one read of each operand writing it and its transposed copy with a scale per 32 or 128 elements.
 _CASTS_STANDING_IN = {"mxfp8": "block"}
@@ -126,7 +124,8 @@ def site_times(site: SiteInfo, recipe, gpu: "str | GPU" = "H100", training: bool
     weights = site.experts or 1
     if site.experts:
         bf16_rate = rates.grouped_bf16_flops
-        fp8_rate = rates.grouped_fp8_flops if kind in _NATIVE_EXPERT_KINDS else None
+        granularity = (PRESETS[kind] if isinstance(recipe, str) else recipe).granularity
+        fp8_rate = rates.grouped_fp8_flops if granularity in NATIVE_GROUPED_GRANULARITIES else None
     else:
         bf16_rate, fp8_rate = rates.bf16_flops, rates.fp8_gemm_flops.get(kind)
     emulated = fp8_rate is None

@@ -17,8 +17,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fp8graph.numerics.formats import ROLES, Format, Role, fp8_max
 from fp8graph.numerics.tiles import ScaleKind, Tiling
 
-__all__ = ["FP8_GEMM_DIM_MULTIPLE", "DelayedScaling", "Granularity", "Float8BlockScaling", "Float8CurrentScaling",
-           "Float8RowwiseScaling", "MXFP8BlockScaling", "PRESETS", "Recipe", "TiledRecipe", "misaligned"]
+__all__ = ["EXPERT_GRANULARITIES", "FP8_GEMM_DIM_MULTIPLE", "DelayedScaling", "Granularity", "Float8BlockScaling",
+           "Float8CurrentScaling", "Float8RowwiseScaling", "MXFP8BlockScaling", "NATIVE_GROUPED_GRANULARITIES",
+           "PRESETS", "Recipe", "TiledRecipe", "misaligned"]
 
 # cuBLAS's FP8 GEMMs need the dimensions they do not reduce over, and K, to be multiples of 16.
 FP8_GEMM_DIM_MULTIPLE = 16
@@ -86,6 +87,14 @@ class Granularity(enum.Enum):
     ROW = "one scale per row along the reduction dimension"
     BLOCK = "one scale per 1x128 tile of activations, 128x128 block of weights"
     MX = "one E8M0 scale per block of 32 along the reduction dimension"
+
+
+# What a scale of the recipes expert sites run covers (the others are kept in high precision with the reason:
+# passes.annotate): no 128x128 weight blocks, which would tile across experts' groups of tokens.
+EXPERT_GRANULARITIES = frozenset({Granularity.TENSOR, Granularity.ROW, Granularity.MX})
+# Those whose expert GEMMs run torch._scaled_grouped_mm; MXFP8's are emulated block by block on every GPU
+# (fp8graph.targets.grouped_blocks): the targets choose the GEMM by it, the cost model its rate.
+NATIVE_GROUPED_GRANULARITIES = frozenset({Granularity.TENSOR, Granularity.ROW})
 
 
 class _RecipeKind:

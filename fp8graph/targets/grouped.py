@@ -41,7 +41,7 @@ from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.numerics.formats import Format, Role
 from fp8graph.numerics.groups import quantize_group_columns
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize, quantize_current, row_amaxes
-from fp8graph.recipes.scaling import Granularity, Recipe
+from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, NATIVE_GROUPED_GRANULARITIES, Granularity, Recipe
 from fp8graph.buffers.amax_reduction import amax_reduction
 from fp8graph.numerics.delayed_scaling import scale_from_history
 from fp8graph.targets.cache_hash import register_target
@@ -49,13 +49,10 @@ from fp8graph.targets.grouped_blocks import GroupedBlocks
 from fp8graph.targets.linear_tensorwise import record_health, record_states, target_name
 from fp8graph.targets.partitioning import read_in_backward, saved_not_recomputed
 
-__all__ = ["EXPERT_GRANULARITIES", "GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "expert_recipe",
+__all__ = ["GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "expert_recipe",
            "grouped_fp8_target", "health_scales"]
 
 _FP8 = torch.float8_e4m3fn
-# What a scale of the recipes expert sites run covers (the others are kept in high precision with the reason:
-# passes.annotate): no 128x128 weight blocks, which would tile across experts' groups of tokens.
-EXPERT_GRANULARITIES = frozenset({Granularity.TENSOR, Granularity.ROW, Granularity.MX})
 
 
 def expert_recipe(recipe: Recipe) -> Recipe:
@@ -277,7 +274,7 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True) 
     (``fp8graph.buffers.delayed_state``: 1 + E forward rows) and, with ``update=False`` (graphs without
     gradients, eval-mode modules), only reads its scales."""
 
-    function = GroupedBlocks if recipe.granularity is Granularity.MX else _GroupedFP8
+    function = _GroupedFP8 if recipe.granularity in NATIVE_GROUPED_GRANULARITIES else GroupedBlocks
 
     def grouped_fp8(input_hp, weight_hp, offsets=None, stats=None, history=None, scale=None, grad_history=None,
                     grad_scale=None, gather_index=None):
