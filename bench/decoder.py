@@ -244,20 +244,11 @@ def _in_own_process(contestant: str, args) -> dict:
     A child that crashes or outlives ``--contestant-timeout`` leaves an error
     row with the end of its output; the other contestants go on.
     """
-    with tempfile.TemporaryDirectory() as scratch:
-        row_file = pathlib.Path(scratch) / "row.json"
-        command = ["decoder", "--one", contestant, "--row-file", str(row_file),
-                   "--config", args.config, "--repeats", str(args.repeats)]
-        command += (["--layers", str(args.layers)] if args.layers is not None else [])
-        command += [flag for flag, wanted in (("--smoke", args.smoke), ("--profile", args.profile),
-                                              ("--skip-prefill", args.skip_prefill)) if wanted]
-        code, output = forked.run_bench(command, args.contestant_timeout)
-        if code is None:
-            return {"contestant": contestant,
-                    "error": f"timed out after {args.contestant_timeout} s; last output: {output[-2000:]}"}
-        if code != 0 or not row_file.exists():
-            return {"contestant": contestant, "error": f"exited with code {code}: {output[-2000:]}"}
-        return json.loads(row_file.read_text())
+    command = ["decoder", "--one", contestant, "--config", args.config, "--repeats", str(args.repeats)]
+    command += (["--layers", str(args.layers)] if args.layers is not None else [])
+    command += [flag for flag, wanted in (("--smoke", args.smoke), ("--profile", args.profile),
+                                          ("--skip-prefill", args.skip_prefill)) if wanted]
+    return forked.row_in_child(contestant, command, args.contestant_timeout)
 
 
 def run(args: argparse.Namespace) -> dict:

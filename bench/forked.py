@@ -11,7 +11,9 @@ import (``OMP_NUM_THREADS``, ``TORCH_LOGS``, ...) are the parent's, as they woul
 from __future__ import annotations
 
 import multiprocessing
+import json
 import os
+import pathlib
 import sys
 import tempfile
 import traceback
@@ -64,3 +66,17 @@ def run_bench(argv: list[str], timeout: float) -> tuple[int | None, str]:
             code = child.exitcode
         with open(output_path, errors="replace") if os.path.exists(output_path) else open(os.devnull) as output:
             return code, output.read()
+
+
+def row_in_child(contestant: str, argv: list[str], timeout: float) -> dict:
+    """``python -m bench ARGV --row-file FILE`` in a forked child (a ``--one`` run of one contestant): the row
+    it wrote, or, where it crashed, exited without one or outlived ``timeout``, an error row with the end of
+    its output, so that the other contestants go on."""
+    with tempfile.TemporaryDirectory(prefix="bench-row-") as scratch:
+        row_file = pathlib.Path(scratch) / "row.json"
+        code, output = run_bench([*argv, "--row-file", str(row_file)], timeout)
+        if code is None:
+            return {"contestant": contestant, "error": f"timed out after {timeout} s; last output: {output[-2000:]}"}
+        if code != 0 or not row_file.exists():
+            return {"contestant": contestant, "error": f"exited with code {code}: {output[-2000:]}"}
+        return json.loads(row_file.read_text())

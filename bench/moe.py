@@ -36,7 +36,6 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import tempfile
 import time
 
 import torch
@@ -256,20 +255,11 @@ def _as_loss(out: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
 def _in_own_process(name: str, args) -> dict:
     """``measure_contestant`` in a child process (its own CUDA context and peak memory); a crash or timeout
     is the row's error, and the other contestants go on."""
-    with tempfile.TemporaryDirectory() as scratch:
-        row_file = pathlib.Path(scratch) / "row.json"
-        command = ["moe", "--one", name, "--row-file", str(row_file),
-                   "--config", args.config, "--tokens", str(args.tokens), "--batch", str(args.batch),
-                   "--repeats", str(args.repeats)]
-        command += [flag for flag, wanted in (("--smoke", args.smoke), ("--profile", args.profile),
-                                              ("--decode", args.decode)) if wanted]
-        code, output = forked.run_bench(command, args.contestant_timeout)
-        if code is None:
-            return {"contestant": name,
-                    "error": f"timed out after {args.contestant_timeout} s; last output: {output[-2000:]}"}
-        if code != 0 or not row_file.exists():
-            return {"contestant": name, "error": f"exited with code {code}: {output[-2000:]}"}
-        return json.loads(row_file.read_text())
+    command = ["moe", "--one", name, "--config", args.config, "--tokens", str(args.tokens), "--batch",
+               str(args.batch), "--repeats", str(args.repeats)]
+    command += [flag for flag, wanted in (("--smoke", args.smoke), ("--profile", args.profile),
+                                          ("--decode", args.decode)) if wanted]
+    return forked.row_in_child(name, command, args.contestant_timeout)
 
 
 def wanted_contestants(requested: list[str] | None, decode: bool = False) -> list[str]:

@@ -312,3 +312,18 @@ def test_demo_policy_auto_refuses_a_model_whose_every_site_would_stay_in_high_pr
                               "high precision on H100 at 2x16 tokens (the largest, ")
     assert "modelled), so the FP8 run would train nothing in FP8" in message
     assert demo._policy(parser.parse_args([]), "H100", torch.device("cpu"), None) is None  # --policy fp8
+
+
+def test_a_contestant_child_that_fails_or_outlives_its_time_is_an_error_row(tmp_path):
+    """bench decoder and bench moe run each contestant in a fork (bench.forked): a child that exits without
+    its row becomes the contestant's error row with the end of its output; one that outlives its time is
+    killed."""
+    from bench import forked
+
+    failed = forked.row_in_child("delayed", ["decoder", "--no-such-option"], timeout=300)
+    assert failed["contestant"] == "delayed" and failed["error"].startswith("exited with code 2:")
+    assert "unrecognized arguments: --no-such-option" in failed["error"]
+    never_written = tmp_path / "fifo.json"
+    os.mkfifo(never_written)  # opening it for reading waits for a writer that never comes
+    code, _ = forked.run_bench(["show", str(never_written)], timeout=2)
+    assert code is None
