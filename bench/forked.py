@@ -10,8 +10,8 @@ import (``OMP_NUM_THREADS``, ``TORCH_LOGS``, ...) are the parent's, as they woul
 
 from __future__ import annotations
 
-import multiprocessing
 import json
+import multiprocessing
 import os
 import pathlib
 import sys

@@ -99,7 +99,8 @@ def children(args) -> calibration.Runner:
             started = time.time()
             result = run_child(spec, args.timeout, args.verbose, env)
             status = "error" if "error" in result else "modelled"
-            added = cubins.CubinFacts().write(result.pop("cubin_facts_new", {}))
+            new_facts = result.pop("cubin_facts_new", None)  # only a --cubin child's result has them
+            added = cubins.CubinFacts().write(new_facts) if new_facts else 0
             print(f"  {spec.get('contestant', spec['workload'])}: {status} in {time.time() - started:.0f} s"
                   + (f", {added} kernels' cubin facts added to {cubins.FACTS_PATH.name}" if added else ""),
                   file=sys.stderr, flush=True)

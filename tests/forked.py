@@ -24,9 +24,11 @@ import subprocess
 import sys
 import tempfile
 
-# What every child imports anyway; each costs seconds (torch._dynamo alone about 3 s).
-PRELOAD = ["torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed", "transformers",
-           "transformers.models.llama.modeling_llama", "fp8graph", "fp8graph.models"]
+from bench import forked as bench_forked
+
+# What every child imports anyway; each costs seconds (torch._dynamo alone about 3 s): what the benchmarks'
+# children preload, and torch.distributed for the gloo ranks.
+PRELOAD = [*bench_forked.PRELOAD, "torch.distributed"]
 # Read once, when the server imports torch, triton or Inductor's config: a child cannot change them.
 IMPORT_TIME_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
                          "DNNL_MAX_CPU_ISA", "TRITON_INTERPRET", "TORCHINDUCTOR_VEC_ISA_OK", "TORCH_LOGS",
