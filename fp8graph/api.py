@@ -69,7 +69,7 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             after loading new weights. Delayed-scaling scales and ``stats``
             work as without freezing; the scales fold with the weights.
             Training graphs are unaffected. Needs ``compiler="inductor"``.
-        cache_weights: keep each current-scaling weight's FP8 copy across calls
+        cache_weights: keep each current-scaling weight's FP8 copy (experts' 3-D weights too) across calls
             while the weight does not change (gradient accumulation, inference),
             so only the first call after a change quantizes it; changes are
             seen through the weights' version counters (see

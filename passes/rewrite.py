@@ -142,7 +142,7 @@ class _Buffers:
         return self._lift(self._state_nodes(decision.site), gm)
 
     def cache(self, decision: Decision, gm) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-        """``(FP8 copy, scale)`` of the weight of a current-scaling linear site with ``cache_weights``."""
+        """``(FP8 copy, scale)`` of the weight of a current-scaling linear or expert site with ``cache_weights``."""
         if not (decision.site.has_weight and decision.recipe.caches_weights):
             return None
         return self._lift(self._cache_nodes(decision.site), gm)
@@ -222,7 +222,8 @@ def _matmul_call(site: MatmulSite, decision: Decision, graph, state, cache, buff
 
 @_single_call.register
 def _grouped_call(site: GroupedExpertSite, decision: Decision, graph, state, cache, buffers):
-    target = grouped_fp8_target(decision.recipe, decision.lowering, state is None or buffers.updates_state(site))
+    target = grouped_fp8_target(decision.recipe, decision.lowering, state is None or buffers.updates_state(site),
+                                buffers.weight_cache if cache is not None else None)
     if site.gather_source is None:
         return target, (site.input_node, _weight_nk(graph, decision), site.offsets_node), {}
     # Sorted tokens gathered from the hidden states: the call casts the source rows, then gathers.
@@ -233,6 +234,9 @@ def _grouped_call(site: GroupedExpertSite, decision: Decision, graph, state, cac
 @_single_call.register
 def _gathered_call(site: GatheredExpertSite, decision: Decision, graph, state, cache, buffers):
     """Decode: each row's expert weight picked by ``expert_ids``."""
+    if cache is not None:
+        raise AssertionError(f"{site.path}: the decode form is rewritten only where Inductor freezes the weights, "
+                             "and frozen weights keep no FP8 copy between calls")
     return (gathered_fp8_target(decision.recipe, decision.lowering),
             (site.input_node, _weight_nk(graph, decision), site.expert_ids_node), {})
 

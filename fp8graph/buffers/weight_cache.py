@@ -14,6 +14,9 @@ the module stores it: a GPT-2 ``Conv1D`` weight, stored (K, N), gets the copy
 of its transpose. A weight whose module does not say which way round it is
 multiplied (``fp8graph.recipes.policy.weight_orientations``) gets a copy in its
 own shape, which the linear reads transposed when it multiplies the weight as (K, N).
+An expert weight (3-D, ``fp8graph.targets.grouped``) gets a copy in its own shape,
+(E, N, K) or (E, K, N), in E4M3 (the expert GEMMs' dtype), and one scale an
+expert, (E, 1); the copy also serves grad_input's GEMM, read transposed.
 
 Before each call of the compiled model, :meth:`WeightCache.before_call`
 compares the weights' version counters with those of the call that last
@@ -46,6 +49,7 @@ from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
 from fp8graph.recipes.plan import Plan
 from fp8graph.recipes.policy import Policy, weight_orientations
 from fp8graph.buffers.delayed_state import weight_candidates
+from fp8graph.targets.grouped import expert_recipe
 
 __all__ = ["CACHED_WEIGHT_PREFIX", "CACHED_SCALE_PREFIX", "WeightCache", "register_weight_cache"]
 
@@ -120,15 +124,21 @@ def _storage_address(weight: torch.Tensor) -> int | None:
         return None
 
 
-def matrices(module: torch.nn.Module):
-    """The 2-D weight candidates: experts' 3-D weights have no FP8 copy (their sites cast them each call)."""
-    return ((name, param) for name, param in weight_candidates(module) if param.dim() == 2)
-
-
-def _copy_shape(module: torch.nn.Module, param: torch.Tensor) -> tuple[int, int]:
-    """The FP8 copy's shape: (N, K), or the weight's own where its module leaves the orientation open."""
+def _copy_shape(module: torch.nn.Module, param: torch.Tensor) -> tuple[int, ...]:
+    """The FP8 copy's shape: (N, K), or the weight's own where its module leaves the orientation open (every
+    expert weight: (E, N, K) or (E, K, N), as the experts store it)."""
     orientations = weight_orientations(module, param)
-    return orientations[0] if len(orientations) == 1 else tuple(param.shape)
+    return (*param.shape[:-2], *orientations[0]) if len(orientations) == 1 else tuple(param.shape)
+
+
+def _copy_dtype(param: torch.Tensor, recipe) -> torch.dtype:
+    """The copy's FP8 dtype: the recipe's for the weight; an expert weight's, as the expert GEMM runs it."""
+    return (expert_recipe(recipe) if param.dim() == 3 else recipe).fp8_dtype(Role.WEIGHT)
+
+
+def _scale_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """One scale for a matrix, one an expert for a 3-D expert weight (as ``targets.grouped`` casts it)."""
+    return (param.shape[0], 1) if param.dim() == 3 else ()
 
 
 def _reuse_registered_cache(model: torch.nn.Module, plan: Plan, cache: WeightCache) -> WeightCache:
@@ -139,9 +149,9 @@ def _reuse_registered_cache(model: torch.nn.Module, plan: Plan, cache: WeightCac
     for path, module in model.named_modules():
         if module is model:
             continue
-        for name, param in matrices(module):
+        for name, param in weight_candidates(module):
             recipe = plan[param].cached
-            wanted = None if recipe is None else recipe.fp8_dtype(Role.WEIGHT)
+            wanted = None if recipe is None else _copy_dtype(param, recipe)
             there = copies[id(param)][0].dtype if id(param) in copies else None
             if wanted != there:
                 raise ValueError(
@@ -170,7 +180,7 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy, plan: Plan | N
     for path, module in model.named_modules():
         if module is model:
             continue
-        for name, param in matrices(module):
+        for name, param in weight_candidates(module):
             if id(param) in owner_of:  # a tied weight: one copy, kept by the first module
                 owner, owner_name = owner_of[id(param)]
                 cache.add(module, name, owner, owner_name)
@@ -180,9 +190,9 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy, plan: Plan | N
             if recipe is None:
                 continue
             copy_shape = _copy_shape(module, param)  # (N, K): a Conv1D's (K, N) weight is copied transposed
-            for prefix, initial in ((CACHED_WEIGHT_PREFIX, torch.zeros(copy_shape, dtype=recipe.fp8_dtype(Role.WEIGHT),
+            for prefix, initial in ((CACHED_WEIGHT_PREFIX, torch.zeros(copy_shape, dtype=_copy_dtype(param, recipe),
                                                                         device=param.device)),
-                                    (CACHED_SCALE_PREFIX, torch.ones((), device=param.device))):
+                                    (CACHED_SCALE_PREFIX, torch.ones(_scale_shape(param), device=param.device))):
                 new_buffers.append(NewBuffer(module, path, prefix + name, initial, persistent=False))
             owner_of[id(param)] = (module, name)
             cache.add(module, name, module, name)

@@ -158,13 +158,33 @@ def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec) -> tuple[to
     return weight_t_fp8, scale.reciprocal()
 
 
+def _cast_experts_through_copy(weight_hp: torch.Tensor, spec: GroupedSpec, mode: str, copy_fp8: torch.Tensor,
+                               copy_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As :func:`cast_experts` (one scale per expert), through the weight's FP8 copy
+    (``fp8graph.buffers.weight_cache``): a ``"reuse"`` call reads the copy and its scales and never the weight;
+    a ``"fill"`` call casts the weight and writes them."""
+    if spec.per_row or spec.delayed:
+        raise AssertionError(f"{spec.recipe.name}: expert weights are kept cast only with one scale per expert, "
+                             "from the weight alone")
+    if copy_fp8.shape != weight_hp.shape:  # kept in the parameter's own (E, K, N): read through its (E, N, K) view
+        copy_fp8 = copy_fp8.transpose(-2, -1)
+    experts, rows, _ = weight_hp.shape
+    if mode == "reuse":
+        scale = copy_scale.clone()  # (E, 1)
+        return copy_fp8, scale, scale.reciprocal().expand(experts, rows)
+    weight_fp8, scale, inverse = cast_experts(weight_hp, spec)
+    copy_fp8.copy_(weight_fp8)
+    copy_scale.copy_(scale)
+    return weight_fp8, scale, inverse
+
+
 class _GroupedFP8(torch.autograd.Function):
     """``output = grouped_mm(input, weight^T, offsets)`` (see the module's doc) on the sorted (S, K) input;
     the output is the GEMM's own (S, N) result, never a view."""
 
     @staticmethod
     def forward(ctx, input_hp, weight_hp, offsets, spec: GroupedSpec, stats, grad_enabled: bool, state=None,
-                gather_index=None):
+                gather_index=None, weight_copy=None):
         # With gather_index, input_hp is the (T, K) source and the GEMMs' rows are input_hp[gather_index] (S, K):
         # a row's cast does not depend on the other rows, so casting the T source rows and gathering FP8 bytes
         # gives the same FP8 rows (row-wise exactly; per tensor, the amax of the source, which is the rows'
@@ -178,7 +198,9 @@ class _GroupedFP8(torch.autograd.Function):
                     cast_forward_delayed(input_hp, weight_hp, state, spec, gather_index)
             else:
                 input_fp8, input_scale, input_inverse = cast_rows(input_hp, spec)  # (S or T, K), along K
-                weight_fp8, weight_scale, weight_inverse = cast_experts(weight_hp, spec)  # (E, N, K), along K
+                weight_fp8, weight_scale, weight_inverse = (  # (E, N, K), along K
+                    cast_experts(weight_hp, spec) if weight_copy is None
+                    else _cast_experts_through_copy(weight_hp, spec, *weight_copy))
             if stats is not None:
                 record_health(stats, Role.INPUT, input_hp, input_fp8, health_scales(input_scale), spec.recipe)
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
@@ -246,7 +268,7 @@ class _GroupedFP8(torch.autograd.Function):
                 # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
                 grad_weight = grouped_scaled_gemm_weights(grad_output_g_fp8.t(), grad_output_g_inverse, input_g_fp8,
                                                           input_g_inverse, offsets, ctx.weight_dtype, spec.lowering)
-        return grad_input, grad_weight, None, None, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None, None, None, None
 
 
 def _gather_rows(x_fp8: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -264,7 +286,8 @@ def _per_expert_row(scale: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True) -> Callable[..., torch.Tensor]:
+def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
+                       weight_cache: str | None = None) -> Callable[..., torch.Tensor]:
     """The graph target for expert sites with ``recipe`` (one of :data:`EXPERT_GRANULARITIES`), named for it:
     ``grouped_fp8(input_hp (S, K), weight_hp (E, N, K), offsets (E,), stats=None, history=None, scale=None,
     grad_history=None, grad_scale=None)``, or, for ``torch.bmm`` over every expert (Llama-4), ``input_hp``
@@ -272,29 +295,38 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True) 
     ``input_hp[gather_index]`` of a (T, K) ``input_hp``, cast before they are gathered. Delayed scaling takes
     the weight's state
     (``fp8graph.buffers.delayed_state``: 1 + E forward rows) and, with ``update=False`` (graphs without
-    gradients, eval-mode modules), only reads its scales."""
+    gradients, eval-mode modules), only reads its scales. With ``weight_cache`` (``"fill"`` or ``"reuse"``),
+    ``cached_weight`` and ``cached_weight_scale`` are the weight's FP8 copy and its (E, 1) scales
+    (``fp8graph.buffers.weight_cache``), written or read in place of casting the weight."""
 
     function = _GroupedFP8 if recipe.granularity in NATIVE_GROUPED_GRANULARITIES else GroupedBlocks
 
     def grouped_fp8(input_hp, weight_hp, offsets=None, stats=None, history=None, scale=None, grad_history=None,
-                    grad_scale=None, gather_index=None):
+                    grad_scale=None, gather_index=None, cached_weight=None, cached_weight_scale=None):
         spec = GroupedSpec(recipe, lowering, update)
         state = None if history is None else (history, scale, grad_history, grad_scale)
         if recipe.stateful and state is None:
             raise ValueError(f"{recipe.name} on an expert GEMM needs the weight's delayed-scaling state")
+        if (weight_cache is None) != (cached_weight is None) or (cached_weight is not None and function is not
+                                                                 _GroupedFP8):
+            raise ValueError(f"{grouped_fp8.__name__}: the weight's FP8 copy and the cache's mode come together, on "
+                             "a recipe whose expert cast is one scale per expert")
         if gather_index is not None and function is GroupedBlocks:
             input_hp, gather_index = input_hp[gather_index], None  # blocks along K: the rows gathered first
+        copy = () if weight_cache is None else ((weight_cache, cached_weight, cached_weight_scale),)
         if offsets is not None:
-            rows = () if gather_index is None else (gather_index,)
-            return function.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled(), state, *rows)
+            rows = () if gather_index is None and not copy else (gather_index,)
+            return function.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled(), state, *rows,
+                                  *copy)
         experts, tokens, _ = input_hp.shape
         offsets = torch.arange(1, experts + 1, device=input_hp.device, dtype=torch.int32) * tokens
         output = function.apply(input_hp.reshape(experts * tokens, input_hp.shape[2]), weight_hp, offsets, spec,
-                                stats, torch.is_grad_enabled(), state)  # (E T, N)
+                                stats, torch.is_grad_enabled(), state, None, *copy)  # (E T, N)
         return output.reshape(experts, tokens, output.shape[1])
 
     label = recipe.name if update else f"{recipe.name}_frozen"
+    label = f"{label}_{weight_cache}_cached_weight" if weight_cache else label
     grouped_fp8.__name__ = target_name("grouped", label, lowering.value)
     grouped_fp8.recipe = recipe
     grouped_fp8.lowering = lowering
-    return register_target(grouped_fp8, recipe, lowering, update)
+    return register_target(grouped_fp8, recipe, lowering, update, weight_cache)

@@ -14,7 +14,10 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import fp8graph
+from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.models import build
+from fp8graph.models.moe import CONFIGS, MoEBlock
+from fp8graph.targets.grouped import GroupedSpec, cast_experts
 from fp8graph.buffers.weight_cache import CACHED_SCALE_PREFIX, CACHED_WEIGHT_PREFIX
 from helpers import fp8_target_count
 
@@ -22,14 +25,14 @@ MICRO_BATCHES, STEPS = 3, 3
 AMAX_REDUCTION = "max_propagate_nan"  # one call per reduced vector in Inductor's C++ (see test_inference)
 
 
-def _accumulate(model, compiled, generator):
+def _accumulate(model, compiled, generator, dtype=torch.float32):
     """Gradient accumulation: STEPS optimizer steps of MICRO_BATCHES micro-batches; losses and modes."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, reused = [], []
     cache = compiled.fp8graph_backend.weight_cache
     for _ in range(STEPS):
         for _ in range(MICRO_BATCHES):
-            loss = compiled(torch.randn(32, 64, generator=generator)).square().mean()
+            loss = compiled(torch.randn(32, 64, generator=generator).to(dtype)).float().square().mean()
             loss.backward()
             losses.append(loss.item())
             reused.append(cache.reuse)
@@ -63,6 +66,41 @@ def test_gradient_accumulation_with_cached_weights_equals_without(compiler):
                            weight_fp8.view(torch.uint8))
         assert torch.equal(getattr(module, CACHED_SCALE_PREFIX + "weight"), scale)
     assert not hasattr(cached_model.head, CACHED_WEIGHT_PREFIX + "weight")
+
+
+@pytest.mark.parametrize("weights", ["enk", "ekn"])
+def test_expert_weights_are_cast_once_per_step_and_train_as_when_cast_at_every_call(weights):
+    """A MoE block's expert weights, (E, N, K) or stored (E, K, N): E4M3 copies with a scale an expert,
+    filled by the first micro-batch after each step and read by the others (forward and grad_input)."""
+    block = MoEBlock(**CONFIGS["tiny-odd"], weights=weights).to(torch.bfloat16)  # grouped_mm's dtype
+    cached_block = copy.deepcopy(block)
+    compiled = fp8graph.compile(block, compiler="aot_eager")
+    losses, _ = _accumulate(block, compiled, torch.Generator().manual_seed(1), torch.bfloat16)
+    expert_gemms = [d for d in compiled.fp8graph_backend.decisions if d.rewritten]
+    assert [d.site.path for d in expert_gemms] == ["experts", "experts"]  # gate_up and down
+    torch._dynamo.reset()
+    compiled = fp8graph.compile(cached_block, compiler="aot_eager", cache_weights=True)
+    cached_losses, reused = _accumulate(cached_block, compiled, torch.Generator().manual_seed(1), torch.bfloat16)
+    assert cached_losses == losses and reused == [False, True, True] * STEPS
+    targets = [[n.target.__name__ for n in gm.graph.nodes
+                if getattr(n.target, "__name__", "").startswith("fp8graph_grouped")]
+               for gm in compiled.fp8graph_backend.graph_modules]
+    assert [[name.split("_E4M3_")[1] for name in names] for names in targets] == [  # the fill graph, the reuse one
+        ["fill_cached_weight_emulated"] * 2, ["reuse_cached_weight_emulated"] * 2]
+    for name, param in block.named_parameters():
+        assert torch.equal(dict(cached_block.named_parameters())[name], param), name
+    with torch.no_grad():
+        compiled(torch.randn(32, 64, dtype=torch.bfloat16))  # fills the copies from the last step's weights
+    experts = cached_block.experts
+    for name in ("gate_up_proj", "down_proj"):
+        weight = getattr(experts, name).detach()
+        weight_nk = weight.transpose(-2, -1) if weights == "ekn" else weight
+        weight_fp8, scale, _ = cast_experts(weight_nk, GroupedSpec(expert_gemms[0].recipe, Lowering.EMULATED))
+        copy_fp8 = getattr(experts, CACHED_WEIGHT_PREFIX + name)
+        assert copy_fp8.shape == weight.shape and copy_fp8.dtype == torch.float8_e4m3fn
+        copy_nk = copy_fp8.transpose(-2, -1) if weights == "ekn" else copy_fp8
+        assert torch.equal(copy_nk.view(torch.uint8), weight_fp8.view(torch.uint8)), name
+        assert torch.equal(getattr(experts, CACHED_SCALE_PREFIX + name), scale), name
 
 
 @pytest.mark.inductor
