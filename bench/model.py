@@ -31,7 +31,7 @@ import tempfile
 import time
 
 from .cli import positive
-from .costmodel import calibration, costs, cubins, site_casts
+from .costmodel import calibration, captures, costs, cubins, site_casts
 from .targets import judge
 from .timing import markdown_table, with_verdicts, write_result
 
@@ -479,9 +479,15 @@ def model_quantize(args) -> dict:
 
 
 def model_calibrate(args) -> None:
-    lines, comparisons = calibration.calibrate(str(args.results), children(args), machine_of(args),
-                                               args.only or calibration.SECTIONS[:4], args.fp8graph_at)
+    """The captures it makes are kept (bench.costmodel.captures): the test reads them while they hold."""
+    kept = captures.CapturedResults()
+    lines, comparisons = calibration.calibrate(str(args.results), captures.cached(children(args), kept),
+                                               machine_of(args), args.only or calibration.SECTIONS[:4],
+                                               args.fp8graph_at)
     print("\n".join(lines))
+    written = kept.write()
+    if written:
+        print(f"{written} captures kept in {kept.path}", file=sys.stderr)
 
 
 def model_compare(args) -> None:

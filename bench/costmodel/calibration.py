@@ -178,25 +178,25 @@ class Calibration:
                       "torchao rowwise": "torchao rowwise (inductor)"}
         probe_name = {"bf16": "bf16", "current": "fp8", "torchao tensorwise": "torchao tensorwise",
                       "torchao rowwise": "torchao rowwise"}
-        results = self._run_many([{"workload": "linear", "shapes": shapes, "bias": False, "contestant": c}
-                                  for c in contestants])
+        # A spec a shape: a kept capture (bench.costmodel.captures) serves any subset of the shapes.
+        pairs = [(contestant, shape) for shape in shapes for contestant in contestants]
+        results = self._run_many([{"workload": "linear", "shapes": [shape], "bias": False, "contestant": contestant}
+                                  for contestant, shape in pairs])
         table, errors = [], []
-        for (m, k, n) in shapes:
-            for result in results:
-                contestant = result["contestant"]
-                case = next((c for c in result.get("cases", []) if c["case"] == f"{m}x{k}x{n}"), None)
-                if case is None:
-                    errors.append(f"{contestant}: not modelled: {result.get('error', '?')[:300]}")
-                    continue
-                s = case["summary"]
-                measured = bench.get((m, k, n, bench_name.get(contestant, f"fp8graph {contestant} (inductor)")))
-                probed = probe.get((m, k, n, probe_name.get(contestant)))
-                self._compare("linear", f"{m}x{k}x{n}", contestant, "step ms (bench)", s["step_ms"], measured)
-                self._compare("linear", f"{m}x{k}x{n}", contestant, "step ms (probe)", s["step_ms"], probed)
-                table.append([f"{m}x{k}x{n}", contestant, f"{s['triton_ms']:.3f}", f"{s['gemm_ms']:.3f}",
-                              f"{s['other_ms']:.3f}", f"{s['step_ms']:.3f}", f"{measured:.3f}" if measured else "-",
-                              _pct(s["step_ms"], measured), f"{probed:.3f}" if probed else "-",
-                              _pct(s["step_ms"], probed)])
+        for (contestant, (m, k, n)), result in zip(pairs, results):
+            case = next((c for c in result.get("cases", []) if c["case"] == f"{m}x{k}x{n}"), None)
+            if case is None:
+                errors.append(f"{contestant}: not modelled: {result.get('error', '?')[:300]}")
+                continue
+            s = case["summary"]
+            measured = bench.get((m, k, n, bench_name.get(contestant, f"fp8graph {contestant} (inductor)")))
+            probed = probe.get((m, k, n, probe_name.get(contestant)))
+            self._compare("linear", f"{m}x{k}x{n}", contestant, "step ms (bench)", s["step_ms"], measured)
+            self._compare("linear", f"{m}x{k}x{n}", contestant, "step ms (probe)", s["step_ms"], probed)
+            table.append([f"{m}x{k}x{n}", contestant, f"{s['triton_ms']:.3f}", f"{s['gemm_ms']:.3f}",
+                          f"{s['other_ms']:.3f}", f"{s['step_ms']:.3f}", f"{measured:.3f}" if measured else "-",
+                          _pct(s["step_ms"], measured), f"{probed:.3f}" if probed else "-",
+                          _pct(s["step_ms"], probed)])
         return ["### Linear forward + backward (ms per step)", "",
                 *markdown(["shape", "contestant", "model Triton", "model GEMM", "model other", "model step",
                            "H100 bench", "error", "H100 probe", "error"], table), *sorted(set(errors)), "",

@@ -7,18 +7,20 @@
 
 The unit tests run in this process. The calibration test models, in child processes as ``bench model``
 does, the workloads the H100 ran on 2026-11-23 (fp8graph at the commit it ran, extracted from git) and
-holds the model to the accuracy docs/cost-model.md states. What it proves: the model reproduces those
+holds the model to the accuracy docs/cost-model.md states; a capture ``bench model calibrate`` kept under the
+very sources and versions it would be made from is read instead of made again (bench.costmodel.captures). What it proves: the model reproduces those
 measurements today, on the pinned torch. What it does not: that it predicts code the H100 never ran
 (``tests/bench/test_step_structure.py`` pins that code's structure, whose bytes and launches are facts).
 """
 
+import hashlib
 import json
 import pathlib
 
 import pytest
 
 from bench import model as bench_model
-from bench.costmodel import calibration, capture, costs
+from bench.costmodel import calibration, capture, captures, costs
 
 RESULTS = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results"
 
@@ -94,12 +96,55 @@ def dataclasses_row(**fields) -> dict:
     return dataclasses.asdict(_row(**fields))
 
 
+def test_a_kept_capture_is_served_only_while_what_it_was_made_from_is_unchanged(tmp_path, monkeypatch):
+    """bench.costmodel.captures: a result is reused only while every source its child imported hashes the same
+    and the versions are the installed ones; an error is never kept."""
+    root = tmp_path / "measured"
+    root.mkdir()
+    source = root / "api.py"
+    source.write_text("A = 1\n")
+    env = {captures.MEASURED_ROOT: str(root)}
+    ran = []
+
+    def run(specs, env=None):
+        assert env[captures.SOURCES_WANTED] and env[captures.MEASURED_ROOT] == str(root)
+        ran.append([spec["contestant"] for spec in specs])
+        digest = hashlib.sha256(source.read_bytes()).hexdigest()
+        return [{"contestant": spec["contestant"], "error": "no"} if spec["contestant"] == "broken" else
+                {"contestant": spec["contestant"], "cases": [source.read_text()],
+                 "sources": {"measured:api.py": digest}} for spec in specs]
+
+    specs = [{"workload": "linear", "contestant": contestant} for contestant in ("current", "broken")]
+    first = captures.cached(run, kept := captures.CapturedResults(tmp_path / "captures.json"))(specs, env)
+    assert kept.write() == 1 and first[0]["cases"] == ["A = 1\n"] and "sources" not in first[0]
+    served = captures.cached(run, captures.CapturedResults(tmp_path / "captures.json"))(specs, env)
+    assert ran == [["current", "broken"], ["broken"]] and served == first
+    source.write_text("A = 2\n")  # a source the capture imported changed: captured again
+    assert captures.cached(run, captures.CapturedResults(tmp_path / "captures.json"))(specs, env)[0]["cases"] == [
+        "A = 2\n"]
+    source.write_text("A = 1\n")
+    monkeypatch.setattr(captures, "installed_versions", lambda: {"torch": "2.14.0"})  # another torch: again
+    captures.cached(run, captures.CapturedResults(tmp_path / "captures.json"))(specs, env)
+    assert ran[2:] == [["current", "broken"]] * 2
+
+
+def test_a_child_names_every_source_it_imported_from_the_repository():
+    sources = captures.imported_sources({})
+    for module in (captures, capture, costs):
+        relative = pathlib.Path(module.__file__).resolve().relative_to(captures.REPOSITORY).as_posix()
+        assert sources[f"repo:{relative}"] == hashlib.sha256(pathlib.Path(module.__file__).read_bytes()).hexdigest()
+    assert sources["repo:bench/costmodel/fake_cuda_guard.cpp"]
+    assert not any(name.startswith("repo:.venv") for name in sources)
+    assert captures.imported_sources({}, since=0.0) is None  # a source written after the child began: none kept
+
+
 # --- the model against the H100 (child processes; minutes) ---------------------------------------------------
 
 def _runner(timeout: float = 900):
+    """Child processes for the captures ``bench model calibrate`` has not kept under today's sources."""
     def run(specs, env=None):  # one child process for the specs of one environment: each start costs seconds
         return bench_model.run_children(specs, timeout, env=env)
-    return run
+    return captures.cached(run, captures.CapturedResults())
 
 
 @pytest.fixture(scope="module")
