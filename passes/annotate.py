@@ -23,10 +23,9 @@ import torch
 from fp8graph.gemm.scaled_gemm import Lowering, NoNativeGemm
 from fp8graph.recipes.plan import WeightEntry
 from fp8graph.recipes.policy import Policy, Resolution, resolve
-from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, Recipe, misaligned
+from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, Recipe, expert_recipe, misaligned
 from fp8graph.buffers.snapshots import CONTEXT_FN_KEY
 from fp8graph.targets.gathered import GATHERED_GRANULARITIES
-from fp8graph.targets.grouped import expert_recipe
 
 from .sites import ExpertSite, GatheredExpertSite, LinearSite, MatmulSite, Site
 

@@ -141,8 +141,9 @@ class _Buffers:
             return None
         return self._lift(self._state_nodes(decision.site), gm)
 
-    def cache(self, decision: Decision, gm) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-        """``(FP8 copy, scale)`` of the weight of a current-scaling linear or expert site with ``cache_weights``."""
+    def cache(self, decision: Decision, gm) -> tuple[torch.fx.Node, ...] | None:
+        """``(FP8 copy, scale)`` of the weight of a current-scaling linear site with ``cache_weights``; an
+        expert site's adds the copy of its transpose."""
         if not (decision.site.has_weight and decision.recipe.caches_weights):
             return None
         return self._lift(self._cache_nodes(decision.site), gm)
@@ -189,7 +190,7 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
             state, cache = states[0], caches[0]
             target, args, kwargs = _single_call(site, first, graph, state, cache, buffers)
             if cache is not None:
-                kwargs.update(zip(("cached_weight", "cached_weight_scale"), cache))
+                kwargs.update(zip(("cached_weight", "cached_weight_scale", "cached_weight_t"), cache))
             if stats[0] is not None or state is not None:
                 args = args + (stats[0],)
             if state is not None:

@@ -14,9 +14,16 @@ the module stores it: a GPT-2 ``Conv1D`` weight, stored (K, N), gets the copy
 of its transpose. A weight whose module does not say which way round it is
 multiplied (``fp8graph.recipes.policy.weight_orientations``) gets a copy in its
 own shape, which the linear reads transposed when it multiplies the weight as (K, N).
-An expert weight (3-D, ``fp8graph.targets.grouped``) gets a copy in its own shape,
-(E, N, K) or (E, K, N), in E4M3 (the expert GEMMs' dtype), and one scale an
-expert, (E, 1); the copy also serves grad_input's GEMM, read transposed.
+An expert weight (3-D, ``fp8graph.targets.grouped``) gets one E4M3 copy (the
+expert GEMMs' dtype) in its own shape and layout, (E, N, K) or (E, K, N), a
+second of its transpose, and one scale an expert, (E, 1)::
+
+    fp8graph_cached_weight_t_<name>       the copy of its transpose, (E, K, N) or (E, N, K), contiguous
+
+The forward GEMM reads the one laid out (E, N, K), grad_input's the one laid out
+(E, K, N): each in the layout ``torch._scaled_grouped_mm`` takes, so no call
+copies an FP8 weight to transpose it. Two bytes per element, the size of the
+BF16 weight.
 
 Before each call of the compiled model, :meth:`WeightCache.before_call`
 compares the weights' version counters with those of the call that last
@@ -48,13 +55,15 @@ from fp8graph.numerics.formats import Role
 from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
 from fp8graph.recipes.plan import Plan
 from fp8graph.recipes.policy import Policy, weight_orientations
+from fp8graph.recipes.scaling import expert_recipe
 from fp8graph.buffers.delayed_state import weight_candidates
-from fp8graph.targets.grouped import expert_recipe
 
-__all__ = ["CACHED_WEIGHT_PREFIX", "CACHED_SCALE_PREFIX", "WeightCache", "register_weight_cache"]
+__all__ = ["CACHED_WEIGHT_PREFIX", "CACHED_SCALE_PREFIX", "CACHED_TRANSPOSE_PREFIX", "WeightCache",
+           "register_weight_cache"]
 
 CACHED_WEIGHT_PREFIX = "fp8graph_cached_weight_"
 CACHED_SCALE_PREFIX = "fp8graph_cached_weight_scale_"
+CACHED_TRANSPOSE_PREFIX = "fp8graph_cached_weight_t_"  # an expert weight's second copy, of its transpose
 
 
 class WeightCache:
@@ -73,10 +82,11 @@ class WeightCache:
     def __len__(self) -> int:
         return sum(holder is owner for holder, _, owner, _ in self._holders)
 
-    def by_weight(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """``{id(weight): (fp8 copy, scale)}`` for the tensors the holding modules hold now."""
-        return {id(holder._parameters[name]): (getattr(owner, CACHED_WEIGHT_PREFIX + owner_name),
-                                               getattr(owner, CACHED_SCALE_PREFIX + owner_name))
+    def by_weight(self) -> dict[int, tuple[torch.Tensor, ...]]:
+        """``{id(weight): (fp8 copy, scale)}`` for the tensors the holding modules hold now, ``(fp8 copy, scale,
+        fp8 copy of the transpose)`` for an expert weight."""
+        return {id(holder._parameters[name]): tuple(getattr(owner, prefix + owner_name)
+                                                    for prefix in copy_prefixes(holder._parameters[name]))
                 for holder, name, owner, owner_name in self._holders if holder._parameters.get(name) is not None}
 
     def _versions(self) -> tuple:
@@ -106,7 +116,7 @@ class _CachedWeightsHook(AnchorHook):
     """Anchors the FP8 copies as filled by this call, or as read by it (the cache's mode)."""
 
     def __init__(self, cache: WeightCache, owners_and_names: list[tuple[torch.nn.Module, str]]) -> None:
-        super().__init__("fill", [(owner, (CACHED_WEIGHT_PREFIX + name, CACHED_SCALE_PREFIX + name))
+        super().__init__("fill", [(owner, tuple(prefix + name for prefix in copy_prefixes(owner._parameters[name])))
                                   for owner, name in owners_and_names])
         self.cache = cache
 
@@ -122,6 +132,13 @@ def _storage_address(weight: torch.Tensor) -> int | None:
         return weight.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor) has no storage of its own
         return None
+
+
+def copy_prefixes(param: torch.Tensor) -> tuple[str, ...]:
+    """The buffers of a weight's copies, in the order the FP8 sites take them."""
+    if param.dim() == 3:
+        return CACHED_WEIGHT_PREFIX, CACHED_SCALE_PREFIX, CACHED_TRANSPOSE_PREFIX
+    return CACHED_WEIGHT_PREFIX, CACHED_SCALE_PREFIX
 
 
 def _copy_shape(module: torch.nn.Module, param: torch.Tensor) -> tuple[int, ...]:
@@ -190,10 +207,13 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy, plan: Plan | N
             if recipe is None:
                 continue
             copy_shape = _copy_shape(module, param)  # (N, K): a Conv1D's (K, N) weight is copied transposed
-            for prefix, initial in ((CACHED_WEIGHT_PREFIX, torch.zeros(copy_shape, dtype=_copy_dtype(param, recipe),
-                                                                        device=param.device)),
-                                    (CACHED_SCALE_PREFIX, torch.ones(_scale_shape(param), device=param.device))):
-                new_buffers.append(NewBuffer(module, path, prefix + name, initial, persistent=False))
+            initials = {CACHED_WEIGHT_PREFIX: torch.zeros(copy_shape, dtype=_copy_dtype(param, recipe),
+                                                          device=param.device),
+                        CACHED_SCALE_PREFIX: torch.ones(_scale_shape(param), device=param.device)}
+            if param.dim() == 3:
+                initials[CACHED_TRANSPOSE_PREFIX] = initials[CACHED_WEIGHT_PREFIX].transpose(-2, -1).contiguous()
+            for prefix in copy_prefixes(param):
+                new_buffers.append(NewBuffer(module, path, prefix + name, initials[prefix], persistent=False))
             owner_of[id(param)] = (module, name)
             cache.add(module, name, module, name)
             anchored.setdefault(module, []).append((module, name))

@@ -19,7 +19,7 @@ from fp8graph.numerics.tiles import ScaleKind, Tiling
 
 __all__ = ["EXPERT_GRANULARITIES", "FP8_GEMM_DIM_MULTIPLE", "DelayedScaling", "Granularity", "Float8BlockScaling",
            "Float8CurrentScaling", "Float8RowwiseScaling", "MXFP8BlockScaling", "NATIVE_GROUPED_GRANULARITIES",
-           "PRESETS", "Recipe", "TiledRecipe", "misaligned"]
+           "PRESETS", "Recipe", "TiledRecipe", "expert_recipe", "misaligned"]
 
 # cuBLAS's FP8 GEMMs need the dimensions they do not reduce over, and K, to be multiples of 16.
 FP8_GEMM_DIM_MULTIPLE = 16
@@ -369,3 +369,11 @@ PRESETS: dict[str, Recipe] = {
     "block": Float8BlockScaling(),
     "mxfp8": MXFP8BlockScaling(),
 }
+
+
+def expert_recipe(recipe: Recipe) -> Recipe:
+    """The recipe an expert site runs when a policy gives it ``recipe``: every operand E4M3, grad_output too
+    (``torch._scaled_grouped_mm`` takes E4M3 only; fp8graph.targets.grouped), the rest unchanged."""
+    if recipe.granularity is Granularity.TENSOR and recipe.fp8_format is not Format.E4M3:
+        return dataclasses.replace(recipe, fp8_format=Format.E4M3)
+    return recipe

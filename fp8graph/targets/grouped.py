@@ -22,8 +22,8 @@ Scales, per recipe (``fp8graph.numerics.groups`` draws the groups):
                                                                           (``grouped_blocks``)
 
 Every operand is E4M3, whatever the recipe's ``fp8_format``: ``torch._scaled_grouped_mm`` takes
-E4M3 only (the decision records the recipe the site runs, ``expert_recipe``). The quantization is
-plain torch ops inside an ``autograd.Function``, which AOTAutograd traces into both graphs, so
+E4M3 only (the decision records the recipe the site runs, ``fp8graph.recipes.scaling.expert_recipe``).
+The quantization is plain torch ops inside an ``autograd.Function``, which AOTAutograd traces into both graphs, so
 Inductor fuses amax, scale and cast with their neighbours; the GEMMs are
 ``fp8graph.gemm.grouped_gemm``'s. Only the output of the weight gradient stays in high precision.
 """
@@ -38,10 +38,10 @@ import torch
 
 from fp8graph.gemm.grouped_gemm import grouped_scaled_gemm, grouped_scaled_gemm_weights
 from fp8graph.gemm.scaled_gemm import Lowering
-from fp8graph.numerics.formats import Format, Role
+from fp8graph.numerics.formats import Role
 from fp8graph.numerics.groups import quantize_group_columns
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize, quantize_current, row_amaxes
-from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, NATIVE_GROUPED_GRANULARITIES, Granularity, Recipe
+from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, NATIVE_GROUPED_GRANULARITIES, Recipe
 from fp8graph.buffers.amax_reduction import amax_reduction
 from fp8graph.numerics.delayed_scaling import scale_from_history
 from fp8graph.targets.cache_hash import register_target
@@ -49,18 +49,10 @@ from fp8graph.targets.grouped_blocks import GroupedBlocks
 from fp8graph.targets.linear_tensorwise import record_health, record_states, target_name
 from fp8graph.targets.partitioning import read_in_backward, saved_not_recomputed
 
-__all__ = ["GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "expert_recipe",
-           "grouped_fp8_target", "health_scales"]
+__all__ = ["GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "grouped_fp8_target",
+           "health_scales"]
 
 _FP8 = torch.float8_e4m3fn
-
-
-def expert_recipe(recipe: Recipe) -> Recipe:
-    """The recipe an expert site runs when a policy gives it ``recipe``: its grad_output in E4M3 (see the
-    module's doc), the rest unchanged."""
-    if recipe.granularity is Granularity.TENSOR and recipe.fp8_format is not Format.E4M3:
-        return dataclasses.replace(recipe, fp8_format=Format.E4M3)
-    return recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,23 +151,26 @@ def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec) -> tuple[to
 
 
 def _cast_experts_through_copy(weight_hp: torch.Tensor, spec: GroupedSpec, mode: str, copy_fp8: torch.Tensor,
-                               copy_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As :func:`cast_experts` (one scale per expert), through the weight's FP8 copy
-    (``fp8graph.buffers.weight_cache``): a ``"reuse"`` call reads the copy and its scales and never the weight;
-    a ``"fill"`` call casts the weight and writes them."""
+                               copy_scale: torch.Tensor, copy_t_fp8: torch.Tensor):
+    """As :func:`cast_experts` (one scale per expert), through the weight's FP8 copies
+    (``fp8graph.buffers.weight_cache``): a ``"reuse"`` call reads the copies and their scales and never the
+    weight; a ``"fill"`` call casts the weight and writes them. Returns ``(weight_fp8 (E, N, K), scale (E, 1),
+    inverse_scale (E, N), weight_t_fp8 (E, K, N))``, both copies contiguous, as the forward and grad_input GEMMs
+    read them."""
     if spec.per_row or spec.delayed:
         raise AssertionError(f"{spec.recipe.name}: expert weights are kept cast only with one scale per expert, "
                              "from the weight alone")
-    if copy_fp8.shape != weight_hp.shape:  # kept in the parameter's own (E, K, N): read through its (E, N, K) view
-        copy_fp8 = copy_fp8.transpose(-2, -1)
+    if copy_fp8.shape != weight_hp.shape:  # a parameter stored (E, K, N): its copy is grad_input's layout
+        copy_fp8, copy_t_fp8 = copy_t_fp8, copy_fp8
     experts, rows, _ = weight_hp.shape
     if mode == "reuse":
         scale = copy_scale.clone()  # (E, 1)
-        return copy_fp8, scale, scale.reciprocal().expand(experts, rows)
-    weight_fp8, scale, inverse = cast_experts(weight_hp, spec)
+        return copy_fp8, scale, scale.reciprocal().expand(experts, rows), copy_t_fp8
+    weight_fp8, scale, inverse = cast_experts(weight_hp, spec)  # one read of the weight writes both layouts
     copy_fp8.copy_(weight_fp8)
+    copy_t_fp8.copy_(weight_fp8.transpose(-2, -1))
     copy_scale.copy_(scale)
-    return weight_fp8, scale, inverse
+    return copy_fp8, scale, inverse, copy_t_fp8
 
 
 class _GroupedFP8(torch.autograd.Function):
@@ -198,9 +193,11 @@ class _GroupedFP8(torch.autograd.Function):
                     cast_forward_delayed(input_hp, weight_hp, state, spec, gather_index)
             else:
                 input_fp8, input_scale, input_inverse = cast_rows(input_hp, spec)  # (S or T, K), along K
-                weight_fp8, weight_scale, weight_inverse = (  # (E, N, K), along K
-                    cast_experts(weight_hp, spec) if weight_copy is None
-                    else _cast_experts_through_copy(weight_hp, spec, *weight_copy))
+                if weight_copy is None:
+                    weight_fp8, weight_scale, weight_inverse = cast_experts(weight_hp, spec)  # (E, N, K), along K
+                else:  # kept between calls, with its transpose for grad_input
+                    weight_fp8, weight_scale, weight_inverse, weight_t_fp8 = _cast_experts_through_copy(
+                        weight_hp, spec, *weight_copy)
             if stats is not None:
                 record_health(stats, Role.INPUT, input_hp, input_fp8, health_scales(input_scale), spec.recipe)
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
@@ -224,8 +221,8 @@ class _GroupedFP8(torch.autograd.Function):
                 if spec.per_row:
                     saved_weight = _cast_expert_columns(weight_hp, spec)  # (E, K, N), (E, K)
                 else:
-                    saved_weight = (weight_fp8.transpose(-2, -1), weight_inverse[:, :1].expand(
-                        experts, weight_hp.shape[2]))
+                    saved_weight = (weight_fp8.transpose(-2, -1) if weight_copy is None else weight_t_fp8,
+                                    weight_inverse[:, :1].expand(experts, weight_hp.shape[2]))
         ctx.save_for_backward(offsets, *saved_input, *saved_weight, gather_index)
         ctx.source_rows = input_hp.shape[0]
         # The state's buffers are read and written in place by the backward, not saved (as the linears' are:
@@ -296,13 +293,15 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     the weight's state
     (``fp8graph.buffers.delayed_state``: 1 + E forward rows) and, with ``update=False`` (graphs without
     gradients, eval-mode modules), only reads its scales. With ``weight_cache`` (``"fill"`` or ``"reuse"``),
-    ``cached_weight`` and ``cached_weight_scale`` are the weight's FP8 copy and its (E, 1) scales
-    (``fp8graph.buffers.weight_cache``), written or read in place of casting the weight."""
+    ``cached_weight``, ``cached_weight_scale`` and ``cached_weight_t`` are the weight's FP8 copy, its (E, 1)
+    scales and the copy of its transpose (``fp8graph.buffers.weight_cache``), written or read in place of
+    casting the weight."""
 
     function = _GroupedFP8 if recipe.granularity in NATIVE_GROUPED_GRANULARITIES else GroupedBlocks
 
     def grouped_fp8(input_hp, weight_hp, offsets=None, stats=None, history=None, scale=None, grad_history=None,
-                    grad_scale=None, gather_index=None, cached_weight=None, cached_weight_scale=None):
+                    grad_scale=None, gather_index=None, cached_weight=None, cached_weight_scale=None,
+                    cached_weight_t=None):
         spec = GroupedSpec(recipe, lowering, update)
         state = None if history is None else (history, scale, grad_history, grad_scale)
         if recipe.stateful and state is None:
@@ -313,7 +312,7 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
                              "a recipe whose expert cast is one scale per expert")
         if gather_index is not None and function is GroupedBlocks:
             input_hp, gather_index = input_hp[gather_index], None  # blocks along K: the rows gathered first
-        copy = () if weight_cache is None else ((weight_cache, cached_weight, cached_weight_scale),)
+        copy = () if weight_cache is None else ((weight_cache, cached_weight, cached_weight_scale, cached_weight_t),)
         if offsets is not None:
             rows = () if gather_index is None and not copy else (gather_index,)
             return function.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled(), state, *rows,

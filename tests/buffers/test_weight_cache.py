@@ -18,7 +18,7 @@ from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.models import build
 from fp8graph.models.moe import CONFIGS, MoEBlock
 from fp8graph.targets.grouped import GroupedSpec, cast_experts
-from fp8graph.buffers.weight_cache import CACHED_SCALE_PREFIX, CACHED_WEIGHT_PREFIX
+from fp8graph.buffers.weight_cache import CACHED_SCALE_PREFIX, CACHED_TRANSPOSE_PREFIX, CACHED_WEIGHT_PREFIX
 from helpers import fp8_target_count
 
 MICRO_BATCHES, STEPS = 3, 3
@@ -70,8 +70,8 @@ def test_gradient_accumulation_with_cached_weights_equals_without(compiler):
 
 @pytest.mark.parametrize("weights", ["enk", "ekn"])
 def test_expert_weights_are_cast_once_per_step_and_train_as_when_cast_at_every_call(weights):
-    """A MoE block's expert weights, (E, N, K) or stored (E, K, N): E4M3 copies with a scale an expert,
-    filled by the first micro-batch after each step and read by the others (forward and grad_input)."""
+    """A MoE block's expert weights, (E, N, K) or stored (E, K, N): E4M3 copies in both layouts with a scale an
+    expert, filled by the first micro-batch after each step and read by the others (forward and grad_input)."""
     block = MoEBlock(**CONFIGS["tiny-odd"], weights=weights).to(torch.bfloat16)  # grouped_mm's dtype
     cached_block = copy.deepcopy(block)
     compiled = fp8graph.compile(block, compiler="aot_eager")
@@ -96,10 +96,13 @@ def test_expert_weights_are_cast_once_per_step_and_train_as_when_cast_at_every_c
         weight = getattr(experts, name).detach()
         weight_nk = weight.transpose(-2, -1) if weights == "ekn" else weight
         weight_fp8, scale, _ = cast_experts(weight_nk, GroupedSpec(expert_gemms[0].recipe, Lowering.EMULATED))
-        copy_fp8 = getattr(experts, CACHED_WEIGHT_PREFIX + name)
+        copy_fp8, copy_t_fp8 = (getattr(experts, prefix + name) for prefix in (CACHED_WEIGHT_PREFIX,
+                                                                                CACHED_TRANSPOSE_PREFIX))
         assert copy_fp8.shape == weight.shape and copy_fp8.dtype == torch.float8_e4m3fn
+        assert copy_fp8.is_contiguous() and copy_t_fp8.is_contiguous()  # the layouts the two GEMMs read
         copy_nk = copy_fp8.transpose(-2, -1) if weights == "ekn" else copy_fp8
         assert torch.equal(copy_nk.view(torch.uint8), weight_fp8.view(torch.uint8)), name
+        assert torch.equal(copy_t_fp8.view(torch.uint8), copy_fp8.transpose(-2, -1).view(torch.uint8)), name
         assert torch.equal(getattr(experts, CACHED_SCALE_PREFIX + name), scale), name
 
 
