@@ -361,10 +361,11 @@ def model_moe(args) -> dict:
     """bench moe's training step of one MoE block (models/moe.py), each contestant in a child process."""
     import importlib.util
 
-    from .moe import AUTO, DEFAULT, SWEEP, TORCHAO, parse_contestant
+    from .moe import AUTO, CACHED, DEFAULT, SWEEP, TORCHAO, parse_contestant
 
-    # The sweep judges policies.auto() too: FP8 only where the cost model says a site gains.
-    default = [c for c in DEFAULT + (list(AUTO) if args.sweep else [])
+    # The sweep judges policies.auto() too (FP8 only where the cost model says a site gains), and current
+    # scaling with the weights cast once a step (what gradient accumulation gains from cache_weights).
+    default = [c for c in DEFAULT + ([*AUTO, CACHED] if args.sweep else [])
                if c != TORCHAO or importlib.util.find_spec("torchao")]
     contestants = contestants_of(args.contestants, default, parse_contestant)
     if args.sweep:
@@ -413,14 +414,16 @@ def accumulate(results: list[dict], micro_batches: list[int]) -> None:
     """Each captured case as a step of ``n`` micro-batches, for each ``n``: the forward and backward kernels
     ``n`` times, then one optimizer step; after the first micro-batch autograd adds each parameter's gradient
     into the one it holds (read 2, write 1: the optimizer row's bytes). Every kernel of the forward and
-    backward runs again, weight casts included: fp8graph casts its weights at every call."""
+    backward runs again, weight casts included, but where a case has ``reuse_rows`` (weights cast once per
+    step, ``cache_weights``): micro-batches 2..n run those instead."""
     if micro_batches == [1]:
         return
     for result in results:
         if "cases" not in result:
             continue
-        result["cases"] = [{**case, "case": _with_micro_batches(case["case"], n),
-                            "rows": _accumulated_rows(case["rows"], n)}
+        result["cases"] = [{**{k: v for k, v in case.items() if k != "reuse_rows"},
+                            "case": _with_micro_batches(case["case"], n),
+                            "rows": _accumulated_rows(case["rows"], n, case.get("reuse_rows"))}
                            for case in result["cases"] for n in micro_batches]
 
 
@@ -429,8 +432,13 @@ def _with_micro_batches(case: str, micro_batches: int) -> str:
     return f"{case}, {micro_batches} micro-batch{'es' if micro_batches > 1 else ''}"
 
 
-def _accumulated_rows(rows: list[dict], micro_batches: int) -> list[dict]:
-    step = [row if row["kind"] == "optimizer" else {**row, "count": row["count"] * micro_batches} for row in rows]
+def _accumulated_rows(rows: list[dict], micro_batches: int, reuse_rows: list[dict] | None = None) -> list[dict]:
+    if reuse_rows is not None:  # the first micro-batch casts the weights, the others read its casts
+        step = rows + [{**row, "count": row["count"] * (micro_batches - 1)} for row in reuse_rows
+                       if micro_batches > 1]
+    else:
+        step = [row if row["kind"] == "optimizer" else {**row, "count": row["count"] * micro_batches}
+                for row in rows]
     adds = [{**row, "name": "param.grad += the micro-batch's gradient (autograd, eager)",
              "count": row["count"] * (micro_batches - 1)} for row in rows if row["kind"] == "optimizer"]
     return step + (adds if micro_batches > 1 else [])
@@ -613,8 +621,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = commands.add_parser("moe", parents=[outputs], help="bench moe's training step of one MoE block")
     p.add_argument("--contestants", nargs="+", metavar="NAME",
-                   help="bench moe's names: bf16 (always runs), rowwise, current, delayed, 'torchao moe rowwise' "
-                        "(a name may end in '+setting' / '-setting'); default: all of them")
+                   help="bench moe's names: bf16 (always runs), rowwise, current, delayed, 'torchao moe rowwise', "
+                        "auto, 'auto delayed', 'current cached' (a name may end in '+setting' / '-setting'); "
+                        "default: the first five, and with --sweep all of them")
     p.add_argument("--config", choices=("bench", "tiny", "tiny-odd"),
                    help="models/moe.py's config: bench (the default) is Qwen3-30B-A3B's MoE block (hidden 2048, "
                         "128 experts, top 8, expert width 768)")

@@ -51,7 +51,11 @@ RECIPES = ("rowwise", "current", "delayed")
 TORCHAO = "torchao moe rowwise"
 # fp8graph.policies.auto() with current and with delayed scaling: FP8 only on the sites the cost model says gain.
 AUTO = ("auto", "auto delayed")
-KNOWN = ["bf16", *RECIPES, TORCHAO, *AUTO]
+# Current scaling with cache_weights=True: every weight cast once per optimizer step, read by the other
+# micro-batches of the step (the cost model's gradient accumulation). Timed here, where every step ends with an
+# SGD step, every call casts: what keeping the copies costs one micro-batch.
+CACHED = "current cached"
+KNOWN = ["bf16", *RECIPES, TORCHAO, *AUTO, CACHED]
 DEFAULT = ["bf16", "rowwise", "current", TORCHAO, "delayed"]
 DECODE_DEFAULT = ["bf16", "rowwise", "current", "delayed"]
 CONFIGS = ("bench", "tiny", "tiny-odd")  # models/moe.py's
@@ -121,7 +125,8 @@ def swap_in_torchao(block: torch.nn.Module) -> int:
 def compile_block(block: torch.nn.Module, contestant: str, compiler):
     """``block`` compiled as ``contestant`` (a base name): plain ``torch.compile`` for BF16 and torchao (whose
     conversion is done beforehand), ``fp8graph.compile`` with ``policies.auto()`` of the named recipe (current
-    by default) for ``auto``, with the recipe's preset as the policy otherwise."""
+    by default) for ``auto``, current scaling with ``cache_weights=True`` for ``current cached``, with the
+    recipe's preset as the policy otherwise."""
     if contestant == "bf16" or contestant.startswith("torchao"):
         return torch.compile(block, backend=compiler)
     import fp8graph
@@ -130,6 +135,8 @@ def compile_block(block: torch.nn.Module, contestant: str, compiler):
     if contestant in AUTO:
         recipe = contestant.removeprefix("auto").strip() or "current"
         return fp8graph.compile(block, policy=fp8graph.policies.auto(recipe=recipe), compiler=compiler)
+    if contestant == CACHED:
+        return fp8graph.compile(block, policy=PRESETS["current"], compiler=compiler, cache_weights=True)
     return fp8graph.compile(block, policy=PRESETS[contestant], compiler=compiler)
 
 

@@ -18,6 +18,7 @@ Every section returns its Markdown lines and the :class:`Comparison` records beh
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import io
 import json
@@ -67,13 +68,26 @@ class Comparison:
         return self.model / self.measured - 1
 
 
+def _package_dirs(commit: str) -> dict[str, str]:
+    """Where each package of ``commit`` lies: pyproject.toml's ``[tool.setuptools.package-dir]`` (the commit
+    the H100 ran), or setup.py's ``FOLDER_OF_PACKAGE`` (since the packages are found, not listed)."""
+    def show(path: str) -> str:
+        return subprocess.run(["git", "show", f"{commit}:{path}"], capture_output=True, check=True, text=True).stdout
+
+    pyproject = show("pyproject.toml")
+    if "[tool.setuptools.package-dir]" in pyproject:
+        section = pyproject.split("[tool.setuptools.package-dir]", 1)[1].split("\n[", 1)[0]
+        return dict(re.findall(r'^"([\w.]+)"\s*=\s*"([^"]+)"', section, re.M))
+    for node in ast.parse(show("setup.py")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "FOLDER_OF_PACKAGE" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise IndexError(f"no package folders in {commit}'s pyproject.toml or setup.py")
+
+
 def extract_fp8graph(commit: str) -> str:
     """fp8graph's packages at ``commit`` laid out as installed (fp8graph.passes from passes/, ...), from the
     current directory's git repository, into a new temporary folder."""
-    pyproject = subprocess.run(["git", "show", f"{commit}:pyproject.toml"], capture_output=True, check=True,
-                               text=True).stdout
-    section = pyproject.split("[tool.setuptools.package-dir]", 1)[1].split("\n[", 1)[0]
-    package_dirs = dict(re.findall(r'^"([\w.]+)"\s*=\s*"([^"]+)"', section, re.M))  # {"fp8graph.passes": "passes"}
+    package_dirs = _package_dirs(commit)  # {"fp8graph.passes": "passes", ...}
     archive = subprocess.run(["git", "archive", "--format=tar", commit, *package_dirs.values()],
                              capture_output=True, check=True).stdout
     root = tempfile.mkdtemp(prefix="costmodel-fp8graph-")

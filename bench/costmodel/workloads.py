@@ -166,11 +166,31 @@ def _moe_case(contestant: str, shape: dict) -> dict:
     with capture.Capture() as cap, inductor_config.patch(settings), mode, \
             compiled(base, block, compile_block) as compiled_block:
         compiled_block(x).backward(grad_output)
+        weight_cache = getattr(getattr(compiled_block, "fp8graph_backend", None), "weight_cache", None)
+        first_call_graphs = len(cap.graphs)
+        if weight_cache:  # the next micro-batch of the step reads the weights' casts the first one kept
+            compiled_block(x).backward(grad_output)
+            if not weight_cache.reuse:
+                raise capture.CaptureError(f"{contestant}: the second micro-batch did not reuse the weights' casts")
     label = shape["label"] or (f"{config['experts']} experts, top {config['top_k']}, hidden {config['hidden']}, "
                                f"expert width {config['expert_width']}, {shape['batch']}x{shape['sequence']}")
     case = _case(label, cap, fp8_note(compiled_block, block), _sgd_rows(block))
+    if weight_cache:
+        _split_reusing_micro_batch(case, cap.graphs[first_call_graphs:])
     _check_grouped_gemms(case, base)
     return case
+
+
+def _split_reusing_micro_batch(case: dict, reuse_graphs) -> None:
+    """The rows of the graphs the second micro-batch compiled (those that read the kept weight casts) move to
+    ``reuse_rows``: ``rows`` stay one micro-batch that casts its weights, and a step of n micro-batches is
+    ``rows`` once and ``reuse_rows`` n - 1 times (``bench.model.accumulate``)."""
+    labels = {f"{graph.index}:{graph.kind}" for graph in reuse_graphs}
+    if not labels:
+        raise capture.CaptureError("the reusing micro-batch compiled no graph of its own")
+    case["reuse_rows"] = [row for row in case["rows"] if row["graph"] in labels]
+    case["rows"] = [row for row in case["rows"] if row["graph"] not in labels]
+    _check_grouped_gemms({"rows": case["reuse_rows"]}, "the reusing micro-batch")
 
 
 def _check_grouped_gemms(case: dict, base: str) -> None:

@@ -138,6 +138,14 @@ def test_a_child_names_every_source_it_imported_from_the_repository():
     assert captures.imported_sources({}, since=0.0) is None  # a source written after the child began: none kept
 
 
+def test_any_commit_s_packages_are_found_for_fp8graph_at():
+    """``--fp8graph-at COMMIT`` lays a commit out as installed: the measured commit listed its package folders in
+    pyproject.toml, later ones in setup.py."""
+    folders = {"fp8graph": "fp8graph", "fp8graph.passes": "passes", "fp8graph.models": "models"}
+    assert calibration._package_dirs(calibration.MEASURED_COMMIT) == folders
+    assert calibration._package_dirs("HEAD") == folders
+
+
 # --- the model against the H100 (child processes; minutes) ---------------------------------------------------
 
 def _runner(timeout: float = 900):

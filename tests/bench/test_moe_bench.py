@@ -40,9 +40,10 @@ HALF_TOKENS = {"label": "half the tokens", "config": "tiny", "overrides": {"expe
 
 @pytest.fixture(scope="module")
 def steps() -> dict:
-    """bf16's, fp8graph row-wise's and current's modelled steps, one after another in one child process; bf16's
-    spec is a sweep of two blocks (the second on half the tokens), as ``bench model moe --sweep`` runs them."""
-    contestants = ("bf16", "rowwise", "current")
+    """bf16's, fp8graph row-wise's, current's and current's with the weights cast once a step modelled steps, one
+    after another in one child process; bf16's spec is a sweep of two blocks (the second on half the tokens), as
+    ``bench model moe --sweep`` runs them."""
+    contestants = ("bf16", "rowwise", "current", "current cached")
     specs = [_spec(c) for c in contestants]
     specs[0]["shapes"] = [{"label": None, "config": "tiny", "overrides": specs[0]["overrides"], "batch": 1,
                            "sequence": TOKENS}, HALF_TOKENS]
@@ -74,6 +75,34 @@ def test_gradient_accumulation_repeats_the_micro_batch_and_adds_gradients_before
         ("cast", 4), ("mm", 8), ("sgd", 3), ("param.grad += the micro-batch's gradient (autograd, eager)", 9)]
     assert four["rows"][-1]["read"] == 8 and four["rows"][-1]["written"] == 4  # the optimizer row's bytes
     assert results[1] == {"contestant": "x", "error": "e"}
+
+
+def test_micro_batches_after_the_first_run_the_reusing_graphs_where_weights_are_cast_once_a_step():
+    fill = [{"graph": "0:forward", "kind": "triton", "name": "cast weight", "count": 1},
+            {"graph": "optimizer", "kind": "optimizer", "name": "sgd", "count": 3, "read": 8, "written": 4}]
+    reuse = [{"graph": "2:forward", "kind": "triton", "name": "read copy", "count": 1}]
+    results = [{"contestant": "current cached", "cases": [{"case": "block", "rows": fill, "reuse_rows": reuse}]}]
+    bench_model.accumulate(results, [1, 4])
+    one, four = results[0]["cases"]
+    assert one["rows"] == fill and "reuse_rows" not in one and "reuse_rows" not in four
+    assert [(r["name"], r["count"]) for r in four["rows"]] == [
+        ("cast weight", 1), ("sgd", 3), ("read copy", 3),
+        ("param.grad += the micro-batch's gradient (autograd, eager)", 9)]
+
+
+def test_a_step_that_keeps_the_weights_cast_reads_them_once_and_its_other_micro_batches_never(steps):
+    """``current cached`` (cache_weights=True): the first micro-batch casts the weights as current's step does,
+    writing a copy in each GEMM's layout; the others read the copies instead of the BF16 expert weights."""
+    cached, current = steps["current cached"], steps["current"]
+    expert_weight_bytes = TINY["experts"] * 3 * TINY["hidden"] * TINY["expert_width"] * 2  # BF16 gate_up + down
+    fill_read = sum(r.get("read", 0) * r["count"] for r in cached["rows"] if r["kind"] == "triton")
+    reuse_read = sum(r.get("read", 0) * r["count"] for r in cached["reuse_rows"] if r["kind"] == "triton")
+    current_read = sum(r.get("read", 0) * r["count"] for r in current["rows"] if r["kind"] == "triton")
+    # grad_input reads the transposed copy the cast wrote: no kernel copies the FP8 weight to transpose it.
+    assert current_read - fill_read >= expert_weight_bytes // 2
+    # The others read no BF16 weight element (at least once fewer: Inductor fuses amax and cast where they fit).
+    assert fill_read - reuse_read >= expert_weight_bytes
+    assert len(_grouped(cached)) == len(_grouped({"rows": cached["reuse_rows"]})) == 6
 
 
 def test_the_sweep_has_the_shapes_people_train_at_and_refuses_shape_options():
