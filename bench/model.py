@@ -506,16 +506,21 @@ def model_compare(args) -> None:
 
 def _newest_model(measured: dict, results: pathlib.Path) -> pathlib.Path | None:
     """The newest modelled result of the measured run's workload and configuration: bench moe's block (same
-    config, batch and tokens, no overrides) or bench decoder's stack (same config and layers)."""
+    config, batch and tokens, no overrides; the newest that models every measured contestant, if one does) or
+    bench decoder's stack (same config and layers)."""
     if measured.get("workload") == "moe_block":
+        matching = []
         for path in sorted(results.glob("model-moe-*.json"), reverse=True):
             model = json.loads(path.read_text())
             spec = model["spec"]
             if ((spec.get("config"), spec.get("batch"), spec.get("sequence")) ==
                     (measured.get("config"), measured.get("batch"), measured.get("sequence"))
                     and not spec.get("overrides")) or _sweep_case(model, measured):
-                return path
-        return None
+                matching.append(path)
+                if {row.get("contestant") for row in measured.get("rows", [])} <= {
+                        row.get("contestant") for row in model["rows"]}:
+                    return path
+        return matching[0] if matching else None
     for path in sorted(results.glob("model-decoder-*.json"), reverse=True):
         model = json.loads(path.read_text())
         cases = {row["case"] for row in model["rows"] if "case" in row}  # "4 layers, vocab 32000, 1x4096"
