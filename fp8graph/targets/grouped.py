@@ -157,9 +157,6 @@ def _cast_experts_through_copy(weight_hp: torch.Tensor, spec: GroupedSpec, mode:
     weight; a ``"fill"`` call casts the weight and writes them. Returns ``(weight_fp8 (E, N, K), scale (E, 1),
     inverse_scale (E, N), weight_t_fp8 (E, K, N))``, both copies contiguous, as the forward and grad_input GEMMs
     read them."""
-    if spec.per_row or spec.delayed:
-        raise AssertionError(f"{spec.recipe.name}: expert weights are kept cast only with one scale per expert, "
-                             "from the weight alone")
     if copy_fp8.shape != weight_hp.shape:  # a parameter stored (E, K, N): its copy is grad_input's layout
         copy_fp8, copy_t_fp8 = copy_t_fp8, copy_fp8
     experts, rows, _ = weight_hp.shape
@@ -306,10 +303,10 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
         state = None if history is None else (history, scale, grad_history, grad_scale)
         if recipe.stateful and state is None:
             raise ValueError(f"{recipe.name} on an expert GEMM needs the weight's delayed-scaling state")
-        if (weight_cache is None) != (cached_weight is None) or (cached_weight is not None and function is not
-                                                                 _GroupedFP8):
+        if (weight_cache is None) != (cached_weight is None) or (cached_weight is not None and
+                                                                 not recipe.caches_weights):
             raise ValueError(f"{grouped_fp8.__name__}: the weight's FP8 copy and the cache's mode come together, on "
-                             "a recipe whose expert cast is one scale per expert")
+                             "a recipe whose weight cast depends on the weight alone (Recipe.caches_weights)")
         if gather_index is not None and function is GroupedBlocks:
             input_hp, gather_index = input_hp[gather_index], None  # blocks along K: the rows gathered first
         copy = () if weight_cache is None else ((weight_cache, cached_weight, cached_weight_scale, cached_weight_t),)

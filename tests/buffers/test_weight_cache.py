@@ -17,7 +17,8 @@ import fp8graph
 from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.models import build
 from fp8graph.models.moe import CONFIGS, MoEBlock
-from fp8graph.targets.grouped import GroupedSpec, cast_experts
+from fp8graph.recipes import PRESETS
+from fp8graph.targets.grouped import GroupedSpec, cast_experts, grouped_fp8_target
 from fp8graph.buffers.weight_cache import CACHED_SCALE_PREFIX, CACHED_TRANSPOSE_PREFIX, CACHED_WEIGHT_PREFIX
 from helpers import fp8_target_count
 
@@ -104,6 +105,17 @@ def test_expert_weights_are_cast_once_per_step_and_train_as_when_cast_at_every_c
         assert torch.equal(copy_nk.view(torch.uint8), weight_fp8.view(torch.uint8)), name
         assert torch.equal(copy_t_fp8.view(torch.uint8), copy_fp8.transpose(-2, -1).view(torch.uint8)), name
         assert torch.equal(getattr(experts, CACHED_SCALE_PREFIX + name), scale), name
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_an_expert_target_refuses_a_kept_copy_for_a_cast_that_depends_on_more_than_the_weight(recipe):
+    target = grouped_fp8_target(PRESETS[recipe], Lowering.EMULATED, True, "fill")
+    fp8 = torch.float8_e4m3fn
+    copies = {"cached_weight": torch.zeros(2, 16, 32, dtype=fp8), "cached_weight_scale": torch.ones(2, 1),
+              "cached_weight_t": torch.zeros(2, 32, 16, dtype=fp8)}
+    with pytest.raises(ValueError, match="depends on the weight alone"):
+        target(torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(2, 16, 32, dtype=torch.bfloat16),
+               torch.tensor([4, 8], dtype=torch.int32), **copies)
 
 
 @pytest.mark.inductor
