@@ -1,22 +1,25 @@
-"""The calibration's captures, kept under everything they were made from.
+"""Modelled steps' captures, kept under everything they were made from.
 
-``bench model calibrate`` (and its test) models the workloads the H100 ran, with fp8graph at the commit it ran
-(``calibration.MEASURED_COMMIT``) and BF16 / torchao as they are. A child's capture is a function of its
-spec, the Python sources it imported from this repository or from the extracted commit, the C++ shim that
-fakes the H100, and the installed torch, triton, transformers and torchao: Inductor's kernels are generated
-for sm_90 whatever machine runs them, and nothing in a capture was timed. Capturing them is minutes of
-tracing and code generation, almost all of the calibration's time; the arithmetic that turns captures into
-times and compares them with the H100's (``costs``, ``calibration``) always runs.
+A child's capture (``bench.costmodel.child``: a workload compiled for the fake H100, its kernels read) is a
+function of its spec, the Python sources it imported from this repository or from an extracted commit
+(``bench model calibrate`` models fp8graph at the commit the H100 ran, ``calibration.MEASURED_COMMIT``), the
+C++ shim that fakes the H100, and the installed torch, triton, transformers and torchao: Inductor's kernels
+are generated for sm_90 whatever machine runs them, and nothing in a capture was timed. Capturing is minutes
+of tracing and code generation, almost all of the time of the calibration and of the tests that pin the
+generated step (tests/bench: the calibration, the step structure, the MoE block); the arithmetic and the
+checks on what a capture holds always run.
 
-:class:`CapturedResults` keeps each result in ``calibration_captures.json`` under a hash of its spec, with
-the hash of every source file the child had imported (:func:`imported_sources`, recorded by the child) and
-the versions. A result is served only when every one of those files hashes as it did and the versions are
-the installed ones; anything else is a miss, captured as before. ``python -m bench model calibrate`` writes
-the results it captured; the test only reads.
+:class:`CapturedResults` keeps each result in ``captures.json`` under a hash of its spec, with the hash of
+every source file the child had imported (:func:`imported_sources`, recorded by the child) and the versions.
+A result is served only when every one of those files hashes as it did and the versions are the installed
+ones; anything else is a miss, captured as before. ``python -m bench model calibrate`` writes what it
+captured; the tests read through :func:`kept`, which writes only when ``FP8GRAPH_KEEP_CAPTURES=1``
+(``scripts/keep-captures``: after a change to fp8graph or the benchmarks, before committing).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -26,7 +29,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-CAPTURES_PATH = Path(__file__).with_name("calibration_captures.json")
+CAPTURES_PATH = Path(__file__).with_name("captures.json")
+KEEP = "FP8GRAPH_KEEP_CAPTURES"  # "1": the tests' misses are written to CAPTURES_PATH (kept)
 REPOSITORY = Path(__file__).resolve().parents[2]
 SHIM = Path(__file__).with_name("fake_cuda_guard.cpp")
 MEASURED_ROOT = "FP8GRAPH_COSTMODEL_ROOT"  # the extracted commit's folder (calibration.measured_fp8graph)
@@ -134,15 +138,26 @@ class CapturedResults:
         self.new[spec_key(spec, env)] = {"sources": sources, "versions": installed_versions(), "result": result}
 
     def write(self) -> int:
-        """Merge the new captures into the file (a line each); returns how many were written."""
+        """Merge the new captures into the file (a line each); returns how many were written. Two processes
+        may write at once (the tests' workers): the file is read again under a lock on its folder and
+        replaced whole, so neither's captures are lost."""
         if not self.new:
             return 0
-        # What this checkout's sources or versions no longer make goes (the extracted commit's are fixed).
-        repository = {"repo": REPOSITORY}
-        self.kept = {key: entry for key, entry in self.kept.items() if _holds(entry, repository, unknown_ok=True)}
-        self.kept.update(self.new)
-        lines = [f"{json.dumps(key)}: {json.dumps(entry, sort_keys=True)}" for key, entry in sorted(self.kept.items())]
-        self.path.write_text('{"captures": {\n' + ",\n".join(lines) + "\n}}\n")
+        folder = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            fcntl.flock(folder, fcntl.LOCK_EX)
+            on_disk = json.loads(self.path.read_text())["captures"] if self.path.exists() else {}
+            # What this checkout's sources or versions no longer make goes (an extracted commit's are fixed).
+            repository = {"repo": REPOSITORY}
+            self.kept = {key: entry for key, entry in on_disk.items() if _holds(entry, repository, unknown_ok=True)}
+            self.kept.update(self.new)
+            lines = [f"{json.dumps(key)}: {json.dumps(entry, sort_keys=True)}"
+                     for key, entry in sorted(self.kept.items())]
+            partial = self.path.with_name(self.path.name + f".{os.getpid()}.partial")
+            partial.write_text('{"captures": {\n' + ",\n".join(lines) + "\n}}\n")
+            partial.replace(self.path)
+        finally:
+            os.close(folder)  # releases the lock
         written, self.new = len(self.new), {}
         return written
 
@@ -158,3 +173,17 @@ def cached(run: Runner, captures: CapturedResults) -> Runner:
             results[index] = result
         return [json.loads(json.dumps(result)) for result in results]  # callers annotate the results in place
     return run_cached
+
+
+def kept(run: Runner, path: Path = CAPTURES_PATH) -> Runner:
+    """``run`` serving the captures kept in ``path``; what it had to capture is added to the file only when
+    ``FP8GRAPH_KEEP_CAPTURES=1`` (a test run never rewrites a tracked file unasked)."""
+    captures = CapturedResults(path)
+    serve = cached(run, captures)
+
+    def run_kept(specs: list[dict], env: dict | None = None) -> list[dict]:
+        results = serve(specs, env)
+        if os.environ.get(KEEP) == "1":
+            captures.write()
+        return results
+    return run_kept

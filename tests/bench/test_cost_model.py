@@ -128,6 +128,31 @@ def test_a_kept_capture_is_served_only_while_what_it_was_made_from_is_unchanged(
     assert ran[2:] == [["current", "broken"]] * 2
 
 
+def test_the_tests_keep_their_captures_only_when_asked_and_two_writers_keep_both(tmp_path, monkeypatch):
+    """bench.costmodel.captures.kept: a test run writes what it captured only with FP8GRAPH_KEEP_CAPTURES=1, and
+    two processes writing at once (the tests' workers) lose neither's captures."""
+    path, env = tmp_path / "captures.json", {captures.MEASURED_ROOT: str(tmp_path)}
+
+    def run(specs, env=None):
+        return [{"contestant": spec["contestant"], "cases": [], "sources": {"measured:api.py": "0"}} for spec in specs]
+
+    def spec(contestant):
+        return {"workload": "linear", "contestant": contestant}
+
+    monkeypatch.delenv(captures.KEEP, raising=False)
+    captures.kept(run, path)([spec("current")], env)
+    assert not path.exists()
+    monkeypatch.setenv(captures.KEEP, "1")
+    first, second = captures.CapturedResults(path), captures.CapturedResults(path)  # both read before either writes
+    captures.cached(run, first)([spec("current")], env)
+    captures.cached(run, second)([spec("delayed")], env)
+    assert first.write() == 1 and second.write() == 1
+    captures.kept(run, path)([spec("rowwise")], env)
+    kept = captures.CapturedResults(path).kept
+    assert sorted(entry["result"]["contestant"] for entry in kept.values()) == ["current", "delayed", "rowwise"]
+    assert [p.name for p in tmp_path.iterdir()] == ["captures.json"]  # no partial file left
+
+
 def test_a_child_names_every_source_it_imported_from_the_repository():
     sources = captures.imported_sources({})
     for module in (captures, capture, costs):
@@ -152,7 +177,7 @@ def _runner(timeout: float = 900):
     """Child processes for the captures ``bench model calibrate`` has not kept under today's sources."""
     def run(specs, env=None):  # one child process for the specs of one environment: each start costs seconds
         return bench_model.run_children(specs, timeout, env=env)
-    return captures.cached(run, captures.CapturedResults())
+    return captures.kept(run)
 
 
 @pytest.fixture(scope="module")

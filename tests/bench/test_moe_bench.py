@@ -13,7 +13,7 @@ import pathlib
 import pytest
 
 from bench import model as bench_model
-from bench.costmodel import costs
+from bench.costmodel import captures, costs
 from bench.targets import judge
 
 import forked
@@ -30,8 +30,14 @@ def _spec(contestant: str, overrides: dict | None = None) -> dict:
             "overrides": {"experts": TINY["experts"]} if overrides is None else overrides, "contestant": contestant}
 
 
+def _run_kept(specs: list[dict]) -> list[dict]:
+    """The specs' modelled results in one child process, or kept captures of them (bench.costmodel.captures)."""
+    return captures.kept(lambda specs, env=None: bench_model.run_children(specs, 600, env=env))(specs)
+
+
 def _model(contestant: str, overrides: dict | None = None) -> dict:
-    return bench_model.run_child(_spec(contestant, overrides), timeout=600)
+    (result,) = _run_kept([_spec(contestant, overrides)])
+    return result
 
 
 HALF_TOKENS = {"label": "half the tokens", "config": "tiny", "overrides": {"experts": TINY["experts"]}, "batch": 1,
@@ -47,7 +53,7 @@ def steps() -> dict:
     specs = [_spec(c) for c in contestants]
     specs[0]["shapes"] = [{"label": None, "config": "tiny", "overrides": specs[0]["overrides"], "batch": 1,
                            "sequence": TOKENS}, HALF_TOKENS]
-    results = dict(zip(contestants, bench_model.run_children(specs, timeout=600)))
+    results = dict(zip(contestants, _run_kept(specs)))
     for contestant, result in results.items():
         assert "error" not in result, (contestant, result["error"])
     costs.summarize(list(results.values()), costs.Machine())
