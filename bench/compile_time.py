@@ -3,6 +3,8 @@
     cold   a fresh process and an empty Inductor cache directory: first forward + backward
     warm   a fresh process reusing that cache directory (FX graph cache, AOTAutograd cache)
 
+(``--smoke``: the first forward only, under ``no_grad``: the machinery at half the compiling, for the tests.)
+
 The medians of ``--repeats`` cold and warm measurements are compared (a warm
 start takes a few seconds, and one sample of it moves by a third from run to
 run on a 2-core machine).
@@ -62,18 +64,22 @@ def _compile(model, backend: str):
 
 
 def _first_step_seconds(family: str, config: str, backend: str, layers: int | None = None,
-                        sequence: int = 16) -> float:
-    """Runs in the child process: compile time of the first training step."""
+                        sequence: int = 16, backward: bool = True) -> float:
+    """Runs in the child process: compile time of the first training step, or of the first inference forward
+    without ``backward``."""
     from fp8graph.models import build
 
     model = build(family, config, **({} if layers is None else {"num_hidden_layers": layers}))
     start = time.perf_counter()
     compiled = _compile(model, backend)
-    if family == "llama":
-        tokens = torch.randint(0, 250, (2, sequence))
-        compiled(tokens, labels=tokens, use_cache=False).loss.backward()
-    else:
-        compiled(torch.randn(32, 64)).sum().backward()
+    with torch.set_grad_enabled(backward):
+        if family == "llama":
+            tokens = torch.randint(0, 250, (2, sequence))
+            loss = compiled(tokens, labels=tokens, use_cache=False).loss
+        else:
+            loss = compiled(torch.randn(32, 64)).sum()
+    if backward:
+        loss.backward()
     return time.perf_counter() - start
 
 
@@ -83,10 +89,11 @@ def _child(results, cache_dir: str, arguments: tuple) -> None:
 
 
 def _measure_in_child(family: str, config: str, backend: str, cache_dir: str, layers: int | None = None,
-                      sequence: int = 16) -> float:
+                      sequence: int = 16, backward: bool = True) -> float:
     context = forked.context()
     results = context.SimpleQueue()
-    child = context.Process(target=_child, args=(results, cache_dir, (family, config, backend, layers, sequence)))
+    child = context.Process(target=_child,
+                            args=(results, cache_dir, (family, config, backend, layers, sequence, backward)))
     child.start()
     child.join()
     if child.exitcode != 0:
@@ -111,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
             with tempfile.TemporaryDirectory() as cache_dir:
                 for phase in ("cold_timings_s", "warm_timings_s"):
                     timings[backend][phase].append(
-                        _measure_in_child(family, config, backend, cache_dir, layers, sequence))
+                        _measure_in_child(family, config, backend, cache_dir, layers, sequence, not args.smoke))
     rows = [{"backend": backend, **timings[backend],
              "compile_cold_s": median(timings[backend]["cold_timings_s"]),
              "compile_warm_s": median(timings[backend]["warm_timings_s"])} for backend in backends]
@@ -119,7 +126,9 @@ def run(args: argparse.Namespace) -> dict:
         row["cold_vs_inductor"] = row["compile_cold_s"] / rows[0]["compile_cold_s"]
         row["warm_vs_inductor"] = row["compile_warm_s"] / rows[0]["compile_warm_s"]
     model = f"{family} {config}" + (f", {layers} layers, sequence {sequence}" if layers else "")
-    result = {"workload": "compile_time", "smoke": args.smoke, "model": model, "layers": layers, "sequence": sequence,
+    step = "first forward" if args.smoke else "first forward + backward"
+    result = {"workload": "compile_time", "smoke": args.smoke, "step": step, "model": model, "layers": layers,
+              "sequence": sequence,
               "environment": environment(torch.device("cpu")), "cpu_threads": torch.get_num_threads(),
               "rows": rows}
     return report(result, args.out, "compile", summary)
@@ -129,13 +138,14 @@ def summary(result: dict) -> str:
     rows = [[r["backend"], f"{r['compile_cold_s']:.1f}", f"{r['cold_vs_inductor']:.2f}x",
              f"{r['compile_warm_s']:.1f}", f"{r['warm_vs_inductor']:.2f}x"] for r in result["rows"]]
     columns = ["backend", "cold s", "vs inductor", "warm s", "vs inductor"]
-    return "\n".join([title(f"compile time, {result['model']}, first forward + backward", result), "",
+    return "\n".join([title(f"compile time, {result['model']}, {result.get('step', 'first forward + backward')}", result), "",
                       *markdown_table(columns, rows)])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true",
-                        help="one repeat: the toy MLP, or with --deep a 2-layer Llama (for the tests)")
+                        help="one repeat of the first forward only: the toy MLP, or with --deep a 2-layer Llama "
+                             "(for the tests)")
     parser.add_argument("--repeats", type=positive(int), default=3, help="cold and warm measurements per backend")
     parser.add_argument("--deep", action="store_true",
                         help=f"{DEEP_LAYERS} layers of the tiny Llama at sequence {DEEP_SEQUENCE}")

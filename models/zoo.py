@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import inspect
 import math
 import time
@@ -38,7 +39,7 @@ import fp8graph
 from fp8graph.numerics import health
 
 __all__ = ["FAMILIES", "UNAVAILABLE", "ZooFamily", "ZooResult", "build_zoo_model", "zoo_inputs", "check_family",
-           "expert_paths", "keep_all_mismatches", "linear_paths", "regional_keep_all_mismatches",
+           "expert_paths", "keep_all_mismatches", "linear_paths", "outputs_digest", "regional_keep_all_mismatches",
            "train_against_eager"]
 
 VOCAB = 256
@@ -285,9 +286,45 @@ def keep_all_mismatches(model: torch.nn.Module, inputs: dict) -> list[str]:
     (the last layer's k_proj and v_proj gradients differ) while per-layer graphs are, so fp8graph's default
     per-layer regions would differ from it without fp8graph changing anything.
     """
-    kept, plain = copy.deepcopy(model), copy.deepcopy(model)
+    mismatches, _ = _keep_all_against_plain(model, inputs, None)
+    return mismatches
+
+
+def outputs_digest(logits: torch.Tensor, loss: torch.Tensor, model: torch.nn.Module) -> str:
+    """sha256 of the bytes of ``logits``, ``loss`` and every parameter's gradient (by name; none is a mark of
+    its own): two runs with the same digest computed the same, bit for bit."""
+    digest = hashlib.sha256()
+
+    def add(name: str, tensor: torch.Tensor | None) -> None:
+        digest.update(name.encode() + b"\0")
+        if tensor is None:
+            digest.update(b"none")
+            return
+        digest.update(f"{tensor.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+
+    add("logits", logits)
+    add("loss", loss.reshape(1))
+    for name, parameter in model.named_parameters():
+        add(f"grad {name}", parameter.grad)
+    return digest.hexdigest()
+
+
+def _keep_all_against_plain(model: torch.nn.Module, inputs: dict, plain_digest: str | None
+                            ) -> tuple[list[str], str | None]:
+    """:func:`keep_all_mismatches`, and the digest of plain ``torch.compile``'s outputs if it ran. Given the
+    digest plain torch.compile's outputs had in the same environment (``plain_digest``), outputs with that
+    digest are equal to them and plain torch.compile does not run again; any other digest compiles it and
+    names what differs."""
+    kept = copy.deepcopy(model)
     compiled_kept = fp8graph.compile(kept, policy=fp8graph.Policy(default=None), compiler="aot_eager", regions=None)
-    return _mismatches(kept, compiled_kept, plain, torch.compile(plain, backend="aot_eager"), inputs)
+    logits_kept, loss_kept = _forward_backward(compiled_kept, inputs)
+    if plain_digest is not None and outputs_digest(logits_kept, loss_kept, kept) == plain_digest:
+        return [], None
+    plain = copy.deepcopy(model)
+    logits_plain, loss_plain = _forward_backward(torch.compile(plain, backend="aot_eager"), inputs)
+    mismatches = _differences(kept, (logits_kept, loss_kept), plain, (logits_plain, loss_plain))
+    return mismatches, outputs_digest(logits_plain, loss_plain, plain)
 
 
 def regional_keep_all_mismatches(model: torch.nn.Module, inputs: dict) -> list[str]:
@@ -301,8 +338,11 @@ def regional_keep_all_mismatches(model: torch.nn.Module, inputs: dict) -> list[s
 
 
 def _mismatches(kept, run_kept, plain, run_plain, inputs: dict) -> list[str]:
-    logits_kept, loss_kept = _forward_backward(run_kept, inputs)
-    logits_plain, loss_plain = _forward_backward(run_plain, inputs)
+    return _differences(kept, _forward_backward(run_kept, inputs), plain, _forward_backward(run_plain, inputs))
+
+
+def _differences(kept, kept_outputs, plain, plain_outputs) -> list[str]:
+    (logits_kept, loss_kept), (logits_plain, loss_plain) = kept_outputs, plain_outputs
     mismatches = [name for name, a, b in (("logits", logits_kept, logits_plain), ("loss", loss_kept, loss_plain))
                   if not torch.equal(a, b)]
     for (name, a), b in zip(kept.named_parameters(), plain.parameters()):
@@ -377,6 +417,7 @@ class ZooResult:
     family: str
     dtype: str
     keep_all_mismatches: list[str] | None = None
+    plain_digest: str | None = None  # of plain torch.compile's outputs, when it ran (outputs_digest)
     sites_rewritten: int | None = None
     sites_kept: int | None = None
     kept_reasons: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -465,7 +506,7 @@ def train_against_eager(family: str, policy, steps: int = 50, dtype: torch.dtype
 
 
 def check_family(family: str, dtype: torch.dtype, batch: int = 2, sequence: int = 8, lr: float = 0.1,
-                 layers: int | None = None, **overrides) -> ZooResult:
+                 layers: int | None = None, plain_digest: str | None = None, **overrides) -> ZooResult:
     """Run the keep-all, FP8 and coverage checks of ``family`` in ``dtype``; a check that raises is recorded
     in ``errors`` and the others still run.
 
@@ -473,6 +514,9 @@ def check_family(family: str, dtype: torch.dtype, batch: int = 2, sequence: int 
         batch, sequence: the tokens' shape.
         lr: the SGD step's learning rate.
         layers, overrides: as :func:`build_zoo_model` takes them.
+        plain_digest: the :func:`outputs_digest` plain torch.compile's keep-all outputs had in this
+            environment, if known: keep-all outputs with that digest are equal to them without compiling
+            plain torch.compile again (``result.plain_digest`` is set when it ran).
     """
     start = time.perf_counter()
     result = ZooResult(family, str(dtype).removeprefix("torch."))
@@ -480,7 +524,7 @@ def check_family(family: str, dtype: torch.dtype, batch: int = 2, sequence: int 
     inputs = zoo_inputs(family, batch, sequence)
     torch._dynamo.reset()  # each model class compiles from scratch: no recompile limit carried over
     try:
-        result.keep_all_mismatches = keep_all_mismatches(model, inputs)
+        result.keep_all_mismatches, result.plain_digest = _keep_all_against_plain(model, inputs, plain_digest)
     except Exception as error:  # recorded, so the FP8 checks still run and the report names the check
         result.errors["keep-all"] = _error_line(error)
     try:

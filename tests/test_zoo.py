@@ -5,7 +5,9 @@ site, plain torch.compile, fp8graph's default FP8 policy), all with aot_eager, o
 
     keep-all   fp8graph's logits, loss and every parameter gradient bit for bit equal to torch.compile's, both
                compiling the whole model as one graph (plain torch.compile of a whole 2-layer BF16 Llama is
-               not bit-exact with per-layer graphs, fp8graph's default, so only one graph on each side compares)
+               not bit-exact with per-layer graphs, fp8graph's default, so only one graph on each side compares);
+               torch.compile's side by the digest of its outputs where one is kept for this environment
+               (tests/zoo_plain_digests.py)
     fp8        logits and gradients finite; logits' SQNR against eager in the same dtype (so the reference
                carries the dtype's own rounding and the SQNR measures what FP8 adds) above the family's floor;
                the fp32 loss after one SGD step (lr 0.1) within the family's margin of eager's after it
@@ -20,6 +22,8 @@ import torch
 
 from fp8graph.models.zoo import (FAMILIES, UNAVAILABLE, build_zoo_model, check_family, linear_paths,
                                  regional_keep_all_mismatches, zoo_inputs)
+
+import zoo_plain_digests
 
 DTYPES = (torch.bfloat16, torch.float32)
 
@@ -44,7 +48,8 @@ LOSS_MARGIN = {
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_against_plain_compile(family, dtype):
-    result = check_family(family, dtype)
+    result = check_family(family, dtype, plain_digest=zoo_plain_digests.kept_digest(family, dtype))
+    zoo_plain_digests.keep(family, dtype, result.plain_digest)
     failures = result.failures(SQNR_FLOOR_DB.get(family, DEFAULT_SQNR_FLOOR_DB),
                                LOSS_MARGIN.get(family, DEFAULT_LOSS_MARGIN))
     assert not failures, f"{family} {result.dtype}:\n" + "\n".join(failures)
@@ -79,3 +84,36 @@ def test_unavailable_families_are_not_in_the_table_and_say_why():
     assert not set(UNAVAILABLE) & set(FAMILIES)
     assert all(reason for reason in UNAVAILABLE.values())
     assert len(FAMILIES) >= 36
+
+
+def test_a_kept_digest_of_plain_compile_stands_for_it_and_no_other_does():
+    """The keep-all check compiles plain torch.compile only when the kept digest is not that of fp8graph's
+    outputs: the digest of plain's outputs is fp8graph keep-all's; another model's outputs miss it."""
+    from fp8graph.models.zoo import _keep_all_against_plain
+
+    inputs = zoo_inputs("llama")
+    model = build_zoo_model("llama", torch.float32, layers=1)
+    mismatches, plain_digest = _keep_all_against_plain(model, inputs, "0" * 64)  # no such digest: plain runs
+    assert mismatches == [] and plain_digest is not None
+    assert _keep_all_against_plain(model, inputs, plain_digest) == ([], None)  # equal: plain not compiled
+    other = build_zoo_model("llama", torch.float32, seed=1, layers=1)
+    assert _keep_all_against_plain(other, inputs, plain_digest)[1] not in (None, plain_digest)
+
+
+def test_plain_digests_are_kept_only_when_asked_and_only_for_this_environment(tmp_path, monkeypatch):
+    monkeypatch.setattr(zoo_plain_digests, "PATH", tmp_path / "digests.json")
+    monkeypatch.delenv(zoo_plain_digests.KEEP, raising=False)
+    zoo_plain_digests.keep("llama", torch.float32, "a" * 64)
+    assert zoo_plain_digests.kept_digest("llama", torch.float32) is None
+    monkeypatch.setenv(zoo_plain_digests.KEEP, "1")
+    zoo_plain_digests.keep("llama", torch.float32, "a" * 64)
+    zoo_plain_digests.keep("gpt2", torch.float32, "b" * 64)
+    assert zoo_plain_digests.kept_digest("llama", torch.float32) == "a" * 64
+    assert zoo_plain_digests.kept_digest("llama", torch.bfloat16) is None
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # another thread count may reduce in another order: not kept for it
+        assert zoo_plain_digests.kept_digest("llama", torch.float32) is None
+    finally:
+        torch.set_num_threads(threads)
+    assert [p.name for p in tmp_path.iterdir()] == ["digests.json"]

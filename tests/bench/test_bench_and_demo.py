@@ -198,6 +198,7 @@ def test_deep_compile_time_benchmark_smoke_compares_regions_with_whole_model_com
     """
     result = _run_bench("compile", tmp_path, "--deep", "--backends", "inductor", "fp8", "inductor per-block")
     assert result["layers"] == 2 and result["model"] == "llama tiny, 2 layers, sequence 16"
+    assert result["step"] == "first forward"  # the smoke compiles no backward: half the compiling
     rows = {row["backend"]: row for row in result["rows"]}
     assert list(rows) == ["inductor", "fp8", "inductor per-block"]
     for row in rows.values():

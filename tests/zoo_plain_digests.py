@@ -1,0 +1,62 @@
+"""Plain ``torch.compile``'s outputs in the zoo's keep-all check, kept by digest (``tests/test_zoo.py``).
+
+The keep-all check (``fp8graph.models.zoo``) holds fp8graph keeping every site bit for bit equal to plain
+``torch.compile``. Plain torch.compile's outputs are a function of the family's tiny config and inputs
+(models/zoo.py), torch, transformers and the CPU kernels ATen picks (its instruction set, the thread count):
+nothing of fp8graph. So their digest (``outputs_digest``) is kept in ``zoo_plain_digests.json`` under a hash
+of all of those; while it holds, the test compiles fp8graph's side only and compares digests, and any other
+digest compiles plain torch.compile again and names what differs. Written only with
+``FP8GRAPH_KEEP_CAPTURES=1`` (``scripts/keep-captures tests/test_zoo.py``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import os
+import pathlib
+
+import torch
+
+from fp8graph.models import zoo
+
+PATH = pathlib.Path(__file__).with_name("zoo_plain_digests.json")
+KEEP = "FP8GRAPH_KEEP_CAPTURES"
+
+
+def _environment() -> dict:
+    return {"torch": torch.__version__, "transformers": importlib.metadata.version("transformers"),
+            "zoo": hashlib.sha256(pathlib.Path(zoo.__file__).read_bytes()).hexdigest(),
+            "cpu": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+
+
+def _key(family: str, dtype: torch.dtype, batch: int, sequence: int) -> str:
+    case = {"family": family, "dtype": str(dtype), "batch": batch, "sequence": sequence, **_environment()}
+    return hashlib.sha256(json.dumps(case, sort_keys=True).encode()).hexdigest()
+
+
+def _read() -> dict[str, str]:
+    return json.loads(PATH.read_text()) if PATH.exists() else {}
+
+
+def kept_digest(family: str, dtype: torch.dtype, batch: int = 2, sequence: int = 8) -> str | None:
+    """The digest plain torch.compile's outputs had in this environment, if one is kept."""
+    return _read().get(_key(family, dtype, batch, sequence))
+
+
+def keep(family: str, dtype: torch.dtype, digest: str | None, batch: int = 2, sequence: int = 8) -> None:
+    """Add ``digest`` (plain torch.compile's, when it ran) to the file, only with FP8GRAPH_KEEP_CAPTURES=1;
+    the two test workers may write at once, so the file is read again under a lock and replaced whole."""
+    if digest is None or os.environ.get(KEEP) != "1":
+        return
+    folder = os.open(PATH.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        digests = {**_read(), _key(family, dtype, batch, sequence): digest}
+        partial = PATH.with_name(f"{PATH.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(digests, indent=0, sort_keys=True) + "\n")
+        partial.replace(PATH)
+    finally:
+        os.close(folder)
