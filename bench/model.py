@@ -90,6 +90,12 @@ def _run_process(payload, specs: list[dict], timeout: float, verbose: bool, env:
                 for label in labels]
 
 
+def kept_children(timeout: float) -> calibration.Runner:
+    """:func:`run_children` serving the kept captures (``bench.costmodel.captures.kept``): what the tests that
+    model a step run."""
+    return captures.kept(lambda specs, env=None: run_children(specs, timeout, env=env))
+
+
 def children(args) -> calibration.Runner:
     """Run specs one after another (a 2-core machine: never two compiles at once), saying how each went. What
     a ``--cubin`` child compiled for the first time is added to the cubin facts (bench.costmodel.cubins)."""

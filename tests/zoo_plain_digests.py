@@ -11,7 +11,6 @@ digest compiles plain torch.compile again and names what differs. Written only w
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -20,10 +19,10 @@ import pathlib
 
 import torch
 
+from bench.costmodel.captures import KEEP, rewrite_locked
 from fp8graph.models import zoo
 
 PATH = pathlib.Path(__file__).with_name("zoo_plain_digests.json")
-KEEP = "FP8GRAPH_KEEP_CAPTURES"
 
 
 def _environment() -> dict:
@@ -37,26 +36,16 @@ def _key(family: str, dtype: torch.dtype, batch: int, sequence: int) -> str:
     return hashlib.sha256(json.dumps(case, sort_keys=True).encode()).hexdigest()
 
 
-def _read() -> dict[str, str]:
-    return json.loads(PATH.read_text()) if PATH.exists() else {}
-
-
 def kept_digest(family: str, dtype: torch.dtype, batch: int = 2, sequence: int = 8) -> str | None:
     """The digest plain torch.compile's outputs had in this environment, if one is kept."""
-    return _read().get(_key(family, dtype, batch, sequence))
+    return (json.loads(PATH.read_text()) if PATH.exists() else {}).get(_key(family, dtype, batch, sequence))
 
 
 def keep(family: str, dtype: torch.dtype, digest: str | None, batch: int = 2, sequence: int = 8) -> None:
-    """Add ``digest`` (plain torch.compile's, when it ran) to the file, only with FP8GRAPH_KEEP_CAPTURES=1;
-    the two test workers may write at once, so the file is read again under a lock and replaced whole."""
+    """Add ``digest`` (plain torch.compile's, when it ran) to the file, only with FP8GRAPH_KEEP_CAPTURES=1 (the
+    two test workers may write at once: ``rewrite_locked``)."""
     if digest is None or os.environ.get(KEEP) != "1":
         return
-    folder = os.open(PATH.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(folder, fcntl.LOCK_EX)
-        digests = {**_read(), _key(family, dtype, batch, sequence): digest}
-        partial = PATH.with_name(f"{PATH.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(digests, indent=0, sort_keys=True) + "\n")
-        partial.replace(PATH)
-    finally:
-        os.close(folder)
+    key = _key(family, dtype, batch, sequence)
+    rewrite_locked(PATH, lambda text: json.dumps({**json.loads(text or "{}"), key: digest}, indent=0,
+                                                 sort_keys=True) + "\n")

@@ -143,23 +143,34 @@ class CapturedResults:
         replaced whole, so neither's captures are lost."""
         if not self.new:
             return 0
-        folder = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            fcntl.flock(folder, fcntl.LOCK_EX)
-            on_disk = json.loads(self.path.read_text())["captures"] if self.path.exists() else {}
+
+        def merged(on_disk: str | None) -> str:
+            kept = json.loads(on_disk)["captures"] if on_disk else {}
             # What this checkout's sources or versions no longer make goes (an extracted commit's are fixed).
             repository = {"repo": REPOSITORY}
-            self.kept = {key: entry for key, entry in on_disk.items() if _holds(entry, repository, unknown_ok=True)}
+            self.kept = {key: entry for key, entry in kept.items() if _holds(entry, repository, unknown_ok=True)}
             self.kept.update(self.new)
             lines = [f"{json.dumps(key)}: {json.dumps(entry, sort_keys=True)}"
                      for key, entry in sorted(self.kept.items())]
-            partial = self.path.with_name(self.path.name + f".{os.getpid()}.partial")
-            partial.write_text('{"captures": {\n' + ",\n".join(lines) + "\n}}\n")
-            partial.replace(self.path)
-        finally:
-            os.close(folder)  # releases the lock
+            return '{"captures": {\n' + ",\n".join(lines) + "\n}}\n"
+
+        rewrite_locked(self.path, merged)
         written, self.new = len(self.new), {}
         return written
+
+
+def rewrite_locked(path: Path, rewritten: Callable[[str | None], str]) -> None:
+    """Replace ``path`` with ``rewritten(its text, or None)`` under a lock on its folder: two processes writing
+    at once (the tests' workers) each read what the other wrote, and no reader sees half a file."""
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        text = rewritten(path.read_text() if path.exists() else None)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(text)
+        partial.replace(path)
+    finally:
+        os.close(folder)  # releases the lock
 
 
 def cached(run: Runner, captures: CapturedResults) -> Runner:

@@ -174,10 +174,9 @@ def test_any_commit_s_packages_are_found_for_fp8graph_at():
 # --- the model against the H100 (child processes; minutes) ---------------------------------------------------
 
 def _runner(timeout: float = 900):
-    """Child processes for the captures ``bench model calibrate`` has not kept under today's sources."""
-    def run(specs, env=None):  # one child process for the specs of one environment: each start costs seconds
-        return bench_model.run_children(specs, timeout, env=env)
-    return captures.kept(run)
+    """Child processes (one for the specs of one environment: each start costs seconds) for the captures
+    ``bench model calibrate`` has not kept under today's sources."""
+    return bench_model.kept_children(timeout)
 
 
 @pytest.fixture(scope="module")

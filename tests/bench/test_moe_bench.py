@@ -13,7 +13,7 @@ import pathlib
 import pytest
 
 from bench import model as bench_model
-from bench.costmodel import captures, costs
+from bench.costmodel import costs
 from bench.targets import judge
 
 import forked
@@ -32,7 +32,7 @@ def _spec(contestant: str, overrides: dict | None = None) -> dict:
 
 def _run_kept(specs: list[dict]) -> list[dict]:
     """The specs' modelled results in one child process, or kept captures of them (bench.costmodel.captures)."""
-    return captures.kept(lambda specs, env=None: bench_model.run_children(specs, 600, env=env))(specs)
+    return bench_model.kept_children(600)(specs)
 
 
 def _model(contestant: str, overrides: dict | None = None) -> dict:

@@ -17,7 +17,7 @@ import json
 import pytest
 
 from bench import model as bench_model
-from bench.costmodel import captures, costs, site_casts
+from bench.costmodel import costs, site_casts
 from fp8graph.costs.casts import CAST_TRAFFIC
 
 BUDGET_SOURCE = "bench/results/model-decoder-2026-11-24T060511Z.json"
@@ -41,7 +41,7 @@ def _modelled_steps() -> tuple[dict, dict]:
     spec = {"workload": "decoder", "config": "bench-8b-layer", "batch": 1, "sequence": 4096, "overrides": {},
             "cubin": True}
     specs = [{**spec, "contestant": c} for c in BUDGETS] + [site_casts.linear_spec(c) for c in BUDGETS]
-    results = captures.kept(lambda specs, env=None: bench_model.run_children(specs, 1200, env=env))(specs)
+    results = bench_model.kept_children(1200)(specs)
     steps, linears = {}, {}
     for spec, result in zip(specs, results):
         assert "error" not in result, (spec["contestant"], result["error"])
