@@ -47,7 +47,7 @@ from fp8graph.numerics.delayed_scaling import scale_from_history
 from fp8graph.targets.cache_hash import register_target
 from fp8graph.targets.grouped_blocks import GroupedBlocks
 from fp8graph.targets.linear_tensorwise import record_health, record_states, target_name
-from fp8graph.targets.partitioning import read_in_backward, saved_not_recomputed
+from fp8graph.targets.partitioning import keep_for_backward, read_in_backward, saved_not_recomputed
 
 __all__ = ["GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "grouped_fp8_target",
            "health_scales"]
@@ -150,6 +150,23 @@ def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec) -> tuple[to
     return weight_t_fp8, scale.reciprocal()
 
 
+def _transposed_for_grad_input(weight_fp8: torch.Tensor, weight_inverse: torch.Tensor, spec: GroupedSpec):
+    """``(weight_t_fp8 (E, K, N), weight_inverse)``: the per-expert cast (E, N, K) laid out for grad_input's GEMM
+    (N contiguous), written in the forward by the kernel that casts the weight (one read of the weight for both
+    layouts), and the inverse scale the forward GEMM reads, tied to it (``fp8graph.targets.partitioning``).
+    Left to itself the partitioner recomputes the cast in the backward from the high-precision weight: a second
+    read of every expert weight a step. The emulation reads any layout: a view.
+
+    Delayed scaling gets the view too, which the backward casts again: its weight amaxes (the history's, along
+    K) are taken in the kernel of the forward cast, and a second output laid out along N splits that kernel in
+    two: the forward would read the weight twice, as the forward's and the backward's casts do together."""
+    if spec.lowering is not Lowering.SCALED_MM or spec.delayed:
+        return weight_fp8.transpose(-2, -1), weight_inverse
+    with saved_not_recomputed():  # the copy alone: the cast stays free to fuse
+        weight_t_fp8 = weight_fp8.transpose(-2, -1).contiguous()
+    return weight_t_fp8, keep_for_backward(weight_inverse, weight_t_fp8)
+
+
 def _cast_experts_through_copy(weight_hp: torch.Tensor, spec: GroupedSpec, mode: str, copy_fp8: torch.Tensor,
                                copy_scale: torch.Tensor, copy_t_fp8: torch.Tensor):
     """As :func:`cast_experts` (one scale per expert), through the weight's FP8 copies
@@ -195,6 +212,8 @@ class _GroupedFP8(torch.autograd.Function):
                 else:  # kept between calls, with its transpose for grad_input
                     weight_fp8, weight_scale, weight_inverse, weight_t_fp8 = _cast_experts_through_copy(
                         weight_hp, spec, *weight_copy)
+            if needs_grad_input and not spec.per_row and weight_copy is None:
+                weight_t_fp8, weight_inverse = _transposed_for_grad_input(weight_fp8, weight_inverse, spec)
             if stats is not None:
                 record_health(stats, Role.INPUT, input_hp, input_fp8, health_scales(input_scale), spec.recipe)
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
@@ -218,8 +237,7 @@ class _GroupedFP8(torch.autograd.Function):
                 if spec.per_row:
                     saved_weight = _cast_expert_columns(weight_hp, spec)  # (E, K, N), (E, K)
                 else:
-                    saved_weight = (weight_fp8.transpose(-2, -1) if weight_copy is None else weight_t_fp8,
-                                    weight_inverse[:, :1].expand(experts, weight_hp.shape[2]))
+                    saved_weight = (weight_t_fp8, weight_inverse[:, :1].expand(experts, weight_hp.shape[2]))
         ctx.save_for_backward(offsets, *saved_input, *saved_weight, gather_index)
         ctx.source_rows = input_hp.shape[0]
         # The state's buffers are read and written in place by the backward, not saved (as the linears' are:
