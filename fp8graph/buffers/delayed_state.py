@@ -42,7 +42,7 @@ import torch
 from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
 from fp8graph.numerics.formats import Role
 from fp8graph.recipes.plan import Plan
-from fp8graph.recipes.policy import Policy
+from fp8graph.recipes.policy import Policy, weight_experts
 from fp8graph.recipes.scaling import misaligned
 
 __all__ = ["FORWARD_ROLES", "GRAD_HISTORY_PREFIX", "GRAD_SCALE_PREFIX", "HISTORY_PREFIX", "SCALE_PREFIX",
@@ -124,7 +124,7 @@ def weight_candidates(module: torch.nn.Module):
 
 def forward_rows(param: torch.Tensor) -> int:
     """Rows of a weight's forward state: input and weight, or input and one per expert of a 3-D weight."""
-    return 1 + (param.shape[0] if param.dim() == 3 else 1)
+    return 1 + (weight_experts(param) or 1)
 
 
 def _state_names(owner: torch.nn.Module) -> list[str]:

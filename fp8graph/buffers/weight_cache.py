@@ -54,7 +54,7 @@ import torch
 from fp8graph.numerics.formats import Role
 from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
 from fp8graph.recipes.plan import Plan
-from fp8graph.recipes.policy import Policy, weight_orientations
+from fp8graph.recipes.policy import Policy, weight_experts, weight_orientations
 from fp8graph.recipes.scaling import expert_recipe
 from fp8graph.buffers.delayed_state import weight_candidates
 
@@ -136,7 +136,7 @@ def _storage_address(weight: torch.Tensor) -> int | None:
 
 def copy_prefixes(param: torch.Tensor) -> tuple[str, ...]:
     """The buffers of a weight's copies, in the order the FP8 sites take them."""
-    if param.dim() == 3:
+    if weight_experts(param) is not None:
         return CACHED_WEIGHT_PREFIX, CACHED_SCALE_PREFIX, CACHED_TRANSPOSE_PREFIX
     return CACHED_WEIGHT_PREFIX, CACHED_SCALE_PREFIX
 
@@ -150,12 +150,13 @@ def _copy_shape(module: torch.nn.Module, param: torch.Tensor) -> tuple[int, ...]
 
 def _copy_dtype(param: torch.Tensor, recipe) -> torch.dtype:
     """The copy's FP8 dtype: the recipe's for the weight; an expert weight's, as the expert GEMM runs it."""
-    return (expert_recipe(recipe) if param.dim() == 3 else recipe).fp8_dtype(Role.WEIGHT)
+    return (expert_recipe(recipe) if weight_experts(param) is not None else recipe).fp8_dtype(Role.WEIGHT)
 
 
 def _scale_shape(param: torch.Tensor) -> tuple[int, ...]:
     """One scale for a matrix, one an expert for a 3-D expert weight (as ``targets.grouped`` casts it)."""
-    return (param.shape[0], 1) if param.dim() == 3 else ()
+    experts = weight_experts(param)
+    return () if experts is None else (experts, 1)
 
 
 def _reuse_registered_cache(model: torch.nn.Module, plan: Plan, cache: WeightCache) -> WeightCache:
@@ -210,7 +211,7 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy, plan: Plan | N
             initials = {CACHED_WEIGHT_PREFIX: torch.zeros(copy_shape, dtype=_copy_dtype(param, recipe),
                                                           device=param.device),
                         CACHED_SCALE_PREFIX: torch.ones(_scale_shape(param), device=param.device)}
-            if param.dim() == 3:
+            if weight_experts(param) is not None:
                 initials[CACHED_TRANSPOSE_PREFIX] = initials[CACHED_WEIGHT_PREFIX].transpose(-2, -1).contiguous()
             for prefix in copy_prefixes(param):
                 new_buffers.append(NewBuffer(module, path, prefix + name, initials[prefix], persistent=False))

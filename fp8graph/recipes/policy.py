@@ -28,7 +28,7 @@ import torch
 from fp8graph.recipes.scaling import Float8CurrentScaling, Recipe
 
 __all__ = ["DEFAULT_RECIPE", "Policy", "Resolution", "SiteInfo", "WeightRecipes", "normalize_policy", "resolve",
-           "resolve_weight", "weight_orientations"]
+           "resolve_weight", "weight_experts", "weight_orientations"]
 
 DEFAULT_RECIPE = Float8CurrentScaling()
 
@@ -233,6 +233,12 @@ class WeightRecipes:
         return tuple(recipe for recipe in self.recipes if recipe is not None and getattr(recipe, trait))
 
 
+def weight_experts(weight: torch.Tensor) -> int | None:
+    """How many experts a weight holds: E of a 3-D expert weight, (E, N, K) or (E, K, N), whose sites are
+    grouped GEMMs; None for a matrix."""
+    return weight.shape[0] if weight.dim() == 3 else None
+
+
 def weight_orientations(module: torch.nn.Module | None, weight: torch.Tensor) -> list[tuple[int, int]]:
     """The ``(N, K)`` a linear on ``weight`` can have: ``nn.Linear`` stores (N, K), HuggingFace's ``Conv1D``
     (GPT-2) stores (K, N); a weight of any other module (an expert's, the last two dims of a 3-D weight) may
@@ -261,7 +267,7 @@ class _BeforeTracing:
 def resolve_weight(policy: Policy, path: str, module: torch.nn.Module | None, weight: torch.Tensor) -> WeightRecipes:
     """The recipes ``policy`` can give a linear on the 2-D ``weight`` of ``module`` (at ``path``), or an expert
     site on its 3-D one (E, N, K), before tracing: see :class:`WeightRecipes`."""
-    experts = weight.shape[0] if weight.dim() == 3 else None
+    experts = weight_experts(weight)
     sites = [SiteInfo(op="linear" if experts is None else "grouped_mm", M=None, K=k, N=n, dtype=weight.dtype,
                       experts=experts) for n, k in weight_orientations(module, weight)]
     recipes, rule_indices, undecided = [], [], []
