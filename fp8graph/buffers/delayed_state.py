@@ -124,7 +124,8 @@ def weight_candidates(module: torch.nn.Module):
 
 def forward_rows(param: torch.Tensor) -> int:
     """Rows of a weight's forward state: input and weight, or input and one per expert of a 3-D weight."""
-    return 1 + (weight_experts(param) or 1)
+    experts = weight_experts(param)
+    return 1 + (1 if experts is None else experts)
 
 
 def _state_names(owner: torch.nn.Module) -> list[str]:

@@ -27,6 +27,7 @@ import torch
 from fp8graph.numerics.formats import Role
 from fp8graph.numerics.quantize import quantize, quantize_current
 from fp8graph.numerics.tiles import e8m0_bytes, reference_quantize_tiles
+from fp8graph.recipes.policy import weight_experts
 from fp8graph.recipes.scaling import Granularity, Recipe
 
 __all__ = ["TrainedWeight", "trained_weights"]
@@ -47,7 +48,7 @@ class TrainedWeight:
 
     @property
     def experts(self) -> bool:
-        return self.weight_fp8.dim() == 3
+        return weight_experts(self.weight_fp8) is not None
 
     @property
     def granularity(self) -> Granularity:

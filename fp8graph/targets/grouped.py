@@ -154,8 +154,8 @@ def _transposed_for_grad_input(weight_fp8: torch.Tensor, weight_inverse: torch.T
     """``(weight_t_fp8 (E, K, N), weight_inverse)``: the per-expert cast (E, N, K) laid out for grad_input's GEMM
     (N contiguous), written in the forward by the kernel that casts the weight (one read of the weight for both
     layouts), and the inverse scale the forward GEMM reads, tied to it (``fp8graph.targets.partitioning``).
-    Left to itself the partitioner recomputes the cast in the backward from the high-precision weight: a second
-    read of every expert weight a step. The emulation reads any layout: a view.
+    Left to itself the partitioner recomputes the cast in the backward from the high-precision weight: one more
+    read of every expert weight at each call. The emulation reads any layout: a view.
 
     Delayed scaling gets the view too, which the backward casts again: its weight amaxes (the history's, along
     K) are taken in the kernel of the forward cast, and a second output laid out along N splits that kernel in

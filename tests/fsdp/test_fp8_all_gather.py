@@ -24,10 +24,10 @@ What must hold:
 - delayed-scaling state is identical on every rank, and equal to the high-precision gather's;
 - ``explain`` lists which weights were gathered in FP8, and why the others were not.
 
-The 2 ranks compile with aot_eager, as training does, so AOTAutograd traces the gathered FP8 weights; the 4
-ranks with fp8graph's ``eager`` compiler (the same rewritten graph, run without AOTAutograd), which is what
-makes 4 ranks sharing this machine's 2 cores affordable: they add what only 4 ranks show (tiles split
-between ranks, kept in high precision; the same bits on 4 shards), not another lowering.
+The 2 ranks compile with aot_eager, as the CPU training app does, so AOTAutograd traces the gathered FP8
+weights; the 4 ranks with fp8graph's ``eager`` compiler (the same rewritten graph, run without AOTAutograd),
+which is what makes 4 ranks sharing this machine's 2 cores affordable: they add what only 4 ranks show (tiles
+split between ranks, kept in high precision; the same bits on 4 shards), not another compiler path.
 """
 
 import pytest
