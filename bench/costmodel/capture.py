@@ -108,7 +108,7 @@ def _kernel_arg_bytes(kernel) -> list[ArgBytes]:
 
     result = []
     arg_defs, call_args, _, _ = kernel.args.python_argdefs()
-    accesses = kernel.features.buf_accesses()
+    accesses = _accesses_by_storage(kernel.features.buf_accesses())
     out_numel = _hint(sympy_product(kernel.numels.values()))
     for arg_def, arg in zip(arg_defs, call_args):
         if arg not in accesses:
@@ -134,6 +134,35 @@ def _kernel_arg_bytes(kernel) -> list[ArgBytes]:
         result.append(ArgBytes(arg_def.name, arg, str(dtype).replace("torch.", ""), numel,
                                nbytes if is_input else 0, nbytes if is_output else 0))
     return result
+
+
+def _accesses_by_storage(accesses: dict) -> dict:
+    """A kernel's buffer accesses keyed by the buffer its arguments name. A write into a buffer that an earlier
+    kernel made (a scatter into an ``empty``, an in-place fill) is recorded under the mutation's own name, while
+    the signature passes the buffer it mutates: where the kernel names no access of that buffer itself, the
+    mutations' loads and stores go to it (following chains of mutations), else such a kernel's stores would count
+    no bytes."""
+    from torch._inductor.dependencies import StarDep, WeakDep
+    from torch._inductor.virtualized import V
+
+    def storage(name: str) -> str:
+        seen = set()
+        while name not in seen:
+            seen.add(name)
+            buffer = V.graph.name_to_buffer.get(name)  # graph inputs and constants mutate nothing
+            mutated = list(buffer.get_mutation_names()) if buffer is not None else []
+            if len(mutated) != 1:
+                return name
+            name = mutated[0]
+        return name
+
+    merged = {name: list(deps) for name, deps in accesses.items()}
+    for name, deps in accesses.items():
+        root = storage(name)
+        stores = [dep for dep in deps if not isinstance(dep, (StarDep, WeakDep))]  # not orderings after a mutation
+        if root != name and root not in accesses and stores:
+            merged.setdefault(root, []).extend(stores)
+    return merged
 
 
 def _kernel_bytes(kernel) -> list[ArgBytes]:

@@ -14,7 +14,7 @@ Lowerings (``fp8graph.gemm.scaled_gemm.Lowering``):
 
 - ``scaled_mm``: ``torch._scaled_grouped_mm``. E4M3 operands, A row-major, B column-major, K and N
   multiples of 16, BF16 out. In the weights form K is a group's token count, which the routing
-  decides: every group is zero-padded to a multiple of 16 rows first (``padded_group_rows``).
+  decides: every group is zero-padded to a multiple of 16 rows first (``place_in_padded_groups``).
 - ``emulated``: ``fp8graph::grouped_mm_exact`` widens the FP8 operands to fp32 and multiplies each
   group (products of FP8 values are exact in fp32, so this equals the FP8 GEMM up to the order of
   accumulation); the scales are applied to the fp32 product in plain torch ops. An op of its own
@@ -28,7 +28,7 @@ import torch
 
 from fp8graph.gemm.layouts import column_major, row_major
 from fp8graph.gemm.scaled_gemm import Lowering
-from fp8graph.numerics.groups import padded_group_rows, row_groups
+from fp8graph.numerics.groups import place_in_padded_groups, row_groups
 from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
 
 __all__ = ["grouped_mm_exact", "grouped_scaled_gemm", "grouped_scaled_gemm_weights"]
@@ -85,9 +85,8 @@ def grouped_scaled_gemm_weights(a_fp8: torch.Tensor, a_inverse_scale: torch.Tens
     """The weights form: ``a`` (N, S) with ``a_inverse_scale`` (E, N), ``b`` (S, K) with
     ``b_inverse_scale`` (E, K); returns (E, N, K) in ``out_dtype``."""
     if lowering is Lowering.SCALED_MM:
-        destination, padded_offsets, padded_rows = padded_group_rows(offsets, b_fp8.shape[0], FP8_GEMM_DIM_MULTIPLE)
-        a_padded = _scatter_columns(a_fp8, destination, padded_rows)  # (N, S')
-        b_padded = _scatter_columns(b_fp8.t(), destination, padded_rows)  # (K, S')
+        a_padded, padded_offsets = place_in_padded_groups(a_fp8, offsets, FP8_GEMM_DIM_MULTIPLE, 1)  # (N, S')
+        b_padded, _ = place_in_padded_groups(b_fp8.t(), offsets, FP8_GEMM_DIM_MULTIPLE, 1)  # (K, S')
         output = torch._scaled_grouped_mm(a_padded, b_padded.t(), a_inverse_scale.reshape(-1).contiguous(),
                                           b_inverse_scale.reshape(-1).contiguous(), offs=padded_offsets,
                                           out_dtype=torch.bfloat16)
@@ -95,10 +94,3 @@ def grouped_scaled_gemm_weights(a_fp8: torch.Tensor, a_inverse_scale: torch.Tens
     product_fp32 = torch.ops.fp8graph.grouped_mm_exact(a_fp8, b_fp8, offsets)  # (E, N, K)
     return (product_fp32 * a_inverse_scale[:, :, None] * b_inverse_scale[:, None, :]).to(out_dtype)
 
-
-def _scatter_columns(x_fp8: torch.Tensor, destination: torch.Tensor, columns: int) -> torch.Tensor:
-    """``x_fp8`` (R, S) with column ``s`` moved to ``destination[s]`` of (R, ``columns``) zeros, row-major.
-    Through uint8 (zero bits are +0.0 in both FP8 formats), as index_put is not defined for FP8 dtypes."""
-    padded = x_fp8.new_zeros((x_fp8.shape[0], columns), dtype=torch.uint8)
-    padded = padded.index_copy(1, destination, x_fp8.view(torch.uint8))
-    return padded.view(x_fp8.dtype)

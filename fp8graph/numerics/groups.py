@@ -23,7 +23,8 @@ import torch
 
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
-__all__ = ["group_column_amax", "padded_group_rows", "quantize_group_columns", "row_groups"]
+__all__ = ["group_column_amax", "group_padding", "padded_group_rows", "place_in_padded_groups", "quantize_group_columns",
+           "row_groups"]
 
 
 def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -85,3 +86,36 @@ def padded_group_rows(offsets: torch.Tensor, rows: int, multiple: int) -> tuple[
     outside = positions - offsets[-1].to(torch.int64) + padded_offsets[-1].to(torch.int64)
     destination = torch.where(in_group, inside, outside)
     return destination, padded_offsets, -(-(rows + count * multiple) // multiple) * multiple
+
+
+def group_padding(offsets: torch.Tensor, padded_offsets: torch.Tensor, multiple: int, padded_rows: int) -> torch.Tensor:
+    """The rows that pad the groups of :func:`padded_group_rows`: (E * (multiple - 1),) int64, group ``e``'s
+    ``padded size - size`` rows after its own, the other slots ``padded_rows - 1``, past every group and every
+    moved row (rows <= padded_rows - E * multiple), so never read. A fixed count, known when the graph is built."""
+    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1)).to(torch.int64)
+    padded_sizes = torch.diff(padded_offsets, prepend=padded_offsets.new_zeros(1)).to(torch.int64)
+    first = padded_offsets.to(torch.int64) - padded_sizes + sizes  # (E,): the row after group e's last
+    slot = torch.arange(multiple - 1, device=offsets.device, dtype=torch.int64)
+    used = slot[None, :] < (padded_sizes - sizes)[:, None]
+    return torch.where(used, first[:, None] + slot[None, :], padded_rows - 1).reshape(-1)
+
+
+def place_in_padded_groups(x: torch.Tensor, offsets: torch.Tensor, multiple: int, dim: int,
+                           into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x``'s rows (``dim=0``) or columns (``dim=1``) moved into groups zero-padded to ``multiple``
+    (:func:`padded_group_rows`): ``(padded, padded_offsets)``, ``padded`` row-major.
+
+    Only what a grouped GEMM reads is written: the moved rows and the pads of each group, never the whole buffer
+    (a zero fill first would write every byte twice: on an H100 a copy of the operand's size per GEMM operand).
+    The rest, past ``padded_offsets[-1]``, is left as allocated. ``into`` is the buffer to write (a new one by
+    default); FP8 goes through uint8 (index_copy is not defined for FP8 dtypes; zero bits are +0.0 in both
+    formats)."""
+    destination, padded_offsets, padded_rows = padded_group_rows(offsets, x.shape[dim], multiple)
+    pads = group_padding(offsets, padded_offsets, multiple, padded_rows)
+    fp8 = x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    source = x.view(torch.uint8) if fp8 else x
+    shape = list(x.shape)
+    shape[dim] = padded_rows
+    padded = source.new_empty(shape) if into is None else into.view(source.dtype)
+    padded = padded.index_fill(dim, pads, 0).index_copy(dim, destination, source)
+    return (padded.view(x.dtype) if fp8 else padded), padded_offsets

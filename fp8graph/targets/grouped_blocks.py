@@ -18,7 +18,7 @@ from fp8graph.gemm.grouped_gemm import grouped_mm_exact
 from fp8graph.gemm.grouped_mx import grouped_mx_gemm, grouped_mx_gemm_weights
 from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.numerics.formats import Role
-from fp8graph.numerics.groups import padded_group_rows
+from fp8graph.numerics.groups import place_in_padded_groups
 from fp8graph.numerics.tiles import Tiling, expand_scale, reference_dequantize_tiles, reference_quantize_tiles
 from fp8graph.targets.linear_tensorwise import record_health
 
@@ -44,23 +44,22 @@ class GroupedBlocks(torch.autograd.Function):
             # output = input . weight_e^T  (S, N)
             output = _gemm_rows(input_q, weight_q, offsets, input_hp.dtype, tiling, spec.lowering)
             weight_t_q = (None, None)
-            padding = input_t_q = None
+            padded_offsets = input_t_q = None
             if needs_grad_input:  # along N
                 weight_t_q = _experts(_blocks(weight_hp.transpose(-2, -1).reshape(experts * columns, rows), tiling),
                                       experts)  # (E, K, N)
             if needs_grad_weight:  # along each group's tokens
-                padding = padded_group_rows(offsets, input_hp.shape[0], tiling.cols)
-                input_t_q = _blocks(_padded(input_hp, padding).t(), tiling)  # (K, S')
+                input_padded, padded_offsets = place_in_padded_groups(input_hp, offsets, tiling.cols, 0)  # (S', K)
+                input_t_q = _blocks(input_padded.t(), tiling)  # (K, S')
         ctx.save_for_backward(offsets, *weight_t_q, *(input_t_q or (None, None)),
-                              *(padding[:2] if padding else (None, None)))
-        ctx.spec, ctx.stats, ctx.padded_rows = spec, stats, padding[2] if padding else None
+                              padded_offsets)
+        ctx.spec, ctx.stats = spec, stats
         ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad_output_hp):  # (S, N)
-        offsets, weight_t_fp8, weight_t_scale, input_t_fp8, input_t_scale, destination, padded_offsets = \
-            ctx.saved_tensors
+        offsets, weight_t_fp8, weight_t_scale, input_t_fp8, input_t_scale, padded_offsets = ctx.saved_tensors
         spec = ctx.spec
         tiling = spec.recipe.tiling(Role.GRAD_OUTPUT)
         needs_grad_input, needs_grad_weight = ctx.needs_input_grad[:2]
@@ -72,8 +71,8 @@ class GroupedBlocks(torch.autograd.Function):
                 grad_input = _gemm_rows(grad_output_q, (weight_t_fp8, weight_t_scale), offsets, ctx.input_dtype,
                                         tiling, spec.lowering)
             if needs_grad_weight:
-                padding = (destination, padded_offsets, ctx.padded_rows)
-                grad_output_t_q = _blocks(_padded(grad_output_hp, padding).t(), tiling)  # (N, S')
+                grad_output_padded, _ = place_in_padded_groups(grad_output_hp, offsets, tiling.cols, 0)  # (S', N)
+                grad_output_t_q = _blocks(grad_output_padded.t(), tiling)  # (N, S')
                 # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
                 grad_weight = _gemm_weights(grad_output_t_q, (input_t_fp8, input_t_scale), padded_offsets,
                                             ctx.weight_dtype, tiling, spec.lowering)
@@ -119,8 +118,3 @@ def _gemm_weights(a_q, b_q, offsets, out_dtype, tiling: Tiling, lowering: Loweri
         return grouped_mx_gemm_weights(*a_q, *b_q, offsets, out_dtype)
     return grouped_mm_exact(_dequantized(a_q, tiling), _dequantized(b_q, tiling).t(), offsets).to(out_dtype)
 
-
-def _padded(x_hp: torch.Tensor, padding) -> torch.Tensor:
-    """``x_hp`` (S, C) with its rows moved into groups zero-padded to whole blocks (``padded_group_rows``)."""
-    destination, _, padded_rows = padding
-    return x_hp.new_zeros((padded_rows, x_hp.shape[1])).index_copy(0, destination, x_hp)

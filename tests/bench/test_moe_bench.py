@@ -112,6 +112,25 @@ def test_current_scaling_casts_each_expert_weight_once_a_call_for_both_layouts(s
     assert _triton_bytes(current, "0:forward")[0] <= _triton_bytes(cached, "0:forward")[0]
 
 
+def test_grad_weight_s_operands_are_written_once_into_groups_padded_only_where_they_end(steps):
+    """The weight-gradient GEMM reads each group zero-padded to 16 tokens: the backward writes each operand's rows
+    once, scattered to their padded places, and zeros only where a group ends (``fp8graph.numerics.groups``), no
+    fill of the whole padded buffer first. The scatters store into buffers that another kernel wrote before (the
+    pads): the model counts those stores (``bench.costmodel.capture``)."""
+    experts, hidden, width = TINY["experts"], TINY["hidden"], TINY["expert_width"]
+    padded_rows = -(-(S + experts * 16) // 16) * 16
+    operand_widths = (hidden, width, 2 * width, hidden)  # down: grad_output, input; gate_up: grad_output, input
+    for contestant in ("rowwise", "current"):
+        backward = [r for r in steps[contestant]["rows"] if r["graph"].endswith("backward") and r["kind"] == "triton"]
+        pads = [r for r in backward if "index_fill" in r["name"]]
+        assert sum(r["written"] * r["count"] for r in pads) == experts * 15 * sum(operand_widths), contestant
+        scatters = [r for r in backward if "index_copy" in r["name"]]
+        assert sum(r["written"] * r["count"] for r in scatters) >= S * sum(operand_widths), contestant
+        whole_fills = [r["name"] for r in backward if r["read"] == 0 and r["largest_numel"] in
+                       {padded_rows * w for w in operand_widths}]
+        assert whole_fills == [], contestant
+
+
 def test_a_step_that_keeps_the_weights_cast_reads_them_once_and_its_other_micro_batches_never(steps):
     """``current cached`` (cache_weights=True): the first micro-batch casts the weights as current's step does,
     writing a copy in each GEMM's layout; the others read the copies instead of the BF16 expert weights."""

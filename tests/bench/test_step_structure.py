@@ -20,14 +20,15 @@ from bench import model as bench_model
 from bench.costmodel import costs, site_casts
 from fp8graph.costs.casts import CAST_TRAFFIC
 
-BUDGET_SOURCE = "bench/results/model-decoder-2026-11-24T060511Z.json"
+BUDGET_SOURCE = "bench/results/model-decoder-2026-11-27T021748Z.json"
 # Per contestant: launches (Triton kernels and custom ops) and Triton GB (read + written) per step, and FP8 GB
-# stored twice.
+# stored twice. The GB are 060511Z's plus the 0.524 GB every contestant's embedding backward reads, which the model
+# counted from that source on (a buffer an earlier kernel mutated: bench.costmodel.capture).
 BUDGETS = {
-    "current": {"launches": 289, "gb": 22.385, "fp8_stored_twice_gb": 0.0},
-    "delayed": {"launches": 298, "gb": 13.736, "fp8_stored_twice_gb": 0.0},
-    "rowwise": {"launches": 281, "gb": 24.854, "fp8_stored_twice_gb": 0.21},
-    "block": {"launches": 306, "gb": 11.376, "fp8_stored_twice_gb": 0.0},
+    "current": {"launches": 289, "gb": 22.909, "fp8_stored_twice_gb": 0.0},
+    "delayed": {"launches": 298, "gb": 14.260, "fp8_stored_twice_gb": 0.0},
+    "rowwise": {"launches": 281, "gb": 25.378, "fp8_stored_twice_gb": 0.21},
+    "block": {"launches": 306, "gb": 11.900, "fp8_stored_twice_gb": 0.0},
 }
 SLACK = 1.01
 

@@ -5,7 +5,7 @@ import torch
 
 from fp8graph.gemm.grouped_gemm import grouped_scaled_gemm, grouped_scaled_gemm_weights
 from fp8graph.gemm.scaled_gemm import Lowering, NoNativeGemm, choose_lowering
-from fp8graph.numerics.groups import padded_group_rows
+from fp8graph.numerics.groups import padded_group_rows, place_in_padded_groups
 from fp8graph.recipes.scaling import Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling
 
 FP8 = torch.float8_e4m3fn
@@ -47,14 +47,16 @@ def test_weights_form_reduces_each_groups_tokens_exactly_and_empty_experts_are_z
 
 
 def test_padding_groups_to_16_tokens_changes_no_product():
-    """The native weights form pads each group to a multiple of 16 tokens: zero rows add nothing."""
+    """The native weights form pads each group to a multiple of 16 tokens: zero rows add nothing, and what lies
+    past the groups (left as allocated: NaN bytes here) is never read."""
     a, b = _fp8(N, S, seed=4), _fp8(S, K, seed=5)
-    destination, padded_offsets, padded_rows = padded_group_rows(OFFSETS, S, 16)
-    a_padded = torch.zeros(N, padded_rows, dtype=torch.uint8).index_copy(1, destination, a.view(torch.uint8))
-    b_padded = torch.zeros(padded_rows, K, dtype=torch.uint8).index_copy(0, destination, b.view(torch.uint8))
+    padded_rows = padded_group_rows(OFFSETS, S, 16)[2]
+    nan_bytes = dict(fill_value=0xFF, dtype=torch.uint8)
+    a_padded, padded_offsets = place_in_padded_groups(a, OFFSETS, 16, 1, into=torch.full((N, padded_rows), **nan_bytes))
+    b_padded, _ = place_in_padded_groups(b.t(), OFFSETS, 16, 1, into=torch.full((K, padded_rows), **nan_bytes))
     ones_n, ones_k = torch.ones(E, N), torch.ones(E, K)
-    padded = grouped_scaled_gemm_weights(a_padded.view(FP8), ones_n, b_padded.view(FP8), ones_k, padded_offsets,
-                                         torch.float32, Lowering.EMULATED)
+    padded = grouped_scaled_gemm_weights(a_padded, ones_n, b_padded.t(), ones_k, padded_offsets, torch.float32,
+                                         Lowering.EMULATED)
     unpadded = grouped_scaled_gemm_weights(a, ones_n, b, ones_k, OFFSETS, torch.float32, Lowering.EMULATED)
     assert torch.equal(padded, unpadded)
 
