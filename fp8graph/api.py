@@ -74,10 +74,11 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             so only the first call after a change quantizes it; changes are
             seen through the weights' version counters (see
             :mod:`fp8graph.buffers.weight_cache`). Costs one byte per cached weight
-            element (two for an expert weight: a copy of each layout). A call that fills
-            writes the copies besides the casts its GEMMs read, so it pays where several
-            calls share the weights (micro-batches of a step, inference), not with one
-            call per optimizer step. Not with ``freeze_weights``, which folds the copies instead.
+            element (two for an expert weight: a copy of each layout), held between calls.
+            Under Inductor a call that fills casts into the copies and its GEMMs read them
+            (:mod:`fp8graph.targets.kept_copies`): it moves what casting per call moves, and
+            the calls that reuse skip the weights' casts. Not with ``freeze_weights``, which
+            folds the copies instead.
         regions: which blocks to compile once for all their instances (see
             :mod:`fp8graph.regions.repeated_blocks`): ``"auto"`` (default) finds a model's
             repeated layers (HuggingFace ``_no_split_modules``, or an

@@ -31,6 +31,7 @@ from fp8graph.instances import InstanceSignatures, served_decisions
 from fp8graph.recipes.plan import Plan
 from fp8graph.recipes.policy import normalize_policy
 from fp8graph.targets.partitioning import joint_pre_pass, partition_min_cut
+from fp8graph.targets.kept_copies import post_grad_post_pass
 
 __all__ = ["FP8Backend", "fp8_backend"]
 
@@ -189,6 +190,7 @@ class FP8Backend:
 
         config_patches = dict(list_mode_options(self.mode) if self.mode else {})
         config_patches["joint_custom_pre_pass"] = joint_pre_pass(inductor_config.joint_custom_pre_pass)
+        config_patches["post_grad_custom_post_pass"] = post_grad_post_pass(inductor_config.post_grad_custom_post_pass)
         return compile_fx(gm, example_inputs, config_patches=config_patches)
 
 

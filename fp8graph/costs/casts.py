@@ -90,7 +90,7 @@ class GroupedCasts:
     block_launches: int
 
 
-# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-27T022038Z.json
+# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-27T024710Z.json
 # (Qwen3-30B-A3B's block at 256 and 2048 tokens an expert, sm_90, torch 2.13.0, triton 3.6.0); it reproduces
 # the block at 1024 tokens an expert exactly, Llama-4 Scout's within 6% and DeepSeek-V3's within 19% (current 19%
 # under; row-wise 38% under, its per-group column scales grow with the tokens an expert). Regenerated with the

@@ -131,6 +131,17 @@ def test_grad_weight_s_operands_are_written_once_into_groups_padded_only_where_t
         assert whole_fills == [], contestant
 
 
+def test_a_fill_writes_the_weight_copies_where_it_casts_them(steps):
+    """The first micro-batch of ``current cached`` casts each expert weight into the copies the other
+    micro-batches read, and its GEMMs read those copies: the cast kernel stores each FP8 value once
+    (``fp8graph.targets.kept_copies``), so the fill moves the bytes of casting per call, plus each copy's scales."""
+    cached, current = steps["current cached"], steps["current"]
+    assert sum(r.get("duplicate_written", 0) * r["count"] for r in cached["rows"]) == 0
+    scales = 2 * TINY["experts"] * 4  # an fp32 scale an expert, for each of the two expert weights
+    assert _triton_bytes(cached, "0:forward")[1] <= _triton_bytes(current, "0:forward")[1] + scales
+    assert _triton_bytes(cached, "0:forward")[0] <= _triton_bytes(current, "0:forward")[0] + scales
+
+
 def test_a_step_that_keeps_the_weights_cast_reads_them_once_and_its_other_micro_batches_never(steps):
     """``current cached`` (cache_weights=True): the first micro-batch casts the weights as current's step does,
     writing a copy in each GEMM's layout; the others read the copies instead of the BF16 expert weights."""
