@@ -31,7 +31,7 @@ from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.numerics.groups import place_in_padded_groups, row_groups
 from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
 
-__all__ = ["grouped_mm_exact", "grouped_scaled_gemm", "grouped_scaled_gemm_weights"]
+__all__ = ["grouped_mm_exact", "grouped_scaled_gemm", "grouped_scaled_gemm_weights", "placed_for_grad_weight"]
 
 
 @torch.library.custom_op("fp8graph::grouped_mm_exact", mutates_args=())
@@ -79,18 +79,26 @@ def grouped_scaled_gemm(a_fp8: torch.Tensor, a_inverse_scale: torch.Tensor, b_fp
     return (product_fp32 * a_inverse_scale[:, None] * b_inverse_scale[experts]).to(out_dtype)
 
 
-def grouped_scaled_gemm_weights(a_fp8: torch.Tensor, a_inverse_scale: torch.Tensor, b_fp8: torch.Tensor,
+def placed_for_grad_weight(b_fp8: torch.Tensor, offsets: torch.Tensor, lowering: Lowering) -> torch.Tensor:
+    """The right operand of the weights form, ``b`` (S, K), as :func:`grouped_scaled_gemm_weights` reads it:
+    for ``scaled_mm`` its columns laid out (K, S') in groups padded to 16 tokens (``place_in_padded_groups``), so
+    a caller can write them where ``b`` is cast (the forward, for the backward's GEMM); emulated, ``b`` itself."""
+    if lowering is Lowering.SCALED_MM:
+        return place_in_padded_groups(b_fp8.t(), offsets, FP8_GEMM_DIM_MULTIPLE, 1)[0]
+    return b_fp8
+
+
+def grouped_scaled_gemm_weights(a_fp8: torch.Tensor, a_inverse_scale: torch.Tensor, b_placed: torch.Tensor,
                                 b_inverse_scale: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
                                 lowering: Lowering) -> torch.Tensor:
-    """The weights form: ``a`` (N, S) with ``a_inverse_scale`` (E, N), ``b`` (S, K) with
-    ``b_inverse_scale`` (E, K); returns (E, N, K) in ``out_dtype``."""
+    """The weights form: ``a`` (N, S) with ``a_inverse_scale`` (E, N), ``b`` (S, K) placed by
+    :func:`placed_for_grad_weight`, with ``b_inverse_scale`` (E, K); returns (E, N, K) in ``out_dtype``."""
     if lowering is Lowering.SCALED_MM:
         a_padded, padded_offsets = place_in_padded_groups(a_fp8, offsets, FP8_GEMM_DIM_MULTIPLE, 1)  # (N, S')
-        b_padded, _ = place_in_padded_groups(b_fp8.t(), offsets, FP8_GEMM_DIM_MULTIPLE, 1)  # (K, S')
-        output = torch._scaled_grouped_mm(a_padded, b_padded.t(), a_inverse_scale.reshape(-1).contiguous(),
+        output = torch._scaled_grouped_mm(a_padded, b_placed.t(), a_inverse_scale.reshape(-1).contiguous(),
                                           b_inverse_scale.reshape(-1).contiguous(), offs=padded_offsets,
                                           out_dtype=torch.bfloat16)
         return output.to(out_dtype)
-    product_fp32 = torch.ops.fp8graph.grouped_mm_exact(a_fp8, b_fp8, offsets)  # (E, N, K)
+    product_fp32 = torch.ops.fp8graph.grouped_mm_exact(a_fp8, b_placed, offsets)  # (E, N, K)
     return (product_fp32 * a_inverse_scale[:, :, None] * b_inverse_scale[:, None, :]).to(out_dtype)
 

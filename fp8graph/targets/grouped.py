@@ -14,8 +14,9 @@ Scales, per recipe (``fp8graph.numerics.groups`` draws the groups):
     recipe     input / grad_output rows    weight_e                       grad_weight's operands
     rowwise    per row                     per output row (N), and per    per group and column
                                            column (K) for grad_input
-    current    per tensor                  per expert                     the same casts, read again
-    delayed    per tensor, from its        per expert, from its history   the same casts, read again
+    current    per tensor                  per expert                     the same casts; the input's laid
+                                                                          out for it by the forward's cast
+    delayed    per tensor, from its        per expert, from its history   as current
                history                     (a row per expert)
     mxfp8      blocks of 32 along K (N     blocks of 32 along K (N for    blocks of 32 tokens, each group
                for grad_input), E8M0       grad_input)                    zero-padded to a multiple of 32
@@ -36,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from fp8graph.gemm.grouped_gemm import grouped_scaled_gemm, grouped_scaled_gemm_weights
+from fp8graph.gemm.grouped_gemm import grouped_scaled_gemm, grouped_scaled_gemm_weights, placed_for_grad_weight
 from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.numerics.formats import Role
 from fp8graph.numerics.groups import quantize_group_columns
@@ -167,6 +168,19 @@ def _transposed_for_grad_input(weight_fp8: torch.Tensor, weight_inverse: torch.T
     return weight_t_fp8, keep_for_backward(weight_inverse, weight_t_fp8)
 
 
+def _placed_in_the_forward(input_fp8: torch.Tensor, input_inverse: torch.Tensor, offsets: torch.Tensor,
+                           spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_placed, input_inverse)``: the input's cast (S, K) laid out for grad_weight's GEMM
+    (``placed_for_grad_weight``), written in the forward by the kernel that casts and gathers the rows, and the
+    inverse scale the forward GEMM reads, tied to it (``fp8graph.targets.partitioning``). Left to itself the
+    partitioner saves the cast and moves it in the backward: one more read of it a call. The emulation reads
+    the cast as it is."""
+    if spec.lowering is not Lowering.SCALED_MM:
+        return input_fp8, input_inverse
+    input_placed = placed_for_grad_weight(input_fp8, offsets, spec.lowering)  # (K, S')
+    return input_placed, keep_for_backward(input_inverse, input_placed)
+
+
 def _cast_experts_through_copy(weight_hp: torch.Tensor, spec: GroupedSpec, mode: str, copy_fp8: torch.Tensor,
                                copy_scale: torch.Tensor, copy_t_fp8: torch.Tensor):
     """As :func:`cast_experts` (one scale per expert), through the weight's FP8 copies
@@ -219,6 +233,9 @@ class _GroupedFP8(torch.autograd.Function):
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
             if gather_index is not None:
                 input_fp8, input_inverse = _gather_rows(input_fp8, gather_index), input_inverse[gather_index]
+            input_placed = None
+            if needs_grad_weight and not spec.per_row:
+                input_placed, input_inverse = _placed_in_the_forward(input_fp8, input_inverse, offsets, spec)
             # output = input . weight_e^T  (S, N); fast accumulation for the forward GEMM, as for linears.
             output = grouped_scaled_gemm(input_fp8, input_inverse, weight_fp8.transpose(-2, -1), weight_inverse,
                                          offsets, output_dtype, spec.lowering, use_fast_accum=True)
@@ -229,9 +246,10 @@ class _GroupedFP8(torch.autograd.Function):
                 if spec.per_row:
                     rows_hp = input_hp if gather_index is None else input_hp[gather_index]  # (S, K)
                     input_g_fp8, input_g_scale = quantize_group_columns(rows_hp, offsets, _FP8, spec.power_2)
-                    saved_input = (input_g_fp8, input_g_scale.reciprocal())  # (S, K), (E, K)
+                    saved_input = (placed_for_grad_weight(input_g_fp8, offsets, spec.lowering),
+                                   input_g_scale.reciprocal())  # (E, K)
                 else:
-                    saved_input = (input_fp8, input_inverse[:1].expand(experts, input_hp.shape[1]))
+                    saved_input = (input_placed, input_inverse[:1].expand(experts, input_hp.shape[1]))
             if needs_grad_input:
                 # grad_input reduces along N: row-wise casts each expert's columns; per expert, the cast is kept.
                 if spec.per_row:
@@ -248,7 +266,7 @@ class _GroupedFP8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output_hp):  # (S, N)
-        offsets, input_g_fp8, input_g_inverse, weight_t_fp8, weight_t_inverse, gather_index = ctx.saved_tensors
+        offsets, input_g_placed, input_g_inverse, weight_t_fp8, weight_t_inverse, gather_index = ctx.saved_tensors
         spec: GroupedSpec = ctx.spec
         needs_grad_input, needs_grad_weight = ctx.needs_input_grad[:2]
         grad_input = grad_weight = None
@@ -278,7 +296,7 @@ class _GroupedFP8(torch.autograd.Function):
                     grad_output_g_fp8 = grad_output_fp8
                     grad_output_g_inverse = grad_output_inverse[:1].expand(experts, grad_output_hp.shape[1])
                 # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
-                grad_weight = grouped_scaled_gemm_weights(grad_output_g_fp8.t(), grad_output_g_inverse, input_g_fp8,
+                grad_weight = grouped_scaled_gemm_weights(grad_output_g_fp8.t(), grad_output_g_inverse, input_g_placed,
                                                           input_g_inverse, offsets, ctx.weight_dtype, spec.lowering)
         return grad_input, grad_weight, None, None, None, None, None, None, None
 

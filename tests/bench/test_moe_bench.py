@@ -121,14 +121,29 @@ def test_grad_weight_s_operands_are_written_once_into_groups_padded_only_where_t
     padded_rows = -(-(S + experts * 16) // 16) * 16
     operand_widths = (hidden, width, 2 * width, hidden)  # down: grad_output, input; gate_up: grad_output, input
     for contestant in ("rowwise", "current"):
-        backward = [r for r in steps[contestant]["rows"] if r["graph"].endswith("backward") and r["kind"] == "triton"]
-        pads = [r for r in backward if "index_fill" in r["name"]]
+        rows = [r for r in steps[contestant]["rows"] if r["kind"] == "triton"]
+        backward = [r for r in rows if r["graph"].endswith("backward")]
+        # The kernels that zero each group's pad rows, reading their index (current pads the input's groups in
+        # the forward; the fill value, a byte the forward keeps for the backward's, reads nothing)
+        pads = [r for r in rows if "index_fill" in r["name"] and r["read"] > 0]
         assert sum(r["written"] * r["count"] for r in pads) == experts * 15 * sum(operand_widths), contestant
-        scatters = [r for r in backward if "index_copy" in r["name"]]
+        scatters = [r for r in rows if "index_copy" in r["name"]]
         assert sum(r["written"] * r["count"] for r in scatters) >= S * sum(operand_widths), contestant
         whole_fills = [r["name"] for r in backward if r["read"] == 0 and r["largest_numel"] in
                        {padded_rows * w for w in operand_widths}]
         assert whole_fills == [], contestant
+
+
+def test_current_scaling_lays_the_input_out_for_grad_weight_where_it_casts_it(steps):
+    """grad_weight's right operand, the gathered input's cast in groups padded to 16 tokens, is stored by the
+    forward's kernel that gathers and casts the rows, beside the rows the forward GEMM reads
+    (``fp8graph.targets.grouped._placed_in_the_forward``); every scatter of the backward casts too (the
+    grad_outputs'), none moves a saved cast."""
+    rows = [r for r in steps["current"]["rows"] if r["kind"] == "triton"]
+    forward = [r for r in rows if r["graph"].endswith("forward") and "index_copy" in r["name"]]
+    backward = [r for r in rows if r["graph"].endswith("backward") and "index_copy" in r["name"]]
+    assert len(forward) == 2 and all("clamp" in r["name"] for r in forward), [r["name"] for r in forward]
+    assert len(backward) == 2 and all("clamp" in r["name"] for r in backward), [r["name"] for r in backward]
 
 
 def test_a_fill_writes_the_weight_copies_where_it_casts_them(steps):
@@ -224,16 +239,19 @@ def test_fp8graph_rowwise_runs_three_scaled_grouped_gemms_per_expert_site(steps)
 
 def test_the_tokens_are_cast_before_they_are_gathered(steps):
     """The sm_90 forward of current scaling: the amax reads the T hidden rows, and the kernel that gathers the S
-    sorted rows casts them on the way (indirect loads of the hidden states, FP8 stores); no kernel stores the
-    gathered rows in BF16 (fp8graph.passes.expert_sites.read_gather)."""
+    sorted rows casts them on the way (indirect loads of the hidden states, FP8 stores in the forward GEMM's
+    layout and grad_weight's); no kernel stores the gathered rows in BF16
+    (fp8graph.passes.expert_sites.read_gather)."""
     forward = [row for row in steps["current"]["rows"] if row["graph"].endswith("forward") and row["kind"] == "triton"]
     tokens, hidden = TOKENS, TINY["hidden"]
     source_amax = [r for r in forward if "amax" in r["name"] and "index" not in r["name"]
                    and r["read"] == tokens * hidden * 2]
+    # FP8 stores: the rows the forward GEMM reads and the same rows laid out for grad_weight's GEMM
     gather_cast = [r for r in forward if "index" in r["name"] and "clamp" in r["name"]
-                   and r["written"] == S * hidden and r["read"] < S * hidden * 2]
+                   and r["written"] == 2 * S * hidden and r["read"] < S * hidden * 2]
     assert len(source_amax) == 1 and len(gather_cast) == 1, [(r["name"], r["read"], r["written"]) for r in forward]
-    assert not any(r["written"] == S * hidden * 2 for r in forward), "gathered rows stored in BF16"
+    assert not any(r["written"] == S * hidden * 2 for r in forward if r not in gather_cast), \
+        "gathered rows stored in BF16"
 
 
 def test_the_swiglu_between_the_expert_gemms_lives_only_in_the_cast_kernels(steps):

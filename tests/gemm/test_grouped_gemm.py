@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fp8graph.gemm.grouped_gemm import grouped_scaled_gemm, grouped_scaled_gemm_weights
+from fp8graph.gemm.grouped_gemm import grouped_scaled_gemm, grouped_scaled_gemm_weights, placed_for_grad_weight
 from fp8graph.gemm.scaled_gemm import Lowering, NoNativeGemm, choose_lowering
 from fp8graph.numerics.groups import padded_group_rows, place_in_padded_groups
 from fp8graph.recipes.scaling import Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling
@@ -76,8 +76,10 @@ def test_native_lowering_passes_torch_scaled_grouped_mm_its_layouts_and_scales()
     grad_input = grouped_scaled_gemm(grad, torch.empty(S, **meta), w_t.transpose(-2, -1), torch.empty(E, K, **meta),
                                      offsets, torch.float32, Lowering.SCALED_MM)
     assert grad_input.shape == (S, K) and grad_input.dtype == torch.float32
-    grad_weight = grouped_scaled_gemm_weights(grad.t(), torch.empty(E, N, **meta), x, torch.empty(E, K, **meta),
-                                              offsets, torch.bfloat16, Lowering.SCALED_MM)
+    x_placed = placed_for_grad_weight(x, offsets, Lowering.SCALED_MM)  # (K, S'): groups padded to 16 tokens
+    assert x_placed.shape == (K, -(-(S + 16 * E) // 16) * 16)
+    grad_weight = grouped_scaled_gemm_weights(grad.t(), torch.empty(E, N, **meta), x_placed,
+                                              torch.empty(E, K, **meta), offsets, torch.bfloat16, Lowering.SCALED_MM)
     assert grad_weight.shape == (E, N, K)
 
 
