@@ -147,3 +147,56 @@ def test_no_gradients_no_backward_casts():
         output = grouped_fp8_target(Float8RowwiseScaling(), Lowering.EMULATED)(x, w, offsets)
     with_grad, _, _ = _run(Float8RowwiseScaling(), x, w, offsets, torch.zeros(x.shape[0], w.shape[1]))
     assert not output.requires_grad and torch.equal(output, with_grad.detach())
+
+
+def _ends(offsets):
+    ends = offsets.tolist()
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def _read_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False, **_):
+    """torch._scaled_grouped_mm's E4M3 forms as SM 9.0 runs them, read back on the CPU: only the rows (columns)
+    inside the groups are read. Rows form: a (S, K) row-major, b (E, K, N) column-major, scales (S,) and (E, N).
+    Weights form: a (N, S') row-major, b (S', K) column-major, scales (E N,) and (E K,), every group of S' a
+    multiple of 16 tokens."""
+    if b.dim() == 3:
+        assert a.stride(1) == 1 and b.stride(1) == 1
+        output = torch.zeros(a.shape[0], b.shape[2])
+        for expert, (start, end) in enumerate(_ends(offs)):
+            output[start:end] = ((a[start:end].float() * scale_a[start:end, None])
+                                 @ (b[expert].float() * scale_b[expert][None, :]))
+        return output.to(out_dtype)
+    assert a.stride(1) == 1 and b.stride(0) == 1 and all(end % 16 == 0 for end in offs.tolist())
+    experts, rows, columns = len(offs), a.shape[0], b.shape[1]
+    scale_a, scale_b = scale_a.reshape(experts, rows), scale_b.reshape(experts, columns)
+    output = torch.zeros(experts, rows, columns)
+    for expert, (start, end) in enumerate(_ends(offs)):
+        output[expert] = (a[:, start:end].float() @ b[start:end].float()) * scale_a[expert][:, None] \
+            * scale_b[expert][None, :]
+    return output.to(out_dtype)
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8RowwiseScaling()], ids=str)
+@pytest.mark.parametrize("gathered", [False, True], ids=["sorted input", "gathered input"])
+def test_the_native_lowering_computes_what_the_emulation_does(monkeypatch, recipe, gathered):
+    """The SM 9.0 path on the CPU, its kernel replaced by a reader that reads only inside the groups: the padded
+    operands of grad_weight (zeros only where a group ends, the rest of the buffer left as allocated), the input
+    laid out for it in the forward, the transposed weight copy, against the exact emulation: equal up to the
+    kernel's BF16 output, with ragged groups, an empty expert and rows in no group."""
+    torch.manual_seed(0)
+    offsets = torch.tensor([13, 13, 90, 150], dtype=torch.int32)
+    source = torch.randn(120, 64)
+    gather_index = torch.randint(0, 120, (155,)) if gathered else None
+    x = source if gathered else torch.randn(155, 64)
+    w, grad = torch.randn(4, 96, 64), torch.randn(155, 96)
+    results = []
+    for lowering in (Lowering.SCALED_MM, Lowering.EMULATED):
+        if lowering is Lowering.SCALED_MM:
+            monkeypatch.setattr(torch, "_scaled_grouped_mm", _read_scaled_grouped_mm)
+        x_run, w_run = x.clone().requires_grad_(), w.clone().requires_grad_()
+        output = grouped_fp8_target(recipe, lowering)(x_run, w_run, offsets, gather_index=gather_index)
+        output.backward(grad)
+        results.append((output[:150], x_run.grad, w_run.grad))
+        monkeypatch.undo()
+    for native, emulated in zip(*results):
+        torch.testing.assert_close(native, emulated, rtol=1e-2, atol=1e-2 * emulated.abs().max().item())
