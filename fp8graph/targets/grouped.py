@@ -170,11 +170,11 @@ def _transposed_for_grad_input(weight_fp8: torch.Tensor, weight_inverse: torch.T
 
 def _placed_in_the_forward(input_fp8: torch.Tensor, input_inverse: torch.Tensor, offsets: torch.Tensor,
                            spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_placed, input_inverse)``: the input's cast (S, K) laid out for grad_weight's GEMM
-    (``placed_for_grad_weight``), written in the forward by the kernel that casts and gathers the rows, and the
-    inverse scale the forward GEMM reads, tied to it (``fp8graph.targets.partitioning``). Left to itself the
-    partitioner saves the cast and moves it in the backward: one more read of it a call. The emulation reads
-    the cast as it is."""
+    """``(input_placed, input_inverse)``: ``input_fp8`` (S, K), the input's cast that grad_weight reads (the
+    forward's, or row-wise's per group and column), laid out for grad_weight's GEMM (``placed_for_grad_weight``)
+    in the forward by the kernel that casts (and gathers) the rows, and the inverse scale the forward GEMM reads,
+    tied to it (``fp8graph.targets.partitioning``). Left to itself the partitioner saves the cast and moves it in
+    the backward: one more read of it a call. The emulation reads the cast as it is."""
     if spec.lowering is not Lowering.SCALED_MM:
         return input_fp8, input_inverse
     input_placed = placed_for_grad_weight(input_fp8, offsets, spec.lowering)  # (K, S')
@@ -233,23 +233,22 @@ class _GroupedFP8(torch.autograd.Function):
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
             if gather_index is not None:
                 input_fp8, input_inverse = _gather_rows(input_fp8, gather_index), input_inverse[gather_index]
-            input_placed = None
-            if needs_grad_weight and not spec.per_row:
-                input_placed, input_inverse = _placed_in_the_forward(input_fp8, input_inverse, offsets, spec)
-            # output = input . weight_e^T  (S, N); fast accumulation for the forward GEMM, as for linears.
-            output = grouped_scaled_gemm(input_fp8, input_inverse, weight_fp8.transpose(-2, -1), weight_inverse,
-                                         offsets, output_dtype, spec.lowering, use_fast_accum=True)
             saved_input = saved_weight = (None, None)
             if needs_grad_weight:
                 # grad_weight reduces over each group's tokens: row-wise casts the input again, per group and
-                # column; a per-tensor scale serves every GEMM, so the forward's cast is kept.
+                # column; a per-tensor scale serves every GEMM, so the forward's cast is kept. Either way laid out
+                # for grad_weight's GEMM in the forward (_placed_in_the_forward).
                 if spec.per_row:
                     rows_hp = input_hp if gather_index is None else input_hp[gather_index]  # (S, K)
                     input_g_fp8, input_g_scale = quantize_group_columns(rows_hp, offsets, _FP8, spec.power_2)
-                    saved_input = (placed_for_grad_weight(input_g_fp8, offsets, spec.lowering),
-                                   input_g_scale.reciprocal())  # (E, K)
+                    input_placed, input_inverse = _placed_in_the_forward(input_g_fp8, input_inverse, offsets, spec)
+                    saved_input = (input_placed, input_g_scale.reciprocal())  # (E, K)
                 else:
+                    input_placed, input_inverse = _placed_in_the_forward(input_fp8, input_inverse, offsets, spec)
                     saved_input = (input_placed, input_inverse[:1].expand(experts, input_hp.shape[1]))
+            # output = input . weight_e^T  (S, N); fast accumulation for the forward GEMM, as for linears.
+            output = grouped_scaled_gemm(input_fp8, input_inverse, weight_fp8.transpose(-2, -1), weight_inverse,
+                                         offsets, output_dtype, spec.lowering, use_fast_accum=True)
             if needs_grad_input:
                 # grad_input reduces along N: row-wise casts each expert's columns; per expert, the cast is kept.
                 if spec.per_row:
