@@ -108,6 +108,42 @@ def test_cached_weights_on_gpu_equal_uncached():
     assert not differ, f"cached weights change these gradients: {differ}"
 
 
+def _moe_micro_batches(cache_weights: bool):
+    """Losses and accumulated gradients of the tiny MoE block (BF16) over micro-batches that fill, reuse, reuse."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = build("moe", "tiny").cuda().to(torch.bfloat16)
+    compiled = fp8graph.compile(block, cache_weights=cache_weights)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    losses = []
+    for _ in range(3):
+        hidden = torch.randn(2, 64, 64, device="cuda", generator=generator, dtype=torch.bfloat16)
+        loss = compiled(hidden).float().square().mean()
+        loss.backward()
+        losses.append(loss.item())
+    return losses, {name: p.grad for name, p in block.named_parameters()}
+
+
+def test_cached_expert_weights_on_gpu_equal_uncached():
+    """cache_weights on the expert GEMMs with torch._scaled_grouped_mm: the fill casts into the kept copies
+    (fp8graph.targets.kept_copies) and the reuse graphs read them; the input laid out for grad_weight in the
+    forward. Deterministic mode, two uncached runs compared first (see the test above)."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        plain_losses, plain_grads = _moe_micro_batches(cache_weights=False)
+        again_losses, again_grads = _moe_micro_batches(cache_weights=False)
+        cached_losses, cached_grads = _moe_micro_batches(cache_weights=True)
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    differ = [name for name in plain_grads if not torch.equal(plain_grads[name], again_grads[name])]
+    assert again_losses == plain_losses and not differ, f"two uncached runs differ in deterministic mode: {differ}"
+    assert cached_losses == plain_losses
+    differ = [name for name in plain_grads if not torch.equal(plain_grads[name], cached_grads[name])]
+    assert not differ, f"cached expert weights change these gradients: {differ}"
+
+
 def _tiled_recipes_native_here():
     from fp8graph import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
     from fp8graph.gemm.scaled_gemm import native_requirement
@@ -287,14 +323,24 @@ def test_native_expert_gemms_match_the_emulation(recipe, major):
     input_hp = torch.randn(340, 256, device="cuda", dtype=torch.bfloat16)
     weight_hp = torch.randn(4, 384, 256, device="cuda", dtype=torch.bfloat16)
     grad_output = torch.randn(340, 384, device="cuda", dtype=torch.bfloat16)
-    results = []
-    for lowering in (Lowering.SCALED_MM, Lowering.EMULATED):
-        x, w = input_hp.clone().requires_grad_(), weight_hp.clone().requires_grad_()
-        output = grouped_fp8_target(recipe, lowering)(x, w, offsets)
-        output.backward(grad_output)
-        results.append((output[:333].float(), x.grad[:333].float(), w.grad.float()))
-    for native, emulated in zip(*results):
-        assert sqnr_db(emulated, native) > 40  # the same FP8 products; accumulation order and BF16 rounding
+    gather_index = torch.randint(0, 300, (340,), device="cuda")  # rows gathered from 300 source rows
+    every_row = torch.tensor([13, 13, 200, 340], dtype=torch.int32, device="cuda")  # gathered: each row in a group
+    for gathered in (False, True):
+        results = []
+        for lowering in (Lowering.SCALED_MM, Lowering.EMULATED):
+            w = weight_hp.clone().requires_grad_()
+            if gathered:  # the rows cast before they are gathered (the MXFP8 target gathers first)
+                x = input_hp[:300].clone().requires_grad_()
+                output = grouped_fp8_target(recipe, lowering)(x, w, every_row, gather_index=gather_index)
+                output.backward(grad_output)
+                results.append((output.float(), x.grad.float(), w.grad.float()))
+            else:
+                x = input_hp.clone().requires_grad_()
+                output = grouped_fp8_target(recipe, lowering)(x, w, offsets)
+                output.backward(grad_output)
+                results.append((output[:333].float(), x.grad[:333].float(), w.grad.float()))
+        for native, emulated in zip(*results):
+            assert sqnr_db(emulated, native) > 40  # the same FP8 products; accumulation order and BF16 rounding
 
 
 def test_the_gathered_expert_gemv_matches_its_reference_and_decodes_a_frozen_moe_block():
