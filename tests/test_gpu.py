@@ -92,13 +92,19 @@ def test_cached_weights_on_gpu_equal_uncached():
     without timing; then the runs must be equal. Two uncached runs are
     compared first, so a failure says whether the platform or the cache differs.
     """
+    _cached_equals_uncached_deterministically(_three_accumulated_micro_batches)
+
+
+def _cached_equals_uncached_deterministically(micro_batches) -> None:
+    """``micro_batches(cache_weights)`` run uncached twice, then cached, in deterministic mode: the two uncached
+    runs must agree (else the platform differs, not the cache), and the cached one with them, bit for bit."""
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)  # warn_only: cuBLAS needs no workspace setting
     try:
-        plain_losses, plain_grads = _three_accumulated_micro_batches(cache_weights=False)
-        again_losses, again_grads = _three_accumulated_micro_batches(cache_weights=False)
-        cached_losses, cached_grads = _three_accumulated_micro_batches(cache_weights=True)
+        plain_losses, plain_grads = micro_batches(cache_weights=False)
+        again_losses, again_grads = micro_batches(cache_weights=False)
+        cached_losses, cached_grads = micro_batches(cache_weights=True)
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     differ = [name for name in plain_grads if not torch.equal(plain_grads[name], again_grads[name])]
@@ -127,21 +133,8 @@ def _moe_micro_batches(cache_weights: bool):
 def test_cached_expert_weights_on_gpu_equal_uncached():
     """cache_weights on the expert GEMMs with torch._scaled_grouped_mm: the fill casts into the kept copies
     (fp8graph.targets.kept_copies) and the reuse graphs read them; the input laid out for grad_weight in the
-    forward. Deterministic mode, two uncached runs compared first (see the test above)."""
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        plain_losses, plain_grads = _moe_micro_batches(cache_weights=False)
-        again_losses, again_grads = _moe_micro_batches(cache_weights=False)
-        cached_losses, cached_grads = _moe_micro_batches(cache_weights=True)
-    finally:
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-    differ = [name for name in plain_grads if not torch.equal(plain_grads[name], again_grads[name])]
-    assert again_losses == plain_losses and not differ, f"two uncached runs differ in deterministic mode: {differ}"
-    assert cached_losses == plain_losses
-    differ = [name for name in plain_grads if not torch.equal(plain_grads[name], cached_grads[name])]
-    assert not differ, f"cached expert weights change these gradients: {differ}"
+    forward. Deterministic, as the test above."""
+    _cached_equals_uncached_deterministically(_moe_micro_batches)
 
 
 def _tiled_recipes_native_here():
