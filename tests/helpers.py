@@ -87,3 +87,9 @@ def gathered_by_two_ranks(recipe, weight_hp: torch.Tensor, requires_grad: bool =
     sent = [cast._cast(shard) for shard in weight_hp.detach().chunk(2)]
     weight, _ = cast.fsdp_post_all_gather(tuple(torch.cat(parts) for parts in zip(*sent)), (), weight_hp.dtype)
     return weight.requires_grad_(requires_grad)
+
+
+def group_bounds(offsets: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, end)`` of each group of rows that expert-GEMM ``offsets`` (E,) end."""
+    ends = offsets.tolist()
+    return list(zip([0, *ends[:-1]], ends))

@@ -11,7 +11,7 @@ import enum
 
 import torch
 
-__all__ = ["Format", "ROLES", "Role", "fp8_max", "fp8_max_exponent", "saturation_threshold"]
+__all__ = ["Format", "ROLES", "Role", "fp8_max", "fp8_max_exponent", "is_fp8", "saturation_threshold"]
 
 
 class Role(str, enum.Enum):
@@ -47,6 +47,11 @@ _FP8_MAX = {
     torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max,  # 448
     torch.float8_e5m2: torch.finfo(torch.float8_e5m2).max,  # 57344
 }
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is one of the FP8 dtypes fp8graph writes."""
+    return dtype in _FP8_MAX
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:

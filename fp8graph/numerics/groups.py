@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from fp8graph.numerics.formats import is_fp8
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
-__all__ = ["group_column_amax", "group_padding", "padded_group_rows", "place_in_padded_groups", "quantize_group_columns",
-           "row_groups"]
+__all__ = ["group_column_amax", "group_padding", "padded_group_rows", "place_in_padded_groups",
+           "quantize_group_columns", "row_groups"]
 
 
 def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -67,9 +68,9 @@ def padded_group_rows(offsets: torch.Tensor, rows: int, multiple: int) -> tuple[
 
     Returns ``(destination (rows,), padded_offsets (E,), padded_rows)``: row ``r`` of group ``e`` moves to
     ``destination[r]``, the groups end at ``padded_offsets``, and ``padded_rows`` (``rows + E * multiple``
-    rounded up to a multiple, known when the graph is built) bounds them; rows in no group land past ``padded_offsets[-1]``. The
-    weight-gradient GEMM reduces over a group's tokens, and FP8 kernels take K in multiples of 16: zero rows
-    add nothing to its products.
+    rounded up to a multiple, known when the graph is built) bounds them; rows in no group land past
+    ``padded_offsets[-1]``. The weight-gradient GEMM reduces over a group's tokens, and FP8 kernels take K in
+    multiples of 16: zero rows add nothing to its products.
     """
     count = offsets.shape[0]
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
@@ -112,7 +113,7 @@ def place_in_padded_groups(x: torch.Tensor, offsets: torch.Tensor, multiple: int
     formats)."""
     destination, padded_offsets, padded_rows = padded_group_rows(offsets, x.shape[dim], multiple)
     pads = group_padding(offsets, padded_offsets, multiple, padded_rows)
-    fp8 = x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp8 = is_fp8(x.dtype)
     source = x.view(torch.uint8) if fp8 else x
     shape = list(x.shape)
     shape[dim] = padded_rows

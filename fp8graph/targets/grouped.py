@@ -175,9 +175,9 @@ def _placed_in_the_forward(input_fp8: torch.Tensor, input_inverse: torch.Tensor,
     in the forward by the kernel that casts (and gathers) the rows, and the inverse scale the forward GEMM reads,
     tied to it (``fp8graph.targets.partitioning``). Left to itself the partitioner saves the cast and moves it in
     the backward: one more read of it a call. The emulation reads the cast as it is."""
-    if spec.lowering is not Lowering.SCALED_MM:
+    input_placed = placed_for_grad_weight(input_fp8, offsets, spec.lowering)  # (K, S') for scaled_mm
+    if input_placed is input_fp8:  # read as it is: nothing to write in the forward
         return input_fp8, input_inverse
-    input_placed = placed_for_grad_weight(input_fp8, offsets, spec.lowering)  # (K, S')
     return input_placed, keep_for_backward(input_inverse, input_placed)
 
 

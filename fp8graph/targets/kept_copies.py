@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from fp8graph.targets.cache_hash import source_hash
+from fp8graph.numerics.formats import is_fp8
+from fp8graph.targets.inductor_passes import ChainedGraphPass, composed
 
 __all__ = ["KeptCopiesWrittenWhereCast", "post_grad_post_pass"]
-
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _overwritten_fp8_input(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
@@ -34,7 +32,7 @@ def _overwritten_fp8_input(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx
         return None
     destination, value = node.args[:2]
     meta = destination.meta.get("val") if isinstance(destination, torch.fx.Node) else None
-    if destination.op != "placeholder" or meta is None or meta.dtype not in _FP8_DTYPES:
+    if destination.op != "placeholder" or meta is None or not is_fp8(meta.dtype):
         return None
     if not isinstance(value, torch.fx.Node) or value.op != "call_function":
         return None
@@ -47,14 +45,10 @@ def _overwritten_fp8_input(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx
     return (value, source) if getattr(source.meta.get("val"), "shape", None) == meta.shape else None
 
 
-class KeptCopiesWrittenWhereCast(CustomGraphPass):
-    """Post-grad pass (Inductor's ``post_grad_custom_post_pass``): see the module's doc. ``then``, a pass the
-    user configured, runs after."""
+class KeptCopiesWrittenWhereCast(ChainedGraphPass):
+    """Post-grad pass (Inductor's ``post_grad_custom_post_pass``): see the module's doc."""
 
-    def __init__(self, then: CustomGraphPass | None = None) -> None:
-        self.then = then
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
+    def run(self, graph: torch.fx.Graph) -> None:
         for node in list(graph.nodes):
             found = _overwritten_fp8_input(node)
             if found is None:
@@ -67,17 +61,9 @@ class KeptCopiesWrittenWhereCast(CustomGraphPass):
                 reader.replace_input_with(value, node)
             if value is not source and not value.users:
                 graph.erase_node(value)
-        if self.then is not None:
-            self.then(graph)
-
-    def uuid(self) -> str:
-        return source_hash() + ("" if self.then is None else str(self.then.uuid()))
 
 
 def post_grad_post_pass(configured) -> object:
-    """The ``post_grad_custom_post_pass`` to compile with, given the one configured: this module's pass
-    composed with the user's where it can be; a plain function (which Inductor's cache cannot key) is left
-    alone, and fills then store their casts twice."""
-    if configured is None or isinstance(configured, CustomGraphPass):
-        return KeptCopiesWrittenWhereCast(configured)
-    return configured
+    """The ``post_grad_custom_post_pass`` to compile with, given the one configured
+    (``inductor_passes.composed``)."""
+    return composed(KeptCopiesWrittenWhereCast, configured, "fills store their casts twice")

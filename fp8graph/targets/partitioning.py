@@ -33,20 +33,16 @@ on its context.
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fp8graph.targets.cache_hash import source_hash
+from fp8graph.targets.inductor_passes import ChainedGraphPass, composed
 
 __all__ = ["StateBuffersUnchecked", "joint_pre_pass", "keep_for_backward", "partition_min_cut", "read_in_backward",
            "saved_not_recomputed"]
-
-log = logging.getLogger("fp8graph")
 
 
 @torch.library.custom_op("fp8graph::depends_on", mutates_args=())
@@ -114,35 +110,22 @@ def _state_updates(graph: torch.fx.Graph):
             yield node
 
 
-class StateBuffersUnchecked(CustomGraphPass):
+class StateBuffersUnchecked(ChainedGraphPass):
     """Joint-graph pass (Inductor's ``joint_custom_pre_pass``): the graph inputs that
     ``fp8graph::record_delayed_`` updates are saved for the backward without the version check, as
-    eager autograd keeps them (see the module's doc). ``then``, a pass the user configured, runs after."""
+    eager autograd keeps them (see the module's doc)."""
 
-    def __init__(self, then: CustomGraphPass | None = None) -> None:
-        self.then = then
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
+    def run(self, graph: torch.fx.Graph) -> None:
         for update in _state_updates(graph):
             for base in update.kwargs.get("_all_bases", ()):
                 if isinstance(base, torch.fx.Node) and base.op == "placeholder":
                     base.meta["saved_tensor_with_no_vc_check"] = True
-        if self.then is not None:
-            self.then(graph)
-
-    def uuid(self) -> str:
-        return source_hash() + ("" if self.then is None else str(self.then.uuid()))
 
 
 def joint_pre_pass(configured) -> object:
-    """The ``joint_custom_pre_pass`` to compile with, given the one configured: this module's pass
-    composed with the user's where it can be; a plain function (which Inductor's cache cannot key) is
-    left alone, and two forward calls before one backward then fail the saved-tensor version check."""
-    if configured is None or isinstance(configured, CustomGraphPass):
-        return StateBuffersUnchecked(configured)
-    log.info("fp8graph: joint_custom_pre_pass %r is not a CustomGraphPass; delayed-scaling state is saved "
-             "with the version check, so a second forward before the backward fails it", configured)
-    return configured
+    """The ``joint_custom_pre_pass`` to compile with, given the one configured (``inductor_passes.composed``)."""
+    return composed(StateBuffersUnchecked, configured, "delayed-scaling state is saved with the version check, "
+                                                       "so a second forward before the backward fails it")
 
 
 def partition_min_cut(joint_module: torch.fx.GraphModule, joint_inputs, **kwargs):

@@ -10,6 +10,7 @@ from torch.testing._internal.common_quantized import from_blocked, to_blocked
 from fp8graph.gemm.grouped_mx import (blocked_column_groups, blocked_row_groups, grouped_mx_gemm,
                                       grouped_mx_gemm_weights)
 from fp8graph.gemm.native_tiled import swizzle_mx_scales
+from helpers import group_bounds
 
 _E8M0 = torch.float8_e8m0fnu
 
@@ -17,10 +18,6 @@ _E8M0 = torch.float8_e8m0fnu
 def _bytes(*shape, seed=0):
     return torch.randint(100, 150, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
-
-def _ends(offsets):
-    ends = offsets.tolist()
-    return list(zip([0, *ends[:-1]], ends))
 
 
 @pytest.mark.parametrize("shape", [(128, 4), (200, 6), (33, 1), (256, 64)])
@@ -34,7 +31,7 @@ def test_row_groups_are_laid_out_one_after_another(ends):
     offsets = torch.tensor(ends, dtype=torch.int32)
     scale = _bytes(int(offsets[-1]) + 7, 8)  # 7 rows in no group
     expected = torch.cat([to_blocked(scale[start:end].view(_E8M0)).view(torch.uint8).flatten()
-                          for start, end in _ends(offsets) if end > start])
+                          for start, end in group_bounds(offsets) if end > start])
     laid_out = blocked_row_groups(scale, offsets).flatten()
     assert torch.equal(laid_out[:expected.numel()], expected)  # the rest is the bound's tail, never read
 
@@ -45,7 +42,7 @@ def test_column_groups_are_laid_out_one_after_another(ends, rows):
     offsets = torch.tensor(ends, dtype=torch.int32)  # in scale columns (blocks of 32 tokens)
     scale = _bytes(rows, int(offsets[-1]))
     expected = torch.cat([to_blocked(scale[:, start:end].contiguous().view(_E8M0)).view(torch.uint8).flatten()
-                          for start, end in _ends(offsets) if end > start])
+                          for start, end in group_bounds(offsets) if end > start])
     laid_out = blocked_column_groups(scale, offsets).flatten()
     assert torch.equal(laid_out[:expected.numel()], expected)
 
@@ -68,7 +65,7 @@ def _read_rows_form(a, b, scale_a, scale_b, offs, out_dtype):
     another) times expert e's matrix (its scales in row e)."""
     assert all(end % 32 == 0 for end in offs.tolist()) and b.stride(1) == 1  # (E, K, N) column-major
     output, position = torch.zeros(a.shape[0], b.shape[2]), 0
-    for expert, (start, end) in enumerate(_ends(offs)):
+    for expert, (start, end) in enumerate(group_bounds(offs)):
         if end > start:
             rows, position = _dequantized(a[start:end], scale_a.flatten(), position, _padded_128(end - start))
             weight, _ = _dequantized(b[expert].t(), scale_b[expert], 0, _padded_128(b.shape[2]))
@@ -81,7 +78,7 @@ def _read_weights_form(a, b, scale_a, scale_b, offs, out_dtype):
     assert all(end % 32 == 0 for end in offs.tolist()) and b.stride(0) == 1  # (S', K) column-major
     b_t = b.t()
     output, positions = torch.zeros(len(offs), a.shape[0], b.shape[1]), [0, 0]
-    for expert, (start, end) in enumerate(_ends(offs)):
+    for expert, (start, end) in enumerate(group_bounds(offs)):
         if end > start:
             a_group, positions[0] = _dequantized(a[:, start:end], scale_a.flatten(), positions[0],
                                                  _padded_128(a.shape[0]))
@@ -108,7 +105,7 @@ def test_the_rows_form_reads_back_as_each_groups_product(monkeypatch):
     output = grouped_mx_gemm(a_fp8, a_scale, b_fp8, b_scale, offsets, torch.float32)
     expected = torch.zeros(140, columns)
     a_dq = a_fp8.float() / a_scale.repeat_interleave(32, 1)
-    for expert, (start, end) in enumerate(_ends(offsets)):
+    for expert, (start, end) in enumerate(group_bounds(offsets)):
         expected[start:end] = a_dq[start:end] @ (b_fp8[expert].float()
                                                  / b_scale[expert].repeat_interleave(32, 1)).t()
     torch.testing.assert_close(output, expected.bfloat16().float())
@@ -125,7 +122,8 @@ def test_the_weights_form_reads_back_as_each_groups_product(monkeypatch):
     output = grouped_mx_gemm_weights(a_fp8, a_scale, b_fp8, b_scale, offsets, torch.float32)
     a_dq = a_fp8.float() / a_scale.repeat_interleave(32, 1)
     b_dq = b_fp8.float() / b_scale.repeat_interleave(32, 1)
-    expected = torch.stack([a_dq[:, start:end] @ b_dq[:, start:end].t() for start, end in _ends(offsets)])
+    expected = torch.stack([a_dq[:, start:end] @ b_dq[:, start:end].t()
+                            for start, end in group_bounds(offsets)])
     torch.testing.assert_close(output, expected.bfloat16().float())
 
 

@@ -12,6 +12,7 @@ from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.numerics.health import sqnr_db
 from fp8graph.recipes.scaling import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling
 from fp8graph.targets.grouped import grouped_fp8_target
+from helpers import group_bounds
 
 RECIPES = [Float8RowwiseScaling(), Float8RowwiseScaling(power_2_scales=False), Float8CurrentScaling(),
            MXFP8BlockScaling()]
@@ -149,10 +150,6 @@ def test_no_gradients_no_backward_casts():
     assert not output.requires_grad and torch.equal(output, with_grad.detach())
 
 
-def _ends(offsets):
-    ends = offsets.tolist()
-    return list(zip([0, *ends[:-1]], ends))
-
 
 def _read_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False, **_):
     """torch._scaled_grouped_mm's E4M3 forms as SM 9.0 runs them, read back on the CPU: only the rows (columns)
@@ -162,7 +159,7 @@ def _read_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, u
     if b.dim() == 3:
         assert a.stride(1) == 1 and b.stride(1) == 1
         output = torch.zeros(a.shape[0], b.shape[2])
-        for expert, (start, end) in enumerate(_ends(offs)):
+        for expert, (start, end) in enumerate(group_bounds(offs)):
             output[start:end] = ((a[start:end].float() * scale_a[start:end, None])
                                  @ (b[expert].float() * scale_b[expert][None, :]))
         return output.to(out_dtype)
@@ -170,7 +167,7 @@ def _read_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, u
     experts, rows, columns = len(offs), a.shape[0], b.shape[1]
     scale_a, scale_b = scale_a.reshape(experts, rows), scale_b.reshape(experts, columns)
     output = torch.zeros(experts, rows, columns)
-    for expert, (start, end) in enumerate(_ends(offs)):
+    for expert, (start, end) in enumerate(group_bounds(offs)):
         output[expert] = (a[:, start:end].float() @ b[start:end].float()) * scale_a[expert][:, None] \
             * scale_b[expert][None, :]
     return output.to(out_dtype)
