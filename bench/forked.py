@@ -3,7 +3,7 @@
 Each contestant of ``bench decoder`` and ``bench moe``, and each compile-time measurement, runs in a process
 of its own: its own CUDA context and peak memory, nothing compiled or cached in memory by another. A fresh
 interpreter would first spend 8-11 s of CPU importing torch, Dynamo, Inductor, transformers and fp8graph;
-``multiprocessing``'s forkserver imports them once (:data:`PRELOAD`, none of which touches CUDA) and forks
+``multiprocessing``'s forkserver imports them once (:data:`PRELOAD`) and forks
 each child from it, a process that has compiled and allocated nothing. Environment variables read at
 import (``OMP_NUM_THREADS``, ``TORCH_LOGS``, ...) are the parent's, as they would be for a fresh child.
 """
@@ -23,6 +23,12 @@ PRELOAD = ["torch", "torch._dynamo", "torch._inductor.compile_fx", "transformers
 
 
 def context() -> multiprocessing.context.BaseContext:
+    """The children's start method: forks of the preloaded server on a machine without CUDA, spawned
+    interpreters on one with it (see the module's doc)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return multiprocessing.get_context("spawn")
     forkserver = multiprocessing.get_context("forkserver")
     forkserver.set_forkserver_preload(PRELOAD)
     return forkserver
