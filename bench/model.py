@@ -249,7 +249,7 @@ def _step_table(rows: list[dict], machine: costs.Machine, digits: int, optimizer
                  if any(key in row for row in entries)]
     columns = (["case"] if several else []) + [
         "contestant", "Triton launches (distinct)", "custom-op launches", "Triton GB read", "GB written",
-        "FP8 GB stored twice",
+        "FP8 GB stored twice", "scattered GB",
         "tiny launches", f"Triton ms @{machine.copy_bandwidth / 1e12:.2f} TB/s",
         f"Triton ms @{machine.triton_bandwidth / 1e12:.2f} TB/s", "GEMM ms", *(["attention ms"] if attention else []),
         "other extern ms", *(["SGD ms"] if optimizer else []), "step ms", "vs bf16", *(name for _, name in baselines)]
@@ -259,7 +259,8 @@ def _step_table(rows: list[dict], machine: costs.Machine, digits: int, optimizer
         table.append(([s["case"]] if several else []) + [
             s["contestant"], f"{s['triton_launches']} ({s['triton_kernels']})", str(s.get("other_externs", 0)),
             f(s["triton_read_gb"]),
-            f(s["triton_written_gb"]), f(s["duplicate_written_gb"]), str(s["tiny_launches"]), f(s["triton_ms_copy"]),
+            f(s["triton_written_gb"]), f(s["duplicate_written_gb"]), f(s.get("triton_scattered_gb", 0.0)),
+            str(s["tiny_launches"]), f(s["triton_ms_copy"]),
             f(s["triton_ms"]), f(s["gemm_ms"]), *([f(s["attention_ms"])] if attention else []), f(s["other_ms"]),
             *([f(s["optimizer_ms"])] if optimizer else []), f(s["step_ms"]), _ratio(s, "vs_bf16"),
             *(_ratio(s, key) for key, _ in baselines)])
@@ -287,8 +288,9 @@ def _quantize_table(result: dict, machine: costs.Machine) -> list[str]:
 def _legend(m: costs.Machine) -> str:
     return (f"Modelled, per step. Triton: Inductor's kernels, launches (distinct kernels) and GB as Inductor counts "
             f"them; FP8 GB stored twice: writes of a value already stored at the same index in another buffer; "
-            f"tiny: launches under 0.1 MB. Triton ms at a copy's bandwidth and at the rate Inductor's kernels "
-            f"reached on the H100, at least {m.launch_floor_us:.0f} us a launch. GEMM: cuBLAS at "
+            f"scattered: DRAM bytes beyond those of pointwise stores a row apart (a 32-byte sector read and written "
+            f"back an element); tiny: launches under 0.1 MB. Triton ms at a copy's bandwidth and at the rate "
+            f"Inductor's kernels reached on the H100, at least {m.launch_floor_us:.0f} us a launch. GEMM: cuBLAS at "
             f"{m.bf16_flops / 1e12:.0f} (BF16), {m.fp8_flops / 1e12:.0f} (FP8 tensorwise), "
             f"{m.fp8_rowwise_flops / 1e12:.0f} (rowwise), {m.fp8_blockwise_flops / 1e12:.0f} (blockwise) TFLOP/s, "
             f"grouped {m.grouped_bf16_flops / 1e12:.0f} (BF16), {m.grouped_fp8_flops / 1e12:.0f} (FP8 rowwise); "
@@ -578,7 +580,7 @@ def compare_lines(measured: dict, measured_name: str, model_path: pathlib.Path |
         reference = kernel if kernel is not None else wall
         speedup = bf16["train_tokens_per_s"] and row["train_tokens_per_s"] / bf16["train_tokens_per_s"]
         table.append([row["contestant"], f"{ours['step_ms']:.2f}", f"{kernel:.2f}" if kernel else "-",
-                      f"{wall:.2f}", f"{(ours['step_ms'] / reference - 1) * 100:+.0f}%",
+                      f"{wall:.2f}", f"{round((ours['step_ms'] / reference - 1) * 100) + 0:+d}%",
                       f"{ours['triton_ms']:.2f}", f"{triton:.2f}" if triton is not None else "-",
                       f"{ours.get('vs_bf16', float('nan')):.2f}x", f"{speedup:.2f}x" if bf16 else "-"])
     return [f"Modelled ({model_path.name}, project at {model.get('project_commit')}) against measured "

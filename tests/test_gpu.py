@@ -273,14 +273,20 @@ def test_quantize_kernels_are_exact_on_the_gpu():
 
 
 def test_the_fp8_transpose_is_exact_on_the_gpu():
-    """``fp8graph::transpose_fp8`` on CUDA (the Triton kernel) equals ``x.t().contiguous()`` byte for byte."""
+    """``fp8graph::transpose_fp8`` on CUDA (the Triton kernel) equals ``x.t().contiguous()`` byte for byte, and
+    its gathered form (a grouped GEMM's padded groups) the CPU reference."""
     from fp8graph.kernels.transpose_fp8 import transpose_fp8
+    from fp8graph.numerics.groups import padded_group_sources
 
     for rows, columns in ((4096, 1024), (200, 384), (130, 70)):
         x_fp8 = torch.randint(0, 256, (rows, columns), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
         x_t_fp8 = transpose_fp8(x_fp8)
         assert x_t_fp8.is_contiguous()
         assert torch.equal(x_t_fp8.view(torch.uint8), x_fp8.t().contiguous().view(torch.uint8)), (rows, columns)
+        offsets = torch.tensor([rows // 3, rows // 3, rows - 5], dtype=torch.int32, device="cuda")
+        sources, _ = padded_group_sources(offsets, rows, 16)
+        expected = transpose_fp8(x_fp8.cpu(), sources.cpu())
+        assert torch.equal(transpose_fp8(x_fp8, sources).cpu().view(torch.uint8), expected.view(torch.uint8))
 
 
 def test_the_delayed_state_kernel_equals_its_reference_on_the_gpu():

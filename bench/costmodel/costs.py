@@ -1,7 +1,8 @@
 """The cost model proper: rows of per-kernel bytes and FLOPs from a capture, and the time an H100 takes for them.
 
 Triton kernel (Inductor's)   bytes read + written, as Inductor's ``estimate_kernel_num_bytes`` counts them
-                             (each buffer argument once: whole, or the slices the kernel touches), timed at
+                             (each buffer argument once: whole, or the slices the kernel touches), plus the
+                             sectors that its scattered loads and stores move (``coalescing``), timed at
                              a bandwidth: a device copy's (3.0 TB/s) or the rate Inductor's kernels reached on
                              the H100 in the stored decoder profiles (2.25 TB/s). Never less than 3 us.
 GEMM (cuBLAS, extern)        FLOPs at a rate per operand type and scaling, or its bytes at copy bandwidth;
@@ -20,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+
+from bench.costmodel.coalescing import scattered_bytes
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1,
                "float8_e5m2": 1, "float8_e8m0fnu": 1, "uint8": 1, "int8": 1, "bool": 1, "int32": 4, "int64": 8,
@@ -69,6 +72,7 @@ class Row:
     written: int = 0
     reread: int = 0  # bytes of inputs loaded again in a later loop of the kernel: up to this much more traffic
     duplicate_written: int = 0  # FP8 bytes that store a value already stored, at the same index, in another buffer
+    scattered: int = 0  # DRAM bytes beyond read + written: accesses a row apart move whole sectors (coalescing.py)
     flops: float = 0.0
     gemm: str = ""  # bf16 | fp8 tensorwise | fp8 rowwise | fp8 blockwise | bf16 grouped | fp8 rowwise grouped
     largest_numel: int = 0  # elements of its largest tensor operand: which of a site's operands it works on
@@ -81,7 +85,8 @@ class Row:
 def time_us(row: Row, machine: Machine, triton_bandwidth: float | None = None) -> float:
     """One launch of ``row``; Triton kernels at ``triton_bandwidth`` (default: copy bandwidth)."""
     if row.kind == "triton":
-        return max(row.bytes / (triton_bandwidth or machine.copy_bandwidth) * 1e6, machine.launch_floor_us)
+        traffic = row.bytes + row.scattered
+        return max(traffic / (triton_bandwidth or machine.copy_bandwidth) * 1e6, machine.launch_floor_us)
     if row.kind == "gemm":
         rate = {"bf16": machine.bf16_flops, "fp8 tensorwise": machine.fp8_flops,
                 "fp8 rowwise": machine.fp8_rowwise_flops, "fp8 blockwise": machine.fp8_blockwise_flops,
@@ -110,6 +115,7 @@ def summary(rows: list[Row], machine: Machine) -> dict:
         "triton_written_gb": total(triton, lambda r: r.written) / 1e9,
         "triton_reread_gb_upper": total(triton, lambda r: r.reread) / 1e9,
         "duplicate_written_gb": total(triton, lambda r: r.duplicate_written) / 1e9,
+        "triton_scattered_gb": total(triton, lambda r: r.scattered) / 1e9,
         "tiny_launches": sum(r.count for r in triton if r.bytes < TINY_BYTES),
         "triton_ms_copy": total(triton, lambda r: time_us(r, machine)) / 1e3,
         "triton_ms": total(triton, lambda r: time_us(r, machine, machine.triton_bandwidth)) / 1e3,
@@ -264,6 +270,8 @@ def rows_of(capture) -> list[Row]:
                           written=sum(a.written for a in record.args or ()),
                           reread=reread_bytes(record.source, record.args),
                           duplicate_written=duplicate_store_bytes(record.source, record.args),
+                          scattered=scattered_bytes(record.source, {a.arg: DTYPE_BYTES.get(a.dtype, 4)
+                                                                    for a in record.args or ()}),
                           largest_numel=max((a.numel for a in record.args or ()), default=0))
             elif what == "extern":
                 row = _extern_row(label, externs[name])

@@ -14,7 +14,8 @@ Lowerings (``fp8graph.gemm.scaled_gemm.Lowering``):
 
 - ``scaled_mm``: ``torch._scaled_grouped_mm``. E4M3 operands, A row-major, B column-major, K and N
   multiples of 16, BF16 out. In the weights form K is a group's token count, which the routing
-  decides: every group is zero-padded to a multiple of 16 rows first (``place_in_padded_groups``).
+  decides: both operands are laid out with every group zero-padded to a multiple of 16 tokens, each by one
+  tiled transpose that gathers the groups' rows (``fp8graph::transpose_fp8`` of ``padded_group_sources``).
 - ``emulated``: ``fp8graph::grouped_mm_exact`` widens the FP8 operands to fp32 and multiplies each
   group (products of FP8 values are exact in fp32, so this equals the FP8 GEMM up to the order of
   accumulation); the scales are applied to the fp32 product in plain torch ops. An op of its own
@@ -28,7 +29,8 @@ import torch
 
 from fp8graph.gemm.layouts import column_major, row_major
 from fp8graph.gemm.scaled_gemm import Lowering
-from fp8graph.numerics.groups import place_in_padded_groups, row_groups
+from fp8graph.kernels.transpose_fp8 import transpose_fp8
+from fp8graph.numerics.groups import padded_group_sources, row_groups
 from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
 
 __all__ = ["grouped_mm_exact", "grouped_scaled_gemm", "grouped_scaled_gemm_weights", "placed_for_grad_weight"]
@@ -81,11 +83,19 @@ def grouped_scaled_gemm(a_fp8: torch.Tensor, a_inverse_scale: torch.Tensor, b_fp
 
 def placed_for_grad_weight(b_fp8: torch.Tensor, offsets: torch.Tensor, lowering: Lowering) -> torch.Tensor:
     """The right operand of the weights form, ``b`` (S, K), as :func:`grouped_scaled_gemm_weights` reads it:
-    for ``scaled_mm`` its columns laid out (K, S') in groups padded to 16 tokens (``place_in_padded_groups``), so
-    a caller can write them where ``b`` is cast (the forward, for the backward's GEMM); emulated, ``b`` itself."""
+    for ``scaled_mm`` (K, S'), its groups of tokens zero-padded to 16 (:func:`_padded_transpose`), so a caller can
+    lay it out where ``b`` is cast (the forward, for the backward's GEMM); emulated, ``b`` itself."""
     if lowering is Lowering.SCALED_MM:
-        return place_in_padded_groups(b_fp8.t(), offsets, FP8_GEMM_DIM_MULTIPLE, 1)[0]
+        return _padded_transpose(b_fp8, offsets)[0]
     return b_fp8
+
+
+def _padded_transpose(x_fp8: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x_fp8`` (S, C) row-major as (C, S') with each group of rows zero-padded to a multiple of 16, and the
+    padded groups' offsets: one tiled pass reading each row where it lies (a column scattered in place would be
+    written a byte a row apart)."""
+    sources, padded_offsets = padded_group_sources(offsets, x_fp8.shape[0], FP8_GEMM_DIM_MULTIPLE)
+    return transpose_fp8(x_fp8, sources), padded_offsets
 
 
 def grouped_scaled_gemm_weights(a_fp8: torch.Tensor, a_inverse_scale: torch.Tensor, b_placed: torch.Tensor,
@@ -94,7 +104,7 @@ def grouped_scaled_gemm_weights(a_fp8: torch.Tensor, a_inverse_scale: torch.Tens
     """The weights form: ``a`` (N, S) with ``a_inverse_scale`` (E, N), ``b`` (S, K) placed by
     :func:`placed_for_grad_weight`, with ``b_inverse_scale`` (E, K); returns (E, N, K) in ``out_dtype``."""
     if lowering is Lowering.SCALED_MM:
-        a_padded, padded_offsets = place_in_padded_groups(a_fp8, offsets, FP8_GEMM_DIM_MULTIPLE, 1)  # (N, S')
+        a_padded, padded_offsets = _padded_transpose(a_fp8.t(), offsets)  # (N, S')
         output = torch._scaled_grouped_mm(a_padded, b_placed.t(), a_inverse_scale.reshape(-1).contiguous(),
                                           b_inverse_scale.reshape(-1).contiguous(), offs=padded_offsets,
                                           out_dtype=torch.bfloat16)

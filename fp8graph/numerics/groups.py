@@ -24,8 +24,8 @@ import torch
 from fp8graph.numerics.formats import is_fp8
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
-__all__ = ["group_column_amax", "group_padding", "padded_group_rows", "place_in_padded_groups",
-           "quantize_group_columns", "row_groups"]
+__all__ = ["group_column_amax", "group_padding", "padded_group_rows", "padded_group_sources",
+           "place_in_padded_groups", "quantize_group_columns", "row_groups"]
 
 
 def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -101,22 +101,30 @@ def group_padding(offsets: torch.Tensor, padded_offsets: torch.Tensor, multiple:
     return torch.where(used, first[:, None] + slot[None, :], padded_rows - 1).reshape(-1)
 
 
-def place_in_padded_groups(x: torch.Tensor, offsets: torch.Tensor, multiple: int, dim: int,
+def padded_group_sources(offsets: torch.Tensor, rows: int, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`padded_group_rows`: ``(sources (padded_rows,) int64, padded_offsets (E,))``, the row
+    of the ``rows`` that each padded row holds, -1 for a pad (and for the slots past the moved rows). What a
+    kernel that gathers the padded layout in one pass reads (``fp8graph::transpose_fp8``)."""
+    destination, padded_offsets, padded_rows = padded_group_rows(offsets, rows, multiple)
+    sources = torch.full((padded_rows,), -1, dtype=torch.int64, device=offsets.device)
+    return sources.index_copy(0, destination, torch.arange(rows, device=offsets.device)), padded_offsets
+
+
+def place_in_padded_groups(x: torch.Tensor, offsets: torch.Tensor, multiple: int,
                            into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x``'s rows (``dim=0``) or columns (``dim=1``) moved into groups zero-padded to ``multiple``
-    (:func:`padded_group_rows`): ``(padded, padded_offsets)``, ``padded`` row-major.
+    """``x``'s rows moved into groups zero-padded to ``multiple`` rows (:func:`padded_group_rows`):
+    ``(padded, padded_offsets)``, ``padded`` row-major.
 
     Only what a grouped GEMM reads is written: the moved rows and the pads of each group, never the whole buffer
     (a zero fill first would write every byte twice: on an H100 a copy of the operand's size per GEMM operand).
     The rest, past ``padded_offsets[-1]``, is left as allocated. ``into`` is the buffer to write (a new one by
     default); FP8 goes through uint8 (index_copy is not defined for FP8 dtypes; zero bits are +0.0 in both
-    formats)."""
-    destination, padded_offsets, padded_rows = padded_group_rows(offsets, x.shape[dim], multiple)
+    formats). Rows only: each is one contiguous run. A padded transpose (columns placed) is
+    ``fp8graph::transpose_fp8`` of :func:`padded_group_sources`, one tiled pass."""
+    destination, padded_offsets, padded_rows = padded_group_rows(offsets, x.shape[0], multiple)
     pads = group_padding(offsets, padded_offsets, multiple, padded_rows)
     fp8 = is_fp8(x.dtype)
     source = x.view(torch.uint8) if fp8 else x
-    shape = list(x.shape)
-    shape[dim] = padded_rows
-    padded = source.new_empty(shape) if into is None else into.view(source.dtype)
-    padded = padded.index_fill(dim, pads, 0).index_copy(dim, destination, source)
+    padded = source.new_empty((padded_rows, *x.shape[1:])) if into is None else into.view(source.dtype)
+    padded = padded.index_fill(0, pads, 0).index_copy(0, destination, source)
     return (padded.view(x.dtype) if fp8 else padded), padded_offsets

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from fp8graph.gemm.grouped_gemm import grouped_scaled_gemm, grouped_scaled_gemm_weights, placed_for_grad_weight
-from fp8graph.gemm.scaled_gemm import Lowering
+from fp8graph.gemm.scaled_gemm import Lowering, one_buffer
 from fp8graph.numerics.formats import Role
 from fp8graph.numerics.groups import quantize_group_columns
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize, quantize_current, row_amaxes
@@ -171,10 +171,10 @@ def _transposed_for_grad_input(weight_fp8: torch.Tensor, weight_inverse: torch.T
 def _placed_in_the_forward(input_fp8: torch.Tensor, input_inverse: torch.Tensor, offsets: torch.Tensor,
                            spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_placed, input_inverse)``: ``input_fp8`` (S, K), the input's cast that grad_weight reads (the
-    forward's, or row-wise's per group and column), laid out for grad_weight's GEMM (``placed_for_grad_weight``)
-    in the forward by the kernel that casts (and gathers) the rows, and the inverse scale the forward GEMM reads,
-    tied to it (``fp8graph.targets.partitioning``). Left to itself the partitioner saves the cast and moves it in
-    the backward: one more read of it a call. The emulation reads the cast as it is."""
+    forward's, or row-wise's per group and column), laid out for grad_weight's GEMM (``placed_for_grad_weight``:
+    one tiled transpose of the FP8 rows) in the forward, and the inverse scale the forward GEMM reads, tied to it
+    (``fp8graph.targets.partitioning``). Left to itself the partitioner saves the cast and lays it out in the
+    backward: the same pass, and the cast kept alive until then. The emulation reads the cast as it is."""
     input_placed = placed_for_grad_weight(input_fp8, offsets, spec.lowering)  # (K, S') for scaled_mm
     if input_placed is input_fp8:  # read as it is: nothing to write in the forward
         return input_fp8, input_inverse
@@ -233,6 +233,7 @@ class _GroupedFP8(torch.autograd.Function):
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
             if gather_index is not None:
                 input_fp8, input_inverse = _gather_rows(input_fp8, gather_index), input_inverse[gather_index]
+            input_fp8 = _one_buffer(input_fp8, spec)  # read by the forward GEMM and grad_weight's layout
             saved_input = saved_weight = (None, None)
             if needs_grad_weight:
                 # grad_weight reduces over each group's tokens: row-wise casts the input again, per group and
@@ -274,6 +275,7 @@ class _GroupedFP8(torch.autograd.Function):
             grad_output_fp8, grad_output_scale, grad_output_inverse = (  # along N
                 _cast_grad_output_delayed(grad_output_hp, ctx.state, spec) if spec.delayed
                 else cast_rows(grad_output_hp, spec))
+            grad_output_fp8 = _one_buffer(grad_output_fp8, spec)  # read by grad_input's GEMM and grad_weight's layout
             if ctx.stats is not None:
                 record_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp, grad_output_fp8,
                               health_scales(grad_output_scale), spec.recipe)
@@ -298,6 +300,12 @@ class _GroupedFP8(torch.autograd.Function):
                 grad_weight = grouped_scaled_gemm_weights(grad_output_g_fp8.t(), grad_output_g_inverse, input_g_placed,
                                                           input_g_inverse, offsets, ctx.weight_dtype, spec.lowering)
         return grad_input, grad_weight, None, None, None, None, None, None, None
+
+
+def _one_buffer(x_fp8: torch.Tensor, spec: GroupedSpec) -> torch.Tensor:
+    """On the native path, ``x_fp8`` through ``one_buffer``: the GEMM and ``fp8graph::transpose_fp8`` that both
+    read it read one buffer (Inductor would otherwise store the cast once for each)."""
+    return one_buffer(x_fp8) if spec.lowering is Lowering.SCALED_MM else x_fp8
 
 
 def _gather_rows(x_fp8: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ class GroupedBlocks(torch.autograd.Function):
                 weight_t_q = _experts(_blocks(weight_hp.transpose(-2, -1).reshape(experts * columns, rows), tiling),
                                       experts)  # (E, K, N)
             if needs_grad_weight:  # along each group's tokens
-                input_padded, padded_offsets = place_in_padded_groups(input_hp, offsets, tiling.cols, 0)  # (S', K)
+                input_padded, padded_offsets = place_in_padded_groups(input_hp, offsets, tiling.cols)  # (S', K)
                 input_t_q = _blocks(input_padded.t(), tiling)  # (K, S')
         ctx.save_for_backward(offsets, *weight_t_q, *(input_t_q or (None, None)),
                               padded_offsets)
@@ -71,7 +71,7 @@ class GroupedBlocks(torch.autograd.Function):
                 grad_input = _gemm_rows(grad_output_q, (weight_t_fp8, weight_t_scale), offsets, ctx.input_dtype,
                                         tiling, spec.lowering)
             if needs_grad_weight:
-                grad_output_padded, _ = place_in_padded_groups(grad_output_hp, offsets, tiling.cols, 0)  # (S', N)
+                grad_output_padded, _ = place_in_padded_groups(grad_output_hp, offsets, tiling.cols)  # (S', N)
                 grad_output_t_q = _blocks(grad_output_padded.t(), tiling)  # (N, S')
                 # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
                 grad_weight = _gemm_weights(grad_output_t_q, (input_t_fp8, input_t_scale), padded_offsets,

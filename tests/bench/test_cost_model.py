@@ -245,3 +245,72 @@ def test_a_gpu_run_is_shown_beside_the_committed_modelled_step():
     step = f"{modelled_ms:.2f}"
     assert f"| {step} | {step} |" in current and "+0%" in current  # the model's step against the profiled one
     assert bench_model.compare_lines({**measured, "layers": 3}, "x", None, RESULTS)[0].startswith("no modelled")
+
+
+_POINTWISE = '''
+@triton.jit
+def triton_poi_fused_cast_0(in_ptr0, in_ptr1, out_ptr0, out_ptr1, xnumel, XBLOCK : tl.constexpr):
+    xnumel = 536870912
+    xoffset = tl.program_id(0) * XBLOCK
+    xindex = xoffset + tl.arange(0, XBLOCK)[:]
+    x1 = xindex // 2048
+    x0 = (xindex % 2048)
+    x2 = xindex
+    tmp0 = tl.load(in_ptr0 + (x1), None, eviction_policy='evict_last')
+    tmp6 = tl.load(in_ptr1 + (x0 + 2048*tmp0), None).to(tl.float32)
+    tl.store(out_ptr0 + (x2), tmp6, None)
+    tl.store(out_ptr0 + (x0 + 2048*tmp0), tmp6, None)
+    tl.store(out_ptr1 + (tmp0 + 264192*x0), tmp6, None)
+    tl.store(out_ptr1 + (tl.full([1, 1], 0, tl.int32).broadcast_to(XBLOCK, 1)), tmp6, None)
+
+
+def get_args():
+    return
+'''
+
+_TILED = '''
+@triton.jit
+def triton_poi_fused_clone_t_0(in_ptr0, out_ptr0, ynumel, xnumel, YBLOCK : tl.constexpr, XBLOCK : tl.constexpr):
+    ynumel = 2048
+    xnumel = 264192
+    yoffset = tl.program_id(1) * YBLOCK
+    yindex = yoffset + tl.arange(0, YBLOCK)[:, None]
+    xoffset = tl.program_id(0) * XBLOCK
+    xindex = xoffset + tl.arange(0, XBLOCK)[None, :]
+    y0 = yindex
+    x1 = xindex
+    tmp0 = tl.load(in_ptr0 + (y0 + 2048*x1), xmask)
+    tl.store(out_ptr0 + (x1 + 264192*y0), tmp0, xmask)
+'''
+
+_REDUCTION = '''
+@triton.jit
+def triton_red_fused_amax_cast_t_0(in_ptr0, out_ptr0, xnumel, r0_numel, XBLOCK : tl.constexpr, R0_BLOCK : tl.constexpr):
+    xnumel = 512
+    r0_numel = 131072
+    xindex = xoffset + tl.arange(0, XBLOCK)[:, None]
+    r0_base = tl.arange(0, R0_BLOCK)[None, :]
+    x0 = xindex
+    for r0_offset in tl.range(0, r0_numel, R0_BLOCK):
+        r0_index = r0_offset + r0_base
+        r0_1 = r0_index
+        tmp0 = tl.load(in_ptr0 + (r0_1 + 131072*x0), xmask)
+        tl.store(out_ptr0 + (32*x0 + 16384*((r0_1 % 4096)) + (r0_1 // 4096)), tmp0, xmask)
+'''
+
+
+def test_a_pointwise_store_a_row_apart_moves_a_sector_read_and_written_per_element():
+    """bench.costmodel.coalescing: of the pointwise kernel's stores, only the one whose neighbouring threads write
+    264192 bytes apart is scattered (a contiguous store, a row scatter with an indirect row, a scalar are not);
+    it costs 64 bytes an FP8 element, less the byte counted. A 2-D tiled transpose and a reduction's transposed
+    store (its program writes the whole sector over its loop) are not charged."""
+    from bench.costmodel import coalescing
+
+    assert coalescing.scattered_stores(_POINTWISE) == [("out_ptr1", 264192)]
+    assert coalescing.elements_per_launch(_POINTWISE) == 536870912
+    itemsize = {"out_ptr0": 2, "out_ptr1": 1}
+    assert coalescing.scattered_bytes(_POINTWISE, itemsize) == 536870912 * (2 * 32 - 1)
+    assert coalescing.scattered_stores(_TILED) == [] and coalescing.scattered_stores(_REDUCTION) == []
+    row = costs.Row("0:forward", "triton", "k", read=10**9, scattered=coalescing.scattered_bytes(_POINTWISE, itemsize))
+    machine = costs.Machine()
+    assert costs.time_us(row, machine) == pytest.approx((10**9 + row.scattered) / machine.copy_bandwidth * 1e6)

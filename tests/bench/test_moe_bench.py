@@ -112,38 +112,47 @@ def test_current_scaling_casts_each_expert_weight_once_a_call_for_both_layouts(s
     assert _triton_bytes(current, "0:forward")[0] <= _triton_bytes(cached, "0:forward")[0]
 
 
-def test_grad_weight_s_operands_are_written_once_into_groups_padded_only_where_they_end(steps):
-    """The weight-gradient GEMM reads each group zero-padded to 16 tokens: the backward writes each operand's rows
-    once, scattered to their padded places, and zeros only where a group ends (``fp8graph.numerics.groups``), no
-    fill of the whole padded buffer first. The scatters store into buffers that another kernel wrote before (the
-    pads): the model counts those stores (``bench.costmodel.capture``)."""
+def test_grad_weight_s_operands_are_laid_out_by_one_tiled_transpose_each(steps):
+    """The weight-gradient GEMM reads each operand transposed, each group zero-padded to 16 tokens: one
+    ``fp8graph::transpose_fp8`` launch per operand reads its FP8 rows once, where they lie, and writes the padded
+    layout, pads included, in tiles (``fp8graph.gemm.grouped_gemm``). No Triton kernel stores a byte a row apart
+    that BF16's step does not (the router's top-k backward scatters a row's few gradients; scattering the
+    operands' columns in place cost 28 ms a step on the H200: ``bench.costmodel.coalescing``), none scatters
+    the rows, and none fills a whole padded buffer."""
     experts, hidden, width = TINY["experts"], TINY["hidden"], TINY["expert_width"]
     padded_rows = -(-(S + experts * 16) // 16) * 16
     operand_widths = (hidden, width, 2 * width, hidden)  # down: grad_output, input; gate_up: grad_output, input
     for contestant in ("rowwise", "current"):
-        rows = [r for r in steps[contestant]["rows"] if r["kind"] == "triton"]
-        backward = [r for r in rows if r["graph"].endswith("backward")]
-        # The kernels that zero each group's pad rows, reading their index (current pads the input's groups in
-        # the forward; the fill value, a byte the forward keeps for the backward's, reads nothing)
-        pads = [r for r in rows if "index_fill" in r["name"] and r["read"] > 0]
-        assert sum(r["written"] * r["count"] for r in pads) == experts * 15 * sum(operand_widths), contestant
-        scatters = [r for r in rows if "index_copy" in r["name"]]
-        assert sum(r["written"] * r["count"] for r in scatters) >= S * sum(operand_widths), contestant
-        whole_fills = [r["name"] for r in backward if r["read"] == 0 and r["largest_numel"] in
-                       {padded_rows * w for w in operand_widths}]
+        rows = steps[contestant]["rows"]
+        transposes = [r for r in rows if r["kind"] == "extern" and "transpose_fp8" in r["name"]]
+        assert sorted(r["read"] for r in transposes) == sorted(S * w + padded_rows * 8 for w in operand_widths), \
+            contestant  # the FP8 rows and each padded row's source
+        assert sorted(r["written"] for r in transposes) == sorted(padded_rows * w for w in operand_widths)
+        triton = [r for r in rows if r["kind"] == "triton"]
+        assert _scattered(steps[contestant]) == _scattered(steps["bf16"]), contestant
+        scatters = [r["name"] for r in triton if ("index_copy" in r["name"] or "index_fill" in r["name"])
+                    and r["written"] > padded_rows * 8]  # beyond the sources' (padded_rows,) int64
+        assert scatters == [], contestant
+        whole_fills = [r["name"] for r in triton if r["graph"].endswith("backward") and r["read"] == 0
+                       and r["largest_numel"] in {padded_rows * w for w in operand_widths}]
         assert whole_fills == [], contestant
 
 
-def test_current_scaling_lays_the_input_out_for_grad_weight_where_it_casts_it(steps):
-    """grad_weight's right operand, the gathered input's cast in groups padded to 16 tokens, is stored by the
-    forward's kernel that gathers and casts the rows, beside the rows the forward GEMM reads
-    (``fp8graph.targets.grouped._placed_in_the_forward``); every scatter of the backward casts too (the
-    grad_outputs'), none moves a saved cast."""
-    rows = [r for r in steps["current"]["rows"] if r["kind"] == "triton"]
-    forward = [r for r in rows if r["graph"].endswith("forward") and "index_copy" in r["name"]]
-    backward = [r for r in rows if r["graph"].endswith("backward") and "index_copy" in r["name"]]
-    assert len(forward) == 2 and all("clamp" in r["name"] for r in forward), [r["name"] for r in forward]
-    assert len(backward) == 2 and all("clamp" in r["name"] for r in backward), [r["name"] for r in backward]
+def _scattered(case: dict) -> int:
+    return sum(r.get("scattered", 0) * r["count"] for r in case["rows"] if r["kind"] == "triton")
+
+
+def test_current_scaling_lays_the_input_out_for_grad_weight_in_the_forward(steps):
+    """grad_weight's right operand, the gathered input's cast in groups padded to 16 tokens, is laid out in the
+    forward from the FP8 rows the forward GEMM reads (``fp8graph.targets.grouped._placed_in_the_forward``), and
+    the backward lays out only the grad_outputs' casts: it never moves a saved cast. Each FP8 operand is stored
+    once for its GEMM and its transpose."""
+    rows = [r for r in steps["current"]["rows"] if r["kind"] == "extern" and "transpose_fp8" in r["name"]]
+    forward = [r for r in rows if r["graph"].endswith("forward")]
+    backward = [r for r in rows if r["graph"].endswith("backward")]
+    assert len(forward) == 2 and len(backward) == 2, [(r["graph"], r["detail"]) for r in rows]
+    assert all("float8_e4m3fn" in r["detail"] for r in rows)
+    assert sum(r.get("duplicate_written", 0) * r["count"] for r in steps["current"]["rows"]) == 0
 
 
 def test_a_fill_writes_the_weight_copies_where_it_casts_them(steps):
@@ -240,15 +249,15 @@ def test_fp8graph_rowwise_runs_three_scaled_grouped_gemms_per_expert_site(steps)
 def test_the_tokens_are_cast_before_they_are_gathered(steps):
     """The sm_90 forward of current scaling: the amax reads the T hidden rows, and the kernel that gathers the S
     sorted rows casts them on the way (indirect loads of the hidden states, FP8 stores in the forward GEMM's
-    layout and grad_weight's); no kernel stores the gathered rows in BF16
+    layout, which grad_weight's layout is transposed from); no kernel stores the gathered rows in BF16
     (fp8graph.passes.expert_sites.read_gather)."""
     forward = [row for row in steps["current"]["rows"] if row["graph"].endswith("forward") and row["kind"] == "triton"]
     tokens, hidden = TOKENS, TINY["hidden"]
     source_amax = [r for r in forward if "amax" in r["name"] and "index" not in r["name"]
                    and r["read"] == tokens * hidden * 2]
-    # FP8 stores: the rows the forward GEMM reads and the same rows laid out for grad_weight's GEMM
+    # FP8 stores: the rows the forward GEMM reads (and fp8graph::transpose_fp8 lays out for grad_weight's GEMM)
     gather_cast = [r for r in forward if "index" in r["name"] and "clamp" in r["name"]
-                   and r["written"] == 2 * S * hidden and r["read"] < S * hidden * 2]
+                   and r["written"] == S * hidden and r["read"] < S * hidden * 2]
     assert len(source_amax) == 1 and len(gather_cast) == 1, [(r["name"], r["read"], r["written"]) for r in forward]
     assert not any(r["written"] == S * hidden * 2 for r in forward if r not in gather_cast), \
         "gathered rows stored in BF16"
@@ -263,7 +272,7 @@ def test_the_swiglu_between_the_expert_gemms_lives_only_in_the_cast_kernels(step
     assert sorted("amax" in r["name"] for r in swiglu) == [False, True], [r["name"] for r in swiglu]
     assert all(r["read"] >= gate_up_bytes for r in swiglu)
     cast = next(r for r in swiglu if "amax" not in r["name"])
-    assert "clamp" in cast["name"] and cast["written"] == 2 * S * TINY["expert_width"]  # FP8, in two layouts
+    assert "clamp" in cast["name"] and cast["written"] == S * TINY["expert_width"]  # FP8, once
 
 
 def test_a_step_the_model_cannot_decide_is_an_error_row_not_a_number():

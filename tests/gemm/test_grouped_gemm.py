@@ -5,7 +5,8 @@ import torch
 
 from fp8graph.gemm.grouped_gemm import grouped_scaled_gemm, grouped_scaled_gemm_weights, placed_for_grad_weight
 from fp8graph.gemm.scaled_gemm import Lowering, NoNativeGemm, choose_lowering
-from fp8graph.numerics.groups import padded_group_rows, place_in_padded_groups
+from fp8graph.kernels.transpose_fp8 import transpose_fp8
+from fp8graph.numerics.groups import padded_group_sources
 from fp8graph.recipes.scaling import Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling
 
 FP8 = torch.float8_e4m3fn
@@ -47,13 +48,15 @@ def test_weights_form_reduces_each_groups_tokens_exactly_and_empty_experts_are_z
 
 
 def test_padding_groups_to_16_tokens_changes_no_product():
-    """The native weights form pads each group to a multiple of 16 tokens: zero rows add nothing, and what lies
-    past the groups (left as allocated: NaN bytes here) is never read."""
+    """The native weights form lays each operand out transposed, every group zero-padded to a multiple of 16
+    tokens (fp8graph::transpose_fp8 of the padded groups' source rows): zero rows add nothing."""
     a, b = _fp8(N, S, seed=4), _fp8(S, K, seed=5)
-    padded_rows = padded_group_rows(OFFSETS, S, 16)[2]
-    nan_bytes = dict(fill_value=0xFF, dtype=torch.uint8)
-    a_padded, padded_offsets = place_in_padded_groups(a, OFFSETS, 16, 1, into=torch.full((N, padded_rows), **nan_bytes))
-    b_padded, _ = place_in_padded_groups(b.t(), OFFSETS, 16, 1, into=torch.full((K, padded_rows), **nan_bytes))
+    sources, padded_offsets = padded_group_sources(OFFSETS, S, 16)
+    a_padded = transpose_fp8(a.t().contiguous(), sources)  # (N, S')
+    b_padded = transpose_fp8(b, sources)  # (K, S')
+    assert a_padded.shape == (N, sources.shape[0]) and b_padded.shape == (K, sources.shape[0])
+    pads = sources < 0
+    assert torch.all(a_padded.view(torch.uint8)[:, pads] == 0) and torch.all(b_padded.view(torch.uint8)[:, pads] == 0)
     ones_n, ones_k = torch.ones(E, N), torch.ones(E, K)
     padded = grouped_scaled_gemm_weights(a_padded, ones_n, b_padded.t(), ones_k, padded_offsets, torch.float32,
                                          Lowering.EMULATED)

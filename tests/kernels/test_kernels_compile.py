@@ -97,13 +97,16 @@ def test_a_kernel_reading_a_non_constexpr_global_fails_to_compile_here():
 
 @pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
 @pytest.mark.parametrize("shape", [(4096, 14336), (200, 384), (4096, 1000)], ids=lambda shape: f"{shape[0]}x{shape[1]}")
-def test_the_fp8_transpose_compiles_to_a_cubin_with_vector_loads_and_stores(shape, capability):
+@pytest.mark.parametrize("gather", [False, True], ids=["plain", "gathered"])
+def test_the_fp8_transpose_compiles_to_a_cubin_with_vector_loads_and_stores(shape, gather, capability):
     """``fp8graph::transpose_fp8`` (the transposed layout of a delayed cast): a cubin without spills whose
     loads and stores are 16-byte vectors when both lengths divide by 16 (a byte-wise transpose would run at a
     fraction of a copy's bandwidth). Not proven here: its speed (``bench quantize`` on a GPU)."""
     from fp8graph.kernels.transpose_fp8 import plan_transpose_fp8
 
-    launch, _ = plan_transpose_fp8(torch.empty(shape, dtype=torch.float8_e4m3fn))
+    # gathered: a grouped GEMM's padded groups (every row a contiguous run read where it lies)
+    sources = torch.empty(shape[0] + 128 * 15, dtype=torch.int64) if gather else None
+    launch, _ = plan_transpose_fp8(torch.empty(shape, dtype=torch.float8_e4m3fn), sources)
     compiled = compile_launch(launch, capability)
     usage = resource_usage(compiled)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"

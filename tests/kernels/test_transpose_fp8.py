@@ -14,7 +14,7 @@ from helpers import cases_checked_under_triton_interpreter
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 def test_the_triton_transpose_equals_the_reference_under_the_interpreter():
-    assert cases_checked_under_triton_interpreter("check_transpose_fp8.py") == 24
+    assert cases_checked_under_triton_interpreter("check_transpose_fp8.py") == 27
 
 
 def test_the_op_copies_on_cpu_and_traces_with_its_fake():
@@ -28,6 +28,20 @@ def test_the_op_copies_on_cpu_and_traces_with_its_fake():
     # (opcheck's schema test compares outputs by arithmetic, which FP8 dtypes lack on CPU.)
     torch.library.opcheck(torch.ops.fp8graph.transpose_fp8, (torch.randn(32, 48).to(torch.float8_e4m3fn),),
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.fp8graph.transpose_fp8,
+                          (torch.randn(32, 48).to(torch.float8_e4m3fn), torch.tensor([3, -1, 31, 0, -1])),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_gathered_rows_are_laid_out_as_columns_with_zeros_for_the_pads():
+    x_fp8 = torch.randn(6, 40).to(torch.float8_e4m3fn)
+    sources = torch.tensor([5, 0, -1, -1, 2, 2, -1])
+    got = transpose_fp8(x_fp8, sources)
+    assert got.shape == (40, 7) and got.is_contiguous() and got.dtype == torch.float8_e4m3fn
+    bytes_ = got.view(torch.uint8)
+    for column, source in enumerate(sources.tolist()):
+        expected = x_fp8.view(torch.uint8)[source] if source >= 0 else torch.zeros(40, dtype=torch.uint8)
+        assert torch.equal(bytes_[:, column], expected), column
 
 
 def test_the_launcher_refuses_what_it_cannot_transpose():
@@ -39,3 +53,5 @@ def test_the_launcher_refuses_what_it_cannot_transpose():
         plan_transpose_fp8(torch.empty(4, 4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="2-D tensor of 1-byte elements"):
         plan_transpose_fp8(torch.empty(2, 4, 4, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="source_rows is a 1-D int64 tensor"):
+        plan_transpose_fp8(torch.empty(4, 4, dtype=torch.float8_e4m3fn), torch.zeros(4, dtype=torch.int32))

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fp8graph.numerics.groups import (group_column_amax, group_padding, padded_group_rows, place_in_padded_groups,
-                                     quantize_group_columns, row_groups)
+from fp8graph.numerics.groups import (group_column_amax, group_padding, padded_group_rows, padded_group_sources,
+                                     place_in_padded_groups, quantize_group_columns, row_groups)
 from fp8graph.numerics.quantize import quantize_current
 
 # Expert 1 and 4 empty, rows 9 and 10 in no group (EP sentinels, as transformers leaves them).
@@ -72,27 +72,38 @@ def test_the_padding_is_every_row_of_a_padded_group_that_no_row_moves_to(offsets
     assert padded_rows - 1 not in moved | in_groups, "the unused slots write a row nothing reads"
 
 
-@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("offsets", [[3, 3, 7, 9, 9], [0, 0, 16, 16], [11]])
+def test_each_padded_row_names_the_row_it_holds_or_none(offsets):
+    """padded_group_sources inverts padded_group_rows: every moved row's slot names it, every other slot -1."""
+    offsets = torch.tensor(offsets, dtype=torch.int32)
+    rows = max(ROWS, int(offsets[-1]))
+    destination, padded_offsets, padded_rows = padded_group_rows(offsets, rows, 16)
+    sources, got_offsets = padded_group_sources(offsets, rows, 16)
+    assert torch.equal(got_offsets, padded_offsets) and sources.shape == (padded_rows,)
+    assert torch.equal(sources[destination], torch.arange(rows))
+    others = torch.ones(padded_rows, dtype=torch.bool).index_fill(0, destination, False)
+    assert torch.all(sources[others] == -1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16])
-def test_rows_placed_in_padded_groups_write_zeros_only_where_a_group_reads_them(dim, dtype):
+def test_rows_placed_in_padded_groups_write_zeros_only_where_a_group_reads_them(dtype):
     """Into a buffer of NaN bytes: the groups read their rows and zeros, and nothing else is written."""
     torch.manual_seed(2)
     x = torch.randn(ROWS, 5).to(dtype)
-    x = x if dim == 0 else x.t()
     destination, padded_offsets, padded_rows = padded_group_rows(OFFSETS, ROWS, 16)
-    shape = (padded_rows, 5) if dim == 0 else (5, padded_rows)
+    shape = (padded_rows, 5)
     garbage = torch.full(shape, 0xFF, dtype=torch.uint8)  # NaN in both FP8 formats, NaN bits in BF16 pairs
     garbage = garbage if dtype != torch.bfloat16 else torch.full(shape, float("nan"), dtype=dtype)
-    padded, got_offsets = place_in_padded_groups(x, OFFSETS, 16, dim, into=garbage)
+    padded, got_offsets = place_in_padded_groups(x, OFFSETS, 16, into=garbage)
     assert torch.equal(got_offsets, padded_offsets) and padded.dtype == dtype and padded.shape == shape
-    moved = padded.index_select(dim, destination)
+    moved = padded.index_select(0, destination)
     assert torch.equal(moved.view(torch.uint8) if dtype != torch.bfloat16 else moved,
                        x.view(torch.uint8) if dtype != torch.bfloat16 else x)
-    in_groups = padded.narrow(dim, 0, int(padded_offsets[-1])).float()
+    in_groups = padded[:int(padded_offsets[-1])].float()
     rest = set(range(int(padded_offsets[-1]))) - set(destination.tolist())
     assert not torch.isnan(in_groups).any()
-    assert torch.all(in_groups.index_select(dim, torch.tensor(sorted(rest), dtype=torch.int64)) == 0)
+    assert torch.all(in_groups[sorted(rest)] == 0)
     untouched = sorted(set(range(padded_rows)) - set(range(int(padded_offsets[-1]))) - set(destination.tolist())
                        - {padded_rows - 1})
-    assert untouched and torch.isnan(padded.index_select(dim, torch.tensor(untouched)).float()).all(), \
+    assert untouched and torch.isnan(padded[untouched].float()).all(), \
         "past the groups, only the moved rows and the unused pads' row are written"

@@ -1,6 +1,7 @@
 """Run by tests/kernels/test_transpose_fp8.py under TRITON_INTERPRET=1: the FP8 transpose kernel against
 ``x.t().contiguous()``, byte for byte, at the shapes a linear gives it (ragged and exact tiles, one row,
-one column, a row-strided slice)."""
+one column, a row-strided slice), and with source rows: each output column a gathered input row or zeros, as
+a grouped GEMM's padded groups are laid out."""
 
 import torch
 
@@ -17,4 +18,14 @@ for rows, columns in [(64, 64), (200, 384), (130, 70), (1, 17), (17, 1), (3, 129
             assert got.dtype == dtype and got.shape == expected.shape and got.is_contiguous(), (rows, columns)
             assert torch.equal(got.view(torch.uint8), expected), (rows, columns, dtype)
             cases += 1
+# Gathered: more output columns than input rows (pads: -1), rows out of order, one row twice.
+for rows, columns, padded in [(11, 64, 48), (200, 384, 240), (3, 70, 17)]:
+    x_fp8 = torch.randint(0, 256, (rows, columns), dtype=torch.uint8, generator=generator).view(torch.float8_e4m3fn)
+    sources = torch.randint(-1, rows, (padded,), generator=generator)
+    sources[:2] = torch.tensor([rows - 1, rows - 1])
+    expected = torch.where(sources[:, None] >= 0, x_fp8.view(torch.uint8)[sources.clamp(min=0)], 0).t().contiguous()
+    got = transpose_fp8_triton(x_fp8, sources)
+    assert got.shape == (columns, padded) and got.is_contiguous(), (rows, columns, padded)
+    assert torch.equal(got.view(torch.uint8), expected.to(torch.uint8)), (rows, columns, padded)
+    cases += 1
 print(f"cases checked: {cases}")
