@@ -119,7 +119,9 @@ def machine_of(args) -> costs.Machine:
     return costs.Machine(copy_bandwidth=args.bandwidth * 1e12, triton_bandwidth=args.triton_bandwidth * 1e12,
                          bf16_flops=args.bf16_tflops * 1e12, fp8_flops=args.fp8_tflops * 1e12,
                          grouped_bf16_flops=args.grouped_bf16_tflops * 1e12,
-                         grouped_fp8_flops=args.grouped_fp8_tflops * 1e12)
+                         grouped_fp8_flops=args.grouped_fp8_tflops * 1e12,
+                         grouped_bf16_flops_large=args.grouped_bf16_tflops_large * 1e12,
+                         grouped_fp8_flops_large=args.grouped_fp8_tflops_large * 1e12)
 
 
 def project_commit() -> str:
@@ -293,7 +295,9 @@ def _legend(m: costs.Machine) -> str:
             f"Inductor's kernels reached on the H100, at least {m.launch_floor_us:.0f} us a launch. GEMM: cuBLAS at "
             f"{m.bf16_flops / 1e12:.0f} (BF16), {m.fp8_flops / 1e12:.0f} (FP8 tensorwise), "
             f"{m.fp8_rowwise_flops / 1e12:.0f} (rowwise), {m.fp8_blockwise_flops / 1e12:.0f} (blockwise) TFLOP/s, "
-            f"grouped {m.grouped_bf16_flops / 1e12:.0f} (BF16), {m.grouped_fp8_flops / 1e12:.0f} (FP8 rowwise); "
+            f"grouped {m.grouped_bf16_flops / 1e12:.0f}-{m.grouped_bf16_flops_large / 1e12:.0f} (BF16), "
+            f"{m.grouped_fp8_flops / 1e12:.0f}-{m.grouped_fp8_flops_large / 1e12:.0f} (FP8 rowwise) from 512 to "
+            "2048 tokens a group; "
             f"attention: cuDNN SDPA at {m.attention_flops / 1e12:.0f} TFLOP/s; other extern: custom ops, operand "
             "bytes at copy bandwidth; SGD: bench decoder's eager p.add_(p.grad). step ms: Triton at the H100 rate "
             "plus the rest, kernel time only (no CPU or launch overhead). vs: the baseline's step ms over this "
@@ -612,9 +616,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_argument("--bf16-tflops", type=positive(float), default=rates.bf16_flops / 1e12)
     common.add_argument("--fp8-tflops", type=positive(float), default=rates.fp8_flops / 1e12, help="FP8 tensorwise")
     common.add_argument("--grouped-bf16-tflops", type=positive(float), default=rates.grouped_bf16_flops / 1e12,
-                        help="torch._grouped_mm (a MoE's expert GEMMs)")
+                        help="torch._grouped_mm (a MoE's expert GEMMs), 512 tokens a group")
     common.add_argument("--grouped-fp8-tflops", type=positive(float), default=rates.grouped_fp8_flops / 1e12,
-                        help="torch._scaled_grouped_mm, row-wise")
+                        help="torch._scaled_grouped_mm, row-wise, 512 tokens a group")
+    common.add_argument("--grouped-bf16-tflops-large", type=positive(float),
+                        default=rates.grouped_bf16_flops_large / 1e12, help="the same, 2048 tokens a group")
+    common.add_argument("--grouped-fp8-tflops-large", type=positive(float),
+                        default=rates.grouped_fp8_flops_large / 1e12, help="the same, 2048 tokens a group")
     outputs = argparse.ArgumentParser(add_help=False, parents=[common])
     outputs.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
     outputs.add_argument("--top", type=int, default=0, metavar="N", help="list the N largest kernels per contestant")

@@ -58,6 +58,8 @@ class Machine:
     attention_flops: float = 290e12  # cuDNN flash fwd+bwd, causal counted as full: 12.5-13.4 ms (4 layers)
     grouped_bf16_flops: float = _h100(lambda gpu: gpu.grouped_bf16_flops)
     grouped_fp8_flops: float = _h100(lambda gpu: gpu.grouped_fp8_flops)
+    grouped_bf16_flops_large: float = _h100(lambda gpu: gpu.grouped_bf16_flops_large)
+    grouped_fp8_flops_large: float = _h100(lambda gpu: gpu.grouped_fp8_flops_large)
     gemm_floor_us: float = _h100(lambda gpu: gpu.gemm_floor_us)
 
 
@@ -76,6 +78,7 @@ class Row:
     flops: float = 0.0
     gemm: str = ""  # bf16 | fp8 tensorwise | fp8 rowwise | fp8 blockwise | bf16 grouped | fp8 rowwise grouped
     largest_numel: int = 0  # elements of its largest tensor operand: which of a site's operands it works on
+    group_rows: float = 0.0  # a grouped GEMM's tokens a group, on average (its rate depends on them)
 
     @property
     def bytes(self) -> int:
@@ -90,12 +93,25 @@ def time_us(row: Row, machine: Machine, triton_bandwidth: float | None = None) -
     if row.kind == "gemm":
         rate = {"bf16": machine.bf16_flops, "fp8 tensorwise": machine.fp8_flops,
                 "fp8 rowwise": machine.fp8_rowwise_flops, "fp8 blockwise": machine.fp8_blockwise_flops,
-                "bf16 grouped": machine.grouped_bf16_flops, "fp8 rowwise grouped": machine.grouped_fp8_flops}
+                "bf16 grouped": _grouped_flops(machine, False, row.group_rows),
+                "fp8 rowwise grouped": _grouped_flops(machine, True, row.group_rows)}
         return max(row.flops / rate.get(row.gemm, machine.bf16_flops) * 1e6,
                    row.bytes / machine.copy_bandwidth * 1e6, machine.gemm_floor_us)
     if row.kind == "attention":
         return max(row.flops / machine.attention_flops * 1e6, machine.gemm_floor_us)
     return max(row.bytes / machine.copy_bandwidth * 1e6, machine.launch_floor_us)  # extern, memset, optimizer
+
+
+def _grouped_flops(machine: Machine, fp8: bool, tokens_per_group: float) -> float:
+    """``machine``'s grouped GEMM rate at ``tokens_per_group``, as fp8graph's per-site model takes it
+    (``fp8graph.costs.gpus.GPU.grouped_flops``)."""
+    from fp8graph.costs.gpus import H100
+
+    return dataclasses.replace(H100, grouped_bf16_flops=machine.grouped_bf16_flops,
+                               grouped_fp8_flops=machine.grouped_fp8_flops,
+                               grouped_bf16_flops_large=machine.grouped_bf16_flops_large,
+                               grouped_fp8_flops_large=machine.grouped_fp8_flops_large
+                               ).grouped_flops(fp8, tokens_per_group)
 
 
 def summary(rows: list[Row], machine: Machine) -> dict:
@@ -240,9 +256,9 @@ def grouped_gemm_flops(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, s
 
 
 def _grouped_gemm(row: Row, op: str, shapes: list, dtypes: list) -> None:
-    """A grouped GEMM costed as a GEMM by its FLOPs (``grouped_gemm_flops``) at the grouped rates
-    (``Machine.grouped_*_flops``: torchao's H100 timings of these ops, below the dense rates). The scaled one
-    takes row-wise scales on SM90 (a per-tensor scale is passed expanded to rows): "fp8 rowwise grouped"."""
+    """A grouped GEMM costed as a GEMM by its FLOPs (``grouped_gemm_flops``) at the grouped rates for its tokens
+    a group (``Machine.grouped_*_flops``, below the dense rates). The scaled one takes row-wise scales on SM90
+    (a per-tensor scale is passed expanded to rows): "fp8 rowwise grouped"."""
     a, b = shapes[0], shapes[1]
     row.kind = "gemm"
     row.flops, form = grouped_gemm_flops(a, b)
@@ -252,6 +268,10 @@ def _grouped_gemm(row: Row, op: str, shapes: list, dtypes: list) -> None:
     groups = offsets[-1][0] if offsets else (a[0] if len(a) == 3 else None)
     row.detail = (f"{row.gemm} ({form}) {'x'.join(map(str, a))} . {'x'.join(map(str, b))}"
                   + (f", {groups} groups" if groups else ""))
+    if form in ("rows", "weights"):  # the sorted tokens: a's rows, or its columns in the weights form
+        row.group_rows = (a[0] if form == "rows" else a[1]) / groups if groups else 0.0
+    else:  # a batch of E matrices of M rows
+        row.group_rows = float(a[-2])
 
 
 def rows_of(capture) -> list[Row]:

@@ -90,7 +90,7 @@ class GroupedCasts:
     block_launches: int
 
 
-# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-27T053454Z.json
+# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-27T055814Z.json
 # (Qwen3-30B-A3B's block at 256 and 2048 tokens an expert, sm_90, torch 2.13.0, triton 3.6.0); the FP8 steps'
 # Triton bytes it predicts are within 0.5% of the block at 1024 tokens an expert, 6% of Llama-4 Scout's and 7% of
 # DeepSeek-V3's (row-wise 19% under: its per-group column scales grow with the tokens an expert). A negative rate:

@@ -1,17 +1,22 @@
 """The rates a GPU runs fp8graph's kernels at: what :mod:`fp8graph.costs.sites` times a site with.
 
 The H100's rates are the cost model's (``python -m bench model``, docs/cost-model.md): fitted to this
-project's H100 runs and checked against them by ``bench model calibrate``. No H200 or B200 run has
-calibrated anything: their rates are the H100's scaled by the ratio of the data-sheet figures (HBM bandwidth
-for copies and Inductor's kernels, dense tensor-core FLOP/s for GEMMs), so they say what the data sheet
-predicts, not what was measured.
+project's H100 runs and checked against them by ``bench model calibrate``; its grouped GEMM rate at large
+groups is an H200 run's (the same tensor cores). The H200's and B200's rates are the H100's scaled by the
+ratio of the data-sheet figures (HBM bandwidth for copies and Inductor's kernels, dense tensor-core FLOP/s for
+GEMMs), so they say what the data sheet predicts, not what was measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
-__all__ = ["B200", "GPU", "GPUS", "H100", "H200", "gpu"]
+__all__ = ["B200", "GPU", "GPUS", "GROUPED_RATE_TOKENS", "H100", "H200", "gpu"]
+
+# The tokens a group at which each GPU's two grouped GEMM rates were timed: a grouped GEMM's rate grows with its
+# groups' rows (more of each weight's tiles busy), and between these it is interpolated in log2 of the rows.
+GROUPED_RATE_TOKENS = (512, 2048)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +34,22 @@ class GPU:
     gemm_floor_us: float
     bf16_flops: float
     fp8_gemm_flops: dict[str, float]
-    grouped_bf16_flops: float  # torch._grouped_mm (a MoE's expert GEMMs)
-    grouped_fp8_flops: float  # torch._scaled_grouped_mm
+    grouped_bf16_flops: float  # torch._grouped_mm (a MoE's expert GEMMs), at GROUPED_RATE_TOKENS[0] tokens a group
+    grouped_fp8_flops: float  # torch._scaled_grouped_mm, likewise
+    grouped_bf16_flops_large: float  # at GROUPED_RATE_TOKENS[1] tokens a group
+    grouped_fp8_flops_large: float
+
+    def grouped_flops(self, fp8: bool, tokens_per_group: float | None) -> float:
+        """The rate of a grouped GEMM whose groups hold ``tokens_per_group`` rows on average: the two timed
+        rates (:data:`GROUPED_RATE_TOKENS`), interpolated in log2 of the rows between them and held beyond
+        them (no run timed smaller or larger groups); the smaller groups' rate where the rows are unknown."""
+        small, large = ((self.grouped_fp8_flops, self.grouped_fp8_flops_large) if fp8
+                        else (self.grouped_bf16_flops, self.grouped_bf16_flops_large))
+        if not tokens_per_group:
+            return small
+        low, high = (math.log2(tokens) for tokens in GROUPED_RATE_TOKENS)
+        position = min(max((math.log2(tokens_per_group) - low) / (high - low), 0.0), 1.0)
+        return small + (large - small) * position
 
     def scaled(self, name: str, bandwidth: float, flops: float) -> "GPU":
         """This GPU with every bandwidth times ``bandwidth`` and every FLOP rate times ``flops``."""
@@ -38,7 +57,9 @@ class GPU:
             self, name=name, copy_bandwidth=self.copy_bandwidth * bandwidth,
             triton_bandwidth=self.triton_bandwidth * bandwidth, bf16_flops=self.bf16_flops * flops,
             fp8_gemm_flops={kind: rate * flops for kind, rate in self.fp8_gemm_flops.items()},
-            grouped_bf16_flops=self.grouped_bf16_flops * flops, grouped_fp8_flops=self.grouped_fp8_flops * flops)
+            grouped_bf16_flops=self.grouped_bf16_flops * flops, grouped_fp8_flops=self.grouped_fp8_flops * flops,
+            grouped_bf16_flops_large=self.grouped_bf16_flops_large * flops,
+            grouped_fp8_flops_large=self.grouped_fp8_flops_large * flops)
 
 
 H100 = GPU(
@@ -52,10 +73,14 @@ H100 = GPU(
     # FP8 tensorwise 1404 TF/s in the decoder profile; a kernel breakdown of bench linear's 16384x4096x14336:
     # row-wise GEMMs at 1400 TF/s, 1x128 / 128x128 block GEMMs at 1200. The H100 has no MXFP8 GEMM.
     fp8_gemm_flops={"current": 1350e12, "delayed": 1350e12, "rowwise": 1350e12, "block": 1200e12},
-    # No run of this project timed a grouped GEMM; torchao's published H100 timings (pytorch/ao PR #2490) of
-    # Llama-4 Scout's 16 experts at 512 tokens a group: BF16 524 TF/s, FP8 row-wise 776 TF/s.
+    # At 512 tokens a group, torchao's published H100 timings (pytorch/ao PR #2490) of Llama-4 Scout's 16 experts:
+    # BF16 524 TF/s, FP8 row-wise 776 TF/s. At 2048, this project's H200 run of Qwen3-30B-A3B's block (the same
+    # GH100 tensor cores and clocks; bench/results/moe-2026-11-27T052314Z.json): its six grouped GEMMs, 7.42
+    # TFLOP a step, in 9.69 ms (BF16) and 7.42 ms (FP8 row-wise scales).
     grouped_bf16_flops=524e12,
     grouped_fp8_flops=776e12,
+    grouped_bf16_flops_large=766e12,
+    grouped_fp8_flops_large=1000e12,
 )
 
 # The same GH100 tensor cores with HBM3e: 4.8 TB/s against the H100 SXM's 3.35.
@@ -67,7 +92,8 @@ B200 = dataclasses.replace(
     H100.scaled("B200", bandwidth=8.0 / 3.35, flops=2.25 / 0.989),
     fp8_gemm_flops={kind: rate * 4.5 / 1.979 for kind, rate in
                     {**H100.fp8_gemm_flops, "mxfp8": H100.fp8_gemm_flops["current"]}.items()},
-    grouped_fp8_flops=H100.grouped_fp8_flops * 4.5 / 1.979)
+    grouped_fp8_flops=H100.grouped_fp8_flops * 4.5 / 1.979,
+    grouped_fp8_flops_large=H100.grouped_fp8_flops_large * 4.5 / 1.979)
 
 GPUS = {gpu.name: gpu for gpu in (H100, H200, B200)}
 

@@ -123,9 +123,9 @@ def site_times(site: SiteInfo, recipe, gpu: "str | GPU" = "H100", training: bool
     K, N = site.K, site.N
     weights = site.experts or 1
     if site.experts:
-        bf16_rate = rates.grouped_bf16_flops
+        bf16_rate = rates.grouped_flops(False, M / weights)  # M: the sorted tokens, M / E a group on average
         granularity = (PRESETS[kind] if isinstance(recipe, str) else recipe).granularity
-        fp8_rate = rates.grouped_fp8_flops if granularity in NATIVE_GROUPED_GRANULARITIES else None
+        fp8_rate = rates.grouped_flops(True, M / weights) if granularity in NATIVE_GROUPED_GRANULARITIES else None
     else:
         bf16_rate, fp8_rate = rates.bf16_flops, rates.fp8_gemm_flops.get(kind)
     emulated = fp8_rate is None

@@ -83,6 +83,23 @@ def test_an_expert_site_runs_at_the_grouped_rates_and_casts_every_experts_weight
     assert mxfp8.emulated and mxfp8.speedup < 1  # fp8graph's MXFP8 expert GEMMs are emulated on every GPU
 
 
+def test_a_grouped_gemm_s_rate_grows_with_its_tokens_a_group_between_the_two_timed_sizes():
+    """512 tokens a group: torchao's H100 timings; 2048: the H200 run of Qwen3-30B-A3B's block; between them
+    interpolated in log2 of the tokens, held beyond; the per-site model and the cost model's rows agree."""
+    from bench.costmodel import costs
+
+    h100 = GPUS["H100"]
+    assert h100.grouped_flops(False, 512) == h100.grouped_bf16_flops == h100.grouped_flops(False, 64)
+    assert h100.grouped_flops(True, 2048) == h100.grouped_fp8_flops_large == h100.grouped_flops(True, 8192)
+    assert h100.grouped_flops(True, 1024) == pytest.approx((h100.grouped_fp8_flops + h100.grouped_fp8_flops_large) / 2)
+    assert h100.grouped_flops(False, None) == h100.grouped_bf16_flops  # rows unknown: the smaller groups' rate
+    small = site_times(_linear(128 * 256, 2048, 1536, experts=128), "current")
+    large = site_times(_linear(128 * 2048, 2048, 1536, experts=128), "current")
+    assert large.bf16_us / small.bf16_us == pytest.approx(8 * h100.grouped_bf16_flops / h100.grouped_bf16_flops_large)
+    row = costs.Row("0:forward", "gemm", "g", flops=1e12, gemm="fp8 rowwise grouped", group_rows=2048)
+    assert costs.time_us(row, costs.Machine()) == pytest.approx(1e12 / h100.grouped_fp8_flops_large * 1e6)
+
+
 def test_what_cannot_be_modelled_is_refused_by_name():
     with pytest.raises(ValueError, match="M is symbolic"):
         site_times(_linear("s0", 64, 64), "current")
@@ -93,7 +110,7 @@ def test_what_cannot_be_modelled_is_refused_by_name():
         site_times(_linear(8, 64, 64), "fastest")
 
 
-SWEEP_RESULT = pathlib.Path(__file__).parents[2] / "bench/results/model-moe-2026-11-27T053454Z.json"
+SWEEP_RESULT = pathlib.Path(__file__).parents[2] / "bench/results/model-moe-2026-11-27T055814Z.json"
 
 
 def test_the_grouped_table_is_the_committed_sweeps_and_predicts_its_other_blocks():
