@@ -1,4 +1,5 @@
-"""The benchmarks' child processes: forks of a server that has imported torch, transformers and fp8graph.
+"""The benchmarks' child processes: forks of a server that has imported torch, transformers and fp8graph, or,
+where torch sees a CUDA device, spawned interpreters.
 
 Each contestant of ``bench decoder`` and ``bench moe``, and each compile-time measurement, runs in a process
 of its own: its own CUDA context and peak memory, nothing compiled or cached in memory by another. A fresh

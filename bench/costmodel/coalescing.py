@@ -16,7 +16,10 @@ The address of each ``tl.store(ptr + (index), ...)`` of a pointwise kernel is ev
 neighbouring values of each index that varies across a block's threads (``xindex``, ``yindex``; Triton lays a
 2-D tile out along whichever is contiguous, so one unit stride is enough). Indirect values (``tmp`` variables:
 an index loaded from memory) are held fixed between neighbours, which is what a row scatter is (each row
-contiguous); an address that does not evaluate is counted as coalesced.
+contiguous); an address that does not evaluate is counted as coalesced. Charged only where each element
+takes a sector of its own (its neighbour at least 32 bytes away): stores a few elements apart (interleaved
+halves, a stack) fill their sectors between them. Not analysed, so not charged: kernels of dynamic shapes
+(their sizes are symbols) and combo kernels (several sub-kernels, each with its own indices, in one launch).
 """
 
 from __future__ import annotations
@@ -96,12 +99,14 @@ def _stride(expression: str, definitions: dict[str, str], index: str, others: tu
     return int(statistics.median(strides))
 
 
-def scattered_stores(source: str) -> list[tuple[str, int]]:
+def scattered_stores(source: str, itemsize: dict[str, int] | None = None) -> list[tuple[str, int]]:
     """``(pointer, element stride)`` of each store of the pointwise kernel in ``source`` that no thread index
-    reaches with a unit (or zero) stride; none for a reduction (see the module's doc)."""
+    reaches with a unit (or zero) stride, each element a sector of its own at ``itemsize`` bytes; none for a
+    reduction or a combo kernel (see the module's doc)."""
     body = source.split("@triton.jit", 1)[-1].split("\ndef get_args", 1)[0]
-    if re.search(r"\br0_index\b|\br0_numel\b", body):
-        return []
+    sizes = [prefix for prefix, _ in _NUMEL.findall(body)]
+    if re.search(r"\br0_index\b|\br0_numel\b", body) or len(sizes) != len(set(sizes)):
+        return []  # a reduction; or a combo kernel, whose sub-kernels each define their own sizes
     threads = tuple(index for prefix, index in _THREAD_INDEX.items() if re.search(rf"\b{index}\b", body))
     if not threads:
         return []
@@ -113,7 +118,8 @@ def scattered_stores(source: str) -> list[tuple[str, int]]:
                 continue  # a scalar or an address the kernel's indices do not reach: the same for every thread
             strides = [_stride(expression, definitions, index, tuple(i for i in threads if i != index))
                        for index in threads]
-            if any(stride is None or stride <= 1 for stride in strides):
+            size = (itemsize or {}).get(pointer, 1)
+            if any(stride is None or stride * size < SECTOR_BYTES for stride in strides):
                 continue
             scattered.append((pointer, min(strides)))
     return scattered
@@ -133,7 +139,6 @@ def scattered_bytes(source: str, itemsize: dict[str, int]) -> int:
     size in bytes."""
     elements = elements_per_launch(source)
     extra = 0
-    for pointer, stride in scattered_stores(source):
-        size = itemsize.get(pointer, 4)
-        extra += elements * (2 * min(stride * size, SECTOR_BYTES) - size)
+    for pointer, _ in scattered_stores(source, itemsize):
+        extra += elements * (2 * SECTOR_BYTES - itemsize.get(pointer, 4))
     return extra

@@ -2,7 +2,7 @@
 
 Triton kernel (Inductor's)   bytes read + written, as Inductor's ``estimate_kernel_num_bytes`` counts them
                              (each buffer argument once: whole, or the slices the kernel touches), plus the
-                             sectors that its scattered loads and stores move (``coalescing``), timed at
+                             sectors that its scattered stores move (``coalescing``), timed at
                              a bandwidth: a device copy's (3.0 TB/s) or the rate Inductor's kernels reached on
                              the H100 in the stored decoder profiles (2.25 TB/s). Never less than 3 us.
 GEMM (cuBLAS, extern)        FLOPs at a rate per operand type and scaling, or its bytes at copy bandwidth;
@@ -74,7 +74,7 @@ class Row:
     written: int = 0
     reread: int = 0  # bytes of inputs loaded again in a later loop of the kernel: up to this much more traffic
     duplicate_written: int = 0  # FP8 bytes that store a value already stored, at the same index, in another buffer
-    scattered: int = 0  # DRAM bytes beyond read + written: accesses a row apart move whole sectors (coalescing.py)
+    scattered: int = 0  # DRAM bytes beyond read + written: stores a row apart move whole sectors (coalescing)
     flops: float = 0.0
     gemm: str = ""  # bf16 | fp8 tensorwise | fp8 rowwise | fp8 blockwise | bf16 grouped | fp8 rowwise grouped
     largest_numel: int = 0  # elements of its largest tensor operand: which of a site's operands it works on

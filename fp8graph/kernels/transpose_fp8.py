@@ -72,6 +72,8 @@ def transpose_fp8_triton(x_fp8: torch.Tensor, source_rows: torch.Tensor | None =
 
 
 def _transposed_copy(x_fp8: torch.Tensor, source_rows: torch.Tensor | None) -> torch.Tensor:
+    if source_rows is not None and x_fp8.shape[0] == 0:  # nothing to gather: every column a pad
+        return x_fp8.new_zeros((x_fp8.shape[1], source_rows.shape[0]))
     if source_rows is not None:
         present = source_rows >= 0
         rows = x_fp8.view(torch.uint8).index_select(0, source_rows.clamp(min=0))
@@ -83,7 +85,9 @@ def _transposed_copy(x_fp8: torch.Tensor, source_rows: torch.Tensor | None) -> t
 @torch.library.custom_op("fp8graph::transpose_fp8", mutates_args=())
 def transpose_fp8(x_fp8: torch.Tensor, source_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``x_fp8.t().contiguous()``: the (C, R) row-major copy of an (R, C) FP8 matrix; with ``source_rows`` (P,)
-    int64, the (C, P) copy whose column ``p`` is row ``source_rows[p]`` of ``x_fp8``, zeros where negative."""
+    int64, the (C, P) copy whose column ``p`` is row ``source_rows[p]`` of ``x_fp8``, zeros where negative.
+    ``source_rows`` must hold row indices of ``x_fp8`` or -1, on its device: unchecked, as a check would wait
+    for the device (``fp8graph.numerics.groups.padded_group_sources`` makes them so)."""
     return _transposed_copy(x_fp8, source_rows)
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from fp8graph.numerics.formats import is_fp8
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
 __all__ = ["group_column_amax", "group_padding", "padded_group_rows", "padded_group_sources",
@@ -118,13 +117,9 @@ def place_in_padded_groups(x: torch.Tensor, offsets: torch.Tensor, multiple: int
     Only what a grouped GEMM reads is written: the moved rows and the pads of each group, never the whole buffer
     (a zero fill first would write every byte twice: on an H100 a copy of the operand's size per GEMM operand).
     The rest, past ``padded_offsets[-1]``, is left as allocated. ``into`` is the buffer to write (a new one by
-    default); FP8 goes through uint8 (index_copy is not defined for FP8 dtypes; zero bits are +0.0 in both
-    formats). Rows only: each is one contiguous run. A padded transpose (columns placed) is
-    ``fp8graph::transpose_fp8`` of :func:`padded_group_sources`, one tiled pass."""
+    default). ``x`` in high precision (MXFP8's expert operands, before their block casts); FP8 operands are laid
+    out, transposed, by ``fp8graph::transpose_fp8`` of :func:`padded_group_sources`, one tiled pass."""
     destination, padded_offsets, padded_rows = padded_group_rows(offsets, x.shape[0], multiple)
     pads = group_padding(offsets, padded_offsets, multiple, padded_rows)
-    fp8 = is_fp8(x.dtype)
-    source = x.view(torch.uint8) if fp8 else x
-    padded = source.new_empty((padded_rows, *x.shape[1:])) if into is None else into.view(source.dtype)
-    padded = padded.index_fill(0, pads, 0).index_copy(0, destination, source)
-    return (padded.view(x.dtype) if fp8 else padded), padded_offsets
+    padded = x.new_empty((padded_rows, *x.shape[1:])) if into is None else into
+    return padded.index_fill(0, pads, 0).index_copy(0, destination, x), padded_offsets

@@ -15,7 +15,7 @@ Scales, per recipe (``fp8graph.numerics.groups`` draws the groups):
     rowwise    per row                     per output row (N), and per    per group and column
                                            column (K) for grad_input
     current    per tensor                  per expert                     the same casts; the input's laid
-                                                                          out for it by the forward's cast
+                                                                          out for it in the forward
     delayed    per tensor, from its        per expert, from its history   as current
                history                     (a row per expert)
     mxfp8      blocks of 32 along K (N     blocks of 32 along K (N for    blocks of 32 tokens, each group
@@ -233,7 +233,7 @@ class _GroupedFP8(torch.autograd.Function):
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
             if gather_index is not None:
                 input_fp8, input_inverse = _gather_rows(input_fp8, gather_index), input_inverse[gather_index]
-            input_fp8 = _one_buffer(input_fp8, spec)  # read by the forward GEMM and grad_weight's layout
+            input_fp8 = _one_buffer(input_fp8, spec)  # the forward GEMM's, and (per tensor) grad_weight's layout's
             saved_input = saved_weight = (None, None)
             if needs_grad_weight:
                 # grad_weight reduces over each group's tokens: row-wise casts the input again, per group and
@@ -275,7 +275,7 @@ class _GroupedFP8(torch.autograd.Function):
             grad_output_fp8, grad_output_scale, grad_output_inverse = (  # along N
                 _cast_grad_output_delayed(grad_output_hp, ctx.state, spec) if spec.delayed
                 else cast_rows(grad_output_hp, spec))
-            grad_output_fp8 = _one_buffer(grad_output_fp8, spec)  # read by grad_input's GEMM and grad_weight's layout
+            grad_output_fp8 = _one_buffer(grad_output_fp8, spec)  # grad_input's GEMM's, and (per tensor) grad_weight's
             if ctx.stats is not None:
                 record_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp, grad_output_fp8,
                               health_scales(grad_output_scale), spec.recipe)

@@ -314,3 +314,15 @@ def test_a_pointwise_store_a_row_apart_moves_a_sector_read_and_written_per_eleme
     row = costs.Row("0:forward", "triton", "k", read=10**9, scattered=coalescing.scattered_bytes(_POINTWISE, itemsize))
     machine = costs.Machine()
     assert costs.time_us(row, machine) == pytest.approx((10**9 + row.scattered) / machine.copy_bandwidth * 1e6)
+
+
+def test_stores_that_share_their_sectors_and_combo_kernels_are_not_charged():
+    """Interleaved stores two BF16 elements apart fill their sectors between them; a combo kernel (two
+    sub-kernels' sizes in one launch) is not analysed, so not charged (bench.costmodel.coalescing's doc)."""
+    from bench.costmodel import coalescing
+
+    interleaved = _POINTWISE.replace("(tmp0 + 264192*x0)", "(2*x2)")
+    assert coalescing.scattered_stores(interleaved, {"out_ptr0": 2, "out_ptr1": 2}) == []
+    assert coalescing.scattered_stores(_POINTWISE, {"out_ptr0": 2, "out_ptr1": 1}) == [("out_ptr1", 264192)]
+    combo = _POINTWISE.replace("    xnumel = 536870912\n", "    xnumel = 536870912\n    xnumel = 1024\n")
+    assert coalescing.scattered_bytes(combo, {"out_ptr1": 1}) == 0

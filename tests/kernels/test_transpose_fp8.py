@@ -42,6 +42,9 @@ def test_gathered_rows_are_laid_out_as_columns_with_zeros_for_the_pads():
     for column, source in enumerate(sources.tolist()):
         expected = x_fp8.view(torch.uint8)[source] if source >= 0 else torch.zeros(40, dtype=torch.uint8)
         assert torch.equal(bytes_[:, column], expected), column
+    # No rows to gather from: every column a pad.
+    empty = transpose_fp8(x_fp8[:0], torch.tensor([-1, -1]))
+    assert empty.shape == (40, 2) and torch.all(empty.view(torch.uint8) == 0)
 
 
 def test_the_launcher_refuses_what_it_cannot_transpose():
