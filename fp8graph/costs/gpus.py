@@ -12,11 +12,22 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["B200", "GPU", "GPUS", "GROUPED_RATE_TOKENS", "H100", "H200", "gpu"]
+__all__ = ["B200", "GPU", "GPUS", "GROUPED_RATE_TOKENS", "H100", "H200", "gpu", "grouped_rate"]
 
 # The tokens a group at which each GPU's two grouped GEMM rates were timed: a grouped GEMM's rate grows with its
 # groups' rows (more of each weight's tiles busy), and between these it is interpolated in log2 of the rows.
 GROUPED_RATE_TOKENS = (512, 2048)
+
+
+def grouped_rate(small: float, large: float, tokens_per_group: float | None) -> float:
+    """A grouped GEMM's rate at ``tokens_per_group`` rows a group on average, from its rates at the two timed
+    sizes (:data:`GROUPED_RATE_TOKENS`): interpolated in log2 of the rows between them, held beyond them (no
+    run timed smaller or larger groups); ``small`` where the rows are unknown."""
+    if not tokens_per_group:
+        return small
+    low, high = (math.log2(tokens) for tokens in GROUPED_RATE_TOKENS)
+    position = min(max((math.log2(tokens_per_group) - low) / (high - low), 0.0), 1.0)
+    return small + (large - small) * position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,16 +51,11 @@ class GPU:
     grouped_fp8_flops_large: float
 
     def grouped_flops(self, fp8: bool, tokens_per_group: float | None) -> float:
-        """The rate of a grouped GEMM whose groups hold ``tokens_per_group`` rows on average: the two timed
-        rates (:data:`GROUPED_RATE_TOKENS`), interpolated in log2 of the rows between them and held beyond
-        them (no run timed smaller or larger groups); the smaller groups' rate where the rows are unknown."""
-        small, large = ((self.grouped_fp8_flops, self.grouped_fp8_flops_large) if fp8
-                        else (self.grouped_bf16_flops, self.grouped_bf16_flops_large))
-        if not tokens_per_group:
-            return small
-        low, high = (math.log2(tokens) for tokens in GROUPED_RATE_TOKENS)
-        position = min(max((math.log2(tokens_per_group) - low) / (high - low), 0.0), 1.0)
-        return small + (large - small) * position
+        """This GPU's rate of a grouped GEMM whose groups hold ``tokens_per_group`` rows on average
+        (:func:`grouped_rate`)."""
+        if fp8:
+            return grouped_rate(self.grouped_fp8_flops, self.grouped_fp8_flops_large, tokens_per_group)
+        return grouped_rate(self.grouped_bf16_flops, self.grouped_bf16_flops_large, tokens_per_group)
 
     def scaled(self, name: str, bandwidth: float, flops: float) -> "GPU":
         """This GPU with every bandwidth times ``bandwidth`` and every FLOP rate times ``flops``."""
