@@ -360,10 +360,11 @@ def model_decoder(args) -> dict:
     contestants = contestants_of(args.contestants, default)
     spec = {"workload": "decoder", "config": args.config, "batch": args.batch, "sequence": args.sequence,
             "overrides": {} if args.layers is None else {"num_hidden_layers": args.layers},
-            "source": args.source, "cubin": args.cubin}
+            "source": args.source, "cubin": args.cubin, "grad_accumulation": args.grad_accumulation}
     print(f"decoder ({args.config}{f', {args.layers} layers' if args.layers else ''}, {args.batch}x{args.sequence} "
           f"tokens): {len(contestants)} contestants, one process each", file=sys.stderr)
     results = children(args)([{**spec, "contestant": c} for c in contestants])
+    accumulate(results, args.grad_accumulation)
     case = next((c["case"] for r in results for c in r.get("cases", [])), "")
     return _finish(build_result("decoder", spec, results, machine_of(args),
                                 f"bench decoder's training step ({args.config}: {case})"), args)
@@ -373,11 +374,11 @@ def model_moe(args) -> dict:
     """bench moe's training step of one MoE block (models/moe.py), each contestant in a child process."""
     import importlib.util
 
-    from .moe import AUTO, CACHED, DEFAULT, SWEEP, TORCHAO, parse_contestant
+    from .moe import AUTO, DEFAULT, SWEEP, TORCHAO, UNCACHED, parse_contestant
 
     # The sweep judges policies.auto() too (FP8 only where the cost model says a site gains), and current
-    # scaling with the weights cast once a step (what gradient accumulation gains from cache_weights).
-    default = [c for c in DEFAULT + ([*AUTO, CACHED] if args.sweep else [])
+    # scaling cast at every call (what gradient accumulation gains from the weights' kept copies).
+    default = [c for c in DEFAULT + ([*AUTO, UNCACHED] if args.sweep else [])
                if c != TORCHAO or importlib.util.find_spec("torchao")]
     contestants = contestants_of(args.contestants, default, parse_contestant)
     if args.sweep:
@@ -638,12 +639,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=positive(int), help="decoder layers (default: the config's, 4 or 32)")
     p.add_argument("--sequence", type=positive(int), default=4096)
     p.add_argument("--batch", type=positive(int), default=1)
+    p.add_argument("--grad-accumulation", nargs="+", type=positive(int), default=[1], metavar="N",
+                   help="model each step as N micro-batches and one optimizer step, for each N given (default 1)")
     p.set_defaults(model_run=model_decoder)
 
     p = commands.add_parser("moe", parents=[outputs], help="bench moe's training step of one MoE block")
     p.add_argument("--contestants", nargs="+", metavar="NAME",
                    help="bench moe's names: bf16 (always runs), rowwise, current, delayed, 'torchao moe rowwise', "
-                        "auto, 'auto delayed', 'current cached' (a name may end in '+setting' / '-setting'); "
+                        "auto, 'auto delayed', 'current uncached' (a name may end in '+setting' / '-setting'); "
                         "default: the first five, and with --sweep all of them")
     p.add_argument("--config", choices=("bench", "tiny", "tiny-odd"),
                    help="models/moe.py's config: bench (the default) is Qwen3-30B-A3B's MoE block (hidden 2048, "

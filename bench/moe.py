@@ -44,18 +44,19 @@ from torch._inductor import config as inductor_config
 from . import forked
 from .cli import positive, require_cuda
 
-__all__ = ["AUTO", "DEFAULT", "KNOWN", "SWEEP", "SweepShape", "parse_contestant", "swap_in_torchao", "compile_block"]
+__all__ = ["AUTO", "DEFAULT", "UNCACHED", "KNOWN", "SWEEP", "SweepShape", "parse_contestant", "swap_in_torchao", "compile_block"]
 
 # fp8graph's recipes on expert sites with a native SM90 GEMM (delayed since commit 8d924b3).
 RECIPES = ("rowwise", "current", "delayed")
 TORCHAO = "torchao moe rowwise"
 # fp8graph.policies.auto() with current and with delayed scaling: FP8 only on the sites the cost model says gain.
 AUTO = ("auto", "auto delayed")
-# Current scaling with cache_weights=True: every weight cast once per optimizer step, read by the other
-# micro-batches of the step (the cost model's gradient accumulation). Timed here, where every step ends with an
-# SGD step, every call casts: what keeping the copies costs one micro-batch.
-CACHED = "current cached"
-KNOWN = ["bf16", *RECIPES, TORCHAO, *AUTO, CACHED]
+# Every fp8graph contestant keeps its weights' FP8 copies between calls (cache_weights="auto"): cast once per
+# optimizer step, read by the other micro-batches of the step (the cost model's gradient accumulation); timed
+# here, where every step ends with an SGD step, every call casts. Current scaling with cache_weights=False casts
+# at every call, micro-batches too: what the copies save.
+UNCACHED = "current uncached"
+KNOWN = ["bf16", *RECIPES, TORCHAO, *AUTO, *(f"{recipe} uncached" for recipe in RECIPES)]
 DEFAULT = ["bf16", "rowwise", "current", TORCHAO, "delayed"]
 DECODE_DEFAULT = ["bf16", "rowwise", "current", "delayed"]
 CONFIGS = ("bench", "tiny", "tiny-odd")  # models/moe.py's
@@ -125,7 +126,7 @@ def swap_in_torchao(block: torch.nn.Module) -> int:
 def compile_block(block: torch.nn.Module, contestant: str, compiler):
     """``block`` compiled as ``contestant`` (a base name): plain ``torch.compile`` for BF16 and torchao (whose
     conversion is done beforehand), ``fp8graph.compile`` with ``policies.auto()`` of the named recipe (current
-    by default) for ``auto``, current scaling with ``cache_weights=True`` for ``current cached``, with the
+    by default) for ``auto``, a recipe with ``cache_weights=False`` for ``<recipe> uncached``, with the
     recipe's preset as the policy otherwise."""
     if contestant == "bf16" or contestant.startswith("torchao"):
         return torch.compile(block, backend=compiler)
@@ -135,8 +136,9 @@ def compile_block(block: torch.nn.Module, contestant: str, compiler):
     if contestant in AUTO:
         recipe = contestant.removeprefix("auto").strip() or "current"
         return fp8graph.compile(block, policy=fp8graph.policies.auto(recipe=recipe), compiler=compiler)
-    if contestant == CACHED:
-        return fp8graph.compile(block, policy=PRESETS["current"], compiler=compiler, cache_weights=True)
+    if contestant.endswith(" uncached"):
+        recipe = contestant.removesuffix(" uncached")
+        return fp8graph.compile(block, policy=PRESETS[recipe], compiler=compiler, cache_weights=False)
     return fp8graph.compile(block, policy=PRESETS[contestant], compiler=compiler)
 
 

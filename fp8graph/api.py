@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 from fp8graph import costs
 from fp8graph.backend import FP8Backend
 from fp8graph.buffers.anchors import restore_buffer_dtypes
-from fp8graph.recipes.plan import Plan, weight_copies_of
+from fp8graph.recipes.plan import CACHE_WHERE_POSSIBLE, Plan, choose_weight_cache, weight_copies_of
 from fp8graph.recipes.policy import normalize_policy
 from fp8graph.regions.regional_compile import BlockBackend, RegionalBackend, compile_regions, is_region_boundary
 from fp8graph.regions.repeated_blocks import AUTO, find_blocks, find_trunks, group_blocks, trunk_parts
@@ -23,7 +23,7 @@ from fp8graph.inspection.report import ExplainReport, SiteRecord
 from fp8graph.passes.module_paths import module_paths_by_id
 from fp8graph.inspection.report_html import graph_outline
 from fp8graph.inspection.stats import FP8Stats
-from fp8graph.buffers.weight_cache import register_weight_cache
+from fp8graph.buffers.weight_cache import CopiesCannotServe, register_weight_cache
 from fp8graph.fsdp.install import install_fp8_all_gather
 
 __all__ = ["compile", "explain"]
@@ -46,7 +46,7 @@ def unwrap_data_parallel(model):
 
 
 def compile(model, policy=None, compiler: str = "inductor", lowering: str = "auto", stats: bool = False,
-            freeze_weights: bool = False, cache_weights: bool = False, regions=AUTO, fp8_all_gather: bool = True,
+            freeze_weights: bool = False, cache_weights=CACHE_WHERE_POSSIBLE, regions=AUTO, fp8_all_gather: bool = True,
             **torch_compile_kwargs):
     """Compile ``model`` with its linear sites in FP8.
 
@@ -69,16 +69,18 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             after loading new weights. Delayed-scaling scales and ``stats``
             work as without freezing; the scales fold with the weights.
             Training graphs are unaffected. Needs ``compiler="inductor"``.
-        cache_weights: keep each current-scaling weight's FP8 copy (experts' 3-D weights too) across calls
-            while the weight does not change (gradient accumulation, inference),
-            so only the first call after a change quantizes it; changes are
-            seen through the weights' version counters (see
-            :mod:`fp8graph.buffers.weight_cache`). Costs one byte per cached weight
-            element (two for an expert weight: a copy of each layout), held between calls.
-            Under Inductor a call that fills casts into the copies and its GEMMs read them
-            (:mod:`fp8graph.targets.kept_copies`): it moves what casting per call moves, and
-            the calls that reuse skip the weights' casts. Not with ``freeze_weights``, which
-            folds the copies instead.
+        cache_weights: ``"auto"`` (default), ``True`` or ``False``: keep each weight's FP8 casts (what its
+            GEMMs read) across calls while the weight does not change (gradient accumulation, inference),
+            so only the first call after a change or an optimizer step quantizes it (see
+            :mod:`fp8graph.buffers.weight_cache`). Costs one or two bytes per weight element, by recipe, held
+            between calls. Under Inductor a call that fills casts into the copies and its GEMMs read them
+            (:mod:`fp8graph.targets.kept_copies`), and the calls that reuse skip the weights' casts.
+            ``"auto"`` keeps them wherever they can work and a fill costs no more than casting per call, and
+            says why not elsewhere (``fp8graph.plan``; :func:`fp8graph.recipes.plan.choose_weight_cache`):
+            not for a function or a module without submodules, not with ``freeze_weights`` (which folds the
+            copies instead), not under FSDP2 (whose FP8 all-gathers keep each shard's cast instead), not for
+            delayed scaling (its scale moves every call) nor a tiled recipe's matrices (their fill casts more:
+            ``True`` keeps those). ``True`` refuses where copies cannot work; ``False`` casts at every call.
         regions: which blocks to compile once for all their instances (see
             :mod:`fp8graph.regions.repeated_blocks`): ``"auto"`` (default) finds a model's
             repeated layers (HuggingFace ``_no_split_modules``, or an
@@ -113,6 +115,7 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     _check_options(model, compiler, stats, freeze_weights, cache_weights, regions, fp8_all_gather)
     user_model = unwrap_data_parallel(model)
     policy = normalize_policy(policy)
+    cache_weights, copies_reason = choose_weight_cache(user_model, cache_weights, freeze_weights, fp8_all_gather)
     bare = _check_buffers_reach_the_graph(model, user_model, policy, stats, cache_weights)
     # Buffers on the user's modules, registered before anything is traced; those of an earlier compile
     # get back the dtypes a model.to(dtype) since may have changed.
@@ -120,10 +123,19 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
         restore_buffer_dtypes(user_model)
     collector = FP8Stats(user_model) if stats else None
     # What the policy gives every weight, decided here once; everything below reads it.
-    plan = Plan(user_model, policy, weight_copies_of(cache_weights, freeze_weights)) \
+    plan = Plan(user_model, policy, weight_copies_of(cache_weights, freeze_weights), copies_reason,
+                copies_everywhere=options["cache_weights"] is True) \
         if isinstance(user_model, torch.nn.Module) else None
+    weight_cache = None
+    if cache_weights:
+        try:
+            weight_cache = register_weight_cache(user_model, policy, plan,
+                                                 model if model is not user_model else None)
+        except CopiesCannotServe as refused:
+            if options["cache_weights"] is True:
+                raise
+            cache_weights, plan = False, Plan(user_model, policy, "per call", str(refused))
     state = register_delayed_state(user_model, policy, plan) if policy.needs_state else None
-    weight_cache = register_weight_cache(user_model, policy, plan) if cache_weights else None
     all_gather = install_fp8_all_gather(user_model, policy, module_paths_by_id(user_model),
                                         dict(stats=stats, cache_weights=cache_weights), plan) \
         if fp8_all_gather and isinstance(user_model, torch.nn.Module) else None
@@ -193,8 +205,10 @@ def _check_options(model, compiler: str, stats: bool, freeze_weights: bool, cach
                    fp8_all_gather: bool = True) -> None:
     for flag, value in (("stats", stats), ("freeze_weights", freeze_weights), ("cache_weights", cache_weights),
                         ("fp8_all_gather", fp8_all_gather)):
-        if not isinstance(value, bool):  # "false" would switch it on
-            raise TypeError(f"fp8graph.compile: {flag} must be True or False, got {value!r}")
+        if not isinstance(value, bool) and not (flag == "cache_weights" and value == CACHE_WHERE_POSSIBLE):
+            # "false" would switch it on
+            allowed = f"True, False or {CACHE_WHERE_POSSIBLE!r}" if flag == "cache_weights" else "True or False"
+            raise TypeError(f"fp8graph.compile: {flag} must be {allowed}, got {value!r}")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         what = "fp8graph.compile" if _BACKEND_ATTRIBUTE in vars(model) else "torch.compile"
         raise ValueError(
@@ -204,11 +218,11 @@ def _check_options(model, compiler: str, stats: bool, freeze_weights: bool, cach
     if freeze_weights and (compiler != "inductor" or not isinstance(model, torch.nn.Module)):
         raise ValueError("freeze_weights needs an nn.Module and compiler='inductor' (Inductor's freezing pass), "
                          f"got {type(model).__name__} and {compiler!r}")
-    if freeze_weights and cache_weights:
+    if freeze_weights and cache_weights is True:
         raise ValueError("freeze_weights and cache_weights both keep the weights' FP8 copies (folded into the "
                          "graph, or in buffers refreshed when a weight changes): choose one")
     for flag, value in (("stats", stats), ("cache_weights", cache_weights)):
-        if value and not isinstance(model, torch.nn.Module):
+        if value is True and not isinstance(model, torch.nn.Module):
             raise ValueError(f"{flag}=True needs an nn.Module: it keeps buffers on the model's modules")
     if freeze_weights and regions != AUTO and regions:
         raise ValueError("freeze_weights folds each layer's weights into its compiled code, which then cannot "

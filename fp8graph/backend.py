@@ -191,6 +191,10 @@ class FP8Backend:
         config_patches = dict(list_mode_options(self.mode) if self.mode else {})
         config_patches["joint_custom_pre_pass"] = joint_pre_pass(inductor_config.joint_custom_pre_pass)
         config_patches["post_grad_custom_post_pass"] = post_grad_post_pass(inductor_config.post_grad_custom_post_pass)
+        if _fills_tiled_copies_on_cpu(gm, example_inputs):
+            # Inductor's C++ code fuses a fill's two casts of one weight (MXFP8's blocks along K and along N: both
+            # read the weight) and then fails its loop split (torch 2.13); its Triton code compiles them fused.
+            config_patches["cpp.max_horizontal_fusion_size"] = 1
         return compile_fx(gm, example_inputs, config_patches=config_patches)
 
 
@@ -207,3 +211,12 @@ def fp8_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     if unknown:
         raise ValueError(f"unknown fp8 backend option(s) {unknown}; known: {list(_OPTION_NAMES)}")
     return FP8Backend(mode=mode, **options)(gm, example_inputs)
+
+
+def _fills_tiled_copies_on_cpu(gm: torch.fx.GraphModule, example_inputs) -> bool:
+    """Whether the graph runs on the CPU and fills a tiled recipe's kept weight copies (both GEMMs' casts)."""
+    on_cpu = any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in example_inputs)
+    return on_cpu and any(getattr(node.target, "weight_cache", None) == "fill"
+                          and getattr(getattr(node.target, "recipe", None), "tiled", False)
+                          for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
+                          for node in module.graph.nodes)

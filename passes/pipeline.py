@@ -134,10 +134,11 @@ class AnchoredBuffers:
     value_of: dict
     stats_collector: object | None
 
-    def cache_nodes(self, site):
-        buffers = self.cache_by_weight.get(id(self.value_of.get(site.weight_input)), ())
+    def cache_nodes(self, decision):
+        """The placeholders of the FP8 copies of the decision's weight, if they serve its recipe, else None."""
+        recipe, buffers = self.cache_by_weight.get(id(self.value_of.get(decision.site.weight_input)), (None, ()))
         nodes = tuple(self.cache.get(id(buffer)) for buffer in buffers)
-        return nodes if nodes and None not in nodes else None
+        return nodes if nodes and None not in nodes and recipe == decision.recipe else None
 
     def state_nodes(self, site):
         entry = self.state_by_weight.get(id(self.value_of.get(site.weight_input)))
@@ -157,7 +158,7 @@ class AnchoredBuffers:
     def compatibility(self, decision) -> tuple:
         """Sites that share one cast of their input must carry the same kinds of buffers."""
         return (self.state_nodes(decision.site) is not None, self.updates_state(decision.site),
-                self.cache_nodes(decision.site) is not None)
+                self.cache_nodes(decision) is not None)
 
 
 def take_anchors(state: PassState) -> None:

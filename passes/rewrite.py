@@ -57,7 +57,10 @@ from .annotate import DECISION_KEY, Decision
 from .sites import GatheredExpertSite, GroupedExpertSite, LinearSite, MatmulSite, Site
 from .subgraphs import Subgraphs
 
-__all__ = ["rewrite_sites"]
+__all__ = ["CACHED_WEIGHT_KEYWORDS", "rewrite_sites"]
+
+# The targets' keywords for a weight's kept copies, in fp8graph.buffers.weight_cache.COPY_PREFIXES order.
+CACHED_WEIGHT_KEYWORDS = ("cached_weight", "cached_weight_scale", "cached_weight_t", "cached_weight_t_scale")
 
 
 def _weight_nk(graph: torch.fx.Graph, decision: Decision) -> torch.fx.Node:
@@ -77,7 +80,7 @@ def rewrite_sites(
     stats_nodes: Callable[[Site], torch.fx.Node | None] = lambda site: None,
     state_nodes: Callable[[Site], tuple[torch.fx.Node, ...] | None] = lambda site: None,
     updates_state: Callable[[Site], bool] = lambda site: True,
-    cache_nodes: Callable[[Site], tuple[torch.fx.Node, torch.fx.Node] | None] = lambda site: None,
+    cache_nodes: Callable[[Decision], tuple[torch.fx.Node, ...] | None] = lambda decision: None,
     weight_cache: str | None = None,
     groups: list[list[Decision]] = (),
 ) -> int:
@@ -87,9 +90,9 @@ def rewrite_sites(
     (see ``anchored_inputs``), when there is one.
     Delayed-scaling sites get their ``(history, scale, grad_history, grad_scale)`` placeholders from
     ``state_nodes(site)`` and update them where ``updates_state(site)``, else only read the scales.
-    Current-scaling sites whose weight has an FP8 copy get its ``(copy, scale)``
-    placeholders from ``cache_nodes(site)`` and ``weight_cache`` (``"fill"``
-    or ``"reuse"``) says what they do with it (see ``fp8graph.buffers.weight_cache``).
+    Sites whose weight has FP8 copies kept for their recipe get the copies'
+    placeholders from ``cache_nodes(decision)`` and ``weight_cache`` (``"fill"``
+    or ``"reuse"``) says what they do with them (see ``fp8graph.buffers.weight_cache``).
     The sites of each group of ``groups`` (``group_sites``) with more than one
     become one call; every other site a call of its own.
     """
@@ -142,11 +145,11 @@ class _Buffers:
         return self._lift(self._state_nodes(decision.site), gm)
 
     def cache(self, decision: Decision, gm) -> tuple[torch.fx.Node, ...] | None:
-        """``(FP8 copy, scale)`` of the weight of a current-scaling linear site with ``cache_weights``; an
-        expert site's adds the copy of its transpose."""
+        """The FP8 copies of the site's weight kept for its recipe (``fp8graph.buffers.weight_cache.copy_layout``),
+        in the order of :data:`CACHED_WEIGHT_KEYWORDS`."""
         if not (decision.site.has_weight and decision.recipe.caches_weights):
             return None
-        return self._lift(self._cache_nodes(decision.site), gm)
+        return self._lift(self._cache_nodes(decision), gm)
 
 
 def _linear_target(decision: Decision, state, cache, buffers: _Buffers, group: bool):
@@ -190,7 +193,7 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
             state, cache = states[0], caches[0]
             target, args, kwargs = _single_call(site, first, graph, state, cache, buffers)
             if cache is not None:
-                kwargs.update(zip(("cached_weight", "cached_weight_scale", "cached_weight_t"), cache))
+                kwargs.update(zip(CACHED_WEIGHT_KEYWORDS, cache))
             if stats[0] is not None or state is not None:
                 args = args + (stats[0],)
             if state is not None:
@@ -211,7 +214,9 @@ def _single_call(site: LinearSite, decision: Decision, graph: torch.fx.Graph, st
     """``(target, args, kwargs)`` of the FP8 call replacing one site of its kind, before its buffer operands."""
     weight = _weight_nk(graph, decision)
     if decision.recipe.tiled:
-        return linear_tiled_target(decision.recipe, decision.lowering), (site.input_node, weight, site.bias_node), {}
+        target = linear_tiled_target(decision.recipe, decision.lowering,
+                                     buffers.weight_cache if cache is not None else None)
+        return target, (site.input_node, weight, site.bias_node), {}
     target = _linear_target(decision, state, cache, buffers, group=False)
     return target, (site.input_node, weight, site.bias_node), {}
 

@@ -16,10 +16,10 @@ from fp8graph import DelayedScaling, Policy
 from fp8graph.api import CompiledFP8Module
 
 OPTIONS = {
-    "current": {},
+    "current": {},  # the weights' FP8 copies kept between calls (cache_weights="auto")
+    "uncached": {"cache_weights": False},
     "delayed": {"policy": Policy(default=DelayedScaling(amax_history_len=4))},
     "stats": {"stats": True},
-    "cache_weights": {"cache_weights": True},
 }
 
 
@@ -37,8 +37,10 @@ def _saved_and_loaded(compiled):
 
 COPIES = {"deepcopy": copy.deepcopy, "pickle": lambda obj: pickle.loads(pickle.dumps(obj)), "torch.save": _saved_and_loaded}
 # Plain pickle of a float8 tensor fails in torch itself (its storage pickling needs a typed storage;
-# torch.save writes the dtype): the weight cache's FP8 copies are saved with torch.save or deep-copied.
-CASES = [(options, how) for options in OPTIONS for how in COPIES if (options, how) != ("cache_weights", "pickle")]
+# torch.save writes the dtype): a model holding FP8 weight copies is saved with torch.save or deep-copied.
+HOLDS_FP8_COPIES = {"current", "stats"}
+CASES = [(options, how) for options in OPTIONS for how in COPIES
+         if not (options in HOLDS_FP8_COPIES and how == "pickle")]
 
 
 @pytest.mark.parametrize("options,how", CASES)
@@ -93,10 +95,12 @@ def test_a_compiled_model_inside_a_torch_compiled_parent_runs_in_fp8():
     output = parent(x)
     torch.testing.assert_close(output, torch.relu(compiled(x)), rtol=0, atol=0)
     assert not torch.allclose(output, torch.relu(model(x)), rtol=0, atol=1e-3)  # not the high-precision model
-    assert len(vars(compiled)["fp8graph_backend"].decisions) == 2
+    decisions = vars(compiled)["fp8graph_backend"].decisions  # a graph that fills the weights' copies, one reusing
+    assert len(decisions) == 4 and {d.site.path for d in decisions if d.rewritten} == {"0", "2"}
 
 
 @pytest.mark.parametrize("flag", ["stats", "freeze_weights", "cache_weights", "fp8_all_gather"])
 def test_flags_must_be_booleans(flag):
-    with pytest.raises(TypeError, match=rf"{flag} must be True or False, got 'false'"):
+    allowed = "True, False or 'auto'" if flag == "cache_weights" else "True or False"
+    with pytest.raises(TypeError, match=rf"{flag} must be {allowed}, got 'false'"):
         fp8graph.compile(_mlp(), **{flag: "false"})

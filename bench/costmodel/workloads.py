@@ -115,11 +115,18 @@ def decoder(spec: dict) -> list[dict]:
     model = fake_h100.to_fake_cuda(model, mode).train()
     with mode:
         tokens = torch.zeros(spec["batch"], spec["sequence"], dtype=torch.long, device="cuda")
+    accumulating = spec.get("grad_accumulation", [1]) != [1]
     with capture.Capture() as cap, inductor_config.patch(settings), mode, compiled(base, model) as compiled_model:
         compiled_model(tokens, labels=tokens).loss.backward()
+        first_call_graphs = len(cap.graphs)
+        note = _fp8_note(compiled_model, model)  # of the first micro-batch's graphs
+        weight_cache = _reusing_micro_batch(compiled_model, lambda: compiled_model(tokens, labels=tokens).loss,
+                                            None, base) if accumulating else None
     config = model.config
     label = f"{config.num_hidden_layers} layers, vocab {config.vocab_size}, {spec['batch']}x{spec['sequence']}"
-    case = _case(label, cap, _fp8_note(compiled_model, model), _sgd_rows(model))
+    case = _case(label, cap, note, _sgd_rows(model))
+    if weight_cache:
+        _split_reusing_micro_batch(case, cap.graphs[first_call_graphs:], grouped=False)
     _check_attention(case, model)
     return [case]
 
@@ -135,11 +142,11 @@ def moe(spec: dict) -> list[dict]:
     cases = []
     for shape in shapes:
         torch._dynamo.reset()
-        cases.append(_moe_case(spec["contestant"], shape))
+        cases.append(_moe_case(spec["contestant"], shape, spec.get("grad_accumulation", [1]) != [1]))
     return cases
 
 
-def _moe_case(contestant: str, shape: dict) -> dict:
+def _moe_case(contestant: str, shape: dict, accumulating: bool = True) -> dict:
     import torch._inductor.config as inductor_config
 
     from bench.moe import compile_block, fp8_note, parse_contestant, swap_in_torchao
@@ -166,22 +173,31 @@ def _moe_case(contestant: str, shape: dict) -> dict:
     with capture.Capture() as cap, inductor_config.patch(settings), mode, \
             compiled(base, block, compile_block) as compiled_block:
         compiled_block(x).backward(grad_output)
-        weight_cache = getattr(getattr(compiled_block, "fp8graph_backend", None), "weight_cache", None)
         first_call_graphs = len(cap.graphs)
-        if weight_cache:  # the next micro-batch of the step reads the weights' casts the first one kept
-            compiled_block(x).backward(grad_output)
-            if not weight_cache.reuse:
-                raise capture.CaptureError(f"{contestant}: the second micro-batch did not reuse the weights' casts")
+        note = fp8_note(compiled_block, block)  # of the first micro-batch's graphs (a reusing one adds its own)
+        weight_cache = _reusing_micro_batch(compiled_block, lambda: compiled_block(x), grad_output, contestant) \
+            if accumulating else None
     label = shape["label"] or (f"{config['experts']} experts, top {config['top_k']}, hidden {config['hidden']}, "
                                f"expert width {config['expert_width']}, {shape['batch']}x{shape['sequence']}")
-    case = _case(label, cap, fp8_note(compiled_block, block), _sgd_rows(block))
+    case = _case(label, cap, note, _sgd_rows(block))
     if weight_cache:
         _split_reusing_micro_batch(case, cap.graphs[first_call_graphs:])
     _check_grouped_gemms(case, base)
     return case
 
 
-def _split_reusing_micro_batch(case: dict, reuse_graphs) -> None:
+def _reusing_micro_batch(compiled_model, loss, grad_output, contestant: str):
+    """Where the contestant keeps its weights' casts between calls (fp8graph's cache_weights): a second
+    micro-batch, which reads them, run under the capture; returns the cache, or None where there is none."""
+    weight_cache = getattr(getattr(compiled_model, "fp8graph_backend", None), "weight_cache", None)
+    if weight_cache:  # the next micro-batch of the step reads the weights' casts the first one kept
+        loss().backward(grad_output)
+        if not weight_cache.reuse:
+            raise capture.CaptureError(f"{contestant}: the second micro-batch did not reuse the weights' casts")
+    return weight_cache
+
+
+def _split_reusing_micro_batch(case: dict, reuse_graphs, grouped: bool = True) -> None:
     """The rows of the graphs the second micro-batch compiled (those that read the kept weight casts) move to
     ``reuse_rows``: ``rows`` stay one micro-batch that casts its weights, and a step of n micro-batches is
     ``rows`` once and ``reuse_rows`` n - 1 times (``bench.model.accumulate``)."""
@@ -190,7 +206,8 @@ def _split_reusing_micro_batch(case: dict, reuse_graphs) -> None:
         raise capture.CaptureError("the reusing micro-batch compiled no graph of its own")
     case["reuse_rows"] = [row for row in case["rows"] if row["graph"] in labels]
     case["rows"] = [row for row in case["rows"] if row["graph"] not in labels]
-    _check_grouped_gemms({"rows": case["reuse_rows"]}, "the reusing micro-batch")
+    if grouped:
+        _check_grouped_gemms({"rows": case["reuse_rows"]}, "the reusing micro-batch")
 
 
 def _check_grouped_gemms(case: dict, base: str) -> None:

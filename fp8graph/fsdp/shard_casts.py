@@ -31,7 +31,11 @@ one rank's shard, and the scales are gathered beside the bytes.
 
 A gather inside the backward (FSDP2 reshards after the forward and gathers again for the backward) sends
 the bytes the forward's gather sent: the forward's graph may read saved views of them, and by then the
-delayed history has moved. The shard is cast again only when it changed (its version counter).
+delayed history has moved. Every recipe whose cast depends on the weight alone (all but delayed scaling)
+also sends them again at the next calls, the micro-batches of gradient accumulation: each weight's shard is
+cast once per optimizer step. The shard is cast again when it changed: its version counter moved, or a
+``torch.optim.Optimizer`` stepped (a fused one writes the shard without moving the counter;
+``fp8graph.buffers.weight_cache.optimizer_steps``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from fp8graph.buffers.delayed_state import HISTORY_PREFIX, SCALE_PREFIX, FORWARD_ROLES
+from fp8graph.buffers.weight_cache import optimizer_steps, watch_optimizer_steps
 from fp8graph.fsdp.gathered_weight import GatheredFP8Weight, gathered_form
 from fp8graph.numerics.delayed_scaling import amax_from_history
 from fp8graph.numerics.formats import Role
@@ -92,12 +97,15 @@ class _Cast:
     sent: tuple[torch.Tensor, ...]  # what the rank all-gathers: its shard's FP8 bytes (uint8), tiled scales
     scale: torch.Tensor | None = None  # per-tensor: the weight's (every rank has it; not gathered)
     amax: torch.Tensor | None = None  # per-tensor: the whole weight's
+    steps: int = dataclasses.field(default_factory=optimizer_steps)  # optimizer steps taken when it was cast
 
 
-def _resends(last: _Cast | None, local: torch.Tensor) -> bool:
-    """Whether a gather sends ``last`` again instead of casting the shard: inside the backward, while the shard
-    has not changed since (see the module's doc)."""
-    return in_backward() and last is not None and last.version == local._version
+def _resends(last: _Cast | None, local: torch.Tensor, recipe: Recipe) -> bool:
+    """Whether a gather sends ``last`` again instead of casting the shard: while the shard has not changed
+    since, inside the backward, and at later calls where the cast depends on the weight alone (see the
+    module's doc)."""
+    unchanged = last is not None and last.version == local._version and last.steps == optimizer_steps()
+    return unchanged and (in_backward() or not recipe.stateful)
 
 
 class ShardCast:
@@ -114,6 +122,7 @@ class ShardCast:
         self.local, self.param_dtype, self.amaxes = local, param_dtype, amaxes
         self.fp8_dtype = recipe.fp8_dtype(Role.WEIGHT)
         self._last: _Cast | None = None
+        watch_optimizer_steps()
 
     def weight_hp(self) -> torch.Tensor:
         """The shard as the graph would see it gathered: in ``param_dtype``."""
@@ -132,7 +141,7 @@ class ShardCast:
                              margin=recipe.margin, fallback=stored)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        if not _resends(self._last, self.local):
+        if not _resends(self._last, self.local, self.recipe):
             amax_fp32 = self.amaxes.amax_of(self)
             scale = self._scale(amax_fp32)
             shard_fp8 = quantize(self.weight_hp(), scale, self.fp8_dtype)
@@ -169,6 +178,7 @@ class TiledShardCast:
         self.tiling = recipe.tiling(Role.WEIGHT)
         self.fp8_dtype = recipe.fp8_dtype(Role.WEIGHT)
         self._last: _Cast | None = None
+        watch_optimizer_steps()
 
     def _cast(self, shard_hp: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The tensors the shard (N_s, K) sends, FP8 bytes as uint8:
@@ -188,7 +198,7 @@ class TiledShardCast:
                 shard_t_fp8.t().contiguous().view(torch.uint8), _e8m0(scale_t).t().contiguous())
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        if not _resends(self._last, self.local):
+        if not _resends(self._last, self.local, self.recipe):
             self._last = _Cast(self.local._version, self._cast(self.local.detach().to(self.param_dtype)))
         return self._last.sent, ()
 

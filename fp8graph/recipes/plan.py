@@ -26,9 +26,10 @@ from typing import Iterator
 import torch
 
 from fp8graph.recipes.policy import Policy, WeightRecipes, normalize_policy, resolve_weight, weight_orientations
-from fp8graph.recipes.scaling import DelayedScaling, Recipe, misaligned
+from fp8graph.recipes.scaling import NATIVE_GROUPED_GRANULARITIES, DelayedScaling, Recipe, misaligned
 
-__all__ = ["Plan", "UNDECIDED", "WEIGHT_COPIES", "WeightEntry", "instance_path", "plan"]
+__all__ = ["CACHE_WHERE_POSSIBLE", "Plan", "UNDECIDED", "WEIGHT_COPIES", "WeightEntry", "choose_weight_cache",
+           "instance_path", "plan"]
 
 
 class _Undecided:
@@ -40,6 +41,8 @@ class _Undecided:
 UNDECIDED = _Undecided()
 # How a compile keeps FP8 weight copies: cast by every call, cached between calls, or frozen into constants.
 WEIGHT_COPIES = ("per call", "cached", "frozen")
+# fp8graph.compile's default for cache_weights: keep the copies wherever they can work (choose_weight_cache).
+CACHE_WHERE_POSSIBLE = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,9 @@ class WeightEntry:
     misaligned: tuple[str | None, ...] = ()
     # How the compile asked FP8 weight copies to live (Plan's weight_copies); fp8_copy says what this one gets.
     weight_copies: str = "per call"
+    # Copies kept for every recipe that can keep them (cache_weights=True), not only where a fill costs no more
+    # than casting at every call ("auto": see cached).
+    copies_everywhere: bool = False
 
     @property
     def qualified_name(self) -> str:
@@ -92,10 +98,29 @@ class WeightEntry:
 
     @property
     def cached(self) -> Recipe | None:
-        """The recipe whose FP8 copy of the weight is kept between calls (``cache_weights=True``), None for none:
-        the first the policy may give it whose weight cast depends on the weight alone."""
-        cacheable = self.recipes.having("caches_weights")
+        """The recipe whose FP8 copy of the weight is kept between calls (``cache_weights``), None for none:
+        the first the policy may give it whose weight cast depends on the weight alone, and, for an expert
+        weight, whose expert GEMMs run ``torch._scaled_grouped_mm`` (MXFP8's run block by block,
+        ``fp8graph.targets.grouped_blocks``, casting per call)."""
+        experts = len(self.shape) == 3
+        cacheable = [recipe for recipe, shape_reason in zip(self.recipes.recipes, self.misaligned)
+                     if recipe is not None and recipe.caches_weights and shape_reason is None
+                     and (not experts or recipe.granularity in NATIVE_GROUPED_GRANULARITIES)
+                     and (experts or not recipe.tiled or self.copies_everywhere)]
         return cacheable[0] if cacheable else None
+
+    @property
+    def per_call_reason(self) -> str | None:
+        """Why the weight keeps no copy though the compile keeps copies, where a recipe could keep one."""
+        if self.weight_copies != "cached" or self.cached is not None or not self.may_be_fp8:
+            return None
+        if len(self.shape) == 2 and not self.copies_everywhere and any(
+                recipe is not None and recipe.tiled for recipe in self.recipes.recipes):
+            # Modelled on sm_90 (bench model decoder, 2026-11-27): the fill graphs of row-wise and block scaling
+            # cast each matrix once more than a call casting per call (its two layouts in the forward, and
+            # grad_input's again in the backward, or a kernel's outputs copied): launches 281 -> 314, 306 -> 318.
+            return "a tiled recipe's fill casts a matrix more than a call casting it does (cache_weights=True keeps it)"
+        return None
 
     @property
     def fp8_copy(self) -> str | None:
@@ -114,6 +139,8 @@ class WeightEntry:
         rules = ", ".join("default" if i is None else policy.rule_label(i) for i in self.recipes.rule_indices)
         undecided = f" (decided when traced: {', '.join(self.recipes.undecided)})" if self.recipes.undecided else ""
         copy = "" if self.fp8_copy in (None, "per call") else f", FP8 copy {self.fp8_copy}"
+        if self.per_call_reason is not None:
+            copy = f", FP8 copy per call: {self.per_call_reason}"
         return f"{names} by {rules}{undecided}{copy}"
 
 
@@ -125,11 +152,14 @@ class Plan:
     instances with equal signatures can run one compiled graph.
     """
 
-    def __init__(self, model: torch.nn.Module, policy: Policy, weight_copies: str = "per call"):
+    def __init__(self, model: torch.nn.Module, policy: Policy, weight_copies: str = "per call",
+                 weight_copies_reason: str | None = None, copies_everywhere: bool = False):
         if weight_copies not in WEIGHT_COPIES:
             raise ValueError(f"weight_copies must be one of {WEIGHT_COPIES}, got {weight_copies!r}")
         self.policy = normalize_policy(policy)
         self.weight_copies = weight_copies
+        # Why the compile keeps no copies between calls where its default would (choose_weight_cache), or None.
+        self.weight_copies_reason = weight_copies_reason
         self._entries: dict[int, WeightEntry] = {}
         self._by_path: dict[str, list[WeightEntry]] = {}
         for path, module in model.named_modules():
@@ -139,7 +169,7 @@ class Plan:
                 recipes = resolve_weight(self.policy, path, module, weight)
                 entry = WeightEntry(path, name, tuple(weight.shape), recipes,
                                     tuple(_misaligned(recipe, module, weight) for recipe in recipes.recipes),
-                                    weight_copies)
+                                    weight_copies, copies_everywhere)
                 self._entries[id(weight)] = entry
                 self._by_path.setdefault(path, []).append(entry)
         self._signatures: dict[str, str] = {}
@@ -187,7 +217,10 @@ class Plan:
         width = max((len(e.qualified_name) for e in self), default=0)
         rows = [f"{e.qualified_name:<{width}}  {'x'.join(map(str, e.shape)):>11}  {e.describe(self.policy)}"
                 for e in self]
-        return "\n".join([f"fp8graph plan: {len(self)} weights, policy {self.policy}"] + rows)
+        header = f"fp8graph plan: {len(self)} weights, policy {self.policy}"
+        if self.weight_copies_reason is not None:
+            header += f"; FP8 weight copies per call: {self.weight_copies_reason}"
+        return "\n".join([header] + rows)
 
 
 def instance_path(path: str, template: str, instance: str) -> str | None:
@@ -207,7 +240,8 @@ def _misaligned(recipe, module: torch.nn.Module, weight: torch.Tensor) -> str | 
     return None if None in reasons else reasons[0]
 
 
-def plan(model: torch.nn.Module, policy=None, cache_weights: bool = False, freeze_weights: bool = False) -> Plan:
+def plan(model: torch.nn.Module, policy=None, cache_weights=CACHE_WHERE_POSSIBLE, freeze_weights: bool = False
+         ) -> Plan:
     """What ``policy`` gives each weight of ``model``, before anything is traced.
 
     Args:
@@ -224,9 +258,45 @@ def plan(model: torch.nn.Module, policy=None, cache_weights: bool = False, freez
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fp8graph.plan needs an nn.Module, got {type(model).__name__}")
-    return Plan(model, policy, weight_copies_of(cache_weights, freeze_weights))
+    everywhere = cache_weights is True
+    cache_weights, reason = choose_weight_cache(model, cache_weights, freeze_weights, fp8_all_gather=True)
+    return Plan(model, policy, weight_copies_of(cache_weights, freeze_weights), reason, everywhere)
 
 
 def weight_copies_of(cache_weights: bool, freeze_weights: bool) -> str:
     """The :data:`WEIGHT_COPIES` entry of a compile's options."""
     return "frozen" if freeze_weights else "cached" if cache_weights else "per call"
+
+
+def choose_weight_cache(model, cache_weights, freeze_weights: bool, fp8_all_gather: bool) -> tuple[bool, str | None]:
+    """Whether a compile keeps the weights' FP8 copies between calls, and, where ``"auto"`` leaves them off,
+    why (``True`` and ``False`` are the user's word; ``True`` where it cannot work is refused by the compile).
+
+    ``"auto"`` keeps them wherever they work: a copy changes no value (the recipes that cache cast the weight
+    from the weight alone), and a call that fills moves the bytes a call that casts moves
+    (``fp8graph.targets.kept_copies``); the price is memory, the copies held between calls. Off for a function
+    or a module without submodules (the copies are buffers brought into the graph by submodules' hooks), with
+    ``freeze_weights`` (which folds the copies into the graphs instead) and under FSDP2 (with ``fp8_all_gather``
+    each weight arrives cast from its gathered FP8 shard, and the shard's cast is what is kept; without, a whole
+    copy of every weight on each rank would undo the sharding)."""
+    if cache_weights != CACHE_WHERE_POSSIBLE:
+        return cache_weights, None
+    if not isinstance(model, torch.nn.Module):
+        return False, "a function has no modules to keep the copies on"
+    if next(model.children(), None) is None:
+        return False, (f"this {type(model).__name__} has no submodules, whose hooks would bring the copies into "
+                       "the graph")
+    if freeze_weights:
+        return False, "freeze_weights folds the weights' FP8 copies into the graphs instead"
+    if _has_fsdp_modules(model):
+        if fp8_all_gather:
+            return False, ("FSDP2 all-gathers the weights in FP8, cast from their shards (each shard's cast kept "
+                           "between calls instead: fp8graph.fsdp.shard_casts)")
+        return False, "FSDP2 shards the weights: a whole FP8 copy of each on every rank would undo the sharding"
+    return True, None
+
+
+def _has_fsdp_modules(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in model.modules())

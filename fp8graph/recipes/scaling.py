@@ -252,6 +252,7 @@ class _TiledScaling(_RecipeKind):
     """
 
     tiled: ClassVar[bool] = True
+    caches_weights: ClassVar[bool] = True
     fp8_format = Format.E4M3
 
     def fp8_dtype(self, role: Role):

@@ -143,12 +143,12 @@ def _cast_grad_output_delayed(grad_output_hp, state, spec: GroupedSpec):
 
 def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight_hp`` (E, N, K) cast along N, one scale per expert and column: ``(weight_t_fp8 (E, K, N),
-    inverse_scale (E, K))``, written in the layout grad_input's GEMM reads (N contiguous). The amax and the
+    scale (E, K))``, written in the layout grad_input's GEMM reads (N contiguous). The amax and the
     cast read the weight where it lies; only the FP8 write is transposed (a transposed bf16 copy first would
     cost the weight's bytes twice more)."""
     scale = _scale(finite_magnitude(weight_hp.detach()).amax(dim=1), spec)  # (E, K)
     weight_t_fp8 = quantize(weight_hp, scale[:, None, :], _FP8).transpose(-2, -1).contiguous()
-    return weight_t_fp8, scale.reciprocal()
+    return weight_t_fp8, scale
 
 
 def _transposed_for_grad_input(weight_fp8: torch.Tensor, weight_inverse: torch.Tensor, spec: GroupedSpec):
@@ -181,24 +181,34 @@ def _placed_in_the_forward(input_fp8: torch.Tensor, input_inverse: torch.Tensor,
     return input_placed, keep_for_backward(input_inverse, input_placed)
 
 
-def _cast_experts_through_copy(weight_hp: torch.Tensor, spec: GroupedSpec, mode: str, copy_fp8: torch.Tensor,
-                               copy_scale: torch.Tensor, copy_t_fp8: torch.Tensor):
-    """As :func:`cast_experts` (one scale per expert), through the weight's FP8 copies
-    (``fp8graph.buffers.weight_cache``): a ``"reuse"`` call reads the copies and their scales and never the
-    weight; a ``"fill"`` call casts the weight and writes them. Returns ``(weight_fp8 (E, N, K), scale (E, 1),
-    inverse_scale (E, N), weight_t_fp8 (E, K, N))``, both copies contiguous, as the forward and grad_input GEMMs
-    read them."""
-    if copy_fp8.shape != weight_hp.shape:  # a parameter stored (E, K, N): its copy is grad_input's layout
+def _cast_experts_through_copy(weight_hp: torch.Tensor, spec: GroupedSpec, mode: str, *copies: torch.Tensor):
+    """The weight's casts for the forward GEMM and grad_input's, through its FP8 copies
+    (``fp8graph.buffers.weight_cache.copy_layout``): a ``"reuse"`` call reads the copies and their scales and
+    never the weight; a ``"fill"`` call casts the weight and writes them. Per expert, one cast serves both
+    GEMMs, laid out twice; row-wise casts along K for the forward and along N for grad_input. Returns
+    ``(weight_fp8 (E, N, K), scale (E, N or 1), inverse (E, N), weight_t_fp8 (E, K, N), inverse_t (E, K))``,
+    both copies contiguous, as the two GEMMs read them."""
+    copy_fp8, copy_scale, copy_t_fp8, copy_t_scale = (*copies, None)[:4]
+    swapped = copy_fp8.shape != weight_hp.shape  # a parameter stored (E, K, N): its copy is grad_input's layout
+    if swapped:
         copy_fp8, copy_t_fp8 = copy_t_fp8, copy_fp8
-    experts, rows, _ = weight_hp.shape
-    if mode == "reuse":
-        scale = copy_scale.clone()  # (E, 1)
-        return copy_fp8, scale, scale.reciprocal().expand(experts, rows), copy_t_fp8
-    weight_fp8, scale, inverse = cast_experts(weight_hp, spec)  # one read of the weight writes both layouts
-    copy_fp8.copy_(weight_fp8)
-    copy_t_fp8.copy_(weight_fp8.transpose(-2, -1))
-    copy_scale.copy_(scale)
-    return copy_fp8, scale, inverse, copy_t_fp8
+        if spec.per_row:
+            copy_scale, copy_t_scale = copy_t_scale, copy_scale
+    experts, rows, columns = weight_hp.shape
+    if mode == "fill":
+        weight_fp8, scale, _ = cast_experts(weight_hp, spec)  # one read of the weight writes both layouts
+        copy_fp8.copy_(weight_fp8)
+        copy_scale.copy_(scale)
+        if spec.per_row:
+            weight_t_fp8, scale_t = _cast_expert_columns(weight_hp, spec)
+            copy_t_fp8.copy_(weight_t_fp8)
+            copy_t_scale.copy_(scale_t)
+        else:
+            copy_t_fp8.copy_(weight_fp8.transpose(-2, -1))
+    scale = copy_scale.clone()  # (E, N) or (E, 1)
+    inverse = scale.reciprocal()
+    inverse_t = (copy_t_scale.reciprocal() if spec.per_row else inverse.expand(experts, columns))  # (E, K)
+    return copy_fp8, scale, inverse.expand(experts, rows), copy_t_fp8, inverse_t
 
 
 class _GroupedFP8(torch.autograd.Function):
@@ -223,9 +233,9 @@ class _GroupedFP8(torch.autograd.Function):
                 input_fp8, input_scale, input_inverse = cast_rows(input_hp, spec)  # (S or T, K), along K
                 if weight_copy is None:
                     weight_fp8, weight_scale, weight_inverse = cast_experts(weight_hp, spec)  # (E, N, K), along K
-                else:  # kept between calls, with its transpose for grad_input
-                    weight_fp8, weight_scale, weight_inverse, weight_t_fp8 = _cast_experts_through_copy(
-                        weight_hp, spec, *weight_copy)
+                else:  # kept between calls, with grad_input's
+                    weight_fp8, weight_scale, weight_inverse, weight_t_fp8, weight_t_inverse = \
+                        _cast_experts_through_copy(weight_hp, spec, *weight_copy)
             if needs_grad_input and not spec.per_row and weight_copy is None:
                 weight_t_fp8, weight_inverse = _transposed_for_grad_input(weight_fp8, weight_inverse, spec)
             if stats is not None:
@@ -252,8 +262,11 @@ class _GroupedFP8(torch.autograd.Function):
                                          offsets, output_dtype, spec.lowering, use_fast_accum=True)
             if needs_grad_input:
                 # grad_input reduces along N: row-wise casts each expert's columns; per expert, the cast is kept.
-                if spec.per_row:
-                    saved_weight = _cast_expert_columns(weight_hp, spec)  # (E, K, N), (E, K)
+                if weight_copy is not None:
+                    saved_weight = (weight_t_fp8, weight_t_inverse)  # (E, K, N), (E, K)
+                elif spec.per_row:
+                    weight_t_fp8, weight_t_scale = _cast_expert_columns(weight_hp, spec)  # (E, K, N), (E, K)
+                    saved_weight = (weight_t_fp8, weight_t_scale.reciprocal())
                 else:
                     saved_weight = (weight_t_fp8, weight_inverse[:, :1].expand(experts, weight_hp.shape[2]))
         ctx.save_for_backward(offsets, *saved_input, *saved_weight, gather_index)
@@ -341,18 +354,21 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
 
     def grouped_fp8(input_hp, weight_hp, offsets=None, stats=None, history=None, scale=None, grad_history=None,
                     grad_scale=None, gather_index=None, cached_weight=None, cached_weight_scale=None,
-                    cached_weight_t=None):
+                    cached_weight_t=None, cached_weight_t_scale=None):
         spec = GroupedSpec(recipe, lowering, update)
         state = None if history is None else (history, scale, grad_history, grad_scale)
         if recipe.stateful and state is None:
             raise ValueError(f"{recipe.name} on an expert GEMM needs the weight's delayed-scaling state")
-        if (weight_cache is None) != (cached_weight is None) or (cached_weight is not None and
-                                                                 not recipe.caches_weights):
+        if (weight_cache is None) != (cached_weight is None) or (cached_weight is not None and (
+                not recipe.caches_weights or function is GroupedBlocks)):
             raise ValueError(f"{grouped_fp8.__name__}: the weight's FP8 copy and the cache's mode come together, on "
-                             "a recipe whose weight cast depends on the weight alone (Recipe.caches_weights)")
+                             "a recipe whose weight cast depends on the weight alone (Recipe.caches_weights) and "
+                             "whose expert GEMMs run torch._scaled_grouped_mm (not MXFP8's, block by block)")
         if gather_index is not None and function is GroupedBlocks:
             input_hp, gather_index = input_hp[gather_index], None  # blocks along K: the rows gathered first
-        copy = () if weight_cache is None else ((weight_cache, cached_weight, cached_weight_scale, cached_weight_t),)
+        copies = (cached_weight, cached_weight_scale, cached_weight_t) + (
+            (cached_weight_t_scale,) if cached_weight_t_scale is not None else ())
+        copy = () if weight_cache is None else ((weight_cache, *copies),)
         if offsets is not None:
             rows = () if gather_index is None and not copy else (gather_index,)
             return function.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled(), state, *rows,

@@ -18,8 +18,9 @@ from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.models import build
 from fp8graph.models.moe import CONFIGS, MoEBlock
 from fp8graph.recipes import PRESETS
-from fp8graph.targets.grouped import GroupedSpec, cast_experts, grouped_fp8_target
-from fp8graph.buffers.weight_cache import CACHED_SCALE_PREFIX, CACHED_TRANSPOSE_PREFIX, CACHED_WEIGHT_PREFIX
+from fp8graph.targets.grouped import GroupedSpec, _cast_expert_columns, cast_experts, grouped_fp8_target
+from fp8graph.gemm.tiled_operands import cached_weight_operands
+from fp8graph.buffers.weight_cache import CACHED_SCALE_PREFIX, CACHED_WEIGHT_PREFIX, COPY_PREFIXES
 from helpers import fp8_target_count
 
 MICRO_BATCHES, STEPS = 3, 3
@@ -28,12 +29,19 @@ AMAX_REDUCTION = "max_propagate_nan"  # one call per reduced vector in Inductor'
 
 def _accumulate(model, compiled, generator, dtype=torch.float32):
     """Gradient accumulation: STEPS optimizer steps of MICRO_BATCHES micro-batches; losses and modes."""
+    return _accumulate_on(model, compiled, lambda generator: torch.randn(32, 64, generator=generator).to(dtype),
+                          generator)
+
+
+def _accumulate_on(model, compiled, batch, generator=None):
+    """:func:`_accumulate` on the micro-batches ``batch(generator)`` makes."""
+    generator = generator if generator is not None else torch.Generator().manual_seed(1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, reused = [], []
     cache = compiled.fp8graph_backend.weight_cache
     for _ in range(STEPS):
         for _ in range(MICRO_BATCHES):
-            loss = compiled(torch.randn(32, 64, generator=generator).to(dtype)).float().square().mean()
+            loss = compiled(batch(generator)).float().square().mean()
             loss.backward()
             losses.append(loss.item())
             reused.append(cache.reuse)
@@ -46,7 +54,8 @@ def _accumulate(model, compiled, generator, dtype=torch.float32):
 def test_gradient_accumulation_with_cached_weights_equals_without(compiler):
     model = build("mlp", "tiny")
     cached_model = copy.deepcopy(model)
-    losses, _ = _accumulate(model, fp8graph.compile(model, compiler=compiler), torch.Generator().manual_seed(1))
+    losses, _ = _accumulate(model, fp8graph.compile(model, compiler=compiler, cache_weights=False),
+                            torch.Generator().manual_seed(1))
     torch._dynamo.reset()
     compiled = fp8graph.compile(cached_model, compiler=compiler, cache_weights=True)
     cached_losses, reused = _accumulate(cached_model, compiled, torch.Generator().manual_seed(1))
@@ -69,53 +78,123 @@ def test_gradient_accumulation_with_cached_weights_equals_without(compiler):
     assert not hasattr(cached_model.head, CACHED_WEIGHT_PREFIX + "weight")
 
 
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor's bytes (torch.equal of FP8 tensors is not defined everywhere); another tensor as it is."""
+    return x.view(torch.uint8) if x.dtype.itemsize == 1 else x
+
+
+class _KNProjection(torch.nn.Module):
+    """``x @ weight`` of a (K, N) weight: a module that leaves the orientation to the site."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(k, n) / k ** 0.5)
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+@pytest.mark.parametrize("recipe, compiler", [("rowwise", "aot_eager"), ("block", "aot_eager"),
+                                              ("mxfp8", "aot_eager"),
+                                              pytest.param("mxfp8", "inductor", marks=pytest.mark.inductor)])
+def test_tiled_recipes_keep_both_gemms_weight_casts_and_train_as_when_cast_at_every_call(recipe, compiler):
+    """Row-wise and MXFP8 keep the forward's cast (along K) and grad_input's (along N); block scaling's 128x128
+    tiles keep one, which grad_input reads transposed. A (K, N) weight multiplied as ``x @ w`` keeps them in
+    its own shape. Bit for bit the losses and weights of casting at every call (under Inductor's C++ code too,
+    which compiles MXFP8's fill only with one node a kernel: fp8graph.backend). Kept with cache_weights=True
+    only: their fill casts a matrix more than a call casting it does, and "auto" says so."""
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), _KNProjection(256, 128))
+    cached_model = copy.deepcopy(model)
+
+    def train(model, compiled):
+        return _accumulate_on(model, compiled, lambda generator: torch.randn(32, 128, generator=generator))
+
+    policy = PRESETS[recipe]
+    losses, _ = train(model, fp8graph.compile(model, policy=policy, compiler=compiler, cache_weights=False))
+    plan = fp8graph.plan(cached_model, policy)  # cache_weights="auto"
+    assert [entry.fp8_copy for entry in plan] == ["per call"] * 2
+    assert "a tiled recipe's fill casts a matrix more" in str(plan)
+    torch._dynamo.reset()
+    compiled = fp8graph.compile(cached_model, policy=policy, compiler=compiler, cache_weights=True)
+    cached_losses, reused = train(cached_model, compiled)
+    assert cached_losses == losses and reused == [False, True, True] * STEPS
+    for name, param in model.named_parameters():
+        assert torch.equal(dict(cached_model.named_parameters())[name], param), name
+    assert sum(d.rewritten for d in compiled.fp8graph_backend.decisions) == 2 * 2  # both sites, both graphs
+    with torch.no_grad():
+        compiled(torch.randn(32, 128))  # fills the copies from the last step's weights
+    square = recipe == "block"
+    for module, weight_nk in ((cached_model[0], cached_model[0].weight), (cached_model[2], cached_model[2].weight.t())):
+        copies = [getattr(module, prefix + "weight") for prefix in COPY_PREFIXES[:2 if square else 4]]
+        expected = cached_weight_operands(weight_nk.detach(), policy)
+        if module is cached_model[2]:  # kept in the weight's own (K, N) shape: the pairs swapped, or transposed
+            expected = [operand.t() for operand in expected] if square else expected[2:] + expected[:2]
+        for copy_, operand in zip(copies, expected, strict=True):
+            assert copy_.shape == operand.shape
+            assert torch.equal(_bits(copy_), _bits(operand.contiguous()))
+
+
+@pytest.mark.parametrize("recipe", ["current", "rowwise"])
 @pytest.mark.parametrize("weights", ["enk", "ekn"])
-def test_expert_weights_are_cast_once_per_step_and_train_as_when_cast_at_every_call(weights):
-    """A MoE block's expert weights, (E, N, K) or stored (E, K, N): E4M3 copies in both layouts with a scale an
-    expert, filled by the first micro-batch after each step and read by the others (forward and grad_input)."""
+def test_expert_weights_are_cast_once_per_step_and_train_as_when_cast_at_every_call(weights, recipe):
+    """A MoE block's expert weights, (E, N, K) or stored (E, K, N): E4M3 copies in both layouts (per expert: one
+    cast laid out twice, a scale an expert; row-wise: cast along K and along N, a scale a row of each), filled by
+    the first micro-batch after each step and read by the others (forward and grad_input)."""
     block = MoEBlock(**CONFIGS["tiny-odd"], weights=weights).to(torch.bfloat16)  # grouped_mm's dtype
     cached_block = copy.deepcopy(block)
-    compiled = fp8graph.compile(block, compiler="aot_eager")
+    policy = PRESETS[recipe]
+    compiled = fp8graph.compile(block, policy=policy, compiler="aot_eager", cache_weights=False)
     losses, _ = _accumulate(block, compiled, torch.Generator().manual_seed(1), torch.bfloat16)
     expert_gemms = [d for d in compiled.fp8graph_backend.decisions if d.rewritten]
     assert [d.site.path for d in expert_gemms] == ["experts", "experts"]  # gate_up and down
     torch._dynamo.reset()
-    compiled = fp8graph.compile(cached_block, compiler="aot_eager", cache_weights=True)
+    compiled = fp8graph.compile(cached_block, policy=policy, compiler="aot_eager")  # cache_weights="auto"
     cached_losses, reused = _accumulate(cached_block, compiled, torch.Generator().manual_seed(1), torch.bfloat16)
     assert cached_losses == losses and reused == [False, True, True] * STEPS
     targets = [[n.target.__name__ for n in gm.graph.nodes
                 if getattr(n.target, "__name__", "").startswith("fp8graph_grouped")]
                for gm in compiled.fp8graph_backend.graph_modules]
-    assert [[name.split("_E4M3_")[1] for name in names] for names in targets] == [  # the fill graph, the reuse one
-        ["fill_cached_weight_emulated"] * 2, ["reuse_cached_weight_emulated"] * 2]
+    assert [[name.split("_cached_weight")[0].rsplit("_", 1)[1] for name in names] for names in targets] == [
+        ["fill"] * 2, ["reuse"] * 2]  # the fill graph, the reuse one
     for name, param in block.named_parameters():
         assert torch.equal(dict(cached_block.named_parameters())[name], param), name
     with torch.no_grad():
         compiled(torch.randn(32, 64, dtype=torch.bfloat16))  # fills the copies from the last step's weights
     experts = cached_block.experts
+    spec = GroupedSpec(expert_gemms[0].recipe, Lowering.EMULATED)
     for name in ("gate_up_proj", "down_proj"):
         weight = getattr(experts, name).detach()
         weight_nk = weight.transpose(-2, -1) if weights == "ekn" else weight
-        weight_fp8, scale, _ = cast_experts(weight_nk, GroupedSpec(expert_gemms[0].recipe, Lowering.EMULATED))
-        copy_fp8, copy_t_fp8 = (getattr(experts, prefix + name) for prefix in (CACHED_WEIGHT_PREFIX,
-                                                                                CACHED_TRANSPOSE_PREFIX))
-        assert copy_fp8.shape == weight.shape and copy_fp8.dtype == torch.float8_e4m3fn
-        assert copy_fp8.is_contiguous() and copy_t_fp8.is_contiguous()  # the layouts the two GEMMs read
-        copy_nk = copy_fp8.transpose(-2, -1) if weights == "ekn" else copy_fp8
-        assert torch.equal(copy_nk.view(torch.uint8), weight_fp8.view(torch.uint8)), name
-        assert torch.equal(copy_t_fp8.view(torch.uint8), copy_fp8.transpose(-2, -1).view(torch.uint8)), name
-        assert torch.equal(getattr(experts, CACHED_SCALE_PREFIX + name), scale), name
+        weight_fp8, scale, _ = cast_experts(weight_nk, spec)  # along K: the forward's
+        copies = [getattr(experts, prefix + name, None) for prefix in COPY_PREFIXES]
+        assert copies[0].shape == weight.shape and copies[0].dtype == torch.float8_e4m3fn
+        assert copies[0].is_contiguous() and copies[2].is_contiguous()  # the layouts the two GEMMs read
+        forward_copy, forward_scale, input_grad_copy, input_grad_scale = (
+            [copies[2], copies[3], copies[0], copies[1]] if weights == "ekn" and recipe == "rowwise" else
+            [copies[2], copies[1], copies[0], None] if weights == "ekn" else copies)
+        assert torch.equal(forward_copy.view(torch.uint8), weight_fp8.view(torch.uint8)), name
+        assert torch.equal(forward_scale, scale), name
+        if recipe == "rowwise":  # grad_input's cast along N, a scale a column
+            columns_fp8, columns_scale = _cast_expert_columns(weight_nk, spec)
+            assert torch.equal(input_grad_copy.view(torch.uint8), columns_fp8.view(torch.uint8)), name
+            assert torch.equal(input_grad_scale, columns_scale), name
+        else:  # the one cast, laid out for grad_input
+            assert input_grad_scale is None
+            assert torch.equal(input_grad_copy.view(torch.uint8), weight_fp8.transpose(-2, -1).view(torch.uint8))
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
-def test_an_expert_target_refuses_a_kept_copy_for_a_cast_that_depends_on_more_than_the_weight(recipe):
+@pytest.mark.parametrize("recipe", ["delayed", "mxfp8"])
+def test_an_expert_target_refuses_a_kept_copy_it_cannot_serve(recipe):
+    """Delayed scaling's weight cast reads earlier steps' amaxes; MXFP8's expert GEMMs run block by block."""
     target = grouped_fp8_target(PRESETS[recipe], Lowering.EMULATED, True, "fill")
     fp8 = torch.float8_e4m3fn
     copies = {"cached_weight": torch.zeros(2, 16, 32, dtype=fp8), "cached_weight_scale": torch.ones(2, 1),
               "cached_weight_t": torch.zeros(2, 32, 16, dtype=fp8)}
+    state = dict(history=torch.zeros(3, 4), scale=torch.ones(3), grad_history=torch.zeros(1, 4),
+                 grad_scale=torch.ones(1)) if recipe == "delayed" else {}
     with pytest.raises(ValueError, match="depends on the weight alone"):
         target(torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(2, 16, 32, dtype=torch.bfloat16),
-               torch.tensor([4, 8], dtype=torch.int32), **copies)
+               torch.tensor([4, 8], dtype=torch.int32), **copies, **state)
 
 
 @pytest.mark.inductor
@@ -168,7 +247,7 @@ def test_any_in_place_change_of_a_weight_refills():
         reference = copy.deepcopy(build("mlp", "tiny"))
         reference.load_state_dict({**reference.state_dict(), **state})
         with torch.no_grad():
-            assert torch.equal(output, fp8graph.compile(reference, compiler="aot_eager")(x))
+            assert torch.equal(output, fp8graph.compile(reference, compiler="aot_eager", cache_weights=False)(x))
 
 
 @pytest.mark.parametrize("options", [{"cache_weights": True}, {"stats": True},
@@ -193,7 +272,7 @@ def test_converting_the_model_after_compiling_is_refused_until_it_is_compiled_ag
     output.float().sum().backward()
 
 
-def test_tied_weights_share_one_copy_and_other_recipes_have_none():
+def test_tied_weights_share_one_copy_and_delayed_scaling_has_none():
     class Tied(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -205,7 +284,7 @@ def test_tied_weights_share_one_copy_and_other_recipes_have_none():
             return self.rowwise(self.second(x))
 
     model = Tied()
-    policy = fp8graph.Policy(rules=[("rowwise", fp8graph.Float8RowwiseScaling())])
+    policy = fp8graph.Policy(rules=[("rowwise", fp8graph.DelayedScaling(amax_history_len=4))])
     compiled = fp8graph.compile(model, policy=policy, compiler="aot_eager", cache_weights=True)
     x = torch.randn(16, 32)
     with torch.no_grad():
@@ -276,8 +355,8 @@ def test_a_second_compile_whose_policy_caches_other_weights_is_refused_naming_th
     fp8graph.compile(model, compiler="aot_eager", cache_weights=True)
     again = fp8graph.compile(model, compiler="aot_eager", cache_weights=True)  # the same policy: adopted
     assert again.fp8graph_backend.weight_cache is not None
-    with pytest.raises(ValueError, match=r"mid\.weight: the model was compiled before with cache_weights=True, and "
-                                         r"its FP8 weight copies cannot serve this policy \(it asks for no copy"):
+    with pytest.raises(ValueError, match=r"mid\.weight: the model was compiled before with FP8 weight copies, and "
+                                         r"its copies cannot serve this policy \(it asks for no copy"):
         fp8graph.compile(model, compiler="aot_eager", cache_weights=True,
                          policy=fp8graph.Policy(rules=[("mid", None)]))
 
@@ -306,7 +385,7 @@ def test_gpt2_conv1d_weights_stored_k_n_get_n_k_copies_and_train_like_uncached(c
     ``w.t()``, and the copy is laid out (N, K) like an nn.Linear's."""
     model = build("gpt2", "tiny")
     cached_model = copy.deepcopy(model)
-    losses, _ = _train_with_accumulation(model, fp8graph.compile(model, compiler=compiler))
+    losses, _ = _train_with_accumulation(model, fp8graph.compile(model, compiler=compiler, cache_weights=False))
     torch._dynamo.reset()
     compiled = fp8graph.compile(cached_model, compiler=compiler, cache_weights=True)
     cached_losses, reused = _train_with_accumulation(cached_model, compiled)
@@ -339,7 +418,7 @@ def test_a_weight_multiplied_k_n_by_an_unknown_module_is_read_through_its_copy_t
     x = torch.randn(4, 8, 64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cached_optimizer = torch.optim.SGD(cached_model.parameters(), lr=0.1)
-    compiled = fp8graph.compile(model, compiler="aot_eager")
+    compiled = fp8graph.compile(model, compiler="aot_eager", cache_weights=False)
     cached = fp8graph.compile(cached_model, compiler="aot_eager", cache_weights=True)
     for _ in range(2):
         for run, opt in ((compiled, optimizer), (cached, cached_optimizer)):
@@ -354,3 +433,25 @@ def test_a_weight_multiplied_k_n_by_an_unknown_module_is_read_through_its_copy_t
         assert copy_fp8.shape == module.weight.shape and copy_fp8.view(torch.uint8).any()
     for param, cached_param in zip(model.parameters(), cached_model.parameters(), strict=True):
         assert torch.equal(param, cached_param)
+
+
+def test_a_fused_optimizer_step_refills_though_it_moves_no_version_counter():
+    """AdamW(fused=True) writes the weights in one kernel and leaves their version counters where they were (the
+    default optimizer of HuggingFace's Trainer on a GPU): the step itself makes the next call fill."""
+    model = build("mlp", "tiny")
+    reference = copy.deepcopy(model)
+    compiled = fp8graph.compile(model, compiler="aot_eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    x = torch.randn(8, 64)
+    versions = [p._version for p in model.parameters()]
+    compiled(x).square().mean().backward()
+    optimizer.step()
+    assert [p._version for p in model.parameters()] == versions  # the hazard: nothing moved
+    optimizer.zero_grad()
+    with torch.no_grad():
+        output = compiled(x)
+    assert not compiled.fp8graph_backend.weight_cache.reuse  # filled from the stepped weights
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(output, fp8graph.compile(reference, compiler="aot_eager", cache_weights=False)(x))
+

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import fp8graph
 from fp8graph import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling
 from fp8graph.apps.train_distributed import parallelize, summed_loss
+from fp8graph.fsdp import shard_casts
 from fp8graph.fsdp.gather_bytes import count_all_gathers
 from fp8graph.models import build
 
@@ -206,7 +207,9 @@ def world_of_one(tmp_path):
     dist.destroy_process_group()
 
 
-def _losses_and_grads(fp8_all_gather, policy, reshard_after_forward=True, steps=2):
+def _losses_and_grads(fp8_all_gather, policy, reshard_after_forward=True, steps=2, micro_batches=1, casts=None):
+    """``steps`` SGD steps of ``micro_batches`` micro-batches; each step's loss (summed) and gradients. ``casts``:
+    a list that gets, per micro-batch, how many shards were cast to FP8 for its gathers."""
     from torch.distributed.fsdp import fully_shard
 
     model = build("llama", "tiny", seed=0)
@@ -217,9 +220,15 @@ def _losses_and_grads(fp8_all_gather, policy, reshard_after_forward=True, steps=
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads = [], []
     for step in range(steps):
-        tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(step))
-        loss = compiled(tokens, labels=tokens).loss
-        loss.backward()
+        loss = 0.0
+        for micro_batch in range(micro_batches):
+            tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(step * 10 + micro_batch))
+            cast_before = shard_casts.quantize.calls if casts is not None else 0
+            micro_loss = compiled(tokens, labels=tokens).loss
+            micro_loss.backward()
+            loss = loss + micro_loss.detach()
+            if casts is not None:
+                casts.append(shard_casts.quantize.calls - cast_before)
         grads.append({name: p.grad.to_local().clone() for name, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
@@ -240,6 +249,30 @@ def test_a_module_the_policy_keeps_gathers_in_high_precision_and_reshard_false_g
     assert sum(r.fp8 for r in plan.records) == 12
     assert fp8_losses == hp_losses
     for fp8_step, hp_step in zip(fp8_grads, hp_grads):
+        assert all(torch.equal(grad, hp_step[name]) for name, grad in fp8_step.items())
+
+
+class _CountedQuantize:
+    def __init__(self, quantize):
+        self.quantize, self.calls = quantize, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.quantize(*args, **kwargs)
+
+
+def test_micro_batches_gather_the_shards_each_step_cast_once(world_of_one, monkeypatch):
+    """Gradient accumulation under FSDP2's FP8 all-gathers: the first micro-batch after an optimizer step casts
+    each weight's shard (its backward's gathers resend the forward's bytes), the others send those bytes again
+    without casting; the step casts anew. Losses and gradients are the high-precision gather's bit for bit."""
+    monkeypatch.setattr(shard_casts, "quantize", _CountedQuantize(shard_casts.quantize))
+    casts = []
+    fp8_losses, fp8_grads, plan = _losses_and_grads(True, Float8CurrentScaling(), micro_batches=3, casts=casts)
+    gathered_in_fp8 = sum(r.fp8 for r in plan.records)
+    assert gathered_in_fp8 == 14 and casts == [gathered_in_fp8, 0, 0] * 2
+    hp_losses, hp_grads, _ = _losses_and_grads(False, Float8CurrentScaling(), micro_batches=3)
+    assert fp8_losses == hp_losses
+    for fp8_step, hp_step in zip(fp8_grads, hp_grads, strict=True):
         assert all(torch.equal(grad, hp_step[name]) for name, grad in fp8_step.items())
 
 

@@ -137,9 +137,12 @@ class _TwoLinearsWithABreak(torch.nn.Module):
 def test_stats_across_graph_breaks_record_every_site_and_role():
     # One buffer shared by both graphs would be written by the second forward
     # after the first graph saved it for its backward: autograd refuses that.
-    compiled = fp8graph.compile(_TwoLinearsWithABreak(), compiler="aot_eager", stats=True)
+    model = _TwoLinearsWithABreak()
+    compiled = fp8graph.compile(model, compiler="aot_eager", stats=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     for step in range(2):
         compiled(torch.randn(16, 32)).sum().backward()
+        optimizer.step()  # the next call casts the changed weights: the same graphs
         rows = compiled.fp8graph_stats.record(step)
         assert [(r.path, r.role) for r in rows] == [
             (path, role) for path in ("first", "second") for role in ("input", "weight", "grad_output")]
@@ -148,7 +151,7 @@ def test_stats_across_graph_breaks_record_every_site_and_role():
 
 def test_stats_off_adds_nothing():
     model = build("mlp", "tiny")
-    compiled, backend = compile_fp8(model)
+    compiled, backend = compile_fp8(model, cache_weights=False)  # the weight copies' hooks are not stats'
     compiled(torch.randn(4, 64))
     assert not hasattr(model, STATS_BUFFER)
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
@@ -270,11 +273,13 @@ def test_sampling_stats_every_few_steps_with_a_second_compile():
     model = build("llama", "tiny")
     fast = fp8graph.compile(model, compiler="aot_eager")
     with_stats = fp8graph.compile(model, compiler="aot_eager", stats=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 250, (2, 16))
     recorded = []
     for step in range(6):
         sample = step % 3 == 0
         (with_stats if sample else fast)(tokens, labels=tokens).loss.backward()
+        optimizer.step()  # every call casts the changed weights: one graph, filling their copies
         recorded.append(len(with_stats.fp8graph_stats.record(step)))
     assert recorded == [42, 0, 0, 42, 0, 0]  # the fast graph writes nothing
     assert set(graphs_per_unit(fast.fp8graph_backend)) == set(graphs_per_unit(with_stats.fp8graph_backend)) == {1}

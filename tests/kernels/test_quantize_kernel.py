@@ -39,17 +39,17 @@ def test_the_op_runs_the_reference_on_cpu_and_traces_with_its_fake():
                          ids=["1x128", "128x128"])
 @pytest.mark.parametrize("along", [(True, True), (True, False), (False, True)], ids=["both", "rows", "columns"])
 def test_the_linear_quantizes_through_the_kernel_ops_as_through_inductors_code(tiling, along):
-    """The CUDA routing of fp8graph.targets.linear_tiled, run on the ops' CPU reference: same values and shapes,
+    """The CUDA routing of fp8graph.gemm.tiled_operands, run on the ops' CPU reference: same values and shapes,
     one op for both layouts (one read), and each layout only where a gradient asks for it."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fp8graph.targets.linear_tiled import _quantize
+    from fp8graph.gemm.tiled_operands import quantize_both_ways
 
     x = torch.randn(256, 384)
 
     def quantized(use_kernel):
         return [(q.fp8.view(torch.uint8), q.scale) if q is not None else None
-                for q in _quantize(x, tiling, *along, use_kernel=use_kernel)]
+                for q in quantize_both_ways(x, tiling, *along, use_kernel=use_kernel)]
 
     for by_kernel, by_inductor in zip(quantized(True), quantized(False)):
         assert (by_kernel is None) == (by_inductor is None)

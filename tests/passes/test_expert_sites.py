@@ -189,4 +189,6 @@ def test_dynamic_token_counts_compile_once_with_a_symbolic_m():
         output.float().pow(2).mean().backward()
         assert torch.isfinite(output).all() and torch.isfinite(model.experts.down_proj.grad).all()
     experts = [d for d in backend.decisions if isinstance(d.site, ExpertSite)]
-    assert len(experts) == 2 and all(d.rewritten and isinstance(d.site.M, str) for d in experts)
+    # Two graphs of two sites: the first call fills the expert weights' kept casts, the others (12 and 20
+    # tokens: one symbolic graph) read them.
+    assert len(experts) == 4 and all(d.rewritten and isinstance(d.site.M, str) for d in experts)

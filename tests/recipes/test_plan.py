@@ -18,7 +18,7 @@ def test_each_weight_has_one_entry_with_its_recipes_rule_and_shape_reason():
     plan = fp8graph.plan(model, Policy(rules=[("mid", DelayedScaling())]))
     rows = {entry.qualified_name: entry.describe(plan.policy) for entry in plan}
     assert rows == {
-        "up.weight": "current(HYBRID) by default",
+        "up.weight": "current(HYBRID) by default, FP8 copy cached",  # cache_weights="auto"
         "mid.weight": f"{DelayedScaling()} by rule 0 ('mid')",
         "head.weight": "current(HYBRID) (kept: N=10 is not a multiple of 16) by default",
     }
@@ -120,7 +120,7 @@ def test_the_entry_says_how_its_fp8_weight_copy_lives():
     model = build("mlp", "tiny")  # head (10, 64) never runs in FP8
     policy = Policy(rules=[("mid", DelayedScaling())])
     copies = {name: [e.fp8_copy for e in fp8graph.plan(model, policy, **options)]
-              for name, options in (("per call", {}), ("cached", dict(cache_weights=True)),
+              for name, options in (("per call", dict(cache_weights=False)), ("cached", {}),
                                     ("frozen", dict(freeze_weights=True)))}
     # Delayed scaling's weight cast reads the scale of earlier steps: no copy is kept between calls.
     assert copies == {"per call": ["per call", "per call", None], "cached": ["cached", "per call", None],

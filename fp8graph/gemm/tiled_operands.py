@@ -1,0 +1,78 @@
+"""A tiled recipe's GEMM operands: a tensor quantized along its rows, its columns, or both, by fp8graph's kernel
+or by Inductor's code (row-wise, block and MXFP8 scaling; ``fp8graph.targets.linear_tiled`` runs the GEMMs).
+
+A tile's scale covers elements of one GEMM's reduction dimension only, so an operand that two GEMMs reduce
+along different dimensions is quantized once for each; square tiles serve both transposed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8graph.gemm.scaled_gemm import one_buffer
+from fp8graph.kernels.quantize_tiles import kernel_quantizes
+from fp8graph.numerics.formats import Role
+from fp8graph.numerics.tiles import Tiling, reference_quantize_tiles
+from fp8graph.recipes.scaling import TiledRecipe
+
+__all__ = ["TiledOperand", "cached_weight_operands", "quantize_both_ways"]
+
+
+class TiledOperand:
+    """An FP8 operand laid out (rows, reduction), with its scales and tiling."""
+
+    def __init__(self, fp8: torch.Tensor, scale: torch.Tensor, tiling: Tiling):
+        self.fp8, self.scale, self.tiling = fp8, scale, tiling
+
+    def transposed(self) -> "TiledOperand":
+        """The same quantization read the other way round (square tiles only)."""
+        return TiledOperand(self.fp8.t(), self.scale.t(), self.tiling)
+
+
+def quantize_both_ways(x_hp: torch.Tensor, tiling: Tiling, along_rows: bool, along_columns: bool,
+              use_kernel: bool | None = None) -> tuple[TiledOperand | None, TiledOperand | None]:
+    """``x_hp`` (R, C) quantized along its rows (C reduced) and, transposed, along its columns (R reduced).
+
+    On CUDA, tilings that fp8graph's kernel quantizes faster than Inductor's
+    code (``fp8graph.kernels.quantize_tiles.kernel_quantizes``) run it, both
+    layouts from one read. Elsewhere the plain-torch ``reference_quantize_tiles``, which
+    Inductor fuses with the producer of ``x_hp``; square tiles then reuse the
+    row-major quantization transposed (bit for bit what a requantization gives).
+    ``use_kernel`` overrides the choice (tests run the ops' CPU reference so).
+    """
+    if use_kernel is None:
+        use_kernel = x_hp.device.type == "cuda" and kernel_quantizes(tiling)
+    if use_kernel:
+        tile_args = (tiling.rows, tiling.cols, tiling.scale_kind.value)
+        if along_rows and along_columns:
+            x_fp8, scale, x_t_fp8, scale_t = torch.ops.fp8graph.quantize_tiles_and_transpose(x_hp, *tile_args)
+            return TiledOperand(x_fp8, scale, tiling), TiledOperand(x_t_fp8, scale_t, tiling)
+        x_q = TiledOperand(*torch.ops.fp8graph.quantize_tiles(x_hp, *tile_args), tiling) if along_rows else None
+        x_t_q = (TiledOperand(*torch.ops.fp8graph.quantize_tiles(x_hp.t(), *tile_args), tiling)
+                 if along_columns else None)
+        return x_q, x_t_q
+    x_q = _inductor_quantized(x_hp, tiling) if along_rows else None
+    x_t_q = None
+    if along_columns:
+        x_t_q = (x_q.transposed() if tiling.is_square and x_q is not None
+                 else _inductor_quantized(x_hp.t(), tiling))
+    return x_q, x_t_q
+
+
+def _inductor_quantized(x_hp: torch.Tensor, tiling: Tiling) -> TiledOperand:
+    """``reference_quantize_tiles`` of ``x_hp``, its FP8 values one buffer however many GEMMs read them (q, k and v
+    quantize their shared input identically: one node once the graph's duplicates merge)."""
+    x_fp8, scale = reference_quantize_tiles(x_hp, tiling)
+    return TiledOperand(one_buffer(x_fp8) if x_hp.device.type == "cuda" else x_fp8, scale, tiling)
+
+
+def cached_weight_operands(weight_hp: torch.Tensor, recipe: TiledRecipe, use_kernel: bool | None = None
+                           ) -> tuple[torch.Tensor, ...]:
+    """What a kept copy of ``weight_hp`` (N, K) holds (``fp8graph.buffers.weight_cache``), in its buffers'
+    order: the forward's operand (N, K) and its scales, then grad_input's (K, N) and its scales, except for
+    square tiles, whose transpose grad_input reads."""
+    tiling = recipe.tiling(Role.WEIGHT)
+    weight_q, weight_t_q = quantize_both_ways(weight_hp, tiling, True, not tiling.is_square, use_kernel)
+    if tiling.is_square:
+        return weight_q.fp8, weight_q.scale
+    return weight_q.fp8, weight_q.scale, weight_t_q.fp8, weight_t_q.scale
