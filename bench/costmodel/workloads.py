@@ -118,7 +118,7 @@ def decoder(spec: dict) -> list[dict]:
     accumulating = spec.get("grad_accumulation", [1]) != [1]
     with capture.Capture() as cap, inductor_config.patch(settings), mode, compiled(base, model) as compiled_model:
         compiled_model(tokens, labels=tokens).loss.backward()
-        first_call_graphs = len(cap.graphs)
+        first_call_runs = _runs(cap)
         note = _fp8_note(compiled_model, model)  # of the first micro-batch's graphs
         weight_cache = _reusing_micro_batch(compiled_model, lambda: compiled_model(tokens, labels=tokens).loss,
                                             None, base) if accumulating else None
@@ -126,7 +126,7 @@ def decoder(spec: dict) -> list[dict]:
     label = f"{config.num_hidden_layers} layers, vocab {config.vocab_size}, {spec['batch']}x{spec['sequence']}"
     case = _case(label, cap, note, _sgd_rows(model))
     if weight_cache:
-        _split_reusing_micro_batch(case, cap.graphs[first_call_graphs:], grouped=False)
+        _split_reusing_micro_batch(case, cap, first_call_runs, grouped=False)
     _check_attention(case, model)
     return [case]
 
@@ -173,7 +173,7 @@ def _moe_case(contestant: str, shape: dict, accumulating: bool = True) -> dict:
     with capture.Capture() as cap, inductor_config.patch(settings), mode, \
             compiled(base, block, compile_block) as compiled_block:
         compiled_block(x).backward(grad_output)
-        first_call_graphs = len(cap.graphs)
+        first_call_runs = _runs(cap)
         note = fp8_note(compiled_block, block)  # of the first micro-batch's graphs (a reusing one adds its own)
         weight_cache = _reusing_micro_batch(compiled_block, lambda: compiled_block(x), grad_output, contestant) \
             if accumulating else None
@@ -181,7 +181,7 @@ def _moe_case(contestant: str, shape: dict, accumulating: bool = True) -> dict:
                                f"expert width {config['expert_width']}, {shape['batch']}x{shape['sequence']}")
     case = _case(label, cap, note, _sgd_rows(block))
     if weight_cache:
-        _split_reusing_micro_batch(case, cap.graphs[first_call_graphs:])
+        _split_reusing_micro_batch(case, cap, first_call_runs)
     _check_grouped_gemms(case, base)
     return case
 
@@ -197,15 +197,32 @@ def _reusing_micro_batch(compiled_model, loss, grad_output, contestant: str):
     return weight_cache
 
 
-def _split_reusing_micro_batch(case: dict, reuse_graphs, grouped: bool = True) -> None:
-    """The rows of the graphs the second micro-batch compiled (those that read the kept weight casts) move to
-    ``reuse_rows``: ``rows`` stay one micro-batch that casts its weights, and a step of n micro-batches is
+def _runs(cap: capture.Capture) -> dict[str, int]:
+    """How many times each graph of the capture ran so far, by its rows' label."""
+    return {f"{graph.index}:{graph.kind}": graph.runs for graph in cap.graphs}
+
+
+def _split_reusing_micro_batch(case: dict, cap: capture.Capture, first_call_runs: dict[str, int],
+                               grouped: bool = True) -> None:
+    """``rows`` become the first micro-batch's (the one that casts the weights) and ``reuse_rows`` the
+    second's: the graphs it compiled (those that read the kept weight casts), and the runs it added to graphs
+    both micro-batches share (a regional model's graphs without FP8 weights). A step of n micro-batches is
     ``rows`` once and ``reuse_rows`` n - 1 times (``bench.model.accumulate``)."""
-    labels = {f"{graph.index}:{graph.kind}" for graph in reuse_graphs}
-    if not labels:
+    runs = _runs(cap)
+    if not set(runs) - set(first_call_runs):
         raise capture.CaptureError("the reusing micro-batch compiled no graph of its own")
-    case["reuse_rows"] = [row for row in case["rows"] if row["graph"] in labels]
-    case["rows"] = [row for row in case["rows"] if row["graph"] not in labels]
+    first, reuse = [], []
+    for row in case["rows"]:
+        if row["graph"] not in runs:  # the optimizer's, once a step
+            first.append(row)
+            continue
+        total = runs[row["graph"]]
+        in_first = first_call_runs.get(row["graph"], 0)
+        if in_first:  # a row's count is its graph's runs (bench.costmodel.costs.rows_of)
+            first.append({**row, "count": row["count"] * in_first // total})
+        if total > in_first:
+            reuse.append({**row, "count": row["count"] * (total - in_first) // total})
+    case["rows"], case["reuse_rows"] = first, reuse
     if grouped:
         _check_grouped_gemms({"rows": case["reuse_rows"]}, "the reusing micro-batch")
 

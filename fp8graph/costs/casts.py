@@ -90,7 +90,7 @@ class GroupedCasts:
     block_launches: int
 
 
-# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-27T055814Z.json
+# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-27T084756Z.json
 # (Qwen3-30B-A3B's block at 256 and 2048 tokens an expert, sm_90, torch 2.13.0, triton 3.6.0); the FP8 steps'
 # Triton bytes it predicts are within 0.5% of the block at 1024 tokens an expert, 6% of Llama-4 Scout's and 7% of
 # DeepSeek-V3's (row-wise 19% under: its per-group column scales grow with the tokens an expert). Of what a recipe
@@ -101,5 +101,5 @@ class GroupedCasts:
 GROUPED_CAST_TRAFFIC: dict[str, GroupedCasts] = {
     "current": GroupedCasts(-1.3125, 2.0, 6.015625, 0.015625, 34),
     "delayed": GroupedCasts(-2.921875, 2.0, 6.015625, 0.03125, 29),
-    "rowwise": GroupedCasts(2.09375, 4.0, 8.015625, 0.03125, 27),
+    "rowwise": GroupedCasts(2.09375, 4.0, 8.03125, 0.03125, 27),
 }

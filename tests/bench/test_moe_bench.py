@@ -96,6 +96,28 @@ def test_micro_batches_after_the_first_run_the_reusing_graphs_where_weights_are_
         ("param.grad += the micro-batch's gradient (autograd, eager)", 9)]
 
 
+def test_a_graph_both_micro_batches_run_is_counted_once_in_each():
+    """A regional model's graphs without FP8 weights run in the micro-batch that fills the weight copies and in
+    the one that reuses them: their runs split between ``rows`` and ``reuse_rows``, where counting them all in
+    the first would charge a step of n micro-batches their kernels n + 1 times."""
+    import types
+
+    from bench.costmodel import workloads
+
+    graphs = [types.SimpleNamespace(index=0, kind="forward", runs=2),   # shared: ran once in each micro-batch
+              types.SimpleNamespace(index=1, kind="forward", runs=4),   # the fill graph of a 4-layer region
+              types.SimpleNamespace(index=2, kind="forward", runs=4)]   # the reuse graph, compiled by the second
+    cap = types.SimpleNamespace(graphs=graphs)
+    rows = [{"graph": "0:forward", "kind": "triton", "name": "norm", "count": 2},
+            {"graph": "1:forward", "kind": "triton", "name": "cast weight", "count": 4},
+            {"graph": "2:forward", "kind": "triton", "name": "read copy", "count": 4},
+            {"graph": "optimizer", "kind": "optimizer", "name": "sgd", "count": 3}]
+    case = {"rows": rows}
+    workloads._split_reusing_micro_batch(case, cap, {"0:forward": 1, "1:forward": 4}, grouped=False)
+    assert [(r["name"], r["count"]) for r in case["rows"]] == [("norm", 1), ("cast weight", 4), ("sgd", 3)]
+    assert [(r["name"], r["count"]) for r in case["reuse_rows"]] == [("norm", 1), ("read copy", 4)]
+
+
 def _triton_bytes(case: dict, graph: str | None = None, key: str = "rows") -> tuple[int, int]:
     """Bytes the Triton kernels of ``case[key]`` read and write, in ``graph`` or in all of them."""
     kernels = [r for r in case[key] if r["kind"] == "triton" and graph in (None, r["graph"])]
