@@ -65,8 +65,8 @@ from fp8graph.recipes.scaling import Recipe, expert_recipe
 from fp8graph.buffers.delayed_state import weight_candidates
 
 __all__ = ["CACHED_WEIGHT_PREFIX", "CACHED_SCALE_PREFIX", "CACHED_TRANSPOSE_PREFIX", "CACHED_TRANSPOSE_SCALE_PREFIX",
-           "COPY_PREFIXES", "CopiesCannotServe", "WeightCache", "copy_layout", "optimizer_steps", "register_weight_cache",
-           "watch_optimizer_steps"]
+           "COPY_PREFIXES", "CopiesCannotServe", "WeightCache", "copy_layout", "optimizer_steps",
+           "register_weight_cache", "watch_optimizer_steps"]
 
 CACHED_WEIGHT_PREFIX = "fp8graph_cached_weight_"
 CACHED_SCALE_PREFIX = "fp8graph_cached_weight_scale_"
@@ -187,9 +187,10 @@ def _storage_address(weight: torch.Tensor) -> int | None:
         return None
 
 
-def copy_layout(module: torch.nn.Module, param: torch.Tensor, recipe: Recipe) -> dict[str, torch.Tensor]:
+def copy_layout(module: torch.nn.Module, param: torch.Tensor, recipe: Recipe, device=None) -> dict[str, torch.Tensor]:
     """The buffers that keep ``param``'s FP8 copies under ``recipe`` (the policy's), by prefix in
-    :data:`COPY_PREFIXES` order, as zeros: the one place that says what a kept copy holds. The sites' targets
+    :data:`COPY_PREFIXES` order, as zeros on ``device`` (the weight's by default; ``"meta"`` for the layout
+    alone): the one place that says what a kept copy holds. The sites' targets
     write and read them in that order (``cached_weight``, ``cached_weight_scale``, ``cached_weight_t``,
     ``cached_weight_t_scale``)::
 
@@ -204,25 +205,30 @@ def copy_layout(module: torch.nn.Module, param: torch.Tensor, recipe: Recipe) ->
     which its site reads transposed where it multiplies the weight the other way round; an expert weight's
     two layouts are filled both ways from one cast, and its site takes the one laid out as each GEMM
     reads it."""
-    site_recipe = expert_recipe(recipe) if weight_experts(param) is not None else recipe
-    if recipe.tiled and weight_experts(param) is None:
+    device = param.device if device is None else device
+    experts = weight_experts(param)
+    if recipe.tiled and experts is None:
         like = torch.empty(_copy_shape(module, param), dtype=param.dtype, device="meta")
         operands = cached_weight_operands(like, recipe, use_kernel=_kernel_on(param.device, recipe))
         # Laid out as the casts write them (grad_input's along N may be N-major): a fill copies them as they are.
-        return {prefix: _zeros(operand.shape, operand.dtype, param.device, operand.stride())
+        return {prefix: _zeros(operand.shape, operand.dtype, device, operand.stride())
                 for prefix, operand in zip(COPY_PREFIXES, operands)}
-    fp8_dtype = site_recipe.fp8_dtype(Role.WEIGHT)
-    copy = _zeros(_copy_shape(module, param), fp8_dtype, param.device)
-    experts = weight_experts(param)
+    fp8_dtype = _site_recipe(param, recipe).fp8_dtype(Role.WEIGHT)
+    copy = _zeros(_copy_shape(module, param), fp8_dtype, device)
     if experts is None:
-        return {CACHED_WEIGHT_PREFIX: copy, CACHED_SCALE_PREFIX: torch.ones((), device=param.device)}
+        return {CACHED_WEIGHT_PREFIX: copy, CACHED_SCALE_PREFIX: torch.ones((), device=device)}
     _, rows, columns = param.shape
     copies = {CACHED_WEIGHT_PREFIX: copy,
-              CACHED_SCALE_PREFIX: torch.ones((experts, rows if recipe.tiled else 1), device=param.device),
-              CACHED_TRANSPOSE_PREFIX: _zeros((experts, columns, rows), fp8_dtype, param.device)}
+              CACHED_SCALE_PREFIX: torch.ones((experts, rows if recipe.tiled else 1), device=device),
+              CACHED_TRANSPOSE_PREFIX: _zeros((experts, columns, rows), fp8_dtype, device)}
     if recipe.tiled:  # row-wise: each layout cast along its own rows
-        copies[CACHED_TRANSPOSE_SCALE_PREFIX] = torch.ones((experts, columns), device=param.device)
+        copies[CACHED_TRANSPOSE_SCALE_PREFIX] = torch.ones((experts, columns), device=device)
     return copies
+
+
+def _site_recipe(param: torch.Tensor, recipe: Recipe) -> Recipe:
+    """The recipe the weight's sites run under the policy's ``recipe``: an expert GEMM's is all E4M3."""
+    return expert_recipe(recipe) if weight_experts(param) is not None else recipe
 
 
 def _zeros(shape, dtype: torch.dtype, device, stride=None) -> torch.Tensor:
@@ -280,7 +286,7 @@ def _reuse_registered_cache(model: torch.nn.Module, plan: Plan, cache: WeightCac
             continue
         for name, param in weight_candidates(module):
             recipe = plan[param].cached
-            wanted = None if recipe is None else _layout_of(copy_layout(module, param, recipe))
+            wanted = None if recipe is None else _layout_of(copy_layout(module, param, recipe, device="meta"))
             there = _layout_of(copies[id(param)][1]) if id(param) in copies else None
             if wanted != there:
                 raise CopiesCannotServe(
@@ -293,7 +299,8 @@ def _reuse_registered_cache(model: torch.nn.Module, plan: Plan, cache: WeightCac
 
 def register_weight_cache(model: torch.nn.Module, policy: Policy, plan: Plan | None = None,
                           data_parallel: torch.nn.Module | None = None) -> WeightCache | None:
-    """Register FP8 copies for the weights of submodules that the policy gives per-tensor current scaling.
+    """Register FP8 copies for the weights of submodules whose plan keeps one (``WeightEntry.cached``), laid
+    out by :func:`copy_layout`.
 
     A model that holds them already (compiled before with weight copies, or a copy of one) keeps
     them when they serve ``policy`` (:func:`_reuse_registered_cache`), and refills them at its next call;
@@ -326,7 +333,7 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy, plan: Plan | N
             copies = copy_layout(module, param, recipe)
             for prefix, initial in copies.items():
                 new_buffers.append(NewBuffer(module, path, prefix + name, initial, persistent=False))
-            site_recipe = expert_recipe(recipe) if weight_experts(param) is not None else recipe
+            site_recipe = _site_recipe(param, recipe)
             owner_of[id(param)] = (module, name, site_recipe, tuple(copies))
             cache.add(module, name, module, name, site_recipe, tuple(copies))
             anchored.setdefault(module, []).append((module, name, tuple(copies)))

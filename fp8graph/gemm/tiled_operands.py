@@ -30,7 +30,7 @@ class TiledOperand:
 
 
 def quantize_both_ways(x_hp: torch.Tensor, tiling: Tiling, along_rows: bool, along_columns: bool,
-              use_kernel: bool | None = None) -> tuple[TiledOperand | None, TiledOperand | None]:
+                       use_kernel: bool | None = None) -> tuple[TiledOperand | None, TiledOperand | None]:
     """``x_hp`` (R, C) quantized along its rows (C reduced) and, transposed, along its columns (R reduced).
 
     On CUDA, tilings that fp8graph's kernel quantizes faster than Inductor's

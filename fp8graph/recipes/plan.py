@@ -102,25 +102,32 @@ class WeightEntry:
         the first the policy may give it whose weight cast depends on the weight alone, and, for an expert
         weight, whose expert GEMMs run ``torch._scaled_grouped_mm`` (MXFP8's run block by block,
         ``fp8graph.targets.grouped_blocks``, casting per call)."""
-        experts = len(self.shape) == 3
-        cacheable = [recipe for recipe, shape_reason in zip(self.recipes.recipes, self.misaligned)
-                     if recipe is not None and recipe.caches_weights and shape_reason is None
-                     and (not experts or recipe.granularity in NATIVE_GROUPED_GRANULARITIES)
-                     and (experts or not recipe.tiled or self.copies_everywhere)]
+        cacheable = [recipe for recipe in self._copyable() if not self._fill_costs_more(recipe)]
         return cacheable[0] if cacheable else None
 
     @property
     def per_call_reason(self) -> str | None:
-        """Why the weight keeps no copy though the compile keeps copies, where a recipe could keep one."""
-        if self.weight_copies != "cached" or self.cached is not None or not self.may_be_fp8:
+        """Why the weight keeps no copy though the compile keeps copies and a recipe could keep one."""
+        if self.weight_copies != "cached" or self.cached is not None:
             return None
-        if len(self.shape) == 2 and not self.copies_everywhere and any(
-                recipe is not None and recipe.tiled for recipe in self.recipes.recipes):
-            # Modelled on sm_90 (bench model decoder, 2026-11-27): the fill graphs of row-wise and block scaling
-            # cast each matrix once more than a call casting per call (its two layouts in the forward, and
-            # grad_input's again in the backward, or a kernel's outputs copied): launches 281 -> 314, 306 -> 318.
+        if any(self._fill_costs_more(recipe) for recipe in self._copyable()):
             return "a tiled recipe's fill casts a matrix more than a call casting it does (cache_weights=True keeps it)"
         return None
+
+    def _copyable(self) -> list[Recipe]:
+        """The recipes the policy may give the weight that could keep its copy: they fit its shape, cast it from
+        the weight alone, and, for an expert weight, run ``torch._scaled_grouped_mm``."""
+        experts = len(self.shape) == 3
+        return [recipe for recipe, shape_reason in zip(self.recipes.recipes, self.misaligned)
+                if recipe is not None and recipe.caches_weights and shape_reason is None
+                and (not experts or recipe.granularity in NATIVE_GROUPED_GRANULARITIES)]
+
+    def _fill_costs_more(self, recipe: Recipe) -> bool:
+        """Whether ``"auto"`` casts the weight per call under ``recipe`` though a copy could be kept. Modelled on
+        sm_90 (bench model decoder, 2026-11-27): the fill graphs of row-wise and block scaling cast each matrix
+        once more than a call casting per call (its two layouts in the forward, and grad_input's again in the
+        backward, or a kernel's outputs copied): launches 281 -> 314, 306 -> 318."""
+        return len(self.shape) == 2 and recipe.tiled and not self.copies_everywhere
 
     @property
     def fp8_copy(self) -> str | None:

@@ -81,7 +81,8 @@ def _gathered_operands(weight: GatheredFP8Weight, recipe: TiledRecipe, needs_gra
 def _weight_through_copy(weight_hp: torch.Tensor, recipe: TiledRecipe, mode: str, copies: tuple[torch.Tensor, ...]
                          ) -> tuple[TiledOperand, TiledOperand]:
     """``(weight_q (N, K), weight_t_q (K, N))`` through the weight's kept copies: a ``"fill"`` call casts the
-    weight (``fp8graph.gemm.tiled_operands.cached_weight_operands``) and writes them, a ``"reuse"`` call reads them and never the weight.
+    weight (``fp8graph.gemm.tiled_operands.cached_weight_operands``) and writes them, a ``"reuse"`` call reads
+    them and never the weight.
     Copies kept in the weight's own (K, N) shape, for a module that leaves the orientation open, are read
     swapped: grad_input's pair is the forward's, or, for square tiles, the forward's pair transposed."""
     tiling = recipe.tiling(Role.WEIGHT)
@@ -125,7 +126,8 @@ class _LinearTiled(torch.autograd.Function):
         # does not see (the caller passes the grad mode).
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         with torch.autocast(device_type, enabled=False):
-            input_q, input_t_q = quantize_both_ways(input_hp_2d, input_tiling, True, needs_grad_weight)  # (M, K), (K, M')
+            # (M, K), (K, M')
+            input_q, input_t_q = quantize_both_ways(input_hp_2d, input_tiling, True, needs_grad_weight)
             weight_row_scale = None
             if is_gathered(weight_hp):  # FSDP2 gathered it cast (fp8graph.fsdp.shard_casts)
                 weight_q, weight_t_q, weight_row_scale = _gathered_operands(weight_hp, recipe, needs_grad_input)
@@ -133,7 +135,8 @@ class _LinearTiled(torch.autograd.Function):
                 weight_q, weight_t_q = _weight_through_copy(weight_hp, recipe, *weight_copy)
                 weight_t_q = weight_t_q if needs_grad_input else None
             else:
-                weight_q, weight_t_q = quantize_both_ways(weight_hp, weight_tiling, True, needs_grad_input)  # (N, K), (K, N)
+                # (N, K), (K, N)
+                weight_q, weight_t_q = quantize_both_ways(weight_hp, weight_tiling, True, needs_grad_input)
             # Fast accumulation for the forward GEMM, as for per-tensor scaling.
             output = _gemm(input_q, weight_q, output_dtype, lowering, use_fast_accum=True)
             if bias_hp is not None:
@@ -159,7 +162,8 @@ class _LinearTiled(torch.autograd.Function):
         with torch.autocast(grad_output_hp_2d.device.type, enabled=False):
             if weight_row_scale is not None and needs_grad_input:
                 # A row-wise weight gathered in FP8: its row scales move to grad_output (see the module's doc).
-                grad_output_q, _ = quantize_both_ways(grad_output_hp_2d.float() / weight_row_scale, grad_tiling, True, False)
+                grad_output_q, _ = quantize_both_ways(grad_output_hp_2d.float() / weight_row_scale, grad_tiling,
+                                                      True, False)
                 _, grad_output_t_q = quantize_both_ways(grad_output_hp_2d, grad_tiling, False, needs_grad_weight)
             else:
                 # Along N for grad_input, along M (transposed) for grad_weight; one read where both are needed.
