@@ -405,15 +405,7 @@ def test_gpt2_conv1d_weights_stored_k_n_get_n_k_copies_and_train_like_uncached(c
 def test_a_weight_multiplied_k_n_by_an_unknown_module_is_read_through_its_copy_transposed():
     """``x @ w`` with w (K, N) in a module of its own: which way round it multiplies w is only known from
     the graph, so the copy keeps w's shape and the linear reads it transposed."""
-    class KNProjection(torch.nn.Module):
-        def __init__(self, k, n):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.randn(k, n) / k ** 0.5)
-
-        def forward(self, x):
-            return x @ self.weight
-
-    model = torch.nn.Sequential(KNProjection(64, 96), torch.nn.ReLU(), KNProjection(96, 64))
+    model = torch.nn.Sequential(_KNProjection(64, 96), torch.nn.ReLU(), _KNProjection(96, 64))
     cached_model = copy.deepcopy(model)
     x = torch.randn(4, 8, 64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
