@@ -600,6 +600,13 @@ def compare_lines(measured: dict, measured_name: str, model_path: pathlib.Path |
             "counts kernel time only; docs/cost-model.md says how close it came before."]
 
 
+def _add_grad_accumulation(parser) -> None:
+    """``--grad-accumulation``, which ``accumulate`` reads: bench decoder's and bench moe's."""
+    parser.add_argument("--grad-accumulation", nargs="+", type=positive(int), default=[1], metavar="N",
+                        help="model each step as N micro-batches and one optimizer step, for each N given "
+                             "(default 1)")
+
+
 def _ints(text: str, count: int) -> tuple[int, ...]:
     values = tuple(int(v) for v in text.split(","))
     if len(values) != count or any(v < 1 for v in values):
@@ -642,8 +649,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=positive(int), help="decoder layers (default: the config's, 4 or 32)")
     p.add_argument("--sequence", type=positive(int), default=4096)
     p.add_argument("--batch", type=positive(int), default=1)
-    p.add_argument("--grad-accumulation", nargs="+", type=positive(int), default=[1], metavar="N",
-                   help="model each step as N micro-batches and one optimizer step, for each N given (default 1)")
+    _add_grad_accumulation(p)
     p.set_defaults(model_run=model_decoder)
 
     p = commands.add_parser("moe", parents=[outputs], help="bench moe's training step of one MoE block")
@@ -661,8 +667,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", action="store_true",
                    help="every block of bench/moe.py's SWEEP (Qwen3-30B-A3B at 256, 1024 and 2048 tokens an expert, "
                         "DeepSeek-V3's experts 8 a rank, Llama-4 Scout's) instead of one")
-    p.add_argument("--grad-accumulation", nargs="+", type=positive(int), default=[1], metavar="N",
-                   help="model each step as N micro-batches and one optimizer step, for each N given (default 1)")
+    _add_grad_accumulation(p)
     p.add_argument("--fp8graph-at", default="installed", metavar="COMMIT",
                    help="fp8graph (its package, passes and models) at this commit, extracted from git; default: "
                         "the working tree")

@@ -115,13 +115,12 @@ def decoder(spec: dict) -> list[dict]:
     model = fake_h100.to_fake_cuda(model, mode).train()
     with mode:
         tokens = torch.zeros(spec["batch"], spec["sequence"], dtype=torch.long, device="cuda")
-    accumulating = spec.get("grad_accumulation", [1]) != [1]
     with capture.Capture() as cap, inductor_config.patch(settings), mode, compiled(base, model) as compiled_model:
         compiled_model(tokens, labels=tokens).loss.backward()
         first_call_runs = _runs(cap)
         note = _fp8_note(compiled_model, model)  # of the first micro-batch's graphs
         weight_cache = _reusing_micro_batch(compiled_model, lambda: compiled_model(tokens, labels=tokens).loss,
-                                            None, base) if accumulating else None
+                                            None, base) if _accumulating(spec) else None
     config = model.config
     label = f"{config.num_hidden_layers} layers, vocab {config.vocab_size}, {spec['batch']}x{spec['sequence']}"
     case = _case(label, cap, note, _sgd_rows(model))
@@ -142,11 +141,11 @@ def moe(spec: dict) -> list[dict]:
     cases = []
     for shape in shapes:
         torch._dynamo.reset()
-        cases.append(_moe_case(spec["contestant"], shape, spec.get("grad_accumulation", [1]) != [1]))
+        cases.append(_moe_case(spec["contestant"], shape, _accumulating(spec)))
     return cases
 
 
-def _moe_case(contestant: str, shape: dict, accumulating: bool = True) -> dict:
+def _moe_case(contestant: str, shape: dict, accumulating: bool) -> dict:
     import torch._inductor.config as inductor_config
 
     from bench.moe import compile_block, fp8_note, parse_contestant, swap_in_torchao
@@ -184,6 +183,11 @@ def _moe_case(contestant: str, shape: dict, accumulating: bool = True) -> dict:
         _split_reusing_micro_batch(case, cap, first_call_runs)
     _check_grouped_gemms(case, base)
     return case
+
+
+def _accumulating(spec: dict) -> bool:
+    """Whether the spec models steps of several micro-batches (``bench.model.accumulate``)."""
+    return spec.get("grad_accumulation", [1]) != [1]
 
 
 def _reusing_micro_batch(compiled_model, loss, grad_output, contestant: str):
