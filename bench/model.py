@@ -588,7 +588,7 @@ def compare_lines(measured: dict, measured_name: str, model_path: pathlib.Path |
         reference = kernel if kernel is not None else wall
         speedup = bf16["train_tokens_per_s"] and row["train_tokens_per_s"] / bf16["train_tokens_per_s"]
         table.append([row["contestant"], f"{ours['step_ms']:.2f}", f"{kernel:.2f}" if kernel else "-",
-                      f"{wall:.2f}", f"{round((ours['step_ms'] / reference - 1) * 100) + 0:+d}%",
+                      f"{wall:.2f}", f"{int(round((ours['step_ms'] / reference - 1) * 100)):+d}%",
                       f"{ours['triton_ms']:.2f}", f"{triton:.2f}" if triton is not None else "-",
                       f"{ours.get('vs_bf16', float('nan')):.2f}x", f"{speedup:.2f}x" if bf16 else "-"])
     return [f"Modelled ({model_path.name}, project at {model.get('project_commit')}) against measured "

@@ -126,6 +126,9 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     plan = Plan(user_model, policy, weight_copies_of(cache_weights, freeze_weights), copies_reason,
                 copies_everywhere=options["cache_weights"] is True) \
         if isinstance(user_model, torch.nn.Module) else None
+    # Delayed state before the copies: where its buffer names are taken, the compile is refused with nothing added
+    # (a refusal of the copies leaves the state, which the next compile continues).
+    state = register_delayed_state(user_model, policy, plan) if policy.needs_state else None
     weight_cache = None
     if cache_weights:
         try:
@@ -135,7 +138,6 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             if options["cache_weights"] is True:
                 raise
             cache_weights, plan = False, Plan(user_model, policy, "per call", str(refused))
-    state = register_delayed_state(user_model, policy, plan) if policy.needs_state else None
     all_gather = install_fp8_all_gather(user_model, policy, module_paths_by_id(user_model),
                                         dict(stats=stats, cache_weights=cache_weights), plan) \
         if fp8_all_gather and isinstance(user_model, torch.nn.Module) else None

@@ -135,10 +135,11 @@ class AnchoredBuffers:
     stats_collector: object | None
 
     def cache_nodes(self, decision):
-        """The placeholders of the FP8 copies of the decision's weight, if they serve its recipe, else None."""
-        recipe, buffers = self.cache_by_weight.get(id(self.value_of.get(decision.site.weight_input)), (None, ()))
-        nodes = tuple(self.cache.get(id(buffer)) for buffer in buffers)
-        return nodes if nodes and None not in nodes and recipe == decision.recipe else None
+        """The placeholders of the FP8 copies of the decision's weight by prefix, if they serve its recipe, else
+        None."""
+        recipe, buffers = self.cache_by_weight.get(id(self.value_of.get(decision.site.weight_input)), (None, {}))
+        nodes = {prefix: self.cache.get(id(buffer)) for prefix, buffer in buffers.items()}
+        return nodes if nodes and None not in nodes.values() and recipe == decision.recipe else None
 
     def state_nodes(self, site):
         entry = self.state_by_weight.get(id(self.value_of.get(site.weight_input)))

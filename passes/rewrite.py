@@ -52,15 +52,18 @@ from fp8graph.targets.linear_tiled import linear_tiled_target
 from fp8graph.targets.matmul import matmul_fp8_target
 
 from fp8graph.buffers.snapshots import CONTEXT_FN_KEY, checkpoint_context_fn
+from fp8graph.buffers.weight_cache import COPY_KEYWORDS
 
 from .annotate import DECISION_KEY, Decision
 from .sites import GatheredExpertSite, GroupedExpertSite, LinearSite, MatmulSite, Site
 from .subgraphs import Subgraphs
 
-__all__ = ["CACHED_WEIGHT_KEYWORDS", "rewrite_sites"]
+__all__ = ["rewrite_sites"]
 
-# The targets' keywords for a weight's kept copies, in fp8graph.buffers.weight_cache.COPY_PREFIXES order.
-CACHED_WEIGHT_KEYWORDS = ("cached_weight", "cached_weight_scale", "cached_weight_t", "cached_weight_t_scale")
+# The keyword a group of linears (per-tensor recipes: one copy and its scale, delayed scaling's amax too) takes
+# its members' copies under, a list each.
+_GROUP_KEYWORDS = {"cached_weight": "cached_weights", "cached_weight_scale": "cached_weight_scales",
+                   "cached_weight_amax": "cached_weight_amaxes"}
 
 
 def _weight_nk(graph: torch.fx.Graph, decision: Decision) -> torch.fx.Node:
@@ -134,6 +137,11 @@ class _Buffers:
     def _lift(self, nodes, gm):
         return None if nodes is None else tuple(self.subgraphs.lift(n, gm) for n in nodes)
 
+    def _lift_by_keyword(self, nodes: dict | None, gm) -> dict | None:
+        """Prefixed buffers' nodes lifted into ``gm``, by the keyword the targets take each under."""
+        return None if nodes is None else {COPY_KEYWORDS[prefix]: self.subgraphs.lift(node, gm)
+                                           for prefix, node in nodes.items()}
+
     def stats(self, decision: Decision, gm) -> torch.fx.Node | None:
         stats = self._stats_nodes(decision.site)
         return None if stats is None else self.subgraphs.lift(stats, gm)
@@ -144,12 +152,12 @@ class _Buffers:
             return None
         return self._lift(self._state_nodes(decision.site), gm)
 
-    def cache(self, decision: Decision, gm) -> tuple[torch.fx.Node, ...] | None:
+    def cache(self, decision: Decision, gm) -> dict[str, torch.fx.Node] | None:
         """The FP8 copies of the site's weight kept for its recipe (``fp8graph.buffers.weight_cache.copy_layout``),
-        in the order of :data:`CACHED_WEIGHT_KEYWORDS`."""
+        by the keyword its target takes each under (``COPY_KEYWORDS``)."""
         if not (decision.site.has_weight and decision.recipe.caches_weights):
             return None
-        return self._lift(self._cache_nodes(decision), gm)
+        return self._lift_by_keyword(self._cache_nodes(decision), gm)
 
 
 def _linear_target(decision: Decision, state, cache, buffers: _Buffers, group: bool):
@@ -176,9 +184,9 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
             if states[0] is not None:
                 kwargs.update(zip(("histories", "scales", "grad_histories", "grad_scales"),
                                   (list(buffers) for buffers in zip(*states))))
-            if caches[0] is not None:
-                kwargs.update(cached_weights=[cache[0] for cache in caches],
-                              cached_weight_scales=[cache[1] for cache in caches])
+            if caches[0] is not None:  # a list a keyword: cached_weight -> cached_weights
+                kwargs.update({_GROUP_KEYWORDS[keyword]: [cache[keyword] for cache in caches]
+                               for keyword in caches[0]})
             call = graph.call_function(target, args, {k: v for k, v in kwargs.items() if v is not None})
             # The call is no site (its outputs are): it keeps the first site's module stack and trace.
             call.meta.update({k: v for k, v in site.node.meta.items() if k not in ("example_value", DECISION_KEY)})
@@ -193,7 +201,7 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
             state, cache = states[0], caches[0]
             target, args, kwargs = _single_call(site, first, graph, state, cache, buffers)
             if cache is not None:
-                kwargs.update(zip(CACHED_WEIGHT_KEYWORDS, cache))
+                kwargs.update(cache)
             if stats[0] is not None or state is not None:
                 args = args + (stats[0],)
             if state is not None:

@@ -38,7 +38,7 @@ def _saved_and_loaded(compiled):
 COPIES = {"deepcopy": copy.deepcopy, "pickle": lambda obj: pickle.loads(pickle.dumps(obj)), "torch.save": _saved_and_loaded}
 # Plain pickle of a float8 tensor fails in torch itself (its storage pickling needs a typed storage;
 # torch.save writes the dtype): a model holding FP8 weight copies is saved with torch.save or deep-copied.
-HOLDS_FP8_COPIES = {"current", "stats"}
+HOLDS_FP8_COPIES = {"current", "delayed", "stats"}
 CASES = [(options, how) for options in OPTIONS for how in COPIES
          if not (options in HOLDS_FP8_COPIES and how == "pickle")]
 

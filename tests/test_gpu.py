@@ -294,17 +294,23 @@ def test_the_delayed_state_kernel_equals_its_reference_on_the_gpu():
     from fp8graph.kernels.delayed_record import _record_reference, record_delayed_
 
     generator = torch.Generator().manual_seed(0)
-    for members, rows in ((3, 2), (2, 1)):
+    for members, rows, keep in ((3, 2, False), (2, 1, False), (2, 2, True), (1, 9, True)):
         histories = [torch.rand(rows, 1024, generator=generator) for _ in range(members)]
         scales = [torch.rand(rows, generator=generator) for _ in range(members)]
         partials = [torch.rand(4096, generator=generator).to(torch.bfloat16) for _ in range(members * rows)]
         partials[0][7] = float("nan")
         new_scales = torch.rand(members, rows, generator=generator)
+        kept = [torch.zeros(rows - 1, 1) for _ in range(2 * members)] if keep else []
         expected_histories, expected_scales = [h.clone() for h in histories], [s.clone() for s in scales]
-        _record_reference(expected_histories, expected_scales, partials, new_scales)
+        expected_kept = [k.clone() for k in kept]
+        _record_reference(expected_histories, expected_scales, partials, new_scales, expected_kept[:members],
+                          expected_kept[members:])
         cuda_histories, cuda_scales = [h.cuda() for h in histories], [s.cuda() for s in scales]
-        record_delayed_(cuda_histories, cuda_scales, [p.cuda() for p in partials], new_scales.cuda())
-        for got, expected in zip(cuda_histories + cuda_scales, expected_histories + expected_scales):
+        cuda_kept = [k.cuda() for k in kept]
+        record_delayed_(cuda_histories, cuda_scales, [p.cuda() for p in partials], new_scales.cuda(),
+                        cuda_kept[:members], cuda_kept[members:])
+        for got, expected in zip(cuda_histories + cuda_scales + cuda_kept,
+                                 expected_histories + expected_scales + expected_kept):
             torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0, equal_nan=True)
 
 

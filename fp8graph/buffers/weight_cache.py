@@ -12,6 +12,7 @@ them is the plan's ``WeightEntry.cached``)::
     fp8graph_cached_weight_scale_<name>    its scales
     fp8graph_cached_weight_t_<name>        grad_input's, where it is a second copy (experts, row-wise, MXFP8)
     fp8graph_cached_weight_t_scale_<name>  its scales, where they are not the first's (row-wise, MXFP8)
+    fp8graph_cached_weight_amax_<name>     the weight's amax (delayed scaling: what a reusing call records)
 
 A matrix's copy is laid out (N, K) as the FP8 linear reads its weight, whichever
 way the module stores it: a GPT-2 ``Conv1D`` weight, stored (K, N), gets the
@@ -61,19 +62,25 @@ from fp8graph.gemm.tiled_operands import cached_weight_operands
 from fp8graph.kernels.quantize_tiles import kernel_quantizes
 from fp8graph.recipes.plan import Plan
 from fp8graph.recipes.policy import Policy, weight_experts, weight_orientations
-from fp8graph.recipes.scaling import Recipe, expert_recipe
+from fp8graph.recipes.scaling import NATIVE_GROUPED_GRANULARITIES, Recipe, expert_recipe
+from fp8graph.targets.grouped_blocks import expert_blocks
 from fp8graph.buffers.delayed_state import weight_candidates
 
-__all__ = ["CACHED_WEIGHT_PREFIX", "CACHED_SCALE_PREFIX", "CACHED_TRANSPOSE_PREFIX", "CACHED_TRANSPOSE_SCALE_PREFIX",
-           "COPY_PREFIXES", "CopiesCannotServe", "WeightCache", "copy_layout", "optimizer_steps",
-           "register_weight_cache", "watch_optimizer_steps"]
+__all__ = ["CACHED_AMAX_PREFIX", "CACHED_WEIGHT_PREFIX", "CACHED_SCALE_PREFIX", "CACHED_TRANSPOSE_PREFIX",
+           "CACHED_TRANSPOSE_SCALE_PREFIX", "COPY_KEYWORDS", "COPY_PREFIXES", "CopiesCannotServe", "WeightCache",
+           "copy_layout", "optimizer_steps", "register_weight_cache", "watch_optimizer_steps"]
 
 CACHED_WEIGHT_PREFIX = "fp8graph_cached_weight_"
 CACHED_SCALE_PREFIX = "fp8graph_cached_weight_scale_"
 CACHED_TRANSPOSE_PREFIX = "fp8graph_cached_weight_t_"  # the copy grad_input reads, where it is a second one
 CACHED_TRANSPOSE_SCALE_PREFIX = "fp8graph_cached_weight_t_scale_"  # its scales, where they are not the first's
-# The buffers of a weight's copies, in the order the FP8 sites take them; a layout keeps the first few.
-COPY_PREFIXES = (CACHED_WEIGHT_PREFIX, CACHED_SCALE_PREFIX, CACHED_TRANSPOSE_PREFIX, CACHED_TRANSPOSE_SCALE_PREFIX)
+CACHED_AMAX_PREFIX = "fp8graph_cached_weight_amax_"  # delayed scaling: the amax the fill recorded
+# The buffers of a weight's copies, in the order copy_layout lists them; a layout keeps some of them.
+COPY_PREFIXES = (CACHED_WEIGHT_PREFIX, CACHED_SCALE_PREFIX, CACHED_TRANSPOSE_PREFIX, CACHED_TRANSPOSE_SCALE_PREFIX,
+                 CACHED_AMAX_PREFIX)
+# The keyword each buffer is passed to the sites' targets under.
+COPY_KEYWORDS = dict(zip(COPY_PREFIXES, ("cached_weight", "cached_weight_scale", "cached_weight_t",
+                                         "cached_weight_t_scale", "cached_weight_amax")))
 
 
 class CopiesCannotServe(ValueError):
@@ -98,12 +105,11 @@ class WeightCache:
     def __len__(self) -> int:
         return sum(holder is owner for holder, _, owner, *_ in self._holders)
 
-    def by_weight(self) -> dict[int, tuple[Recipe, tuple[torch.Tensor, ...]]]:
+    def by_weight(self) -> dict[int, tuple[Recipe, dict[str, torch.Tensor]]]:
         """``{id(weight): (recipe, copies)}`` for the tensors the holding modules hold now: the recipe the copies
-        serve (a site with another reads none), and the copies in :data:`COPY_PREFIXES` order
-        (:func:`copy_layout`)."""
-        return {id(holder._parameters[name]): (recipe, tuple(getattr(owner, prefix + owner_name)
-                                                             for prefix in prefixes))
+        serve (a site with another reads none), and the copies by prefix, in :func:`copy_layout`'s order."""
+        return {id(holder._parameters[name]): (recipe, {prefix: getattr(owner, prefix + owner_name)
+                                                        for prefix in prefixes})
                 for holder, name, owner, owner_name, recipe, prefixes in self._holders
                 if holder._parameters.get(name) is not None}
 
@@ -191,13 +197,14 @@ def copy_layout(module: torch.nn.Module, param: torch.Tensor, recipe: Recipe, de
     """The buffers that keep ``param``'s FP8 copies under ``recipe`` (the policy's), by prefix in
     :data:`COPY_PREFIXES` order, as zeros on ``device`` (the weight's by default; ``"meta"`` for the layout
     alone): the one place that says what a kept copy holds. The sites' targets
-    write and read them in that order (``cached_weight``, ``cached_weight_scale``, ``cached_weight_t``,
-    ``cached_weight_t_scale``)::
+    write and read them as keywords (:data:`COPY_KEYWORDS`)::
 
         recipe              weight            copies
         per tensor          matrix            (N, K), ()
         per tensor          experts           its own shape, (E, 1), its transpose
+        delayed             matrix, experts   as per tensor, and the weight's amax: (1,), (E, 1)
         row-wise            experts           its own shape, a scale a row, its transpose, a scale a row of it
+        MXFP8               experts           its own shape and its blocks' scales, its transpose and its blocks'
         row-wise, MXFP8     matrix            (N, K) and its tiles' scales, (K, N) and its tiles' scales
         block (128x128)     matrix            (N, K) and its tiles' scales: grad_input reads them transposed
 
@@ -213,16 +220,24 @@ def copy_layout(module: torch.nn.Module, param: torch.Tensor, recipe: Recipe, de
         # Laid out as the casts write them (grad_input's along N may be N-major): a fill copies them as they are.
         return {prefix: _zeros(operand.shape, operand.dtype, device, operand.stride())
                 for prefix, operand in zip(COPY_PREFIXES, operands)}
+    if recipe.tiled and recipe.granularity not in NATIVE_GROUPED_GRANULARITIES:  # experts cast block by block
+        like = torch.empty(param.shape, dtype=param.dtype, device="meta")
+        operands = (*expert_blocks(like, recipe), *expert_blocks(like.transpose(-2, -1), recipe))
+        return {prefix: _zeros(operand.shape, operand.dtype, device)
+                for prefix, operand in zip(COPY_PREFIXES, operands)}
     fp8_dtype = _site_recipe(param, recipe).fp8_dtype(Role.WEIGHT)
     copy = _zeros(_copy_shape(module, param), fp8_dtype, device)
     if experts is None:
-        return {CACHED_WEIGHT_PREFIX: copy, CACHED_SCALE_PREFIX: torch.ones((), device=device)}
-    _, rows, columns = param.shape
-    copies = {CACHED_WEIGHT_PREFIX: copy,
-              CACHED_SCALE_PREFIX: torch.ones((experts, rows if recipe.tiled else 1), device=device),
-              CACHED_TRANSPOSE_PREFIX: _zeros((experts, columns, rows), fp8_dtype, device)}
-    if recipe.tiled:  # row-wise: each layout cast along its own rows
-        copies[CACHED_TRANSPOSE_SCALE_PREFIX] = torch.ones((experts, columns), device=device)
+        copies = {CACHED_WEIGHT_PREFIX: copy, CACHED_SCALE_PREFIX: torch.ones((), device=device)}
+    else:
+        _, rows, columns = param.shape
+        copies = {CACHED_WEIGHT_PREFIX: copy,
+                  CACHED_SCALE_PREFIX: torch.ones((experts, rows if recipe.tiled else 1), device=device),
+                  CACHED_TRANSPOSE_PREFIX: _zeros((experts, columns, rows), fp8_dtype, device)}
+        if recipe.tiled:  # row-wise: each layout cast along its own rows
+            copies[CACHED_TRANSPOSE_SCALE_PREFIX] = torch.ones((experts, columns), device=device)
+    if recipe.stateful:  # a reusing call records the amax the weight's history would get from casting it
+        copies[CACHED_AMAX_PREFIX] = torch.zeros((experts, 1) if experts else (1,), device=device)
     return copies
 
 

@@ -31,9 +31,10 @@ one rank's shard, and the scales are gathered beside the bytes.
 
 A gather inside the backward (FSDP2 reshards after the forward and gathers again for the backward) sends
 the bytes the forward's gather sent: the forward's graph may read saved views of them, and by then the
-delayed history has moved. Every recipe whose cast depends on the weight alone (all but delayed scaling)
-also sends them again at the next calls, the micro-batches of gradient accumulation: each weight's shard is
-cast once per optimizer step. The shard is cast again when it changed: its version counter moved, or a
+delayed history has moved. Every recipe also sends them again at the next calls, the micro-batches of
+gradient accumulation: each weight's shard is cast once per optimizer step. Delayed scaling's resent cast
+keeps the scale it was cast with and the amax it came with, which each call records, as a kept weight copy
+does (``fp8graph.buffers.weight_cache``). The shard is cast again when it changed: its version counter moved, or a
 ``torch.optim.Optimizer`` stepped (a fused one writes the shard without moving the counter;
 ``fp8graph.buffers.weight_cache.optimizer_steps``).
 """
@@ -54,14 +55,9 @@ from fp8graph.numerics.quantize import amax, amax_to_scale, quantize
 from fp8graph.numerics.tiles import e8m0_bytes, reference_quantize_tiles
 from fp8graph.recipes.scaling import Recipe, TiledRecipe
 
-__all__ = ["TiledShardCast", "ShardCast", "WeightAmaxes", "fp8_gathered_bytes", "in_backward", "shard_row_multiple"]
+__all__ = ["TiledShardCast", "ShardCast", "WeightAmaxes", "fp8_gathered_bytes", "shard_row_multiple"]
 
 _WEIGHT_ROW = FORWARD_ROLES.index(Role.WEIGHT)
-
-
-def in_backward() -> bool:
-    """Whether autograd is running a backward now (FSDP2's pre-backward gathers run inside it)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def shard_row_multiple(recipe: Recipe) -> int:
@@ -100,12 +96,10 @@ class _Cast:
     steps: int = dataclasses.field(default_factory=optimizer_steps)  # optimizer steps taken when it was cast
 
 
-def _resends(last: _Cast | None, local: torch.Tensor, recipe: Recipe) -> bool:
+def _resends(last: _Cast | None, local: torch.Tensor) -> bool:
     """Whether a gather sends ``last`` again instead of casting the shard: while the shard has not changed
-    since, inside the backward, and at later calls where the cast depends on the weight alone (see the
-    module's doc)."""
-    unchanged = last is not None and last.version == local._version and last.steps == optimizer_steps()
-    return unchanged and (in_backward() or not recipe.stateful)
+    since (see the module's doc)."""
+    return last is not None and last.version == local._version and last.steps == optimizer_steps()
 
 
 class ShardCast:
@@ -141,7 +135,7 @@ class ShardCast:
                              margin=recipe.margin, fallback=stored)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        if not _resends(self._last, self.local, self.recipe):
+        if not _resends(self._last, self.local):
             amax_fp32 = self.amaxes.amax_of(self)
             scale = self._scale(amax_fp32)
             shard_fp8 = quantize(self.weight_hp(), scale, self.fp8_dtype)
@@ -198,7 +192,7 @@ class TiledShardCast:
                 shard_t_fp8.t().contiguous().view(torch.uint8), _e8m0(scale_t).t().contiguous())
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        if not _resends(self._last, self.local, self.recipe):
+        if not _resends(self._last, self.local):
             self._last = _Cast(self.local._version, self._cast(self.local.detach().to(self.param_dtype)))
         return self._last.sent, ()
 

@@ -43,12 +43,17 @@ def _roll_and_record(row, history_len, new_amax, BLOCK_HISTORY: tl.constexpr):
 
 
 @triton.jit
-def record_delayed_kernel(histories, scales, row_amaxes, row_amax_lengths, new_scales, history_len,
-                          ROWS: tl.constexpr, BLOCK_AMAX: tl.constexpr, BLOCK_HISTORY: tl.constexpr):
+def record_delayed_kernel(histories, scales, row_amaxes, row_amax_lengths, new_scales, kept_scales, kept_amaxes,
+                          history_len, ROWS: tl.constexpr, KEEP: tl.constexpr, BLOCK_AMAX: tl.constexpr,
+                          BLOCK_HISTORY: tl.constexpr):
     member = tl.program_id(0)
     for i in tl.static_range(len(histories)):
         if member == i:
             for r in tl.static_range(ROWS):
                 new_amax = _finish_amax(row_amaxes[i * ROWS + r], row_amax_lengths[i * ROWS + r], BLOCK_AMAX)
                 _roll_and_record(histories[i] + r * history_len, history_len, new_amax, BLOCK_HISTORY)
-                tl.store(scales[i] + r, tl.load(new_scales + i * ROWS + r))
+                new_scale = tl.load(new_scales + i * ROWS + r)
+                tl.store(scales[i] + r, new_scale)
+                if KEEP and r >= 1:  # every row but the first also into the kept buffers
+                    tl.store(kept_scales[i] + (r - 1), new_scale)
+                    tl.store(kept_amaxes[i] + (r - 1), new_amax)

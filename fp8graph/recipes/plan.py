@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 
 from fp8graph.recipes.policy import Policy, WeightRecipes, normalize_policy, resolve_weight, weight_orientations
-from fp8graph.recipes.scaling import NATIVE_GROUPED_GRANULARITIES, DelayedScaling, Recipe, misaligned
+from fp8graph.recipes.scaling import DelayedScaling, Recipe, misaligned
 
 __all__ = ["CACHE_WHERE_POSSIBLE", "Plan", "UNDECIDED", "WEIGHT_COPIES", "WeightEntry", "choose_weight_cache",
            "instance_path", "plan"]
@@ -99,9 +99,8 @@ class WeightEntry:
     @property
     def cached(self) -> Recipe | None:
         """The recipe whose FP8 copy of the weight is kept between calls (``cache_weights``), None for none:
-        the first the policy may give it whose weight cast depends on the weight alone, and, for an expert
-        weight, whose expert GEMMs run ``torch._scaled_grouped_mm`` (MXFP8's run block by block,
-        ``fp8graph.targets.grouped_blocks``, casting per call)."""
+        the first the policy may give it whose weight cast a copy can keep (``Recipe.caches_weights``) and whose
+        fill costs no more than casting at every call (:meth:`_fill_costs_more`)."""
         cacheable = [recipe for recipe in self._copyable() if not self._fill_costs_more(recipe)]
         return cacheable[0] if cacheable else None
 
@@ -116,11 +115,9 @@ class WeightEntry:
 
     def _copyable(self) -> list[Recipe]:
         """The recipes the policy may give the weight that could keep its copy: they fit its shape, cast it from
-        the weight alone, and, for an expert weight, run ``torch._scaled_grouped_mm``."""
-        experts = len(self.shape) == 3
+        the weight and what the copy keeps."""
         return [recipe for recipe, shape_reason in zip(self.recipes.recipes, self.misaligned)
-                if recipe is not None and recipe.caches_weights and shape_reason is None
-                and (not experts or recipe.granularity in NATIVE_GROUPED_GRANULARITIES)]
+                if recipe is not None and recipe.caches_weights and shape_reason is None]
 
     def _fill_costs_more(self, recipe: Recipe) -> bool:
         """Whether ``"auto"`` casts the weight per call under ``recipe`` though a copy could be kept. Modelled on
@@ -137,7 +134,7 @@ class WeightEntry:
         if not self.may_be_fp8:
             return None
         if self.weight_copies == "cached" and self.cached is None:
-            return "per call"  # its recipe's weight cast depends on more than the weight (delayed scaling)
+            return "per call"  # no recipe it may take keeps one (per_call_reason)
         return self.weight_copies
 
     def describe(self, policy: Policy) -> str:

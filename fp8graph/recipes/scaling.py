@@ -107,8 +107,9 @@ class _RecipeKind:
     stateful: ClassVar[bool] = False
     # One scale per row, tile or block (fp8graph.targets.linear_tiled), not one per tensor.
     tiled: ClassVar[bool] = False
-    # Its weight cast depends on the weight alone, so an FP8 copy can be kept while the weight does not
-    # change (fp8graph.buffers.weight_cache).
+    # An FP8 copy of its weight can be kept while the weight does not change (fp8graph.buffers.weight_cache):
+    # the cast depends on the weight alone (bit-equal to casting at every call), or, with delayed scaling, on
+    # the weight and the scale the copy keeps.
     caches_weights: ClassVar[bool] = False
     # K and N of an eligible site are multiples of this.
     dim_multiple: ClassVar[int] = FP8_GEMM_DIM_MULTIPLE
@@ -198,6 +199,9 @@ class DelayedScaling(_RecipeKind):
     """
 
     kind: ClassVar[str] = "delayed"
+    # The copy keeps the scale it was cast with: calls reusing it cast the weight with that scale, not the one
+    # their history gives (the histories move as casting at every call: fp8graph.buffers.weight_cache).
+    caches_weights: ClassVar[bool] = True
 
     stateful: ClassVar[bool] = True
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -50,8 +50,8 @@ from fp8graph.targets.grouped_blocks import GroupedBlocks
 from fp8graph.targets.linear_tensorwise import record_health, record_states, target_name
 from fp8graph.targets.partitioning import keep_for_backward, read_in_backward, saved_not_recomputed
 
-__all__ = ["GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "grouped_fp8_target",
-           "health_scales"]
+__all__ = ["ExpertWeightCopy", "GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows",
+           "grouped_fp8_target", "health_scales"]
 
 _FP8 = torch.float8_e4m3fn
 
@@ -100,30 +100,79 @@ def cast_experts(weight_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Tens
     return quantize(weight_hp, scale[:, :, None], _FP8), scale, scale.reciprocal().expand(experts, rows)
 
 
-def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_index=None):
+class ExpertWeightCopy(NamedTuple):
+    """An expert weight's FP8 copies kept between calls (``fp8graph.buffers.weight_cache.copy_layout``): a
+    ``"fill"`` call casts the weight and writes them, a ``"reuse"`` call reads them and never the weight."""
+
+    mode: str
+    weight_fp8: torch.Tensor  # (E, N, K): the forward GEMM's layout
+    scale: torch.Tensor  # (E, N) row-wise, (E, N, K / 32) MXFP8, else (E, 1)
+    weight_t_fp8: torch.Tensor  # (E, K, N): grad_input's
+    t_scale: torch.Tensor | None = None  # row-wise's (E, K), MXFP8's (E, K, N / 32): grad_input's cast, along N
+    amax: torch.Tensor | None = None  # (E, 1): delayed scaling's, what a reusing call records
+
+    @staticmethod
+    def of(weight_hp: torch.Tensor, mode: str, weight_fp8, scale, weight_t_fp8, t_scale=None, amax=None):
+        """The copies as the site reads them: a parameter stored (E, K, N), fed transposed, keeps its own shape
+        first, which is grad_input's layout (and, row-wise or MXFP8, its scales are the cast along N's). A square
+        one is told by its strides: the site reads it as a transposed view."""
+        transposed_view = weight_hp.stride(-2) == 1 and weight_hp.stride(-1) != 1
+        if weight_fp8.shape != weight_hp.shape or transposed_view:
+            weight_fp8, weight_t_fp8 = weight_t_fp8, weight_fp8
+            if t_scale is not None:
+                scale, t_scale = t_scale, scale
+        return ExpertWeightCopy(mode, weight_fp8, scale, weight_t_fp8, t_scale, amax)
+
+
+def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_index=None,
+                         weight_copy: ExpertWeightCopy | None = None):
     """The forward casts with delayed scaling: the input's scale from row 0 of the history, expert e's from row
     1 + e; every row moves one step (new scales, histories rolled, this call's amaxes recorded) in one
-    ``fp8graph::record_delayed_``. Returns the two casts as :func:`cast_rows` and :func:`cast_experts` do."""
+    ``fp8graph::record_delayed_``. Returns the two casts as :func:`cast_rows` and :func:`cast_experts` do.
+
+    Through ``weight_copy``, a filling call also writes the weight's cast, its transpose, the scales and the
+    amaxes into the copies; a reusing call casts only the input, takes the copy and the scales it was cast with,
+    and records the amaxes the fill took (the weight's, unchanged since)."""
     history, scale = state[0], state[1]  # (1 + E, len), (1 + E,)
     recipe = spec.recipe
+    reuse = weight_copy is not None and weight_copy.mode == "reuse"
     if not spec.update:
         new_scales = scale.clone()
     else:
         # Read from the buffers this forward then updates: saved for the backward, never recomputed from them.
         with saved_not_recomputed():
             new_scales = scale_from_history(history, scale, _FP8, recipe.margin, recipe.amax_compute_algo)
-    inverse = new_scales.reciprocal()
+    if reuse:
+        with saved_not_recomputed():
+            new_scales = torch.cat([new_scales[:1], weight_copy.scale.reshape(-1)])
     experts, rows, _ = weight_hp.shape
-    input_scale, weight_scale = new_scales[0], new_scales[1:, None]  # 0-dim, (E, 1)
+    # Views that keep the scales one buffer (as fp8graph.gemm.scaled_gemm.scalars_of): indexed, Inductor would
+    # recompute them inside each reader, and the input's cast could then no longer join its amax's kernel.
+    new_scales = new_scales.contiguous()
+    input_scale, weight_scale = (torch.as_strided(new_scales, (), (), 0),
+                                 torch.as_strided(new_scales, (experts, 1), (1, 1), 1))  # 0-dim, (E, 1)
+    inverse = new_scales.reciprocal()
     input_fp8 = quantize(input_hp, input_scale, _FP8)
-    weight_fp8 = quantize(weight_hp, weight_scale[:, :, None], _FP8)
+    if reuse:
+        weight_fp8, weight_amaxes = weight_copy.weight_fp8, weight_copy.amax
+    else:
+        # Per-row partial amaxes, computed with the cast in one read; the op finishes them.
+        weight_fp8 = quantize(weight_hp, weight_scale[:, :, None], _FP8)
+        weight_amaxes = finite_magnitude(weight_hp.detach()).amax(dim=2)  # (E, N)
+        if weight_copy is not None:
+            weight_copy.weight_fp8.copy_(weight_fp8)
+            weight_copy.weight_t_fp8.copy_(weight_fp8.transpose(-2, -1))
+            if not spec.update:  # else the record keeps the scales and the finished amaxes
+                weight_copy.scale.copy_(weight_scale)
+                weight_copy.amax.copy_(weight_amaxes.amax(dim=1, keepdim=True))
     if spec.update:
-        # Per-row partial amaxes, computed with the casts in one read; the op finishes them. Of the gathered
-        # rows when the input is gathered: the kernel that gathers and casts them takes their amaxes too.
+        # Of the gathered rows when the input is gathered: the kernel that gathers and casts them takes their
+        # amaxes too.
         rows_hp = input_hp if gather_index is None else input_hp[gather_index]
-        partials = [row_amaxes(rows_hp.detach()), *finite_magnitude(weight_hp.detach()).amax(dim=2).unbind(0)]
+        partials = [row_amaxes(rows_hp.detach()), *weight_amaxes.unbind(0)]
+        filling = weight_copy is not None and not reuse
         record_states([(history, scale)], [partials], new_scales[None].contiguous(),
-                      amax_reduction(recipe.reduce_amax))
+                      amax_reduction(recipe.reduce_amax), [(weight_copy.scale, weight_copy.amax)] if filling else ())
     return ((input_fp8, input_scale, inverse[0].expand(input_hp.shape[0])),
             (weight_fp8, weight_scale, inverse[1:, None].expand(experts, rows)))
 
@@ -181,21 +230,16 @@ def _placed_in_the_forward(input_fp8: torch.Tensor, input_inverse: torch.Tensor,
     return input_placed, keep_for_backward(input_inverse, input_placed)
 
 
-def _cast_experts_through_copy(weight_hp: torch.Tensor, spec: GroupedSpec, mode: str, *copies: torch.Tensor):
+def _cast_experts_through_copy(weight_hp: torch.Tensor, spec: GroupedSpec, copy: ExpertWeightCopy):
     """The weight's casts for the forward GEMM and grad_input's, through its FP8 copies
     (``fp8graph.buffers.weight_cache.copy_layout``): a ``"reuse"`` call reads the copies and their scales and
     never the weight; a ``"fill"`` call casts the weight and writes them. Per expert, one cast serves both
     GEMMs, laid out twice; row-wise casts along K for the forward and along N for grad_input. Returns
     ``(weight_fp8 (E, N, K), scale (E, N or 1), inverse (E, N), weight_t_fp8 (E, K, N), inverse_t (E, K))``,
     both copies contiguous, as the two GEMMs read them."""
-    copy_fp8, copy_scale, copy_t_fp8, copy_t_scale = (*copies, None)[:4]
-    swapped = copy_fp8.shape != weight_hp.shape  # a parameter stored (E, K, N): its copy is grad_input's layout
-    if swapped:
-        copy_fp8, copy_t_fp8 = copy_t_fp8, copy_fp8
-        if spec.per_row:
-            copy_scale, copy_t_scale = copy_t_scale, copy_scale
+    copy_fp8, copy_scale, copy_t_fp8, copy_t_scale = copy.weight_fp8, copy.scale, copy.weight_t_fp8, copy.t_scale
     experts, rows, columns = weight_hp.shape
-    if mode == "fill":
+    if copy.mode == "fill":
         weight_fp8, scale, _ = cast_experts(weight_hp, spec)  # one read of the weight writes both layouts
         copy_fp8.copy_(weight_fp8)
         copy_scale.copy_(scale)
@@ -228,14 +272,17 @@ class _GroupedFP8(torch.autograd.Function):
         with torch.autocast(input_hp.device.type, enabled=False):
             if spec.delayed:
                 (input_fp8, input_scale, input_inverse), (weight_fp8, weight_scale, weight_inverse) = \
-                    cast_forward_delayed(input_hp, weight_hp, state, spec, gather_index)
+                    cast_forward_delayed(input_hp, weight_hp, state, spec, gather_index, weight_copy)
+                if weight_copy is not None:  # grad_input's layout, kept with the forward's
+                    weight_t_fp8 = weight_copy.weight_t_fp8
+                    weight_t_inverse = weight_inverse[:, :1].expand(experts, weight_hp.shape[2])
             else:
                 input_fp8, input_scale, input_inverse = cast_rows(input_hp, spec)  # (S or T, K), along K
                 if weight_copy is None:
                     weight_fp8, weight_scale, weight_inverse = cast_experts(weight_hp, spec)  # (E, N, K), along K
                 else:  # kept between calls, with grad_input's
                     weight_fp8, weight_scale, weight_inverse, weight_t_fp8, weight_t_inverse = \
-                        _cast_experts_through_copy(weight_hp, spec, *weight_copy)
+                        _cast_experts_through_copy(weight_hp, spec, weight_copy)
             if needs_grad_input and not spec.per_row and weight_copy is None:
                 weight_t_fp8, weight_inverse = _transposed_for_grad_input(weight_fp8, weight_inverse, spec)
             if stats is not None:
@@ -348,27 +395,32 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     gradients, eval-mode modules), only reads its scales. With ``weight_cache`` (``"fill"`` or ``"reuse"``),
     ``cached_weight``, ``cached_weight_scale`` and ``cached_weight_t`` are the weight's FP8 copy, its (E, 1)
     scales and the copy of its transpose (``fp8graph.buffers.weight_cache``), written or read in place of
-    casting the weight."""
+    casting the weight; row-wise adds ``cached_weight_t_scale``, delayed scaling ``cached_weight_amax``
+    (:class:`ExpertWeightCopy`)."""
 
     function = _GroupedFP8 if recipe.granularity in NATIVE_GROUPED_GRANULARITIES else GroupedBlocks
 
     def grouped_fp8(input_hp, weight_hp, offsets=None, stats=None, history=None, scale=None, grad_history=None,
                     grad_scale=None, gather_index=None, cached_weight=None, cached_weight_scale=None,
-                    cached_weight_t=None, cached_weight_t_scale=None):
+                    cached_weight_t=None, cached_weight_t_scale=None, cached_weight_amax=None):
         spec = GroupedSpec(recipe, lowering, update)
         state = None if history is None else (history, scale, grad_history, grad_scale)
         if recipe.stateful and state is None:
             raise ValueError(f"{recipe.name} on an expert GEMM needs the weight's delayed-scaling state")
+        blocks_copy = cached_weight_scale is not None and cached_weight_scale.dim() == 3  # MXFP8's: a scale a block
         if (weight_cache is None) != (cached_weight is None) or (cached_weight is not None and (
-                not recipe.caches_weights or function is GroupedBlocks)):
+                not recipe.caches_weights or (function is GroupedBlocks) != blocks_copy)):
             raise ValueError(f"{grouped_fp8.__name__}: the weight's FP8 copy and the cache's mode come together, on "
-                             "a recipe whose weight cast depends on the weight alone (Recipe.caches_weights) and "
-                             "whose expert GEMMs run torch._scaled_grouped_mm (not MXFP8's, block by block)")
+                             "a recipe that keeps weight copies (Recipe.caches_weights), laid out for it "
+                             "(MXFP8's with its blocks' scales, fp8graph.buffers.weight_cache.copy_layout)")
         if gather_index is not None and function is GroupedBlocks:
             input_hp, gather_index = input_hp[gather_index], None  # blocks along K: the rows gathered first
-        copies = (cached_weight, cached_weight_scale, cached_weight_t) + (
-            (cached_weight_t_scale,) if cached_weight_t_scale is not None else ())
-        copy = () if weight_cache is None else ((weight_cache, *copies),)
+        if weight_cache is not None and recipe.stateful != (cached_weight_amax is not None):
+            raise ValueError(f"{grouped_fp8.__name__}: a delayed-scaling weight's FP8 copy comes with the amaxes its "
+                             "fill recorded (cached_weight_amax), and only a delayed-scaling one")
+        copy = () if weight_cache is None else (ExpertWeightCopy.of(
+            weight_hp, weight_cache, cached_weight, cached_weight_scale, cached_weight_t, cached_weight_t_scale,
+            cached_weight_amax),)
         if offsets is not None:
             rows = () if gather_index is None and not copy else (gather_index,)
             return function.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled(), state, *rows,
@@ -384,4 +436,5 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     grouped_fp8.__name__ = target_name("grouped", label, lowering.value)
     grouped_fp8.recipe = recipe
     grouped_fp8.lowering = lowering
+    grouped_fp8.weight_cache = weight_cache
     return register_target(grouped_fp8, recipe, lowering, update, weight_cache)

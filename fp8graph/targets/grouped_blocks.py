@@ -22,7 +22,7 @@ from fp8graph.numerics.groups import place_in_padded_groups
 from fp8graph.numerics.tiles import Tiling, expand_scale, reference_dequantize_tiles, reference_quantize_tiles
 from fp8graph.targets.linear_tensorwise import record_health
 
-__all__ = ["GroupedBlocks"]
+__all__ = ["GroupedBlocks", "expert_blocks"]
 
 
 class GroupedBlocks(torch.autograd.Function):
@@ -33,21 +33,18 @@ class GroupedBlocks(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, offsets, spec, stats, grad_enabled: bool, state=None):
+    def forward(ctx, input_hp, weight_hp, offsets, spec, stats, grad_enabled: bool, state=None, gather_index=None,
+                weight_copy=None):
+        if gather_index is not None:
+            raise AssertionError("MXFP8's expert GEMMs take the gathered rows (blocks along K)")
         tiling = spec.recipe.tiling(Role.INPUT)
-        experts, rows, columns = weight_hp.shape
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         with torch.autocast(input_hp.device.type, enabled=False):
             input_q = _blocks(input_hp, tiling, stats, Role.INPUT, spec.recipe)  # (S, K) along K
-            weight_q = _experts(_blocks(weight_hp.reshape(experts * rows, columns), tiling, stats, Role.WEIGHT,
-                                        spec.recipe), experts)  # (E, N, K) along K
+            weight_q, weight_t_q = _weight_casts(weight_hp, tiling, stats, spec.recipe, needs_grad_input, weight_copy)
             # output = input . weight_e^T  (S, N)
             output = _gemm_rows(input_q, weight_q, offsets, input_hp.dtype, tiling, spec.lowering)
-            weight_t_q = (None, None)
             padded_offsets = input_t_q = None
-            if needs_grad_input:  # along N
-                weight_t_q = _experts(_blocks(weight_hp.transpose(-2, -1).reshape(experts * columns, rows), tiling),
-                                      experts)  # (E, K, N)
             if needs_grad_weight:  # along each group's tokens
                 input_padded, padded_offsets = place_in_padded_groups(input_hp, offsets, tiling.cols)  # (S', K)
                 input_t_q = _blocks(input_padded.t(), tiling)  # (K, S')
@@ -76,7 +73,39 @@ class GroupedBlocks(torch.autograd.Function):
                 # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
                 grad_weight = _gemm_weights(grad_output_t_q, (input_t_fp8, input_t_scale), padded_offsets,
                                             ctx.weight_dtype, tiling, spec.lowering)
-        return grad_input, grad_weight, None, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None, None, None, None
+
+
+def _weight_casts(weight_hp: torch.Tensor, tiling: Tiling, stats, recipe, needs_grad_input: bool, weight_copy):
+    """``(weight_q, weight_t_q)``: the experts' weight (E, N, K) in blocks along K for the forward, and along N,
+    laid out (E, K, N), for grad_input (``(None, None)`` where no grad_input is taken). Through ``weight_copy``
+    (``fp8graph.targets.grouped.ExpertWeightCopy``) a ``"fill"`` call casts both and writes them into the
+    copies, a ``"reuse"`` call reads the copies and never the weight."""
+    if weight_copy is not None and weight_copy.mode == "reuse":
+        weight_q = (weight_copy.weight_fp8, weight_copy.scale)
+        if stats is not None:
+            x_hp, x_fp8 = weight_hp.flatten(0, 1), weight_q[0].flatten(0, 1)
+            record_health(stats, Role.WEIGHT, x_hp, x_fp8, expand_scale(weight_q[1].flatten(0, 1), tiling,
+                                                                      x_fp8.shape), recipe)
+        return weight_q, (weight_copy.weight_t_fp8, weight_copy.t_scale)
+    weight_q = _experts(_blocks(weight_hp.flatten(0, 1), tiling, stats, Role.WEIGHT, recipe),
+                        weight_hp.shape[0])  # (E, N, K) along K
+    if not (needs_grad_input or weight_copy is not None):
+        return weight_q, (None, None)
+    weight_t_q = expert_blocks(weight_hp.transpose(-2, -1), recipe, tiling)  # (E, K, N) along N
+    if weight_copy is not None:  # "fill": kept for the calls until the weight changes
+        for copy, cast in zip((weight_copy.weight_fp8, weight_copy.scale, weight_copy.weight_t_fp8,
+                               weight_copy.t_scale), (*weight_q, *weight_t_q)):
+            copy.copy_(cast)
+    return weight_q, weight_t_q
+
+
+def expert_blocks(weight_hp: torch.Tensor, recipe, tiling: Tiling | None = None):
+    """``weight_hp`` (E, R, C) in blocks along C: ``(weight_fp8 (E, R, C), scale (E, R, C / 32))``, contiguous
+    whatever ``weight_hp``'s layout (a transposed view is laid out as the view): what grad_input's GEMM reads of a
+    weight's transpose, and what ``fp8graph.buffers.weight_cache.copy_layout`` keeps of it."""
+    tiling = tiling if tiling is not None else recipe.tiling(Role.WEIGHT)
+    return _experts(_blocks(weight_hp.reshape(-1, weight_hp.shape[-1]), tiling), weight_hp.shape[0])
 
 
 def _blocks(x_hp: torch.Tensor, tiling: Tiling, stats=None, role: Role | None = None, recipe=None):

@@ -38,8 +38,9 @@ per layout it is read in (``lowering="scaled_mm"``):
   for grad_input, so a step reads each weight for its amax (current scaling)
   and once for its casts, never again in the backward (1 byte a parameter is
   held from forward to backward, as Transformer Engine holds it). With
-  ``cache_weights`` (current scaling) the row-major copy is kept across calls
-  while the weight does not change.
+  ``cache_weights`` the row-major copy is kept across calls while the weight
+  does not change; under delayed scaling with the scale it was cast with, and
+  its amax, which the calls reusing it record.
 
 An FP8 tensor read by several GEMMs goes through ``fp8graph.gemm.scaled_gemm.one_buffer``
 so that Inductor stores it once, and the transposed copies the backward reads
@@ -50,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -89,14 +90,29 @@ class Member:
     ``state``: ``(history, scale)`` of shape (2, len) and (2,), the forward's input and weight rows, and
     ``grad_state``: ``(grad_history, grad_scale)`` of shape (1, len) and (1,), the backward's grad_output
     row (delayed scaling; ``fp8graph.buffers.delayed_state`` says why they are apart);
-    ``weight_cache``: ``(mode, cached_weight, cached_scale)`` with mode ``"fill"`` or ``"reuse"``;
+    ``weight_cache``: the weight's kept FP8 copy (:class:`WeightCopy`);
     ``stats``: the module's (3, 5) health buffer.
     """
 
     state: tuple[torch.Tensor, torch.Tensor] | None = None
     grad_state: tuple[torch.Tensor, torch.Tensor] | None = None
-    weight_cache: tuple[str, torch.Tensor, torch.Tensor] | None = None
+    weight_cache: WeightCopy | None = None
     stats: torch.Tensor | None = None
+
+
+class WeightCopy(NamedTuple):
+    """A weight's FP8 copy kept between calls (``fp8graph.buffers.weight_cache``), as one site reads it: a
+    ``"fill"`` call casts the weight and writes them, a ``"reuse"`` call reads them instead."""
+
+    mode: str
+    weight_fp8: torch.Tensor  # (N, K), or the parameter's own (K, N) shape (:meth:`as_nk`)
+    scale: torch.Tensor  # ()
+    amax: torch.Tensor | None = None  # (1,): delayed scaling's, what a reusing call records
+
+    def as_nk(self, weight_hp: torch.Tensor) -> torch.Tensor:
+        """The copy as (N, K): one in the parameter's own (K, N) shape (its module left open which way round it
+        multiplies the weight) is read and written through its transpose."""
+        return self.weight_fp8 if self.weight_fp8.shape == weight_hp.shape else self.weight_fp8.t()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,17 +179,20 @@ def _states(spec: CallSpec, members: Sequence[Member], forward: bool,
 
 
 def record_states(states: Sequence[tuple[torch.Tensor, torch.Tensor]], row_amaxes_by_member: list[list[torch.Tensor]],
-                   new_scales: torch.Tensor, reduce) -> None:
+                  new_scales: torch.Tensor, reduce, kept: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
     """Move every row of every member's ``(history, scale)`` one step, in place: each row's history records
     the amax of its ``row_amaxes_by_member[i][row]`` (per-row partial magnitudes, finished by the op) and
     its scale becomes ``new_scales[i, row]`` (the one the cast used). One ``fp8graph::record_delayed_``
     launch for the whole call. With ``reduce`` (an amax all-reduce across ranks) the amaxes are finished
-    here and reduced in one collective first."""
+    here and reduced in one collective first. ``kept``: none, or per member the ``(scale, amax)`` buffers of
+    the weight's FP8 copy a filling call keeps, which the op also writes with the weight rows' scales and
+    amaxes (every row but the input's)."""
     partials = [partial for member_partials in row_amaxes_by_member for partial in member_partials]
     if reduce is not None:
         finished = reduce(torch.stack([partial.amax().to(torch.float32) for partial in partials]))
         partials = list(finished.reshape(-1, 1).unbind())
-    record_delayed_([history for history, _ in states], [scale for _, scale in states], partials, new_scales)
+    record_delayed_([history for history, _ in states], [scale for _, scale in states], partials, new_scales,
+                    [scale for scale, _ in kept], [amax for _, amax in kept])
 
 
 def _cast_current(spec: CallSpec, x_hp: torch.Tensor, role: Role) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -212,30 +231,53 @@ def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Se
             new_scales = amax_to_scale(history_amax, fp8_dtype, margin=recipe.margin,
                                        fallback=scale)  # (m, 2)
             inverse_scales = new_scales.reciprocal()
-    if any(is_gathered(w) for w in weights_hp):
-        # FSDP2 gathered these weights cast with the scale the history gives (fp8graph.fsdp.shard_casts): that
-        # one is used and recorded.
+    cast_before = [_cast_before(w, member) for w, member in zip(weights_hp, members)]
+    if any(cast is not None for cast in cast_before):
+        # FSDP2 gathered the weight cast with the scale its history gave (fp8graph.fsdp.shard_casts), or an earlier
+        # call kept its cast (fp8graph.buffers.weight_cache): that cast's scale is used and recorded.
         with saved_not_recomputed():
-            weight_scales = torch.stack([w.scale if is_gathered(w) else scale
-                                         for w, scale in zip(weights_hp, new_scales[:, _WEIGHT])])
+            weight_scales = torch.stack([scale if cast is None else cast[1]
+                                         for cast, scale in zip(cast_before, new_scales[:, _WEIGHT])])
             new_scales = torch.stack([new_scales[:, _INPUT], weight_scales], 1)
             inverse_scales = new_scales.reciprocal()
     input_scale, weight_scales = new_scales[0, _INPUT], new_scales[:, _WEIGHT]
     input_fp8 = quantize(input_hp, input_scale, fp8_dtype)
     inverse_scales = scalars_of(inverse_scales)  # (m, 2) row-major: member i's input, then its weight
-    weights = [(w.fp8_data, weight_scale, inverse_scales[2 * i + _WEIGHT], None) if is_gathered(w) else
-               (quantize(w, weight_scale, fp8_dtype), weight_scale, inverse_scales[2 * i + _WEIGHT], w)
-               for i, (w, weight_scale) in enumerate(zip(weights_hp, weight_scales))]
+    weights, weight_amaxes = [], []
+    for i, (w, member, cast, weight_scale) in enumerate(zip(weights_hp, members, cast_before, weight_scales)):
+        weight_inverse_scale = inverse_scales[2 * i + _WEIGHT]
+        if cast is not None:  # cast before, its amax taken then
+            weight_fp8, _, weight_amax = cast
+            weights.append((weight_fp8, weight_scale, weight_inverse_scale, None))
+        else:  # the per-row partial amaxes ride along with the cast: one read; the op finishes them
+            weight_fp8, weight_amax = quantize(w, weight_scale, fp8_dtype), row_amaxes(w.detach())
+            weights.append((weight_fp8, weight_scale, weight_inverse_scale, w))
+            if member.weight_cache is not None:  # "fill": kept for the calls until the weight changes
+                member.weight_cache.as_nk(w).copy_(weight_fp8)
+                if not spec.update:  # else the record keeps the scale and the finished amax
+                    member.weight_cache.scale.copy_(weight_scale)
+                    member.weight_cache.amax.copy_(weight_amax.amax().reshape(1))
+        weight_amaxes.append(weight_amax)
     if spec.update:
-        # The per-row partial amaxes ride along with the casts: Inductor computes each with its cast in
-        # one read; the op finishes them. The input's is recorded by every member; a gathered weight's whole
-        # amax came with it.
+        # The input's amax is recorded by every member.
         input_row_amaxes = row_amaxes(input_hp.detach())
+        filling = [m.weight_cache for m in members if m.weight_cache is not None and m.weight_cache.mode == "fill"]
         record_states([member.state for member in members],
-                       [[input_row_amaxes, w.amax.reshape(1) if is_gathered(w) else row_amaxes(w.detach())]
-                        for w in weights_hp],
-                       new_scales.contiguous(), reduce)
+                      [[input_row_amaxes, weight_amax] for weight_amax in weight_amaxes],
+                      new_scales.contiguous(), reduce, [(copy.scale, copy.amax) for copy in filling])
     return input_fp8, input_scale, inverse_scales[_INPUT], weights
+
+
+def _cast_before(weight_hp: torch.Tensor, member: Member):
+    """``(weight_fp8, weight_scale, weight_amax)`` of a delayed-scaling weight cast before this call, else None:
+    gathered cast by FSDP2 (its whole amax came with it), or read from the copy a filling call kept (the amax
+    that call recorded)."""
+    if is_gathered(weight_hp):
+        return weight_hp.fp8_data, weight_hp.scale, weight_hp.amax.reshape(1)
+    copy = member.weight_cache
+    if copy is None or copy.mode != "reuse":
+        return None
+    return copy.as_nk(weight_hp), copy.scale, copy.amax
 
 
 def _cast_weight_current(spec: CallSpec, weight_hp: torch.Tensor, member: Member):
@@ -249,17 +291,13 @@ def _cast_weight_current(spec: CallSpec, weight_hp: torch.Tensor, member: Member
         return _gathered_cast(weight_hp)
     if member.weight_cache is None:
         return (*_cast_current(spec, weight_hp, Role.WEIGHT), weight_hp)
-    mode, cached_weight, cached_scale = member.weight_cache
-    if cached_weight.shape != weight_hp.shape:
-        # A copy in the parameter's own (K, N) shape: its module left open which way round it multiplies the
-        # weight (``fp8graph.buffers.weight_cache``); read and written through its (N, K) view.
-        cached_weight = cached_weight.t()
-    if mode == "reuse":
-        weight_scale = cached_scale.clone()
-        return cached_weight, weight_scale, weight_scale.reciprocal(), None
+    copy = member.weight_cache
+    if copy.mode == "reuse":
+        weight_scale = copy.scale.clone()
+        return copy.as_nk(weight_hp), weight_scale, weight_scale.reciprocal(), None
     weight_fp8, weight_scale, weight_inverse_scale = _cast_current(spec, weight_hp, Role.WEIGHT)
-    cached_weight.copy_(weight_fp8)
-    cached_scale.copy_(weight_scale)
+    copy.as_nk(weight_hp).copy_(weight_fp8)
+    copy.scale.copy_(weight_scale)
     return weight_fp8, weight_scale, weight_inverse_scale, weight_hp
 
 
@@ -418,17 +456,19 @@ def _label(recipe: Recipe, update: bool, in_checkpoint: bool, weight_cache: str 
 
 
 def _members(count, stats, histories, scales, grad_histories, grad_scales, cached_weights, cached_weight_scales,
-             weight_cache):
+             cached_weight_amaxes, weight_cache):
     def entries(values):
         return [None] * count if values is None else list(values)
 
     return tuple(Member(state=None if history is None else (history, scale),
                         grad_state=None if grad_history is None else (grad_history, grad_scale),
-                        weight_cache=None if cached is None else (weight_cache, cached, cached_scale),
+                        weight_cache=None if cached is None else WeightCopy(weight_cache, cached, cached_scale,
+                                                                            cached_amax),
                         stats=stats_buffer)
-                 for stats_buffer, history, scale, grad_history, grad_scale, cached, cached_scale in zip(
+                 for stats_buffer, history, scale, grad_history, grad_scale, cached, cached_scale, cached_amax in zip(
                      entries(stats), entries(histories), entries(scales), entries(grad_histories),
-                     entries(grad_scales), entries(cached_weights), entries(cached_weight_scales)))
+                     entries(grad_scales), entries(cached_weights), entries(cached_weight_scales),
+                     entries(cached_weight_amaxes)))
 
 
 @functools.cache
@@ -437,8 +477,8 @@ def linears_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True, 
     """The graph target for a group of sites that read one input, with ``recipe`` lowered by ``lowering``.
 
     Called as ``linears_fp8(input_hp, weights, biases, stats=None, histories=None, scales=None,
-    grad_histories=None, grad_scales=None, cached_weights=None, cached_weight_scales=None)`` with one entry
-    per site in each list (``None``
+    grad_histories=None, grad_scales=None, cached_weights=None, cached_weight_scales=None,
+    cached_weight_amaxes=None)`` with one entry per site in each list (``None``
     where a site has no such buffer); returns the sites' outputs. ``update=False`` (graphs compiled
     without gradients) only reads delayed-scaling state; ``in_checkpoint`` marks sites inside a
     ``torch.utils.checkpoint`` region; ``weight_cache`` (``"fill"`` or ``"reuse"``) makes the sites write
@@ -446,9 +486,13 @@ def linears_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True, 
     """
 
     def linears_fp8(input_hp, weights_hp, biases_hp, stats=None, histories=None, scales=None,
-                    grad_histories=None, grad_scales=None, cached_weights=None, cached_weight_scales=None):
+                    grad_histories=None, grad_scales=None, cached_weights=None, cached_weight_scales=None,
+                    cached_weight_amaxes=None):
         members = _members(len(weights_hp), stats, histories, scales, grad_histories, grad_scales,
-                           cached_weights, cached_weight_scales, weight_cache)
+                           cached_weights, cached_weight_scales, cached_weight_amaxes, weight_cache)
+        if weight_cache is not None and recipe.stateful != (cached_weight_amaxes is not None):
+            raise ValueError(f"{linears_fp8.__name__}: a delayed-scaling weight's FP8 copy comes with the amax its "
+                             "fill recorded (cached_weight_amaxes), and only a delayed-scaling one")
         has_state = any(member.state is not None for member in members)
         spec = CallSpec(recipe, lowering, update or not has_state, snapshot=in_checkpoint and has_state)
         input_hp_2d = input_hp.reshape(-1, input_hp.shape[-1])  # (M, K)
@@ -477,12 +521,13 @@ def linear_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     group = linears_fp8_target(recipe, lowering, update, in_checkpoint, weight_cache)
 
     def linear_fp8(input_hp, weight_hp, bias_hp=None, stats=None, history=None, scale=None, grad_history=None,
-                   grad_scale=None, cached_weight=None, cached_weight_scale=None):
+                   grad_scale=None, cached_weight=None, cached_weight_scale=None, cached_weight_amax=None):
         def one(value):
             return None if value is None else [value]
 
         (output,) = group(input_hp, [weight_hp], [bias_hp], one(stats), one(history), one(scale),
-                          one(grad_history), one(grad_scale), one(cached_weight), one(cached_weight_scale))
+                          one(grad_history), one(grad_scale), one(cached_weight), one(cached_weight_scale),
+                          one(cached_weight_amax))
         return output
 
     linear_fp8.__name__ = target_name("linear", _label(recipe, update, in_checkpoint, weight_cache), lowering.value)

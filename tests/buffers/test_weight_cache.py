@@ -19,9 +19,14 @@ from fp8graph.models import build
 from fp8graph.models.moe import CONFIGS, MoEBlock
 from fp8graph.recipes import PRESETS
 from fp8graph.targets.grouped import GroupedSpec, _cast_expert_columns, cast_experts, grouped_fp8_target
+from fp8graph.targets.grouped_blocks import expert_blocks
 from fp8graph.gemm.tiled_operands import cached_weight_operands
-from fp8graph.buffers.weight_cache import CACHED_SCALE_PREFIX, CACHED_WEIGHT_PREFIX, COPY_PREFIXES
-from helpers import fp8_target_count
+from fp8graph.buffers.delayed_state import HISTORY_PREFIX, SCALE_PREFIX
+from fp8graph.buffers.weight_cache import (CACHED_AMAX_PREFIX, CACHED_SCALE_PREFIX, CACHED_TRANSPOSE_PREFIX,
+                                           CACHED_WEIGHT_PREFIX, COPY_PREFIXES)
+from fp8graph.numerics.delayed_scaling import scale_from_history
+from fp8graph.numerics.quantize import quantize
+from helpers import fp8_target_count, sqnr_db
 
 MICRO_BATCHES, STEPS = 3, 3
 AMAX_REDUCTION = "max_propagate_nan"  # one call per reduced vector in Inductor's C++ (see test_inference)
@@ -134,13 +139,15 @@ def test_tiled_recipes_keep_both_gemms_weight_casts_and_train_as_when_cast_at_ev
             assert torch.equal(_bits(copy_), _bits(operand.contiguous()))
 
 
-@pytest.mark.parametrize("recipe", ["current", "rowwise"])
+@pytest.mark.parametrize("recipe", ["current", "rowwise", "mxfp8"])
 @pytest.mark.parametrize("weights", ["enk", "ekn"])
 def test_expert_weights_are_cast_once_per_step_and_train_as_when_cast_at_every_call(weights, recipe):
     """A MoE block's expert weights, (E, N, K) or stored (E, K, N): E4M3 copies in both layouts (per expert: one
-    cast laid out twice, a scale an expert; row-wise: cast along K and along N, a scale a row of each), filled by
-    the first micro-batch after each step and read by the others (forward and grad_input)."""
-    block = MoEBlock(**CONFIGS["tiny-odd"], weights=weights).to(torch.bfloat16)  # grouped_mm's dtype
+    cast laid out twice, a scale an expert; row-wise: cast along K and along N, a scale a row of each; MXFP8:
+    blocks of 32 along K and along N, a scale a block of each), filled by the first micro-batch after each step
+    and read by the others (forward and grad_input)."""
+    # MXFP8's blocks of 32 need every K and N to divide by 32: "tiny"'s expert width, 32, does.
+    block = MoEBlock(**CONFIGS["tiny" if recipe == "mxfp8" else "tiny-odd"], weights=weights).to(torch.bfloat16)
     cached_block = copy.deepcopy(block)
     policy = PRESETS[recipe]
     compiled = fp8graph.compile(block, policy=policy, compiler="aot_eager", cache_weights=False)
@@ -166,14 +173,21 @@ def test_expert_weights_are_cast_once_per_step_and_train_as_when_cast_at_every_c
         weight = getattr(experts, name).detach()
         weight_nk = weight.transpose(-2, -1) if weights == "ekn" else weight
         weight_fp8, scale, _ = cast_experts(weight_nk, spec)  # along K: the forward's
-        copies = [getattr(experts, prefix + name, None) for prefix in COPY_PREFIXES]
+        copies = [getattr(experts, prefix + name, None) for prefix in COPY_PREFIXES[:4]]
         assert copies[0].shape == weight.shape and copies[0].dtype == torch.float8_e4m3fn
         assert copies[0].is_contiguous() and copies[2].is_contiguous()  # the layouts the two GEMMs read
         forward_copy, forward_scale, input_grad_copy, input_grad_scale = (
-            [copies[2], copies[3], copies[0], copies[1]] if weights == "ekn" and recipe == "rowwise" else
+            [copies[2], copies[3], copies[0], copies[1]] if weights == "ekn" and recipe != "current" else
             [copies[2], copies[1], copies[0], None] if weights == "ekn" else copies)
+        if recipe == "mxfp8":  # blocks along K for the forward, along N for grad_input, a scale a block of each
+            weight_fp8, scale = expert_blocks(weight_nk, policy)
+            columns_fp8, columns_scale = expert_blocks(weight_nk.transpose(-2, -1), policy)
+            assert torch.equal(input_grad_copy.view(torch.uint8), columns_fp8.view(torch.uint8)), name
+            assert torch.equal(input_grad_scale, columns_scale), name
         assert torch.equal(forward_copy.view(torch.uint8), weight_fp8.view(torch.uint8)), name
         assert torch.equal(forward_scale, scale), name
+        if recipe == "mxfp8":
+            continue
         if recipe == "rowwise":  # grad_input's cast along N, a scale a column
             columns_fp8, columns_scale = _cast_expert_columns(weight_nk, spec)
             assert torch.equal(input_grad_copy.view(torch.uint8), columns_fp8.view(torch.uint8)), name
@@ -183,16 +197,42 @@ def test_expert_weights_are_cast_once_per_step_and_train_as_when_cast_at_every_c
             assert torch.equal(input_grad_copy.view(torch.uint8), weight_fp8.transpose(-2, -1).view(torch.uint8))
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "mxfp8"])
-def test_an_expert_target_refuses_a_kept_copy_it_cannot_serve(recipe):
-    """Delayed scaling's weight cast reads earlier steps' amaxes; MXFP8's expert GEMMs run block by block."""
+@pytest.mark.inductor
+def test_mxfp8_expert_copies_under_inductor_train_as_when_cast_at_every_call():
+    """Inductor's code for MXFP8's expert fill (two block casts of each weight, written into the copies) and
+    reuse, bit-equal to casting at every call (on the CPU its C++ code compiles the fill one node a kernel:
+    fp8graph.backend)."""
+    block = MoEBlock(**CONFIGS["tiny"]).to(torch.bfloat16)
+    per_call_block = copy.deepcopy(block)
+    runs = []
+    for model, cache_weights in ((block, "auto"), (per_call_block, False)):
+        torch._dynamo.reset()
+        compiled = fp8graph.compile(model, policy=PRESETS["mxfp8"], compiler="inductor", cache_weights=cache_weights)
+        generator, losses, reused = torch.Generator().manual_seed(3), [], []
+        for _ in range(MICRO_BATCHES):
+            loss = compiled(torch.randn(32, 64, generator=generator).to(torch.bfloat16)).float().square().mean()
+            loss.backward()
+            losses.append(loss.item())
+            reused.append(compiled.fp8graph_backend.weight_cache is not None and
+                          compiled.fp8graph_backend.weight_cache.reuse)
+        runs.append((losses, [param.grad for param in model.parameters()], reused))
+    (losses, grads, reused), (per_call_losses, per_call_grads, _) = runs
+    assert reused == [False, True, True] and block.experts.fp8graph_cached_weight_gate_up_proj.view(torch.uint8).any()
+    assert losses == per_call_losses
+    assert all(torch.equal(grad, per_call_grad) for grad, per_call_grad in zip(grads, per_call_grads))
+
+
+@pytest.mark.parametrize("recipe,refusal", [("delayed", "comes with the amaxes its fill recorded"),
+                                            ("mxfp8", "MXFP8's with its blocks' scales")])
+def test_an_expert_target_refuses_a_kept_copy_it_cannot_serve(recipe, refusal):
+    """A delayed-scaling copy without the amaxes a reusing call records; MXFP8's without its blocks' scales."""
     target = grouped_fp8_target(PRESETS[recipe], Lowering.EMULATED, True, "fill")
     fp8 = torch.float8_e4m3fn
     copies = {"cached_weight": torch.zeros(2, 16, 32, dtype=fp8), "cached_weight_scale": torch.ones(2, 1),
               "cached_weight_t": torch.zeros(2, 32, 16, dtype=fp8)}
     state = dict(history=torch.zeros(3, 4), scale=torch.ones(3), grad_history=torch.zeros(1, 4),
                  grad_scale=torch.ones(1)) if recipe == "delayed" else {}
-    with pytest.raises(ValueError, match="depends on the weight alone"):
+    with pytest.raises(ValueError, match=refusal):
         target(torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(2, 16, 32, dtype=torch.bfloat16),
                torch.tensor([4, 8], dtype=torch.int32), **copies, **state)
 
@@ -272,7 +312,84 @@ def test_converting_the_model_after_compiling_is_refused_until_it_is_compiled_ag
     output.float().sum().backward()
 
 
-def test_tied_weights_share_one_copy_and_delayed_scaling_has_none():
+def _leaf_buffers(model: torch.nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    return {name: buffer for name, buffer in model.named_buffers() if name.rsplit(".", 1)[-1].startswith(prefix)}
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "moe"])
+def test_delayed_copies_cast_with_the_fills_scale_and_histories_move_as_when_cast_at_every_call(model_name):
+    """Delayed scaling keeps each weight's cast, the scale it was cast with and its amax from the first micro-batch
+    after a step. The reusing micro-batches cast the weight with that scale (casting at every call takes the one
+    its history gives then) and record the kept amax: the forward histories move exactly as casting at every
+    call; only the weight rows of the scales stay the fill's. Dense linears and expert weights (E, N, K)."""
+    recipe = fp8graph.DelayedScaling(amax_history_len=4)
+    model, dtype = ((build("mlp", "tiny"), torch.float32) if model_name == "mlp" else
+                    (MoEBlock(**CONFIGS["tiny-odd"]).to(torch.bfloat16), torch.bfloat16))
+    per_call_model, reference = copy.deepcopy(model), copy.deepcopy(model)  # the latter in high precision, eager
+    per_call = fp8graph.compile(per_call_model, policy=recipe, compiler="aot_eager", cache_weights=False)
+    compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager")  # cache_weights="auto"
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, per_call_model)]
+    generator = torch.Generator().manual_seed(1)
+    # One call first, so that the first step's weight scales come from an amax (an empty history keeps scale 1).
+    x = torch.randn(32, 64, generator=generator).to(dtype)
+    for run, m in ((compiled, model), (per_call, per_call_model)):
+        run(x).float().square().mean().backward()
+        m.zero_grad()
+    compiled.fp8graph_backend.weight_cache.invalidate()
+    kept_amaxes = _leaf_buffers(model, CACHED_AMAX_PREFIX)
+    assert len(kept_amaxes) == 2  # mlp: up and mid (head's N=10 stays in high precision); moe: gate_up and down
+    for step in range(2):
+        histories_before = {name: h.clone() for name, h in _leaf_buffers(model, HISTORY_PREFIX).items()}
+        for micro_batch in range(MICRO_BATCHES):
+            x = torch.randn(32, 64, generator=generator).to(dtype)
+            losses = []
+            if step == 0:
+                reference(x).float().square().mean().backward()
+            for run in (compiled, per_call):
+                loss = run(x).float().square().mean()
+                loss.backward()
+                losses.append(loss.item())
+            assert compiled.fp8graph_backend.weight_cache.reuse == (micro_batch > 0)
+            scales = _leaf_buffers(model, SCALE_PREFIX)
+            if micro_batch == 0:  # the fill: the scales the histories give, as casting at every call
+                fill_scales = {name: scale.clone() for name, scale in scales.items()}
+                for name, scale in scales.items():
+                    history = histories_before[name.replace(SCALE_PREFIX, HISTORY_PREFIX)]
+                    assert torch.equal(scale, scale_from_history(history, scale, torch.float8_e4m3fn, 0, "max"))
+            for name, scale in scales.items():  # rows: the input's, then the weight's (one an expert): kept
+                assert torch.equal(scale[1:], fill_scales[name][1:]), (step, micro_batch, name)
+            if step == 0:  # the same weights in both runs until the first optimizer step: the same weight rows
+                per_call_histories = _leaf_buffers(per_call_model, HISTORY_PREFIX)
+                for name, history in _leaf_buffers(model, HISTORY_PREFIX).items():
+                    assert torch.equal(history[1:], per_call_histories[name][1:]), (micro_batch, name)
+                if micro_batch == 0:
+                    assert losses[0] == losses[1]
+            assert losses[0] == pytest.approx(losses[1], rel=0.05)
+        for name, amax in kept_amaxes.items():  # the copies: the fill's cast of the weight, as the sites read it
+            path, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+            module, weight_name = model.get_submodule(path), leaf.removeprefix(CACHED_AMAX_PREFIX)
+            weight = getattr(module, weight_name).detach()
+            weight_scale = getattr(module, SCALE_PREFIX + weight_name)[1:]
+            assert torch.equal(getattr(module, CACHED_SCALE_PREFIX + weight_name).reshape(-1), weight_scale)
+            expected = quantize(weight, weight_scale.reshape(-1, *[1] * (weight.dim() - 1)).squeeze(0),
+                                torch.float8_e4m3fn)
+            assert torch.equal(_bits(getattr(module, CACHED_WEIGHT_PREFIX + weight_name)), _bits(expected)), name
+            if weight.dim() == 3:  # grad_input's layout, the same cast
+                assert torch.equal(_bits(getattr(module, CACHED_TRANSPOSE_PREFIX + weight_name)),
+                                   _bits(expected.transpose(-2, -1).contiguous())), name
+            assert torch.equal(amax.reshape(-1), weight.abs().float().amax(dim=tuple(range(1, weight.dim())))
+                               if weight.dim() == 3 else weight.abs().max().reshape(1)), name
+        for reference_param, param, per_call_param in zip(reference.parameters(), model.parameters(),
+                                                          per_call_model.parameters()):
+            if step == 0:  # the micro-batches' gradients, against high precision: as close as casting at every call
+                grads = [p.grad.float() for p in (reference_param, param, per_call_param)]
+                assert sqnr_db(grads[0], grads[1]) > sqnr_db(grads[0], grads[2]) - 1.0
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def test_tied_weights_share_one_copy_and_each_recipe_keeps_its_own():
     class Tied(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -289,9 +406,11 @@ def test_tied_weights_share_one_copy_and_delayed_scaling_has_none():
     x = torch.randn(16, 32)
     with torch.no_grad():
         outputs = [compiled(x) for _ in range(2)]
-    assert len(compiled.fp8graph_backend.weight_cache) == 1  # first.weight; second holds it too
+    assert len(compiled.fp8graph_backend.weight_cache) == 2  # first.weight (second holds it too), rowwise.weight
     assert not hasattr(model.second, CACHED_WEIGHT_PREFIX + "weight")
-    assert not hasattr(model.rowwise, CACHED_WEIGHT_PREFIX + "weight")
+    # Delayed scaling's copy keeps the amax its fill recorded; current scaling's has none to keep.
+    assert getattr(model.rowwise, CACHED_AMAX_PREFIX + "weight").item() == model.rowwise.weight.abs().max().item()
+    assert not hasattr(model.first, CACHED_AMAX_PREFIX + "weight")
     assert torch.equal(outputs[0], outputs[1])
     first_copy = getattr(model.first, CACHED_WEIGHT_PREFIX + "weight")
     assert first_copy.view(torch.uint8).any()  # filled through the second holder's call

@@ -276,6 +276,32 @@ def test_micro_batches_gather_the_shards_each_step_cast_once(world_of_one, monke
         assert all(torch.equal(grad, hp_step[name]) for name, grad in fp8_step.items())
 
 
+def test_delayed_micro_batches_resend_each_shards_cast_as_a_kept_copy_is_read(world_of_one, monkeypatch):
+    """Delayed scaling under FSDP2's FP8 all-gathers: each weight's shard is cast once per optimizer step too, and
+    the micro-batches that resend it train as a model without FSDP2 that keeps its weights' copies (the fill's
+    scale, the amax recorded at each call) does, bit for bit."""
+    monkeypatch.setattr(shard_casts, "quantize", _CountedQuantize(shard_casts.quantize))
+    recipe, casts = DelayedScaling(amax_history_len=4), []
+    fp8_losses, fp8_grads, plan = _losses_and_grads(True, recipe, micro_batches=3, casts=casts)
+    gathered_in_fp8 = sum(r.fp8 for r in plan.records)
+    assert gathered_in_fp8 == 14 and casts == [gathered_in_fp8, 0, 0] * 2
+    model = build("llama", "tiny", seed=0)
+    compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager")  # cache_weights="auto": copies kept
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (fp8_loss, fp8_step) in enumerate(zip(fp8_losses, fp8_grads, strict=True)):
+        loss = 0.0
+        for micro_batch in range(3):
+            tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(step * 10 + micro_batch))
+            micro_loss = compiled(tokens, labels=tokens).loss
+            micro_loss.backward()
+            loss = loss + micro_loss.detach()
+        assert compiled.fp8graph_backend.weight_cache.reuse
+        assert loss.item() == fp8_loss, step
+        assert all(torch.equal(param.grad, fp8_step[name]) for name, param in model.named_parameters()), step
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 class _ReadsItsWeight(torch.nn.Module):
     """A linear whose forward also reads its weight outside the GEMM (a penalty on it)."""
 

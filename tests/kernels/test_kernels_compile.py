@@ -117,16 +117,20 @@ def test_the_fp8_transpose_compiles_to_a_cubin_with_vector_loads_and_stores(shap
 
 
 @pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
-@pytest.mark.parametrize("members, rows", [(3, 2), (2, 1), (1, 2)], ids=["qkv-forward", "gate-up-backward",
-                                                                         "one-forward"])
-def test_the_delayed_state_kernel_compiles_to_a_cubin_without_spills(members, rows, capability):
-    """``fp8graph::record_delayed_`` (a call's state moved one step): one kernel per member count and
-    recorded rows, which must build for the GPUs fp8graph targets. Not proven here: its speed."""
+@pytest.mark.parametrize("members, rows, keep", [(3, 2, False), (2, 1, False), (1, 2, False), (3, 2, True),
+                                                 (1, 129, True)],
+                         ids=["qkv-forward", "gate-up-backward", "one-forward", "qkv-fill", "experts-fill"])
+def test_the_delayed_state_kernel_compiles_to_a_cubin_without_spills(members, rows, keep, capability):
+    """``fp8graph::record_delayed_`` (a call's state moved one step; a fill also keeps the weight rows'
+    scales and amaxes): one kernel per member count and recorded rows, which must build for the GPUs
+    fp8graph targets. Not proven here: its speed."""
     from fp8graph.kernels.delayed_record import plan_record_delayed
 
     partials = [torch.empty(4096, dtype=torch.bfloat16) for _ in range(members * rows)]
+    kept = [torch.zeros(rows - 1) for _ in range(2 * members)] if keep else []
     launch = plan_record_delayed([torch.zeros(rows, 1024) for _ in range(members)],
-                                 [torch.ones(rows) for _ in range(members)], partials, torch.ones(members, rows))
+                                 [torch.ones(rows) for _ in range(members)], partials, torch.ones(members, rows),
+                                 kept[:members], kept[members:])
     usage = resource_usage(compile_launch(launch, capability))
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
 
