@@ -58,12 +58,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp8graph.numerics.formats import Role
 from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
-from fp8graph.gemm.tiled_operands import cached_weight_operands
+from fp8graph.gemm.tiled_operands import cached_weight_operands, expert_blocks
 from fp8graph.kernels.quantize_tiles import kernel_quantizes
 from fp8graph.recipes.plan import Plan
 from fp8graph.recipes.policy import Policy, weight_experts, weight_orientations
 from fp8graph.recipes.scaling import NATIVE_GROUPED_GRANULARITIES, Recipe, expert_recipe
-from fp8graph.targets.grouped_blocks import expert_blocks
 from fp8graph.buffers.delayed_state import weight_candidates
 
 __all__ = ["CACHED_AMAX_PREFIX", "CACHED_WEIGHT_PREFIX", "CACHED_SCALE_PREFIX", "CACHED_TRANSPOSE_PREFIX",
@@ -222,7 +221,8 @@ def copy_layout(module: torch.nn.Module, param: torch.Tensor, recipe: Recipe, de
                 for prefix, operand in zip(COPY_PREFIXES, operands)}
     if recipe.tiled and recipe.granularity not in NATIVE_GROUPED_GRANULARITIES:  # experts cast block by block
         like = torch.empty(param.shape, dtype=param.dtype, device="meta")
-        operands = (*expert_blocks(like, recipe), *expert_blocks(like.transpose(-2, -1), recipe))
+        tiling = recipe.tiling(Role.WEIGHT)
+        operands = (*expert_blocks(like, tiling), *expert_blocks(like.transpose(-2, -1), tiling))
         return {prefix: _zeros(operand.shape, operand.dtype, device)
                 for prefix, operand in zip(COPY_PREFIXES, operands)}
     fp8_dtype = _site_recipe(param, recipe).fp8_dtype(Role.WEIGHT)

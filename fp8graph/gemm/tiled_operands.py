@@ -15,7 +15,7 @@ from fp8graph.numerics.formats import Role
 from fp8graph.numerics.tiles import Tiling, reference_quantize_tiles
 from fp8graph.recipes.scaling import TiledRecipe
 
-__all__ = ["TiledOperand", "cached_weight_operands", "quantize_both_ways"]
+__all__ = ["TiledOperand", "cached_weight_operands", "expert_blocks", "quantize_both_ways"]
 
 
 class TiledOperand:
@@ -76,3 +76,13 @@ def cached_weight_operands(weight_hp: torch.Tensor, recipe: TiledRecipe, use_ker
     if tiling.is_square:
         return weight_q.fp8, weight_q.scale
     return weight_q.fp8, weight_q.scale, weight_t_q.fp8, weight_t_q.scale
+
+
+def expert_blocks(weight_hp: torch.Tensor, tiling: Tiling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert weights ``weight_hp`` (E, R, C) in ``tiling``'s blocks along C (MXFP8's expert GEMMs,
+    ``fp8graph.targets.grouped_blocks``): ``(weight_fp8 (E, R, C), scale (E, R, C / 32))``, contiguous whatever
+    ``weight_hp``'s layout (a transposed view is cast as the view): what grad_input's GEMM reads of a weight's
+    transpose, and what ``fp8graph.buffers.weight_cache.copy_layout`` keeps of each layout."""
+    experts = weight_hp.shape[0]
+    weight_fp8, scale = reference_quantize_tiles(weight_hp.reshape(-1, weight_hp.shape[-1]), tiling)
+    return weight_fp8.reshape(experts, -1, weight_fp8.shape[1]), scale.reshape(experts, -1, scale.shape[1])

@@ -17,12 +17,13 @@ import torch
 from fp8graph.gemm.grouped_gemm import grouped_mm_exact
 from fp8graph.gemm.grouped_mx import grouped_mx_gemm, grouped_mx_gemm_weights
 from fp8graph.gemm.scaled_gemm import Lowering
+from fp8graph.gemm.tiled_operands import expert_blocks
 from fp8graph.numerics.formats import Role
 from fp8graph.numerics.groups import place_in_padded_groups
 from fp8graph.numerics.tiles import Tiling, expand_scale, reference_dequantize_tiles, reference_quantize_tiles
 from fp8graph.targets.linear_tensorwise import record_health
 
-__all__ = ["GroupedBlocks", "expert_blocks"]
+__all__ = ["GroupedBlocks"]
 
 
 class GroupedBlocks(torch.autograd.Function):
@@ -92,20 +93,12 @@ def _weight_casts(weight_hp: torch.Tensor, tiling: Tiling, stats, recipe, needs_
                         weight_hp.shape[0])  # (E, N, K) along K
     if not (needs_grad_input or weight_copy is not None):
         return weight_q, (None, None)
-    weight_t_q = expert_blocks(weight_hp.transpose(-2, -1), recipe, tiling)  # (E, K, N) along N
+    weight_t_q = expert_blocks(weight_hp.transpose(-2, -1), tiling)  # (E, K, N) along N
     if weight_copy is not None:  # "fill": kept for the calls until the weight changes
         for copy, cast in zip((weight_copy.weight_fp8, weight_copy.scale, weight_copy.weight_t_fp8,
                                weight_copy.t_scale), (*weight_q, *weight_t_q)):
             copy.copy_(cast)
     return weight_q, weight_t_q
-
-
-def expert_blocks(weight_hp: torch.Tensor, recipe, tiling: Tiling | None = None):
-    """``weight_hp`` (E, R, C) in blocks along C: ``(weight_fp8 (E, R, C), scale (E, R, C / 32))``, contiguous
-    whatever ``weight_hp``'s layout (a transposed view is laid out as the view): what grad_input's GEMM reads of a
-    weight's transpose, and what ``fp8graph.buffers.weight_cache.copy_layout`` keeps of it."""
-    tiling = tiling if tiling is not None else recipe.tiling(Role.WEIGHT)
-    return _experts(_blocks(weight_hp.reshape(-1, weight_hp.shape[-1]), tiling), weight_hp.shape[0])
 
 
 def _blocks(x_hp: torch.Tensor, tiling: Tiling, stats=None, role: Role | None = None, recipe=None):

@@ -19,7 +19,8 @@ from fp8graph.models import build
 from fp8graph.models.moe import CONFIGS, MoEBlock
 from fp8graph.recipes import PRESETS
 from fp8graph.targets.grouped import GroupedSpec, _cast_expert_columns, cast_experts, grouped_fp8_target
-from fp8graph.targets.grouped_blocks import expert_blocks
+from fp8graph.gemm.tiled_operands import expert_blocks
+from fp8graph.numerics.formats import Role
 from fp8graph.gemm.tiled_operands import cached_weight_operands
 from fp8graph.buffers.delayed_state import HISTORY_PREFIX, SCALE_PREFIX
 from fp8graph.buffers.weight_cache import (CACHED_AMAX_PREFIX, CACHED_SCALE_PREFIX, CACHED_TRANSPOSE_PREFIX,
@@ -180,8 +181,9 @@ def test_expert_weights_are_cast_once_per_step_and_train_as_when_cast_at_every_c
             [copies[2], copies[3], copies[0], copies[1]] if weights == "ekn" and recipe != "current" else
             [copies[2], copies[1], copies[0], None] if weights == "ekn" else copies)
         if recipe == "mxfp8":  # blocks along K for the forward, along N for grad_input, a scale a block of each
-            weight_fp8, scale = expert_blocks(weight_nk, policy)
-            columns_fp8, columns_scale = expert_blocks(weight_nk.transpose(-2, -1), policy)
+            tiling = policy.tiling(Role.WEIGHT)
+            weight_fp8, scale = expert_blocks(weight_nk, tiling)
+            columns_fp8, columns_scale = expert_blocks(weight_nk.transpose(-2, -1), tiling)
             assert torch.equal(input_grad_copy.view(torch.uint8), columns_fp8.view(torch.uint8)), name
             assert torch.equal(input_grad_scale, columns_scale), name
         assert torch.equal(forward_copy.view(torch.uint8), weight_fp8.view(torch.uint8)), name
