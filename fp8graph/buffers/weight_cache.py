@@ -96,6 +96,7 @@ class WeightCache:
         self.reuse = False
         self._filled_versions: tuple | None = None
         self._versions_at_call: tuple | None = None
+        self._filled_moving_state = self._moves_state_at_call = False
 
     def add(self, holder: torch.nn.Module, name: str, owner: torch.nn.Module, owner_name: str, recipe: Recipe,
             prefixes: tuple[str, ...]) -> None:
@@ -119,15 +120,27 @@ class WeightCache:
         return tuple((id(weight), weight._version, _storage_address(weight), weight.dtype, weight.device)
                      for weight in weights)
 
+    def _moves_delayed_state(self) -> bool:
+        """Whether the coming call moves delayed-scaling state: gradients on and a module holding a delayed
+        copy in training mode (otherwise its sites only read the stored scales: fp8graph.buffers.delayed_state)."""
+        return torch.is_grad_enabled() and any(holder.training for holder, *_, recipe, _ in self._holders
+                                               if recipe.stateful)
+
     def before_call(self) -> None:
-        """Choose the mode of the coming call: reuse only if no cached weight changed since the last fill."""
+        """Choose the mode of the coming call: reuse only if no cached weight changed since the last fill, and,
+        for a call that moves delayed-scaling state, if that fill moved it too (a fill that only read the
+        stored scales kept a cast with the stored scale, where a training call casts with the one its history
+        gives, and records it)."""
         self._versions_at_call = self._versions()
-        self.reuse = self._filled_versions is not None and self._filled_versions == self._versions_at_call
+        self._moves_state_at_call = self._moves_delayed_state()
+        unchanged = self._filled_versions is not None and self._filled_versions == self._versions_at_call
+        self.reuse = unchanged and (self._filled_moving_state or not self._moves_state_at_call)
 
     def after_call(self) -> None:
         """A call that filled the copies finished: they now hold the weights as they were when it began."""
         if not self.reuse:
             self._filled_versions = self._versions_at_call
+            self._filled_moving_state = self._moves_state_at_call
 
     def invalidate(self) -> None:
         """Make the next call fill, e.g. after changing weights through ``param.data``."""

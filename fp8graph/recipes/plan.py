@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 
 from fp8graph.recipes.policy import Policy, WeightRecipes, normalize_policy, resolve_weight, weight_orientations
-from fp8graph.recipes.scaling import DelayedScaling, Recipe, misaligned
+from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, DelayedScaling, Recipe, misaligned
 
 __all__ = ["CACHE_WHERE_POSSIBLE", "Plan", "UNDECIDED", "WEIGHT_COPIES", "WeightEntry", "choose_weight_cache",
            "instance_path", "plan"]
@@ -115,9 +115,12 @@ class WeightEntry:
 
     def _copyable(self) -> list[Recipe]:
         """The recipes the policy may give the weight that could keep its copy: they fit its shape, cast it from
-        the weight and what the copy keeps."""
+        the weight and what the copy keeps, and, for an expert weight, its sites run them (block scaling's stay
+        in high precision: fp8graph.passes.annotate)."""
+        experts = len(self.shape) == 3
         return [recipe for recipe, shape_reason in zip(self.recipes.recipes, self.misaligned)
-                if recipe is not None and recipe.caches_weights and shape_reason is None]
+                if recipe is not None and recipe.caches_weights and shape_reason is None
+                and (not experts or recipe.granularity in EXPERT_GRANULARITIES)]
 
     def _fill_costs_more(self, recipe: Recipe) -> bool:
         """Whether ``"auto"`` casts the weight per call under ``recipe`` though a copy could be kept. Modelled on
@@ -277,7 +280,8 @@ def choose_weight_cache(model, cache_weights, freeze_weights: bool, fp8_all_gath
     why (``True`` and ``False`` are the user's word; ``True`` where it cannot work is refused by the compile).
 
     ``"auto"`` keeps them wherever they work: a copy changes no value (the recipes that cache cast the weight
-    from the weight alone), and a call that fills moves the bytes a call that casts moves
+    from the weight alone) but delayed scaling's weight scale, which stays the fill's until the weight changes
+    (``fp8graph.buffers.weight_cache``), and a call that fills moves the bytes a call that casts moves
     (``fp8graph.targets.kept_copies``); the price is memory, the copies held between calls. Off for a function
     or a module without submodules (the copies are buffers brought into the graph by submodules' hooks), with
     ``freeze_weights`` (which folds the copies into the graphs instead) and under FSDP2 (with ``fp8_all_gather``

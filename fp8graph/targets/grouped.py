@@ -115,9 +115,11 @@ class ExpertWeightCopy(NamedTuple):
     def of(weight_hp: torch.Tensor, mode: str, weight_fp8, scale, weight_t_fp8, t_scale=None, amax=None):
         """The copies as the site reads them: a parameter stored (E, K, N), fed transposed, keeps its own shape
         first, which is grad_input's layout (and, row-wise or MXFP8, its scales are the cast along N's). A square
-        one is told by its strides: the site reads it as a transposed view."""
+        one is told by its strides, the site reading it as a transposed view; a square weight stored column-major
+        and read as stored is taken for one too, which swaps its buffers' roles at every call alike."""
+        square = weight_hp.shape[-1] == weight_hp.shape[-2]
         transposed_view = weight_hp.stride(-2) == 1 and weight_hp.stride(-1) != 1
-        if weight_fp8.shape != weight_hp.shape or transposed_view:
+        if weight_fp8.shape != weight_hp.shape or (square and transposed_view):
             weight_fp8, weight_t_fp8 = weight_t_fp8, weight_fp8
             if t_scale is not None:
                 scale, t_scale = t_scale, scale

@@ -391,6 +391,54 @@ def test_delayed_copies_cast_with_the_fills_scale_and_histories_move_as_when_cas
             optimizer.zero_grad()
 
 
+def test_expert_weights_stored_column_major_keep_copies_and_expert_sites_of_block_scaling_keep_none():
+    """An (E, N, K) expert weight laid out column-major (read as stored) keeps its copies as a row-major one does,
+    and trains as casting at every call; block scaling's expert sites stay in high precision, so their weights
+    get no copies."""
+    block = MoEBlock(**CONFIGS["tiny-odd"]).to(torch.bfloat16)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(block.experts, name)
+            setattr(block.experts, name, torch.nn.Parameter(weight.transpose(1, 2).contiguous().transpose(1, 2)))
+    per_call_block = copy.deepcopy(block)
+    losses = [_accumulate_on(m, fp8graph.compile(m, policy=PRESETS["current"], compiler="aot_eager",
+                                                 cache_weights=cache_weights),
+                             lambda generator: torch.randn(32, 64, generator=generator).to(torch.bfloat16))[0]
+              for m, cache_weights in ((block, "auto"), (per_call_block, False))]
+    assert losses[0] == losses[1] and hasattr(block.experts, CACHED_WEIGHT_PREFIX + "gate_up_proj")
+    block_scaled = MoEBlock(hidden=128, experts=4, top_k=2, expert_width=128).to(torch.bfloat16)  # whole tiles
+    fp8graph.compile(block_scaled, policy=PRESETS["block"], compiler="aot_eager")
+    assert not any(name.startswith("fp8graph_cached") for name, _ in block_scaled.experts.named_buffers())
+
+
+def test_a_delayed_copy_filled_without_gradients_is_filled_again_by_a_training_call():
+    """An evaluation right after the optimizer step fills the copies with the stored scales (a call without
+    gradients moves no state); the training call after it fills again, with the scale its history gives,
+    and the micro-batches after that reuse its copy."""
+    model = build("mlp", "tiny")
+    compiled = fp8graph.compile(model, policy=fp8graph.DelayedScaling(amax_history_len=4), compiler="aot_eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cache, modes = compiled.fp8graph_backend.weight_cache, []
+    x = torch.randn(32, 64)
+    for _ in range(2):
+        for _ in range(2):
+            compiled(x).square().mean().backward()
+            modes.append(cache.reuse)
+        optimizer.step()
+        optimizer.zero_grad()
+        history_before = model.up.fp8graph_amax_history_weight.clone()
+        with torch.no_grad():
+            compiled(x)
+            modes.append(cache.reuse)
+        assert torch.equal(model.up.fp8graph_amax_history_weight, history_before)  # read, not moved
+    compiled(x).square().mean().backward()
+    modes.append(cache.reuse)
+    expected = scale_from_history(history_before, model.up.fp8graph_scale_weight, torch.float8_e4m3fn, 0, "max")
+    assert modes == [False, True, False] * 2 + [False]  # the eval fills; so does the training call after it
+    assert model.up.fp8graph_scale_weight[1] == expected[1]  # the history's, not the stored one's
+    assert getattr(model.up, CACHED_SCALE_PREFIX + "weight") == expected[1]
+
+
 def test_tied_weights_share_one_copy_and_each_recipe_keeps_its_own():
     class Tied(torch.nn.Module):
         def __init__(self):
