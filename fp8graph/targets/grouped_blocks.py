@@ -83,21 +83,20 @@ def _weight_casts(weight_hp: torch.Tensor, tiling: Tiling, stats, recipe, needs_
     (``fp8graph.targets.grouped.ExpertWeightCopy``) a ``"fill"`` call casts both and writes them into the
     copies, a ``"reuse"`` call reads the copies and never the weight."""
     if weight_copy is not None and weight_copy.mode == "reuse":
-        weight_q = (weight_copy.weight_fp8, weight_copy.scale)
-        if stats is not None:
-            x_hp, x_fp8 = weight_hp.flatten(0, 1), weight_q[0].flatten(0, 1)
-            record_health(stats, Role.WEIGHT, x_hp, x_fp8, expand_scale(weight_q[1].flatten(0, 1), tiling,
-                                                                      x_fp8.shape), recipe)
-        return weight_q, (weight_copy.weight_t_fp8, weight_copy.t_scale)
-    weight_q = _experts(_blocks(weight_hp.flatten(0, 1), tiling, stats, Role.WEIGHT, recipe),
-                        weight_hp.shape[0])  # (E, N, K) along K
-    if not (needs_grad_input or weight_copy is not None):
-        return weight_q, (None, None)
-    weight_t_q = expert_blocks(weight_hp.transpose(-2, -1), tiling)  # (E, K, N) along N
-    if weight_copy is not None:  # "fill": kept for the calls until the weight changes
-        for copy, cast in zip((weight_copy.weight_fp8, weight_copy.scale, weight_copy.weight_t_fp8,
-                               weight_copy.t_scale), (*weight_q, *weight_t_q)):
-            copy.copy_(cast)
+        weight_q, weight_t_q = (weight_copy.weight_fp8, weight_copy.scale), (weight_copy.weight_t_fp8,
+                                                                             weight_copy.t_scale)
+    else:
+        weight_q = expert_blocks(weight_hp, tiling)  # (E, N, K) along K
+        weight_t_q = (expert_blocks(weight_hp.transpose(-2, -1), tiling)  # (E, K, N) along N
+                      if needs_grad_input or weight_copy is not None else (None, None))
+        if weight_copy is not None:  # "fill": kept for the calls until the weight changes
+            for copy, cast in zip((weight_copy.weight_fp8, weight_copy.scale, weight_copy.weight_t_fp8,
+                                   weight_copy.t_scale), (*weight_q, *weight_t_q)):
+                copy.copy_(cast)
+    if stats is not None:  # the forward's cast, as the experts' stacked rows
+        x_fp8, scale = (x.flatten(0, 1) for x in weight_q)
+        record_health(stats, Role.WEIGHT, weight_hp.flatten(0, 1), x_fp8, expand_scale(scale, tiling, x_fp8.shape),
+                      recipe)
     return weight_q, weight_t_q
 
 
@@ -108,12 +107,6 @@ def _blocks(x_hp: torch.Tensor, tiling: Tiling, stats=None, role: Role | None = 
     if stats is not None:
         record_health(stats, role, x_hp, x_fp8, expand_scale(scale, tiling, x_fp8.shape), recipe)
     return x_fp8, scale
-
-
-def _experts(quantized, experts: int):
-    """A cast of E stacked (R, C) matrices, ``(x_fp8 (E R, C), scale)``, as (E, R, C) and (E, R, C / 32)."""
-    x_fp8, scale = quantized
-    return x_fp8.reshape(experts, -1, x_fp8.shape[1]), scale.reshape(experts, -1, scale.shape[1])
 
 
 def _dequantized(quantized, tiling: Tiling) -> torch.Tensor:

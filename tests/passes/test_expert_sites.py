@@ -9,7 +9,8 @@ import torch
 
 import fp8graph
 from fp8graph.passes.sites import ExpertSite
-from fp8graph import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling, Policy
+from fp8graph import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling,
+                      Policy)
 from fp8graph.models import build
 from fp8graph.models.zoo import build_zoo_model, zoo_inputs
 from helpers import compile_fp8
@@ -167,18 +168,21 @@ def test_the_batched_mm_decode_form_is_an_expert_site_kept_with_its_reason():
     assert all(r.reason.startswith("expert weights gathered per token") for r in experts)
 
 
-@pytest.mark.parametrize("recipe", [Float8RowwiseScaling(), Float8CurrentScaling()], ids=str)
+@pytest.mark.parametrize("recipe", [Float8RowwiseScaling(), Float8CurrentScaling(), MXFP8BlockScaling()], ids=str)
 def test_expert_sites_record_their_fp8_health(recipe):
     """stats=True: the experts module's buffer holds the health of its expert GEMMs' casts (the module's two sites
-    share it: the later one's, the down projection, as for any module with two sites)."""
+    share it: the later one's, the down projection, as for any module with two sites), at the call that casts the
+    expert weights and at the next, which reads their kept casts."""
     model, x = _moe()
     compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager", stats=True)
-    compiled(x).float().pow(2).mean().backward()
-    rows = {(r.path, r.role): r for r in compiled.fp8graph_stats.record(step=0)}
-    for role in ("input", "weight", "grad_output"):
-        row = rows["experts", role]
-        assert row.sqnr_db > 25 and row.underflow < 0.05 and row.amax > 0, (role, row)
-    assert ("gate", "input") not in rows, "the router stays in high precision"
+    for step in range(2):
+        compiled(x).float().pow(2).mean().backward()
+        assert compiled.fp8graph_backend.weight_cache.reuse == (step == 1)
+        rows = {(r.path, r.role): r for r in compiled.fp8graph_stats.record(step=step)}
+        for role in ("input", "weight", "grad_output"):
+            row = rows["experts", role]
+            assert row.sqnr_db > 25 and row.underflow < 0.05 and row.amax > 0, (step, role, row)
+        assert ("gate", "input") not in rows, "the router stays in high precision"
 
 
 def test_dynamic_token_counts_compile_once_with_a_symbolic_m():
