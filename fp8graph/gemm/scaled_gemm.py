@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from fp8graph.gemm.layouts import column_major, row_major
+from fp8graph.gemm.library_rules import SCALE_ALIGNMENT_BYTES
 from fp8graph.kernels.quantize_tiles import triton_available
 from fp8graph.gemm.padding import pad_reduction_dim
 from fp8graph.gemm.native_tiled import native_tiled_gemm
@@ -189,15 +190,19 @@ def one_buffer(x_fp8: torch.Tensor) -> torch.Tensor:
 
 
 def scalars_of(values: torch.Tensor) -> list[torch.Tensor]:
-    """Each element of ``values`` as a one-element view (shape (1,)) of one buffer, for scaled GEMMs to read.
+    """Each element of ``values`` as a one-element view (shape (1,)) of one buffer, for scaled GEMMs to read,
+    each at a 16-byte aligned offset.
 
     Scales computed together stay one small kernel only if each GEMM reads its scale from that kernel's
     buffer: an indexing view (``values[i]``) becomes a kernel of its own per element under Inductor.
     ``as_strided`` makes the buffer real and each element an offset into it; shape (1,), because
-    Inductor's ``_scaled_mm`` lowering cannot reshape a 0-d view with an offset.
+    Inductor's ``_scaled_mm`` lowering cannot reshape a 0-d view with an offset. cuBLASLt reads a scale only
+    from an address that is a multiple of 16 bytes (``fp8graph.gemm.library_rules``): the elements are laid
+    out that far apart, the bytes between them unused.
     """
-    values = values.contiguous()
-    return [torch.as_strided(values, (1,), (1,), index) for index in range(values.numel())]
+    spacing = max(1, SCALE_ALIGNMENT_BYTES // values.element_size())
+    spaced = values.reshape(-1, 1).expand(-1, spacing).contiguous()  # (n, spacing): element i at i * spacing
+    return [torch.as_strided(spaced, (1,), (1,), index * spacing) for index in range(values.numel())]
 
 
 def scaled_gemm(

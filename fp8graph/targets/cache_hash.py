@@ -4,9 +4,11 @@ A rewritten graph calls Python functions (``fp8graph_linear_...``) that
 AOTAutograd traces into its forward and backward graphs. Its cache refuses
 functions it cannot vouch for, unless a node carries a ``user_cache_hash``
 that identifies what the function computes (the mechanism ``torch.fx.wrap``
-functions use). The hash covers the target's name and parameters, fp8graph's
-source and torch's version, so a changed recipe or a new fp8graph misses the
-cache instead of reusing a stale graph. Parameters whose ``repr`` holds a
+functions use). The hash covers the target's name and parameters, the source
+of every module of fp8graph (a target's graph is what the GEMM, numerics and
+kernel modules it calls trace to, not only the target's own file) and torch's
+version, so a changed recipe or a new fp8graph misses the cache instead of
+reusing a stale graph. Parameters whose ``repr`` holds a
 memory address (a custom ``amax_compute_algo`` function) never match across
 processes: those graphs recompile, as before.
 """
@@ -15,23 +17,31 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import pathlib
 from typing import Callable
 
 import torch
 import torch.fx
 
-__all__ = ["mark_cacheable", "register_target", "source_hash"]
+__all__ = ["hashed_sources", "mark_cacheable", "register_target", "source_hash"]
 
-_PACKAGE = pathlib.Path(__file__).resolve().parent
+
+def hashed_sources() -> list[tuple[str, pathlib.Path]]:
+    """``(name, path)`` of every source file of fp8graph and of its passes (which install under it from a folder
+    of their own), in a fixed order."""
+    folders = {package: pathlib.Path(folder).resolve() for package in ("fp8graph", "fp8graph.passes")
+               for folder in importlib.import_module(package).__path__}
+    return [(f"{package}/{path.relative_to(folder)}", path) for package, folder in sorted(folders.items())
+            for path in sorted(folder.rglob("*.py"))]
 
 
 @functools.cache
 def source_hash() -> str:
-    """A digest of torch's version and fp8graph's source."""
+    """A digest of torch's version and fp8graph's source (:func:`hashed_sources`)."""
     digest = hashlib.sha256(torch.__version__.encode())
-    for path in sorted(_PACKAGE.rglob("*.py")):
-        digest.update(str(path.relative_to(_PACKAGE)).encode())
+    for name, path in hashed_sources():
+        digest.update(name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
 

@@ -7,6 +7,7 @@ graph cache keys on: equal graphs may share code, different ones may not.
 
 import contextlib
 import logging
+import pathlib
 import re
 import unittest.mock
 
@@ -16,6 +17,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
 import fp8graph
+import fp8graph.gemm.scaled_gemm
 from fp8graph import DelayedScaling, Float8CurrentScaling, Format
 from fp8graph.targets import cache_hash
 from fp8graph.targets.linear_tensorwise import linear_fp8_target
@@ -136,3 +138,17 @@ def test_a_target_made_again_with_the_same_identity_is_the_one_published():
     spelled_out = linear_fp8_target(recipe, Lowering.EMULATED, True, False, None)
     assert spelled_out is short
     assert getattr(cache_hash, short.__qualname__) is short
+
+
+def test_the_hash_covers_every_module_a_target_traces_through():
+    """A target's graph is what the GEMM, numerics and kernel modules it calls trace to: a change to any of
+    them must miss the cache. (The hash once covered ``fp8graph/targets`` alone, and a changed scale layout in
+    ``fp8graph/gemm`` was served the graph compiled before it.)"""
+    import fp8graph.passes
+
+    hashed = {path for _, path in cache_hash.hashed_sources()}
+    for package in (fp8graph, fp8graph.passes):
+        for folder in package.__path__:
+            sources = set(pathlib.Path(folder).resolve().rglob("*.py"))
+            assert sources and sources <= hashed, sorted(map(str, sources - hashed))[:5]
+    assert pathlib.Path(fp8graph.gemm.scaled_gemm.__file__).resolve() in hashed
