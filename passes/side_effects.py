@@ -49,7 +49,9 @@ _RANDOM_NAMES = {"normal", "normal_", "uniform_", "exponential_", "geometric_", 
 # Functions that change the generator itself rather than draw from it: never run by the probe (they would
 # reseed the process's real generator), always a side effect.
 _GENERATOR_STATE_NAMES = {"seed", "manual_seed", "set_rng_state", "get_rng_state", "fork_rng"}
-_IN_PLACE_DUNDERS = {f"__{name.__name__}__" for name in _INPLACE_OPERATORS}
+# Their method spellings (``y.__iadd__(x)`` reaches the graph as call_method __iadd__), and ``__idiv__``: Python 2's
+# name for ``/=``, which torch.Tensor still defines.
+_IN_PLACE_DUNDERS = {f"__{name.__name__}__" for name in _INPLACE_OPERATORS} | {"__idiv__"}
 # Where a target the probe may run comes from: torch's ops (their effects go through the dispatcher, where
 # the probe sees them), Python's operators on tensors and the builtins Dynamo leaves in graphs.
 _PROBED_MODULES = ("torch", "operator", "_operator", "builtins", "math")
@@ -99,7 +101,9 @@ def effects_of(node: torch.fx.Node) -> Effects:
     argument's nor made during the call is a write to something else the graph holds: :data:`UNKNOWN`.
     Modules, higher-order ops, FX's impure calls (grad mode, autocast, profiler ranges, asserts) and code
     from outside torch are opaque: :data:`UNKNOWN`. A call the probe cannot run (no example values, or a
-    data-dependent op) is read from its spelling instead. Remembered in ``node.meta``.
+    data-dependent op) is read from its spelling instead. Never raises: a schema or probe that fails on a
+    call torch did not foresee leaves the call to its spelling, and a spelling that cannot be read either
+    leaves :data:`UNKNOWN`. Remembered in ``node.meta``.
     """
     # Remembered with the call it was read from: a pass that copies a node's meta onto another call, or gives
     # the node other arguments, does not carry the answer over.
@@ -118,6 +122,32 @@ def _same_call(a: tuple, b: tuple) -> bool:
 
 
 def _effects(node: torch.fx.Node) -> Effects:
+    # A reader that raises must not stop the compile (the schema reader did, on ``h.__eq__(0)``): it only means
+    # that reader cannot answer. The next one does, and "may write anything" is the answer of last resort.
+    try:
+        known = _effects_by_kind(node)
+    except Exception:
+        return _OPAQUE
+    if known is not None:
+        return known
+    try:
+        read = _effects_by_schema(node)
+        if read is None:
+            read = _probe(node)
+    except Exception:
+        read = None
+    if read is not None:
+        return read
+    try:
+        return _effects_by_spelling(node)
+    except Exception:
+        return _OPAQUE
+
+
+def _effects_by_kind(node: torch.fx.Node) -> Effects | None:
+    """The effects of the nodes known without reading the call: graph inputs and outputs, fp8graph's markers,
+    and the calls never run (modules, higher-order ops, generator state, code from outside torch); None for a
+    call to read."""
     if node.op in ("placeholder", "get_attr", "output"):
         return _NONE
     if getattr(node.target, "_fp8graph_writes_nothing", False):
@@ -130,11 +160,7 @@ def _effects(node: torch.fx.Node) -> Effects:
         return _OPAQUE  # never run: grad mode, autocast, profiler ranges, asserts
     if node.op == "call_function" and not _from_probed_module(node.target):
         return _OPAQUE
-    read = _effects_by_schema(node)
-    if read is not None:
-        return read
-    probed = _probe(node)
-    return probed if probed is not None else _effects_by_spelling(node)
+    return None
 
 
 # Where torch's C-bound functions live; each calls the ATen op of its own name.
@@ -148,7 +174,12 @@ def _effects_by_schema(node: torch.fx.Node) -> Effects | None:
     the same name has no overload that writes a positional argument (or a keyword one the node passes) or
     draws random numbers; None where the probe must decide. An ATen op that writes its input says so in its
     schema; a C binding calls the op of its name, so no overload of it writing means the call writes
-    nothing. This answers most of a graph's nodes (matmul, view, add) without running them."""
+    nothing. This answers most of a graph's nodes (matmul, view, add) without running them.
+
+    Only a real ATen op is read: ``torch.ops.aten`` is a Python object, and for a name it has as an attribute
+    of its own (``__eq__``, ``__lt__``: every Python object's comparisons) it gives that method, which has no
+    schema. A dunder may also call an op of another name (``__eq__`` calls ``eq``, ``__invert__``
+    ``bitwise_not``); the probe runs those."""
     if node.op == "call_function" and getattr(node.target, "__module__", None) in ("_operator", "operator") \
             and node.target not in _INPLACE_OPERATORS:
         return _NONE  # Python's out-of-place operators (a * b, x[i]): the data model keeps them out of place
@@ -160,9 +191,13 @@ def _effects_by_schema(node: torch.fx.Node) -> Effects | None:
         name = node.target.__name__
     else:
         return None
+    if _is_in_place_name(name):
+        return None  # spelled as a write: whatever its namesake's schema says, the probe decides
     try:
         packet = getattr(torch.ops.aten, name)
     except (AttributeError, RuntimeError):
+        return None
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
         return None
     for overload in packet.overloads():
         op = getattr(packet, overload)
@@ -271,6 +306,8 @@ def _is_in_place_name(name: str) -> bool:
 
 def _draws_random(node: torch.fx.Node) -> bool:
     name = _name(node).lower()
+    if name.startswith("__") and name.endswith("__"):
+        return False  # Python's operators draw nothing (``__rand__`` is a reflected ``&``)
     return name in _RANDOM_NAMES or any(fragment in name for fragment in _RANDOM_FRAGMENTS)
 
 

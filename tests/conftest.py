@@ -38,7 +38,8 @@ def pytest_collection_modifyitems(config, items):
 # Modules whose tests share a module-scoped fixture or a cached result: kept together on one worker, so that
 # the expensive part runs once (FSDP2's ranks, the modelled MoE steps, the fp32 reference losses).
 _SHARED_MODULES = {"tests/apps/test_train_distributed.py", "tests/bench/test_moe_bench.py",
-                   "tests/bench/test_cost_model.py", "tests/inspection/test_report.py", "tests/test_training.py"}
+                   "tests/bench/test_cost_model.py", "tests/inspection/test_report.py", "tests/test_training.py",
+                   "tests/passes/test_operator_spellings.py"}
 
 
 def _known_seconds() -> dict[str, float]:
