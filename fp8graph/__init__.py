@@ -4,11 +4,13 @@
     compiled = fp8graph.compile(model, policy=fp8graph.Float8CurrentScaling())
     print(fp8graph.explain(model, input_ids))                 # what was rewritten, and why not
     print(fp8graph.plan(model, policy))                       # what each weight will get, before tracing
+    with fp8graph.weights_unchanged(compiled): ...            # micro-batches that share each weight's FP8 cast
     fp8graph.save_fp8(compiled, "fp8_checkpoint")             # the FP8 weights as trained, for serving engines
 """
 
 from fp8graph import policies
 from fp8graph.api import compile, explain
+from fp8graph.buffers.kept_casts import weights_unchanged
 from fp8graph.export import load_fp8, save_fp8
 from fp8graph.recipes.plan import Plan, plan
 from fp8graph.numerics.formats import Format
@@ -33,5 +35,6 @@ __all__ = [
     "plan",
     "policies",
     "save_fp8",
+    "weights_unchanged",
 ]
 __version__ = "0.1.0"

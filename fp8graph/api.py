@@ -23,6 +23,7 @@ from fp8graph.inspection.report import ExplainReport, SiteRecord
 from fp8graph.passes.module_paths import module_paths_by_id
 from fp8graph.inspection.report_html import graph_outline
 from fp8graph.inspection.stats import FP8Stats
+from fp8graph.buffers.kept_casts import reuse_scope_of
 from fp8graph.buffers.weight_cache import CopiesCannotServe, register_weight_cache
 from fp8graph.fsdp.install import install_fp8_all_gather
 
@@ -69,18 +70,22 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             after loading new weights. Delayed-scaling scales and ``stats``
             work as without freezing; the scales fold with the weights.
             Training graphs are unaffected. Needs ``compiler="inductor"``.
-        cache_weights: ``"auto"`` (default), ``True`` or ``False``: keep each weight's FP8 casts (what its
-            GEMMs read) across calls while the weight does not change (gradient accumulation, inference),
-            so only the first call after a change or an optimizer step quantizes it (see
-            :mod:`fp8graph.buffers.weight_cache`). Costs one or two bytes per weight element, by recipe, held
-            between calls. Under Inductor a call that fills casts into the copies and its GEMMs read them
+        cache_weights: ``"auto"`` (default), ``True`` or ``False``: give each weight buffers for its FP8 casts
+            (what its GEMMs read), used inside ``fp8graph.weights_unchanged(compiled)``: there the first call
+            casts the weights and keeps the casts, and the others read them (gradient accumulation's
+            micro-batches, an evaluation loop), so each weight is quantized once per declaration (see
+            :mod:`fp8graph.buffers.weight_cache`). Outside a declaration every call casts its weights, bit for
+            bit as ``False`` does, and the buffers hold no memory: fp8graph cannot see every change of a weight
+            (a write through ``param.data``), so it reuses a cast only where the user says the weights are
+            unchanged (:mod:`fp8graph.buffers.kept_casts`). Inside, one or two bytes per weight element, by
+            recipe. Under Inductor a call that fills casts into the copies and its GEMMs read them
             (:mod:`fp8graph.targets.kept_copies`), and the calls that reuse skip the weights' casts.
             ``"auto"`` keeps them wherever they can work and a fill costs no more than casting per call, and
             says why not elsewhere (``fp8graph.plan``; :func:`fp8graph.recipes.plan.choose_weight_cache`):
             not for a function or a module without submodules, not with ``freeze_weights`` (which folds the
-            copies instead), not under FSDP2 (whose FP8 all-gathers keep each shard's cast instead), not for
-            delayed scaling (its scale moves every call) nor a tiled recipe's matrices (their fill casts more:
-            ``True`` keeps those). ``True`` refuses where copies cannot work; ``False`` casts at every call.
+            copies instead), not under FSDP2 (whose FP8 all-gathers keep each shard's cast instead, inside
+            the same declarations), nor a tiled recipe's matrices (their fill casts more: ``True`` keeps
+            those). ``True`` refuses where copies cannot work; ``False`` gives no weight buffers.
         regions: which blocks to compile once for all their instances (see
             :mod:`fp8graph.regions.repeated_blocks`): ``"auto"`` (default) finds a model's
             repeated layers (HuggingFace ``_no_split_modules``, or an
@@ -122,6 +127,8 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     if isinstance(user_model, torch.nn.Module):
         restore_buffer_dtypes(user_model)
     collector = FP8Stats(user_model) if stats else None
+    # Where the model's weights are declared unchanged (fp8graph.weights_unchanged): kept casts serve there only.
+    scope = reuse_scope_of(user_model) if isinstance(user_model, torch.nn.Module) else None
     # What the policy gives every weight, decided here once; everything below reads it.
     plan = Plan(user_model, policy, weight_copies_of(cache_weights, freeze_weights), copies_reason,
                 copies_everywhere=options["cache_weights"] is True) \
@@ -132,14 +139,14 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     weight_cache = None
     if cache_weights:
         try:
-            weight_cache = register_weight_cache(user_model, policy, plan,
+            weight_cache = register_weight_cache(user_model, policy, scope, plan,
                                                  model if model is not user_model else None)
         except CopiesCannotServe as refused:
             if options["cache_weights"] is True:
                 raise
             cache_weights, plan = False, Plan(user_model, policy, "per call", str(refused))
     all_gather = install_fp8_all_gather(user_model, policy, module_paths_by_id(user_model),
-                                        dict(stats=stats, cache_weights=cache_weights), plan) \
+                                        dict(stats=stats, cache_weights=cache_weights), scope, plan) \
         if fp8_all_gather and isinstance(user_model, torch.nn.Module) else None
     blocks = find_blocks(user_model, None if freeze_weights else regions) \
         if isinstance(user_model, torch.nn.Module) else _no_blocks(regions)

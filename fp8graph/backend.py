@@ -22,6 +22,7 @@ import torch.fx
 
 from fp8graph.buffers.anchors import converted_buffers
 from fp8graph.buffers.delayed_state import DelayedState
+from fp8graph.buffers.kept_casts import ReuseScope
 from fp8graph.buffers.weight_cache import WeightCache
 from fp8graph.gemm.scaled_gemm import LOWERING_CHOICES
 from fp8graph.passes.annotate import Decision
@@ -58,7 +59,7 @@ class FP8Backend:
         state: the delayed-scaling state ``fp8graph.buffers.delayed_state.register_delayed_state``
             registered on ``model``; required when the policy uses ``DelayedScaling``.
         weight_cache: the :class:`fp8graph.buffers.weight_cache.WeightCache` registered on
-            ``model`` (``cache_weights=True``), or ``None``.
+            ``model`` (``cache_weights``), or ``None``.
         plan: the :class:`fp8graph.recipes.plan.Plan` of ``model`` under ``policy`` (made here when ``None``).
             With policy rules, each graph is guarded on the plan signature of the modules its weights
             are read through (``fp8graph.instances``): instances the policy treats differently never
@@ -87,7 +88,7 @@ class FP8Backend:
                 "torch.compile(backend='fp8') and explain() of an uncompiled model cannot hold them. "
                 "Use fp8graph.compile, and explain the compiled model")
         self.state = state if state is not None else DelayedState()
-        self.weight_cache = weight_cache if weight_cache is not None else WeightCache()
+        self.weight_cache = weight_cache if weight_cache is not None else WeightCache(ReuseScope())
         if compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         if lowering not in LOWERING_CHOICES:

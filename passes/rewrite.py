@@ -60,10 +60,9 @@ from .subgraphs import Subgraphs
 
 __all__ = ["rewrite_sites"]
 
-# The keyword a group of linears (per-tensor recipes: one copy and its scale, delayed scaling's amax too) takes
+# The keyword a group of linears (per-tensor recipes: one copy and its scale) takes
 # its members' copies under, a list each.
-_GROUP_KEYWORDS = {"cached_weight": "cached_weights", "cached_weight_scale": "cached_weight_scales",
-                   "cached_weight_amax": "cached_weight_amaxes"}
+_GROUP_KEYWORDS = {"cached_weight": "cached_weights", "cached_weight_scale": "cached_weight_scales"}
 
 
 def _weight_nk(graph: torch.fx.Graph, decision: Decision) -> torch.fx.Node:

@@ -1,4 +1,5 @@
-"""Child processes for the tests, forked from a server that has already imported torch, transformers and fp8graph.
+"""Child processes for the tests, forked from a server that has already imported torch, transformers and fp8graph
+(spawned where torch sees a CUDA device: :func:`context`).
 
 A fresh ``python`` spends 8-10 s of CPU importing torch, Dynamo, Inductor, transformers and fp8graph before it
 does anything (measured on the 2-core CI machine, 2026-11-26), and the suite starts dozens: gloo ranks, the
@@ -38,11 +39,19 @@ _context = None
 
 
 def context() -> multiprocessing.context.BaseContext:
-    """The forkserver context; its server starts, and imports ``PRELOAD``, on the first child."""
+    """The forkserver context, whose server starts, and imports ``PRELOAD``, on the first child; where torch sees
+    a CUDA device, the spawn context: importing transformers (torchao through it) asks CUDA for its device count,
+    and a child forked after that cannot initialise CUDA ("Cannot re-initialize CUDA in forked subprocess": the
+    docs pages' GPU blocks failed so on an H200, 2026-11-27), as ``bench.forked`` found for the benchmarks."""
     global _context
     if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
+        import torch
+
+        if torch.cuda.is_available():
+            _context = multiprocessing.get_context("spawn")
+        else:
+            _context = multiprocessing.get_context("forkserver")
+            _context.set_forkserver_preload(PRELOAD)
     return _context
 
 

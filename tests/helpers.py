@@ -81,9 +81,10 @@ def sqnr_db(reference: torch.Tensor, actual: torch.Tensor) -> float:
 def gathered_by_two_ranks(recipe, weight_hp: torch.Tensor, requires_grad: bool = False):
     """``weight_hp`` as FSDP2's FP8 all-gather over two ranks hands it to the graph: each half's shard cast
     (``fp8graph.fsdp.shard_casts``), concatenated along the first dimension as the gather does."""
-    from fp8graph.fsdp.shard_casts import TiledShardCast
+    from fp8graph.buffers.kept_casts import ReuseScope
+    from fp8graph.fsdp.shard_casts import GatherCalls, TiledShardCast
 
-    cast = TiledShardCast("weight", recipe, weight_hp, weight_hp.dtype)
+    cast = TiledShardCast("weight", recipe, weight_hp, weight_hp.dtype, GatherCalls(ReuseScope()))
     sent = [cast._cast(shard) for shard in weight_hp.detach().chunk(2)]
     weight, _ = cast.fsdp_post_all_gather(tuple(torch.cat(parts) for parts in zip(*sent)), (), weight_hp.dtype)
     return weight.requires_grad_(requires_grad)

@@ -199,6 +199,21 @@ def test_gpu_python_blocks_run(page, tmp_path):
     _run_python_page(page, tmp_path, gpu=True)
 
 
+def test_where_torch_sees_cuda_the_pages_run_in_spawned_interpreters(monkeypatch, tmp_path):
+    """A child forked after torch asked CUDA for its devices cannot initialise CUDA (the GPU pages failed so on an
+    H200): where torch sees a CUDA device the children are spawned, fresh interpreters that run a page's argv
+    as the forked ones do."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(forked, "_context", None)
+    assert forked.context().get_start_method() == "spawn"
+    script = tmp_path / "page.py"
+    script.write_text("import sys, multiprocessing\nprint(multiprocessing.current_process().name, sys.argv[1:])\n")
+    result = forked.run_python([str(script), "--gpu"], cwd=tmp_path, timeout=120, check=True)
+    assert result.stdout.split()[-1] == "['--gpu']"
+
+
 class _Tee:
     """Standard output that also keeps what one block prints."""
 

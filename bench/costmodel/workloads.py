@@ -115,7 +115,8 @@ def decoder(spec: dict) -> list[dict]:
     model = fake_h100.to_fake_cuda(model, mode).train()
     with mode:
         tokens = torch.zeros(spec["batch"], spec["sequence"], dtype=torch.long, device="cuda")
-    with capture.Capture() as cap, inductor_config.patch(settings), mode, compiled(base, model) as compiled_model:
+    with capture.Capture() as cap, inductor_config.patch(settings), mode, compiled(base, model) as compiled_model, \
+            _micro_batches_declared(compiled_model, _accumulating(spec)):
         compiled_model(tokens, labels=tokens).loss.backward()
         first_call_runs = _runs(cap)
         note = _fp8_note(compiled_model, model)  # of the first micro-batch's graphs
@@ -170,7 +171,7 @@ def _moe_case(contestant: str, shape: dict, accumulating: bool) -> dict:
                         requires_grad=True)
         grad_output = torch.empty(x.shape, dtype=torch.bfloat16, device="cuda")
     with capture.Capture() as cap, inductor_config.patch(settings), mode, \
-            compiled(base, block, compile_block) as compiled_block:
+            compiled(base, block, compile_block) as compiled_block, _micro_batches_declared(compiled_block, accumulating):
         compiled_block(x).backward(grad_output)
         first_call_runs = _runs(cap)
         note = fp8_note(compiled_block, block)  # of the first micro-batch's graphs (a reusing one adds its own)
@@ -183,6 +184,17 @@ def _moe_case(contestant: str, shape: dict, accumulating: bool) -> dict:
         _split_reusing_micro_batch(case, cap, first_call_runs)
     _check_grouped_gemms(case, base)
     return case
+
+
+def _micro_batches_declared(compiled_model, accumulating: bool):
+    """Where a step has several micro-batches, an fp8graph contestant's are declared to see the same weights
+    (``fp8graph.weights_unchanged``), as its users write gradient accumulation: the first casts the weights and
+    keeps the casts, the others read them. A step of one micro-batch casts per call."""
+    if accumulating and hasattr(compiled_model, "fp8graph_backend"):
+        import fp8graph
+
+        return fp8graph.weights_unchanged(compiled_model)
+    return contextlib.nullcontext()
 
 
 def _accumulating(spec: dict) -> bool:

@@ -1,4 +1,4 @@
-"""The weights' FP8 copies, kept across calls while the weights do not change (``cache_weights``, on by default).
+"""The weights' FP8 casts, kept for the calls declared to see the same weights (``fp8graph.weights_unchanged``).
 
 Gradient accumulation runs several forwards on the same weights, inference
 many: quantizing every weight (an amax pass and a cast pass over it) at each
@@ -9,10 +9,9 @@ buffers on the module that owns it, holding what the weight's sites' GEMMs read
 them is the plan's ``WeightEntry.cached``)::
 
     fp8graph_cached_weight_<name>          the forward GEMM's FP8 operand
-    fp8graph_cached_weight_scale_<name>    its scales
+    fp8graph_cached_weight_scale_<name>    its scales (delayed scaling: the scale it was cast with)
     fp8graph_cached_weight_t_<name>        grad_input's, where it is a second copy (experts, row-wise, MXFP8)
     fp8graph_cached_weight_t_scale_<name>  its scales, where they are not the first's (row-wise, MXFP8)
-    fp8graph_cached_weight_amax_<name>     the weight's amax (delayed scaling: what a reusing call records)
 
 A matrix's copy is laid out (N, K) as the FP8 linear reads its weight, whichever
 way the module stores it: a GPT-2 ``Conv1D`` weight, stored (K, N), gets the
@@ -25,39 +24,32 @@ forward GEMM reads the one laid out (E, N, K), grad_input's the one laid out
 (E, K, N), each in the layout ``torch._scaled_grouped_mm`` takes, so no call
 copies an FP8 weight to transpose it.
 
-Before each call of the compiled model, :meth:`WeightCache.before_call`
-compares the weights' version counters with those of the call that last
-filled the copies. Every in-place change bumps a tensor's counter: an
-optimizer step, ``load_state_dict``, ``torch.no_grad(): w.mul_(2)``; a fused
-optimizer's step does not, and every ``torch.optim.Optimizer``'s step marks
-the copies of its weights for refilling through torch's global step hook. If a
-weight changed (or nothing was filled yet) the call fills: its graphs
-quantize the weights as usual and also write the copies. Otherwise it
-reuses: its graphs read the copies and skip the weights' quantization. The
-forward hooks that bring the buffers into the graph branch on the mode, so
-Dynamo guards on it and compiles one graph of each kind: a
-gradient-accumulation loop runs the fill graph on the first micro-batch
-after each optimizer step and the reuse graph on the others.
+A cast is reused only inside ``fp8graph.weights_unchanged(model)``
+(``fp8graph.buffers.kept_casts`` says why: a write through ``param.data`` is
+invisible to fp8graph). Before each call of the compiled model,
+:meth:`WeightCache.before_call` chooses one of three modes:
 
-A new tensor behind a parameter (``param.data = ...``, ``model.to(device or
-dtype)``) is seen by its storage, dtype and device. Not seen: a write through
-``param.data`` (``param.data.copy_(...)``: ``.data`` has a version counter of
-its own) or from outside PyTorch into the storage; call
-:meth:`WeightCache.invalidate` after one. Weights the root module owns itself
-are not cached: Dynamo runs the root's hooks outside the graph (see
-``fp8graph.buffers.delayed_state``). Under DDP the copies are left out of its
-buffer broadcasts (:func:`_kept_from_ddp_broadcasts`).
+    "per call"   outside every declaration: the call casts the weights and keeps nothing (the graph of
+                 ``cache_weights=False``); the buffers are empty placeholders, holding no memory
+    "fill"       the first call of a declaration, or one after a change fp8graph sees (an optimizer step,
+                 a version counter, a new tensor behind a parameter): it casts and writes the copies
+    "reuse"      the others: their graphs read the copies and skip the weights' casts
+
+The buffers get their memory when the outermost declaration opens and give it
+back when it closes. The forward hooks that bring the buffers into the graph
+branch on the mode, so Dynamo guards on it and compiles one graph of each kind.
+Weights the root module owns itself are not cached: Dynamo runs the root's hooks
+outside the graph (see ``fp8graph.buffers.delayed_state``). Under DDP the copies
+are left out of its buffer broadcasts (:func:`_kept_from_ddp_broadcasts`).
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp8graph.numerics.formats import Role
-from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
+from fp8graph.buffers.anchors import ANCHORS, AnchorHook, NewBuffer, register_new_buffers
+from fp8graph.buffers.kept_casts import CastStamp, ReuseScope
 from fp8graph.gemm.tiled_operands import cached_weight_operands, expert_blocks
 from fp8graph.kernels.quantize_tiles import kernel_quantizes
 from fp8graph.recipes.plan import Plan
@@ -65,134 +57,162 @@ from fp8graph.recipes.policy import Policy, weight_experts, weight_orientations
 from fp8graph.recipes.scaling import NATIVE_GROUPED_GRANULARITIES, Recipe, expert_recipe
 from fp8graph.buffers.delayed_state import weight_candidates
 
-__all__ = ["CACHED_AMAX_PREFIX", "CACHED_WEIGHT_PREFIX", "CACHED_SCALE_PREFIX", "CACHED_TRANSPOSE_PREFIX",
-           "CACHED_TRANSPOSE_SCALE_PREFIX", "COPY_KEYWORDS", "COPY_PREFIXES", "CopiesCannotServe", "WeightCache",
-           "copy_layout", "optimizer_steps", "register_weight_cache", "watch_optimizer_steps"]
+__all__ = ["CACHED_SCALE_PREFIX", "CACHED_TRANSPOSE_PREFIX", "CACHED_TRANSPOSE_SCALE_PREFIX", "CACHED_WEIGHT_PREFIX",
+           "COPY_KEYWORDS", "COPY_PREFIXES", "CopiesCannotServe", "MODES", "WeightCache", "copy_layout",
+           "register_weight_cache"]
 
 CACHED_WEIGHT_PREFIX = "fp8graph_cached_weight_"
 CACHED_SCALE_PREFIX = "fp8graph_cached_weight_scale_"
 CACHED_TRANSPOSE_PREFIX = "fp8graph_cached_weight_t_"  # the copy grad_input reads, where it is a second one
 CACHED_TRANSPOSE_SCALE_PREFIX = "fp8graph_cached_weight_t_scale_"  # its scales, where they are not the first's
-CACHED_AMAX_PREFIX = "fp8graph_cached_weight_amax_"  # delayed scaling: the amax the fill recorded
 # The buffers of a weight's copies, in the order copy_layout lists them; a layout keeps some of them.
-COPY_PREFIXES = (CACHED_WEIGHT_PREFIX, CACHED_SCALE_PREFIX, CACHED_TRANSPOSE_PREFIX, CACHED_TRANSPOSE_SCALE_PREFIX,
-                 CACHED_AMAX_PREFIX)
+COPY_PREFIXES = (CACHED_WEIGHT_PREFIX, CACHED_SCALE_PREFIX, CACHED_TRANSPOSE_PREFIX, CACHED_TRANSPOSE_SCALE_PREFIX)
 # The keyword each buffer is passed to the sites' targets under.
 COPY_KEYWORDS = dict(zip(COPY_PREFIXES, ("cached_weight", "cached_weight_scale", "cached_weight_t",
-                                         "cached_weight_t_scale", "cached_weight_amax")))
+                                         "cached_weight_t_scale")))
+PER_CALL, FILL, REUSE = MODES = ("per call", "fill", "reuse")
 
 
 class CopiesCannotServe(ValueError):
     """An earlier compile's FP8 copies on this model are not those the new compile's policy asks for."""
 
 
-class WeightCache:
-    """Which weights have an FP8 copy, where, and whether the next call may reuse them."""
+class _Holder:
+    """One weight as a module holds it: ``holder.name`` reads it, ``owner`` keeps its copies as ``<prefix><owner_name>``
+    (a tied weight is held by several modules, its copies by the first), laid out as ``layout`` (meta tensors, by
+    prefix) for ``recipe``, the recipe its sites run."""
 
-    def __init__(self) -> None:
-        # (holder, parameter name, owner, owner's parameter name, the recipe the copies are laid out for, as the
-        # weight's sites run it, and the prefixes of the copies' buffers): a tied weight appears under each holder.
-        self._holders: list[tuple[torch.nn.Module, str, torch.nn.Module, str, Recipe, tuple[str, ...]]] = []
-        self.reuse = False
-        self._filled_versions: tuple | None = None
-        self._versions_at_call: tuple | None = None
-        self._filled_moving_state = self._moves_state_at_call = False
+    def __init__(self, holder, name, owner, owner_name, recipe: Recipe, layout: dict[str, torch.Tensor]):
+        self.holder, self.name, self.owner, self.owner_name = holder, name, owner, owner_name
+        self.recipe, self.layout = recipe, layout
+
+    @property
+    def owns(self) -> bool:
+        return self.holder is self.owner
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        return self.owner._parameters.get(self.owner_name)
+
+    def copies(self) -> dict[str, torch.Tensor]:
+        return {prefix: getattr(self.owner, prefix + self.owner_name) for prefix in self.layout}
+
+
+class WeightCache:
+    """Which weights have an FP8 copy, where, and what the next call does with them (:data:`MODES`)."""
+
+    def __init__(self, scope: ReuseScope) -> None:
+        self._holders: list[_Holder] = []
+        self.scope = scope
+        self.mode = PER_CALL
+        self._filled: CastStamp | None = None
+        self._filled_moving_state = False
+        self._stamp_at_call: CastStamp | None = None
+        self._moves_state_at_call = False
+        self._watch(scope)
+
+    def _watch(self, scope: ReuseScope) -> None:
+        """The copies hold memory only while a declaration is open."""
+        if self._allocate not in scope.on_open:
+            scope.on_open.append(self._allocate)
+            scope.on_close.append(self._release)
 
     def add(self, holder: torch.nn.Module, name: str, owner: torch.nn.Module, owner_name: str, recipe: Recipe,
-            prefixes: tuple[str, ...]) -> None:
-        self._holders.append((holder, name, owner, owner_name, recipe, prefixes))
+            layout: dict[str, torch.Tensor]) -> None:
+        self._holders.append(_Holder(holder, name, owner, owner_name, recipe, layout))
 
     def __len__(self) -> int:
-        return sum(holder is owner for holder, _, owner, *_ in self._holders)
+        return sum(holder.owns for holder in self._holders)
+
+    @property
+    def reuse(self) -> bool:
+        """Whether the coming (or last) call reads the kept casts instead of casting the weights."""
+        return self.mode == REUSE
 
     def by_weight(self) -> dict[int, tuple[Recipe, dict[str, torch.Tensor]]]:
         """``{id(weight): (recipe, copies)}`` for the tensors the holding modules hold now: the recipe the copies
         serve (a site with another reads none), and the copies by prefix, in :func:`copy_layout`'s order."""
-        return {id(holder._parameters[name]): (recipe, {prefix: getattr(owner, prefix + owner_name)
-                                                        for prefix in prefixes})
-                for holder, name, owner, owner_name, recipe, prefixes in self._holders
-                if holder._parameters.get(name) is not None}
+        return {id(entry.holder._parameters[entry.name]): (entry.recipe, entry.copies()) for entry in self._holders
+                if entry.holder._parameters.get(entry.name) is not None}
+
+    def layouts(self) -> dict[int, dict[str, torch.Tensor]]:
+        """``{id(weight): layout}``: what each weight's copies hold (meta tensors), whether allocated or not."""
+        return {id(entry.holder._parameters[entry.name]): entry.layout for entry in self._holders
+                if entry.holder._parameters.get(entry.name) is not None}
 
     def _versions(self) -> tuple:
-        """What identifies each weight's values: the tensor, its version counter (every in-place change), and
-        its storage, dtype and device (``param.data = ...`` and ``model.to(...)`` swap them without a bump)."""
-        weights = [owner._parameters[name] for holder, name, owner, *_ in self._holders if holder is owner]
+        """What identifies each weight's values as fp8graph sees them: the tensor, its version counter (every
+        in-place change autograd sees), and its storage, dtype and device (``param.data = ...`` and
+        ``model.to(...)`` swap them without a bump)."""
+        weights = [entry.weight for entry in self._holders if entry.owns]
         return tuple((id(weight), weight._version, _storage_address(weight), weight.dtype, weight.device)
                      for weight in weights)
 
     def _moves_delayed_state(self) -> bool:
         """Whether the coming call moves delayed-scaling state: gradients on and a module holding a delayed
         copy in training mode (otherwise its sites only read the stored scales: fp8graph.buffers.delayed_state)."""
-        return torch.is_grad_enabled() and any(holder.training for holder, *_, recipe, _ in self._holders
-                                               if recipe.stateful)
+        return torch.is_grad_enabled() and any(entry.holder.training for entry in self._holders
+                                               if entry.recipe.stateful)
 
     def before_call(self) -> None:
-        """Choose the mode of the coming call: reuse only if no cached weight changed since the last fill, and,
-        for a call that moves delayed-scaling state, if that fill moved it too (a fill that only read the
-        stored scales kept a cast with the stored scale, where a training call casts with the one its history
-        gives, and records it)."""
-        self._versions_at_call = self._versions()
+        """Choose the mode of the coming call. Outside a declaration: per call. Inside: reuse if the last fill was
+        made in this declaration and still serves (``fp8graph.buffers.kept_casts.CastStamp``), and, for a call that
+        moves delayed-scaling state, if that fill moved it too (a fill that only read the stored scales kept a cast
+        with the stored scale, where a training call casts with the one its history gives, and records it)."""
+        if not self.scope.open:
+            self.mode, self._stamp_at_call = PER_CALL, None
+            return
+        weights = self._versions()
         self._moves_state_at_call = self._moves_delayed_state()
-        unchanged = self._filled_versions is not None and self._filled_versions == self._versions_at_call
-        self.reuse = unchanged and (self._filled_moving_state or not self._moves_state_at_call)
+        serves = (self._filled is not None and self._filled.still_serves(self.scope, weights)
+                  and (self._filled_moving_state or not self._moves_state_at_call))
+        self.mode = REUSE if serves else FILL
+        self._stamp_at_call = CastStamp.now(self.scope, weights)
 
     def after_call(self) -> None:
         """A call that filled the copies finished: they now hold the weights as they were when it began."""
-        if not self.reuse:
-            self._filled_versions = self._versions_at_call
+        if self.mode == FILL:
+            self._filled = self._stamp_at_call
             self._filled_moving_state = self._moves_state_at_call
 
     def invalidate(self) -> None:
-        """Make the next call fill, e.g. after changing weights through ``param.data``."""
-        self._filled_versions = None
+        """Make the next call inside a declaration fill."""
+        self._filled = None
 
-    def holds_any(self, weight_ids: set[int]) -> bool:
-        return any(id(owner._parameters.get(name)) in weight_ids for holder, name, owner, *_ in self._holders
-                   if holder is owner)
+    def _allocate(self) -> None:
+        """Give every copy its memory, zeros on its weight's device (a declaration opens)."""
+        for entry in self._holders:
+            weight = entry.weight
+            if entry.owns and weight is not None:
+                for prefix, like in entry.layout.items():
+                    entry.owner._buffers[prefix + entry.owner_name] = _zeros(like.shape, like.dtype, weight.device,
+                                                                             like.stride())
+        self.invalidate()
 
-
-# Every cache alive, for the optimizer hook: a fused optimizer (torch.optim.AdamW(fused=True), the default of
-# HuggingFace's Trainer on a GPU) writes the weights in one kernel without moving their version counters.
-_LIVE_CACHES: "weakref.WeakSet[WeightCache]" = weakref.WeakSet()
-_STEP_HOOK: list = []
-_OPTIMIZER_STEPS = [0]  # steps any torch.optim.Optimizer took in this process since the hook was registered
-
-
-def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Any ``torch.optim.Optimizer``'s step (subclasses too: their ``step`` runs the global hooks) makes the
-    caches that hold one of its parameters fill at their next call, and moves :func:`optimizer_steps`."""
-    _OPTIMIZER_STEPS[0] += 1
-    stepped = {id(param) for group in optimizer.param_groups for param in group["params"]}
-    for cache in list(_LIVE_CACHES):
-        if cache.holds_any(stepped):
-            cache.invalidate()
-
-
-def watch_optimizer_steps(cache: WeightCache | None = None) -> None:
-    """Register the optimizer hook (once a process), and ``cache`` with it."""
-    if cache is not None:
-        _LIVE_CACHES.add(cache)
-    if not _STEP_HOOK:
-        _STEP_HOOK.append(register_optimizer_step_post_hook(_after_optimizer_step))
-
-
-def optimizer_steps() -> int:
-    """How many optimizer steps this process took since :func:`watch_optimizer_steps` first ran: what a copy kept
-    elsewhere (FSDP2's shard casts) compares, beside the version counter a fused optimizer leaves alone."""
-    return _OPTIMIZER_STEPS[0]
-
+    def _release(self) -> None:
+        """Give the copies' memory back: empty placeholders of their dtypes (the outermost declaration closes)."""
+        for entry in self._holders:
+            weight = entry.weight
+            if entry.owns and weight is not None:
+                for prefix, like in entry.layout.items():
+                    entry.owner._buffers[prefix + entry.owner_name] = _placeholder(like, weight.device)
+        self.invalidate()
 
 
 class _CachedWeightsHook(AnchorHook):
-    """Anchors the FP8 copies as filled by this call, or as read by it (the cache's mode)."""
+    """Anchors the FP8 copies as filled by this call, or as read by it (the cache's mode); anchors nothing for a
+    call that casts per call, whose graph then has no copies to read or write."""
 
     def __init__(self, cache: WeightCache, owners_and_names: list[tuple[torch.nn.Module, str, tuple[str, ...]]]):
         super().__init__("fill", [(owner, tuple(prefix + name for prefix in prefixes))
                                   for owner, name, prefixes in owners_and_names])
         self.cache = cache
 
-    def anchor_kind(self, module: torch.nn.Module) -> str:
-        return "reuse" if self.cache.reuse else "fill"  # a branch Dynamo guards on: the two graphs differ
+    def __call__(self, module: torch.nn.Module, args, output) -> None:
+        mode = self.cache.mode  # a branch Dynamo guards on: the three graphs differ
+        if mode != PER_CALL:
+            buffers = [getattr(owner, name) for owner, names in self.sources for name in names]
+            ANCHORS[mode](*buffers)
 
 
 _REGISTERED_ATTRIBUTE = "_fp8graph_weight_cache"
@@ -214,7 +234,7 @@ def copy_layout(module: torch.nn.Module, param: torch.Tensor, recipe: Recipe, de
         recipe              weight            copies
         per tensor          matrix            (N, K), ()
         per tensor          experts           its own shape, (E, 1), its transpose
-        delayed             matrix, experts   as per tensor, and the weight's amax: (1,), (E, 1)
+        delayed             matrix, experts   as per tensor (the scales it was cast with)
         row-wise            experts           its own shape, a scale a row, its transpose, a scale a row of it
         MXFP8               experts           its own shape and its blocks' scales, its transpose and its blocks'
         row-wise, MXFP8     matrix            (N, K) and its tiles' scales, (K, N) and its tiles' scales
@@ -249,14 +269,18 @@ def copy_layout(module: torch.nn.Module, param: torch.Tensor, recipe: Recipe, de
                   CACHED_TRANSPOSE_PREFIX: _zeros((experts, columns, rows), fp8_dtype, device)}
         if recipe.tiled:  # row-wise: each layout cast along its own rows
             copies[CACHED_TRANSPOSE_SCALE_PREFIX] = torch.ones((experts, columns), device=device)
-    if recipe.stateful:  # a reusing call records the amax the weight's history would get from casting it
-        copies[CACHED_AMAX_PREFIX] = torch.zeros((experts, 1) if experts else (1,), device=device)
     return copies
 
 
 def _site_recipe(param: torch.Tensor, recipe: Recipe) -> Recipe:
     """The recipe the weight's sites run under the policy's ``recipe``: an expert GEMM's is all E4M3."""
     return expert_recipe(recipe) if weight_experts(param) is not None else recipe
+
+
+def _placeholder(like: torch.Tensor, device) -> torch.Tensor:
+    """What a copy's buffer holds outside a declaration: no element, its dtype (``Module.to`` converts it as it
+    would the copy), on its weight's device."""
+    return torch.empty(0, dtype=like.dtype, device=device)
 
 
 def _zeros(shape, dtype: torch.dtype, device, stride=None) -> torch.Tensor:
@@ -304,31 +328,35 @@ def _describe(layout: tuple | None) -> str:
                      for shape, dtype in layout)
 
 
-def _reuse_registered_cache(model: torch.nn.Module, plan: Plan, cache: WeightCache) -> WeightCache:
-    """The copies an earlier ``fp8graph.compile(cache_weights=True)`` registered (or a copy of that model
-    brought), if they serve ``policy``: the same weights, in the FP8 dtypes it asks for. Invalidated: a
-    copied model's weights are new tensors, whose ids and versions say nothing of the copies' contents."""
-    copies = cache.by_weight()
+def _reuse_registered_cache(model: torch.nn.Module, plan: Plan, cache: WeightCache,
+                            scope: ReuseScope) -> WeightCache:
+    """The copies an earlier ``fp8graph.compile`` registered (or a copy of that model brought), if they serve
+    ``policy``: the same weights, in the FP8 dtypes it asks for. Invalidated: a copied model's weights are new
+    tensors, whose ids and versions say nothing of the copies' contents."""
+    layouts = cache.layouts()
     for path, module in model.named_modules():
         if module is model:
             continue
         for name, param in weight_candidates(module):
             recipe = plan[param].cached
             wanted = None if recipe is None else _layout_of(copy_layout(module, param, recipe, device="meta"))
-            there = _layout_of(copies[id(param)][1]) if id(param) in copies else None
+            there = _layout_of(layouts[id(param)]) if id(param) in layouts else None
             if wanted != there:
                 raise CopiesCannotServe(
                     f"{path}.{name}: the model was compiled before with FP8 weight copies, and its "
                     f"copies cannot serve this policy (it asks for {_describe(wanted)}; there is "
                     f"{_describe(there)}). Compile it with the first policy again, or build a fresh model")
+    cache.scope = scope
+    cache._watch(scope)
     cache.invalidate()
     return cache
 
 
-def register_weight_cache(model: torch.nn.Module, policy: Policy, plan: Plan | None = None,
+def register_weight_cache(model: torch.nn.Module, policy: Policy, scope: ReuseScope, plan: Plan | None = None,
                           data_parallel: torch.nn.Module | None = None) -> WeightCache | None:
     """Register FP8 copies for the weights of submodules whose plan keeps one (``WeightEntry.cached``), laid
-    out by :func:`copy_layout`.
+    out by :func:`copy_layout`, as empty placeholders: ``scope`` (the model's, ``fp8graph.buffers.kept_casts``)
+    gives them memory while a declaration is open.
 
     A model that holds them already (compiled before with weight copies, or a copy of one) keeps
     them when they serve ``policy`` (:func:`_reuse_registered_cache`), and refills them at its next call;
@@ -340,31 +368,31 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy, plan: Plan | N
     plan = plan if plan is not None else Plan(model, policy)
     earlier = model.__dict__.get(_REGISTERED_ATTRIBUTE)
     if earlier is not None:
-        watch_optimizer_steps(earlier)  # a copied model's cache is a copy
-        return _reuse_registered_cache(model, plan, earlier)
-    cache = WeightCache()
+        return _reuse_registered_cache(model, plan, earlier, scope)
+    cache = WeightCache(scope)
     new_buffers: list[NewBuffer] = []
-    owner_of: dict[int, tuple[torch.nn.Module, str, Recipe, tuple[str, ...]]] = {}
+    owner_of: dict[int, tuple[torch.nn.Module, str, Recipe, dict[str, torch.Tensor]]] = {}
     anchored: dict[torch.nn.Module, list[tuple[torch.nn.Module, str, tuple[str, ...]]]] = {}
     for path, module in model.named_modules():
         if module is model:
             continue
         for name, param in weight_candidates(module):
             if id(param) in owner_of:  # a tied weight: one copy, kept by the first module
-                owner, owner_name, site_recipe, prefixes = owner_of[id(param)]
-                cache.add(module, name, owner, owner_name, site_recipe, prefixes)
-                anchored.setdefault(module, []).append((owner, owner_name, prefixes))
+                owner, owner_name, site_recipe, layout = owner_of[id(param)]
+                cache.add(module, name, owner, owner_name, site_recipe, layout)
+                anchored.setdefault(module, []).append((owner, owner_name, tuple(layout)))
                 continue
             recipe = plan[param].cached
             if recipe is None:
                 continue
-            copies = copy_layout(module, param, recipe)
-            for prefix, initial in copies.items():
-                new_buffers.append(NewBuffer(module, path, prefix + name, initial, persistent=False))
+            layout = copy_layout(module, param, recipe, device="meta")
+            for prefix, like in layout.items():
+                new_buffers.append(NewBuffer(module, path, prefix + name, _placeholder(like, param.device),
+                                             persistent=False))
             site_recipe = _site_recipe(param, recipe)
-            owner_of[id(param)] = (module, name, site_recipe, tuple(copies))
-            cache.add(module, name, module, name, site_recipe, tuple(copies))
-            anchored.setdefault(module, []).append((module, name, tuple(copies)))
+            owner_of[id(param)] = (module, name, site_recipe, layout)
+            cache.add(module, name, module, name, site_recipe, layout)
+            anchored.setdefault(module, []).append((module, name, tuple(layout)))
     if not new_buffers:
         return None
     register_new_buffers(new_buffers, if_taken="a buffer of that name that is not fp8graph's: rename it, or build a "
@@ -373,5 +401,6 @@ def register_weight_cache(model: torch.nn.Module, policy: Policy, plan: Plan | N
     for module, owners_and_names in anchored.items():
         module.register_forward_hook(_CachedWeightsHook(cache, owners_and_names))
     model.__dict__[_REGISTERED_ATTRIBUTE] = cache
-    watch_optimizer_steps(cache)
+    if scope.open:  # compiled inside a declaration: the copies get their memory now
+        cache._allocate()
     return cache

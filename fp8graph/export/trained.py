@@ -98,16 +98,20 @@ def _decisions_by_weight(backend) -> dict[str, list]:
     return by_weight
 
 
-def _delayed_scales(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stored ``(input scale, weight scale(s))`` of a delayed-scaling weight: what an eval-mode call casts
-    with (``fp8graph.buffers.delayed_state``)."""
-    from fp8graph.buffers.delayed_state import SCALE_PREFIX
+def _delayed_scales(module: torch.nn.Module, name: str, recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input scale, weight scale(s))`` of a delayed-scaling weight: what an eval-mode call casts with, the
+    scales its histories give (``fp8graph.targets.linear_tensorwise``)."""
+    from fp8graph.buffers.delayed_state import HISTORY_PREFIX, SCALE_PREFIX
+    from fp8graph.numerics.delayed_scaling import scale_from_history
+    from fp8graph.numerics.formats import Role
 
-    scale = getattr(module, SCALE_PREFIX + name, None)
-    if scale is None:
+    scale, history = getattr(module, SCALE_PREFIX + name, None), getattr(module, HISTORY_PREFIX + name, None)
+    if scale is None or history is None:
         raise ValueError(f"{name} of {type(module).__name__} runs delayed scaling but has no state: compile the model "
                          "with fp8graph.compile (which registers it) before exporting")
-    return scale[0].detach().float(), scale[1:].detach().float()
+    scale = scale_from_history(history.detach().float(), scale.detach().float(), recipe.fp8_dtype(Role.WEIGHT),
+                               recipe.margin, recipe.amax_compute_algo)
+    return scale[0], scale[1:]
 
 
 def trained_weights(compiled) -> tuple[list[TrainedWeight], dict[str, str]]:
@@ -140,7 +144,7 @@ def trained_weights(compiled) -> tuple[list[TrainedWeight], dict[str, str]]:
         weight_hp = getattr(module, entry.name)
         input_scale_inv, state_scales = None, None
         if recipe.stateful:
-            input_scale, state_scales = _delayed_scales(module, entry.name)
+            input_scale, state_scales = _delayed_scales(module, entry.name, recipe)
             input_scale_inv = input_scale.reciprocal()
         weight_fp8, weight_scale_inv = cast_weight(weight_hp, recipe, state_scales)
         weights.append(TrainedWeight(entry.qualified_name, entry.path, recipe, weight_fp8, weight_scale_inv,

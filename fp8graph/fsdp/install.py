@@ -22,7 +22,8 @@ import logging
 import torch
 
 from fp8graph.buffers.delayed_state import looked_up_or_convolved, weight_candidates
-from fp8graph.fsdp.shard_casts import (ShardCast, TiledShardCast, WeightAmaxes, fp8_gathered_bytes,
+from fp8graph.buffers.kept_casts import ReuseScope
+from fp8graph.fsdp.shard_casts import (GatherCalls, ShardCast, TiledShardCast, WeightAmaxes, fp8_gathered_bytes,
                                       shard_row_multiple)
 from fp8graph.recipes.plan import UNDECIDED, Plan
 from fp8graph.recipes.policy import Policy, weight_orientations
@@ -52,6 +53,7 @@ class AllGatherPlan:
 
     records: list[GatherRecord]
     amaxes: WeightAmaxes
+    calls: GatherCalls
     casts: list[tuple[object, ShardCast | TiledShardCast]]  # (FSDPParam, its cast)
     model: torch.nn.Module
     first_call: bool = True
@@ -67,6 +69,7 @@ class AllGatherPlan:
                             "high precision. fully_shard first, then compile, to gather them in FP8",
                             type(self.model).__name__)
         self.amaxes.begin_call()
+        self.calls.begin()
         for fsdp_param, cast in self.casts:
             if fsdp_param._sharded_local_tensor is not cast.local:
                 cast.local = fsdp_param._sharded_local_tensor
@@ -133,12 +136,13 @@ def _reason_not_fp8(plan: Plan, module, param, fsdp_param, group, options: dict)
 
 
 def install_fp8_all_gather(model: torch.nn.Module, policy: Policy, paths: dict[str, str],
-                           options: dict, plan: Plan | None = None) -> AllGatherPlan:
+                           options: dict, scope: ReuseScope, plan: Plan | None = None) -> AllGatherPlan:
     """Set up FP8 all-gathers for the weights of ``model`` that can take them; ``paths`` maps ``str(id(module))``
     to its path (``fp8graph.passes.module_paths.module_paths_by_id``). Returns the plan (no FSDP2 module: no
-    records). ``plan``: the model's plan under ``policy`` (made here when ``None``)."""
+    records). ``scope``: the model's (``fp8graph.buffers.kept_casts``), inside which a shard's cast is sent again
+    at the next calls. ``plan``: the model's plan under ``policy`` (made here when ``None``)."""
     plan = plan if plan is not None else Plan(model, policy)
-    amaxes = WeightAmaxes()
+    amaxes, calls = WeightAmaxes(), GatherCalls(scope)
     records, casts = [], []
     for group, fsdp_params in _fsdp_params(model):
         for fsdp_param in fsdp_params:
@@ -154,15 +158,15 @@ def install_fp8_all_gather(model: torch.nn.Module, policy: Policy, paths: dict[s
                 continue
             local = fsdp_param._sharded_local_tensor
             if recipe.tiled:
-                cast = TiledShardCast(path, recipe, local, param_dtype)
+                cast = TiledShardCast(path, recipe, local, param_dtype, calls)
             else:
-                cast = ShardCast(path, module, name, recipe, local, param_dtype, amaxes)
+                cast = ShardCast(path, module, name, recipe, local, param_dtype, amaxes, calls)
                 amaxes.add(cast, _process_group(fsdp_param))
             _attach(fsdp_param, cast)
             records.append(GatherRecord(path, True, recipe=recipe, fp8_bytes=fp8_gathered_bytes(*param.shape, recipe),
                                         high_precision_bytes=high_precision_bytes))
             casts.append((fsdp_param, cast))
-    return AllGatherPlan(records, amaxes, casts, model)
+    return AllGatherPlan(records, amaxes, calls, casts, model)
 
 
 def _process_group(fsdp_param):

@@ -12,9 +12,8 @@ has no float8 dtype; FSDP2 packs mixed dtypes as bytes anyway). The scale:
 - current scaling: from the whole weight's amax. Every weight's shard amax is max-reduced in one
   all-reduce, at the first gather of each call of the compiled model (:class:`WeightAmaxes`), so the
   scale, and each FP8 byte, equal what the graph computes from the weight gathered in high precision;
-- delayed scaling: from the weight's amax history, as the graph computes it (the stored scale where the
-  graph only reads the state: no gradients, or the module in eval mode). The whole weight's amax, which the
-  graph records into the history, is the same reduced amax.
+- delayed scaling: from the weight's amax history, as the graph computes it (whether or not the call moves
+  the state). The whole weight's amax, which the graph records into the history, is the same reduced amax.
 
 The tiled recipes (:class:`TiledShardCast`) need no collective of their own: each scale covers elements of
 one rank's shard, and the scales are gathered beside the bytes.
@@ -31,12 +30,12 @@ one rank's shard, and the scales are gathered beside the bytes.
 
 A gather inside the backward (FSDP2 reshards after the forward and gathers again for the backward) sends
 the bytes the forward's gather sent: the forward's graph may read saved views of them, and by then the
-delayed history has moved. Every recipe also sends them again at the next calls, the micro-batches of
-gradient accumulation: each weight's shard is cast once per optimizer step. Delayed scaling's resent cast
-keeps the scale it was cast with and the amax it came with, which each call records, as a kept weight copy
-does (``fp8graph.buffers.weight_cache``). The shard is cast again when it changed: its version counter moved, or a
-``torch.optim.Optimizer`` stepped (a fused one writes the shard without moving the counter;
-``fp8graph.buffers.weight_cache.optimizer_steps``).
+delayed history has moved. Inside ``fp8graph.weights_unchanged`` every recipe also sends them again at the
+next calls, the micro-batches of gradient accumulation: each weight's shard is cast once per declaration,
+unless it changed in a way fp8graph sees (its version counter moved, or a ``torch.optim.Optimizer`` stepped:
+a fused one writes the shard without moving the counter; ``fp8graph.buffers.kept_casts``). Outside one each
+call casts its shards again. Delayed scaling's resent cast keeps the scale it was cast with and records no
+amax for the weight, as a kept weight copy does (``fp8graph.buffers.weight_cache``).
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from fp8graph.buffers.delayed_state import HISTORY_PREFIX, SCALE_PREFIX, FORWARD_ROLES
-from fp8graph.buffers.weight_cache import optimizer_steps, watch_optimizer_steps
+from fp8graph.buffers.kept_casts import CastStamp, ReuseScope
 from fp8graph.fsdp.gathered_weight import GatheredFP8Weight, gathered_form
 from fp8graph.numerics.delayed_scaling import amax_from_history
 from fp8graph.numerics.formats import Role
@@ -55,7 +54,7 @@ from fp8graph.numerics.quantize import amax, amax_to_scale, quantize
 from fp8graph.numerics.tiles import e8m0_bytes, reference_quantize_tiles
 from fp8graph.recipes.scaling import Recipe, TiledRecipe
 
-__all__ = ["TiledShardCast", "ShardCast", "WeightAmaxes", "fp8_gathered_bytes", "shard_row_multiple"]
+__all__ = ["GatherCalls", "TiledShardCast", "ShardCast", "WeightAmaxes", "fp8_gathered_bytes", "shard_row_multiple"]
 
 _WEIGHT_ROW = FORWARD_ROLES.index(Role.WEIGHT)
 
@@ -87,19 +86,39 @@ def fp8_gathered_bytes(rows: int, columns: int, recipe: Recipe) -> int:
     return elements
 
 
+class GatherCalls:
+    """The calls of one compiled model, counted (``AllGatherPlan.before_call``), and its :class:`ReuseScope`:
+    what a shard's kept cast is checked against before it is sent again."""
+
+    def __init__(self, scope: ReuseScope) -> None:
+        self.scope = scope
+        self.count = 0
+
+    def begin(self) -> None:
+        self.count += 1
+
+
 @dataclasses.dataclass
 class _Cast:
-    version: int
+    call: int  # the call of the compiled model it was cast in
+    stamp: CastStamp  # what it was cast under: the declaration, optimizer steps, the shard's version
     sent: tuple[torch.Tensor, ...]  # what the rank all-gathers: its shard's FP8 bytes (uint8), tiled scales
     scale: torch.Tensor | None = None  # per-tensor: the weight's (every rank has it; not gathered)
     amax: torch.Tensor | None = None  # per-tensor: the whole weight's
-    steps: int = dataclasses.field(default_factory=optimizer_steps)  # optimizer steps taken when it was cast
 
 
-def _resends(last: _Cast | None, local: torch.Tensor) -> bool:
-    """Whether a gather sends ``last`` again instead of casting the shard: while the shard has not changed
-    since (see the module's doc)."""
-    return last is not None and last.version == local._version and last.steps == optimizer_steps()
+def _resent(last: _Cast | None, local: torch.Tensor, calls: GatherCalls) -> _Cast | None:
+    """``last`` where a gather sends it again instead of casting the shard (see the module's doc): within the call
+    that cast it (the backward's gather), or inside the declaration it was made in while it still serves."""
+    if last is None or last.stamp.weights != (local._version,):
+        return None
+    if last.call == calls.count or last.stamp.still_serves(calls.scope, (local._version,)):
+        return last
+    return None
+
+
+def _stamp(local: torch.Tensor, calls: GatherCalls) -> CastStamp:
+    return CastStamp.now(calls.scope, (local._version,))
 
 
 class ShardCast:
@@ -111,12 +130,11 @@ class ShardCast:
     """
 
     def __init__(self, path: str, module: torch.nn.Module, name: str, recipe: Recipe, local: torch.Tensor,
-                 param_dtype: torch.dtype, amaxes: "WeightAmaxes") -> None:
+                 param_dtype: torch.dtype, amaxes: "WeightAmaxes", calls: GatherCalls) -> None:
         self.path, self.module, self.name, self.recipe = path, module, name, recipe
-        self.local, self.param_dtype, self.amaxes = local, param_dtype, amaxes
+        self.local, self.param_dtype, self.amaxes, self.calls = local, param_dtype, amaxes, calls
         self.fp8_dtype = recipe.fp8_dtype(Role.WEIGHT)
         self._last: _Cast | None = None
-        watch_optimizer_steps()
 
     def weight_hp(self) -> torch.Tensor:
         """The shard as the graph would see it gathered: in ``param_dtype``."""
@@ -128,19 +146,22 @@ class ShardCast:
             return amax_to_scale(amax_fp32, self.fp8_dtype, recipe.power_2_scales)
         history = getattr(self.module, HISTORY_PREFIX + self.name)[_WEIGHT_ROW]
         stored = getattr(self.module, SCALE_PREFIX + self.name)[_WEIGHT_ROW]
-        # FSDP2 gathers under no_grad: whether the call trains was seen before it (WeightAmaxes.begin_call).
-        if not (self.amaxes.grad_enabled and self.module.training):  # the graph only reads the state, as here
-            return stored.clone()
+        # The scale the history gives, as the graph takes it in every call (fp8graph.targets.linear_tensorwise).
         return amax_to_scale(amax_from_history(history, recipe.amax_compute_algo), self.fp8_dtype,
                              margin=recipe.margin, fallback=stored)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        if not _resends(self._last, self.local):
+        resent = _resent(self._last, self.local, self.calls)
+        if resent is None:
             amax_fp32 = self.amaxes.amax_of(self)
             scale = self._scale(amax_fp32)
             shard_fp8 = quantize(self.weight_hp(), scale, self.fp8_dtype)
-            self._last = _Cast(self.local._version, (shard_fp8.view(torch.uint8),), scale, amax_fp32)
-        return self._last.sent, (self._last.scale, self._last.amax)
+            self._last = _Cast(self.calls.count, _stamp(self.local, self.calls), (shard_fp8.view(torch.uint8),),
+                               scale, amax_fp32)
+            return self._last.sent, (scale, amax_fp32)
+        # A cast of an earlier call records no amax (delayed scaling: as a reused weight copy does).
+        amax_fp32 = resent.amax if resent.call == self.calls.count else torch.zeros_like(resent.amax)
+        return resent.sent, (resent.scale, amax_fp32)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         (gathered_bytes,) = outputs
@@ -166,13 +187,13 @@ class TiledShardCast:
     gathers each tensor :meth:`_cast` returns along its first dimension, ranks one after another.
     """
 
-    def __init__(self, path: str, recipe: TiledRecipe, local: torch.Tensor, param_dtype: torch.dtype) -> None:
-        self.path, self.recipe, self.local, self.param_dtype = path, recipe, local, param_dtype
+    def __init__(self, path: str, recipe: TiledRecipe, local: torch.Tensor, param_dtype: torch.dtype,
+                 calls: GatherCalls) -> None:
+        self.path, self.recipe, self.local, self.param_dtype, self.calls = path, recipe, local, param_dtype, calls
         self.form = gathered_form(recipe)
         self.tiling = recipe.tiling(Role.WEIGHT)
         self.fp8_dtype = recipe.fp8_dtype(Role.WEIGHT)
         self._last: _Cast | None = None
-        watch_optimizer_steps()
 
     def _cast(self, shard_hp: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The tensors the shard (N_s, K) sends, FP8 bytes as uint8:
@@ -192,8 +213,9 @@ class TiledShardCast:
                 shard_t_fp8.t().contiguous().view(torch.uint8), _e8m0(scale_t).t().contiguous())
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        if not _resends(self._last, self.local):
-            self._last = _Cast(self.local._version, self._cast(self.local.detach().to(self.param_dtype)))
+        if _resent(self._last, self.local, self.calls) is None:
+            self._last = _Cast(self.calls.count, _stamp(self.local, self.calls),
+                               self._cast(self.local.detach().to(self.param_dtype)))
         return self._last.sent, ()
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):

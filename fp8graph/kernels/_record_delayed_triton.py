@@ -43,8 +43,7 @@ def _roll_and_record(row, history_len, new_amax, BLOCK_HISTORY: tl.constexpr):
 
 
 @triton.jit
-def record_delayed_kernel(histories, scales, row_amaxes, row_amax_lengths, new_scales, kept_scales, kept_amaxes,
-                          history_len, ROWS: tl.constexpr, KEEP: tl.constexpr, BLOCK_AMAX: tl.constexpr,
+def record_delayed_kernel(histories, scales, row_amaxes, row_amax_lengths, new_scales, kept_scales, history_len, ROWS: tl.constexpr, KEEP: tl.constexpr, BLOCK_AMAX: tl.constexpr,
                           BLOCK_HISTORY: tl.constexpr):
     member = tl.program_id(0)
     for i in tl.static_range(len(histories)):
@@ -56,4 +55,3 @@ def record_delayed_kernel(histories, scales, row_amaxes, row_amax_lengths, new_s
                 tl.store(scales[i] + r, new_scale)
                 if KEEP and r >= 1:  # every row but the first also into the kept buffers
                     tl.store(kept_scales[i] + (r - 1), new_scale)
-                    tl.store(kept_amaxes[i] + (r - 1), new_amax)

@@ -13,10 +13,10 @@ Arguments: the members' ``histories`` ((rows, len), contiguous) and
 ``scales`` ((rows,)), every row changed in place (a forward call's input and
 weight rows, a backward call's grad_output row: ``fp8graph.buffers.delayed_state``);
 ``row_amaxes``, member-major, one 1-D tensor of partial magnitudes per member
-and row; ``new_scales`` (m, rows); ``kept_scales`` and ``kept_amaxes``, empty or one
-per member: buffers that also receive the scales and finished amaxes of every
-row but the first (a forward call's weight rows: the FP8 weight copies a fill
-keeps, ``fp8graph.buffers.weight_cache``), so that keeping them costs no launch
+and row; ``new_scales`` (m, rows); ``kept_scales``, empty or one per member:
+buffers that also receive the scales of every row but the first (a forward
+call's weight rows: the scales the FP8 weight copies a fill keeps were cast
+with, ``fp8graph.buffers.weight_cache``), so that keeping them costs no launch
 of its own. On CUDA it runs
 ``record_delayed_kernel`` (``_record_delayed_triton``); everywhere else the
 same steps in torch ops (``fp8graph.numerics.delayed_scaling``), which the tests hold
@@ -39,7 +39,7 @@ _BLOCK_AMAX = 1024
 _BLOCK_HISTORY = 1024
 
 
-def _check(histories, scales, row_amaxes, new_scales, kept_scales=(), kept_amaxes=()) -> int:
+def _check(histories, scales, row_amaxes, new_scales, kept_scales=()) -> int:
     members, rows = new_scales.shape
     if not (len(histories) == len(scales) == members and len(row_amaxes) == members * rows):
         raise ValueError(f"record_delayed_: {len(histories)} histories, {len(scales)} scales and "
@@ -48,68 +48,62 @@ def _check(histories, scales, row_amaxes, new_scales, kept_scales=(), kept_amaxe
     if shapes != {((rows,), (rows,))}:
         raise ValueError(f"record_delayed_: {rows} rows recorded, but the histories and scales have "
                          f"{sorted(shapes)} rows")
-    if len(kept_scales) != len(kept_amaxes) or len(kept_scales) not in (0, members) or any(
-            kept.numel() != rows - 1 for kept in (*kept_scales, *kept_amaxes)):
-        raise ValueError(f"record_delayed_: the kept scales and amaxes are none or one of {rows - 1} values a "
-                         f"member each, got {len(kept_scales)} and {len(kept_amaxes)} of "
-                         f"{[kept.numel() for kept in (*kept_scales, *kept_amaxes)]}")
+    if len(kept_scales) not in (0, members) or any(kept.numel() != rows - 1 for kept in kept_scales):
+        raise ValueError(f"record_delayed_: the kept scales are none or one of {rows - 1} values a member each, "
+                         f"got {len(kept_scales)} of {[kept.numel() for kept in kept_scales]}")
     return rows
 
 
-def _record_reference(histories, scales, row_amaxes, new_scales, kept_scales=(), kept_amaxes=()) -> None:
-    rows = _check(histories, scales, row_amaxes, new_scales, kept_scales, kept_amaxes)
+def _record_reference(histories, scales, row_amaxes, new_scales, kept_scales=()) -> None:
+    rows = _check(histories, scales, row_amaxes, new_scales, kept_scales)
     for i, (history, scale) in enumerate(zip(histories, scales)):
         new_amaxes = torch.stack([partial.amax().to(torch.float32) for partial in row_amaxes[i * rows:(i + 1) * rows]])
         history.copy_(record_amax(roll_history(history), new_amaxes))
         scale.copy_(new_scales[i])
         if kept_scales:
             kept_scales[i].copy_(new_scales[i, 1:].reshape(kept_scales[i].shape))
-            kept_amaxes[i].copy_(new_amaxes[1:].reshape(kept_amaxes[i].shape))
 
 
-def plan_record_delayed(histories, scales, row_amaxes, new_scales, kept_scales=(), kept_amaxes=()) -> KernelLaunch:
+def plan_record_delayed(histories, scales, row_amaxes, new_scales, kept_scales=()) -> KernelLaunch:
     """The one launch that does :func:`record_delayed_` on CUDA tensors."""
     from fp8graph.kernels._record_delayed_triton import record_delayed_kernel
 
-    rows = _check(histories, scales, row_amaxes, new_scales, kept_scales, kept_amaxes)
+    rows = _check(histories, scales, row_amaxes, new_scales, kept_scales)
     keep = bool(kept_scales)
     return KernelLaunch(record_delayed_kernel, (len(histories),),
                         (tuple(histories), tuple(scales), tuple(row_amaxes),
                          tuple(partial.numel() for partial in row_amaxes), new_scales,
-                         # without kept buffers the kernel stores none: the scales stand in for the arguments
-                         tuple(kept_scales) if keep else tuple(scales), tuple(kept_amaxes) if keep else tuple(scales),
-                         histories[0].shape[1]),
+                         # without kept buffers the kernel stores none: the scales stand in for the argument
+                         tuple(kept_scales) if keep else tuple(scales), histories[0].shape[1]),
                         {"ROWS": rows, "KEEP": keep, "BLOCK_AMAX": _BLOCK_AMAX, "BLOCK_HISTORY": _BLOCK_HISTORY,
                          "num_warps": 4})
 
 
-def _kernel_can_run(histories, scales, row_amaxes, new_scales, kept_scales, kept_amaxes) -> bool:
+def _kernel_can_run(histories, scales, row_amaxes, new_scales, kept_scales) -> bool:
     lengths = {history.shape[1] for history in histories}
     return (triton_available() and len(lengths) == 1 and new_scales.dtype == torch.float32
             and new_scales.is_contiguous()
             and all(t.is_contiguous() and t.dtype == torch.float32
-                    for t in (*histories, *scales, *kept_scales, *kept_amaxes))
+                    for t in (*histories, *scales, *kept_scales))
             and all(partial.dim() == 1 and partial.is_contiguous() for partial in row_amaxes))
 
 
-@torch.library.custom_op("fp8graph::record_delayed_",
-                         mutates_args=("histories", "scales", "kept_scales", "kept_amaxes"))
+@torch.library.custom_op("fp8graph::record_delayed_", mutates_args=("histories", "scales", "kept_scales"))
 def record_delayed_(histories: list[torch.Tensor], scales: list[torch.Tensor], row_amaxes: list[torch.Tensor],
-                    new_scales: torch.Tensor, kept_scales: list[torch.Tensor],
-                    kept_amaxes: list[torch.Tensor]) -> None:
+                    new_scales: torch.Tensor, kept_scales: list[torch.Tensor]) -> None:
     """Record each member's new amaxes into every row of its history and store its scales; with kept buffers,
-    also store the scales and amaxes of its rows but the first there."""
-    _record_reference(histories, scales, row_amaxes, new_scales, kept_scales, kept_amaxes)
+    also store the scales of its rows but the first there."""
+    _record_reference(histories, scales, row_amaxes, new_scales, kept_scales)
 
 
 @record_delayed_.register_fake
-def _(histories, scales, row_amaxes, new_scales, kept_scales, kept_amaxes):
-    _check(histories, scales, row_amaxes, new_scales, kept_scales, kept_amaxes)
+def _(histories, scales, row_amaxes, new_scales, kept_scales):
+    _check(histories, scales, row_amaxes, new_scales, kept_scales)
 
 
 @record_delayed_.register_kernel("cuda")
-def _(histories, scales, row_amaxes, new_scales, kept_scales, kept_amaxes):
-    if not _kernel_can_run(histories, scales, row_amaxes, new_scales, kept_scales, kept_amaxes):
-        _record_reference(histories, scales, row_amaxes, new_scales, kept_scales, kept_amaxes)
+def _(histories, scales, row_amaxes, new_scales, kept_scales):
+    if not _kernel_can_run(histories, scales, row_amaxes, new_scales, kept_scales):
+        _record_reference(histories, scales, row_amaxes, new_scales, kept_scales)
         return
-    plan_record_delayed(histories, scales, row_amaxes, new_scales, kept_scales, kept_amaxes)()
+    plan_record_delayed(histories, scales, row_amaxes, new_scales, kept_scales)()

@@ -41,7 +41,8 @@ class _Undecided:
 UNDECIDED = _Undecided()
 # How a compile keeps FP8 weight copies: cast by every call, cached between calls, or frozen into constants.
 WEIGHT_COPIES = ("per call", "cached", "frozen")
-# fp8graph.compile's default for cache_weights: keep the copies wherever they can work (choose_weight_cache).
+# fp8graph.compile's default for cache_weights: copies wherever they can work (choose_weight_cache), used inside
+# fp8graph.weights_unchanged.
 CACHE_WHERE_POSSIBLE = "auto"
 
 
@@ -98,7 +99,8 @@ class WeightEntry:
 
     @property
     def cached(self) -> Recipe | None:
-        """The recipe whose FP8 copy of the weight is kept between calls (``cache_weights``), None for none:
+        """The recipe whose FP8 copy of the weight is kept between the calls of a ``fp8graph.weights_unchanged``
+        declaration (``cache_weights``), None for none:
         the first the policy may give it whose weight cast a copy can keep (``Recipe.caches_weights``) and whose
         fill costs no more than casting at every call (:meth:`_fill_costs_more`)."""
         cacheable = [recipe for recipe in self._copyable() if not self._fill_costs_more(recipe)]
@@ -132,7 +134,7 @@ class WeightEntry:
     @property
     def fp8_copy(self) -> str | None:
         """How the weight's FP8 copy lives: ``"per call"`` (cast by each call that reads it, inside the graph),
-        ``"cached"`` (kept between calls while the weight does not change: ``cache_weights=True``),
+        ``"cached"`` (kept between the calls of a ``fp8graph.weights_unchanged`` declaration),
         ``"frozen"`` (a constant cast once: ``freeze_weights=True``), or None when no site on it may run in FP8."""
         if not self.may_be_fp8:
             return None
@@ -276,17 +278,19 @@ def weight_copies_of(cache_weights: bool, freeze_weights: bool) -> str:
 
 
 def choose_weight_cache(model, cache_weights, freeze_weights: bool, fp8_all_gather: bool) -> tuple[bool, str | None]:
-    """Whether a compile keeps the weights' FP8 copies between calls, and, where ``"auto"`` leaves them off,
-    why (``True`` and ``False`` are the user's word; ``True`` where it cannot work is refused by the compile).
+    """Whether a compile gives the weights buffers for FP8 casts kept between the calls of a
+    ``fp8graph.weights_unchanged`` declaration, and, where ``"auto"`` leaves them off, why (``True`` and ``False``
+    are the user's word; ``True`` where it cannot work is refused by the compile).
 
     ``"auto"`` keeps them wherever they work: a copy changes no value (the recipes that cache cast the weight
-    from the weight alone) but delayed scaling's weight scale, which stays the fill's until the weight changes
-    (``fp8graph.buffers.weight_cache``), and a call that fills moves the bytes a call that casts moves
-    (``fp8graph.targets.kept_copies``); the price is memory, the copies held between calls. Off for a function
-    or a module without submodules (the copies are buffers brought into the graph by submodules' hooks), with
-    ``freeze_weights`` (which folds the copies into the graphs instead) and under FSDP2 (with ``fp8_all_gather``
-    each weight arrives cast from its gathered FP8 shard, and the shard's cast is what is kept; without, a whole
-    copy of every weight on each rank would undo the sharding)."""
+    from the weight alone) but delayed scaling's weight scale, which stays the fill's for the declaration's
+    calls, as Transformer Engine's first-micro-batch caching keeps it (``fp8graph.buffers.weight_cache``), and a
+    call that fills moves the bytes a call that casts moves (``fp8graph.targets.kept_copies``); the price is
+    memory, held only inside a declaration. Off for a function or a module without submodules (the copies are
+    buffers brought into the graph by submodules' hooks), with ``freeze_weights`` (which folds the copies into
+    the graphs instead) and under FSDP2 (with ``fp8_all_gather`` each weight arrives cast from its gathered FP8
+    shard, and the shard's cast is what is kept; without, a whole copy of every weight on each rank would undo
+    the sharding)."""
     if cache_weights != CACHE_WHERE_POSSIBLE:
         return cache_weights, None
     if not isinstance(model, torch.nn.Module):

@@ -199,8 +199,8 @@ class DelayedScaling(_RecipeKind):
     """
 
     kind: ClassVar[str] = "delayed"
-    # The copy keeps the scale it was cast with: calls reusing it cast the weight with that scale, not the one
-    # their history gives (the histories move as casting at every call: fp8graph.buffers.weight_cache).
+    # The copy keeps the scale it was cast with: the calls of a declaration reusing it cast the weight with that
+    # scale and record no amax for it, as Transformer Engine's first-micro-batch caching (fp8graph.buffers.weight_cache).
     caches_weights: ClassVar[bool] = True
 
     stateful: ClassVar[bool] = True

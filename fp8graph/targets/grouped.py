@@ -109,10 +109,9 @@ class ExpertWeightCopy(NamedTuple):
     scale: torch.Tensor  # (E, N) row-wise, (E, N, K / 32) MXFP8, else (E, 1)
     weight_t_fp8: torch.Tensor  # (E, K, N): grad_input's
     t_scale: torch.Tensor | None = None  # row-wise's (E, K), MXFP8's (E, K, N / 32): grad_input's cast, along N
-    amax: torch.Tensor | None = None  # (E, 1): delayed scaling's, what a reusing call records
 
     @staticmethod
-    def of(weight_hp: torch.Tensor, mode: str, weight_fp8, scale, weight_t_fp8, t_scale=None, amax=None):
+    def of(weight_hp: torch.Tensor, mode: str, weight_fp8, scale, weight_t_fp8, t_scale=None):
         """The copies as the site reads them: a parameter stored (E, K, N), fed transposed, keeps its own shape
         first, which is grad_input's layout (and, row-wise or MXFP8, its scales are the cast along N's). A square
         one is told by its strides, the site reading it as a transposed view; a square weight stored column-major
@@ -123,7 +122,7 @@ class ExpertWeightCopy(NamedTuple):
             weight_fp8, weight_t_fp8 = weight_t_fp8, weight_fp8
             if t_scale is not None:
                 scale, t_scale = t_scale, scale
-        return ExpertWeightCopy(mode, weight_fp8, scale, weight_t_fp8, t_scale, amax)
+        return ExpertWeightCopy(mode, weight_fp8, scale, weight_t_fp8, t_scale)
 
 
 def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_index=None,
@@ -132,18 +131,16 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
     1 + e; every row moves one step (new scales, histories rolled, this call's amaxes recorded) in one
     ``fp8graph::record_delayed_``. Returns the two casts as :func:`cast_rows` and :func:`cast_experts` do.
 
-    Through ``weight_copy``, a filling call also writes the weight's cast, its transpose, the scales and the
-    amaxes into the copies; a reusing call casts only the input, takes the copy and the scales it was cast with,
-    and records the amaxes the fill took (the weight's, unchanged since)."""
+    Through ``weight_copy``, a filling call also writes the weight's cast, its transpose and the scales into the
+    copies; a reusing call casts only the input, takes the copy and the scales it was cast with, and records no
+    amax for the experts (zero: as Transformer Engine's cached weights, whose history slot stays empty)."""
     history, scale = state[0], state[1]  # (1 + E, len), (1 + E,)
     recipe = spec.recipe
     reuse = weight_copy is not None and weight_copy.mode == "reuse"
-    if not spec.update:
-        new_scales = scale.clone()
-    else:
-        # Read from the buffers this forward then updates: saved for the backward, never recomputed from them.
-        with saved_not_recomputed():
-            new_scales = scale_from_history(history, scale, _FP8, recipe.margin, recipe.amax_compute_algo)
+    # The scales the history gives, whether or not the call moves it (inference: as Transformer Engine's).
+    # Read from the buffers a training forward then updates: saved for the backward, never recomputed from them.
+    with saved_not_recomputed():
+        new_scales = scale_from_history(history, scale, _FP8, recipe.margin, recipe.amax_compute_algo)
     if reuse:
         with saved_not_recomputed():
             new_scales = torch.cat([new_scales[:1], weight_copy.scale.reshape(-1)])
@@ -156,7 +153,7 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
     inverse = new_scales.reciprocal()
     input_fp8 = quantize(input_hp, input_scale, _FP8)
     if reuse:
-        weight_fp8, weight_amaxes = weight_copy.weight_fp8, weight_copy.amax
+        weight_fp8, weight_amaxes = weight_copy.weight_fp8, weight_copy.scale.new_zeros(experts, 1)
     else:
         # Per-row partial amaxes, computed with the cast in one read; the op finishes them.
         weight_fp8 = quantize(weight_hp, weight_scale[:, :, None], _FP8)
@@ -164,9 +161,8 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
         if weight_copy is not None:
             weight_copy.weight_fp8.copy_(weight_fp8)
             weight_copy.weight_t_fp8.copy_(weight_fp8.transpose(-2, -1))
-            if not spec.update:  # else the record keeps the scales and the finished amaxes
+            if not spec.update:  # else the record keeps the scales
                 weight_copy.scale.copy_(weight_scale)
-                weight_copy.amax.copy_(weight_amaxes.amax(dim=1, keepdim=True))
     if spec.update:
         # Of the gathered rows when the input is gathered: the kernel that gathers and casts them takes their
         # amaxes too.
@@ -174,7 +170,7 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
         partials = [row_amaxes(rows_hp.detach()), *weight_amaxes.unbind(0)]
         filling = weight_copy is not None and not reuse
         record_states([(history, scale)], [partials], new_scales[None].contiguous(),
-                      amax_reduction(recipe.reduce_amax), [(weight_copy.scale, weight_copy.amax)] if filling else ())
+                      amax_reduction(recipe.reduce_amax), [weight_copy.scale] if filling else ())
     return ((input_fp8, input_scale, inverse[0].expand(input_hp.shape[0])),
             (weight_fp8, weight_scale, inverse[1:, None].expand(experts, rows)))
 
@@ -183,8 +179,7 @@ def _cast_grad_output_delayed(grad_output_hp, state, spec: GroupedSpec):
     """grad_output's cast with delayed scaling, from its own history, read when this backward runs."""
     history, scale = (read_in_backward(buffer, grad_output_hp) for buffer in state[2:])  # (1, len), (1,)
     recipe = spec.recipe
-    new_scale = (scale_from_history(history, scale, _FP8, recipe.margin, recipe.amax_compute_algo) if spec.update
-                 else scale.clone())  # (1,)
+    new_scale = scale_from_history(history, scale, _FP8, recipe.margin, recipe.amax_compute_algo)  # (1,)
     grad_output_fp8 = quantize(grad_output_hp, new_scale[0], _FP8)
     if spec.update:
         record_states([state[2:]], [[row_amaxes(grad_output_hp.detach())]], new_scale[None].contiguous(),
@@ -397,14 +392,13 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     gradients, eval-mode modules), only reads its scales. With ``weight_cache`` (``"fill"`` or ``"reuse"``),
     ``cached_weight``, ``cached_weight_scale`` and ``cached_weight_t`` are the weight's FP8 copy, its (E, 1)
     scales and the copy of its transpose (``fp8graph.buffers.weight_cache``), written or read in place of
-    casting the weight; row-wise adds ``cached_weight_t_scale``, delayed scaling ``cached_weight_amax``
-    (:class:`ExpertWeightCopy`)."""
+    casting the weight; row-wise adds ``cached_weight_t_scale`` (:class:`ExpertWeightCopy`)."""
 
     function = _GroupedFP8 if recipe.granularity in NATIVE_GROUPED_GRANULARITIES else GroupedBlocks
 
     def grouped_fp8(input_hp, weight_hp, offsets=None, stats=None, history=None, scale=None, grad_history=None,
                     grad_scale=None, gather_index=None, cached_weight=None, cached_weight_scale=None,
-                    cached_weight_t=None, cached_weight_t_scale=None, cached_weight_amax=None):
+                    cached_weight_t=None, cached_weight_t_scale=None):
         spec = GroupedSpec(recipe, lowering, update)
         state = None if history is None else (history, scale, grad_history, grad_scale)
         if recipe.stateful and state is None:
@@ -417,12 +411,8 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
                              "(MXFP8's with its blocks' scales, fp8graph.buffers.weight_cache.copy_layout)")
         if gather_index is not None and function is GroupedBlocks:
             input_hp, gather_index = input_hp[gather_index], None  # blocks along K: the rows gathered first
-        if weight_cache is not None and recipe.stateful != (cached_weight_amax is not None):
-            raise ValueError(f"{grouped_fp8.__name__}: a delayed-scaling weight's FP8 copy comes with the amaxes its "
-                             "fill recorded (cached_weight_amax), and only a delayed-scaling one")
         copy = () if weight_cache is None else (ExpertWeightCopy.of(
-            weight_hp, weight_cache, cached_weight, cached_weight_scale, cached_weight_t, cached_weight_t_scale,
-            cached_weight_amax),)
+            weight_hp, weight_cache, cached_weight, cached_weight_scale, cached_weight_t, cached_weight_t_scale),)
         if offsets is not None:
             rows = () if gather_index is None and not copy else (gather_index,)
             return function.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled(), state, *rows,

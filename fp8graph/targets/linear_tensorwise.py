@@ -39,8 +39,9 @@ per layout it is read in (``lowering="scaled_mm"``):
   and once for its casts, never again in the backward (1 byte a parameter is
   held from forward to backward, as Transformer Engine holds it). With
   ``cache_weights`` the row-major copy is kept across calls while the weight
-  does not change; under delayed scaling with the scale it was cast with, and
-  its amax, which the calls reusing it record.
+  does not change (inside ``fp8graph.weights_unchanged``); under delayed
+  scaling with the scale it was cast with, the calls reusing it recording no
+  amax for the weight, as Transformer Engine's cached weights.
 
 An FP8 tensor read by several GEMMs goes through ``fp8graph.gemm.scaled_gemm.one_buffer``
 so that Inductor stores it once, and the transposed copies the backward reads
@@ -106,8 +107,7 @@ class WeightCopy(NamedTuple):
 
     mode: str
     weight_fp8: torch.Tensor  # (N, K), or the parameter's own (K, N) shape (:meth:`as_nk`)
-    scale: torch.Tensor  # ()
-    amax: torch.Tensor | None = None  # (1,): delayed scaling's, what a reusing call records
+    scale: torch.Tensor  # (): the scale it was cast with
 
     def as_nk(self, weight_hp: torch.Tensor) -> torch.Tensor:
         """The copy as (N, K): one in the parameter's own (K, N) shape (its module left open which way round it
@@ -179,20 +179,20 @@ def _states(spec: CallSpec, members: Sequence[Member], forward: bool,
 
 
 def record_states(states: Sequence[tuple[torch.Tensor, torch.Tensor]], row_amaxes_by_member: list[list[torch.Tensor]],
-                  new_scales: torch.Tensor, reduce, kept: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
+                  new_scales: torch.Tensor, reduce, kept_scales: Sequence[torch.Tensor] = ()) -> None:
     """Move every row of every member's ``(history, scale)`` one step, in place: each row's history records
     the amax of its ``row_amaxes_by_member[i][row]`` (per-row partial magnitudes, finished by the op) and
     its scale becomes ``new_scales[i, row]`` (the one the cast used). One ``fp8graph::record_delayed_``
     launch for the whole call. With ``reduce`` (an amax all-reduce across ranks) the amaxes are finished
-    here and reduced in one collective first. ``kept``: none, or per member the ``(scale, amax)`` buffers of
-    the weight's FP8 copy a filling call keeps, which the op also writes with the weight rows' scales and
-    amaxes (every row but the input's)."""
+    here and reduced in one collective first. ``kept_scales``: none, or per member the scale buffer of the
+    weight's FP8 copy a filling call keeps, which the op also writes with the weight rows' scales (every row
+    but the input's)."""
     partials = [partial for member_partials in row_amaxes_by_member for partial in member_partials]
     if reduce is not None:
         finished = reduce(torch.stack([partial.amax().to(torch.float32) for partial in partials]))
         partials = list(finished.reshape(-1, 1).unbind())
     record_delayed_([history for history, _ in states], [scale for _, scale in states], partials, new_scales,
-                    [scale for scale, _ in kept], [amax for _, amax in kept])
+                    list(kept_scales))
 
 
 def _cast_current(spec: CallSpec, x_hp: torch.Tensor, role: Role) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -217,20 +217,17 @@ def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Se
     if recipe.fp8_dtype(Role.WEIGHT) != fp8_dtype:
         raise AssertionError("every Format casts input and weight to one FP8 dtype")
     history, scale = _states(spec, members, forward=True)  # (m, 2, len), (m, 2): input and weight rows
-    if not spec.update:  # inference: the stored scales
-        new_scales = scale.clone()
+    # The scales the histories give, in a call that moves the state as in one that only reads it (inference: as
+    # Transformer Engine's scales, updated after the last training call). Read from the buffers that a training
+    # forward then updates: the backward must reuse them, never recompute them from the updated buffers (the
+    # partitioner would: fp8graph.targets.partitioning).
+    with saved_not_recomputed():
+        history_amax = amax_from_history(history, recipe.amax_compute_algo)  # (m, 2)
+        # One input, one scale: from the largest amax the members' input histories give.
+        history_amax = torch.stack([history_amax[:, _INPUT].amax().expand(len(members)),
+                                    history_amax[:, _WEIGHT]], 1)
+        new_scales = amax_to_scale(history_amax, fp8_dtype, margin=recipe.margin, fallback=scale)  # (m, 2)
         inverse_scales = new_scales.reciprocal()
-    else:
-        # The scales are read from the buffers that this forward then updates: the backward must reuse
-        # them, never recompute them from the updated buffers (the partitioner would: fp8graph.targets.partitioning).
-        with saved_not_recomputed():
-            history_amax = amax_from_history(history, recipe.amax_compute_algo)  # (m, 2)
-            # One input, one scale: from the largest amax the members' input histories give.
-            history_amax = torch.stack([history_amax[:, _INPUT].amax().expand(len(members)),
-                                        history_amax[:, _WEIGHT]], 1)
-            new_scales = amax_to_scale(history_amax, fp8_dtype, margin=recipe.margin,
-                                       fallback=scale)  # (m, 2)
-            inverse_scales = new_scales.reciprocal()
     cast_before = [_cast_before(w, member) for w, member in zip(weights_hp, members)]
     if any(cast is not None for cast in cast_before):
         # FSDP2 gathered the weight cast with the scale its history gave (fp8graph.fsdp.shard_casts), or an earlier
@@ -252,11 +249,10 @@ def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Se
         else:  # the per-row partial amaxes ride along with the cast: one read; the op finishes them
             weight_fp8, weight_amax = quantize(w, weight_scale, fp8_dtype), row_amaxes(w.detach())
             weights.append((weight_fp8, weight_scale, weight_inverse_scale, w))
-            if member.weight_cache is not None:  # "fill": kept for the calls until the weight changes
+            if member.weight_cache is not None:  # "fill": kept for the calls that reuse it
                 member.weight_cache.as_nk(w).copy_(weight_fp8)
-                if not spec.update:  # else the record keeps the scale and the finished amax
+                if not spec.update:  # else the record keeps the scale
                     member.weight_cache.scale.copy_(weight_scale)
-                    member.weight_cache.amax.copy_(weight_amax.amax().reshape(1))
         weight_amaxes.append(weight_amax)
     if spec.update:
         # The input's amax is recorded by every member.
@@ -264,20 +260,21 @@ def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Se
         filling = [m.weight_cache for m in members if m.weight_cache is not None and m.weight_cache.mode == "fill"]
         record_states([member.state for member in members],
                       [[input_row_amaxes, weight_amax] for weight_amax in weight_amaxes],
-                      new_scales.contiguous(), reduce, [(copy.scale, copy.amax) for copy in filling])
+                      new_scales.contiguous(), reduce, [copy.scale for copy in filling])
     return input_fp8, input_scale, inverse_scales[_INPUT], weights
 
 
 def _cast_before(weight_hp: torch.Tensor, member: Member):
     """``(weight_fp8, weight_scale, weight_amax)`` of a delayed-scaling weight cast before this call, else None:
-    gathered cast by FSDP2 (its whole amax came with it), or read from the copy a filling call kept (the amax
-    that call recorded)."""
+    gathered cast by FSDP2 (its whole amax came with it; zero where the gather resent an earlier call's cast),
+    or read from the copy a filling call kept. A reused cast records an amax of zero: nothing, as Transformer
+    Engine's cached weight records nothing (the history rolls, the weight's slot stays empty)."""
     if is_gathered(weight_hp):
         return weight_hp.fp8_data, weight_hp.scale, weight_hp.amax.reshape(1)
     copy = member.weight_cache
     if copy is None or copy.mode != "reuse":
         return None
-    return copy.as_nk(weight_hp), copy.scale, copy.amax
+    return copy.as_nk(weight_hp), copy.scale, copy.scale.new_zeros(1)
 
 
 def _cast_weight_current(spec: CallSpec, weight_hp: torch.Tensor, member: Member):
@@ -316,11 +313,8 @@ def _cast_grad_outputs(spec: CallSpec, grad_outputs_hp: Sequence[torch.Tensor], 
         return [_cast_current(spec, grad, Role.GRAD_OUTPUT) for grad in grad_outputs_hp]
     fp8_dtype = recipe.fp8_dtype(Role.GRAD_OUTPUT)
     history, scale = _states(spec, members, forward=False, after=grad_outputs_hp[0])  # (m, 1, len), (m, 1)
-    if not spec.update:
-        new_scales = scale[:, 0].clone()
-    else:
-        new_scales = scale_from_history(history[:, 0], scale[:, 0], fp8_dtype, recipe.margin,
-                                        recipe.amax_compute_algo)  # (m,)
+    new_scales = scale_from_history(history[:, 0], scale[:, 0], fp8_dtype, recipe.margin,
+                                    recipe.amax_compute_algo)  # (m,)
     casts = [(quantize(grad, grad_scale, fp8_dtype), grad_scale, inverse_scale)
              for grad, grad_scale, inverse_scale in zip(grad_outputs_hp, new_scales,
                                                         scalars_of(new_scales.reciprocal()))]
@@ -456,19 +450,17 @@ def _label(recipe: Recipe, update: bool, in_checkpoint: bool, weight_cache: str 
 
 
 def _members(count, stats, histories, scales, grad_histories, grad_scales, cached_weights, cached_weight_scales,
-             cached_weight_amaxes, weight_cache):
+             weight_cache):
     def entries(values):
         return [None] * count if values is None else list(values)
 
     return tuple(Member(state=None if history is None else (history, scale),
                         grad_state=None if grad_history is None else (grad_history, grad_scale),
-                        weight_cache=None if cached is None else WeightCopy(weight_cache, cached, cached_scale,
-                                                                            cached_amax),
+                        weight_cache=None if cached is None else WeightCopy(weight_cache, cached, cached_scale),
                         stats=stats_buffer)
-                 for stats_buffer, history, scale, grad_history, grad_scale, cached, cached_scale, cached_amax in zip(
+                 for stats_buffer, history, scale, grad_history, grad_scale, cached, cached_scale in zip(
                      entries(stats), entries(histories), entries(scales), entries(grad_histories),
-                     entries(grad_scales), entries(cached_weights), entries(cached_weight_scales),
-                     entries(cached_weight_amaxes)))
+                     entries(grad_scales), entries(cached_weights), entries(cached_weight_scales)))
 
 
 @functools.cache
@@ -477,8 +469,8 @@ def linears_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True, 
     """The graph target for a group of sites that read one input, with ``recipe`` lowered by ``lowering``.
 
     Called as ``linears_fp8(input_hp, weights, biases, stats=None, histories=None, scales=None,
-    grad_histories=None, grad_scales=None, cached_weights=None, cached_weight_scales=None,
-    cached_weight_amaxes=None)`` with one entry per site in each list (``None``
+    grad_histories=None, grad_scales=None, cached_weights=None, cached_weight_scales=None)`` with one entry per
+    site in each list (``None``
     where a site has no such buffer); returns the sites' outputs. ``update=False`` (graphs compiled
     without gradients) only reads delayed-scaling state; ``in_checkpoint`` marks sites inside a
     ``torch.utils.checkpoint`` region; ``weight_cache`` (``"fill"`` or ``"reuse"``) makes the sites write
@@ -486,13 +478,9 @@ def linears_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True, 
     """
 
     def linears_fp8(input_hp, weights_hp, biases_hp, stats=None, histories=None, scales=None,
-                    grad_histories=None, grad_scales=None, cached_weights=None, cached_weight_scales=None,
-                    cached_weight_amaxes=None):
+                    grad_histories=None, grad_scales=None, cached_weights=None, cached_weight_scales=None):
         members = _members(len(weights_hp), stats, histories, scales, grad_histories, grad_scales,
-                           cached_weights, cached_weight_scales, cached_weight_amaxes, weight_cache)
-        if weight_cache is not None and recipe.stateful != (cached_weight_amaxes is not None):
-            raise ValueError(f"{linears_fp8.__name__}: a delayed-scaling weight's FP8 copy comes with the amax its "
-                             "fill recorded (cached_weight_amaxes), and only a delayed-scaling one")
+                           cached_weights, cached_weight_scales, weight_cache)
         has_state = any(member.state is not None for member in members)
         spec = CallSpec(recipe, lowering, update or not has_state, snapshot=in_checkpoint and has_state)
         input_hp_2d = input_hp.reshape(-1, input_hp.shape[-1])  # (M, K)
@@ -521,13 +509,12 @@ def linear_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     group = linears_fp8_target(recipe, lowering, update, in_checkpoint, weight_cache)
 
     def linear_fp8(input_hp, weight_hp, bias_hp=None, stats=None, history=None, scale=None, grad_history=None,
-                   grad_scale=None, cached_weight=None, cached_weight_scale=None, cached_weight_amax=None):
+                   grad_scale=None, cached_weight=None, cached_weight_scale=None):
         def one(value):
             return None if value is None else [value]
 
         (output,) = group(input_hp, [weight_hp], [bias_hp], one(stats), one(history), one(scale),
-                          one(grad_history), one(grad_scale), one(cached_weight), one(cached_weight_scale),
-                          one(cached_weight_amax))
+                          one(grad_history), one(grad_scale), one(cached_weight), one(cached_weight_scale))
         return output
 
     linear_fp8.__name__ = target_name("linear", _label(recipe, update, in_checkpoint, weight_cache), lowering.value)

@@ -30,6 +30,8 @@ which is what makes 4 ranks sharing this machine's 2 cores affordable: they add 
 split between ranks, kept in high precision; the same bits on 4 shards), not another compiler path.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -207,9 +209,11 @@ def world_of_one(tmp_path):
     dist.destroy_process_group()
 
 
-def _losses_and_grads(fp8_all_gather, policy, reshard_after_forward=True, steps=2, micro_batches=1, casts=None):
-    """``steps`` SGD steps of ``micro_batches`` micro-batches; each step's loss (summed) and gradients. ``casts``:
-    a list that gets, per micro-batch, how many shards were cast to FP8 for its gathers."""
+def _losses_and_grads(fp8_all_gather, policy, reshard_after_forward=True, steps=2, micro_batches=1, casts=None,
+                      declared=True):
+    """``steps`` SGD steps of ``micro_batches`` micro-batches, each step's declared to see the same weights
+    (``declared``); each step's loss (summed) and gradients. ``casts``: a list that gets, per micro-batch, how
+    many shards were cast to FP8 for its gathers."""
     from torch.distributed.fsdp import fully_shard
 
     model = build("llama", "tiny", seed=0)
@@ -221,14 +225,16 @@ def _losses_and_grads(fp8_all_gather, policy, reshard_after_forward=True, steps=
     losses, grads = [], []
     for step in range(steps):
         loss = 0.0
-        for micro_batch in range(micro_batches):
-            tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(step * 10 + micro_batch))
-            cast_before = shard_casts.quantize.calls if casts is not None else 0
-            micro_loss = compiled(tokens, labels=tokens).loss
-            micro_loss.backward()
-            loss = loss + micro_loss.detach()
-            if casts is not None:
-                casts.append(shard_casts.quantize.calls - cast_before)
+        with fp8graph.weights_unchanged(compiled) if declared else contextlib.nullcontext():
+            for micro_batch in range(micro_batches):
+                tokens = torch.randint(0, 250, (2, 16),
+                                       generator=torch.Generator().manual_seed(step * 10 + micro_batch))
+                cast_before = shard_casts.quantize.calls if casts is not None else 0
+                micro_loss = compiled(tokens, labels=tokens).loss
+                micro_loss.backward()
+                loss = loss + micro_loss.detach()
+                if casts is not None:
+                    casts.append(shard_casts.quantize.calls - cast_before)
         grads.append({name: p.grad.to_local().clone() for name, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
@@ -262,14 +268,18 @@ class _CountedQuantize:
 
 
 def test_micro_batches_gather_the_shards_each_step_cast_once(world_of_one, monkeypatch):
-    """Gradient accumulation under FSDP2's FP8 all-gathers: the first micro-batch after an optimizer step casts
-    each weight's shard (its backward's gathers resend the forward's bytes), the others send those bytes again
-    without casting; the step casts anew. Losses and gradients are the high-precision gather's bit for bit."""
+    """Gradient accumulation under FSDP2's FP8 all-gathers, each step's micro-batches declared to see the same
+    weights: the first micro-batch casts each weight's shard (its backward's gathers resend the forward's
+    bytes), the others send those bytes again without casting; the next declaration casts anew. Outside a
+    declaration every call casts. Losses and gradients are the high-precision gather's bit for bit."""
     monkeypatch.setattr(shard_casts, "quantize", _CountedQuantize(shard_casts.quantize))
-    casts = []
+    casts, undeclared_casts = [], []
     fp8_losses, fp8_grads, plan = _losses_and_grads(True, Float8CurrentScaling(), micro_batches=3, casts=casts)
     gathered_in_fp8 = sum(r.fp8 for r in plan.records)
     assert gathered_in_fp8 == 14 and casts == [gathered_in_fp8, 0, 0] * 2
+    undeclared_losses, _, _ = _losses_and_grads(True, Float8CurrentScaling(), steps=1, micro_batches=2,
+                                                casts=undeclared_casts, declared=False)
+    assert undeclared_casts == [gathered_in_fp8] * 2
     hp_losses, hp_grads, _ = _losses_and_grads(False, Float8CurrentScaling(), micro_batches=3)
     assert fp8_losses == hp_losses
     for fp8_step, hp_step in zip(fp8_grads, hp_grads, strict=True):
@@ -277,25 +287,27 @@ def test_micro_batches_gather_the_shards_each_step_cast_once(world_of_one, monke
 
 
 def test_delayed_micro_batches_resend_each_shards_cast_as_a_kept_copy_is_read(world_of_one, monkeypatch):
-    """Delayed scaling under FSDP2's FP8 all-gathers: each weight's shard is cast once per optimizer step too, and
-    the micro-batches that resend it train as a model without FSDP2 that keeps its weights' copies (the fill's
-    scale, the amax recorded at each call) does, bit for bit."""
+    """Delayed scaling under FSDP2's FP8 all-gathers: each weight's shard is cast once per declaration too, and
+    the micro-batches that resend it train as a model without FSDP2 that keeps its weights' casts (the fill's
+    scale, no weight amax recorded by the calls that reuse it) does, bit for bit."""
     monkeypatch.setattr(shard_casts, "quantize", _CountedQuantize(shard_casts.quantize))
     recipe, casts = DelayedScaling(amax_history_len=4), []
     fp8_losses, fp8_grads, plan = _losses_and_grads(True, recipe, micro_batches=3, casts=casts)
     gathered_in_fp8 = sum(r.fp8 for r in plan.records)
     assert gathered_in_fp8 == 14 and casts == [gathered_in_fp8, 0, 0] * 2
     model = build("llama", "tiny", seed=0)
-    compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager")  # cache_weights="auto": copies kept
+    compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager")  # cache_weights="auto": casts kept
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step, (fp8_loss, fp8_step) in enumerate(zip(fp8_losses, fp8_grads, strict=True)):
         loss = 0.0
-        for micro_batch in range(3):
-            tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(step * 10 + micro_batch))
-            micro_loss = compiled(tokens, labels=tokens).loss
-            micro_loss.backward()
-            loss = loss + micro_loss.detach()
-        assert compiled.fp8graph_backend.weight_cache.reuse
+        with fp8graph.weights_unchanged(compiled):
+            for micro_batch in range(3):
+                tokens = torch.randint(0, 250, (2, 16),
+                                       generator=torch.Generator().manual_seed(step * 10 + micro_batch))
+                micro_loss = compiled(tokens, labels=tokens).loss
+                micro_loss.backward()
+                loss = loss + micro_loss.detach()
+            assert compiled.fp8graph_backend.weight_cache.reuse
         assert loss.item() == fp8_loss, step
         assert all(torch.equal(param.grad, fp8_step[name]) for name, param in model.named_parameters()), step
         optimizer.step()

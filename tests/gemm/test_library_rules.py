@@ -11,6 +11,8 @@ recipe's Llama broke the scale alignment rule in 20 of its 42 calls under aot_ea
 Inductor: the cuBLASLt failure an H200 showed (2026-11-27).
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -125,15 +127,17 @@ def _llama(recipe_name):
 
 
 def _llama_calls(compiled, model):
-    """Two optimizer steps of two micro-batches, a call with every weight frozen (gradients for the embeddings
-    only: grad_input's GEMMs alone), and a call without gradients."""
+    """Two optimizer steps of two micro-batches, the first step's declared unchanged (the weights' kept casts
+    filled, then read), a call with every weight frozen (gradients for the embeddings only: grad_input's GEMMs
+    alone), and a call without gradients."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(2):
-        for _ in range(2):
-            tokens = torch.randint(0, 250, (2, 32), generator=generator)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                compiled(tokens, labels=tokens).loss.backward()
+    for step in range(2):
+        with fp8graph.weights_unchanged(compiled) if step == 0 else contextlib.nullcontext():
+            for _ in range(2):
+                tokens = torch.randint(0, 250, (2, 32), generator=generator)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    compiled(tokens, labels=tokens).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     for name, param in model.named_parameters():
@@ -146,12 +150,15 @@ def _llama_calls(compiled, model):
 
 
 def _moe_calls(compiled, model):
-    """The MoE block: two optimizer steps, frozen experts (gradients for the input), no gradients."""
+    """The MoE block: an optimizer step of two micro-batches declared unchanged (kept casts), one of one, frozen
+    experts (gradients for the input), no gradients."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(2):
-        x = torch.randn(2, 40, 64, generator=generator).to(torch.bfloat16)
-        compiled(x).float().square().mean().backward()
+    for micro_batches in (2, 1):
+        with fp8graph.weights_unchanged(compiled):
+            for _ in range(micro_batches):
+                x = torch.randn(2, 40, 64, generator=generator).to(torch.bfloat16)
+                compiled(x).float().square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
     model.requires_grad_(False)
@@ -176,9 +183,48 @@ def test_every_native_gemm_call_keeps_the_gpu_libraries_rules(monkeypatch, model
         (_llama_calls if model_name == "llama" else _moe_calls)(compiled, model)
     lowerings = {d.lowering for d in compiled.fp8graph_backend.decisions if d.rewritten}
     assert lowerings == {Lowering.SCALED_MM}
+    if recipe_name in ("current", "delayed") or model_name == "moe":  # the recipes "auto" keeps casts for
+        assert {"per call", "fill", "reuse"} <= _cache_modes(compiled)
     expected_op = {"moe": "_scaled_grouped_mm"}.get(model_name, "_scaled_mm_v2" if recipe_name in ("block", "mxfp8")
                                                     else "_scaled_mm")
     assert record.ops() == {expected_op}
+    record.assert_every_rule_kept()
+
+
+def _cache_modes(compiled) -> set[str]:
+    """The weight-cache modes the compiled graphs were traced in (their targets' names say it)."""
+    names = [str(node.target.__name__) for gm in compiled.fp8graph_backend.graph_modules for node in gm.graph.nodes
+             if node.op == "call_function" and getattr(node.target, "__name__", "").startswith("fp8graph_")]
+    return {"fill" if "_fill_" in name else "reuse" if "_reuse_" in name else "per call" for name in names}
+
+
+@pytest.mark.parametrize("recipe_name, arch", [("current", 90), ("delayed", 90), ("rowwise", 90), ("block", 90),
+                                               ("mxfp8", 100)])
+def test_weights_fsdp2_gathered_in_fp8_keep_the_rules(monkeypatch, recipe_name, arch):
+    """A weight FSDP2 all-gathered in FP8 (fp8graph.fsdp.shard_casts: the shards' casts, gathered) read by the
+    native GEMMs: forward and both backward GEMMs."""
+    from fp8graph.fsdp.gathered_weight import GatheredFP8Weight
+    from fp8graph.targets.linear_tensorwise import linear_fp8_target
+    from fp8graph.targets.linear_tiled import linear_tiled_target
+    from helpers import gathered_by_two_ranks
+
+    recipe = _recipe(recipe_name)
+    generator = torch.Generator().manual_seed(0)
+    weight_hp, x = torch.randn(256, 128, generator=generator), torch.randn(96, 128, generator=generator)
+    with pretend_gpu(monkeypatch, arch) as record:
+        if recipe.tiled:
+            weight = gathered_by_two_ranks(recipe, weight_hp, requires_grad=True)
+            output = linear_tiled_target(recipe, Lowering.SCALED_MM)(x.requires_grad_(), weight)
+        else:
+            amax = weight_hp.abs().amax()
+            scale = 448.0 / amax
+            weight = GatheredFP8Weight((weight_hp * scale).to(torch.float8_e4m3fn), scale, torch.float32,
+                                       form="tensor", amax=amax).requires_grad_()
+            state = ((torch.zeros(2, 4), torch.ones(2), torch.zeros(1, 4), torch.ones(1)) if recipe.stateful
+                     else (None,) * 4)
+            output = linear_fp8_target(recipe, Lowering.SCALED_MM)(x.requires_grad_(), weight, None, None, *state)
+        output.backward(torch.randn(output.shape, generator=generator))
+    assert len(record.calls) == 3  # output, grad_input, grad_weight
     record.assert_every_rule_kept()
 
 

@@ -184,16 +184,17 @@ def test_weight_cache_fills_and_reuses_per_instance():
     reference = _llama()
     whole = fp8graph.compile(reference, compiler="aot_eager", cache_weights=True, regions=None)
     tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(1))
-    for _ in range(3):  # fill, then reuse twice (no optimizer step between)
-        loss, whole_loss = compiled(tokens, labels=tokens).loss, whole(tokens, labels=tokens).loss
-        assert loss.item() == whole_loss.item()
-        loss.backward()
-        whole_loss.backward()
-    assert compiled.fp8graph_backend.weight_cache.reuse
+    with fp8graph.weights_unchanged(compiled), fp8graph.weights_unchanged(whole):
+        for _ in range(3):  # fill, then reuse twice
+            loss, whole_loss = compiled(tokens, labels=tokens).loss, whole(tokens, labels=tokens).loss
+            assert loss.item() == whole_loss.item()
+            loss.backward()
+            whole_loss.backward()
+        assert compiled.fp8graph_backend.weight_cache.reuse
+        for i in range(3):
+            name = f"model.layers.{i}.mlp.up_proj.fp8graph_cached_weight_weight"
+            assert torch.equal(model.get_buffer(name).float(), reference.get_buffer(name).float())
     assert _block_graphs(compiled) == [2]  # the fill graph and the reuse graph, for all three layers
-    for i in range(3):
-        name = f"model.layers.{i}.mlp.up_proj.fp8graph_cached_weight_weight"
-        assert torch.equal(model.get_buffer(name).float(), reference.get_buffer(name).float())
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         assert torch.equal(mine.grad, theirs.grad)
 
