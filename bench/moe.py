@@ -15,7 +15,10 @@ GEMMs become ``fp8graph_grouped_<recipe>`` targets, ``torch._scaled_grouped_mm``
 BF16; an fp8graph whose expert sites keep a recipe in high precision gives an error row, never a timing),
 and ``torchao moe rowwise``: torchao's MoE training (``torchao.prototype.moe_training``,
 ``Float8TrainingOpConfig``, row-wise FP8) applied with ``quantize_`` to the ``experts`` module only, whose
-3-D weights become the tensor subclass that runs ``torch._grouped_mm`` as its own FP8 grouped GEMMs.
+3-D weights become the tensor subclass that runs ``torch._grouped_mm`` as its own FP8 grouped GEMMs. As
+torchtitan runs it, each expert's token group is padded to a multiple of 16 rows before the grouped GEMMs and
+unpadded after (``PaddedExperts``: torchao's FP8 grad_weight GEMM needs it, and torchao does not pad), and
+the padding is timed with the rest of the step.
 Each row: tokens/s from the median step, peak memory, memory saved for backward, first-step (compile)
 time, and with ``--profile`` kernel time by category. ``--smoke`` runs the tiny block on CPU with
 ``aot_eager`` (timings mean nothing; torchao's Triton kernels need CUDA, so its row is an error there).
@@ -45,17 +48,26 @@ from . import forked
 from .cli import positive, require_cuda
 
 __all__ = ["AUTO", "DEFAULT", "UNCACHED", "KNOWN", "SWEEP", "SweepShape", "parse_contestant", "swap_in_torchao",
-           "compile_block"]
+           "PaddedExperts", "padded_token_groups", "TORCHAO_GROUP_ALIGNMENT", "compile_block"]
 
 # fp8graph's recipes on expert sites with a native SM90 GEMM (delayed since commit 8d924b3).
 RECIPES = ("rowwise", "current", "delayed")
 TORCHAO = "torchao moe rowwise"
+# Rows every token group (an expert's tokens) of torchao's FP8 grouped GEMMs must be a multiple of. grad_weight
+# = grad_output^T @ input contracts over the tokens, and on SM90 an FP8 GEMM reads both operands K-major: the
+# tokens contiguous in every row, each group starts its first token's byte into the row, which TMA needs
+# 16-byte aligned: a multiple of 16 FP8 tokens, or torch's prepare_grouped_gemm_data fails a device-side
+# assert (ATen/native/cuda/GroupMMCommon.cuh). (BF16's grad_weight reads its operands with the tokens the outer
+# dimension, where every group starts aligned: the block's BF16 step needs no padding.)
+# torchao 0.18 leaves the padding to its users (Float8TrainingOpConfig's pad_token_groups_for_grouped_mm=True
+# asserts "not yet supported"); torchtitan pads to set_token_group_alignment_size_m(16) for FP8 row-wise.
+TORCHAO_GROUP_ALIGNMENT = 16
 # fp8graph.policies.auto() with current and with delayed scaling: FP8 only on the sites the cost model says gain.
 AUTO = ("auto", "auto delayed")
-# Every fp8graph contestant keeps its weights' FP8 copies between calls (cache_weights="auto"): cast once per
-# optimizer step, read by the other micro-batches of the step (the cost model's gradient accumulation); timed
-# here, where every step ends with an SGD step, every call casts. Current scaling with cache_weights=False casts
-# at every call, micro-batches too: what the copies save.
+# Every fp8graph contestant has buffers for its weights' FP8 casts (cache_weights="auto"), used inside
+# fp8graph.weights_unchanged: cast once per declaration, read by the step's other micro-batches (the cost model's
+# gradient accumulation); timed here, where every step is one call outside a declaration, every call casts.
+# Current scaling with cache_weights=False has no buffers: what they cost.
 UNCACHED = "current uncached"
 KNOWN = ["bf16", *RECIPES, TORCHAO, *AUTO, *(f"{recipe} uncached" for recipe in RECIPES)]
 DEFAULT = ["bf16", "rowwise", "current", TORCHAO, "delayed"]
@@ -108,8 +120,72 @@ def parse_contestant(name: str) -> tuple[str, dict[str, bool]]:
     return parse(name, KNOWN)
 
 
+def padded_token_groups(expert_ids: torch.Tensor, experts: int, alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout torchtitan gives torchao's grouped GEMMs (its ``generate_permute_indices``): the S rows sorted
+    by expert (``expert_ids``, ascending, as the block sorts them) with each expert's group padded to a multiple
+    of ``alignment`` rows, an expert without tokens to one group of ``alignment`` rows.
+
+    Returns ``(source, group_ends)``: ``source`` (padded rows,) is the sorted row each padded row copies, S for
+    a padding row (the zero row appended after the S rows); ``group_ends`` (E,) int32 the padded groups' ends,
+    the grouped GEMMs' ``offs``. There are S + E * alignment padded rows rounded up to ``alignment``, a size the
+    shapes fix: the counts never leave the device, and the step compiles as one graph. The rows past the last
+    group belong to no group: the GEMMs leave them unwritten and unpadding drops them."""
+    rows, device = expert_ids.shape[0], expert_ids.device
+    counts = torch.histc(expert_ids.float(), bins=experts, min=0, max=experts - 1).long()  # as models/moe.py
+    padded_counts = (counts.clamp_min(alignment) + alignment - 1) // alignment * alignment
+    group_ends = padded_counts.cumsum(0)
+    # Sorted row s of expert e moves from e's first sorted row to e's first padded row.
+    shift = (group_ends - padded_counts) - (counts.cumsum(0) - counts)
+    destination = torch.arange(rows, device=device) + shift[expert_ids]
+    padded_rows = -(-(rows + experts * alignment) // alignment) * alignment
+    source = torch.full((padded_rows,), rows, dtype=torch.long, device=device)
+    source[destination] = torch.arange(rows, device=device)
+    return source, group_ends.to(torch.int32)
+
+
+class PaddedExperts(torch.nn.Module):
+    """models/moe.py's ``grouped_mm`` experts (its parameters, its math) with each expert's token group padded
+    to a multiple of ``alignment`` rows around the two grouped GEMMs, as torchtitan runs torchao's MoE training
+    (``indices_padding_wrapper``: ``_permute`` before the experts, ``_unpermute`` after): the rows sorted by
+    expert are gathered into the padded layout, a zero row standing in for every padding row, and the GEMMs'
+    output rows are written back to their sorted places, the padding's onto a row that is then dropped.
+
+    For torchao's contestant only: its FP8 grouped GEMMs need the groups aligned (``TORCHAO_GROUP_ALIGNMENT``)
+    and torchao 0.18 leaves the padding to its users; what the gather and scatter cost is part of what they pay,
+    and is timed with the step. BF16 and fp8graph run the block's own experts."""
+
+    def __init__(self, experts: torch.nn.Module, alignment: int = TORCHAO_GROUP_ALIGNMENT):
+        super().__init__()
+        if experts.implementation != "grouped_mm":
+            raise ValueError(f"only grouped_mm experts have token groups to pad, not {experts.implementation!r}")
+        self.num_experts, self.transposed, self.alignment = experts.num_experts, experts.transposed, alignment
+        self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj  # the same parameters
+
+    def _grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        weight_kn = weight if self.transposed else weight.transpose(-2, -1)  # (E, K, N), as models/moe.py
+        return torch._grouped_mm(x, weight_kn, offs=offsets)
+
+    def forward(self, tokens, top_k_index, top_k_weights):  # (T', H), (T', k), (T', k)
+        top_k, hidden = top_k_index.shape[-1], tokens.shape[-1]
+        expert_ids, perm = torch.sort(top_k_index.reshape(-1))  # (S,), S = T' k
+        input_sorted = tokens[perm // top_k]  # (S, H): the block's gather
+        source, group_ends = padded_token_groups(expert_ids, self.num_experts, self.alignment)
+        input_padded = torch.cat([input_sorted, input_sorted.new_zeros(1, hidden)])[source]  # torchtitan's _permute
+        gate, up = self._grouped(input_padded, self.gate_up_proj, group_ends).chunk(2, dim=-1)
+        output_padded = self._grouped(torch.nn.functional.silu(gate) * up, self.down_proj, group_ends)
+        # torchtitan's _unpermute: every padded row back to its sorted row; the padding's, and the unwritten
+        # rows past the last group, all land on row S, which is dropped.
+        output_sorted = output_padded.new_empty(input_sorted.shape[0] + 1, hidden)
+        output_sorted[source] = output_padded
+        y = output_sorted[:-1] * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.shape[0], device=perm.device)
+        return y[inverse].view(tokens.shape[0], top_k, -1).sum(dim=1)  # (T', H): the block's scatter
+
+
 def swap_in_torchao(block: torch.nn.Module) -> int:
-    """torchao's row-wise FP8 MoE training on ``block.experts``' parameters only: each becomes a
+    """torchao's row-wise FP8 MoE training as torchtitan runs it: ``block.experts`` becomes ``PaddedExperts``
+    (token groups padded to ``TORCHAO_GROUP_ALIGNMENT`` rows), and its parameters, only they, each become a
     ``Float8TrainingWeightWrapperTensor``, whose ``__torch_function__`` runs ``torch._grouped_mm(x, w, offs)``
     as torchao's ``_Float8GroupedMM`` (its Triton casts, ``torch._scaled_grouped_mm`` forward, grad_input and
     grad_weight). The router (``block.gate``) is untouched. Returns how many parameters were wrapped."""
@@ -117,6 +193,7 @@ def swap_in_torchao(block: torch.nn.Module) -> int:
     from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
     from torchao.quantization import quantize_
 
+    block.experts = PaddedExperts(block.experts)
     quantize_(block, Float8TrainingOpConfig(), filter_fn=lambda module, fqn: fqn == "experts")
     wrapped = sum(isinstance(p, Float8TrainingWeightWrapperTensor) for p in block.experts.parameters())
     if wrapped != len(list(block.experts.parameters())):
@@ -147,7 +224,9 @@ def fp8_note(compiled, block) -> str:
     """What the contestant put in FP8: torchao's wrapped expert weights, or fp8graph's decisions."""
     wrapped = [name for name, p in block.named_parameters() if "TrainingWeightWrapper" in type(p).__name__]
     if wrapped:
-        return f"torchao: {', '.join(wrapped)} wrapped (row-wise FP8 grouped GEMMs); the router in BF16"
+        padding = (f"; token groups padded to multiples of {block.experts.alignment} rows, as torchtitan pads them"
+                   if isinstance(block.experts, PaddedExperts) else "")
+        return f"torchao: {', '.join(wrapped)} wrapped (row-wise FP8 grouped GEMMs){padding}; the router in BF16"
     backend = getattr(compiled, "fp8graph_backend", None)
     if backend is None:
         return ""

@@ -5,7 +5,9 @@ width 32; 64 tokens) for the fake H100 in child processes, as ``bench model moe`
 cannot come out right by accident: each grouped GEMM is costed as a GEMM with the FLOPs of its form, BF16's
 step runs ``torch._grouped_mm`` and fp8graph's row-wise step ``torch._scaled_grouped_mm``, three per expert
 site (forward, grad_input, grad_weight), and a step the model cannot decide is an error row, never a number.
-The GPU benchmark cannot run here: its argument checks and its refusal without CUDA are tested.
+The GPU benchmark cannot run here: its argument checks and its refusal without CUDA are tested, and torchao's
+contestant's token groups, padded as torchtitan pads them, with plain ``torch._grouped_mm`` in place of torchao's
+FP8 grouped GEMM (its Triton casts need CUDA).
 """
 
 import pathlib
@@ -375,6 +377,144 @@ def test_bench_moe_refuses_without_cuda_and_checks_its_names(capsys):
     with pytest.raises(SystemExit):
         main(["moe", "--tokens", "0"])
     assert "must be > 0" in capsys.readouterr().err
+
+
+def _step(module, x, grad_output) -> tuple:
+    """The module's output, and the gradients of x and of its parameters, of one forward and backward."""
+    x = x.detach().clone().requires_grad_()
+    out = module(x)
+    out.backward(grad_output)
+    return out, x.grad, [p.grad for p in module.parameters()]
+
+
+def _group_sizes(offsets) -> list[int]:
+    import torch
+
+    return torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
+
+
+@pytest.mark.parametrize("config", ["tiny", "tiny-odd"])
+def test_torchao_s_experts_hand_the_grouped_gemms_token_groups_padded_to_16_and_compute_the_block(config, monkeypatch):
+    """torchao's FP8 grad_weight GEMM needs every expert's token group a multiple of 16 rows, or the GPU fails a
+    device-side assert (as the H200 run of 2026-11-27 did): its contestant's experts pad the groups as torchtitan
+    does, gather in, scatter back out. With plain ``torch._grouped_mm`` the padded experts compute the block's
+    output and gradients, while every group they hand the GEMMs is a multiple of 16 (the block's are not)."""
+    import copy
+
+    import torch
+
+    from bench.moe import TORCHAO_GROUP_ALIGNMENT, PaddedExperts
+    from fp8graph.models import build
+
+    block = build("moe", config, dtype=torch.float32)
+    padded = copy.deepcopy(block)
+    padded.experts = PaddedExperts(padded.experts)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 24, block.gate.in_features, generator=generator)
+    grad_output = torch.randn(x.shape, generator=generator)
+    offsets_seen = {}
+    grouped_mm = torch._grouped_mm
+
+    def recording(name):
+        def run(a, b, offs=None, **kwargs):
+            offsets_seen.setdefault(name, []).append(offs.clone())
+            return grouped_mm(a, b, offs=offs, **kwargs)
+        return run
+
+    monkeypatch.setattr(torch, "_grouped_mm", recording("block"))
+    expected = _step(block, x, grad_output)
+    monkeypatch.setattr(torch, "_grouped_mm", recording("padded"))
+    out, grad_x, grad_parameters = _step(padded, x, grad_output)
+    torch.testing.assert_close(out, expected[0])
+    torch.testing.assert_close(grad_x, expected[1])
+    for grad, grad_expected in zip(grad_parameters, expected[2], strict=True):
+        torch.testing.assert_close(grad, grad_expected)
+    counts = _group_sizes(offsets_seen["block"][0])  # tokens an expert
+    assert any(count % TORCHAO_GROUP_ALIGNMENT for count in counts)
+    assert len(offsets_seen["padded"]) == 2  # gate_up's and down's; their backward GEMMs take the same offsets
+    for offsets in offsets_seen["padded"]:
+        assert offsets.dtype == torch.int32
+        sizes = _group_sizes(offsets)
+        assert all(size % TORCHAO_GROUP_ALIGNMENT == 0 and size >= max(count, 1) for size, count in zip(sizes, counts))
+
+
+def test_torchao_s_contestant_builds_on_cpu_and_its_padding_compiles_as_one_graph(monkeypatch):
+    """``swap_in_torchao`` converts the padded experts' weights (torchao's conversion only swaps tensors: it
+    runs on CPU). With torchao's FP8 grouped GEMM stood in for by ``torch._grouped_mm`` after checking what
+    ``_Float8GroupedMM`` asserts (2-D row-major input, 3-D column-major weight, int32 offsets) and the groups'
+    alignment, the converted block, compiled with ``fullgraph=True`` (the padding never copies the counts to
+    the host), computes the BF16 block's output and gradients."""
+    import copy
+
+    import torch
+
+    torchao_tensor = pytest.importorskip("torchao.prototype.moe_training.tensor")
+    from torchao.prototype.moe_training.utils import _is_column_major
+
+    from bench.moe import TORCHAO_GROUP_ALIGNMENT, PaddedExperts, fp8_note, swap_in_torchao
+    from fp8graph.models import build
+
+    block = build("moe", "tiny", dtype=torch.bfloat16)
+    converted = copy.deepcopy(block)
+    assert swap_in_torchao(converted) == 2 and isinstance(converted.experts, PaddedExperts)
+    assert "token groups padded to multiples of 16 rows" in fp8_note(None, converted)
+    groups_checked = []
+
+    def torchao_fp8_grouped_mm_stand_in(input_hp, weight_t_hp, config, offs=None, bias=None):
+        assert input_hp.ndim == 2 and not _is_column_major(input_hp)
+        assert weight_t_hp.ndim == 3 and _is_column_major(weight_t_hp) and offs.dtype == torch.int32
+        if not torch.compiler.is_compiling():  # the sizes are data: only the eager run reads them
+            groups_checked.append(_group_sizes(offs))
+        return torch._grouped_mm(input_hp, weight_t_hp, offs=offs)
+
+    monkeypatch.setattr(torchao_tensor, "_quantize_then_scaled_grouped_mm", torchao_fp8_grouped_mm_stand_in)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 24, block.gate.in_features, dtype=torch.bfloat16, generator=generator)
+    grad_output = torch.randn(x.shape, dtype=torch.bfloat16, generator=generator)
+    expected = _step(block, x, grad_output)
+    _step(converted, x, grad_output)
+    assert len(groups_checked) == 2 and all(size % TORCHAO_GROUP_ALIGNMENT == 0 for sizes in groups_checked
+                                            for size in sizes)
+    for parameter in converted.parameters():
+        parameter.grad = None
+    torch._dynamo.reset()
+    compiled = torch.compile(converted, backend="aot_eager", fullgraph=True)
+    out, grad_x, grad_parameters = _step(compiled, x, grad_output)
+    torch.testing.assert_close(out, expected[0])
+    torch.testing.assert_close(grad_x, expected[1])
+    for grad, grad_expected in zip(grad_parameters, expected[2], strict=True):
+        torch.testing.assert_close(grad, grad_expected)
+
+
+@pytest.mark.gpu
+def test_torchao_s_contestant_trains_the_tiny_block_on_the_gpu():
+    """The contestant as ``bench moe`` runs it (``swap_in_torchao``, then Inductor) on the tiny block, whose 256
+    routed rows fall into groups of any size: torchao's FP8 grouped GEMMs run without a device-side assert (the
+    unpadded groups failed one on the H200), and the output and gradients are the BF16 block's to FP8's
+    precision."""
+    import copy
+
+    import torch
+
+    pytest.importorskip("torchao.prototype.moe_training")
+    from helpers import sqnr_db
+
+    from bench.moe import swap_in_torchao
+    from fp8graph.models import build
+
+    torch._dynamo.reset()
+    block = build("moe", "tiny", device="cuda", dtype=torch.bfloat16)
+    converted = copy.deepcopy(block)
+    swap_in_torchao(converted)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 64, block.gate.in_features, device="cuda", dtype=torch.bfloat16, generator=generator)
+    grad_output = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+    out, grad_x, grad_parameters = _step(block, x, grad_output)
+    fp8_out, fp8_grad_x, fp8_grad_parameters = _step(torch.compile(converted), x, grad_output)
+    torch.cuda.synchronize()  # a device-side assert surfaces here at the latest
+    for name, reference, fp8 in [("out", out, fp8_out), ("grad x", grad_x, fp8_grad_x),
+                                 *zip([n for n, _ in block.named_parameters()], grad_parameters, fp8_grad_parameters)]:
+        assert sqnr_db(reference, fp8) > 20, name
 
 
 def test_a_gpu_run_of_the_moe_block_is_shown_beside_the_committed_modelled_step():
