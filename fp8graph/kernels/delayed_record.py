@@ -13,7 +13,7 @@ Arguments: the members' ``histories`` ((rows, len), contiguous) and
 ``scales`` ((rows,)), every row changed in place (a forward call's input and
 weight rows, a backward call's grad_output row: ``fp8graph.buffers.delayed_state``);
 ``row_amaxes``, member-major, one 1-D tensor of partial magnitudes per member
-and row; ``new_scales`` (m, rows); ``kept_scales``, empty or one per member:
+and row (empty for a row that records nothing, zero); ``new_scales`` (m, rows); ``kept_scales``, empty or one per member:
 buffers that also receive the scales of every row but the first (a forward
 call's weight rows: the scales the FP8 weight copies a fill keeps were cast
 with, ``fp8graph.buffers.weight_cache``), so that keeping them costs no launch
@@ -33,10 +33,18 @@ import torch
 from fp8graph.numerics.delayed_scaling import record_amax, roll_history
 from fp8graph.kernels.quantize_tiles import KernelLaunch, triton_available
 
-__all__ = ["plan_record_delayed", "record_delayed_"]
+__all__ = ["finished_amax", "plan_record_delayed", "record_delayed_"]
 
 _BLOCK_AMAX = 1024
 _BLOCK_HISTORY = 1024
+
+
+def finished_amax(partial: torch.Tensor) -> torch.Tensor:
+    """The amax of one row's partial magnitudes, as fp32; zero for none (a row that records nothing: a weight whose
+    kept cast a call reuses, as the kernel's running maximum starts at zero)."""
+    if partial.numel() == 0:
+        return partial.new_zeros((), dtype=torch.float32)
+    return partial.amax().to(torch.float32)
 
 
 def _check(histories, scales, row_amaxes, new_scales, kept_scales=()) -> int:
@@ -57,7 +65,7 @@ def _check(histories, scales, row_amaxes, new_scales, kept_scales=()) -> int:
 def _record_reference(histories, scales, row_amaxes, new_scales, kept_scales=()) -> None:
     rows = _check(histories, scales, row_amaxes, new_scales, kept_scales)
     for i, (history, scale) in enumerate(zip(histories, scales)):
-        new_amaxes = torch.stack([partial.amax().to(torch.float32) for partial in row_amaxes[i * rows:(i + 1) * rows]])
+        new_amaxes = torch.stack([finished_amax(partial) for partial in row_amaxes[i * rows:(i + 1) * rows]])
         history.copy_(record_amax(roll_history(history), new_amaxes))
         scale.copy_(new_scales[i])
         if kept_scales:

@@ -153,7 +153,8 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
     inverse = new_scales.reciprocal()
     input_fp8 = quantize(input_hp, input_scale, _FP8)
     if reuse:
-        weight_fp8, weight_amaxes = weight_copy.weight_fp8, weight_copy.scale.new_zeros(experts, 1)
+        # An empty partial a row: zero recorded, and no kernel to make zeros for each of E rows.
+        weight_fp8, weight_amaxes = weight_copy.weight_fp8, weight_copy.scale.new_empty(experts, 0)
     else:
         # Per-row partial amaxes, computed with the cast in one read; the op finishes them.
         weight_fp8 = quantize(weight_hp, weight_scale[:, :, None], _FP8)

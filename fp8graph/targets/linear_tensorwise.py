@@ -61,7 +61,7 @@ from fp8graph.numerics.delayed_scaling import amax_from_history, scale_from_hist
 from fp8graph.buffers.amax_reduction import amax_reduction
 from fp8graph.numerics.formats import ROLES, Role
 from fp8graph.numerics.health import quantization_health
-from fp8graph.kernels.delayed_record import record_delayed_
+from fp8graph.kernels.delayed_record import finished_amax, record_delayed_
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.gemm.scaled_gemm import Lowering, one_buffer, scaled_gemm_by_inverse, scalars_of
 from fp8graph.targets.partitioning import keep_for_backward, read_in_backward, saved_not_recomputed
@@ -189,7 +189,7 @@ def record_states(states: Sequence[tuple[torch.Tensor, torch.Tensor]], row_amaxe
     but the input's)."""
     partials = [partial for member_partials in row_amaxes_by_member for partial in member_partials]
     if reduce is not None:
-        finished = reduce(torch.stack([partial.amax().to(torch.float32) for partial in partials]))
+        finished = reduce(torch.stack([finished_amax(partial) for partial in partials]))
         partials = list(finished.reshape(-1, 1).unbind())
     record_delayed_([history for history, _ in states], [scale for _, scale in states], partials, new_scales,
                     list(kept_scales))
@@ -274,7 +274,7 @@ def _cast_before(weight_hp: torch.Tensor, member: Member):
     copy = member.weight_cache
     if copy is None or copy.mode != "reuse":
         return None
-    return copy.as_nk(weight_hp), copy.scale, copy.scale.new_zeros(1)
+    return copy.as_nk(weight_hp), copy.scale, copy.scale.new_empty(0)  # no partial amax: zero recorded
 
 
 def _cast_weight_current(spec: CallSpec, weight_hp: torch.Tensor, member: Member):

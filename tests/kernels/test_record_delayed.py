@@ -60,3 +60,11 @@ def test_arguments_that_do_not_fit_are_refused():
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 def test_the_triton_kernel_equals_the_reference_under_the_interpreter():
     assert cases_checked_under_triton_interpreter("check_record_delayed.py") == 96
+
+
+def test_an_empty_partial_records_zero():
+    """A weight whose kept cast a call reuses records nothing (fp8graph.buffers.weight_cache): its row gets an
+    empty partial, and its history slot zero."""
+    histories, scales = [torch.full((2, 3), 5.0)], [torch.ones(2)]
+    record_delayed_(histories, scales, [torch.tensor([2.0, 7.0]), torch.empty(0)], torch.tensor([[3.0, 4.0]]), [])
+    assert histories[0].tolist() == [[7.0, 5.0, 5.0], [0.0, 5.0, 5.0]]

@@ -1,7 +1,7 @@
 """Run by tests/kernels/test_record_delayed.py under TRITON_INTERPRET=1: the delayed-state kernel against the op's
 torch reference, exactly: history lengths 1, 2, 5 and 1024 (one block, and a partial second block at
 1500), one to five members, forward (two rows) and backward (one row) calls, partial amaxes longer than a
-block, in BF16 and fp32, with a NaN and an inf among them; forward calls also with kept buffers (a filling
+block, in BF16 and fp32, with a NaN and an inf among them, and empty partials (zero recorded); forward calls also with kept buffers (a filling
 call's weight copies: the weight rows' scales), and an expert call's three rows (input, two
 experts) with them."""
 
@@ -24,6 +24,8 @@ for history_len in (1, 2, 5, 1024, 1500):
                 if members > 1:
                     partials[1][0] = float("nan")
                     partials[-1][-1] = float("inf")
+                if keep:  # a reused weight's row records nothing: an empty partial
+                    partials[rows - 1] = partials[rows - 1][:0]
                 new_scales = torch.rand(members, rows, generator=generator)
                 kept = [torch.zeros(rows - 1, 1) for _ in range(members)] if keep else []
                 expected_h, expected_s = [h.clone() for h in histories], [s.clone() for s in scales]
