@@ -1,8 +1,10 @@
 """Triton kernel behind ``fp8graph::record_delayed_`` (imported only where Triton is installed).
 
-One program per member of a call. The tuples of pointers and lengths are
-specialized on their length: a call of m members compiles once and runs in
-one launch. Loops over runtime lengths are ``while`` loops: Triton's
+One program per member of a call and row it records: the rows are independent (each its own history
+slice, partial amaxes and scale), and an expert weight's call records 1 + E of them, which one program
+went through one after another (the H200 profiled 255 us a call of Qwen3-30B-A3B's 129 rows, 2026-11-27).
+The tuples of pointers and lengths are specialized on their length: a call of m members compiles once
+and runs in one launch. Loops over runtime lengths are ``while`` loops: Triton's
 interpreter (the numerics check) cannot bound a ``range`` by an argument.
 """
 
@@ -43,15 +45,17 @@ def _roll_and_record(row, history_len, new_amax, BLOCK_HISTORY: tl.constexpr):
 
 
 @triton.jit
-def record_delayed_kernel(histories, scales, row_amaxes, row_amax_lengths, new_scales, kept_scales, history_len, ROWS: tl.constexpr, KEEP: tl.constexpr, BLOCK_AMAX: tl.constexpr,
+def record_delayed_kernel(histories, scales, row_amaxes, row_amax_lengths, new_scales, kept_scales, history_len,
+                          ROWS: tl.constexpr, KEEP: tl.constexpr, BLOCK_AMAX: tl.constexpr,
                           BLOCK_HISTORY: tl.constexpr):
-    member = tl.program_id(0)
+    member, row = tl.program_id(0), tl.program_id(1)
     for i in tl.static_range(len(histories)):
         if member == i:
             for r in tl.static_range(ROWS):
-                new_amax = _finish_amax(row_amaxes[i * ROWS + r], row_amax_lengths[i * ROWS + r], BLOCK_AMAX)
-                _roll_and_record(histories[i] + r * history_len, history_len, new_amax, BLOCK_HISTORY)
-                new_scale = tl.load(new_scales + i * ROWS + r)
-                tl.store(scales[i] + r, new_scale)
-                if KEEP and r >= 1:  # every row but the first also into the kept buffers
-                    tl.store(kept_scales[i] + (r - 1), new_scale)
+                if row == r:
+                    new_amax = _finish_amax(row_amaxes[i * ROWS + r], row_amax_lengths[i * ROWS + r], BLOCK_AMAX)
+                    _roll_and_record(histories[i] + r * history_len, history_len, new_amax, BLOCK_HISTORY)
+                    new_scale = tl.load(new_scales + i * ROWS + r)
+                    tl.store(scales[i] + r, new_scale)
+                    if KEEP and r >= 1:  # every row but the first also into the kept buffers
+                        tl.store(kept_scales[i] + (r - 1), new_scale)

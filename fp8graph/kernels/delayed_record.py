@@ -78,7 +78,7 @@ def plan_record_delayed(histories, scales, row_amaxes, new_scales, kept_scales=(
 
     rows = _check(histories, scales, row_amaxes, new_scales, kept_scales)
     keep = bool(kept_scales)
-    return KernelLaunch(record_delayed_kernel, (len(histories),),
+    return KernelLaunch(record_delayed_kernel, (len(histories), rows),
                         (tuple(histories), tuple(scales), tuple(row_amaxes),
                          tuple(partial.numel() for partial in row_amaxes), new_scales,
                          # without kept buffers the kernel stores none: the scales stand in for the argument
