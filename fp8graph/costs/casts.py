@@ -62,7 +62,7 @@ CAST_TRAFFIC: dict[str, RecipeCasts] = {
         _k("weight", False, True, 1, 1.0, 1.0),
         _k("grad_output", True, False, 1, 2.0, 1.0),
         _k("grad_output", True, True, 1, 1.0, 1.0),
-    ), small_launches=5, small_backward_launches=2),
+    ), small_launches=7, small_backward_launches=3),
     "rowwise": RecipeCasts((
         _k("input", False, False, 2, 4.0, 3.015625),
         _k("weight", False, False, 1, 2.0, 1.0),

@@ -20,13 +20,13 @@ from bench import model as bench_model
 from bench.costmodel import costs, site_casts
 from fp8graph.costs.casts import CAST_TRAFFIC
 
-BUDGET_SOURCE = "bench/results/model-decoder-2026-11-27T021748Z.json"
-# Per contestant: launches (Triton kernels and custom ops) and Triton GB (read + written) per step, and FP8 GB
-# stored twice. The GB are 060511Z's plus the 0.524 GB every contestant's embedding backward reads, which the model
-# counted from that source on (a buffer an earlier kernel mutated: bench.costmodel.capture).
+BUDGET_SOURCE = "bench/results/model-decoder-2026-11-27T172340Z.json"
+# Per contestant: launches (Triton kernels and custom ops) and Triton GB (read + written) per step of one
+# micro-batch, and FP8 GB stored twice. Delayed scaling's 332 launches are 34 more than before its GEMMs' scales
+# were laid out 16 bytes apart (cuBLASLt's rule: fp8graph.gemm.scaled_gemm.scalars_of), a tiny kernel a call.
 BUDGETS = {
     "current": {"launches": 289, "gb": 22.909, "fp8_stored_twice_gb": 0.0},
-    "delayed": {"launches": 298, "gb": 14.260, "fp8_stored_twice_gb": 0.0},
+    "delayed": {"launches": 332, "gb": 14.260, "fp8_stored_twice_gb": 0.0},
     "rowwise": {"launches": 281, "gb": 25.378, "fp8_stored_twice_gb": 0.21},
     "block": {"launches": 306, "gb": 11.900, "fp8_stored_twice_gb": 0.0},
 }
@@ -110,7 +110,8 @@ def test_the_budgets_are_the_committed_modelled_result():
     import pathlib
 
     result = json.loads((pathlib.Path(__file__).resolve().parents[2] / BUDGET_SOURCE).read_text())
-    rows = {row["contestant"]: row for row in result["rows"] if "error" not in row}
+    rows = {row["contestant"]: row for row in result["rows"]
+            if "error" not in row and "micro-batches" not in row["case"]}  # one micro-batch a step
     for contestant, budget in BUDGETS.items():
         row = rows[contestant]
         assert budget["launches"] == row["triton_launches"] + row["other_externs"], contestant
