@@ -49,8 +49,8 @@ from . import forked
 from .cli import positive, require_cuda
 from .memory import saved_for_backward_bytes
 from .profile import CATEGORIES, profile_steps
-from .timing import (attempt, environment, failed, markdown_table, median, report, require_fp8_sites, time_compiled,
-                     time_ms, title, write_partial)
+from .timing import (accumulated_step, attempt, environment, failed, last_weight_cast_mode, markdown_table, median,
+                     report, require_fp8_sites, time_compiled, time_ms, title, write_partial)
 
 RECIPES = {name: PRESETS[name] for name in ("current", "delayed", "rowwise", "block")}
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
@@ -118,15 +118,13 @@ def _compile(model, contestant: str, compiler: str, freeze_weights: bool = False
     return fp8graph.compile(model, policy=RECIPES[contestant], compiler=compiler, freeze_weights=freeze_weights)
 
 
-def _train_step(compiled, model, tokens):
-    def step():
-        loss = compiled(tokens, labels=tokens).loss
-        loss.backward()
+def _train_step(compiled, model, tokens, micro_batches: int = 1):
+    def sgd():
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.add_(parameter.grad, alpha=-1e-5)
                 parameter.grad = None
-    return step
+    return accumulated_step(compiled, lambda: compiled(tokens, labels=tokens).loss.backward(), sgd, micro_batches)
 
 
 @contextlib.contextmanager
@@ -189,7 +187,7 @@ def _measure_contestant(contestant: str, args) -> dict:
     tokens = torch.randint(0, model.config.vocab_size, (settings["batch"], settings["sequence"]), device=device)
     row = {"contestant": contestant, "layers_built": len(model.model.layers),
            **_measure_training(model, contestant, compiler, tokens, device, settings["warmup"], settings["repeats"],
-                               args.profile)}
+                               args.profile, args.grad_accumulation)}
     if args.skip_prefill:
         return row
     # A prefill that fails (a compile with freezing) keeps the training numbers; its error stands beside them.
@@ -199,20 +197,22 @@ def _measure_contestant(contestant: str, args) -> dict:
     return row
 
 
-def _measure_training(model, contestant, compiler, tokens, device, warmup, repeats, profile) -> dict:
+def _measure_training(model, contestant, compiler, tokens, device, warmup, repeats, profile,
+                      micro_batches: int = 1) -> dict:
     row = {}
     with tempfile.TemporaryDirectory() as cache_dir:
         for phase in ("compile_cold_s", "compile_warm_s"):
             with _compile_caches_in(cache_dir):
                 torch._dynamo.utils.counters.clear()
                 compiled_model = _compile(model, contestant, compiler)
-                step = _train_step(compiled_model, model, tokens)
+                step = _train_step(compiled_model, model, tokens, micro_batches)
                 row[phase] = _first_call_seconds(step, device)
                 require_fp8_sites(compiled_model)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     row["train_timings_ms"] = time_compiled(step, device, warmup, repeats)
-    row["train_tokens_per_s"] = tokens.numel() / (median(row["train_timings_ms"]) / 1e3)
+    row["last_micro_batch_weight_casts"] = last_weight_cast_mode(compiled_model)
+    row["train_tokens_per_s"] = micro_batches * tokens.numel() / (median(row["train_timings_ms"]) / 1e3)
     row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
     if profile:
         row["profile"] = profile_steps(step, device)
@@ -244,7 +244,8 @@ def _in_own_process(contestant: str, args) -> dict:
     A child that crashes or outlives ``--contestant-timeout`` leaves an error
     row with the end of its output; the other contestants go on.
     """
-    command = ["decoder", "--one", contestant, "--config", args.config, "--repeats", str(args.repeats)]
+    command = ["decoder", "--one", contestant, "--config", args.config, "--repeats", str(args.repeats),
+               "--grad-accumulation", str(args.grad_accumulation)]
     command += (["--layers", str(args.layers)] if args.layers is not None else [])
     command += [flag for flag, wanted in (("--smoke", args.smoke), ("--profile", args.profile),
                                           ("--skip-prefill", args.skip_prefill)) if wanted]
@@ -273,7 +274,7 @@ def run(args: argparse.Namespace) -> dict:
               "config": settings["config"], "layers": settings["layers"], "batch": settings["batch"],
               "sequence": settings["sequence"], "environment": environment(settings["device"]),
               "warmup": settings["warmup"], "repeats": settings["repeats"], "process_per_contestant": True,
-              "rows": rows}
+              "grad_accumulation": args.grad_accumulation, "rows": rows}
     for name in wanted:
         rows.append(_in_own_process(name, args))
         print(f"{name}: {'error' if 'error' in rows[-1] else 'measured'}", flush=True)
@@ -302,8 +303,10 @@ def summary(result: dict) -> str:
     # Layers as built; results stored before rows recorded them asked for --layers but built the config's 2.
     built = {row["layers_built"] for row in result["rows"] if "layers_built" in row}
     layers = f", {built.pop()} layers" if len(built) == 1 else ""
+    micro_batches = result.get("grad_accumulation", 1)
     heading = (f"Llama decoder stack ({result['config']}{layers}, batch {result['batch']}, "
-               f"sequence {result['sequence']})")
+               f"sequence {result['sequence']}" + (f", {micro_batches} micro-batches a step" if micro_batches > 1
+                                                    else "") + ")")
     return "\n".join([title(heading, result), "", *markdown_table(columns, rows), *failed(result["rows"]),
                       *failed(result["rows"], "prefill_error", " prefill"), *_profile_tables(result["rows"])])
 
@@ -340,6 +343,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive(int), default=20)
     parser.add_argument("--profile", action="store_true", help="also profile training steps: kernel time by category")
     parser.add_argument("--skip-prefill", action="store_true", help="training only (a GPU call's time is bounded)")
+    parser.add_argument("--grad-accumulation", type=positive(int), default=1, metavar="N",
+                        help="micro-batches a training step (fp8graph's declared unchanged: fp8graph.weights_unchanged)")
     parser.add_argument("--contestant-timeout", type=positive(float), default=900, help="seconds one contestant may take")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
     parser.add_argument("--one", metavar="NAME", help=argparse.SUPPRESS)  # a child process's contestant

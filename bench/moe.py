@@ -287,7 +287,7 @@ def measure_contestant(name: str, args) -> dict:
 
     from .memory import saved_for_backward_bytes
     from .profile import profile_steps
-    from .timing import median, require_fp8_sites, time_compiled
+    from .timing import accumulated_step, last_weight_cast_mode, median, require_fp8_sites, time_compiled
 
     contestant, patches = parse_contestant(name)
     settings = _settings(args)
@@ -306,13 +306,14 @@ def measure_contestant(name: str, args) -> dict:
     with inductor_config.patch(patches):
         compiled = compile_block(block, contestant, settings["compiler"])
 
-        def step():
-            compiled(x).backward(grad_output)
+        def sgd():
             with torch.no_grad():
                 for parameter in block.parameters():
                     parameter.add_(parameter.grad, alpha=-1e-5)
                     parameter.grad = None
             x.grad = None
+
+        step = accumulated_step(compiled, lambda: compiled(x).backward(grad_output), sgd, args.grad_accumulation)
 
         torch._dynamo.utils.counters.clear()
         started = time.perf_counter()
@@ -325,7 +326,9 @@ def measure_contestant(name: str, args) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         row["train_timings_ms"] = time_compiled(step, device, settings["warmup"], settings["repeats"])
-        row["train_tokens_per_s"] = x.shape[0] * x.shape[1] / (median(row["train_timings_ms"]) / 1e3)
+        row["last_micro_batch_weight_casts"] = last_weight_cast_mode(compiled)
+        row["train_tokens_per_s"] = (args.grad_accumulation * x.shape[0] * x.shape[1]
+                                     / (median(row["train_timings_ms"]) / 1e3))
         row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
         if args.profile:
             row["profile"] = profile_steps(step, device)
@@ -345,7 +348,7 @@ def _in_own_process(name: str, args) -> dict:
     """``measure_contestant`` in a child process (its own CUDA context and peak memory); a crash or timeout
     is the row's error, and the other contestants go on."""
     command = ["moe", "--one", name, "--config", args.config, "--tokens", str(args.tokens), "--batch",
-               str(args.batch), "--repeats", str(args.repeats)]
+               str(args.batch), "--repeats", str(args.repeats), "--grad-accumulation", str(args.grad_accumulation)]
     command += [flag for flag, wanted in (("--smoke", args.smoke), ("--profile", args.profile),
                                           ("--decode", args.decode)) if wanted]
     return forked.row_in_child(name, command, args.contestant_timeout)
@@ -374,7 +377,8 @@ def run(args: argparse.Namespace) -> dict:
               "compiler": settings["compiler"], "config": settings["config"], "batch": settings["batch"],
               "sequence": settings["tokens"], "environment": environment(settings["device"]),
               "warmup": settings["warmup"],
-              "repeats": settings["repeats"], "process_per_contestant": True, "rows": rows}
+              "repeats": settings["repeats"], "process_per_contestant": True,
+              "grad_accumulation": args.grad_accumulation, "rows": rows}
     for name in wanted:
         rows.append(_in_own_process(name, args))
         print(f"{name}: {'error' if 'error' in rows[-1] else 'measured'}", flush=True)
@@ -417,8 +421,10 @@ def summary(result: dict) -> str:
             for r in result["rows"] if "error" not in r]
     columns = ["contestant", "train tokens/s", "vs bf16", "vs torchao moe rowwise", "peak GB",
                "saved for backward GB", "first step (compile) s"]
-    heading = (f"MoE block ({result['config']}, batch {result['batch']}, {result['sequence']} tokens, forward + "
-               "backward + SGD)")
+    micro_batches = result.get("grad_accumulation", 1)
+    heading = (f"MoE block ({result['config']}, batch {result['batch']}, {result['sequence']} tokens, "
+               + (f"{micro_batches} micro-batches of " if micro_batches > 1 else "")
+               + "forward + backward, then SGD)")
     notes = [f"- {r['contestant']}: {r['note']}" for r in result["rows"] if r.get("note")]
     return "\n".join([title(heading, result), "", *markdown_table(columns, rows), *([""] + notes if notes else []),
                       *failed(result["rows"]), *_profile_tables(result["rows"])])
@@ -438,6 +444,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'+setting' / '-setting' (bench decoder's Inductor settings); default: "
                              f"{DEFAULT}")
     parser.add_argument("--repeats", type=positive(int), default=20)
+    parser.add_argument("--grad-accumulation", type=positive(int), default=1, metavar="N",
+                        help="micro-batches a training step (fp8graph's declared unchanged: fp8graph.weights_unchanged)")
     parser.add_argument("--profile", action="store_true", help="also profile training steps: kernel time by category")
     parser.add_argument("--contestant-timeout", type=positive(float), default=600,
                         help="seconds one contestant may take")

@@ -84,6 +84,35 @@ def time_compiled(step: Callable[[], object], device: torch.device, warmup: int,
         return time_ms(step, device, 0, repeats)
 
 
+def accumulated_step(compiled: object, micro_batch: Callable[[], object], update: Callable[[], object],
+                     micro_batches: int) -> Callable[[], None]:
+    """One training step: ``micro_batches`` forward + backward calls (``micro_batch``), then ``update`` (the
+    optimizer step). An fp8graph contestant's micro-batches are declared to see the same weights
+    (``fp8graph.weights_unchanged``), as its users write gradient accumulation: the first casts the weights and
+    keeps the casts, the others read them; one micro-batch casts per call, as outside a declaration."""
+    import contextlib
+
+    def step() -> None:
+        declared = contextlib.nullcontext()
+        if micro_batches > 1 and hasattr(compiled, "fp8graph_backend"):
+            import fp8graph
+
+            declared = fp8graph.weights_unchanged(compiled)
+        with declared:
+            for _ in range(micro_batches):
+                micro_batch()
+        update()
+    return step
+
+
+def last_weight_cast_mode(compiled: object) -> str | None:
+    """What an fp8graph contestant's last call did with its weights' casts (``"per call"``, ``"fill"``, ``"reuse"``:
+    ``fp8graph.buffers.weight_cache``), None for another contestant: a result says whether its micro-batches
+    shared the casts."""
+    cache = getattr(getattr(compiled, "fp8graph_backend", None), "weight_cache", None)
+    return None if cache is None else cache.mode
+
+
 def require_fp8_sites(compiled: object) -> None:
     """Raise unless fp8graph put a site of ``compiled`` (an fp8graph contestant, once called) in FP8.
 

@@ -10,6 +10,7 @@ contestant's token groups, padded as torchtitan pads them, with plain ``torch._g
 FP8 grouped GEMM (its Triton casts need CUDA).
 """
 
+import json
 import pathlib
 
 import pytest
@@ -569,3 +570,17 @@ def test_bench_moe_decode_smoke_times_the_frozen_batched_mm_block(tmp_path):
     assert all(row["decode_tokens_per_s"] > 0 for row in rows.values())
     shown = forked.run_python(["-m", "bench", "show", str(path)], cwd=REPO, check=True).stdout
     assert "| contestant | decode tokens/s | vs bf16 |" in shown
+
+
+def test_bench_moe_smoke_measures_steps_of_micro_batches_that_share_the_weights_casts(tmp_path):
+    """``--grad-accumulation 3``: each timed step runs three micro-batches, an fp8graph contestant's declared to
+    see the same weights (fp8graph.weights_unchanged), so the last reads the casts the first kept; tokens/s count
+    every micro-batch."""
+    forked.run_python(["-m", "bench", "moe", "--smoke", "--contestants", "current", "--grad-accumulation", "3",
+                       "--out", str(tmp_path)], cwd=REPO, check=True)
+    (path,) = tmp_path.glob("moe-*.json")
+    result = json.loads(path.read_text())
+    assert result["grad_accumulation"] == 3 and [r["contestant"] for r in result["rows"]] == ["bf16", "current"]
+    bf16, current = result["rows"]
+    assert "error" not in current and current["last_micro_batch_weight_casts"] == "reuse"
+    assert bf16["last_micro_batch_weight_casts"] is None and current["train_tokens_per_s"] > 0
