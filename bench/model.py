@@ -33,7 +33,7 @@ import time
 from .cli import positive
 from .costmodel import calibration, captures, costs, cubins, site_casts
 from .targets import judge
-from .timing import markdown_table, with_verdicts, write_result
+from .timing import markdown_table, project_commit, with_verdicts, write_result
 
 DEVICE = "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs)"
 FP8GRAPH = ["current", "delayed", "rowwise", "block"]
@@ -122,19 +122,6 @@ def machine_of(args) -> costs.Machine:
                          grouped_fp8_flops=args.grouped_fp8_tflops * 1e12,
                          grouped_bf16_flops_large=args.grouped_bf16_tflops_large * 1e12,
                          grouped_fp8_flops_large=args.grouped_fp8_tflops_large * 1e12)
-
-
-def project_commit() -> str:
-    """The commit modelled, with ``+changes`` when its code (the package, the passes, the models, the
-    benchmarks) differs from the working tree's, which is what was modelled."""
-    code = ["fp8graph", "passes", "models", "bench", ":!bench/results"]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *code],
-                                 capture_output=True, text=True).stdout.strip()
-    except FileNotFoundError:
-        return ""
-    return f"{commit}+changes" if commit and changed else commit
 
 
 def contestants_of(requested: list[str] | None, default: list[str], parse_contestant=None) -> list[str]:

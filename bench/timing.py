@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import pathlib
 import platform
 import statistics
+import subprocess
 import time
 import traceback
 from typing import Callable
@@ -29,7 +31,23 @@ def environment(device: torch.device) -> dict:
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
+        # The code measured: the commit the device call passes (its copy of the tree has no git history), else
+        # this checkout's.
+        "project_commit": os.environ.get("FP8GRAPH_COMMIT") or project_commit(),
     }
+
+
+def project_commit() -> str:
+    """This checkout's commit, with ``+changes`` when its code (the package, the passes, the models, the
+    benchmarks) differs from the working tree's, which is what a run measures or models; empty without git."""
+    code = ["fp8graph", "passes", "models", "bench", ":!bench/results"]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *code],
+                                 capture_output=True, text=True).stdout.strip()
+    except FileNotFoundError:
+        return ""
+    return f"{commit}+changes" if commit and changed else commit
 
 
 def time_ms(step: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:
