@@ -30,7 +30,7 @@ from fp8graph.buffers.weight_cache import (CACHED_SCALE_PREFIX, CACHED_TRANSPOSE
                                            COPY_PREFIXES)
 from fp8graph.numerics.delayed_scaling import scale_from_history
 from fp8graph.numerics.quantize import quantize
-from helpers import fp8_target_count, sqnr_db
+from helpers import fp8_target_count
 
 MICRO_BATCHES, STEPS = 3, 3
 AMAX_REDUCTION = "max_propagate_nan"  # one call per reduced vector in Inductor's C++ (see test_inference)
