@@ -221,7 +221,9 @@ def test_tiled_recipes_train_through_inductor_on_the_gpu_like_the_emulation(sequ
     Two FP8 runs carry independent rounding, so they are compared through the high-precision run: on the
     H100 (2026-11-25) row-wise gradients were 19.3-19.8 dB from high precision at worst emulated and
     17.3-17.7 dB through Inductor (19.4-19.9 dB with the same native GEMMs under aot_eager), and 18.6-18.7 dB
-    from each other. A wrong layout or scale costs far more than the 3 dB allowed here."""
+    from each other: a BF16 amax rounded two ways doubled single rows of grad_weight, 3-4 dB a gradient
+    (fp8graph.numerics.quantize.finite_magnitude; the test below puts every column on the boundary). A wrong
+    layout or scale of a whole operand costs far more than the 3 dB allowed here."""
     recipes = [r for r in _tiled_recipes_native_here() if not isinstance(r, fp8graph.MXFP8BlockScaling)]
     if not recipes:
         pytest.skip("no row-wise or block GEMM on this GPU")
@@ -250,6 +252,35 @@ def test_tiled_recipes_train_through_inductor_on_the_gpu_like_the_emulation(sequ
         assert emulated_loss == pytest.approx(reference_loss, rel=1e-2), recipe.name
         for native, emulated in zip(native_db, emulated_db, strict=True):
             assert emulated > 15 and native > emulated - 3, (recipe.name, native, emulated)
+
+
+def test_row_wise_scales_of_grad_output_agree_with_its_casts_through_inductor():
+    """One row-wise linear behind an fp32 residual, through Inductor, with every column of the fp32 gradient's amax
+    just above 1.75 * 2**-9, where BF16 rounds it onto the power-of-2 boundary: a column cast with one scale and
+    dequantized with another would come out doubled, a whole row of grad_weight. Every row within FP8's error of
+    the exact product, as under aot_eager (reproduced on the CPU through Inductor's Triton code: 128 of 128 rows
+    doubled before the amaxes were taken in fp32)."""
+    from fp8graph.targets.linear_tiled import linear_tiled_target
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 128, generator=generator).to(torch.bfloat16).cuda()
+    w = (torch.randn(128, 128, generator=generator) * 0.05).cuda()
+    residual = torch.randn(128, 128, generator=generator).cuda()
+    grad = (torch.randn(128, 128, generator=generator) * 1e-3).clamp(-1.5 * 2 ** -9, 1.5 * 2 ** -9)
+    grad[torch.arange(128), torch.arange(128)] = 1.75 * 2 ** -9 * (1 + 2 ** -10)  # each column's amax
+    grad = grad.cuda()
+    exact = grad.to(torch.bfloat16).double().t() @ x.double()
+    target = linear_tiled_target(fp8graph.Float8RowwiseScaling(), Lowering.SCALED_MM)
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        linear = torch.compile(lambda x_, w_, r_: r_ + target(x_, w_), backend=backend, fullgraph=True)
+        x_run, w_run = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            output = linear(x_run, w_run, residual)
+        output.backward(grad)
+        ratio = w_run.grad.double().norm(dim=1) / exact.norm(dim=1)
+        assert int((ratio > 1.5).sum()) == 0, backend
+        assert sqnr_db(exact, w_run.grad) > 25, backend
 
 
 def test_quantize_kernels_are_exact_on_the_gpu():

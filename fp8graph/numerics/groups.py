@@ -43,7 +43,9 @@ def group_column_amax(x_hp: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor
     (``scatter_reduce``) computes the same with an atomic per element, several times slower on a GPU
     (measured in ``docs/mixture-of-experts.md``).
     """
-    magnitude = finite_magnitude(x_hp.detach())
+    # Stored for torch.segment_reduce (an ATen kernel, which reads it from memory) in x_hp's dtype: the max of
+    # those values is exact in it, and each group's one amax makes both its cast's scale and its GEMM's.
+    magnitude = finite_magnitude(x_hp.detach()).to(x_hp.dtype)
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
     lengths = torch.cat([sizes, (magnitude.shape[0] - offsets[-1:])]).to(torch.int64)
     # unsafe: the lengths sum to the row count by construction, and checking would wait for the device.

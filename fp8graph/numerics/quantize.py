@@ -21,15 +21,23 @@ _FLOAT32_EXPONENT_MASK = 0x7F800000
 
 
 def finite_magnitude(x_hp: torch.Tensor) -> torch.Tensor:
-    """``|x_hp|`` with NaN and inf as 0: what every amax is taken over.
+    """``|x_hp|`` in fp32 with NaN and inf as 0: what every amax is taken over.
 
     A non-finite value must not change the scaling of the finite ones: an
     amax of inf or NaN would cast every other value of the tensor (or tile)
     at a fallback scale, as if one bad request in a batch spoiled the others.
     The non-finite values themselves still cast to non-finite FP8
     (:func:`quantize`), as fp32 arithmetic would carry them.
+
+    In fp32 because a BF16 amax is two values under Inductor's Triton code: the kernel that reduces it holds it
+    in fp32 (a BF16 value an fp32 sum made, never rounded) and stores it rounded, and another kernel reads the
+    stored one. Row-wise scaling then cast a column of grad_output with one power-of-2 scale and dequantized it
+    with the other where the fp32 amax lay just above 1.75 * 2**m and rounded onto it: a row of grad_weight came
+    out doubled (the tiny Llama's gradients 3-4 dB from the emulation on an H100 and an H200, 2026-11-25 and -27;
+    reproduced on the CPU through Inductor's Triton code under the interpreter). The max of BF16 values is exact
+    in fp32, so eager results are unchanged.
     """
-    magnitude = x_hp.abs()
+    magnitude = x_hp.to(torch.float32).abs()
     finite = magnitude < float("inf")  # false for NaN and inf
     # The 0 as the mask itself (false is 0), not a constant: Inductor's freezing folds a frozen weight's
     # whole quantization only through computations of tensors, never of constructors (see amax_to_scale).
@@ -52,8 +60,8 @@ def amax(x_hp: torch.Tensor) -> torch.Tensor:
 
 
 def row_amaxes(x_hp: torch.Tensor) -> torch.Tensor:
-    """The first stage of :func:`amax`: each row's largest finite magnitude (1-D, ``x_hp``'s dtype), the
-    magnitudes themselves for a 1-D tensor. Their max is the amax."""
+    """The first stage of :func:`amax`: each row's largest finite magnitude (1-D, fp32), the magnitudes
+    themselves for a 1-D tensor. Their max is the amax."""
     magnitude = finite_magnitude(x_hp)
     if magnitude.dim() >= 2:
         magnitude = magnitude.amax(dim=-1)

@@ -78,7 +78,7 @@ def _as_tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def tile_amax(x_hp: torch.Tensor, tiling: Tiling) -> torch.Tensor:
     """Largest finite magnitude of each tile (0 if none), fp32, shape (R / rows, C / cols)."""
     cols = tiling.tile_cols(x_hp)
-    return _as_tiles(finite_magnitude(x_hp.detach()), tiling.rows, cols).amax(dim=(1, 3)).to(torch.float32)
+    return _as_tiles(finite_magnitude(x_hp.detach()), tiling.rows, cols).amax(dim=(1, 3))
 
 
 _MANTISSA_BITS = 23
