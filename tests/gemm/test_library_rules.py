@@ -174,7 +174,7 @@ def _moe_calls(compiled, model):
     ("llama", "current", 90, (100,)), ("llama", "delayed", 90, (100,)), ("llama", "rowwise", 90, (100,)),
     ("llama", "block", 90, ()), ("llama", "mxfp8", 100, ()),
     ("moe", "current", 90, ()), ("moe", "delayed", 90, ()), ("moe", "rowwise", 90, ()), ("moe", "mxfp8", 100, ()),
-])
+], ids=lambda value: "+".join(map(str, value)) if isinstance(value, tuple) else str(value))
 def test_every_native_gemm_call_keeps_the_gpu_libraries_rules(monkeypatch, model_name, recipe_name, arch, also):
     torch._dynamo.reset()
     with pretend_gpu(monkeypatch, arch, also) as record:

@@ -175,23 +175,25 @@ def test_expert_sites_record_their_fp8_health(recipe):
     expert weights and at the next, which reads their kept casts."""
     model, x = _moe()
     compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager", stats=True)
-    for step in range(2):
-        compiled(x).float().pow(2).mean().backward()
-        assert compiled.fp8graph_backend.weight_cache.reuse == (step == 1)
-        rows = {(r.path, r.role): r for r in compiled.fp8graph_stats.record(step=step)}
-        for role in ("input", "weight", "grad_output"):
-            row = rows["experts", role]
-            assert row.sqnr_db > 25 and row.underflow < 0.05 and row.amax > 0, (step, role, row)
-        assert ("gate", "input") not in rows, "the router stays in high precision"
+    with fp8graph.weights_unchanged(compiled):
+        for step in range(2):
+            compiled(x).float().pow(2).mean().backward()
+            assert compiled.fp8graph_backend.weight_cache.reuse == (step == 1)
+            rows = {(r.path, r.role): r for r in compiled.fp8graph_stats.record(step=step)}
+            for role in ("input", "weight", "grad_output"):
+                row = rows["experts", role]
+                assert row.sqnr_db > 25 and row.underflow < 0.05 and row.amax > 0, (step, role, row)
+            assert ("gate", "input") not in rows, "the router stays in high precision"
 
 
 def test_dynamic_token_counts_compile_once_with_a_symbolic_m():
     model, _ = _moe()
     compiled, backend = compile_fp8(model, policy=Float8RowwiseScaling(), dynamic=True)
-    for tokens in (8, 12, 20):
-        output = compiled(torch.randn(2, tokens, 64, dtype=torch.bfloat16))
-        output.float().pow(2).mean().backward()
-        assert torch.isfinite(output).all() and torch.isfinite(model.experts.down_proj.grad).all()
+    with fp8graph.weights_unchanged(compiled):
+        for tokens in (8, 12, 20):
+            output = compiled(torch.randn(2, tokens, 64, dtype=torch.bfloat16))
+            output.float().pow(2).mean().backward()
+            assert torch.isfinite(output).all() and torch.isfinite(model.experts.down_proj.grad).all()
     experts = [d for d in backend.decisions if isinstance(d.site, ExpertSite)]
     # Two graphs of two sites: the first call fills the expert weights' kept casts, the others (12 and 20
     # tokens: one symbolic graph) read them.

@@ -88,7 +88,9 @@ SKIPPED = {
 
 
 def _tensor_dunders() -> set[str]:
-    return {name for name in dir(torch.Tensor) if name.startswith("__") and name.endswith("__")}
+    """The dunder attributes of torch.Tensor, less ``__slotnames__``: copyreg's cache of the class's slot names,
+    there only once some tensor has been pickled in the process (no method)."""
+    return {name for name in dir(torch.Tensor) if name.startswith("__") and name.endswith("__")} - {"__slotnames__"}
 
 
 def _operands(op: Op, h: torch.Tensor, reflected: bool):
