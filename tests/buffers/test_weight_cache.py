@@ -429,14 +429,7 @@ def test_cached_weights_under_activation_checkpointing_match_uncached():
         torch._dynamo.reset()
         model = copy.deepcopy(base)
         compiled = fp8graph.compile(model, compiler="aot_eager", cache_weights=cache_weights)
-        generator = torch.Generator().manual_seed(0)
-        losses = []
-        with fp8graph.weights_unchanged(compiled):
-            for _ in range(MICRO_BATCHES):
-                tokens = torch.randint(0, 250, (2, 16), generator=generator)
-                loss = compiled(tokens, labels=tokens).loss
-                loss.backward()
-                losses.append(loss.item())
+        losses, _ = _declared_micro_batches(compiled, torch.Generator().manual_seed(0))
         return losses, [param.grad for param in model.parameters()], compiled
 
     losses, grads, _ = run(False)
@@ -477,18 +470,28 @@ def _train_with_accumulation(model, compiled, steps=2):
     """``steps`` SGD steps of MICRO_BATCHES token micro-batches; every loss, and the modes the calls ran in."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(0)
-    cache = compiled.fp8graph_backend.weight_cache
     losses, reused = [], []
     for _ in range(steps):
-        with fp8graph.weights_unchanged(compiled):
-            for _ in range(MICRO_BATCHES):
-                tokens = torch.randint(0, 250, (2, 16), generator=generator)
-                loss = compiled(tokens, labels=tokens).loss
-                loss.backward()
-                losses.append(loss.item())
-                reused.append(cache is not None and cache.reuse)
+        step_losses, step_reused = _declared_micro_batches(compiled, generator)
+        losses += step_losses
+        reused += step_reused
         optimizer.step()
         optimizer.zero_grad()
+    return losses, reused
+
+
+def _declared_micro_batches(compiled, generator):
+    """MICRO_BATCHES token micro-batches declared to see the same weights: their losses, and whether each read the
+    kept casts."""
+    cache = compiled.fp8graph_backend.weight_cache
+    losses, reused = [], []
+    with fp8graph.weights_unchanged(compiled):
+        for _ in range(MICRO_BATCHES):
+            tokens = torch.randint(0, 250, (2, 16), generator=generator)
+            loss = compiled(tokens, labels=tokens).loss
+            loss.backward()
+            losses.append(loss.item())
+            reused.append(cache is not None and cache.reuse)
     return losses, reused
 
 
