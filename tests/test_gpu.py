@@ -334,6 +334,27 @@ def test_the_fp8_transpose_is_exact_on_the_gpu():
         assert torch.equal(transpose_fp8(x_fp8, sources).cpu().view(torch.uint8), expected.view(torch.uint8))
 
 
+def test_the_group_column_cast_equals_its_reference_on_the_gpu():
+    """``fp8graph::quantize_group_columns_placed`` on CUDA (the Triton kernel, the hardware's conversion) casts and
+    places row-wise's weight-gradient operands as the CPU reference does, byte for byte (NaN's sign aside)."""
+    from fp8graph.kernels.group_columns import quantize_group_columns_placed
+
+    generator = torch.Generator().manual_seed(0)
+    for rows, columns, sizes in ((4096, 1024, [1000, 0, 3000]), (200, 70, [5, 100, 1, 50])):
+        x = (torch.randn(rows, columns, generator=generator)
+             * torch.logspace(-10, 6, columns, base=2.0)).to(torch.bfloat16)
+        x[3, 3] = float("inf")
+        offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        for index in (None, torch.randint(0, rows, (rows,), generator=generator)):
+            expected = quantize_group_columns_placed(x, offsets, 16, True, index)
+            got = quantize_group_columns_placed(x.cuda(), offsets.cuda(), 16, True,
+                                                None if index is None else index.cuda())
+            assert torch.equal(got[1].cpu(), expected[1])
+            got_bytes, expected_bytes = got[0].cpu().view(torch.uint8), expected[0].view(torch.uint8)
+            assert torch.equal(torch.where(got_bytes & 0x7F == 0x7F, 0x7F, got_bytes),
+                               torch.where(expected_bytes & 0x7F == 0x7F, 0x7F, expected_bytes))
+
+
 def test_the_delayed_state_kernel_equals_its_reference_on_the_gpu():
     """``fp8graph::record_delayed_`` on CUDA (the Triton kernel) records what the torch reference does."""
     from fp8graph.kernels.delayed_record import _record_reference, record_delayed_

@@ -15,7 +15,9 @@ Lowerings (``fp8graph.gemm.scaled_gemm.Lowering``):
 - ``scaled_mm``: ``torch._scaled_grouped_mm``. E4M3 operands, A row-major, B column-major, K and N
   multiples of 16, BF16 out. In the weights form K is a group's token count, which the routing
   decides: both operands are laid out with every group zero-padded to a multiple of 16 tokens, each by one
-  tiled transpose that gathers the groups' rows (``fp8graph::transpose_fp8`` of ``padded_group_sources``).
+  tiled transpose that gathers the groups' rows (``fp8graph::transpose_fp8`` of ``padded_group_sources``),
+  or, where each group and column has a scale of its own (row-wise), by the kernel that casts them
+  (``fp8graph::quantize_group_columns_placed``).
 - ``emulated``: ``fp8graph::grouped_mm_exact`` widens the FP8 operands to fp32 and multiplies each
   group (products of FP8 values are exact in fp32, so this equals the FP8 GEMM up to the order of
   accumulation); the scales are applied to the fp32 product in plain torch ops. An op of its own
@@ -29,11 +31,13 @@ import torch
 
 from fp8graph.gemm.layouts import column_major, row_major
 from fp8graph.gemm.scaled_gemm import Lowering
+from fp8graph.kernels import group_columns  # noqa: F401  (registers fp8graph::quantize_group_columns_placed)
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
-from fp8graph.numerics.groups import padded_group_sources, row_groups
+from fp8graph.numerics.groups import padded_group_offsets, padded_group_sources, quantize_group_columns, row_groups
 from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
 
-__all__ = ["grouped_mm_exact", "grouped_scaled_gemm", "grouped_scaled_gemm_weights", "placed_for_grad_weight"]
+__all__ = ["group_columns_for_grad_weight", "grouped_mm_exact", "grouped_scaled_gemm", "grouped_scaled_gemm_weights",
+           "placed_for_grad_weight"]
 
 
 @torch.library.custom_op("fp8graph::grouped_mm_exact", mutates_args=())
@@ -98,17 +102,32 @@ def _padded_transpose(x_fp8: torch.Tensor, offsets: torch.Tensor) -> tuple[torch
     return transpose_fp8(x_fp8, sources), padded_offsets
 
 
-def grouped_scaled_gemm_weights(a_fp8: torch.Tensor, a_inverse_scale: torch.Tensor, b_placed: torch.Tensor,
+def group_columns_for_grad_weight(x_hp: torch.Tensor, offsets: torch.Tensor, lowering: Lowering,
+                                  power_2_scales: bool, gather_index: torch.Tensor | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An operand of the weights form, ``x_hp`` (S, C) (or ``x_hp[gather_index]``), cast with one scale per group
+    and column and placed as :func:`placed_for_grad_weight` places it: ``(x_placed, scale (E, C))``. For
+    ``scaled_mm`` one kernel casts and lays out (``fp8graph::quantize_group_columns_placed``); emulated, the
+    cast's rows as they are."""
+    if lowering is Lowering.SCALED_MM:
+        return torch.ops.fp8graph.quantize_group_columns_placed(x_hp, offsets, FP8_GEMM_DIM_MULTIPLE,
+                                                                power_2_scales, gather_index)
+    rows_hp = x_hp if gather_index is None else x_hp[gather_index]
+    return quantize_group_columns(rows_hp, offsets, torch.float8_e4m3fn, power_2_scales)
+
+
+def grouped_scaled_gemm_weights(a_placed: torch.Tensor, a_inverse_scale: torch.Tensor, b_placed: torch.Tensor,
                                 b_inverse_scale: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
                                 lowering: Lowering) -> torch.Tensor:
-    """The weights form: ``a`` (N, S) with ``a_inverse_scale`` (E, N), ``b`` (S, K) placed by
-    :func:`placed_for_grad_weight`, with ``b_inverse_scale`` (E, K); returns (E, N, K) in ``out_dtype``."""
-    if lowering is Lowering.SCALED_MM:
-        a_padded, padded_offsets = _padded_transpose(a_fp8.t(), offsets)  # (N, S')
-        output = torch._scaled_grouped_mm(a_padded, b_placed.t(), a_inverse_scale.reshape(-1).contiguous(),
-                                          b_inverse_scale.reshape(-1).contiguous(), offs=padded_offsets,
+    """The weights form: ``a`` (S, N) with ``a_inverse_scale`` (E, N) and ``b`` (S, K) with ``b_inverse_scale``
+    (E, K), each placed by :func:`placed_for_grad_weight` (or :func:`group_columns_for_grad_weight`); returns
+    ``a_e^T . b_e`` (E, N, K) in ``out_dtype``."""
+    if lowering is Lowering.SCALED_MM:  # a_placed (N, S'), b_placed (K, S')
+        output = torch._scaled_grouped_mm(a_placed, b_placed.t(), a_inverse_scale.reshape(-1).contiguous(),
+                                          b_inverse_scale.reshape(-1).contiguous(),
+                                          offs=padded_group_offsets(offsets, FP8_GEMM_DIM_MULTIPLE),
                                           out_dtype=torch.bfloat16)
         return output.to(out_dtype)
-    product_fp32 = torch.ops.fp8graph.grouped_mm_exact(a_fp8, b_placed, offsets)  # (E, N, K)
+    product_fp32 = torch.ops.fp8graph.grouped_mm_exact(a_placed.t(), b_placed, offsets)  # (E, N, K)
     return (product_fp32 * a_inverse_scale[:, :, None] * b_inverse_scale[:, None, :]).to(out_dtype)
 

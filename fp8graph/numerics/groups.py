@@ -23,8 +23,8 @@ import torch
 
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
-__all__ = ["group_column_amax", "group_padding", "padded_group_rows", "padded_group_sources",
-           "place_in_padded_groups", "quantize_group_columns", "row_groups"]
+__all__ = ["group_column_amax", "group_padding", "padded_group_bound", "padded_group_offsets", "padded_group_rows",
+           "padded_group_sources", "place_in_padded_groups", "quantize_group_columns", "row_groups"]
 
 
 def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -76,7 +76,7 @@ def padded_group_rows(offsets: torch.Tensor, rows: int, multiple: int) -> tuple[
     count = offsets.shape[0]
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
     padded_sizes = (sizes + multiple - 1) // multiple * multiple
-    padded_offsets = torch.cumsum(padded_sizes, 0, dtype=offsets.dtype)
+    padded_offsets = torch.cumsum(padded_sizes, 0, dtype=offsets.dtype)  # padded_group_offsets
     starts = offsets - sizes
     padded_starts = padded_offsets - padded_sizes
     groups = row_groups(offsets, rows)
@@ -87,7 +87,19 @@ def padded_group_rows(offsets: torch.Tensor, rows: int, multiple: int) -> tuple[
     # Rows in no group go after every padded group, in order: past padded_offsets[-1], never read.
     outside = positions - offsets[-1].to(torch.int64) + padded_offsets[-1].to(torch.int64)
     destination = torch.where(in_group, inside, outside)
-    return destination, padded_offsets, -(-(rows + count * multiple) // multiple) * multiple
+    return destination, padded_offsets, padded_group_bound(rows, count, multiple)
+
+
+def padded_group_offsets(offsets: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Where the groups ``offsets`` ends end when each is zero-padded to a multiple of ``multiple`` rows (E,)."""
+    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    return torch.cumsum((sizes + multiple - 1) // multiple * multiple, 0, dtype=offsets.dtype)
+
+
+def padded_group_bound(rows: int, groups: int, multiple: int) -> int:
+    """Rows of the padded layout of ``rows`` rows in ``groups`` groups: ``rows + groups * multiple`` rounded up to
+    a multiple, a bound known when the graph is built (each group gains fewer than ``multiple`` rows)."""
+    return -(-(rows + groups * multiple) // multiple) * multiple
 
 
 def group_padding(offsets: torch.Tensor, padded_offsets: torch.Tensor, multiple: int, padded_rows: int) -> torch.Tensor:

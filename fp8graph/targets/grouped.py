@@ -37,10 +37,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from fp8graph.gemm.grouped_gemm import grouped_scaled_gemm, grouped_scaled_gemm_weights, placed_for_grad_weight
+from fp8graph.gemm.grouped_gemm import (group_columns_for_grad_weight, grouped_scaled_gemm, grouped_scaled_gemm_weights,
+                                        placed_for_grad_weight)
 from fp8graph.gemm.scaled_gemm import Lowering, one_buffer
 from fp8graph.numerics.formats import Role
-from fp8graph.numerics.groups import quantize_group_columns
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize, quantize_current, row_amaxes
 from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, NATIVE_GROUPED_GRANULARITIES, Recipe
 from fp8graph.buffers.amax_reduction import amax_reduction
@@ -217,8 +217,8 @@ def _transposed_for_grad_input(weight_fp8: torch.Tensor, weight_inverse: torch.T
 
 def _placed_in_the_forward(input_fp8: torch.Tensor, input_inverse: torch.Tensor, offsets: torch.Tensor,
                            spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_placed, input_inverse)``: ``input_fp8`` (S, K), the input's cast that grad_weight reads (the
-    forward's, or row-wise's per group and column), laid out for grad_weight's GEMM (``placed_for_grad_weight``:
+    """``(input_placed, input_inverse)``: ``input_fp8`` (S, K), the forward's cast, which grad_weight reads too (a
+    per-tensor scale; row-wise's cast per group and column is placed by the kernel that casts it), laid out for grad_weight's GEMM (``placed_for_grad_weight``:
     one tiled transpose of the FP8 rows) in the forward, and the inverse scale the forward GEMM reads, tied to it
     (``fp8graph.targets.partitioning``). Left to itself the partitioner saves the cast and lays it out in the
     backward: the same pass, and the cast kept alive until then. The emulation reads the cast as it is."""
@@ -293,11 +293,13 @@ class _GroupedFP8(torch.autograd.Function):
             if needs_grad_weight:
                 # grad_weight reduces over each group's tokens: row-wise casts the input again, per group and
                 # column; a per-tensor scale serves every GEMM, so the forward's cast is kept. Either way laid out
-                # for grad_weight's GEMM in the forward (_placed_in_the_forward).
-                if spec.per_row:
-                    rows_hp = input_hp if gather_index is None else input_hp[gather_index]  # (S, K)
-                    input_g_fp8, input_g_scale = quantize_group_columns(rows_hp, offsets, _FP8, spec.power_2)
-                    input_placed, input_inverse = _placed_in_the_forward(input_g_fp8, input_inverse, offsets, spec)
+                # for grad_weight's GEMM in the forward, tied to the inverse scale the forward GEMM reads
+                # (_placed_in_the_forward).
+                if spec.per_row:  # of the gathered rows (S, K): one kernel casts and places them
+                    input_placed, input_g_scale = group_columns_for_grad_weight(
+                        input_hp, offsets, spec.lowering, spec.power_2, gather_index)
+                    if spec.lowering is Lowering.SCALED_MM:
+                        input_inverse = keep_for_backward(input_inverse, input_placed)
                     saved_input = (input_placed, input_g_scale.reciprocal())  # (E, K)
                 else:
                     input_placed, input_inverse = _placed_in_the_forward(input_fp8, input_inverse, offsets, spec)
@@ -348,14 +350,14 @@ class _GroupedFP8(torch.autograd.Function):
                                                  (gather_index,), grad_input, accumulate=True)
             if needs_grad_weight:
                 if spec.per_row:
-                    grad_output_g_fp8, grad_output_g_scale = quantize_group_columns(
-                        grad_output_hp, offsets, _FP8, spec.power_2)
+                    grad_output_g_placed, grad_output_g_scale = group_columns_for_grad_weight(
+                        grad_output_hp, offsets, spec.lowering, spec.power_2)
                     grad_output_g_inverse = grad_output_g_scale.reciprocal()  # (E, N)
                 else:
-                    grad_output_g_fp8 = grad_output_fp8
+                    grad_output_g_placed = placed_for_grad_weight(grad_output_fp8, offsets, spec.lowering)
                     grad_output_g_inverse = grad_output_inverse[:1].expand(experts, grad_output_hp.shape[1])
                 # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
-                grad_weight = grouped_scaled_gemm_weights(grad_output_g_fp8.t(), grad_output_g_inverse, input_g_placed,
+                grad_weight = grouped_scaled_gemm_weights(grad_output_g_placed, grad_output_g_inverse, input_g_placed,
                                                           input_g_inverse, offsets, ctx.weight_dtype, spec.lowering)
         return grad_input, grad_weight, None, None, None, None, None, None, None
 

@@ -43,6 +43,27 @@ def test_a_step_is_its_kernels_at_the_machines_rates():
     assert summary["step_ms"] == pytest.approx(summary["triton_ms"] + 2.0)
 
 
+def test_an_aten_kernel_measured_far_below_copy_bandwidth_is_timed_at_the_measured_rate():
+    """``segment_reduce`` (row-wise MoE's group-column amaxes at ec8f139) ran at a tenth of copy bandwidth on the
+    H200: the rate the model takes is the committed profile's time over the committed capture's bytes."""
+    measured = json.loads((RESULTS / "moe-2026-11-27T132818Z.json").read_text())
+    rowwise = next(row for row in measured["rows"] if row["contestant"] == "rowwise")
+    kernel_ms = sum(ms for name, ms, _ in rowwise["profile"]["top"] if "segment_reduce" in name)
+    modelled = json.loads((RESULTS / "model-moe-2026-11-27T114341Z.json").read_text())
+    case = next(case for capture_ in modelled["captures"] if capture_["contestant"] == "rowwise"
+                for case in capture_["cases"] if case["case"].startswith("Qwen3-30B-A3B, 8x4096, 2048 tokens an "
+                                                                         "expert, 1 micro-batch"))
+    rows = [row for row in costs.rows_from_json(case) if costs.extern_op(row.name) == "segment_reduce"]
+    assert len(rows) == 4
+    operand_bytes = sum(row.bytes * row.count for row in rows)
+    rate, source = costs.MEASURED_EXTERN_BANDWIDTH["segment_reduce"]
+    assert rate == pytest.approx(operand_bytes / (kernel_ms / 1e3), rel=0.02) and "moe-2026-11-27T132818Z" in source
+    machine = costs.Machine()
+    assert sum(costs.time_us(row, machine) for row in rows) / 1e3 == pytest.approx(kernel_ms, rel=0.02)
+    other = _row(kind="extern", name="torch.ops.fp8graph.transpose_fp8.default", read=3_000_000_000)
+    assert costs.time_us(other, machine) == pytest.approx(1e3)  # any other: copy bandwidth
+
+
 def test_a_value_stored_twice_is_counted_once_too_many():
     source = """
     tl.store(out_ptr0 + (x0), tmp5, None)

@@ -141,22 +141,34 @@ def test_current_scaling_casts_each_expert_weight_once_a_call_for_both_layouts(s
     assert _triton_bytes(current, "0:forward")[0] <= _triton_bytes(cached, "0:forward")[0]
 
 
-def test_grad_weight_s_operands_are_laid_out_by_one_tiled_transpose_each(steps):
+def test_grad_weight_s_operands_are_laid_out_by_one_pass_each(steps):
     """The weight-gradient GEMM reads each operand transposed, each group zero-padded to 16 tokens: one
     ``fp8graph::transpose_fp8`` launch per operand reads its FP8 rows once, where they lie, and writes the padded
-    layout, pads included, in tiles (``fp8graph.gemm.grouped_gemm``). No Triton kernel stores a byte a row apart
+    layout, pads included, in tiles (``fp8graph.gemm.grouped_gemm``); row-wise's operands, cast per group and
+    column, are cast and laid out by one ``fp8graph::quantize_group_columns_placed`` launch each, reading the
+    high-precision rows where they lie (the input's through the gather's index). No Triton kernel stores a byte a row apart
     that BF16's step does not (the router's top-k backward scatters a row's few gradients; scattering the
     operands' columns in place cost 28 ms a step on the H200: ``bench.costmodel.coalescing``), none scatters
     the rows, and none fills a whole padded buffer."""
     experts, hidden, width = TINY["experts"], TINY["hidden"], TINY["expert_width"]
     padded_rows = -(-(S + experts * 16) // 16) * 16
     operand_widths = (hidden, width, 2 * width, hidden)  # down: grad_output, input; gate_up: grad_output, input
+    transposes = [r for r in steps["current"]["rows"] if r["kind"] == "extern" and "transpose_fp8" in r["name"]]
+    assert sorted(r["read"] for r in transposes) == sorted(S * w + padded_rows * 8 for w in operand_widths)
+    # the FP8 rows and each padded row's source
+    assert sorted(r["written"] for r in transposes) == sorted(padded_rows * w for w in operand_widths)
+    placed = [r for r in steps["rowwise"]["rows"] if r["kind"] == "extern"]
+    assert [r for r in placed if "transpose_fp8" in r["name"]] == []
+    placed = [r for r in placed if "quantize_group_columns_placed" in r["name"]]
+    # Each BF16 operand and the offsets: the grad_outputs (S, hidden) and (S, 2 width), down's input (S, width),
+    # gate_up's input its TOKENS source rows and the gather's index (S,).
+    offsets = experts * 4
+    assert sorted(r["read"] for r in placed) == sorted(
+        [S * hidden * 2 + offsets, S * 2 * width * 2 + offsets, S * width * 2 + offsets,
+         TOKENS * hidden * 2 + S * 8 + offsets]), [r["detail"] for r in placed]
+    assert sorted(r["written"] for r in placed) == sorted((padded_rows + experts * 4) * w for w in operand_widths)
     for contestant in ("rowwise", "current"):
         rows = steps[contestant]["rows"]
-        transposes = [r for r in rows if r["kind"] == "extern" and "transpose_fp8" in r["name"]]
-        assert sorted(r["read"] for r in transposes) == sorted(S * w + padded_rows * 8 for w in operand_widths), \
-            contestant  # the FP8 rows and each padded row's source
-        assert sorted(r["written"] for r in transposes) == sorted(padded_rows * w for w in operand_widths)
         triton = [r for r in rows if r["kind"] == "triton"]
         assert _scattered(steps[contestant]) == _scattered(steps["bf16"]), contestant
         scatters = [r["name"] for r in triton if ("index_copy" in r["name"] or "index_fill" in r["name"])

@@ -155,3 +155,30 @@ def test_the_gathered_expert_gemv_compiles_to_a_cubin_reading_fp8_as_vectors(row
     assert "cvt.rn.f16x2.e4m3x2" in ptx, "E4M3 is not widened by the hardware's conversion"
     if depth % 16 == 0:
         assert "ld.global.v4.b32" in ptx, "weight rows are not read as 16-byte vectors"
+
+
+@pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
+@pytest.mark.parametrize("rows, columns, experts, gather",
+                         [(262144, 2048, 128, True), (262144, 768, 128, False), (200, 100, 3, False)],
+                         ids=["qwen3-input-gathered", "qwen3-grad-output", "ragged"])
+def test_the_group_column_cast_compiles_to_a_cubin_reading_rows_as_vectors(rows, columns, experts, gather,
+                                                                           capability):
+    """``fp8graph::quantize_group_columns_placed`` (row-wise's weight-gradient operands, cast per group and column
+    and laid out for the grouped GEMM): a cubin without spills that reads BF16 rows as 16-byte vectors when the
+    columns divide by 8, converts in hardware (saturating, round to nearest even) and writes the transposed bytes
+    as vectors. Not proven here: its speed (``bench moe`` on a GPU)."""
+    from fp8graph.kernels.group_columns import plan_quantize_group_columns_placed
+
+    source = torch.empty(rows // 8 if gather else rows, columns, dtype=torch.bfloat16)
+    index = torch.empty(rows, dtype=torch.int64) if gather else None
+    launch, _, _ = plan_quantize_group_columns_placed(source, torch.empty(experts, dtype=torch.int32), 16, True,
+                                                      index)
+    assert launch.constexprs["SOFTWARE_ROUNDING"] is False  # what a GPU runs
+    compiled = compile_launch(launch, capability)
+    usage = resource_usage(compiled)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
+    ptx = compiled.asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    if columns % 8 == 0:
+        assert "ld.global.v4.b32" in ptx, "rows are not read as 16-byte vectors"
+        assert "st.global.v4.b32" in ptx or "st.global.v2.b32" in ptx, "the transposed bytes are not stored as vectors"

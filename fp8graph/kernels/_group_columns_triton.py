@@ -1,0 +1,90 @@
+"""Triton kernel behind ``fp8graph::quantize_group_columns_placed`` (imported only where Triton is installed).
+
+One program a group of rows and a block of columns: it walks the group's rows
+twice, for each column's amax (an integer max over the magnitudes' fp32 bits,
+NaN and inf as 0, as ``fp8graph.numerics.quantize.finite_magnitude``) and for
+the cast, whose bytes it stores transposed, at the group's place in the padded
+layout, with the group's pad rows as zeros. The second walk reads from L2 where
+the group's slice still is. Nothing else is read or written: no table of
+amaxes in memory, no FP8 copy to transpose afterwards.
+
+Where each group lies is derived in the program from ``offsets`` alone: its
+padded start is the sum of the padded sizes of the groups before it (E <= BLOCK_GROUPS
+values, loaded at once). Program ``E`` (one past the last group) takes the rows in
+no group, after ``offsets[-1]``: cast with their own amax and laid out after the
+padded groups, as the reference (``fp8graph.numerics.groups``) lays them out.
+
+Scale and cast are ``fp8graph.kernels._quantize_tiles_triton``'s, so they equal
+``amax_to_scale`` and ``quantize`` bit for bit (E4M3: the only format a grouped
+GEMM takes). Addresses are 64-bit: an expert operand of 2**31 bytes is 16 GB
+of FP8 in the transposed layout at most, but its BF16 source reaches 2**31
+bytes first.
+"""
+
+import triton
+import triton.language as tl
+
+from fp8graph.kernels._quantize_tiles_triton import _e4m3_bits, _magnitude_bits, _scale_of
+
+
+@triton.jit
+def _load_rows(x_ptr, gather_ptr, row, present, column, column_inside, row_stride, GATHER: tl.constexpr):
+    """Rows ``row`` of x (of ``x[gather[row]]`` with GATHER) at ``column``, in fp32; 0 where absent."""
+    if GATHER:
+        source = tl.load(gather_ptr + row, mask=present, other=0).to(tl.int64)
+    else:
+        source = row
+    return tl.load(x_ptr + source[:, None] * row_stride + column[None, :],
+                   mask=present[:, None] & column_inside[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def quantize_group_columns_placed_kernel(
+        x_ptr, gather_ptr, offsets_ptr, x_t_fp8_ptr, scale_ptr, rows, columns, padded_rows, row_stride, groups,
+        GATHER: tl.constexpr, MULTIPLE: tl.constexpr, BLOCK_GROUPS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+        BLOCK_COLUMNS: tl.constexpr, SCALE_KIND: tl.constexpr, FP8_MAX: tl.constexpr,
+        FP8_MAX_EXPONENT: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
+    group = tl.program_id(0)
+    column = tl.program_id(1).to(tl.int64) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)
+    column_inside = column < columns
+    # Every group's bounds, to place this one: its padded start sums the padded sizes before it.
+    ids = tl.arange(0, BLOCK_GROUPS)
+    ends = tl.load(offsets_ptr + ids, mask=ids < groups, other=0).to(tl.int64)
+    starts = tl.load(offsets_ptr + ids - 1, mask=(ids > 0) & (ids < groups), other=0).to(tl.int64)
+    padded_sizes = (ends - starts + MULTIPLE - 1) // MULTIPLE * MULTIPLE
+    padded_start = tl.sum(tl.where(ids < group, padded_sizes, 0), axis=0)
+    start = tl.sum(tl.where(ids == group - 1, ends, 0), axis=0)  # offsets[group - 1], 0 for the first
+    last = group == groups  # the rows in no group
+    end = tl.where(last, rows, tl.sum(tl.where(ids == group, ends, 0), axis=0))
+    padded_end = tl.where(last, padded_rows, padded_start + tl.sum(tl.where(ids == group, padded_sizes, 0), axis=0))
+
+    in_block = tl.arange(0, BLOCK_ROWS).to(tl.int64)
+    max_bits = tl.zeros([BLOCK_ROWS, BLOCK_COLUMNS], dtype=tl.int32)
+    # While loops: the bounds are loaded values, which Triton's interpreter cannot take as range()'s.
+    first = start
+    while first < end:
+        row = first + in_block
+        x = _load_rows(x_ptr, gather_ptr, row, row < end, column, column_inside, row_stride, GATHER)
+        max_bits = tl.maximum(max_bits, _magnitude_bits(x))
+        first += BLOCK_ROWS
+    amax = tl.max(max_bits, axis=0).to(tl.float32, bitcast=True)
+    scale = _scale_of(amax, SCALE_KIND, FP8_MAX, FP8_MAX_EXPONENT)
+    tl.store(scale_ptr + group * columns + column, scale, mask=column_inside & (group < groups))
+
+    # padded_start and padded_end themselves, written so that the compiler knows them multiples of MULTIPLE:
+    # the stores are then 16-byte vectors (a hint on the loaded values did not reach the stores).
+    base = padded_start // MULTIPLE * MULTIPLE
+    bound = padded_end // MULTIPLE * MULTIPLE
+    steps = (bound - base + BLOCK_ROWS - 1) // BLOCK_ROWS
+    step = 0
+    while step < steps:
+        placed = base + step * BLOCK_ROWS
+        row = start + (placed - base) + in_block
+        present = row < end  # else a pad: zeros
+        x = _load_rows(x_ptr, gather_ptr, row, present, column, column_inside, row_stride, GATHER)
+        bits = _e4m3_bits(x * scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
+        position = placed + tl.arange(0, BLOCK_ROWS)
+        inside = (position < bound)[:, None] & column_inside[None, :]
+        tl.store(x_t_fp8_ptr + column[:, None] * padded_rows + position[None, :], tl.trans(bits),
+                 mask=tl.trans(inside))
+        step += 1

@@ -1,0 +1,49 @@
+"""``fp8graph::quantize_group_columns_placed``: a grouped GEMM's weight-gradient operand cast per group and column
+and laid out for the GEMM by one kernel.
+
+The Triton kernel is checked byte for byte against the op's reference by Triton's interpreter (a fresh process,
+``TRITON_INTERPRET=1``), compiled for sm_90 and sm_100 in ``tests/kernels/test_kernels_compile.py``, and run on a
+GPU in ``tests/test_gpu.py``.
+"""
+
+import pytest
+import torch
+
+from fp8graph.kernels.group_columns import quantize_group_columns_placed
+from fp8graph.kernels.quantize_tiles import triton_available
+from fp8graph.kernels.transpose_fp8 import transpose_fp8
+from fp8graph.numerics.groups import padded_group_bound, padded_group_sources, quantize_group_columns
+from helpers import cases_checked_under_triton_interpreter
+
+OFFSETS = torch.tensor([5, 5, 30, 40], dtype=torch.int32)  # an empty group; rows 40.. in no group
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+def test_the_triton_kernel_equals_the_reference_under_the_interpreter():
+    assert cases_checked_under_triton_interpreter("check_group_columns.py") == 20
+
+
+def test_the_op_is_the_group_column_cast_placed_and_traces_with_its_fake():
+    torch.manual_seed(0)
+    x_hp = torch.randn(44, 48, dtype=torch.bfloat16)
+    x_t_fp8, scale = quantize_group_columns_placed(x_hp, OFFSETS, 16, False)
+    x_fp8, expected_scale = quantize_group_columns(x_hp, OFFSETS, torch.float8_e4m3fn)
+    sources, _ = padded_group_sources(OFFSETS, 44, 16)
+    assert x_t_fp8.shape == (48, padded_group_bound(44, 4, 16)) and x_t_fp8.is_contiguous()
+    assert torch.equal(scale, expected_scale)
+    assert torch.equal(x_t_fp8.view(torch.uint8), transpose_fp8(x_fp8, sources).view(torch.uint8))
+    # (opcheck's schema test compares outputs by arithmetic, which FP8 dtypes lack on CPU.)
+    for gather_index in (None, torch.randint(0, 44, (50,))):
+        torch.library.opcheck(torch.ops.fp8graph.quantize_group_columns_placed,
+                              (x_hp, OFFSETS, 16, True, gather_index),
+                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_bad_operands_are_refused_with_what_the_op_takes():
+    x_hp = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="2-D high-precision tensor"):
+        quantize_group_columns_placed(x_hp.to(torch.float8_e4m3fn), OFFSETS, 16, False)
+    with pytest.raises(ValueError, match="non-empty 1-D integer tensor"):
+        quantize_group_columns_placed(x_hp, OFFSETS.float(), 16, False)
+    with pytest.raises(ValueError, match="gather_index is a 1-D int64 tensor"):
+        quantize_group_columns_placed(x_hp, OFFSETS, 16, False, torch.zeros(4, dtype=torch.int32))
