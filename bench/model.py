@@ -30,12 +30,13 @@ import sys
 import tempfile
 import time
 
+from . import gpu_runs
 from .cli import positive
 from .costmodel import calibration, captures, costs, cubins, site_casts
 from .targets import judge
 from .timing import markdown_table, project_commit, with_verdicts, write_result
 
-DEVICE = "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs)"
+DEVICES = {"H100": "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs)", "H200": "NVIDIA H200 (sm_90, 132 SMs)"}
 FP8GRAPH = ["current", "delayed", "rowwise", "block"]
 TORCHAO = ["torchao tensorwise", "torchao rowwise"]
 
@@ -115,13 +116,18 @@ def children(args) -> calibration.Runner:
     return run
 
 
+# The rate options (TB/s or TFLOP/s), each a Machine field; unset, the --gpu's rate.
+RATE_OPTIONS = {"bandwidth": "copy_bandwidth", "triton_bandwidth": "triton_bandwidth", "bf16_tflops": "bf16_flops",
+                "fp8_tflops": "fp8_flops", "grouped_bf16_tflops": "grouped_bf16_flops",
+                "grouped_fp8_tflops": "grouped_fp8_flops", "grouped_bf16_tflops_large": "grouped_bf16_flops_large",
+                "grouped_fp8_tflops_large": "grouped_fp8_flops_large"}
+
+
 def machine_of(args) -> costs.Machine:
-    return costs.Machine(copy_bandwidth=args.bandwidth * 1e12, triton_bandwidth=args.triton_bandwidth * 1e12,
-                         bf16_flops=args.bf16_tflops * 1e12, fp8_flops=args.fp8_tflops * 1e12,
-                         grouped_bf16_flops=args.grouped_bf16_tflops * 1e12,
-                         grouped_fp8_flops=args.grouped_fp8_tflops * 1e12,
-                         grouped_bf16_flops_large=args.grouped_bf16_tflops_large * 1e12,
-                         grouped_fp8_flops_large=args.grouped_fp8_tflops_large * 1e12)
+    """The --gpu's rates, each rate option given replacing its own."""
+    given = {field: getattr(args, option) * 1e12 for option, field in RATE_OPTIONS.items()
+             if getattr(args, option, None) is not None}
+    return dataclasses.replace(costs.Machine.of(getattr(args, "gpu", "H100")), **given)
 
 
 def contestants_of(requested: list[str] | None, default: list[str], parse_contestant=None) -> list[str]:
@@ -141,13 +147,13 @@ def contestants_of(requested: list[str] | None, default: list[str], parse_contes
 
 # --- the result file ---------------------------------------------------------------------------------------
 
-def _environment(results: list[dict]) -> dict:
+def _environment(results: list[dict], machine: costs.Machine) -> dict:
     versions = {}
     for result in results:  # a BF16 child never imports fp8graph: take every child's versions
         versions.update(result.get("versions", {}))
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": f"{DEVICE}, modelled", "torch": versions.get("torch"), "triton": versions.get("triton"),
-            "versions": versions, "ran_on_gpu": False}
+            "device": f"{DEVICES[machine.gpu]}, modelled", "torch": versions.get("torch"),
+            "triton": versions.get("triton"), "versions": versions, "ran_on_gpu": False}
 
 
 def build_result(workload: str, spec: dict, results: list[dict], machine: costs.Machine, what: str) -> dict:
@@ -163,7 +169,7 @@ def build_result(workload: str, spec: dict, results: list[dict], machine: costs.
                          **case["summary"]})
     _add_ratios(rows)
     return {"workload": f"model_{workload}", "modelled": True, "what": what, "smoke": False,
-            "environment": _environment(results), "project_commit": project_commit(),
+            "environment": _environment(results, machine), "project_commit": project_commit(),
             "machine": dataclasses.asdict(machine), "spec": spec, "rows": rows, "captures": results}
 
 
@@ -205,7 +211,8 @@ def title(result: dict) -> str:
     env = result["environment"]
     named = ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items())
     commit = result.get("project_commit")
-    return (f"**{result['what']}**: MODELLED for one {DEVICE} on a CPU-only machine (Inductor generated "
+    device = env["device"].removesuffix(", modelled")
+    return (f"**{result['what']}**: MODELLED for one {device} on a CPU-only machine (Inductor generated "
             f"every kernel for sm_90; nothing ran on a GPU), {named}" + (f", project at {commit}" if commit else "")
             + f", {env['date']}.")
 
@@ -490,7 +497,7 @@ def model_calibrate(args) -> None:
     """The captures it makes are kept (bench.costmodel.captures): the test reads them while they hold."""
     kept = captures.CapturedResults()
     lines, comparisons = calibration.calibrate(str(args.results), captures.cached(children(args), kept),
-                                               machine_of(args), args.only or calibration.SECTIONS[:4],
+                                               machine_of(args), args.only or calibration.SECTIONS[:-1],
                                                args.fp8graph_at)
     print("\n".join(lines))
     written = kept.write()
@@ -560,6 +567,10 @@ def compare_lines(measured: dict, measured_name: str, model_path: pathlib.Path |
     modelled = {row["contestant"]: row for row in model["rows"] if "error" not in row
                 and (row["case"] == case if case is not None else
                      not accumulated or row["case"].endswith(_with_micro_batches("", 1)))}
+    run = gpu_runs.run_of(measured_name, results)
+    gpu = run.gpu if run else next((name for name in ("H100", "H200", "B200")
+                                    if name in measured["environment"]["device"]), "H100")
+    modelled = _retimed(model, modelled, costs.Machine.of(gpu))  # at the measuring GPU's rates
     measured_rows = [row for row in measured["rows"] if "train_tokens_per_s" in row]
     bf16 = next((row for row in measured_rows if row["contestant"] == "bf16"), None)
     table = []
@@ -578,13 +589,31 @@ def compare_lines(measured: dict, measured_name: str, model_path: pathlib.Path |
                       f"{wall:.2f}", f"{int(round((ours['step_ms'] / reference - 1) * 100)):+d}%",
                       f"{ours['triton_ms']:.2f}", f"{triton:.2f}" if triton is not None else "-",
                       f"{ours.get('vs_bf16', float('nan')):.2f}x", f"{speedup:.2f}x" if bf16 else "-"])
-    return [f"Modelled ({model_path.name}, project at {model.get('project_commit')}) against measured "
-            f"({measured_name}, {measured['environment']['device']}, torch {measured['environment']['torch']}), "
-            "ms per training step:", "",
+    ran = f", fp8graph at {run.commit}" if run else ""
+    return [f"Modelled ({model_path.name}, project at {model.get('project_commit')}, at the {gpu}'s rates) against "
+            f"measured ({measured_name}, {measured['environment']['device']}, torch {measured['environment']['torch']}"
+            f"{ran}), ms per training step:", "",
             *markdown_table(["contestant", "model step", "measured kernel time", "measured wall", "error",
                              "model Triton", "measured Triton", "model vs bf16", "measured vs bf16"], table), "",
             "error: model step against the measured kernel time (profiled runs), else the wall time. The model "
             "counts kernel time only; docs/cost-model.md says how close it came before."]
+
+
+def _retimed(model: dict, modelled: dict, machine: costs.Machine) -> dict:
+    """``modelled``'s rows ({contestant: row}) with step, Triton ms and vs bf16 from their captured kernels at
+    ``machine``'s rates (a result written before captures were kept keeps its own)."""
+    retimed = {}
+    for capture_ in model.get("captures", ()):
+        row = modelled.get(capture_.get("contestant"))
+        case = next((c for c in capture_.get("cases", ()) if row and c.get("case") == row.get("case")), None)
+        if case is not None and "rows" in case:
+            summary = costs.summary(costs.rows_from_json(case), machine)
+            retimed[row["contestant"]] = {**row, "step_ms": summary["step_ms"], "triton_ms": summary["triton_ms"]}
+    retimed = {contestant: retimed.get(contestant, row) for contestant, row in modelled.items()}
+    if "bf16" in retimed:
+        for row in retimed.values():
+            row["vs_bf16"] = retimed["bf16"]["step_ms"] / row["step_ms"]
+    return retimed
 
 
 def _add_grad_accumulation(parser) -> None:
@@ -606,21 +635,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--timeout", type=positive(float), default=1800, help="seconds one contestant may take")
     common.add_argument("--verbose", action="store_true", help="show the child processes' output")
+    common.add_argument("--gpu", choices=sorted(DEVICES), default="H100",
+                        help="whose rates: H100 (fitted to its decoder runs), H200 (its Triton rate and FP8 "
+                             "casts' fitted to its MoE runs, copies scaled by its data sheet); default H100")
     rates = costs.Machine()
-    common.add_argument("--bandwidth", type=positive(float), default=rates.copy_bandwidth / 1e12,
-                        help="copy, TB/s")
-    common.add_argument("--triton-bandwidth", type=positive(float), default=rates.triton_bandwidth / 1e12,
-                        help="Inductor's kernels on the H100, TB/s")
-    common.add_argument("--bf16-tflops", type=positive(float), default=rates.bf16_flops / 1e12)
-    common.add_argument("--fp8-tflops", type=positive(float), default=rates.fp8_flops / 1e12, help="FP8 tensorwise")
-    common.add_argument("--grouped-bf16-tflops", type=positive(float), default=rates.grouped_bf16_flops / 1e12,
-                        help="torch._grouped_mm (a MoE's expert GEMMs), 512 tokens a group")
-    common.add_argument("--grouped-fp8-tflops", type=positive(float), default=rates.grouped_fp8_flops / 1e12,
-                        help="torch._scaled_grouped_mm, row-wise, 512 tokens a group")
+    common.add_argument("--bandwidth", type=positive(float), help=f"copy, TB/s (H100: {rates.copy_bandwidth / 1e12})")
+    common.add_argument("--triton-bandwidth", type=positive(float),
+                        help=f"Inductor's kernels, TB/s (H100: {rates.triton_bandwidth / 1e12})")
+    common.add_argument("--bf16-tflops", type=positive(float), help=f"H100: {rates.bf16_flops / 1e12:g}")
+    common.add_argument("--fp8-tflops", type=positive(float),
+                        help=f"FP8 tensorwise (H100: {rates.fp8_flops / 1e12:g})")
+    common.add_argument("--grouped-bf16-tflops", type=positive(float),
+                        help="torch._grouped_mm (a MoE's expert GEMMs), 512 tokens a group "
+                             f"(H100: {rates.grouped_bf16_flops / 1e12:g})")
+    common.add_argument("--grouped-fp8-tflops", type=positive(float),
+                        help=f"torch._scaled_grouped_mm, row-wise, 512 tokens a group (H100: "
+                             f"{rates.grouped_fp8_flops / 1e12:g})")
     common.add_argument("--grouped-bf16-tflops-large", type=positive(float),
-                        default=rates.grouped_bf16_flops_large / 1e12, help="the same, 2048 tokens a group")
+                        help=f"the same, 2048 tokens a group (H100: {rates.grouped_bf16_flops_large / 1e12:g})")
     common.add_argument("--grouped-fp8-tflops-large", type=positive(float),
-                        default=rates.grouped_fp8_flops_large / 1e12, help="the same, 2048 tokens a group")
+                        help=f"the same, 2048 tokens a group (H100: {rates.grouped_fp8_flops_large / 1e12:g})")
     outputs = argparse.ArgumentParser(add_help=False, parents=[common])
     outputs.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
     outputs.add_argument("--top", type=int, default=0, metavar="N", help="list the N largest kernels per contestant")

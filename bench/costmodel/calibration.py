@@ -23,6 +23,7 @@ import dataclasses
 import io
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -43,7 +44,7 @@ LINEAR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)
 BENCH_DECODER = ["decoder-2026-11-23T075705Z.json", "decoder-2026-11-23T080527Z.json"]
 PROFILES = ["profile-decoder-4layers-bf16-current.json", "profile-decoder-4layers-torchao-delayed-current.json"]
 LLAMA3_PROFILE = "profile-llama3-8b-32layers-bf16-current.json"
-SECTIONS = ("quantize", "linear", "decoder", "bench-decoder", "llama3-8b")
+SECTIONS = ("quantize", "linear", "decoder", "bench-decoder", "moe", "llama3-8b")
 _TRITON = "triton (fused elementwise/reduce/quantize)"
 
 # run(specs, env) -> one result per spec, from child processes (bench.model.children: one a spec;
@@ -346,6 +347,83 @@ class Calibration:
                            "H100 TB/s on model bytes (same launches)"], table)]
 
 
+    # --- the MoE block: every recorded GPU run, at the commit and on the GPU it ran -------------------------
+
+    def moe(self, files: list[str] | None = None) -> list[str]:
+        """Each profiled contestant of each recorded ``bench moe`` run (``bench/results/gpu-runs.json``), modelled
+        at the run's fp8graph commit with its GPU's rates, beside the profile: the step's kernel time, each class
+        of kernels, and the step against BF16's."""
+        from bench.gpu_runs import gpu_runs
+
+        runs = [run for run in gpu_runs(pathlib.Path(self.results_dir)) if run.workload == "moe"
+                and (files is None or run.file in files)]
+        table, lines = [], []
+        for run in runs:
+            measured = run.measured(pathlib.Path(self.results_dir))
+            profiled = {row["contestant"]: row["profile"] for row in measured["rows"] if "profile" in row}
+            spec = {"workload": "moe", "config": measured["config"], "batch": measured["batch"],
+                    "sequence": measured["sequence"], "overrides": {}, "grad_accumulation": [1],
+                    "fp8graph_at": run.commit}  # the commit keeps each run's captures apart
+            fp8graph = measured_fp8graph(run.commit)
+            try:  # every contestant at the commit: the block (fp8graph.models) is the one that ran too
+                results = self.run([{**spec, "contestant": contestant} for contestant in profiled], fp8graph.env)
+            finally:
+                fp8graph.close()
+            machine = costs.Machine.of(run.gpu)
+            modelled = {}
+            for contestant, result in zip(profiled, results):
+                if "error" in result:
+                    lines.append(f"- {run.file} {contestant}: not modelled: {result['error'][:300]}")
+                    continue
+                modelled[contestant] = moe_classes(rows_of(result["cases"][0]), machine)
+            measured_classes = {contestant: measured_moe_classes(profile) for contestant, profile in profiled.items()}
+            case = f"{run.file.removesuffix('.json')} ({run.gpu}, {run.commit})"
+            for contestant, model in modelled.items():
+                h = measured_classes[contestant]
+                for quantity in MOE_CLASSES:
+                    self._compare("moe", case, contestant, f"{quantity} ms", model[quantity], h[quantity])
+                ratios = ("-", "-")
+                if contestant != "bf16" and "bf16" in modelled:
+                    ratios = (modelled["bf16"]["step"] / model["step"], measured_classes["bf16"]["step"] / h["step"])
+                    self._compare("moe", case, contestant, "vs bf16 (kernel time)", *ratios)
+                table.append([case, contestant, *(f"{model[q]:.2f} / {h[q]:.2f}" for q in MOE_CLASSES),
+                              _pct(model["step"], h["step"]),
+                              *(f"{ratio:.2f}x" if ratio != "-" else ratio for ratio in ratios)])
+        return ["### The MoE block's training step: every recorded GPU run, at its commit and on its GPU (ms of "
+                "kernels a step, model / measured)", "",
+                *markdown(["run (GPU, fp8graph)", "contestant", *(f"{q} ms" for q in MOE_CLASSES), "step error",
+                           "model vs bf16", "measured vs bf16"], table), *lines, "",
+                "Classes: GEMM the (grouped) GEMMs; Triton Inductor's kernels and the custom ops' Triton kernels "
+                "(fp8graph's, torchao's: the profile names them as Triton); other ATen's kernels (routing, "
+                "segment_reduce, SGD), copies and memsets."]
+
+
+MOE_CLASSES = ("step", "GEMM", "Triton", "other")
+_TRITON_CUSTOM_OPS = ("torch.ops.fp8graph.", "torch.ops.torchao.")  # custom ops that launch Triton kernels
+
+
+def moe_classes(rows: list, machine: costs.Machine) -> dict[str, float]:
+    """The modelled ms of a step's kernels by :data:`MOE_CLASSES`."""
+    def ms(selected, bandwidth=None):
+        return sum(costs.time_us(r, machine, bandwidth) * r.count for r in selected) / 1e3
+
+    custom = [r for r in rows if r.kind == "extern" and r.name.startswith(_TRITON_CUSTOM_OPS)]
+    classes = {"GEMM": ms([r for r in rows if r.kind == "gemm"]),
+               "Triton": ms([r for r in rows if r.kind == "triton"], machine.triton_bandwidth) + ms(custom),
+               "other": ms([r for r in rows if r.kind not in ("gemm", "triton") and r not in custom])}
+    return {"step": sum(classes.values()), **classes}
+
+
+def measured_moe_classes(profile: dict) -> dict[str, float]:
+    """A profile's ms by :data:`MOE_CLASSES` (``bench.profile``'s categories, as told today)."""
+    from bench.profile import recategorized
+
+    h = recategorized(profile)
+    classes = {"GEMM": h.get("gemm fp8", 0.0) + h.get("gemm other", 0.0), "Triton": h.get("triton", h.get(_TRITON, 0.0)),
+               "other": h.get("other", 0.0) + h.get("memcpy/memset", 0.0) + h.get("attention", 0.0)}
+    return {"step": sum(classes.values()), **classes}
+
+
 def _short(file: str) -> str:
     return file.removeprefix("profile-").removesuffix(".json")
 
@@ -402,22 +480,26 @@ def measured_fp8graph(at: str) -> MeasuredFP8graph:
     return MeasuredFP8graph({"FP8GRAPH_COSTMODEL_ROOT": root}, f"fp8graph at {commit}", root)
 
 
-def calibrate(results_dir: str, run: Runner, machine: costs.Machine, sections=SECTIONS[:4],
+def calibrate(results_dir: str, run: Runner, machine: costs.Machine, sections=SECTIONS[:-1],
               fp8graph_at: str = "measured") -> tuple[list[str], list[Comparison]]:
     """The sections' Markdown and every comparison they made."""
     if not os.path.isdir(os.path.join(results_dir, H100_DIR)):
         raise FileNotFoundError(f"no {os.path.join(results_dir, H100_DIR)}: run it from the project's root")
-    needs_fp8graph = bool(set(sections) - {"quantize"})
+    needs_fp8graph = bool(set(sections) - {"quantize", "moe"})  # the MoE runs are each modelled at their own commit
     fp8graph = measured_fp8graph(fp8graph_at) if needs_fp8graph else MeasuredFP8graph(None, "none")
     calibration = Calibration(results_dir, run, machine, fp8graph.env)
-    lines = [f"**bench model calibrate**: the cost model (torch 2.13, fake H100, nothing run on a GPU; fp8graph "
-             f"contestants modelled with {fp8graph.description}) against the H100 results under {results_dir} "
-             f"(torch 2.11, fp8graph at {MEASURED_COMMIT}). Model rates: copy {machine.copy_bandwidth / 1e12:.2f} "
+    h100_sections = [section for section in sections if section != "moe"]
+    lines = [f"**bench model calibrate**: the cost model (torch 2.13, fake sm_90, nothing run on a GPU) against the "
+             f"GPU results under {results_dir}: " + (f"{', '.join(h100_sections)} against the H100's of 2026-11-23 "
+             f"(torch 2.11, fp8graph at {MEASURED_COMMIT}; modelled with {fp8graph.description}); "
+             if h100_sections else "") + ("moe against every recorded GPU run of the MoE block, each at the "
+             "commit and with the GPU's rates it ran (gpu-runs.json); " if "moe" in sections else "")
+             + f"H100 rates: copy {machine.copy_bandwidth / 1e12:.2f} "
              f"TB/s, Inductor's kernels {machine.triton_bandwidth / 1e12:.2f} TB/s, GEMMs "
              f"{machine.bf16_flops / 1e12:.0f} / {machine.fp8_flops / 1e12:.0f} TFLOP/s (BF16 / FP8); these rates "
              "were fitted to these same results.", ""]
     runs = {"quantize": calibration.quantize, "linear": calibration.linear, "decoder": calibration.decoder,
-            "bench-decoder": calibration.bench_decoder, "llama3-8b": calibration.llama3_8b}
+            "bench-decoder": calibration.bench_decoder, "moe": calibration.moe, "llama3-8b": calibration.llama3_8b}
     try:
         for section in sections:
             lines += runs[section]() + [""]

@@ -44,25 +44,56 @@ def _h100(rate):
     return dataclasses.field(default_factory=default)
 
 
+# Machine's fields from an fp8graph.costs.gpus.GPU's (those not here keep their defaults).
+_GPU_RATES = {
+    "copy_bandwidth": lambda gpu: gpu.copy_bandwidth, "triton_bandwidth": lambda gpu: gpu.triton_bandwidth,
+    "launch_floor_us": lambda gpu: gpu.launch_floor_us, "bf16_flops": lambda gpu: gpu.bf16_flops,
+    "fp8_flops": lambda gpu: gpu.fp8_gemm_flops["current"], "fp8_rowwise_flops": lambda gpu: gpu.fp8_gemm_flops["rowwise"],
+    "fp8_blockwise_flops": lambda gpu: gpu.fp8_gemm_flops["block"], "grouped_bf16_flops": lambda gpu: gpu.grouped_bf16_flops,
+    "grouped_fp8_flops": lambda gpu: gpu.grouped_fp8_flops,
+    "grouped_bf16_flops_large": lambda gpu: gpu.grouped_bf16_flops_large,
+    "grouped_fp8_flops_large": lambda gpu: gpu.grouped_fp8_flops_large, "gemm_floor_us": lambda gpu: gpu.gemm_floor_us,
+}
+
+
 @dataclasses.dataclass
 class Machine:
     """The H100's rates (fp8graph.costs.gpus.H100, where each is sourced): the copy bandwidth is measured, the
     others are fitted to the stored H100 runs of 2026-11-23 (torch 2.11; bench/results/), so ``bench model
     calibrate`` on those runs shows a fit. ``bench model``'s rate options override them."""
 
-    copy_bandwidth: float = _h100(lambda gpu: gpu.copy_bandwidth)
-    triton_bandwidth: float = _h100(lambda gpu: gpu.triton_bandwidth)
-    launch_floor_us: float = _h100(lambda gpu: gpu.launch_floor_us)  # launch latency and tail (no CPU overhead)
-    bf16_flops: float = _h100(lambda gpu: gpu.bf16_flops)
-    fp8_flops: float = _h100(lambda gpu: gpu.fp8_gemm_flops["current"])  # FP8 tensorwise
-    fp8_rowwise_flops: float = _h100(lambda gpu: gpu.fp8_gemm_flops["rowwise"])
-    fp8_blockwise_flops: float = _h100(lambda gpu: gpu.fp8_gemm_flops["block"])
+    copy_bandwidth: float = _h100(_GPU_RATES["copy_bandwidth"])
+    triton_bandwidth: float = _h100(_GPU_RATES["triton_bandwidth"])
+    launch_floor_us: float = _h100(_GPU_RATES["launch_floor_us"])  # launch latency and tail (no CPU overhead)
+    bf16_flops: float = _h100(_GPU_RATES["bf16_flops"])
+    fp8_flops: float = _h100(_GPU_RATES["fp8_flops"])  # FP8 tensorwise
+    fp8_rowwise_flops: float = _h100(_GPU_RATES["fp8_rowwise_flops"])
+    fp8_blockwise_flops: float = _h100(_GPU_RATES["fp8_blockwise_flops"])
     attention_flops: float = 290e12  # cuDNN flash fwd+bwd, causal counted as full: 12.5-13.4 ms (4 layers)
-    grouped_bf16_flops: float = _h100(lambda gpu: gpu.grouped_bf16_flops)
-    grouped_fp8_flops: float = _h100(lambda gpu: gpu.grouped_fp8_flops)
-    grouped_bf16_flops_large: float = _h100(lambda gpu: gpu.grouped_bf16_flops_large)
-    grouped_fp8_flops_large: float = _h100(lambda gpu: gpu.grouped_fp8_flops_large)
-    gemm_floor_us: float = _h100(lambda gpu: gpu.gemm_floor_us)
+    grouped_bf16_flops: float = _h100(_GPU_RATES["grouped_bf16_flops"])
+    grouped_fp8_flops: float = _h100(_GPU_RATES["grouped_fp8_flops"])
+    grouped_bf16_flops_large: float = _h100(_GPU_RATES["grouped_bf16_flops_large"])
+    grouped_fp8_flops_large: float = _h100(_GPU_RATES["grouped_fp8_flops_large"])
+    gemm_floor_us: float = _h100(_GPU_RATES["gemm_floor_us"])
+    # Inductor's FP8 casts (amax, saturation, NaN handling, 1-byte stores) against its other kernels: the H100's
+    # decoder profiles fit one rate for both (1.0); the H200's MoE profiles (FITTED_CAST_FRACTION) do not.
+    cast_fraction: float = 1.0
+    gpu: str = "H100"  # whose rates these are (fp8graph.costs.gpus), as the model's results name the device
+
+    @classmethod
+    def of(cls, gpu_name: str) -> "Machine":
+        """The rates of the GPU ``fp8graph.costs.gpus`` knows by ``gpu_name`` ("H100", "H200", "B200")."""
+        from fp8graph.costs.gpus import gpu
+
+        rates = gpu(gpu_name)
+        return cls(**{field: rate(rates) for field, rate in _GPU_RATES.items()},
+                   cast_fraction=FITTED_CAST_FRACTION.get(rates.name, 1.0), gpu=rates.name)
+
+
+# Fitted, with fp8graph.costs.gpus.H200's Triton rate (2.0 TB/s), to the Triton time of the H200's profiles of the
+# MoE block at 4b51eda and ec8f139 (bench/results/gpu-runs.json; the least squares of the log errors of 9
+# contestant steps): FP8 casts at 0.6 of the rate of Inductor's other kernels. docs/cost-model.md has the fit.
+FITTED_CAST_FRACTION = {"H200": 0.6}
 
 
 @dataclasses.dataclass
@@ -87,11 +118,22 @@ class Row:
         return self.read + self.written
 
 
+# An FP8 cast kernel of Inductor's: the cast saturates, so its name lists clamp among the ops it fused.
+_FP8_CAST = re.compile(r"_clamp_")
+
+
+def fp8_cast(row: Row) -> bool:
+    """Whether ``row`` is a Triton kernel that casts to FP8 (:data:`_FP8_CAST`)."""
+    return row.kind == "triton" and bool(_FP8_CAST.search(row.name))
+
+
 def time_us(row: Row, machine: Machine, triton_bandwidth: float | None = None) -> float:
-    """One launch of ``row``; Triton kernels at ``triton_bandwidth`` (default: copy bandwidth)."""
+    """One launch of ``row``; Triton kernels at ``triton_bandwidth`` (default: copy bandwidth), FP8 casts at
+    ``machine.cast_fraction`` of it."""
     if row.kind == "triton":
         traffic = row.bytes + row.scattered
-        return max(traffic / (triton_bandwidth or machine.copy_bandwidth) * 1e6, machine.launch_floor_us)
+        bandwidth = (triton_bandwidth or machine.copy_bandwidth) * (machine.cast_fraction if fp8_cast(row) else 1)
+        return max(traffic / bandwidth * 1e6, machine.launch_floor_us)
     if row.kind == "gemm":
         if row.gemm.endswith("grouped"):  # fp8graph's rates (children of an earlier commit's fp8graph lack them)
             from fp8graph.costs.gpus import grouped_rate

@@ -67,7 +67,10 @@ def test_mxfp8_is_emulated_on_hopper_and_native_on_blackwell():
 def test_the_gpus_scale_the_h100_by_their_data_sheets():
     site = _linear(16384, 4096, 14336)
     h100, h200, b200 = (site_times(site, "current", name) for name in ("H100", "H200", "B200"))
-    assert h200.bf16_us == pytest.approx(h100.bf16_us) and h200.fp8_casts_us < h100.fp8_casts_us
+    assert h200.bf16_us == pytest.approx(h100.bf16_us)
+    # The H200's copies follow its data sheet; Inductor's kernels its measured (fitted) rate, below the H100's.
+    assert GPUS["H200"].copy_bandwidth == pytest.approx(GPUS["H100"].copy_bandwidth * 4.8 / 3.35)
+    assert GPUS["H200"].triton_bandwidth < GPUS["H100"].triton_bandwidth and h200.fp8_casts_us > h100.fp8_casts_us
     assert b200.bf16_us == pytest.approx(h100.bf16_us * 0.989 / 2.25)
     assert gpu("h200") is GPUS["H200"] and gpu(GPUS["B200"]) is GPUS["B200"]
     with pytest.raises(ValueError, match="no rates for GPU 'A100'"):
