@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["positive", "require_cuda"]
+__all__ = ["contestants_of", "positive", "require_cuda"]
 
 
 def positive(kind):
@@ -15,6 +15,18 @@ def positive(kind):
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
     return parse
+
+
+def contestants_of(requested: list[str] | None, default: list[str], parse_contestant) -> list[str]:
+    """bf16 first (every ratio needs it), then the others, each name checked by the workload's
+    ``parse_contestant`` (a ``ValueError`` naming what is wrong becomes the command's exit)."""
+    wanted = ["bf16", *(c for c in (requested or default) if c != "bf16")]
+    for name in wanted:
+        try:
+            parse_contestant(name)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+    return wanted
 
 
 def require_cuda(workload: str, args: argparse.Namespace) -> None:

@@ -15,6 +15,7 @@ import json
 import multiprocessing
 import os
 import pathlib
+import runpy
 import sys
 import tempfile
 import traceback
@@ -43,10 +44,11 @@ def _bench_main(argv: list[str], output_path: str) -> None:
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     code = 0
+    sys.argv = ["python -m bench", *argv]
     try:
-        from bench.__main__ import main
-
-        main(argv)
+        # By the module's name, as `python -m bench` runs it: the command table imports the workloads, which
+        # import this module, so an import of it from here would close a cycle.
+        runpy.run_module("bench", run_name="__main__", alter_sys=True)
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     except BaseException:  # noqa: BLE001 - reported as an interpreter would: its traceback and code 1

@@ -31,7 +31,7 @@ import tempfile
 import time
 
 from . import gpu_runs
-from .cli import positive
+from .cli import contestants_of, positive
 from .costmodel import calibration, captures, costs, cubins, site_casts
 from .targets import judge
 from .timing import markdown_table, project_commit, with_verdicts, write_result
@@ -128,21 +128,6 @@ def machine_of(args) -> costs.Machine:
     given = {field: getattr(args, option) * 1e12 for option, field in RATE_OPTIONS.items()
              if getattr(args, option, None) is not None}
     return dataclasses.replace(costs.Machine.of(getattr(args, "gpu", "H100")), **given)
-
-
-def contestants_of(requested: list[str] | None, default: list[str], parse_contestant=None) -> list[str]:
-    """bf16 first (every ratio needs it), then the others, each name checked as bench decoder checks it (or
-    ``parse_contestant``, a workload's own)."""
-    if parse_contestant is None:
-        from .decoder import parse_contestant
-
-    wanted = ["bf16", *(c for c in (requested or default) if c != "bf16")]
-    for name in wanted:
-        try:
-            parse_contestant(name)
-        except ValueError as error:
-            raise SystemExit(str(error)) from None
-    return wanted
 
 
 # --- the result file ---------------------------------------------------------------------------------------
@@ -350,8 +335,10 @@ def _finish(result: dict, args) -> dict:
 def model_decoder(args) -> dict:
     import importlib.util
 
+    from .decoder import parse_contestant
+
     default = FP8GRAPH + (TORCHAO if importlib.util.find_spec("torchao") else [])
-    contestants = contestants_of(args.contestants, default)
+    contestants = contestants_of(args.contestants, default, parse_contestant)
     spec = {"workload": "decoder", "config": args.config, "batch": args.batch, "sequence": args.sequence,
             "overrides": {} if args.layers is None else {"num_hidden_layers": args.layers},
             "source": args.source, "cubin": args.cubin, "grad_accumulation": args.grad_accumulation}
@@ -465,7 +452,9 @@ def _override(text: str) -> tuple[str, int]:
 def model_linear(args) -> dict:
     if args.casts:
         return model_casts(args)
-    contestants = contestants_of(args.contestants, FP8GRAPH + TORCHAO)
+    from .decoder import parse_contestant
+
+    contestants = contestants_of(args.contestants, FP8GRAPH + TORCHAO, parse_contestant)
     shapes = [_ints(s, 3) for s in args.shape] if args.shape else calibration.LINEAR_SHAPES
     spec = {"workload": "linear", "shapes": shapes, "bias": args.bias, "source": args.source, "cubin": args.cubin}
     results = children(args)([{**spec, "contestant": c} for c in contestants])

@@ -45,7 +45,7 @@ import torch
 from torch._inductor import config as inductor_config
 
 from . import forked
-from .cli import positive, require_cuda
+from .cli import contestants_of, positive, require_cuda
 
 __all__ = ["AUTO", "DEFAULT", "UNCACHED", "KNOWN", "SWEEP", "SweepShape", "parse_contestant", "swap_in_torchao",
            "PaddedExperts", "padded_token_groups", "TORCHAO_GROUP_ALIGNMENT", "compile_block"]
@@ -356,8 +356,6 @@ def _in_own_process(name: str, args) -> dict:
 
 def wanted_contestants(requested: list[str] | None, decode: bool = False) -> list[str]:
     """bf16 first (every ratio needs it), then the others; an unknown name exits before anything runs."""
-    from .model import contestants_of
-
     return contestants_of(requested, DECODE_DEFAULT if decode else DEFAULT, parse_contestant)
 
 
