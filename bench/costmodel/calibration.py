@@ -44,7 +44,7 @@ LINEAR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)
 BENCH_DECODER = ["decoder-2026-11-23T075705Z.json", "decoder-2026-11-23T080527Z.json"]
 PROFILES = ["profile-decoder-4layers-bf16-current.json", "profile-decoder-4layers-torchao-delayed-current.json"]
 LLAMA3_PROFILE = "profile-llama3-8b-32layers-bf16-current.json"
-SECTIONS = ("quantize", "linear", "decoder", "bench-decoder", "moe", "llama3-8b")
+SECTIONS = ("quantize", "linear", "decoder", "bench-decoder", "moe", "decoder-runs", "llama3-8b")
 _TRITON = "triton (fused elementwise/reduce/quantize)"
 
 # run(specs, env) -> one result per spec, from child processes (bench.model.children: one a spec;
@@ -313,6 +313,51 @@ class Calibration:
                 "The H100 step is the wall time of a timed step (CPU overhead included); the model counts kernel "
                 "time."]
 
+    def decoder_runs(self) -> list[str]:
+        """Each recorded ``bench decoder`` run since 1fda4ce's (``bench/results/gpu-runs.json``), modelled at its
+        commit with its GPU's rates: the step (wall time from tokens/s; the model counts kernel time) and the
+        step against BF16's. Those runs recorded no profile."""
+        from bench.gpu_runs import gpu_runs
+
+        table, lines = [], []
+        for run in gpu_runs(pathlib.Path(self.results_dir)):
+            if run.workload != "decoder" or run.commit == MEASURED_COMMIT:
+                continue
+            measured = run.measured(pathlib.Path(self.results_dir))
+            timed = [row for row in measured["rows"] if "train_tokens_per_s" in row]
+            spec = {"workload": "decoder", "config": measured["config"], "batch": measured["batch"],
+                    "sequence": measured["sequence"], "overrides": {"num_hidden_layers": measured["layers"]},
+                    "fp8graph_at": run.commit}  # the commit keeps each run's captures apart
+            fp8graph = measured_fp8graph(run.commit)
+            try:
+                results = self.run([{**spec, "contestant": row["contestant"]} for row in timed], fp8graph.env)
+            finally:
+                fp8graph.close()
+            machine = costs.Machine.of(run.gpu)
+            tokens = measured["batch"] * measured["sequence"]
+            steps = {}
+            for row, result in zip(timed, results):
+                if "error" in result:
+                    lines.append(f"- {run.file} {row['contestant']}: not modelled: {result['error'][:300]}")
+                    continue
+                steps[row["contestant"]] = (costs.summary(rows_of(result["cases"][0]), machine)["step_ms"],
+                                            tokens / row["train_tokens_per_s"] * 1e3)
+            case = f"{run.file.removesuffix('.json')} ({run.gpu}, {run.commit})"
+            for contestant, (model, wall) in steps.items():
+                self._compare("decoder-runs", case, contestant, "step ms (wall)", model, wall)
+                ratios = ("-", "-")
+                if contestant != "bf16" and "bf16" in steps:
+                    ratios = (steps["bf16"][0] / model, steps["bf16"][1] / wall)
+                    self._compare("decoder-runs", case, contestant, "vs bf16 (wall)", *ratios)
+                table.append([case, contestant, f"{model:.2f}", f"{wall:.2f}", _pct(model, wall),
+                              *(f"{ratio:.2f}x" if ratio != "-" else ratio for ratio in ratios)])
+        return ["### bench decoder's training step: every recorded GPU run since 1fda4ce, at its commit and on its "
+                "GPU (ms per step)", "",
+                *markdown(["run (GPU, fp8graph)", "contestant", "model step ms", "measured step ms (wall)", "error",
+                           "model vs bf16", "measured vs bf16"], table), *lines, "",
+                "The measured step is the wall time of a timed step (CPU overhead included); the model counts "
+                "kernel time."]
+
     def _kernel_matches(self, contestant, file, case, profile) -> list[str]:
         """The profile's largest Triton kernels beside the model's kernels of the same (index-stripped) name."""
         machine = self.machine
@@ -485,21 +530,25 @@ def calibrate(results_dir: str, run: Runner, machine: costs.Machine, sections=SE
     """The sections' Markdown and every comparison they made."""
     if not os.path.isdir(os.path.join(results_dir, H100_DIR)):
         raise FileNotFoundError(f"no {os.path.join(results_dir, H100_DIR)}: run it from the project's root")
-    needs_fp8graph = bool(set(sections) - {"quantize", "moe"})  # the MoE runs are each modelled at their own commit
+    # the recorded runs are each modelled at their own commit
+    needs_fp8graph = bool(set(sections) - {"quantize", "moe", "decoder-runs"})
     fp8graph = measured_fp8graph(fp8graph_at) if needs_fp8graph else MeasuredFP8graph(None, "none")
     calibration = Calibration(results_dir, run, machine, fp8graph.env)
-    h100_sections = [section for section in sections if section != "moe"]
+    h100_sections = [section for section in sections if section not in ("moe", "decoder-runs")]
     lines = [f"**bench model calibrate**: the cost model (torch 2.13, fake sm_90, nothing run on a GPU) against the "
              f"GPU results under {results_dir}: " + (f"{', '.join(h100_sections)} against the H100's of 2026-11-23 "
              f"(torch 2.11, fp8graph at {MEASURED_COMMIT}; modelled with {fp8graph.description}); "
              if h100_sections else "") + ("moe against every recorded GPU run of the MoE block, each at the "
              "commit and with the GPU's rates it ran (gpu-runs.json); " if "moe" in sections else "")
+             + ("decoder-runs against the later recorded runs of bench decoder, likewise; "
+                if "decoder-runs" in sections else "")
              + f"H100 rates: copy {machine.copy_bandwidth / 1e12:.2f} "
              f"TB/s, Inductor's kernels {machine.triton_bandwidth / 1e12:.2f} TB/s, GEMMs "
              f"{machine.bf16_flops / 1e12:.0f} / {machine.fp8_flops / 1e12:.0f} TFLOP/s (BF16 / FP8); these rates "
              "were fitted to these same results.", ""]
     runs = {"quantize": calibration.quantize, "linear": calibration.linear, "decoder": calibration.decoder,
-            "bench-decoder": calibration.bench_decoder, "moe": calibration.moe, "llama3-8b": calibration.llama3_8b}
+            "bench-decoder": calibration.bench_decoder, "moe": calibration.moe,
+            "decoder-runs": calibration.decoder_runs, "llama3-8b": calibration.llama3_8b}
     try:
         for section in sections:
             lines += runs[section]() + [""]

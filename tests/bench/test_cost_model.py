@@ -285,6 +285,20 @@ def test_the_model_against_every_recorded_gpu_run_of_the_moe_block():
     assert misses == MOE_KNOWN_MISSES
 
 
+def test_the_model_against_the_later_gpu_runs_of_the_decoder():
+    """The recorded ``bench decoder`` runs since 1fda4ce's (wall time only: no profile), each modelled at its commit
+    with its GPU's rates: BF16 within 10%, each FP8 win or loss against BF16 predicted as one; the H200's current
+    scaling and torchao ran faster than modelled (docs/cost-model.md), which must still show."""
+    calibrator = calibration.Calibration(str(RESULTS), _runner(), costs.Machine(), None)
+    calibrator.decoder_runs()
+    comparisons = [c for c in calibrator.comparisons if c.section == "decoder-runs"]
+    steps = {c.contestant: c for c in comparisons if c.quantity == "step ms (wall)"}
+    assert set(steps) == {"bf16", "current", "torchao tensorwise"}  # delayed failed on the GPU at ec8f139
+    assert abs(steps["bf16"].error) <= 0.10
+    assert all((c.model >= 1) == (c.measured >= 1) for c in comparisons if c.quantity == "vs bf16 (wall)")
+    assert steps["current"].error > 0.10 and steps["torchao tensorwise"].error > 0.10
+
+
 def test_a_gpu_run_is_shown_beside_the_committed_modelled_step():
     """``scripts/gpu-run decoder`` prints its measurement beside the modelled step of the same
     configuration (``bench model compare``): here a measured result written like bench decoder's."""
