@@ -464,7 +464,8 @@ def measured_moe_classes(profile: dict) -> dict[str, float]:
     from bench.profile import recategorized
 
     h = recategorized(profile)
-    classes = {"GEMM": h.get("gemm fp8", 0.0) + h.get("gemm other", 0.0), "Triton": h.get("triton", h.get(_TRITON, 0.0)),
+    classes = {"GEMM": h.get("gemm fp8", 0.0) + h.get("gemm other", 0.0),
+               "Triton": h.get("triton", h.get(_TRITON, 0.0)),
                "other": h.get("other", 0.0) + h.get("memcpy/memset", 0.0) + h.get("attention", 0.0)}
     return {"step": sum(classes.values()), **classes}
 

@@ -46,13 +46,19 @@ def _h100(rate):
 
 # Machine's fields from an fp8graph.costs.gpus.GPU's (those not here keep their defaults).
 _GPU_RATES = {
-    "copy_bandwidth": lambda gpu: gpu.copy_bandwidth, "triton_bandwidth": lambda gpu: gpu.triton_bandwidth,
-    "launch_floor_us": lambda gpu: gpu.launch_floor_us, "bf16_flops": lambda gpu: gpu.bf16_flops,
-    "fp8_flops": lambda gpu: gpu.fp8_gemm_flops["current"], "fp8_rowwise_flops": lambda gpu: gpu.fp8_gemm_flops["rowwise"],
-    "fp8_blockwise_flops": lambda gpu: gpu.fp8_gemm_flops["block"], "grouped_bf16_flops": lambda gpu: gpu.grouped_bf16_flops,
+    "copy_bandwidth": lambda gpu: gpu.copy_bandwidth,
+    "triton_bandwidth": lambda gpu: gpu.triton_bandwidth,
+    "launch_floor_us": lambda gpu: gpu.launch_floor_us,
+    "bf16_flops": lambda gpu: gpu.bf16_flops,
+    "fp8_flops": lambda gpu: gpu.fp8_gemm_flops["current"],
+    "fp8_rowwise_flops": lambda gpu: gpu.fp8_gemm_flops["rowwise"],
+    "fp8_blockwise_flops": lambda gpu: gpu.fp8_gemm_flops["block"],
+    "grouped_bf16_flops": lambda gpu: gpu.grouped_bf16_flops,
     "grouped_fp8_flops": lambda gpu: gpu.grouped_fp8_flops,
     "grouped_bf16_flops_large": lambda gpu: gpu.grouped_bf16_flops_large,
-    "grouped_fp8_flops_large": lambda gpu: gpu.grouped_fp8_flops_large, "gemm_floor_us": lambda gpu: gpu.gemm_floor_us,
+    "grouped_fp8_flops_large": lambda gpu: gpu.grouped_fp8_flops_large,
+    "gemm_floor_us": lambda gpu: gpu.gemm_floor_us,
+    "cast_fraction": lambda gpu: gpu.cast_fraction,
 }
 
 
@@ -75,9 +81,7 @@ class Machine:
     grouped_bf16_flops_large: float = _h100(_GPU_RATES["grouped_bf16_flops_large"])
     grouped_fp8_flops_large: float = _h100(_GPU_RATES["grouped_fp8_flops_large"])
     gemm_floor_us: float = _h100(_GPU_RATES["gemm_floor_us"])
-    # Inductor's FP8 casts (amax, saturation, NaN handling, 1-byte stores) against its other kernels: the H100's
-    # decoder profiles fit one rate for both (1.0); the H200's MoE profiles (FITTED_CAST_FRACTION) do not.
-    cast_fraction: float = 1.0
+    cast_fraction: float = _h100(_GPU_RATES["cast_fraction"])  # FP8 casts against Inductor's other kernels
     gpu: str = "H100"  # whose rates these are (fp8graph.costs.gpus), as the model's results name the device
 
     @classmethod
@@ -86,14 +90,7 @@ class Machine:
         from fp8graph.costs.gpus import gpu
 
         rates = gpu(gpu_name)
-        return cls(**{field: rate(rates) for field, rate in _GPU_RATES.items()},
-                   cast_fraction=FITTED_CAST_FRACTION.get(rates.name, 1.0), gpu=rates.name)
-
-
-# Fitted, with fp8graph.costs.gpus.H200's Triton rate (2.0 TB/s), to the Triton time of the H200's profiles of the
-# MoE block at 4b51eda and ec8f139 (bench/results/gpu-runs.json; the least squares of the log errors of 9
-# contestant steps): FP8 casts at 0.6 of the rate of Inductor's other kernels. docs/cost-model.md has the fit.
-FITTED_CAST_FRACTION = {"H200": 0.6}
+        return cls(**{field: rate(rates) for field, rate in _GPU_RATES.items()}, gpu=rates.name)
 
 
 @dataclasses.dataclass

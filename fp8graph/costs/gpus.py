@@ -50,6 +50,9 @@ class GPU:
     grouped_fp8_flops: float  # torch._scaled_grouped_mm, likewise
     grouped_bf16_flops_large: float  # at GROUPED_RATE_TOKENS[1] tokens a group
     grouped_fp8_flops_large: float
+    # Inductor's FP8 casts (amax, saturation, 1-byte stores) at this fraction of triton_bandwidth: the H100's
+    # decoder profiles fit one rate for every kernel (1.0); the H200's MoE profiles do not (below).
+    cast_fraction: float = 1.0
 
     def grouped_flops(self, fp8: bool, tokens_per_group: float | None) -> float:
         """This GPU's rate of a grouped GEMM whose groups hold ``tokens_per_group`` rows on average
@@ -92,9 +95,10 @@ H100 = GPU(
 
 # The same GH100 tensor cores with HBM3e: 4.8 TB/s against the H100 SXM's 3.35. Inductor's kernels do not follow
 # the bandwidth: fitted to the Triton time of the H200's profiles of the MoE block (bench/results/gpu-runs.json:
-# its runs at 4b51eda and ec8f139, 9 contestant steps, FP8 casts at 0.6 of the rate; bench/costmodel/costs.py),
-# they ran at 2.0 TB/s on the cost model's bytes, below the H100's 2.2.
-H200 = dataclasses.replace(H100.scaled("H200", bandwidth=4.8 / 3.35, flops=1.0), triton_bandwidth=2.0e12)
+# its runs at 4b51eda and ec8f139, the least squares of the log errors of 9 contestant steps; docs/cost-model.md),
+# they ran at 2.0 TB/s on the cost model's bytes, below the H100's 2.2, and its FP8 casts at 0.6 of that.
+H200 = dataclasses.replace(H100.scaled("H200", bandwidth=4.8 / 3.35, flops=1.0), triton_bandwidth=2.0e12,
+                           cast_fraction=0.6)
 
 # Dense tensor-core FLOP/s, B200 over H100 SXM data sheets: BF16 2.25 / 0.989 PFLOP/s, FP8 4.5 / 1.979;
 # HBM3e 8 TB/s against 3.35. Blackwell runs MXFP8 (1x32 E8M0 scales) at the FP8 rate.

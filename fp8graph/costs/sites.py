@@ -77,7 +77,7 @@ def _casts_us(casts: RecipeCasts, sizes: dict[str, int], gpu: GPU, training: boo
     for kernels in casts.kernels:
         if kernels.backward and not training:
             continue
-        rate = gpu.copy_bandwidth if kernels.custom_op else gpu.triton_bandwidth
+        rate = gpu.copy_bandwidth if kernels.custom_op else gpu.triton_bandwidth * gpu.cast_fraction
         moved = (kernels.read + kernels.written) * sizes[kernels.operand]
         total += max(moved / rate * 1e6, kernels.launches * gpu.launch_floor_us)
     small = casts.small_launches if training else casts.small_launches - casts.small_backward_launches
@@ -87,7 +87,7 @@ def _casts_us(casts: RecipeCasts, sizes: dict[str, int], gpu: GPU, training: boo
 def _grouped_casts_us(casts: GroupedCasts, M: int, K: int, N: int, experts: int, gpu: GPU) -> float:
     """One expert GEMM's share of a block's casts: its own elements' bytes, half the block's launches."""
     tokens, weights = M * (K + N), experts * K * N
-    inductor = (casts.activation * tokens + casts.weight * weights) / gpu.triton_bandwidth * 1e6
+    inductor = (casts.activation * tokens + casts.weight * weights) / (gpu.triton_bandwidth * gpu.cast_fraction) * 1e6
     custom = (casts.activation_custom_op * tokens + casts.weight_custom_op * weights) / gpu.copy_bandwidth * 1e6
     return max(inductor + custom, casts.block_launches / 2 * gpu.launch_floor_us)
 

@@ -77,6 +77,19 @@ def test_the_gpus_scale_the_h100_by_their_data_sheets():
         gpu("A100")
 
 
+def test_the_h200_s_casts_run_at_their_fitted_fraction_of_inductor_s_rate():
+    """``policies.auto()`` on an H200 decides from the calibrated model: its FP8 casts at ``cast_fraction`` (0.6,
+    fitted to the H200's MoE profiles) of its Inductor rate; custom ops' kernels at copy bandwidth as before."""
+    import dataclasses
+
+    h200 = GPUS["H200"]
+    assert h200.cast_fraction == 0.6 and GPUS["H100"].cast_fraction == 1.0
+    for site in (_linear(16384, 4096, 14336), _linear(32768, 2048, 1536, experts=128)):
+        fitted = site_times(site, "current", h200).fp8_casts_us
+        one_rate = site_times(site, "current", dataclasses.replace(h200, cast_fraction=1.0)).fp8_casts_us
+        assert one_rate < fitted <= one_rate / 0.6 * (1 + 1e-9)
+
+
 def test_an_expert_site_runs_at_the_grouped_rates_and_casts_every_experts_weight():
     dense = site_times(_linear(32768, 2048, 1536), "current")
     experts = site_times(_linear(32768, 2048, 1536, experts=128), "current")
