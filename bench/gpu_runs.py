@@ -28,10 +28,15 @@ class GPURun:
     @property
     def gpu(self) -> str:
         """``"H100"`` or ``"H200"``: the name ``fp8graph.costs.gpus`` knows the device by."""
-        return next(name for name in ("H100", "H200", "B200") if name in self.device)
+        return gpu_name(self.device)
 
     def measured(self, results: pathlib.Path = RESULTS) -> dict:
         return json.loads((results / self.file).read_text())
+
+
+def gpu_name(device: str) -> str | None:
+    """The name ``fp8graph.costs.gpus`` knows a device by (``"H200"`` of ``"NVIDIA H200"``), ``None`` if none."""
+    return next((name for name in ("H100", "H200", "B200") if name in device), None)
 
 
 def gpu_runs(results: pathlib.Path = RESULTS) -> list[GPURun]:

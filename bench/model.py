@@ -126,8 +126,8 @@ RATE_OPTIONS = {"bandwidth": "copy_bandwidth", "triton_bandwidth": "triton_bandw
 def machine_of(args) -> costs.Machine:
     """The --gpu's rates, each rate option given replacing its own."""
     given = {field: getattr(args, option) * 1e12 for option, field in RATE_OPTIONS.items()
-             if getattr(args, option, None) is not None}
-    return dataclasses.replace(costs.Machine.of(getattr(args, "gpu", "H100")), **given)
+             if getattr(args, option) is not None}
+    return dataclasses.replace(costs.Machine.of(args.gpu), **given)
 
 
 # --- the result file ---------------------------------------------------------------------------------------
@@ -557,8 +557,7 @@ def compare_lines(measured: dict, measured_name: str, model_path: pathlib.Path |
                 and (row["case"] == case if case is not None else
                      not accumulated or row["case"].endswith(_with_micro_batches("", 1)))}
     run = gpu_runs.run_of(measured_name, results)
-    gpu = run.gpu if run else next((name for name in ("H100", "H200", "B200")
-                                    if name in measured["environment"]["device"]), "H100")
+    gpu = gpu_runs.gpu_name(measured["environment"]["device"]) or "H100"
     modelled = _retimed(model, modelled, costs.Machine.of(gpu))  # at the measuring GPU's rates
     measured_rows = [row for row in measured["rows"] if "train_tokens_per_s" in row]
     bf16 = next((row for row in measured_rows if row["contestant"] == "bf16"), None)

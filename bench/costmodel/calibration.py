@@ -154,6 +154,15 @@ class Calibration:
                 results[index] = result
         return results
 
+    def _run_at(self, commit: str, specs: list[dict]) -> list[dict]:
+        """Each spec's result with fp8graph (its package, passes and models) at ``commit``, for every contestant:
+        a recorded run's block and decoder are the ones that ran too."""
+        fp8graph = measured_fp8graph(commit)
+        try:
+            return self.run(specs, fp8graph.env)
+        finally:
+            fp8graph.close()
+
     def _path(self, *parts: str) -> str:
         return os.path.join(self.results_dir, *parts)
 
@@ -328,11 +337,7 @@ class Calibration:
             spec = {"workload": "decoder", "config": measured["config"], "batch": measured["batch"],
                     "sequence": measured["sequence"], "overrides": {"num_hidden_layers": measured["layers"]},
                     "fp8graph_at": run.commit}  # the commit keeps each run's captures apart
-            fp8graph = measured_fp8graph(run.commit)
-            try:
-                results = self.run([{**spec, "contestant": row["contestant"]} for row in timed], fp8graph.env)
-            finally:
-                fp8graph.close()
+            results = self._run_at(run.commit, [{**spec, "contestant": row["contestant"]} for row in timed])
             machine = costs.Machine.of(run.gpu)
             tokens = measured["batch"] * measured["sequence"]
             steps = {}
@@ -391,7 +396,6 @@ class Calibration:
                 *markdown(["kernel", "H100 calls", "H100 ms", "model calls", "model ms", "model GB",
                            "H100 TB/s on model bytes (same launches)"], table)]
 
-
     # --- the MoE block: every recorded GPU run, at the commit and on the GPU it ran -------------------------
 
     def moe(self, files: list[str] | None = None) -> list[str]:
@@ -409,11 +413,7 @@ class Calibration:
             spec = {"workload": "moe", "config": measured["config"], "batch": measured["batch"],
                     "sequence": measured["sequence"], "overrides": {}, "grad_accumulation": [1],
                     "fp8graph_at": run.commit}  # the commit keeps each run's captures apart
-            fp8graph = measured_fp8graph(run.commit)
-            try:  # every contestant at the commit: the block (fp8graph.models) is the one that ran too
-                results = self.run([{**spec, "contestant": contestant} for contestant in profiled], fp8graph.env)
-            finally:
-                fp8graph.close()
+            results = self._run_at(run.commit, [{**spec, "contestant": contestant} for contestant in profiled])
             machine = costs.Machine.of(run.gpu)
             modelled = {}
             for contestant, result in zip(profiled, results):
