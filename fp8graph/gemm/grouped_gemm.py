@@ -85,21 +85,15 @@ def grouped_scaled_gemm(a_fp8: torch.Tensor, a_inverse_scale: torch.Tensor, b_fp
     return (product_fp32 * a_inverse_scale[:, None] * b_inverse_scale[experts]).to(out_dtype)
 
 
-def placed_for_grad_weight(b_fp8: torch.Tensor, offsets: torch.Tensor, lowering: Lowering) -> torch.Tensor:
-    """The right operand of the weights form, ``b`` (S, K), as :func:`grouped_scaled_gemm_weights` reads it:
-    for ``scaled_mm`` (K, S'), its groups of tokens zero-padded to 16 (:func:`_padded_transpose`), so a caller can
-    lay it out where ``b`` is cast (the forward, for the backward's GEMM); emulated, ``b`` itself."""
+def placed_for_grad_weight(x_fp8: torch.Tensor, offsets: torch.Tensor, lowering: Lowering) -> torch.Tensor:
+    """An operand of the weights form, ``x`` (S, C), as :func:`grouped_scaled_gemm_weights` reads it: for
+    ``scaled_mm`` (C, S'), row-major, each group of tokens zero-padded to 16, so a caller can lay it out where
+    ``x`` is cast (the forward, for the backward's GEMM); emulated, ``x`` itself. One tiled pass reads each row
+    where it lies (a column scattered in place would be written a byte a row apart)."""
     if lowering is Lowering.SCALED_MM:
-        return _padded_transpose(b_fp8, offsets)[0]
-    return b_fp8
-
-
-def _padded_transpose(x_fp8: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x_fp8`` (S, C) row-major as (C, S') with each group of rows zero-padded to a multiple of 16, and the
-    padded groups' offsets: one tiled pass reading each row where it lies (a column scattered in place would be
-    written a byte a row apart)."""
-    sources, padded_offsets = padded_group_sources(offsets, x_fp8.shape[0], FP8_GEMM_DIM_MULTIPLE)
-    return transpose_fp8(x_fp8, sources), padded_offsets
+        sources, _ = padded_group_sources(offsets, x_fp8.shape[0], FP8_GEMM_DIM_MULTIPLE)
+        return transpose_fp8(x_fp8, sources)
+    return x_fp8
 
 
 def group_columns_for_grad_weight(x_hp: torch.Tensor, offsets: torch.Tensor, lowering: Lowering,

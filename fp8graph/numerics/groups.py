@@ -74,9 +74,8 @@ def padded_group_rows(offsets: torch.Tensor, rows: int, multiple: int) -> tuple[
     multiples of 16: zero rows add nothing to its products.
     """
     count = offsets.shape[0]
-    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
-    padded_sizes = (sizes + multiple - 1) // multiple * multiple
-    padded_offsets = torch.cumsum(padded_sizes, 0, dtype=offsets.dtype)  # padded_group_offsets
+    sizes, padded_sizes = _group_sizes(offsets, multiple)
+    padded_offsets = torch.cumsum(padded_sizes, 0, dtype=offsets.dtype)
     starts = offsets - sizes
     padded_starts = padded_offsets - padded_sizes
     groups = row_groups(offsets, rows)
@@ -90,10 +89,15 @@ def padded_group_rows(offsets: torch.Tensor, rows: int, multiple: int) -> tuple[
     return destination, padded_offsets, padded_group_bound(rows, count, multiple)
 
 
+def _group_sizes(offsets: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's rows and its rows zero-padded to a multiple of ``multiple``: ``(sizes, padded_sizes)``, (E,)."""
+    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    return sizes, (sizes + multiple - 1) // multiple * multiple
+
+
 def padded_group_offsets(offsets: torch.Tensor, multiple: int) -> torch.Tensor:
     """Where the groups ``offsets`` ends end when each is zero-padded to a multiple of ``multiple`` rows (E,)."""
-    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
-    return torch.cumsum((sizes + multiple - 1) // multiple * multiple, 0, dtype=offsets.dtype)
+    return torch.cumsum(_group_sizes(offsets, multiple)[1], 0, dtype=offsets.dtype)
 
 
 def padded_group_bound(rows: int, groups: int, multiple: int) -> int:

@@ -218,10 +218,11 @@ def _transposed_for_grad_input(weight_fp8: torch.Tensor, weight_inverse: torch.T
 def _placed_in_the_forward(input_fp8: torch.Tensor, input_inverse: torch.Tensor, offsets: torch.Tensor,
                            spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_placed, input_inverse)``: ``input_fp8`` (S, K), the forward's cast, which grad_weight reads too (a
-    per-tensor scale; row-wise's cast per group and column is placed by the kernel that casts it), laid out for grad_weight's GEMM (``placed_for_grad_weight``:
-    one tiled transpose of the FP8 rows) in the forward, and the inverse scale the forward GEMM reads, tied to it
-    (``fp8graph.targets.partitioning``). Left to itself the partitioner saves the cast and lays it out in the
-    backward: the same pass, and the cast kept alive until then. The emulation reads the cast as it is."""
+    per-tensor scale; row-wise's cast per group and column is placed by the kernel that casts it), laid out for
+    grad_weight's GEMM (``placed_for_grad_weight``: one tiled transpose of the FP8 rows) in the forward, and the
+    inverse scale the forward GEMM reads, tied to it (``fp8graph.targets.partitioning``). Left to itself the
+    partitioner saves the cast and lays it out in the backward: the same pass, and the cast kept alive until then.
+    The emulation reads the cast as it is."""
     input_placed = placed_for_grad_weight(input_fp8, offsets, spec.lowering)  # (K, S') for scaled_mm
     if input_placed is input_fp8:  # read as it is: nothing to write in the forward
         return input_fp8, input_inverse
