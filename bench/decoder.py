@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -53,12 +54,17 @@ from .timing import (accumulated_step, attempt, environment, failed, last_weight
                      report, require_fp8_sites, time_compiled, time_ms, title, write_partial)
 
 RECIPES = {name: PRESETS[name] for name in ("current", "delayed", "rowwise", "block")}
+# The per-tensor recipes with the transposed FP8 copies written by the forward and saved (recipe.save_transposes):
+# what the default's leaner memory costs in time. Made when compiled (recipe_of), so that this module still
+# imports beside an fp8graph from before the field (the cost model's calibration runs earlier commits).
+SAVED_TRANSPOSES = tuple(f"{name} saved-transposes" for name in ("current", "delayed"))
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 CONFIGS = ("bench-8b-layer", "llama3-8b")
 
 # "bf16 per-block": plain torch.compile of each decoder layer (layer.compile(), torchtitan's way), the
 # like-for-like reference of fp8graph's regional compile; "current whole": fp8graph with regions=None.
-KNOWN = ["bf16", *RECIPES, *(f"torchao {name}" for name in TORCHAO_RECIPES), "bf16 per-block", "current whole"]
+KNOWN = ["bf16", *RECIPES, *SAVED_TRANSPOSES, *(f"torchao {name}" for name in TORCHAO_RECIPES), "bf16 per-block",
+         "current whole"]
 # Inductor settings a contestant's name may switch, each worth a measurement for quantization-heavy graphs:
 # reductions spread over all SMs, horizontal fusion of independent kernels, loop reordering after fusion.
 INDUCTOR_SETTINGS = {"cooperative_reductions": "triton.cooperative_reductions", "combo_kernels": "combo_kernels",
@@ -115,7 +121,14 @@ def _compile(model, contestant: str, compiler: str, freeze_weights: bool = False
             with inductor_config.patch(freezing=True):
                 return compiled(*args, **kwargs)
         return frozen
-    return fp8graph.compile(model, policy=RECIPES[contestant], compiler=compiler, freeze_weights=freeze_weights)
+    return fp8graph.compile(model, policy=recipe_of(contestant), compiler=compiler, freeze_weights=freeze_weights)
+
+
+def recipe_of(contestant: str):
+    """The recipe of one of fp8graph's contestants."""
+    if contestant in SAVED_TRANSPOSES:
+        return dataclasses.replace(RECIPES[contestant.removesuffix(" saved-transposes")], save_transposes=True)
+    return RECIPES[contestant]
 
 
 def _train_step(compiled, model, tokens, micro_batches: int = 1):

@@ -38,6 +38,9 @@ from .timing import markdown_table, project_commit, with_verdicts, write_result
 
 DEVICES = {"H100": "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs)", "H200": "NVIDIA H200 (sm_90, 132 SMs)"}
 FP8GRAPH = ["current", "delayed", "rowwise", "block"]
+# The recipes whose casts fp8graph.costs holds a table of: the presets, and the per-tensor ones with their transposes
+# saved for the backward (recipe.save_transposes), whose casts differ.
+CAST_TABLE = [*FP8GRAPH[:2], *(f"{name} saved-transposes" for name in FP8GRAPH[:2]), *FP8GRAPH[2:]]
 TORCHAO = ["torchao tensorwise", "torchao rowwise"]
 
 
@@ -464,11 +467,11 @@ def model_linear(args) -> dict:
 
 def model_casts(args) -> dict:
     """Print fp8graph.costs.casts's table as this version's kernels give it (nothing written)."""
-    results = children(args)([site_casts.linear_spec(c) for c in FP8GRAPH])
-    failed = [f"{c}: {r['error']}" for c, r in zip(FP8GRAPH, results) if "error" in r]
+    results = children(args)([site_casts.linear_spec(c) for c in CAST_TABLE])
+    failed = [f"{c}: {r['error']}" for c, r in zip(CAST_TABLE, results) if "error" in r]
     if failed:
         raise SystemExit("bench model linear --casts: " + "\n".join(failed))
-    derived = {c: site_casts.derive(r["cases"][0]["rows"], *site_casts.SHAPE) for c, r in zip(FP8GRAPH, results)}
+    derived = {c: site_casts.derive(r["cases"][0]["rows"], *site_casts.SHAPE) for c, r in zip(CAST_TABLE, results)}
     print(site_casts.table_source(derived))
     return {"casts": derived}
 

@@ -48,14 +48,30 @@ def _k(operand, backward, custom_op, launches, read, written):
     return CastKernels(operand, backward, custom_op, launches, read, written)
 
 
-# python -m bench model linear --casts (torch 2.13.0, triton 3.6.0, sm_90), regenerated with the kernels.
+# python -m bench model linear --casts (torch 2.13.0, triton 3.6.0, sm_90), regenerated with the kernels. A per-tensor
+# recipe with ``save_transposes`` has casts of its own ("<kind> saved-transposes"): its weights' transposed copies are
+# written in the forward, where by default the backward casts them from the weight.
 CAST_TRAFFIC: dict[str, RecipeCasts] = {
     "current": RecipeCasts((
+        _k("input", False, False, 2, 4.0, 2.0),
+        _k("weight", False, False, 2, 4.0, 1.0),
+        _k("weight", True, False, 1, 2.0, 1.0),
+        _k("grad_output", True, False, 2, 4.0, 2.0),
+    ), small_launches=6, small_backward_launches=2),
+    "current saved-transposes": RecipeCasts((
         _k("input", False, False, 2, 4.0, 2.0),
         _k("weight", False, False, 2, 4.0, 2.0),
         _k("grad_output", True, False, 2, 4.0, 2.0),
     ), small_launches=6, small_backward_launches=2),
     "delayed": RecipeCasts((
+        _k("input", False, False, 1, 2.0, 1.0),
+        _k("input", False, True, 1, 1.0, 1.0),
+        _k("weight", False, False, 1, 2.0, 1.0),
+        _k("weight", True, False, 1, 2.0, 1.0),
+        _k("grad_output", True, False, 1, 2.0, 1.0),
+        _k("grad_output", True, True, 1, 1.0, 1.0),
+    ), small_launches=7, small_backward_launches=3),
+    "delayed saved-transposes": RecipeCasts((
         _k("input", False, False, 1, 2.0, 1.0),
         _k("input", False, True, 1, 1.0, 1.0),
         _k("weight", False, False, 1, 2.0, 1.0),

@@ -109,7 +109,8 @@ def site_times(site: SiteInfo, recipe, gpu: "str | GPU" = "H100", training: bool
     """
     rates = gpu_named(gpu)
     kind = recipe if isinstance(recipe, str) else getattr(recipe, "kind", None)
-    casts = CAST_TRAFFIC.get(_CASTS_STANDING_IN.get(kind, kind))
+    table = f"{kind} saved-transposes" if getattr(recipe, "save_transposes", False) else kind
+    casts = CAST_TRAFFIC.get(_CASTS_STANDING_IN.get(table, table))
     if casts is None:
         raise ValueError(f"fp8graph.costs: no modelled casts for recipe {recipe!r}; known: "
                          f"{sorted({*CAST_TRAFFIC, *_CASTS_STANDING_IN})}")

@@ -141,10 +141,18 @@ class Float8CurrentScaling(_RecipeKind):
             to E5M2 and input and weight to E4M3.
         power_2_scales: round every scale down to a power of two, so that
             scaling changes only the exponent and is exact.
+        save_transposes: what the backward's GEMMs read transposed (each weight and each input, in FP8) is
+            written by the forward and saved until the backward (``True``, as Transformer Engine keeps its
+            weights' transposes): a step reads each weight once less, and holds one byte a weight element and
+            an input element more from forward to backward. ``False`` (default): the backward casts each
+            weight's transposed copy from the weight, and AOTAutograd's partitioner chooses for each input's
+            between saving it and casting it again from what the backward saves anyway, so that a step keeps
+            no more for its backward than BF16's (``fp8graph.targets.linear_tensorwise``). The bytes of every
+            FP8 tensor, and so the results, are the same either way.
 
     Example:
         >>> Float8CurrentScaling(fp8_format=Format.E4M3)
-        Float8CurrentScaling(fp8_format=<Format.E4M3: 'E4M3'>, power_2_scales=False)
+        Float8CurrentScaling(fp8_format=<Format.E4M3: 'E4M3'>, power_2_scales=False, save_transposes=False)
     """
 
     kind: ClassVar[str] = "current"
@@ -153,15 +161,17 @@ class Float8CurrentScaling(_RecipeKind):
 
     fp8_format: Format = Format.HYBRID
     power_2_scales: bool = False
+    save_transposes: bool = False
 
     def __post_init__(self) -> None:
         _check_type(self, "fp8_format", Format)
         _check_type(self, "power_2_scales", bool)
+        _check_type(self, "save_transposes", bool)
 
     @property
     def name(self) -> str:
         """Short label for reports, e.g. ``current(HYBRID)``."""
-        suffix = ", pow2" if self.power_2_scales else ""
+        suffix = (", pow2" if self.power_2_scales else "") + (", saved transposes" if self.save_transposes else "")
         return f"current({self.fp8_format.value}{suffix})"
 
     def fp8_dtype(self, role: Role):
@@ -196,6 +206,14 @@ class DelayedScaling(_RecipeKind):
         amax_compute_algo: ``"max"``, ``"most_recent"``, or a callable taking
             the history tensor (newest in slot 0) and returning an amax.
         reduce_amax: max-reduce amaxes across the data-parallel group.
+        save_transposes: what the backward's GEMMs read transposed (each weight and each input, in FP8) is
+            written by the forward and saved until the backward (``True``, as Transformer Engine keeps its
+            weights' transposes): a step reads each weight once less, and holds one byte a weight element and
+            an input element more from forward to backward. ``False`` (default): the backward casts each
+            weight's transposed copy from the weight, and AOTAutograd's partitioner chooses for each input's
+            between saving it and casting it again from what the backward saves anyway, so that a step keeps
+            no more for its backward than BF16's (``fp8graph.targets.linear_tensorwise``). The bytes of every
+            FP8 tensor, and so the results, are the same either way.
     """
 
     kind: ClassVar[str] = "delayed"
@@ -210,9 +228,11 @@ class DelayedScaling(_RecipeKind):
     amax_history_len: int = 1024
     amax_compute_algo: object = "max"
     reduce_amax: bool = True
+    save_transposes: bool = False
 
     def __post_init__(self) -> None:
         _check_type(self, "margin", int)
+        _check_type(self, "save_transposes", bool)
         _check_type(self, "fp8_format", Format)
         _check_type(self, "amax_history_len", int)
         _check_type(self, "reduce_amax", bool)
@@ -236,7 +256,8 @@ class DelayedScaling(_RecipeKind):
     def name(self) -> str:
         algo = self.amax_compute_algo if isinstance(self.amax_compute_algo, str) else "custom"
         margin = f", margin {self.margin}" if self.margin else ""
-        return f"delayed({self.fp8_format.value}, {algo}, len {self.amax_history_len}{margin})"
+        saved = ", saved transposes" if self.save_transposes else ""
+        return f"delayed({self.fp8_format.value}, {algo}, len {self.amax_history_len}{margin}{saved})"
 
     @property
     def power_2_scales(self) -> bool:

@@ -34,18 +34,36 @@ per layout it is read in (``lowering="scaled_mm"``):
   fuses into the tensor's producer; the transposed copy is
   ``fp8graph::transpose_fp8`` of the FP8 bytes (left to Inductor, it would be
   recomputed inside the amax's reduction kernel: see ``fp8graph.kernels.transpose_fp8``).
-- Weights: both layouts are cast in the forward; the transposed copy is saved
-  for grad_input, so a step reads each weight for its amax (current scaling)
-  and once for its casts, never again in the backward (1 byte a parameter is
-  held from forward to backward, as Transformer Engine holds it). With
-  ``cache_weights`` the row-major copy is kept across calls while the weight
-  does not change (inside ``fp8graph.weights_unchanged``); under delayed
-  scaling with the scale it was cast with, the calls reusing it recording no
-  amax for the weight, as Transformer Engine's cached weights.
+
+What is kept from forward to backward is the recipe's ``save_transposes``:
+
+- ``False`` (default): the backward casts each weight's transposed copy from
+  the weight, with the scale the forward used (the same bytes): a step reads
+  each weight once more (2 bytes a parameter) and keeps nothing of it. Each
+  input's transposed copy is left to AOTAutograd's partitioner under current
+  scaling: it saves the copy, or casts it again in the backward from
+  high-precision tensors the backward keeps anyway (a norm's input, the MLP's
+  gate and up), inside the kernels that read them there. A step then keeps
+  what torchao's does (``tests/targets/test_activation_memory.py``). Delayed
+  scaling saves its inputs' copies: cast again in the backward, Inductor
+  stores them from inside reduction kernels (what that costs is in
+  docs/benchmarks.md, modelled).
+- ``True``: both layouts are cast in the forward and the transposed copies
+  are saved, so a step reads each weight for its amax (current scaling) and
+  once for its casts, never again in the backward, holding 1 byte a weight
+  element and an input element from forward to backward, as Transformer Engine
+  holds them.
+
+With ``cache_weights`` the row-major copy is kept across calls while the
+weight does not change (inside ``fp8graph.weights_unchanged``); under delayed
+scaling with the scale it was cast with, the calls reusing it recording no
+amax for the weight, as Transformer Engine's cached weights. A call reading
+a kept copy (or an FSDP2-gathered cast) transposes its bytes in the forward
+and saves that, whatever the recipe says: there is no weight to cast again.
 
 An FP8 tensor read by several GEMMs goes through ``fp8graph.gemm.scaled_gemm.one_buffer``
-so that Inductor stores it once, and the transposed copies the backward reads
-are written in the forward and kept (``fp8graph.targets.partitioning``).
+so that Inductor stores it once, and the transposed copies the forward saves are
+written there and kept (``fp8graph.targets.partitioning``).
 """
 
 from __future__ import annotations
@@ -137,25 +155,47 @@ class CallSpec:
         """``x_fp8`` as the GEMMs (and the transposed copy) read it: one buffer (``fp8graph.gemm.scaled_gemm.one_buffer``)."""
         return one_buffer(x_fp8) if self.native_layouts else x_fp8
 
+    @property
+    def saves_transposes(self) -> bool:
+        """Whether the forward writes the transposed copies the backward's GEMMs read and saves them (the recipe's
+        ``save_transposes``). Else the backward casts each weight's from the weight, and AOTAutograd's partitioner
+        chooses for each input's between saving it and casting it again from what the backward saves anyway."""
+        return self.native_layouts and self.recipe.save_transposes
+
     def kept(self, inverse_scale: torch.Tensor, x_t_fp8: torch.Tensor | None) -> torch.Tensor:
-        """``inverse_scale`` as the forward GEMM reads it, tied to the transposed copy the backward reads, so
-        that the copy is written in the forward (``fp8graph.targets.partitioning``); the emulation's copy is a view."""
-        return keep_for_backward(inverse_scale, x_t_fp8) if self.native_layouts else inverse_scale
+        """``inverse_scale`` as the forward GEMM reads it; where the transposed copies are saved (and delayed
+        scaling's always, see the module's doc), tied to the copy the backward reads, so that the copy is written
+        in the forward (``fp8graph.targets.partitioning``)."""
+        return keep_for_backward(inverse_scale, x_t_fp8) if self.saves_transposes or self.delayed else inverse_scale
+
+    def recasts_weight(self, source: torch.Tensor | None) -> bool:
+        """Whether the backward casts the weight's transposed copy from ``source`` (the weight), rather than the
+        forward writing it and saving it: where the copies are not saved and the weight is at hand (not a kept
+        or gathered cast)."""
+        return self.native_layouts and not self.saves_transposes and source is not None
 
     def transposed(self, x_fp8: torch.Tensor, x_hp: torch.Tensor | None, scale: torch.Tensor, role: Role):
         """The (C, R) FP8 copy of an (R, C) operand, written for the GEMM that reads it transposed.
 
         Current scaling casts it from ``x_hp`` in the pointwise kernel of the row-major cast (one read for
-        both layouts); delayed scaling, and a copy without ``x_hp`` (a cached weight), transposes the FP8
-        bytes (``fp8graph::transpose_fp8``). The emulation reads any layout: a view.
+        both layouts); without ``x_hp`` (a kept or gathered weight), and under delayed scaling, it transposes
+        the FP8 bytes (``fp8graph::transpose_fp8``: left to Inductor, a delayed cast's transposed store would
+        sit inside the kernel that reduces the amax). Unless the recipe saves its transposes, a copy cast from
+        ``x_hp`` is left to the partitioner, which may cast it again in the backward. The emulation reads any
+        layout: a view.
         """
         if not self.native_layouts:
             return x_fp8.t()
-        if self.delayed or x_hp is None:
+        if x_hp is None or self.delayed:
             return transpose_fp8(x_fp8)
-        x_t_fp8 = quantize(x_hp.t(), scale, self.recipe.fp8_dtype(role))  # (C, R), strided
+        if not self.saves_transposes:  # one buffer, whichever graph the partitioner casts it in: q, k and v read it
+            return one_buffer(self.cast_transposed(x_hp, scale, role))
         with saved_not_recomputed():  # the copy alone: its inputs stay free to fuse
-            return x_t_fp8.contiguous()
+            return self.cast_transposed(x_hp, scale, role)
+
+    def cast_transposed(self, x_hp: torch.Tensor, scale: torch.Tensor, role: Role) -> torch.Tensor:
+        """The (C, R) FP8 cast of an (R, C) tensor, contiguous: a pointwise kernel that reads ``x_hp`` transposed."""
+        return quantize(x_hp.t(), scale, self.recipe.fp8_dtype(role)).contiguous()
 
 
 def _states(spec: CallSpec, members: Sequence[Member], forward: bool,
@@ -361,9 +401,11 @@ class _LinearsFP8(torch.autograd.Function):
             for (weight_fp8, weight_scale, weight_inverse_scale, source), weight_hp, bias_hp in zip(
                     weights, weights_hp, biases_hp):
                 weight_fp8 = spec.gemm_operand(weight_fp8)
-                # grad_input reads weight_i column-major: its transposed copy, likewise.
+                # grad_input reads weight_i column-major: its transposed copy, likewise, or cast from the weight
+                # in the backward (the weight and its scale are saved instead).
+                recast = needs_grad_input and spec.recasts_weight(source)
                 weight_fp8_t = (spec.transposed(weight_fp8, source, weight_scale, Role.WEIGHT)
-                                if needs_grad_input else None)
+                                if needs_grad_input and not recast else None)
                 # output_i = input @ weight_i_t  (M, N_i); fast accumulation is accurate
                 # enough for the forward GEMM, as Transformer Engine does.
                 output = scaled_gemm_by_inverse(input_fp8, input_inverse_scale_forward, weight_fp8.t(),
@@ -372,7 +414,7 @@ class _LinearsFP8(torch.autograd.Function):
                 if bias_hp is not None:
                     output = output + bias_hp.to(output_dtype)
                 outputs.append(output)  # (M, N_i)
-                saved_weights += [weight_fp8_t, weight_inverse_scale]
+                saved_weights += [weight_fp8_t, weight_inverse_scale, *((source, weight_scale) if recast else (None, None))]
             for member, weight_hp, (weight_fp8, weight_scale, _, _) in zip(members, weights_hp, weights):
                 if member.stats is not None:
                     if is_gathered(weight_hp):
@@ -399,7 +441,9 @@ class _LinearsFP8(torch.autograd.Function):
             casts = _cast_grad_outputs(spec, grad_outputs_hp_2d, ctx.members)
             for i, (member, grad_output_hp_2d, (grad_output_fp8, grad_output_scale, grad_output_inverse_scale)) in \
                     enumerate(zip(ctx.members, grad_outputs_hp_2d, casts)):
-                weight_fp8_t, weight_inverse_scale = saved_weights[2 * i], saved_weights[2 * i + 1]
+                weight_fp8_t, weight_inverse_scale, weight_hp, weight_scale = saved_weights[4 * i:4 * i + 4]
+                if needs_grad_input and weight_hp is not None:  # the weight's transposed copy, cast now
+                    weight_fp8_t = spec.cast_transposed(weight_hp, weight_scale, Role.WEIGHT)
                 grad_output_fp8 = spec.gemm_operand(grad_output_fp8)
                 if member.stats is not None:
                     record_health(member.stats, Role.GRAD_OUTPUT, grad_output_hp_2d, grad_output_fp8,

@@ -162,54 +162,117 @@ def _llama_step_graphs(recipe, lowering="scaled_mm"):
     return aot_graphs(model, recipe, lambda compiled: compiled(tokens, labels=tokens).loss, lowering)
 
 
+SAVING = [Float8CurrentScaling(save_transposes=True), DelayedScaling(amax_history_len=4, save_transposes=True)]
+SITES, INPUTS = 14, 8  # the tiny Llama: 2 layers x 7 linears; q, k and v read one input, gate and up another
+
+
+def _weight_casts(graph: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The 2-D graph inputs (the weights) that ``graph`` casts to FP8 itself."""
+    return [node for node in graph.graph.nodes if node.op == "placeholder" and node.name.startswith("primals_")
+            and node.meta["val"].dim() == 2 and _fp8_casts_reached(node)]
+
+
 def test_delayed_casts_write_their_transposed_layouts_from_the_fp8_bytes():
-    """On the GPU's graph, delayed scaling writes the transposed FP8 copies that cuBLAS reads (input and
-    grad_output for grad_weight, the weight for grad_input) with ``fp8graph::transpose_fp8`` from the FP8
-    bytes, so the row-major cast keeps the one pass with its amax (H100: 80-83% of a copy; 29-61% with the
-    transpose in the group). Inputs and weights are transposed in the forward and kept for the backward,
-    which reads no weight again. Not proven here: that Inductor's GPU code then fuses the cast and its amax
-    into one kernel (``python -m bench model``, ``bench decoder --profile``)."""
+    """On the GPU's graph, delayed scaling writes the transposed FP8 copies that cuBLAS reads for grad_weight
+    (input and grad_output) with ``fp8graph::transpose_fp8`` from the FP8 bytes, so the row-major cast keeps the
+    one pass with its amax (H100: 80-83% of a copy; 29-61% with the transpose in the group); the inputs' are
+    written in the forward and saved. The weights' transposed copies, which grad_input reads, are cast in the
+    backward from the weights with the forward's scales: nothing of a weight is kept from forward to backward.
+    Not proven here: that Inductor's GPU code then fuses the cast and its amax into one kernel
+    (``python -m bench model``, ``bench decoder --profile``)."""
     forward, backward = _llama_step_graphs(DelayedScaling(amax_history_len=4))
-    sites, inputs = 14, 8  # 2 layers x 7 linears; q, k and v read one input, gate and up another
     transpose_fp8 = torch.ops.fp8graph.transpose_fp8.default
-    assert _op_count(forward, transpose_fp8) == inputs + sites  # each input once, each weight
-    assert _op_count(backward, transpose_fp8) == sites  # each grad_output, for grad_weight
-    assert _fp8_copies(forward) == _fp8_copies(backward) == []  # no FP8 layout written by the casts' own code
+    assert _op_count(forward, transpose_fp8) == INPUTS
+    assert _op_count(backward, transpose_fp8) == SITES  # each grad_output, for grad_weight
+    assert _fp8_copies(forward) == []  # no FP8 layout written by the casts' own code
+    # but the weights' transposed casts in the backward, each read from its weight
+    weight_copies = _fp8_copies(backward)
+    assert len(weight_copies) == SITES
+    assert all([source.name.startswith("primals_") for source in _tensor_sources(copy)] == [True]
+               for copy in weight_copies)
     saved = _saved_bases(forward)
-    assert sum(node in saved for node in forward.graph.nodes if node.target is transpose_fp8) == inputs + sites
+    assert sum(node in saved for node in forward.graph.nodes if node.target is transpose_fp8) == INPUTS
+    assert len(_weight_casts(backward)) == SITES  # each weight cast again, transposed, for grad_input
+    assert not any(node.meta["val"].dtype in _FP8_DTYPES and node.meta["val"].dim() == 2
+                   and any(source.name.startswith("primals_") for source in _tensor_sources(node))
+                   for node in saved)  # no weight's FP8 bytes saved
 
 
-def test_current_casts_write_both_layouts_in_the_forward_and_keep_the_transposed_ones():
-    """Current scaling writes each input's and weight's transposed FP8 copy in the forward, from the same
-    high-precision tensor as the row-major cast (one kernel after the amax reduction), and the partitioner
-    keeps it for the backward instead of recomputing it there (``fp8graph.targets.partitioning``). The backward's
-    only casts are the grad_outputs'."""
-    forward, backward = _llama_step_graphs(Float8CurrentScaling())
-    sites, inputs = 14, 8
+def test_delayed_casts_with_saved_transposes_keep_every_weight_transposed_for_the_backward():
+    """``save_transposes=True``: the weights' transposed copies too are written in the forward (from the FP8
+    bytes) and kept, so the backward reads no weight."""
+    forward, backward = _llama_step_graphs(SAVING[1])
+    transpose_fp8 = torch.ops.fp8graph.transpose_fp8.default
+    assert _op_count(forward, transpose_fp8) == INPUTS + SITES  # each input once, each weight
+    assert _op_count(backward, transpose_fp8) == SITES
+    assert _fp8_copies(forward) == _fp8_copies(backward) == []
+    saved = _saved_bases(forward)
+    assert sum(node in saved for node in forward.graph.nodes if node.target is transpose_fp8) == INPUTS + SITES
+    assert _weight_casts(backward) == []
+
+
+def test_current_casts_with_saved_transposes_write_both_layouts_in_the_forward_and_keep_the_transposed_ones():
+    """``save_transposes=True``: current scaling writes each input's and weight's transposed FP8 copy in the
+    forward, from the same high-precision tensor as the row-major cast (one kernel after the amax reduction),
+    and the partitioner keeps it for the backward instead of recomputing it there
+    (``fp8graph.targets.partitioning``). The backward's only casts are the grad_outputs'."""
+    forward, backward = _llama_step_graphs(SAVING[0])
     forward_copies = _fp8_copies(forward)
-    assert len(forward_copies) == inputs + sites
+    assert len(forward_copies) == INPUTS + SITES
     saved = _saved_bases(forward)
     assert all(copy in saved for copy in forward_copies)
-    assert len(_fp8_copies(backward)) == sites  # each grad_output's, for grad_weight
+    assert len(_fp8_copies(backward)) == SITES  # each grad_output's, for grad_weight
     for copy in forward_copies:  # cast from a full-size tensor of the forward, not from FP8 bytes
         assert all(source.meta["val"].dtype in _HIGH_PRECISION for source in _tensor_sources(copy))
+    assert _weight_casts(backward) == []
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=["current", "delayed"])
+def test_current_casts_leave_each_inputs_transposed_copy_to_the_partitioner_and_cast_weights_again():
+    """By default current scaling casts each weight's transposed copy in the backward, from the weight with
+    the forward's scale, and each input's transposed copy is written exactly once: in the forward and saved,
+    or in the backward from what the backward keeps anyway, as the partitioner chose."""
+    forward, backward = _llama_step_graphs(Float8CurrentScaling())
+    assert len(_weight_casts(backward)) == SITES
+    # The weights' (backward), the inputs' (either graph) and the grad_outputs' (backward): each once.
+    assert len(_fp8_copies(forward)) + len(_fp8_copies(backward)) == 2 * SITES + INPUTS
+    saved = _saved_bases(forward)
+    assert all(copy in saved for copy in _fp8_copies(forward))
+
+
+def _needed_beyond_casts(node: torch.fx.Node) -> bool:
+    """Whether ``node`` feeds an op other than an FP8 cast's (through the cast chain's views and copies)."""
+    frontier, seen = [node], {node}
+    while frontier:
+        for user in frontier.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.target is torch.ops.prims.convert_element_type.default and user.args[1] in _FP8_DTYPES:
+                continue
+            if user.target in _CAST_CHAIN or (user.target in _SCALING and any(
+                    isinstance(arg, torch.fx.Node) and arg is not node and arg.meta["val"].numel() == 1
+                    for arg in user.args)):
+                frontier.append(user)
+            else:
+                return True
+    return False
+
+
+@pytest.mark.parametrize("recipe", RECIPES + SAVING, ids=["current", "delayed", "current saved", "delayed saved"])
 def test_no_activation_is_saved_in_high_precision_only_to_be_cast_again(recipe):
-    """Every activation the backward casts to FP8 arrives as FP8: no high-precision tensor (2 or 4 bytes an
-    element) is kept from forward to backward only to be quantized again there, and no weight is cast again.
+    """Every activation the backward casts to FP8 arrives as FP8, or is a high-precision tensor the backward
+    needs anyway (a norm's or an activation function's input, cast again inside their backward's kernels):
+    none (2 or 4 bytes an element) is kept from forward to backward only to be quantized again there. With
+    ``save_transposes`` no weight is cast again either; by default each weight is, once, for grad_input.
     Not proven here: how much memory or time that saves on a GPU (``bench decoder``: peak memory, profile)."""
     forward, backward = _llama_step_graphs(recipe)
     saved = [node for node in backward.graph.nodes if node.op == "placeholder"
              and not node.name.startswith(("primals_", "tangents_"))]
     assert saved, "no tensors saved for backward"
     recast = [node.name for node in saved if node.meta["val"].dtype in _HIGH_PRECISION
-              and node.meta["val"].dim() >= 2 and _fp8_casts_reached(node)]
+              and node.meta["val"].dim() >= 2 and _fp8_casts_reached(node) and not _needed_beyond_casts(node)]
     assert recast == []
-    # Nor is a weight cast again: the backward reads the transposed FP8 copies the forward kept.
-    primals = [node for node in backward.graph.nodes if node.op == "placeholder" and node.name.startswith("primals_")]
-    assert not any(_fp8_casts_reached(node) for node in primals)
+    assert len(_weight_casts(backward)) == (0 if recipe.save_transposes else SITES)
     # The check can fail: in the forward it finds every weight's casts.
     forward_primals = [node for node in forward.graph.nodes if node.op == "placeholder"]
     assert sum(bool(_fp8_casts_reached(node)) and node.meta["val"].dim() == 2 for node in forward_primals) >= 14
