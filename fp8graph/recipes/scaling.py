@@ -206,14 +206,7 @@ class DelayedScaling(_RecipeKind):
         amax_compute_algo: ``"max"``, ``"most_recent"``, or a callable taking
             the history tensor (newest in slot 0) and returning an amax.
         reduce_amax: max-reduce amaxes across the data-parallel group.
-        save_transposes: what the backward's GEMMs read transposed (each weight and each input, in FP8) is
-            written by the forward and saved until the backward (``True``, as Transformer Engine keeps its
-            weights' transposes): a step reads each weight once less, and holds one byte a weight element and
-            an input element more from forward to backward. ``False`` (default): the backward casts each
-            weight's transposed copy from the weight, and AOTAutograd's partitioner chooses for each input's
-            between saving it and casting it again from what the backward saves anyway, so that a step keeps
-            no more for its backward than BF16's (``fp8graph.targets.linear_tensorwise``). The bytes of every
-            FP8 tensor, and so the results, are the same either way.
+        save_transposes: keep the backward's transposed FP8 copies from the forward, as for current scaling.
     """
 
     kind: ClassVar[str] = "delayed"

@@ -98,9 +98,10 @@ _CAST_CHAIN = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
 _SCALING = {torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor}
 
 
-def _fp8_casts_reached(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The FP8 conversions ``node`` reaches through cast ops alone (a multiplication only by a scale)."""
-    reached, frontier, seen = [], [node], {node}
+def _cast_walk(node: torch.fx.Node) -> tuple[list[torch.fx.Node], bool]:
+    """The FP8 conversions ``node`` reaches through cast ops alone (a multiplication only by a scale), and
+    whether it feeds any other op on the way."""
+    reached, other, frontier, seen = [], False, [node], {node}
     while frontier:
         for user in frontier.pop().users:
             if user in seen:
@@ -112,7 +113,13 @@ def _fp8_casts_reached(node: torch.fx.Node) -> list[torch.fx.Node]:
                     isinstance(arg, torch.fx.Node) and arg is not node and arg.meta["val"].numel() == 1
                     for arg in user.args)):
                 frontier.append(user)
-    return reached
+            else:
+                other = True
+    return reached, other
+
+
+def _fp8_casts_reached(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return _cast_walk(node)[0]
 
 
 def _tensor_sources(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -241,21 +248,7 @@ def test_current_casts_leave_each_inputs_transposed_copy_to_the_partitioner_and_
 
 def _needed_beyond_casts(node: torch.fx.Node) -> bool:
     """Whether ``node`` feeds an op other than an FP8 cast's (through the cast chain's views and copies)."""
-    frontier, seen = [node], {node}
-    while frontier:
-        for user in frontier.pop().users:
-            if user in seen:
-                continue
-            seen.add(user)
-            if user.target is torch.ops.prims.convert_element_type.default and user.args[1] in _FP8_DTYPES:
-                continue
-            if user.target in _CAST_CHAIN or (user.target in _SCALING and any(
-                    isinstance(arg, torch.fx.Node) and arg is not node and arg.meta["val"].numel() == 1
-                    for arg in user.args)):
-                frontier.append(user)
-            else:
-                return True
-    return False
+    return _cast_walk(node)[1]
 
 
 @pytest.mark.parametrize("recipe", RECIPES + SAVING, ids=["current", "delayed", "current saved", "delayed saved"])
