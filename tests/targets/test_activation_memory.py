@@ -103,3 +103,29 @@ def test_saved_bytes_count_each_storage_once_and_leave_parameters_out():
         hidden = x @ weight  # saves x (512 bytes) and the parameter
         return (hidden * hidden).sum() + (hidden.t() * hidden.t()).sum()  # hidden, saved through two views
     assert saved_for_backward_bytes(forward, [weight]) == x.nbytes + 16 * 4 * 4
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
+                         ids=["current", "delayed"])
+def test_saved_transposes_change_what_is_kept_not_the_numbers(recipe):
+    """Both ways the backward reads the same FP8 bytes (the weight cast again with the forward's scale): the
+    loss, every gradient and delayed scaling's state are bit for bit the same over two steps."""
+    results = []
+    for save_transposes in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = build("llama", "tiny").to(torch.bfloat16)
+        compiled = fp8graph.compile(model, policy=dataclasses.replace(recipe, save_transposes=save_transposes),
+                                    compiler="aot_eager", lowering="scaled_mm")
+        tokens = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(0))
+        losses = []
+        for _ in range(2):
+            loss = compiled(tokens, labels=tokens).loss
+            loss.backward()
+            losses.append(loss.detach())
+        results.append((losses, {name: p.grad for name, p in model.named_parameters()},
+                        {name: b.clone() for name, b in model.named_buffers()}))
+    (losses, grads, buffers), (losses_saved, grads_saved, buffers_saved) = results
+    assert all(torch.equal(a, b) for a, b in zip(losses, losses_saved))
+    assert grads.keys() == grads_saved.keys() and all(torch.equal(grads[n], grads_saved[n]) for n in grads)
+    assert buffers.keys() == buffers_saved.keys() and all(torch.equal(buffers[n], buffers_saved[n]) for n in buffers)
