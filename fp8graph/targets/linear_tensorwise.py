@@ -166,7 +166,8 @@ class CallSpec:
         """``inverse_scale`` as the forward GEMM reads it; where the transposed copies are saved (and delayed
         scaling's always, see the module's doc), tied to the copy the backward reads, so that the copy is written
         in the forward (``fp8graph.targets.partitioning``)."""
-        return keep_for_backward(inverse_scale, x_t_fp8) if self.saves_transposes or self.delayed else inverse_scale
+        tied = self.saves_transposes or (self.native_layouts and self.delayed)  # the emulation's copy is a view
+        return keep_for_backward(inverse_scale, x_t_fp8) if tied else inverse_scale
 
     def recasts_weight(self, source: torch.Tensor | None) -> bool:
         """Whether the backward casts the weight's transposed copy from ``source`` (the weight), rather than the
@@ -414,7 +415,8 @@ class _LinearsFP8(torch.autograd.Function):
                 if bias_hp is not None:
                     output = output + bias_hp.to(output_dtype)
                 outputs.append(output)  # (M, N_i)
-                saved_weights += [weight_fp8_t, weight_inverse_scale, *((source, weight_scale) if recast else (None, None))]
+                saved_weights += [weight_fp8_t, weight_inverse_scale,
+                                  *((source, weight_scale) if recast else (None, None))]
             for member, weight_hp, (weight_fp8, weight_scale, _, _) in zip(members, weights_hp, weights):
                 if member.stats is not None:
                     if is_gathered(weight_hp):
