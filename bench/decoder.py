@@ -54,10 +54,10 @@ from .timing import (accumulated_step, attempt, environment, failed, last_weight
                      report, require_fp8_sites, time_compiled, time_ms, title, write_partial)
 
 RECIPES = {name: PRESETS[name] for name in ("current", "delayed", "rowwise", "block")}
-# The per-tensor recipes with the transposed FP8 copies written by the forward and saved (recipe.save_transposes):
+# The recipes with the transposed FP8 copies written by the forward and saved (recipe.save_transposes):
 # what the default's leaner memory costs in time. Made when compiled (recipe_of), so that this module still
 # imports beside an fp8graph from before the field (the cost model's calibration runs earlier commits).
-SAVED_TRANSPOSES = tuple(f"{name} saved-transposes" for name in ("current", "delayed"))
+SAVED_TRANSPOSES = tuple(f"{name} saved-transposes" for name in ("current", "delayed", "rowwise", "block"))
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 CONFIGS = ("bench-8b-layer", "llama3-8b")
 

@@ -38,9 +38,9 @@ from .timing import markdown_table, project_commit, with_verdicts, write_result
 
 DEVICES = {"H100": "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs)", "H200": "NVIDIA H200 (sm_90, 132 SMs)"}
 FP8GRAPH = ["current", "delayed", "rowwise", "block"]
-# The recipes whose casts fp8graph.costs holds a table of: the presets, and the per-tensor ones with their transposes
-# saved for the backward (recipe.save_transposes), whose casts differ.
-CAST_TABLE = [*FP8GRAPH[:2], *(f"{name} saved-transposes" for name in FP8GRAPH[:2]), *FP8GRAPH[2:]]
+# The recipes whose casts fp8graph.costs holds a table of: the presets, and each with its transposes saved for the
+# backward (recipe.save_transposes), whose casts differ.
+CAST_TABLE = [*FP8GRAPH, *(f"{name} saved-transposes" for name in FP8GRAPH)]
 TORCHAO = ["torchao tensorwise", "torchao rowwise"]
 
 

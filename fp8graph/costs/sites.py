@@ -33,7 +33,7 @@ __all__ = ["SiteTimes", "site_times"]
 _BF16_BYTES = 2
 # MXFP8's casts are not in the table (the cost model has no MXFP8 contestant): block scaling's are the
 # nearest, one read of each operand writing it and its transposed copy with a scale per 32 or 128 elements.
-_CASTS_STANDING_IN = {"mxfp8": "block"}
+_CASTS_STANDING_IN = {"mxfp8": "block", "mxfp8 saved-transposes": "block saved-transposes"}
 
 
 @dataclasses.dataclass(frozen=True)

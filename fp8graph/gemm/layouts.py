@@ -15,5 +15,12 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
 
 def column_major(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its second-last dimension is contiguous, else a copy laid out so."""
-    t_t = t.transpose(-2, -1)
-    return t if t_t.is_contiguous() else t_t.contiguous().transpose(-2, -1)
+    t_t = _swap_last_two(t)
+    return t if t_t.is_contiguous() else _swap_last_two(t_t.contiguous())
+
+
+def _swap_last_two(t: torch.Tensor) -> torch.Tensor:
+    """``t.transpose(-2, -1)`` as a permute: AOTAutograd's partitioner counts a permute, not a transpose, as a view
+    a cast can fuse through, and so may cast in the backward what only the backward reads
+    (``fp8graph.targets.linear_tiled``)."""
+    return t.permute(*range(t.dim() - 2), t.dim() - 1, t.dim() - 2)

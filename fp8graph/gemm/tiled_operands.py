@@ -7,15 +7,17 @@ along different dimensions is quantized once for each; square tiles serve both t
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from fp8graph.gemm.scaled_gemm import one_buffer
 from fp8graph.kernels.quantize_tiles import kernel_quantizes
 from fp8graph.numerics.formats import Role
-from fp8graph.numerics.tiles import Tiling, reference_quantize_tiles
+from fp8graph.numerics.tiles import Tiling, reference_quantize_tiles, reference_quantize_tiles_by
 from fp8graph.recipes.scaling import TiledRecipe
 
-__all__ = ["TiledOperand", "cached_weight_operands", "expert_blocks", "quantize_both_ways"]
+__all__ = ["TiledOperand", "cached_weight_operands", "expert_blocks", "kernel_casts", "quantize_both_ways"]
 
 
 class TiledOperand:
@@ -29,8 +31,15 @@ class TiledOperand:
         return TiledOperand(self.fp8.t(), self.scale.t(), self.tiling)
 
 
+def kernel_casts(x_hp: torch.Tensor, tiling: Tiling) -> bool:
+    """Whether :func:`quantize_both_ways` casts ``x_hp`` with fp8graph's kernel (on CUDA, the tilings it
+    quantizes faster than Inductor's code: ``fp8graph.kernels.quantize_tiles.kernel_quantizes``)."""
+    return x_hp.device.type == "cuda" and kernel_quantizes(tiling)
+
+
 def quantize_both_ways(x_hp: torch.Tensor, tiling: Tiling, along_rows: bool, along_columns: bool,
-                       use_kernel: bool | None = None) -> tuple[TiledOperand | None, TiledOperand | None]:
+                       use_kernel: bool | None = None, scales_read: Callable[[torch.Tensor], torch.Tensor] | None = None
+                       ) -> tuple[TiledOperand | None, TiledOperand | None]:
     """``x_hp`` (R, C) quantized along its rows (C reduced) and, transposed, along its columns (R reduced).
 
     On CUDA, tilings that fp8graph's kernel quantizes faster than Inductor's
@@ -38,10 +47,14 @@ def quantize_both_ways(x_hp: torch.Tensor, tiling: Tiling, along_rows: bool, alo
     layouts from one read. Elsewhere the plain-torch ``reference_quantize_tiles``, which
     Inductor fuses with the producer of ``x_hp``; square tiles then reuse the
     row-major quantization transposed (bit for bit what a requantization gives).
-    ``use_kernel`` overrides the choice (tests run the ops' CPU reference so).
+    ``use_kernel`` overrides the choice (tests run the ops' CPU reference so). ``scales_read``: what Inductor's
+    code casts with is ``scales_read(scale)`` (the same values; ``reference_quantize_tiles_by``); the kernel takes
+    none.
     """
     if use_kernel is None:
-        use_kernel = x_hp.device.type == "cuda" and kernel_quantizes(tiling)
+        use_kernel = kernel_casts(x_hp, tiling)
+    if use_kernel and scales_read is not None:
+        raise ValueError("fp8graph's tile kernel computes its scales itself: no scales_read")
     if use_kernel:
         tile_args = (tiling.rows, tiling.cols, tiling.scale_kind.value)
         if along_rows and along_columns:
@@ -51,18 +64,19 @@ def quantize_both_ways(x_hp: torch.Tensor, tiling: Tiling, along_rows: bool, alo
         x_t_q = (TiledOperand(*torch.ops.fp8graph.quantize_tiles(x_hp.t(), *tile_args), tiling)
                  if along_columns else None)
         return x_q, x_t_q
-    x_q = _inductor_quantized(x_hp, tiling) if along_rows else None
+    scales_read = scales_read or (lambda scale: scale)
+    x_q = _inductor_quantized(x_hp, tiling, scales_read) if along_rows else None
     x_t_q = None
     if along_columns:
         x_t_q = (x_q.transposed() if tiling.is_square and x_q is not None
-                 else _inductor_quantized(x_hp.t(), tiling))
+                 else _inductor_quantized(x_hp.t(), tiling, scales_read))
     return x_q, x_t_q
 
 
-def _inductor_quantized(x_hp: torch.Tensor, tiling: Tiling) -> TiledOperand:
+def _inductor_quantized(x_hp: torch.Tensor, tiling: Tiling, scales_read) -> TiledOperand:
     """``reference_quantize_tiles`` of ``x_hp``, its FP8 values one buffer however many GEMMs read them (q, k and v
     quantize their shared input identically: one node once the graph's duplicates merge)."""
-    x_fp8, scale = reference_quantize_tiles(x_hp, tiling)
+    x_fp8, scale = reference_quantize_tiles_by(x_hp, tiling, scales_read)
     return TiledOperand(one_buffer(x_fp8) if x_hp.device.type == "cuda" else x_fp8, scale, tiling)
 
 

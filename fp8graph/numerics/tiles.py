@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Callable
 
 import torch
 
@@ -32,7 +33,8 @@ from fp8graph.numerics.formats import fp8_max_exponent
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
 __all__ = ["ScaleKind", "Tiling", "reference_dequantize_tiles", "e8m0_bytes", "e8m0_to_scale", "expand_scale",
-           "mx_scale_e8m0", "reference_quantize_tiles", "reference_quantize_tiles_and_transpose", "tile_amax"]
+           "mx_scale_e8m0", "reference_quantize_tiles", "reference_quantize_tiles_and_transpose", "reference_quantize_tiles_by",
+           "tile_amax"]
 
 
 class ScaleKind(str, enum.Enum):
@@ -78,7 +80,10 @@ def _as_tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def tile_amax(x_hp: torch.Tensor, tiling: Tiling) -> torch.Tensor:
     """Largest finite magnitude of each tile (0 if none), fp32, shape (R / rows, C / cols)."""
     cols = tiling.tile_cols(x_hp)
-    return _as_tiles(finite_magnitude(x_hp.detach()), tiling.rows, cols).amax(dim=(1, 3))
+    # Detached where autograd tracks x_hp only: AOTAutograd's partitioner takes a detach for an op a cast cannot
+    # fuse through, and so would not cast in the backward what only the backward reads.
+    x_hp = x_hp.detach() if x_hp.requires_grad and torch.is_grad_enabled() else x_hp
+    return _as_tiles(finite_magnitude(x_hp), tiling.rows, cols).amax(dim=(1, 3))
 
 
 _MANTISSA_BITS = 23
@@ -133,6 +138,16 @@ def reference_quantize_tiles(
     ``C'`` is C padded with zeros to a multiple of the tile width. R must be
     a multiple of ``tiling.rows`` (site eligibility checks it).
     """
+    return reference_quantize_tiles_by(x_hp, tiling, lambda scale: scale, fp8_dtype)
+
+
+def reference_quantize_tiles_by(
+    x_hp: torch.Tensor, tiling: Tiling, scales_read: Callable[[torch.Tensor], torch.Tensor],
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reference_quantize_tiles`, casting with ``scales_read(scale)``, a tensor of the same values: where
+    a graph reads the scales is the caller's (``fp8graph.targets.linear_tiled`` ties a backward's cast to its
+    gradient), the bytes are the same."""
     if tiling.cols is not None:
         x_hp = _pad_columns(x_hp, tiling.cols)
     amax_fp32 = tile_amax(x_hp, tiling)
@@ -140,6 +155,7 @@ def reference_quantize_tiles(
         scale = e8m0_to_scale(mx_scale_e8m0(amax_fp32, fp8_dtype))
     else:
         scale = amax_to_scale(amax_fp32, fp8_dtype, tiling.scale_kind is ScaleKind.POWER_2)
+    scale = scales_read(scale)
     cols = tiling.tile_cols(x_hp)
     x_tiles = _as_tiles(x_hp, tiling.rows, cols)
     x_fp8 = quantize(x_tiles, scale[:, None, :, None], fp8_dtype)

@@ -280,21 +280,27 @@ class _TiledScaling(_RecipeKind):
         raise NotImplementedError
 
 
+def _saved_named(recipe: _TiledScaling, name: str) -> str:
+    return f"{name[:-1]}, saved transposes)" if recipe.save_transposes else name
+
+
 @dataclasses.dataclass(frozen=True)
 class _ExactOrPower2Scaling(_TiledScaling):
     """Tiled recipes whose scales are exact or, by default, rounded down to powers of two."""
 
     power_2_scales: bool = True
+    save_transposes: bool = False
 
     def __post_init__(self) -> None:
         _check_type(self, "power_2_scales", bool)
+        _check_type(self, "save_transposes", bool)
 
     @property
     def scale_kind(self) -> ScaleKind:
         return ScaleKind.POWER_2 if self.power_2_scales else ScaleKind.EXACT
 
     def _named(self, name: str) -> str:
-        return f"{name[:-1]}, pow2)" if self.power_2_scales else name
+        return _saved_named(self, f"{name[:-1]}, pow2)" if self.power_2_scales else name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +315,7 @@ class Float8RowwiseScaling(_ExactOrPower2Scaling):
 
     Args:
         power_2_scales: round each scale down to a power of two (exact scaling).
+        save_transposes: as for block scaling.
     """
 
     kind: ClassVar[str] = "rowwise"
@@ -334,6 +341,14 @@ class Float8BlockScaling(_ExactOrPower2Scaling):
 
     Args:
         power_2_scales: round each scale down to a power of two.
+        save_transposes: the backward GEMMs' operands cast along the other dimension (each weight's and each
+            input's, in FP8) are written by the forward and saved until the backward (``True``): a step reads
+            each weight once less, and holds one byte a weight element and an input element more from forward
+            to backward. ``False`` (default): the backward casts them from the weight and from the input, which
+            AOTAutograd's partitioner saves or makes again from what the backward keeps anyway, so that a step
+            keeps no more for its backward than BF16's (``fp8graph.targets.linear_tiled``); on CUDA an input
+            fp8graph's kernel casts (1x128) keeps its copy from the forward. The bytes, and so the results, are
+            the same either way.
     """
 
     kind: ClassVar[str] = "block"
@@ -356,6 +371,9 @@ class MXFP8BlockScaling(_TiledScaling):
     The scale of a block is the power of two at or above ``amax / 448``, so no
     element saturates. Every GEMM quantizes its operands along its own
     reduction dimension from high precision. K and N must be multiples of 32.
+
+    Args:
+        save_transposes: as for block scaling.
     """
 
     kind: ClassVar[str] = "mxfp8"
@@ -363,13 +381,18 @@ class MXFP8BlockScaling(_TiledScaling):
     dim_multiple = 32
     granularity = Granularity.MX
 
+    save_transposes: bool = False
+
+    def __post_init__(self) -> None:
+        _check_type(self, "save_transposes", bool)
+
     @property
     def power_2_scales(self) -> bool:
         return True
 
     @property
     def name(self) -> str:
-        return "mxfp8(E4M3, 1x32, E8M0)"
+        return _saved_named(self, "mxfp8(E4M3, 1x32, E8M0)")
 
     def tiling(self, role: Role) -> Tiling:
         return Tiling(1, 32, ScaleKind.E8M0)

@@ -188,12 +188,17 @@ def _cast_grad_output_delayed(grad_output_hp, state, spec: GroupedSpec):
     return grad_output_fp8, new_scale[0], new_scale.reciprocal().expand(grad_output_hp.shape[0])
 
 
-def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec, after: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight_hp`` (E, N, K) cast along N, one scale per expert and column: ``(weight_t_fp8 (E, K, N),
     scale (E, K))``, written in the layout grad_input's GEMM reads (N contiguous). The amax and the
     cast read the weight where it lies; only the FP8 write is transposed (a transposed bf16 copy first would
-    cost the weight's bytes twice more)."""
-    scale = _scale(finite_magnitude(weight_hp.detach()).amax(dim=1), spec)  # (E, K)
+    cost the weight's bytes twice more). With ``after`` (a backward's gradient) the scales are read when that
+    backward runs, so the partitioner leaves the cast there (``fp8graph.targets.linear_tiled._cast_in_backward``)."""
+    magnitude = finite_magnitude(weight_hp.detach() if torch.is_grad_enabled() else weight_hp)
+    scale = _scale(magnitude.amax(dim=1), spec)  # (E, K)
+    if after is not None:
+        scale = read_in_backward(scale, after)
     weight_t_fp8 = quantize(weight_hp, scale[:, None, :], _FP8).transpose(-2, -1).contiguous()
     return weight_t_fp8, scale
 
@@ -305,6 +310,13 @@ class _GroupedFP8(torch.autograd.Function):
                 else:
                     input_placed, input_inverse = _placed_in_the_forward(input_fp8, input_inverse, offsets, spec)
                     saved_input = (input_placed, input_inverse[:1].expand(experts, input_hp.shape[1]))
+            weight_columns = None  # row-wise's cast along N for grad_input, where the forward writes it
+            if needs_grad_input and weight_copy is None and spec.per_row and spec.recipe.save_transposes:
+                # Saved and tied to the forward GEMM's scales, else the partitioner casts it again from the weight
+                # in the backward (fp8graph.targets.partitioning).
+                with saved_not_recomputed():
+                    weight_columns = _cast_expert_columns(weight_hp, spec)  # (E, K, N), (E, K)
+                weight_inverse = keep_for_backward(weight_inverse, weight_columns[0])
             # output = input . weight_e^T  (S, N); fast accumulation for the forward GEMM, as for linears.
             output = grouped_scaled_gemm(input_fp8, input_inverse, weight_fp8.transpose(-2, -1), weight_inverse,
                                          offsets, output_dtype, spec.lowering, use_fast_accum=True)
@@ -312,9 +324,10 @@ class _GroupedFP8(torch.autograd.Function):
                 # grad_input reduces along N: row-wise casts each expert's columns; per expert, the cast is kept.
                 if weight_copy is not None:
                     saved_weight = (weight_t_fp8, weight_t_inverse)  # (E, K, N), (E, K)
-                elif spec.per_row:
-                    weight_t_fp8, weight_t_scale = _cast_expert_columns(weight_hp, spec)  # (E, K, N), (E, K)
-                    saved_weight = (weight_t_fp8, weight_t_scale.reciprocal())
+                elif weight_columns is not None:
+                    saved_weight = (weight_columns[0], weight_columns[1].reciprocal())
+                elif spec.per_row:  # cast along N in the backward, from the weight (kept anyway)
+                    saved_weight = (weight_hp, None)
                 else:
                     saved_weight = (weight_t_fp8, weight_inverse[:, :1].expand(experts, weight_hp.shape[2]))
         ctx.save_for_backward(offsets, *saved_input, *saved_weight, gather_index)
@@ -340,6 +353,9 @@ class _GroupedFP8(torch.autograd.Function):
             if ctx.stats is not None:
                 record_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp, grad_output_fp8,
                               health_scales(grad_output_scale), spec.recipe)
+            if needs_grad_input and weight_t_inverse is None:  # the weight itself: cast along N now
+                weight_t_fp8, weight_t_scale = _cast_expert_columns(weight_t_fp8, spec, after=grad_output_hp)
+                weight_t_inverse = weight_t_scale.reciprocal()
             if needs_grad_input:
                 # grad_input = grad_output . weight_e  (S, K): B is weight_e^T^T, (E, N, K) read column-major.
                 grad_input = grouped_scaled_gemm(grad_output_fp8, grad_output_inverse, weight_t_fp8.transpose(-2, -1),

@@ -9,14 +9,23 @@ Each GEMM quantizes both operands along its own reduction dimension::
 A tile's scale covers elements of one GEMM's reduction dimension only, so an
 operand quantized for one GEMM cannot serve another transposed (its scales
 would run across the other GEMM's reduction). Each operand is therefore
-quantized both ways from high precision: ``input`` and ``input_t``,
-``weight`` and ``weight_t`` in the forward (the transposes saved in FP8 for
-the backward), ``grad_output`` and ``grad_output_t`` in the backward. On CUDA
-the 1x128 and 128x128 tilings run fp8graph's kernel, which writes both
-layouts from one read; the others run Inductor's code, fused with the
-operand's producer (``fp8graph.kernels.quantize_tiles`` says which and why).
-A weight with square tiles (block scaling's 128x128) has the same tiles
-transposed, so both layouts share one quantization.
+quantized both ways from high precision: ``input`` and ``weight`` in the
+forward, ``grad_output`` and ``grad_output_t`` in the backward, and
+``input_t`` and ``weight_t`` where the recipe's ``save_transposes`` says:
+
+    save_transposes=False (default)   in the backward, from the weight (kept anyway) and from the input,
+                                      which AOTAutograd's partitioner saves or makes again from what the
+                                      backward keeps anyway: a step keeps no FP8 copy for its backward
+                                      (but an input fp8graph's kernel casts, below)
+    save_transposes=True              in the forward, saved in FP8: the backward reads no weight
+
+On CUDA the 1x128 and 128x128 tilings run fp8graph's kernel, which writes
+both layouts from one read (an input it casts keeps its transposed copy
+from the forward: cast again, it would be saved in high precision, twice
+its FP8 bytes); the others run Inductor's code, fused with the operand's
+producer (``fp8graph.kernels.quantize_tiles`` says which and why). A weight
+with square tiles (block scaling's 128x128) has the same tiles transposed,
+so both layouts share one quantization.
 
 Under FSDP2 a weight may arrive all-gathered in FP8 already (``fp8graph.fsdp``),
 and is not cast again: block scaling's tiles serve both GEMMs; MXFP8 gathers
@@ -37,6 +46,7 @@ Only the weight-gradient output and the bias stay in high precision.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable
 
@@ -46,10 +56,11 @@ from fp8graph.fsdp.gathered_weight import GatheredFP8Weight, is_gathered
 from fp8graph.numerics.formats import Role
 from fp8graph.targets.linear_tensorwise import autocast_dtype, record_health, target_name
 from fp8graph.gemm.scaled_gemm import Lowering, tiled_scaled_gemm
-from fp8graph.gemm.tiled_operands import TiledOperand, cached_weight_operands, quantize_both_ways
+from fp8graph.gemm.tiled_operands import TiledOperand, cached_weight_operands, kernel_casts, quantize_both_ways
 from fp8graph.recipes.scaling import TiledRecipe
 from fp8graph.targets.cache_hash import register_target
-from fp8graph.numerics.tiles import e8m0_to_scale, expand_scale
+from fp8graph.numerics.tiles import Tiling, e8m0_to_scale, expand_scale
+from fp8graph.targets.partitioning import keep_for_backward, read_in_backward, saved_not_recomputed
 
 __all__ = ["linear_tiled_target", "record_tiled_health"]
 
@@ -126,8 +137,14 @@ class _LinearTiled(torch.autograd.Function):
         # does not see (the caller passes the grad mode).
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         with torch.autocast(device_type, enabled=False):
-            # (M, K), (K, M')
-            input_q, input_t_q = quantize_both_ways(input_hp_2d, input_tiling, True, needs_grad_weight)
+            # (M, K), and (K, M') where the forward writes grad_weight's operand: with recipe.save_transposes, and
+            # where fp8graph's kernel casts the input (which the backward could only cast from the input saved
+            # in high precision, twice the bytes of its FP8 copy).
+            saves = recipe.save_transposes
+            input_recast = needs_grad_weight and not saves and not kernel_casts(input_hp_2d, input_tiling)
+            with _saved_if(saves):
+                input_q, input_t_q = quantize_both_ways(input_hp_2d, input_tiling, True,
+                                                        needs_grad_weight and not input_recast)
             weight_row_scale = None
             if is_gathered(weight_hp):  # FSDP2 gathered it cast (fp8graph.fsdp.shard_casts)
                 weight_q, weight_t_q, weight_row_scale = _gathered_operands(weight_hp, recipe, needs_grad_input)
@@ -135,8 +152,13 @@ class _LinearTiled(torch.autograd.Function):
                 weight_q, weight_t_q = _weight_through_copy(weight_hp, recipe, *weight_copy)
                 weight_t_q = weight_t_q if needs_grad_input else None
             else:
-                # (N, K), (K, N)
-                weight_q, weight_t_q = quantize_both_ways(weight_hp, weight_tiling, True, needs_grad_input)
+                # (N, K), and (K, N) where the forward writes grad_input's operand
+                with _saved_if(saves):
+                    weight_q, weight_t_q = quantize_both_ways(weight_hp, weight_tiling, True,
+                                                              needs_grad_input and saves)
+            if saves:  # tied to the forward GEMM's scales, so that the forward writes them (as MUST_SAVE keeps them)
+                kept = [x_t_q.fp8 for x_t_q in (input_t_q, weight_t_q) if x_t_q is not None]
+                input_q = TiledOperand(input_q.fp8, keep_for_backward(input_q.scale, *kept), input_q.tiling)
             # Fast accumulation for the forward GEMM, as for per-tensor scaling.
             output = _gemm(input_q, weight_q, output_dtype, lowering, use_fast_accum=True)
             if bias_hp is not None:
@@ -146,7 +168,11 @@ class _LinearTiled(torch.autograd.Function):
                     raise AssertionError("stats=True gathers weights in high precision (fp8graph.fsdp.install)")
                 record_tiled_health(stats, Role.INPUT, input_hp_2d, input_q, recipe)
                 record_tiled_health(stats, Role.WEIGHT, weight_hp, weight_q, recipe)
-        ctx.save_for_backward(*_saved(input_t_q), *_saved(weight_t_q), weight_row_scale)
+        # What the forward did not cast for the backward, the backward casts from high precision (the weight, a
+        # parameter, is kept anyway; the input as AOTAutograd's partitioner chooses: saved, or made again).
+        input_source = input_hp_2d if input_recast else None
+        weight_source = weight_hp if needs_grad_input and weight_t_q is None else None
+        ctx.save_for_backward(*_saved(input_t_q), *_saved(weight_t_q), weight_row_scale, input_source, weight_source)
         ctx.recipe, ctx.lowering, ctx.stats = recipe, lowering, stats
         ctx.input_dtype, ctx.weight_dtype = input_hp_2d.dtype, weight_hp.dtype
         ctx.bias_dtype = None if bias_hp is None else bias_hp.dtype
@@ -154,7 +180,8 @@ class _LinearTiled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output_hp_2d):  # (M, N)
-        input_t_fp8, input_t_scale, weight_t_fp8, weight_t_scale, weight_row_scale = ctx.saved_tensors
+        (input_t_fp8, input_t_scale, weight_t_fp8, weight_t_scale, weight_row_scale, input_source,
+         weight_source) = ctx.saved_tensors
         recipe: TiledRecipe = ctx.recipe
         needs_grad_input, needs_grad_weight, needs_grad_bias = ctx.needs_input_grad[:3]
         grad_input = grad_weight = grad_bias = None
@@ -172,16 +199,44 @@ class _LinearTiled(torch.autograd.Function):
             if ctx.stats is not None:
                 record_tiled_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp_2d, grad_output_q, recipe)
             if needs_grad_input:
-                weight_t_q = TiledOperand(weight_t_fp8, weight_t_scale, recipe.tiling(Role.WEIGHT))  # (K, N)
+                weight_t_q = (TiledOperand(weight_t_fp8, weight_t_scale, recipe.tiling(Role.WEIGHT))  # (K, N)
+                              if weight_source is None
+                              else _cast_in_backward(weight_source, recipe.tiling(Role.WEIGHT), grad_output_hp_2d))
                 grad_input = _gemm(grad_output_q, weight_t_q, ctx.input_dtype, ctx.lowering)  # (M, K)
             if needs_grad_weight:
-                input_t_q = TiledOperand(input_t_fp8, input_t_scale, recipe.tiling(Role.INPUT))  # (K, M')
-                if grad_output_t_q.fp8.shape[1] != input_t_fp8.shape[1]:
+                input_t_q = (TiledOperand(input_t_fp8, input_t_scale, recipe.tiling(Role.INPUT))  # (K, M')
+                             if input_source is None
+                             else _cast_in_backward(input_source, recipe.tiling(Role.INPUT), grad_output_hp_2d))
+                if grad_output_t_q.fp8.shape[1] != input_t_q.fp8.shape[1]:
                     raise AssertionError("grad_output and input padded to different token counts")
                 grad_weight = _gemm(grad_output_t_q, input_t_q, ctx.weight_dtype, ctx.lowering)
             if needs_grad_bias and ctx.bias_dtype is not None:
                 grad_bias = grad_output_hp_2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _saved_if(saves: bool):
+    """With ``recipe.save_transposes``, the casts the backward reads are saved from the forward, never cast again
+    there (the partitioner would otherwise cast a weight's again from the parameter, which it keeps anyway; marked
+    ``MUST_SAVE`` and tied to the forward GEMM: ``fp8graph.targets.partitioning``)."""
+    return saved_not_recomputed() if saves else contextlib.nullcontext()
+
+
+def _cast_in_backward(x_hp: torch.Tensor, tiling: Tiling, grad: torch.Tensor) -> TiledOperand:
+    """``x_hp`` (R, C) cast along R and laid out (C, R'), in the backward that computes ``grad``: the bytes the
+    forward's ``quantize_both_ways`` would have written (square tiles group the same elements either way round:
+    their cast of ``x_hp`` transposed is the forward's tiles transposed, written in the layout the GEMM reads).
+
+    Left to itself AOTAutograd's partitioner may cast in the forward and save the copy. Tied to ``grad``
+    (``fp8graph.targets.partitioning.read_in_backward``), the tiles' scales are read in the backward, so the cast
+    and its layout run in the backward's kernels, from ``x_hp`` saved or made again there from what the backward
+    keeps anyway (the amaxes too, or a few bytes a tile saved from the forward, as the partitioner chooses).
+    fp8graph's kernel computes its scales itself: it reads ``x_hp`` tied so, a weight, which is kept anyway."""
+    if kernel_casts(x_hp, tiling):
+        _, x_t_q = quantize_both_ways(read_in_backward(x_hp, grad), tiling, False, True)
+    else:
+        _, x_t_q = quantize_both_ways(x_hp, tiling, False, True, scales_read=lambda scale: read_in_backward(scale, grad))
+    return x_t_q
 
 
 def _saved(x_q: TiledOperand | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
