@@ -60,7 +60,8 @@ CAST_TRAFFIC: dict[str, RecipeCasts] = {
     ), small_launches=6, small_backward_launches=2),
     "delayed": RecipeCasts((
         _k("input", False, False, 1, 2.0, 1.0),
-        _k("input", False, True, 1, 1.0, 1.0),
+        _k("input", True, False, 1, 2.0, 1.0),
+        _k("input", True, True, 1, 1.0, 1.0),
         _k("weight", False, False, 1, 2.0, 1.0),
         _k("weight", True, False, 1, 2.0, 1.0),
         _k("grad_output", True, False, 1, 2.0, 1.0),

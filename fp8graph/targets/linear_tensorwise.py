@@ -45,9 +45,10 @@ What is kept from forward to backward is the recipe's ``save_transposes``:
   high-precision tensors the backward keeps anyway (a norm's input, the MLP's
   gate and up), inside the kernels that read them there. A step then keeps
   what torchao's does (``tests/targets/test_activation_memory.py``). Delayed
-  scaling saves its inputs' copies: cast again in the backward, Inductor
-  stores them from inside reduction kernels (what that costs is in
-  docs/benchmarks.md, modelled).
+  scaling's backward casts each input again row-major, inside the kernels
+  that read it there, and transposes the bytes (``fp8graph::transpose_fp8``):
+  cast transposed there, Inductor would store the copy from inside those
+  kernels' reductions.
 - ``True``: both layouts are cast in the forward and the transposed copies
   are saved, so a step reads each weight for its amax (current scaling) and
   once for its casts, never again in the backward, holding 1 byte a weight
@@ -174,6 +175,22 @@ class CallSpec:
         forward writing it and saving it: where the copies are not saved and the weight is at hand (not a kept
         or gathered cast)."""
         return self.native_layouts and not self.saves_transposes and source is not None
+
+    def recasts_input(self) -> bool:
+        """Whether delayed scaling's backward casts each input's copy again (the row-major cast, then
+        ``fp8graph::transpose_fp8`` of its bytes), rather than the forward writing it and saving it: where the
+        copies are not saved. Current scaling leaves the choice to the partitioner (:meth:`transposed`)."""
+        return self.native_layouts and self.delayed and not self.saves_transposes
+
+    def cast_again_transposed(self, x_hp: torch.Tensor, scale: torch.Tensor, role: Role,
+                              grad: torch.Tensor) -> torch.Tensor:
+        """In the backward that computes ``grad``: the (C, R) copy of an (R, C) operand's delayed cast, the bytes
+        the forward wrote. The row-major cast is made again, with ``scale`` read when the backward runs
+        (``read_in_backward``), so that the partitioner keeps it there, inside the kernels that read ``x_hp`` or
+        what it is made from (a norm's backward, SwiGLU's), stored row by row, and its bytes are transposed apart
+        (cast transposed there, Inductor would store the copy from inside those kernels' reductions)."""
+        x_fp8 = quantize(x_hp, read_in_backward(scale, grad), self.recipe.fp8_dtype(role))
+        return transpose_fp8(one_buffer(x_fp8))
 
     def transposed(self, x_fp8: torch.Tensor, x_hp: torch.Tensor | None, scale: torch.Tensor, role: Role):
         """The (C, R) FP8 copy of an (R, C) operand, written for the GEMM that reads it transposed.
@@ -395,8 +412,9 @@ class _LinearsFP8(torch.autograd.Function):
             input_fp8 = spec.gemm_operand(input_fp8)
             # grad_weight reads the input column-major: its transposed copy, written now and kept
             # instead of the row-major one (fp8graph.targets.partitioning keeps it in the forward).
+            input_recast = any(needs_grad_weight) and spec.recasts_input()  # else the forward writes it
             input_fp8_t = (spec.transposed(input_fp8, input_hp_2d, input_scale, Role.INPUT)
-                           if any(needs_grad_weight) else None)
+                           if any(needs_grad_weight) and not input_recast else None)
             input_inverse_scale_forward = spec.kept(input_inverse_scale, input_fp8_t)
             outputs, saved_weights = [], []
             for (weight_fp8, weight_scale, weight_inverse_scale, source), weight_hp, bias_hp in zip(
@@ -425,7 +443,8 @@ class _LinearsFP8(torch.autograd.Function):
             _record_shared_health([m.stats for m in members], Role.INPUT, input_hp_2d, input_fp8, input_scale,
                                   recipe)
         # The backward's GEMMs read the dequantization factors only: no reciprocal there.
-        ctx.save_for_backward(input_fp8_t, input_inverse_scale, *saved_weights)
+        ctx.save_for_backward(input_fp8_t, input_inverse_scale, *saved_weights,
+                              *((input_hp_2d, input_scale) if input_recast else (None, None)))
         ctx.spec, ctx.members = spec, members
         ctx.input_dtype = input_hp_2d.dtype
         ctx.weight_dtypes = [w.dtype for w in weights_hp]
@@ -434,9 +453,11 @@ class _LinearsFP8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs_hp_2d):  # (M, N_i)
-        input_fp8_t, input_inverse_scale, *saved_weights = ctx.saved_tensors
+        input_fp8_t, input_inverse_scale, *saved_weights, input_hp_2d, input_scale = ctx.saved_tensors
         spec: CallSpec = ctx.spec
         count = len(ctx.members)
+        if input_hp_2d is not None and any(ctx.needs_input_grad[3:3 + count]):  # the input's copy, cast now
+            input_fp8_t = spec.cast_again_transposed(input_hp_2d, input_scale, Role.INPUT, grad_outputs_hp_2d[0])
         needs_grad_input = ctx.needs_input_grad[0]
         grad_input, grad_weights, grad_biases = None, [None] * count, [None] * count
         with torch.autocast(grad_outputs_hp_2d[0].device.type, enabled=False):
