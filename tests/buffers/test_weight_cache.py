@@ -501,6 +501,8 @@ def test_gpt2_conv1d_weights_stored_k_n_get_n_k_copies_and_train_like_uncached(c
     ``w.t()``, and the copy is laid out (N, K) like an nn.Linear's."""
     model = build("gpt2", "tiny")
     cached_model = copy.deepcopy(model)
+    # Uncached, the graphs of tests/test_backend.py's GPT-2 test (the same config and token shape): kept alike, so
+    # that a suite run compiles them once.
     losses, _ = _train_with_accumulation(model, fp8graph.compile(model, compiler=compiler, cache_weights=False))
     torch._dynamo.reset()
     compiled = fp8graph.compile(cached_model, compiler=compiler, cache_weights=True)
