@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
 # the expensive part runs once (FSDP2's ranks, the modelled MoE steps, the fp32 reference losses).
 _SHARED_MODULES = {"tests/apps/test_train_distributed.py", "tests/bench/test_moe_bench.py",
                    "tests/bench/test_cost_model.py", "tests/inspection/test_report.py", "tests/test_training.py",
-                   "tests/passes/test_operator_spellings.py"}
+                   "tests/passes/test_operator_spellings.py", "tests/targets/test_activation_memory.py"}
 
 
 def _known_seconds() -> dict[str, float]:
