@@ -4,7 +4,9 @@ One program per member of a call and row it records: the rows are independent (e
 slice, partial amaxes and scale), and an expert weight's call records 1 + E of them, which one program
 went through one after another (the H200 profiled 255 us a call of Qwen3-30B-A3B's 129 rows, 2026-11-27).
 The tuples of pointers and lengths are specialized on their length: a call of m members compiles once
-and runs in one launch. Loops over runtime lengths are ``while`` loops: Triton's
+and runs in one launch. A tuple's element is chosen by a branch per member and row, unrolled, so an expert
+call's rows (its experts' amaxes, rows of one tensor) run ``record_delayed_rows_kernel``, which reaches each
+row by its offset instead. Loops over runtime lengths are ``while`` loops: Triton's
 interpreter (the numerics check) cannot bound a ``range`` by an argument.
 """
 
@@ -59,3 +61,24 @@ def record_delayed_kernel(histories, scales, row_amaxes, row_amax_lengths, new_s
                     tl.store(scales[i] + r, new_scale)
                     if KEEP and r >= 1:  # every row but the first also into the kept buffers
                         tl.store(kept_scales[i] + (r - 1), new_scale)
+
+
+@triton.jit
+def record_delayed_rows_kernel(history, scale, first_amaxes, first_length, row_amaxes, row_stride, row_length,
+                               new_scales, kept_scale, history_len, KEEP: tl.constexpr, BLOCK_AMAX: tl.constexpr,
+                               BLOCK_HISTORY: tl.constexpr):
+    """One member whose rows but the first read their partial amaxes at ``row_amaxes + (row - 1) * row_stride``,
+    each ``row_length`` long (an expert call's weight rows, one row of one tensor each): one program a row, with
+    no branch a row (``record_delayed_kernel`` unrolls one, which for an expert call's 129 rows took 18-20 s to
+    compile)."""
+    row = tl.program_id(0)
+    if row == 0:
+        new_amax = _finish_amax(first_amaxes, first_length, BLOCK_AMAX)
+    else:
+        new_amax = _finish_amax(row_amaxes + (row - 1) * row_stride, row_length, BLOCK_AMAX)
+    _roll_and_record(history + row * history_len, history_len, new_amax, BLOCK_HISTORY)
+    new_scale = tl.load(new_scales + row)
+    tl.store(scale + row, new_scale)
+    if KEEP:
+        if row >= 1:
+            tl.store(kept_scale + (row - 1), new_scale)

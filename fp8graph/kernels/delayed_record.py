@@ -72,12 +72,37 @@ def _record_reference(histories, scales, row_amaxes, new_scales, kept_scales=())
             kept_scales[i].copy_(new_scales[i, 1:].reshape(kept_scales[i].shape))
 
 
+def _row_stride(row_amaxes) -> int | None:
+    """The elements between consecutive rows' partials when every row's but the first is one row of one tensor
+    (equal lengths and dtype, evenly spaced in one storage: an expert call's weight amaxes ``(E, N).unbind(0)``),
+    else None."""
+    rest = row_amaxes[1:]
+    if len(rest) < 2 or len({(partial.dtype, partial.numel(), partial.device) for partial in rest}) != 1:
+        return None
+    if len({partial.untyped_storage().data_ptr() for partial in rest}) != 1:
+        return None
+    offsets = [partial.storage_offset() for partial in rest]
+    stride = offsets[1] - offsets[0]
+    uniform = all(later - earlier == stride for earlier, later in zip(offsets, offsets[1:]))
+    return stride if uniform and stride >= 0 else None
+
+
 def plan_record_delayed(histories, scales, row_amaxes, new_scales, kept_scales=()) -> KernelLaunch:
-    """The one launch that does :func:`record_delayed_` on CUDA tensors."""
-    from fp8graph.kernels._record_delayed_triton import record_delayed_kernel
+    """The one launch that does :func:`record_delayed_` on CUDA tensors: one member whose rows but the first are
+    one row of one tensor each (an expert call) runs ``record_delayed_rows_kernel``, every other call
+    ``record_delayed_kernel``."""
+    from fp8graph.kernels._record_delayed_triton import record_delayed_kernel, record_delayed_rows_kernel
 
     rows = _check(histories, scales, row_amaxes, new_scales, kept_scales)
     keep = bool(kept_scales)
+    row_stride = _row_stride(row_amaxes) if len(histories) == 1 else None
+    if row_stride is not None:
+        history, scale, first, second = histories[0], scales[0], row_amaxes[0], row_amaxes[1]
+        return KernelLaunch(record_delayed_rows_kernel, (rows,),
+                            (history, scale, first, first.numel(), second, row_stride, second.numel(), new_scales,
+                             kept_scales[0] if keep else scale, history.shape[1]),
+                            {"KEEP": keep, "BLOCK_AMAX": _BLOCK_AMAX, "BLOCK_HISTORY": _BLOCK_HISTORY,
+                             "num_warps": 4})
     return KernelLaunch(record_delayed_kernel, (len(histories), rows),
                         (tuple(histories), tuple(scales), tuple(row_amaxes),
                          tuple(partial.numel() for partial in row_amaxes), new_scales,

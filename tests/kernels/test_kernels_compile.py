@@ -123,13 +123,17 @@ def test_the_fp8_transpose_compiles_to_a_cubin_with_vector_loads_and_stores(shap
 def test_the_delayed_state_kernel_compiles_to_a_cubin_without_spills(members, rows, keep, capability):
     """``fp8graph::record_delayed_`` (a call's state moved one step; a fill also keeps the weight rows'
     scales): one kernel per member count and recorded rows, which must build for the GPUs
-    fp8graph targets. Not proven here: its speed."""
+    fp8graph targets; an expert call's weight rows, rows of one tensor, one kernel for any count of them.
+    Not proven here: its speed."""
     from fp8graph.kernels.delayed_record import plan_record_delayed
 
     partials = [torch.empty(4096, dtype=torch.bfloat16) for _ in range(members * rows)]
+    if rows > 2:  # an expert call: the input's row, then the experts' rows of one (E, N) tensor
+        partials = [partials[0], *torch.empty(rows - 1, 768, dtype=torch.float32).unbind(0)]
     kept = [torch.zeros(rows - 1) for _ in range(members)] if keep else []
     launch = plan_record_delayed([torch.zeros(rows, 1024) for _ in range(members)],
                                  [torch.ones(rows) for _ in range(members)], partials, torch.ones(members, rows), kept)
+    assert (launch.kernel.__name__ == "record_delayed_rows_kernel") == (rows > 2)
     usage = resource_usage(compile_launch(launch, capability))
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
 

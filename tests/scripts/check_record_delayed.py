@@ -3,7 +3,8 @@ torch reference, exactly: history lengths 1, 2, 5 and 1024 (one block, and a par
 1500), one to five members, forward (two rows) and backward (one row) calls, partial amaxes longer than a
 block, in BF16 and fp32, with a NaN and an inf among them, and empty partials (zero recorded); forward calls also with kept buffers (a filling
 call's weight copies: the weight rows' scales), and an expert call's three rows (input, two
-experts) with them."""
+experts) with them; and expert calls whose experts' rows are one tensor's rows (the rows kernel), with and
+without kept buffers, empty rows among them."""
 
 import torch
 
@@ -36,5 +37,28 @@ for history_len in (1, 2, 5, 1024, 1500):
                     # Exact; a NaN amax is NaN in both (its payload is not compared).
                     torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True,
                                                msg=lambda m: f"{(history_len, members, rows, keep, dtype)}: {m}")
+                cases += 1
+# An expert call: the input's row, then each expert's row of one (E, N) tensor of partial amaxes (the rows kernel);
+# a reusing call's experts record nothing (an (E, 0) tensor).
+for history_len in (5, 1024):
+    for keep in (False, True):
+        for dtype in (torch.bfloat16, torch.float32):
+            for row_length in (7, 1030, 0):
+                rows = 9
+                histories = [torch.rand(rows, history_len, generator=generator)]
+                scales = [torch.rand(rows, generator=generator) + 1]
+                weight_amaxes = torch.rand(rows - 1, row_length, generator=generator).to(dtype) * 100
+                partials = [torch.rand(300, generator=generator).to(dtype), *weight_amaxes.unbind(0)]
+                new_scales = torch.rand(1, rows, generator=generator)
+                kept = [torch.zeros(rows - 1, 1)] if keep else []
+                expected_h, expected_s = [h.clone() for h in histories], [s.clone() for s in scales]
+                expected_kept = [k.clone() for k in kept]
+                _record_reference(expected_h, expected_s, partials, new_scales, expected_kept)
+                launch = plan_record_delayed(histories, scales, partials, new_scales, kept)
+                assert launch.kernel.__name__ == "record_delayed_rows_kernel", launch.kernel
+                launch()
+                for got, expected in zip(histories + scales + kept, expected_h + expected_s + expected_kept):
+                    torch.testing.assert_close(got, expected, rtol=0, atol=0,
+                                               msg=lambda m: f"{(history_len, keep, dtype, row_length)}: {m}")
                 cases += 1
 print(f"cases checked: {cases}")
