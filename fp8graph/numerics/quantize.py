@@ -14,10 +14,19 @@ import torch
 
 from fp8graph.numerics.formats import fp8_max
 
-__all__ = ["amax", "amax_to_scale", "dequantize", "finite_magnitude", "quantize", "quantize_current", "row_amaxes"]
+__all__ = ["amax", "amax_to_scale", "dequantize", "finite_magnitude", "quantize", "quantize_current", "row_amaxes",
+           "untracked"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOAT32_EXPONENT_MASK = 0x7F800000
+
+
+def untracked(x_hp: torch.Tensor) -> torch.Tensor:
+    """``x_hp`` detached where autograd would track what is computed from it, else itself: an amax needs no
+    gradient, and AOTAutograd's partitioner takes a ``detach`` for an op a cast cannot fuse through, so a
+    needless one keeps it from casting in the backward what only the backward reads
+    (``fp8graph.targets.linear_tiled``)."""
+    return x_hp.detach() if x_hp.requires_grad and torch.is_grad_enabled() else x_hp
 
 
 def finite_magnitude(x_hp: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from fp8graph.numerics.formats import fp8_max_exponent
-from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
+from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize, untracked
 
 __all__ = ["ScaleKind", "Tiling", "reference_dequantize_tiles", "e8m0_bytes", "e8m0_to_scale", "expand_scale",
            "mx_scale_e8m0", "reference_quantize_tiles", "reference_quantize_tiles_and_transpose", "reference_quantize_tiles_by",
@@ -80,10 +80,7 @@ def _as_tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def tile_amax(x_hp: torch.Tensor, tiling: Tiling) -> torch.Tensor:
     """Largest finite magnitude of each tile (0 if none), fp32, shape (R / rows, C / cols)."""
     cols = tiling.tile_cols(x_hp)
-    # Detached where autograd tracks x_hp only: AOTAutograd's partitioner takes a detach for an op a cast cannot
-    # fuse through, and so would not cast in the backward what only the backward reads.
-    x_hp = x_hp.detach() if x_hp.requires_grad and torch.is_grad_enabled() else x_hp
-    return _as_tiles(finite_magnitude(x_hp), tiling.rows, cols).amax(dim=(1, 3))
+    return _as_tiles(finite_magnitude(untracked(x_hp)), tiling.rows, cols).amax(dim=(1, 3))
 
 
 _MANTISSA_BITS = 23

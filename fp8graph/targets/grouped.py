@@ -41,7 +41,8 @@ from fp8graph.gemm.grouped_gemm import (group_columns_for_grad_weight, grouped_s
                                         placed_for_grad_weight)
 from fp8graph.gemm.scaled_gemm import Lowering, one_buffer
 from fp8graph.numerics.formats import Role
-from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize, quantize_current, row_amaxes
+from fp8graph.numerics.quantize import (amax_to_scale, finite_magnitude, quantize, quantize_current, row_amaxes,
+                                        untracked)
 from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, NATIVE_GROUPED_GRANULARITIES, Recipe
 from fp8graph.buffers.amax_reduction import amax_reduction
 from fp8graph.numerics.delayed_scaling import scale_from_history
@@ -195,8 +196,7 @@ def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec, after: torc
     cast read the weight where it lies; only the FP8 write is transposed (a transposed bf16 copy first would
     cost the weight's bytes twice more). With ``after`` (a backward's gradient) the scales are read when that
     backward runs, so the partitioner leaves the cast there (``fp8graph.targets.linear_tiled._cast_in_backward``)."""
-    magnitude = finite_magnitude(weight_hp.detach() if torch.is_grad_enabled() else weight_hp)
-    scale = _scale(magnitude.amax(dim=1), spec)  # (E, K)
+    scale = _scale(finite_magnitude(untracked(weight_hp)).amax(dim=1), spec)  # (E, K)
     if after is not None:
         scale = read_in_backward(scale, after)
     weight_t_fp8 = quantize(weight_hp, scale[:, None, :], _FP8).transpose(-2, -1).contiguous()
@@ -353,8 +353,9 @@ class _GroupedFP8(torch.autograd.Function):
             if ctx.stats is not None:
                 record_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp, grad_output_fp8,
                               health_scales(grad_output_scale), spec.recipe)
-            if needs_grad_input and weight_t_inverse is None:  # the weight itself: cast along N now
-                weight_t_fp8, weight_t_scale = _cast_expert_columns(weight_t_fp8, spec, after=grad_output_hp)
+            if needs_grad_input and weight_t_inverse is None:  # the slot holds the weight itself: cast along N now
+                weight_hp = weight_t_fp8
+                weight_t_fp8, weight_t_scale = _cast_expert_columns(weight_hp, spec, after=grad_output_hp)
                 weight_t_inverse = weight_t_scale.reciprocal()
             if needs_grad_input:
                 # grad_input = grad_output . weight_e  (S, K): B is weight_e^T^T, (E, N, K) read column-major.
