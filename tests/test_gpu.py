@@ -319,8 +319,9 @@ def test_quantize_kernels_are_exact_on_the_gpu():
 
 def test_the_fp8_transpose_is_exact_on_the_gpu():
     """``fp8graph::transpose_fp8`` on CUDA (the Triton kernel) equals ``x.t().contiguous()`` byte for byte, and
-    its gathered form (a grouped GEMM's padded groups) the CPU reference."""
-    from fp8graph.kernels.transpose_fp8 import transpose_fp8
+    its gathered form (a grouped GEMM's padded groups) the CPU reference, its batched form written into a buffer
+    each matrix's transpose."""
+    from fp8graph.kernels.transpose_fp8 import transpose_fp8, transpose_fp8_into_
     from fp8graph.numerics.groups import padded_group_sources
 
     for rows, columns in ((4096, 1024), (200, 384), (130, 70)):
@@ -332,6 +333,11 @@ def test_the_fp8_transpose_is_exact_on_the_gpu():
         sources, _ = padded_group_sources(offsets, rows, 16)
         expected = transpose_fp8(x_fp8.cpu(), sources.cpu())
         assert torch.equal(transpose_fp8(x_fp8, sources).cpu().view(torch.uint8), expected.view(torch.uint8))
+    # A batch of expert weights, into a kept copy's buffer (an expert weight's fill, fp8graph::transpose_fp8_into_).
+    weights_fp8 = torch.randint(0, 256, (8, 1536, 2048), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    copy = torch.empty(8, 2048, 1536, dtype=torch.float8_e4m3fn, device="cuda")
+    transpose_fp8_into_(weights_fp8, copy)
+    assert torch.equal(copy.view(torch.uint8), weights_fp8.transpose(-2, -1).contiguous().view(torch.uint8))
 
 
 def test_the_group_column_cast_equals_its_reference_on_the_gpu():

@@ -47,6 +47,7 @@ class ExternRecord:
     # Elements of each input in memory: fewer than its shape's when it is an expanded view (stride 0), e.g. an
     # index broadcast over a row for scatter_reduce; None where unknown (then the shape's count).
     input_elements: list[int | None] | None = None
+    mutated: list[tuple[tuple[int, ...], str]] = dataclasses.field(default_factory=list)  # operands written in place
 
 
 @dataclasses.dataclass
@@ -186,21 +187,35 @@ def _extern_record(snode) -> ExternRecord:
 
     node = snode.node
     kernel = getattr(node, "python_kernel_name", None) or str(getattr(node, "op_overload", "") or type(node).__name__)
-    inputs, elements = [], []
+    inputs, elements, mutated_operands = [], [], []
+    # An operand the op writes in place (fp8graph::transpose_fp8_into_'s destination, the delayed state's buffers)
+    # is counted as written, not read: the ops that mutate overwrite them, bar a few bytes of history.
+    mutated = {name for output in getattr(node, "mutation_outputs", None) or () for name in output.get_mutation_names()}
     for operand in getattr(node, "inputs", ()) or ():
         for leaf in (operand if isinstance(operand, (list, tuple)) else [operand]):
             if isinstance(leaf, ir.IRNode):
                 try:
-                    inputs.append((_shape(leaf), str(leaf.get_dtype()).replace("torch.", "")))
+                    shape_and_dtype = (_shape(leaf), str(leaf.get_dtype()).replace("torch.", ""))
                 except Exception:  # noqa: BLE001 - a layout without sizes (NoneLayout)
                     continue
+                if _name_of(leaf) in mutated:
+                    mutated_operands.append(shape_and_dtype)
+                    continue
+                inputs.append(shape_and_dtype)
                 elements.append(_distinct_elements(leaf, inputs[-1][0]))
     # A single-output extern is its own output; a multi-output one (a custom op, SDPA) lists MultiOutputs.
     candidates = [node] if not isinstance(getattr(node, "layout", None), ir.MultiOutputLayout) else \
         [out for out in (getattr(node, "outputs", None) or []) if isinstance(out, ir.IRNode)]
     outputs = [(_shape(out), str(out.get_dtype()).replace("torch.", "")) for out in candidates
                if not isinstance(getattr(out, "layout", None), (ir.MultiOutputLayout, ir.NoneLayout))]
-    return ExternRecord(node.get_name(), kernel, inputs, outputs, elements)
+    return ExternRecord(node.get_name(), kernel, inputs, outputs, elements, mutated_operands)
+
+
+def _name_of(node) -> str | None:
+    try:
+        return node.get_name()
+    except Exception:  # noqa: BLE001 - a view of no buffer of its own
+        return None
 
 
 def _distinct_elements(node, shape: tuple[int, ...]) -> int | None:

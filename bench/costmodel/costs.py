@@ -254,7 +254,7 @@ def _extern_row(graph: str, extern) -> Row:
     elements = getattr(extern, "input_elements", None) or [None] * len(extern.inputs)
     read = sum((_numel(s) if n is None else min(n, _numel(s))) * DTYPE_BYTES.get(d, 4)
                for (s, d), n in zip(extern.inputs, elements))
-    written = sum(_numel(s) * DTYPE_BYTES.get(d, 4) for s, d in extern.outputs)
+    written = sum(_numel(s) * DTYPE_BYTES.get(d, 4) for s, d in [*extern.outputs, *getattr(extern, "mutated", ())])
     shapes = [s for s, _ in extern.inputs]
     dtypes = [d for _, d in extern.inputs]
     row = Row(graph, "extern", kernel, " ".join("x".join(map(str, s)) + f":{d}" for s, d in extern.inputs),

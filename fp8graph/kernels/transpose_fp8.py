@@ -28,44 +28,68 @@ import torch
 
 from fp8graph.kernels.quantize_tiles import KernelLaunch, triton_available
 
-__all__ = ["plan_transpose_fp8", "transpose_fp8", "transpose_fp8_triton"]
+__all__ = ["plan_transpose_fp8", "transpose_fp8", "transpose_fp8_into_", "transpose_fp8_triton"]
 
 _BLOCK = 64  # a 64x64 tile of bytes: 16-byte vector loads and stores, 4 KB of shared memory
 _NUM_WARPS = 4
 
 
-def plan_transpose_fp8(x_fp8: torch.Tensor, source_rows: torch.Tensor | None = None
-                       ) -> tuple[KernelLaunch, torch.Tensor]:
-    """The launch that writes ``x_fp8.t().contiguous()`` of a 2-D ``x_fp8`` (of its rows ``source_rows``, zeros
-    where negative, when given)."""
+def _checked(x_fp8: torch.Tensor, source_rows: torch.Tensor | None) -> None:
+    if x_fp8.dim() not in (2, 3) or x_fp8.element_size() != 1 or (x_fp8.dim() == 3 and source_rows is not None):
+        raise ValueError(f"transpose_fp8 takes a 2-D tensor of 1-byte elements (or a batch of them, (B, R, C), "
+                         f"without source_rows), got {x_fp8.dtype} of shape {tuple(x_fp8.shape)}")
+    if source_rows is not None and (source_rows.dim() != 1 or source_rows.dtype != torch.int64):
+        raise ValueError(f"transpose_fp8's source_rows is a 1-D int64 tensor, got {source_rows.dtype} "
+                         f"of shape {tuple(source_rows.shape)}")
+
+
+def _transposed_shape(x_fp8: torch.Tensor, source_rows: torch.Tensor | None) -> tuple[int, ...]:
+    rows = x_fp8.shape[-2] if source_rows is None else source_rows.shape[0]
+    return (*x_fp8.shape[:-2], x_fp8.shape[-1], rows)
+
+
+def _checked_destination(x_fp8: torch.Tensor, out: torch.Tensor) -> None:
+    expected = _transposed_shape(x_fp8, None)
+    if tuple(out.shape) != expected or out.element_size() != 1 or not out.is_contiguous():
+        raise ValueError(f"transpose_fp8_into_ writes a contiguous tensor of 1-byte elements of shape {expected}, "
+                         f"got {out.dtype} of shape {tuple(out.shape)}"
+                         f"{'' if out.is_contiguous() else ', not contiguous'}")
+
+
+def plan_transpose_fp8(x_fp8: torch.Tensor, source_rows: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None) -> tuple[KernelLaunch, torch.Tensor]:
+    """The launch that writes ``x_fp8.transpose(-2, -1).contiguous()`` of a 2-D ``x_fp8`` (of its rows
+    ``source_rows``, zeros where negative, when given) or of each matrix of a 3-D one, into ``out`` if given
+    (contiguous, of that shape), else into a new tensor."""
     from triton import cdiv
 
     from fp8graph.kernels._transpose_fp8_triton import transpose_bytes_kernel
 
-    if x_fp8.dim() != 2 or x_fp8.element_size() != 1:
-        raise ValueError(f"transpose_fp8 takes a 2-D tensor of 1-byte elements, got {x_fp8.dtype} "
-                         f"of shape {tuple(x_fp8.shape)}")
-    if source_rows is not None and (source_rows.dim() != 1 or source_rows.dtype != torch.int64):
-        raise ValueError(f"transpose_fp8's source_rows is a 1-D int64 tensor, got {source_rows.dtype} "
-                         f"of shape {tuple(source_rows.shape)}")
-    if x_fp8.stride(1) != 1 and x_fp8.shape[1] > 1:
+    _checked(x_fp8, source_rows)
+    if x_fp8.stride(-1) != 1 and x_fp8.shape[-1] > 1:
         x_fp8 = x_fp8.contiguous()
-    columns = x_fp8.shape[1]
-    rows = x_fp8.shape[0] if source_rows is None else source_rows.shape[0]
-    x_t_fp8 = torch.empty((columns, rows), dtype=x_fp8.dtype, device=x_fp8.device)
-    grid = (cdiv(rows, _BLOCK), cdiv(columns, _BLOCK))
+    batch = x_fp8.shape[0] if x_fp8.dim() == 3 else 1
+    columns = x_fp8.shape[-1]
+    rows = x_fp8.shape[-2] if source_rows is None else source_rows.shape[0]
+    if out is None:
+        out = torch.empty(_transposed_shape(x_fp8, source_rows), dtype=x_fp8.dtype, device=x_fp8.device)
+    else:
+        _checked_destination(x_fp8, out)
+    grid = (cdiv(rows, _BLOCK), cdiv(columns, _BLOCK), batch)
     gather = source_rows is not None
     launch = KernelLaunch(transpose_bytes_kernel, grid,
-                          (x_fp8.view(torch.uint8), x_t_fp8.view(torch.uint8),
+                          (x_fp8.view(torch.uint8), out.view(torch.uint8),
                            source_rows.contiguous() if gather else x_fp8.view(torch.uint8), rows, columns,
-                           x_fp8.stride(0)),
+                           x_fp8.stride(-2), x_fp8.stride(0) if x_fp8.dim() == 3 else 0),
                           {"GATHER": gather, "BLOCK_ROWS": _BLOCK, "BLOCK_COLUMNS": _BLOCK, "num_warps": _NUM_WARPS})
-    return launch, x_t_fp8
+    return launch, out
 
 
-def transpose_fp8_triton(x_fp8: torch.Tensor, source_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the Triton kernel: ``x_fp8.t().contiguous()`` (of the rows ``source_rows`` names)."""
-    launch, x_t_fp8 = plan_transpose_fp8(x_fp8, source_rows)
+def transpose_fp8_triton(x_fp8: torch.Tensor, source_rows: torch.Tensor | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the Triton kernel: ``x_fp8.transpose(-2, -1).contiguous()`` (of the rows ``source_rows`` names),
+    written into ``out`` if given."""
+    launch, x_t_fp8 = plan_transpose_fp8(x_fp8, source_rows, out)
     if x_t_fp8.numel():
         launch()
     return x_t_fp8
@@ -79,22 +103,24 @@ def _transposed_copy(x_fp8: torch.Tensor, source_rows: torch.Tensor | None) -> t
         rows = x_fp8.view(torch.uint8).index_select(0, source_rows.clamp(min=0))
         x_fp8 = torch.where(present[:, None], rows, 0).to(torch.uint8).view(x_fp8.dtype)
     # clone, not contiguous(): the transpose of one row is contiguous already, and an op may not return an alias.
-    return x_fp8.t().clone(memory_format=torch.contiguous_format)
+    return x_fp8.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("fp8graph::transpose_fp8", mutates_args=())
 def transpose_fp8(x_fp8: torch.Tensor, source_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``x_fp8.t().contiguous()``: the (C, R) row-major copy of an (R, C) FP8 matrix; with ``source_rows`` (P,)
+    """``x_fp8.t().contiguous()``: the (C, R) row-major copy of an (R, C) FP8 matrix (of each matrix of a (B, R, C)
+    batch: (B, C, R)); with ``source_rows`` (P,)
     int64, the (C, P) copy whose column ``p`` is row ``source_rows[p]`` of ``x_fp8``, zeros where negative.
     ``source_rows`` must hold row indices of ``x_fp8`` or -1, on its device: unchecked, as a check would wait
     for the device (``fp8graph.numerics.groups.padded_group_sources`` makes them so)."""
+    _checked(x_fp8, source_rows)
     return _transposed_copy(x_fp8, source_rows)
 
 
 @transpose_fp8.register_fake
 def _(x_fp8, source_rows=None):
-    rows = x_fp8.shape[0] if source_rows is None else source_rows.shape[0]
-    return x_fp8.new_empty((x_fp8.shape[1], rows))
+    _checked(x_fp8, source_rows)
+    return x_fp8.new_empty(_transposed_shape(x_fp8, source_rows))
 
 
 @transpose_fp8.register_kernel("cuda")
@@ -102,3 +128,28 @@ def _(x_fp8, source_rows=None):
     if not triton_available():
         return _transposed_copy(x_fp8, source_rows)
     return transpose_fp8_triton(x_fp8, source_rows)
+
+
+@torch.library.custom_op("fp8graph::transpose_fp8_into_", mutates_args=("out",))
+def transpose_fp8_into_(x_fp8: torch.Tensor, out: torch.Tensor) -> None:
+    """``out.copy_(x_fp8.transpose(-2, -1))`` for a 2-D or 3-D ``x_fp8`` and a contiguous ``out``: the transposed
+    layout written straight into a buffer that keeps it (an expert weight's kept copy along N,
+    ``fp8graph.targets.grouped``), where ``transpose_fp8`` and a ``copy_`` would write it twice. Inductor writes a
+    graph input's mutation by this op in place (its re-inplacing of functionalized mutations)."""
+    _checked(x_fp8, None)
+    _checked_destination(x_fp8, out)
+    out.copy_(x_fp8.transpose(-2, -1))
+
+
+@transpose_fp8_into_.register_fake
+def _(x_fp8, out):
+    _checked(x_fp8, None)
+    _checked_destination(x_fp8, out)
+
+
+@transpose_fp8_into_.register_kernel("cuda")
+def _(x_fp8, out):
+    if not triton_available():
+        out.copy_(x_fp8.transpose(-2, -1))
+        return
+    transpose_fp8_triton(x_fp8, None, out)

@@ -40,6 +40,7 @@ import torch
 from fp8graph.gemm.grouped_gemm import (group_columns_for_grad_weight, grouped_scaled_gemm, grouped_scaled_gemm_weights,
                                         placed_for_grad_weight)
 from fp8graph.gemm.scaled_gemm import Lowering, one_buffer
+from fp8graph.kernels.transpose_fp8 import transpose_fp8_into_
 from fp8graph.numerics.formats import Role
 from fp8graph.numerics.quantize import (amax_to_scale, finite_magnitude, quantize, quantize_current, row_amaxes,
                                         untracked)
@@ -162,7 +163,10 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
         weight_amaxes = finite_magnitude(weight_hp.detach()).amax(dim=2)  # (E, N)
         if weight_copy is not None:
             weight_copy.weight_fp8.copy_(weight_fp8)
-            weight_copy.weight_t_fp8.copy_(weight_fp8.transpose(-2, -1))
+            # The transpose from the FP8 bytes, straight into its copy: left to Inductor, the cast's kernel stores
+            # it a row apart from inside the amax's reduction, which ran several times slower than casting per call
+            # (docs/cost-model.md, the H200's MoE runs).
+            transpose_fp8_into_(weight_fp8, weight_copy.weight_t_fp8)
             if not spec.update:  # else the record keeps the scales
                 weight_copy.scale.copy_(weight_scale)
     if spec.update:

@@ -49,10 +49,11 @@ HALF_TOKENS = {"label": "half the tokens", "config": "tiny", "overrides": {"expe
 
 @pytest.fixture(scope="module")
 def steps() -> dict:
-    """bf16's, fp8graph row-wise's, current's (both keeping the weights' casts between calls: cache_weights="auto")
-    and current's cast at every call modelled steps, one after another in one child process; bf16's spec is a
-    sweep of two blocks (the second on half the tokens), as ``bench model moe --sweep`` runs them."""
-    contestants = ("bf16", "rowwise", "current", "current uncached")
+    """bf16's, fp8graph row-wise's, current's and delayed's (each keeping the weights' casts between calls:
+    cache_weights="auto"), and current's and delayed's cast at every call, modelled steps, one after another in one
+    child process; bf16's spec is a sweep of two blocks (the second on half the tokens), as
+    ``bench model moe --sweep`` runs them."""
+    contestants = ("bf16", "rowwise", "current", "current uncached", "delayed", "delayed uncached")
     specs = [_spec(c) for c in contestants]
     specs[0]["shapes"] = [{"label": None, "config": "tiny", "overrides": specs[0]["overrides"], "batch": 1,
                            "sequence": TOKENS}, HALF_TOKENS]
@@ -205,6 +206,35 @@ def test_a_fill_writes_the_weight_copies_where_it_casts_them(steps):
     scales = 2 * TINY["experts"] * 4  # an fp32 scale an expert, for each of the two expert weights
     assert _triton_bytes(cached, "0:forward")[1] <= _triton_bytes(current, "0:forward")[1] + scales
     assert _triton_bytes(cached, "0:forward")[0] <= _triton_bytes(current, "0:forward")[0] + scales
+
+
+def test_a_delayed_fill_transposes_the_cast_bytes_into_the_copy_and_moves_no_more_than_casting_per_call(steps):
+    """Delayed scaling's fill casts each expert weight with its history's scales in the kernel that takes its
+    amaxes, storing the FP8 bytes once, into the copy the forward GEMM reads; ``fp8graph::transpose_fp8_into_``
+    writes grad_input's copy from those bytes, in place (``fp8graph.targets.grouped.cast_forward_delayed``): the
+    reduction never stores the transposed layout a row apart, and the fill moves no more bytes than a step that
+    casts at every call (which casts each weight again in the backward), so a call after each optimizer step
+    loses nothing by keeping the copies."""
+    cached, per_call = steps["delayed"], steps["delayed uncached"]
+    experts, hidden, width = TINY["experts"], TINY["hidden"], TINY["expert_width"]
+    weight_elements = sorted([experts * 2 * width * hidden, experts * hidden * width])  # gate_up, down
+    fills = [r for r in cached["rows"] if "transpose_fp8_into_" in r["name"]]
+    assert [r["graph"] for r in fills] == ["0:forward"] * 2
+    assert sorted(r["read"] for r in fills) == sorted(r["written"] for r in fills) == weight_elements
+    assert [r for r in cached["reuse_rows"] if "transpose_fp8_into_" in r["name"]] == []
+    assert [r for r in per_call["rows"] if "transpose_fp8_into_" in r["name"]] == []
+    assert sum(r.get("duplicate_written", 0) * r["count"] for r in cached["rows"]) == 0
+    # The forward's Triton kernels store each weight's bytes once: what the per-call forward stores, plus the
+    # copies' scales (an fp32 scale an expert of each weight, kept by the state's record) at most.
+    scales = 2 * experts * 4
+    assert _triton_bytes(cached, "0:forward")[1] <= _triton_bytes(per_call, "0:forward")[1] + scales
+    assert _moved(cached) <= _moved(per_call)
+
+
+def _moved(case: dict) -> int:
+    """Bytes read and written by a step's Triton kernels and fp8graph's own ops (its GEMMs and SGD left out)."""
+    return sum((r["read"] + r["written"]) * r["count"] for r in case["rows"]
+               if r["kind"] == "triton" or (r["kind"] == "extern" and "fp8graph" in r["name"]))
 
 
 @pytest.mark.parametrize("contestant", ["current", "rowwise"])

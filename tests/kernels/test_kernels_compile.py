@@ -96,22 +96,26 @@ def test_a_kernel_reading_a_non_constexpr_global_fails_to_compile_here():
 
 
 @pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
-@pytest.mark.parametrize("shape", [(4096, 14336), (200, 384), (4096, 1000)], ids=lambda shape: f"{shape[0]}x{shape[1]}")
-@pytest.mark.parametrize("gather", [False, True], ids=["plain", "gathered"])
+@pytest.mark.parametrize("shape, gather", [((4096, 14336), False), ((200, 384), False), ((4096, 1000), False),
+                                           ((4096, 14336), True), ((200, 384), True), ((4096, 1000), True),
+                                           ((128, 1536, 2048), False)],
+                         ids=["4096x14336-plain", "200x384-plain", "4096x1000-plain", "4096x14336-gathered",
+                              "200x384-gathered", "4096x1000-gathered", "experts-128x1536x2048"])
 def test_the_fp8_transpose_compiles_to_a_cubin_with_vector_loads_and_stores(shape, gather, capability):
     """``fp8graph::transpose_fp8`` (the transposed layout of a delayed cast): a cubin without spills whose
     loads and stores are 16-byte vectors when both lengths divide by 16 (a byte-wise transpose would run at a
     fraction of a copy's bandwidth). Not proven here: its speed (``bench quantize`` on a GPU)."""
     from fp8graph.kernels.transpose_fp8 import plan_transpose_fp8
 
-    # gathered: a grouped GEMM's padded groups (every row a contiguous run read where it lies)
+    # gathered: a grouped GEMM's padded groups (every row a contiguous run read where it lies); experts: a batch
+    # of weights, as an expert weight's kept copy along N is filled (fp8graph::transpose_fp8_into_)
     sources = torch.empty(shape[0] + 128 * 15, dtype=torch.int64) if gather else None
     launch, _ = plan_transpose_fp8(torch.empty(shape, dtype=torch.float8_e4m3fn), sources)
     compiled = compile_launch(launch, capability)
     usage = resource_usage(compiled)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
     ptx = compiled.asm["ptx"]
-    if all(length % 16 == 0 for length in shape):
+    if all(length % 16 == 0 for length in shape[-2:]):
         assert "ld.global.v4.b32" in ptx, "rows are not read as 16-byte vectors"
         assert "st.global.v4.b32" in ptx, "the transposed rows are not written as 16-byte vectors"
 

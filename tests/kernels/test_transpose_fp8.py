@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from fp8graph.kernels.quantize_tiles import triton_available
-from fp8graph.kernels.transpose_fp8 import transpose_fp8
+from fp8graph.kernels.transpose_fp8 import transpose_fp8, transpose_fp8_into_
 from helpers import cases_checked_under_triton_interpreter
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 def test_the_triton_transpose_equals_the_reference_under_the_interpreter():
-    assert cases_checked_under_triton_interpreter("check_transpose_fp8.py") == 27
+    assert cases_checked_under_triton_interpreter("check_transpose_fp8.py") == 33
 
 
 def test_the_op_copies_on_cpu_and_traces_with_its_fake():
@@ -31,6 +31,29 @@ def test_the_op_copies_on_cpu_and_traces_with_its_fake():
     torch.library.opcheck(torch.ops.fp8graph.transpose_fp8,
                           (torch.randn(32, 48).to(torch.float8_e4m3fn), torch.tensor([3, -1, 31, 0, -1])),
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_a_batch_is_transposed_matrix_by_matrix_into_a_new_tensor_or_a_given_one():
+    weights_fp8 = torch.randn(4, 24, 40).to(torch.float8_e4m3fn)
+    expected = weights_fp8.transpose(-2, -1).contiguous().view(torch.uint8)
+    assert torch.equal(transpose_fp8(weights_fp8).view(torch.uint8), expected)
+    copy = torch.zeros(4, 40, 24, dtype=torch.float8_e4m3fn)
+    assert transpose_fp8_into_(weights_fp8, copy) is None
+    assert torch.equal(copy.view(torch.uint8), expected)
+    # A transposed view is read as the view: its transpose is the stored tensor.
+    stored = torch.randn(4, 40, 24).to(torch.float8_e4m3fn)
+    transpose_fp8_into_(stored.transpose(-2, -1), copy)
+    assert torch.equal(copy.view(torch.uint8), stored.view(torch.uint8))
+    torch.library.opcheck(torch.ops.fp8graph.transpose_fp8_into_, (weights_fp8, copy),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.fp8graph.transpose_fp8, (weights_fp8,),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    with pytest.raises(ValueError, match=r"contiguous tensor of 1-byte elements of shape \(4, 40, 24\)"):
+        transpose_fp8_into_(weights_fp8, torch.zeros(4, 24, 40, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="not contiguous"):
+        transpose_fp8_into_(weights_fp8, torch.zeros(4, 24, 40, dtype=torch.float8_e4m3fn).transpose(-2, -1))
+    with pytest.raises(ValueError, match="without source_rows"):
+        transpose_fp8(weights_fp8, torch.tensor([0, 1]))
 
 
 def test_gathered_rows_are_laid_out_as_columns_with_zeros_for_the_pads():
@@ -55,6 +78,6 @@ def test_the_launcher_refuses_what_it_cannot_transpose():
     with pytest.raises(ValueError, match="2-D tensor of 1-byte elements"):
         plan_transpose_fp8(torch.empty(4, 4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="2-D tensor of 1-byte elements"):
-        plan_transpose_fp8(torch.empty(2, 4, 4, dtype=torch.float8_e4m3fn))
+        plan_transpose_fp8(torch.empty(2, 2, 4, 4, dtype=torch.float8_e4m3fn))
     with pytest.raises(ValueError, match="source_rows is a 1-D int64 tensor"):
         plan_transpose_fp8(torch.empty(4, 4, dtype=torch.float8_e4m3fn), torch.zeros(4, dtype=torch.int32))
