@@ -40,7 +40,7 @@ import torch
 from fp8graph.gemm.grouped_gemm import (group_columns_for_grad_weight, grouped_scaled_gemm, grouped_scaled_gemm_weights,
                                         placed_for_grad_weight)
 from fp8graph.gemm.scaled_gemm import Lowering, one_buffer
-from fp8graph.kernels.transpose_fp8 import transpose_fp8_into_
+from fp8graph.kernels.transpose_fp8 import transpose_fp8, transpose_fp8_into_
 from fp8graph.numerics.formats import Role
 from fp8graph.numerics.quantize import (amax_to_scale, finite_magnitude, quantize, quantize_current, row_amaxes,
                                         untracked)
@@ -208,20 +208,27 @@ def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec, after: torc
 
 
 def _transposed_for_grad_input(weight_fp8: torch.Tensor, weight_inverse: torch.Tensor, spec: GroupedSpec):
-    """``(weight_t_fp8 (E, K, N), weight_inverse)``: the per-expert cast (E, N, K) laid out for grad_input's GEMM
-    (N contiguous), written in the forward by the kernel that casts the weight (one read of the weight for both
-    layouts), and the inverse scale the forward GEMM reads, tied to it (``fp8graph.targets.partitioning``).
-    Left to itself the partitioner recomputes the cast in the backward from the high-precision weight: one more
-    read of every expert weight at each call. The emulation reads any layout: a view.
+    """``(weight_fp8, weight_t_fp8 (E, K, N), weight_inverse)``: the per-expert cast (E, N, K) laid out for
+    grad_input's GEMM (N contiguous) in the forward, and the inverse scale the forward GEMM reads, tied to it
+    (``fp8graph.targets.partitioning``). Left to itself the partitioner recomputes the cast in the backward from
+    the high-precision weight: one more read of every expert weight at each call. The emulation reads any
+    layout: a view.
 
-    Delayed scaling gets the view too, which the backward casts again: its weight amaxes (the history's, along
-    K) are taken in the kernel of the forward cast, and a second output laid out along N splits that kernel in
-    two: the forward would read the weight twice, as the forward's and the backward's casts do together."""
-    if spec.lowering is not Lowering.SCALED_MM or spec.delayed:
-        return weight_fp8.transpose(-2, -1), weight_inverse
+    Current scaling writes it from the kernel that casts the weight (one read of the weight for both layouts).
+    Delayed scaling takes the weight's amaxes (the history's, along K) in the kernel of its cast, whose second
+    output laid out along N would be stored a row apart from inside that reduction (far below a copy's bandwidth
+    on the H200: ``docs/cost-model.md``), so ``fp8graph::transpose_fp8`` lays out the FP8 bytes, as a fill lays out
+    the kept copy: 2 bytes an element where casting again in the backward moves 3. ``weight_fp8`` comes back as
+    the one buffer the forward GEMM and the transpose read (``one_buffer``)."""
+    if spec.lowering is not Lowering.SCALED_MM:
+        return weight_fp8, weight_fp8.transpose(-2, -1), weight_inverse
     with saved_not_recomputed():  # the copy alone: the cast stays free to fuse
-        weight_t_fp8 = weight_fp8.transpose(-2, -1).contiguous()
-    return weight_t_fp8, keep_for_backward(weight_inverse, weight_t_fp8)
+        if spec.delayed:
+            weight_fp8 = one_buffer(weight_fp8)
+            weight_t_fp8 = transpose_fp8(weight_fp8)
+        else:
+            weight_t_fp8 = weight_fp8.transpose(-2, -1).contiguous()
+    return weight_fp8, weight_t_fp8, keep_for_backward(weight_inverse, weight_t_fp8)
 
 
 def _placed_in_the_forward(input_fp8: torch.Tensor, input_inverse: torch.Tensor, offsets: torch.Tensor,
@@ -292,7 +299,8 @@ class _GroupedFP8(torch.autograd.Function):
                     weight_fp8, weight_scale, weight_inverse, weight_t_fp8, weight_t_inverse = \
                         _cast_experts_through_copy(weight_hp, spec, weight_copy)
             if needs_grad_input and not spec.per_row and weight_copy is None:
-                weight_t_fp8, weight_inverse = _transposed_for_grad_input(weight_fp8, weight_inverse, spec)
+                weight_fp8, weight_t_fp8, weight_inverse = _transposed_for_grad_input(weight_fp8, weight_inverse,
+                                                                                      spec)
             if stats is not None:
                 record_health(stats, Role.INPUT, input_hp, input_fp8, health_scales(input_scale), spec.recipe)
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
