@@ -173,13 +173,15 @@ def _read_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, u
     return output.to(out_dtype)
 
 
-@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8RowwiseScaling()], ids=str)
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8RowwiseScaling(), DelayedScaling(amax_history_len=4)],
+                         ids=str)
 @pytest.mark.parametrize("gathered", [False, True], ids=["sorted input", "gathered input"])
 def test_the_native_lowering_computes_what_the_emulation_does(monkeypatch, recipe, gathered):
     """The SM 9.0 path on the CPU, its kernel replaced by a reader that reads only inside the groups: the padded
     operands of grad_weight (zeros only where a group ends, the rest of the buffer left as allocated), the input
-    laid out for it in the forward, the transposed weight copy, against the exact emulation: equal up to the
-    kernel's BF16 output, with ragged groups, an empty expert and rows in no group."""
+    laid out for it in the forward, the transposed weight copy (delayed scaling's laid out from its FP8 bytes),
+    against the exact emulation: equal up to the kernel's BF16 output, with ragged groups, an empty expert and rows
+    in no group. Delayed scaling's second call, cast with the scales the first recorded, is the one compared."""
     torch.manual_seed(0)
     offsets = torch.tensor([13, 13, 90, 150], dtype=torch.int32)
     source = torch.randn(120, 64)
@@ -190,10 +192,15 @@ def test_the_native_lowering_computes_what_the_emulation_does(monkeypatch, recip
     for lowering in (Lowering.SCALED_MM, Lowering.EMULATED):
         if lowering is Lowering.SCALED_MM:
             monkeypatch.setattr(torch, "_scaled_grouped_mm", _read_scaled_grouped_mm)
-        x_run, w_run = x.clone().requires_grad_(), w.clone().requires_grad_()
-        output = grouped_fp8_target(recipe, lowering)(x_run, w_run, offsets, gather_index=gather_index)
-        output.backward(grad)
+        state = (torch.zeros(5, 4), torch.ones(5), torch.zeros(1, 4), torch.ones(1)) if recipe.stateful else ()
+        for _ in range(2 if recipe.stateful else 1):
+            x_run, w_run = x.clone().requires_grad_(), w.clone().requires_grad_()
+            output = grouped_fp8_target(recipe, lowering)(x_run, w_run, offsets, None, *state,
+                                                          gather_index=gather_index)
+            output.backward(grad)
         results.append((output[:150], x_run.grad, w_run.grad))
         monkeypatch.undo()
+    if recipe.stateful:
+        assert not torch.all(state[1] == 1), "the compared call cast with the recorded scales"
     for native, emulated in zip(*results):
         torch.testing.assert_close(native, emulated, rtol=1e-2, atol=1e-2 * emulated.abs().max().item())
