@@ -17,9 +17,17 @@ operand is laid out, its token groups zero-padded (``fp8graph.gemm.grouped_gemm`
 in the same one pass. Scattering the columns of the transpose in place instead
 writes each byte a row apart, one 32-byte memory sector a byte.
 
+A batch of matrices (B, R, C), an expert weight's cast, is transposed
+matrix by matrix, and ``fp8graph::transpose_fp8_into_`` writes the transpose
+into a given buffer (an expert weight's kept copy along N) rather than a new
+tensor that a ``copy_`` would then write again. An input whose transpose is
+already laid out contiguously (the cast of a weight stored the other way round,
+read as a transposed view) is copied as it lies, no kernel of this op needed.
+
 On CUDA it runs ``transpose_bytes_kernel`` (``_transpose_fp8_triton``);
-everywhere else, and where Triton is missing, ``x.t().contiguous()`` (of the
-gathered rows), which the tests hold the kernel to bit for bit. A transpose is exact.
+everywhere else, and where Triton is missing, ``x.transpose(-2, -1)``'s
+contiguous copy (of the gathered rows), which the tests hold the kernel to bit
+for bit. A transpose is exact.
 """
 
 from __future__ import annotations
@@ -32,15 +40,22 @@ __all__ = ["plan_transpose_fp8", "transpose_fp8", "transpose_fp8_into_", "transp
 
 _BLOCK = 64  # a 64x64 tile of bytes: 16-byte vector loads and stores, 4 KB of shared memory
 _NUM_WARPS = 4
+_MAX_GRID = 65535  # a CUDA grid's second and third axes: column tiles, matrices
 
 
-def _checked(x_fp8: torch.Tensor, source_rows: torch.Tensor | None) -> None:
-    if x_fp8.dim() not in (2, 3) or x_fp8.element_size() != 1 or (x_fp8.dim() == 3 and source_rows is not None):
-        raise ValueError(f"transpose_fp8 takes a 2-D tensor of 1-byte elements (or a batch of them, (B, R, C), "
-                         f"without source_rows), got {x_fp8.dtype} of shape {tuple(x_fp8.shape)}")
+def _checked(x_fp8: torch.Tensor, source_rows: torch.Tensor | None, op: str = "transpose_fp8") -> None:
+    if x_fp8.dim() not in (2, 3) or x_fp8.element_size() != 1:
+        raise ValueError(f"{op} takes a 2-D tensor of 1-byte elements (or a batch of them, (B, R, C)), got "
+                         f"{x_fp8.dtype} of shape {tuple(x_fp8.shape)}")
+    if source_rows is not None and x_fp8.dim() == 3:
+        raise ValueError(f"{op} gathers source_rows of a 2-D tensor only, got a batch of shape {tuple(x_fp8.shape)}")
     if source_rows is not None and (source_rows.dim() != 1 or source_rows.dtype != torch.int64):
-        raise ValueError(f"transpose_fp8's source_rows is a 1-D int64 tensor, got {source_rows.dtype} "
+        raise ValueError(f"{op}'s source_rows is a 1-D int64 tensor, got {source_rows.dtype} "
                          f"of shape {tuple(source_rows.shape)}")
+    batch = x_fp8.shape[0] if x_fp8.dim() == 3 else 1
+    if batch > _MAX_GRID or -(-x_fp8.shape[-1] // _BLOCK) > _MAX_GRID:
+        raise ValueError(f"{op} takes at most {_MAX_GRID} matrices of at most {_MAX_GRID * _BLOCK} columns (the "
+                         f"kernel's grid), got shape {tuple(x_fp8.shape)}")
 
 
 def _transposed_shape(x_fp8: torch.Tensor, source_rows: torch.Tensor | None) -> tuple[int, ...]:
@@ -50,9 +65,10 @@ def _transposed_shape(x_fp8: torch.Tensor, source_rows: torch.Tensor | None) -> 
 
 def _checked_destination(x_fp8: torch.Tensor, out: torch.Tensor) -> None:
     expected = _transposed_shape(x_fp8, None)
-    if tuple(out.shape) != expected or out.element_size() != 1 or not out.is_contiguous():
-        raise ValueError(f"transpose_fp8_into_ writes a contiguous tensor of 1-byte elements of shape {expected}, "
-                         f"got {out.dtype} of shape {tuple(out.shape)}"
+    if (tuple(out.shape) != expected or out.dtype != x_fp8.dtype or out.device != x_fp8.device
+            or not out.is_contiguous()):
+        raise ValueError(f"transpose_fp8_into_ writes a contiguous {x_fp8.dtype} tensor of shape {expected} on "
+                         f"{x_fp8.device}, got {out.dtype} of shape {tuple(out.shape)} on {out.device}"
                          f"{'' if out.is_contiguous() else ', not contiguous'}")
 
 
@@ -88,7 +104,12 @@ def plan_transpose_fp8(x_fp8: torch.Tensor, source_rows: torch.Tensor | None = N
 def transpose_fp8_triton(x_fp8: torch.Tensor, source_rows: torch.Tensor | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
     """Run the Triton kernel: ``x_fp8.transpose(-2, -1).contiguous()`` (of the rows ``source_rows`` names),
-    written into ``out`` if given."""
+    written into ``out`` if given. A transposed view of a contiguous tensor is copied as it lies."""
+    if source_rows is None and x_fp8.transpose(-2, -1).is_contiguous():
+        if out is None:
+            return x_fp8.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
+        _checked_destination(x_fp8, out)
+        return out.copy_(x_fp8.transpose(-2, -1))
     launch, x_t_fp8 = plan_transpose_fp8(x_fp8, source_rows, out)
     if x_t_fp8.numel():
         launch()
@@ -108,8 +129,8 @@ def _transposed_copy(x_fp8: torch.Tensor, source_rows: torch.Tensor | None) -> t
 
 @torch.library.custom_op("fp8graph::transpose_fp8", mutates_args=())
 def transpose_fp8(x_fp8: torch.Tensor, source_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``x_fp8.t().contiguous()``: the (C, R) row-major copy of an (R, C) FP8 matrix (of each matrix of a (B, R, C)
-    batch: (B, C, R)); with ``source_rows`` (P,)
+    """``x_fp8.transpose(-2, -1).contiguous()``: the (C, R) row-major copy of an (R, C) FP8 matrix (of each matrix of
+    a (B, R, C) batch: (B, C, R)); with ``source_rows`` (P,)
     int64, the (C, P) copy whose column ``p`` is row ``source_rows[p]`` of ``x_fp8``, zeros where negative.
     ``source_rows`` must hold row indices of ``x_fp8`` or -1, on its device: unchecked, as a check would wait
     for the device (``fp8graph.numerics.groups.padded_group_sources`` makes them so)."""
@@ -136,14 +157,14 @@ def transpose_fp8_into_(x_fp8: torch.Tensor, out: torch.Tensor) -> None:
     layout written straight into a buffer that keeps it (an expert weight's kept copy along N,
     ``fp8graph.targets.grouped``), where ``transpose_fp8`` and a ``copy_`` would write it twice. Inductor writes a
     graph input's mutation by this op in place (its re-inplacing of functionalized mutations)."""
-    _checked(x_fp8, None)
+    _checked(x_fp8, None, "transpose_fp8_into_")
     _checked_destination(x_fp8, out)
     out.copy_(x_fp8.transpose(-2, -1))
 
 
 @transpose_fp8_into_.register_fake
 def _(x_fp8, out):
-    _checked(x_fp8, None)
+    _checked(x_fp8, None, "transpose_fp8_into_")
     _checked_destination(x_fp8, out)
 
 

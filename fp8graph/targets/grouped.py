@@ -164,8 +164,8 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
         if weight_copy is not None:
             weight_copy.weight_fp8.copy_(weight_fp8)
             # The transpose from the FP8 bytes, straight into its copy: left to Inductor, the cast's kernel stores
-            # it a row apart from inside the amax's reduction, which ran several times slower than casting per call
-            # (docs/cost-model.md, the H200's MoE runs).
+            # it a row apart from inside the amax's reduction, which the GPU runs far slower than its bytes say
+            # (docs/cost-model.md).
             transpose_fp8_into_(weight_fp8, weight_copy.weight_t_fp8)
             if not spec.update:  # else the record keeps the scales
                 weight_copy.scale.copy_(weight_scale)
@@ -216,18 +216,16 @@ def _transposed_for_grad_input(weight_fp8: torch.Tensor, weight_inverse: torch.T
 
     Current scaling writes it from the kernel that casts the weight (one read of the weight for both layouts).
     Delayed scaling takes the weight's amaxes (the history's, along K) in the kernel of its cast, whose second
-    output laid out along N would be stored a row apart from inside that reduction (far below a copy's bandwidth
-    on the H200: ``docs/cost-model.md``), so ``fp8graph::transpose_fp8`` lays out the FP8 bytes, as a fill lays out
-    the kept copy: 2 bytes an element where casting again in the backward moves 3. ``weight_fp8`` comes back as
-    the one buffer the forward GEMM and the transpose read (``one_buffer``)."""
+    output laid out along N would be stored a row apart from inside that reduction (``docs/cost-model.md``), so
+    ``fp8graph::transpose_fp8`` lays out the FP8 bytes, as a fill lays out the kept copy: 2 bytes an element where
+    casting again in the backward moves 3. ``weight_fp8`` comes back as the one buffer the forward GEMM and the
+    transpose read (``one_buffer``)."""
     if spec.lowering is not Lowering.SCALED_MM:
         return weight_fp8, weight_fp8.transpose(-2, -1), weight_inverse
+    if spec.delayed:
+        weight_fp8 = one_buffer(weight_fp8)
     with saved_not_recomputed():  # the copy alone: the cast stays free to fuse
-        if spec.delayed:
-            weight_fp8 = one_buffer(weight_fp8)
-            weight_t_fp8 = transpose_fp8(weight_fp8)
-        else:
-            weight_t_fp8 = weight_fp8.transpose(-2, -1).contiguous()
+        weight_t_fp8 = transpose_fp8(weight_fp8) if spec.delayed else weight_fp8.transpose(-2, -1).contiguous()
     return weight_fp8, weight_t_fp8, keep_for_backward(weight_inverse, weight_t_fp8)
 
 

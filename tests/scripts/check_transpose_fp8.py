@@ -33,7 +33,11 @@ for rows, columns, padded in [(11, 64, 48), (200, 384, 240), (3, 70, 17)]:
 # into a slice of a larger buffer: only the slice is written.
 for experts, rows, columns in [(3, 64, 128), (2, 70, 33), (5, 1, 16)]:
     x_fp8 = torch.randint(0, 256, (2 * experts, rows, columns), dtype=torch.uint8, generator=generator)
-    for operand in (x_fp8[:experts], x_fp8[::2]):
+    wider = torch.randint(0, 256, (experts, rows, columns + 16), dtype=torch.uint8, generator=generator)
+    # contiguous, every other expert (a batch stride of its own), rows longer than the columns read, and the
+    # transposed view of a contiguous batch (copied as it lies)
+    stored_transposed = torch.randint(0, 256, (experts, columns, rows), dtype=torch.uint8, generator=generator)
+    for operand in (x_fp8[:experts], x_fp8[::2], wider[..., :columns], stored_transposed.transpose(-2, -1)):
         expected = operand.transpose(-2, -1).contiguous()
         got = transpose_fp8_triton(operand.view(torch.float8_e4m3fn))
         assert torch.equal(got.view(torch.uint8), expected), (experts, rows, columns)
