@@ -64,6 +64,9 @@ def _transposed_shape(x_fp8: torch.Tensor, source_rows: torch.Tensor | None) -> 
 
 
 def _checked_destination(x_fp8: torch.Tensor, out: torch.Tensor) -> None:
+    """``transpose_fp8_into_``'s arguments: ``x_fp8`` as :func:`_checked` takes it, ``out`` its transpose's shape,
+    dtype and device, contiguous."""
+    _checked(x_fp8, None, "transpose_fp8_into_")
     expected = _transposed_shape(x_fp8, None)
     if (tuple(out.shape) != expected or out.dtype != x_fp8.dtype or out.device != x_fp8.device
             or not out.is_contiguous()):
@@ -106,10 +109,7 @@ def transpose_fp8_triton(x_fp8: torch.Tensor, source_rows: torch.Tensor | None =
     """Run the Triton kernel: ``x_fp8.transpose(-2, -1).contiguous()`` (of the rows ``source_rows`` names),
     written into ``out`` if given. A transposed view of a contiguous tensor is copied as it lies."""
     if source_rows is None and x_fp8.transpose(-2, -1).is_contiguous():
-        if out is None:
-            return x_fp8.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
-        _checked_destination(x_fp8, out)
-        return out.copy_(x_fp8.transpose(-2, -1))
+        return _transposed_copy(x_fp8, None) if out is None else _copied_into(x_fp8, out)
     launch, x_t_fp8 = plan_transpose_fp8(x_fp8, source_rows, out)
     if x_t_fp8.numel():
         launch()
@@ -117,6 +117,8 @@ def transpose_fp8_triton(x_fp8: torch.Tensor, source_rows: torch.Tensor | None =
 
 
 def _transposed_copy(x_fp8: torch.Tensor, source_rows: torch.Tensor | None) -> torch.Tensor:
+    """``transpose_fp8`` in torch ops, checked: the reference, and where the kernel is not needed."""
+    _checked(x_fp8, source_rows)
     if source_rows is not None and x_fp8.shape[0] == 0:  # nothing to gather: every column a pad
         return x_fp8.new_zeros((x_fp8.shape[1], source_rows.shape[0]))
     if source_rows is not None:
@@ -127,6 +129,12 @@ def _transposed_copy(x_fp8: torch.Tensor, source_rows: torch.Tensor | None) -> t
     return x_fp8.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
 
 
+def _copied_into(x_fp8: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``transpose_fp8_into_`` in torch ops, checked: the reference, and where the kernel is not needed."""
+    _checked_destination(x_fp8, out)
+    return out.copy_(x_fp8.transpose(-2, -1))
+
+
 @torch.library.custom_op("fp8graph::transpose_fp8", mutates_args=())
 def transpose_fp8(x_fp8: torch.Tensor, source_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``x_fp8.transpose(-2, -1).contiguous()``: the (C, R) row-major copy of an (R, C) FP8 matrix (of each matrix of
@@ -134,7 +142,6 @@ def transpose_fp8(x_fp8: torch.Tensor, source_rows: torch.Tensor | None = None) 
     int64, the (C, P) copy whose column ``p`` is row ``source_rows[p]`` of ``x_fp8``, zeros where negative.
     ``source_rows`` must hold row indices of ``x_fp8`` or -1, on its device: unchecked, as a check would wait
     for the device (``fp8graph.numerics.groups.padded_group_sources`` makes them so)."""
-    _checked(x_fp8, source_rows)
     return _transposed_copy(x_fp8, source_rows)
 
 
@@ -157,20 +164,17 @@ def transpose_fp8_into_(x_fp8: torch.Tensor, out: torch.Tensor) -> None:
     layout written straight into a buffer that keeps it (an expert weight's kept copy along N,
     ``fp8graph.targets.grouped``), where ``transpose_fp8`` and a ``copy_`` would write it twice. Inductor writes a
     graph input's mutation by this op in place (its re-inplacing of functionalized mutations)."""
-    _checked(x_fp8, None, "transpose_fp8_into_")
-    _checked_destination(x_fp8, out)
-    out.copy_(x_fp8.transpose(-2, -1))
+    _copied_into(x_fp8, out)
 
 
 @transpose_fp8_into_.register_fake
 def _(x_fp8, out):
-    _checked(x_fp8, None, "transpose_fp8_into_")
     _checked_destination(x_fp8, out)
 
 
 @transpose_fp8_into_.register_kernel("cuda")
 def _(x_fp8, out):
     if not triton_available():
-        out.copy_(x_fp8.transpose(-2, -1))
+        _copied_into(x_fp8, out)
         return
     transpose_fp8_triton(x_fp8, None, out)
