@@ -361,6 +361,29 @@ def test_the_group_column_cast_equals_its_reference_on_the_gpu():
                                torch.where(expected_bytes & 0x7F == 0x7F, 0x7F, expected_bytes))
 
 
+def test_the_per_tensor_rows_and_placed_cast_equals_its_reference_on_the_gpu():
+    """``fp8graph::quantize_rows_placed`` on CUDA (the Triton kernel, the hardware's conversion) writes the gathered
+    rows' cast, its placed copy and the group-column amaxes as the CPU reference does (NaN's sign aside)."""
+    from fp8graph.kernels.group_columns import quantize_rows_placed
+
+    generator = torch.Generator().manual_seed(0)
+    for rows, columns, sizes in ((4096, 1024, [1000, 0, 3000]), (200, 70, [5, 100, 1, 50])):
+        x = (torch.randn(rows, columns, generator=generator)
+             * torch.logspace(-10, 8, columns, base=2.0)).to(torch.bfloat16)
+        x[3, 3] = float("inf")
+        offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        scale = torch.tensor(1.5)
+        for index in (None, torch.randint(0, rows, (rows + 7,), generator=generator)):
+            expected = quantize_rows_placed(x, scale, offsets, 16, index)
+            got = quantize_rows_placed(x.cuda(), scale.cuda(), offsets.cuda(), 16,
+                                       None if index is None else index.cuda())
+            assert torch.equal(got[2].cpu(), expected[2])
+            for got_fp8, expected_fp8 in zip(got[:2], expected[:2]):
+                got_bytes, expected_bytes = got_fp8.cpu().view(torch.uint8), expected_fp8.view(torch.uint8)
+                assert torch.equal(torch.where(got_bytes & 0x7F == 0x7F, 0x7F, got_bytes),
+                                   torch.where(expected_bytes & 0x7F == 0x7F, 0x7F, expected_bytes))
+
+
 def test_the_delayed_state_kernel_equals_its_reference_on_the_gpu():
     """``fp8graph::record_delayed_`` on CUDA (the Triton kernel) records what the torch reference does."""
     from fp8graph.kernels.delayed_record import _record_reference, record_delayed_

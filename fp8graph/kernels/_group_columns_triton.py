@@ -1,12 +1,20 @@
-"""Triton kernel behind ``fp8graph::quantize_group_columns_placed`` (imported only where Triton is installed).
+"""Triton kernel behind ``fp8graph::quantize_group_columns_placed`` and ``fp8graph::quantize_rows_placed``
+(imported only where Triton is installed).
 
-One program a group of rows and a block of columns: it walks the group's rows
-twice, for each column's amax (an integer max over the magnitudes' fp32 bits,
-NaN and inf as 0, as ``fp8graph.numerics.quantize.finite_magnitude``) and for
-the cast, whose bytes it stores transposed, at the group's place in the padded
-layout, with the group's pad rows as zeros. The second walk reads from L2 where
-the group's slice still is. Nothing else is read or written: no table of
-amaxes in memory, no FP8 copy to transpose afterwards.
+One program a group of rows and a block of columns. Scaled per group and column
+(``TENSOR_SCALE`` off) it walks the group's rows twice, for each column's amax
+(an integer max over the magnitudes' fp32 bits, NaN and inf as 0, as
+``fp8graph.numerics.quantize.finite_magnitude``) and for the cast, whose bytes
+it stores transposed, at the group's place in the padded layout, with the
+group's pad rows as zeros. The second walk reads from L2 where the group's
+slice still is. Nothing else is read or written: no table of amaxes in memory,
+no FP8 copy to transpose afterwards.
+
+Scaled per tensor (``TENSOR_SCALE``: the scale is known before the kernel runs)
+it walks the rows once: each block is cast, stored as rows (the forward GEMM's
+layout) and transposed (the weight-gradient GEMM's), and its magnitudes kept
+for the group's and columns' amaxes, which it stores (what delayed scaling
+records), so the rows are read once for both layouts.
 
 Where each group lies is derived in the program from ``offsets`` alone: its
 padded start is the sum of the padded sizes of the groups before it (E <= BLOCK_GROUPS
@@ -40,10 +48,10 @@ def _load_rows(x_ptr, gather_ptr, row, present, column, column_inside, row_strid
 
 @triton.jit
 def quantize_group_columns_placed_kernel(
-        x_ptr, gather_ptr, offsets_ptr, x_t_fp8_ptr, scale_ptr, rows, columns, padded_rows, row_stride, groups,
-        GATHER: tl.constexpr, MULTIPLE: tl.constexpr, BLOCK_GROUPS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-        BLOCK_COLUMNS: tl.constexpr, SCALE_KIND: tl.constexpr, FP8_MAX: tl.constexpr,
-        FP8_MAX_EXPONENT: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
+        x_ptr, gather_ptr, offsets_ptr, x_t_fp8_ptr, scale_ptr, x_fp8_ptr, amax_ptr, rows, columns, padded_rows,
+        row_stride, groups, GATHER: tl.constexpr, MULTIPLE: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, SCALE_KIND: tl.constexpr, FP8_MAX: tl.constexpr,
+        FP8_MAX_EXPONENT: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, TENSOR_SCALE: tl.constexpr):
     group = tl.program_id(0)
     column = tl.program_id(1).to(tl.int64) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)
     column_inside = column < columns
@@ -60,16 +68,20 @@ def quantize_group_columns_placed_kernel(
 
     in_block = tl.arange(0, BLOCK_ROWS).to(tl.int64)
     max_bits = tl.zeros([BLOCK_ROWS, BLOCK_COLUMNS], dtype=tl.int32)
-    # While loops: the bounds are loaded values, which Triton's interpreter cannot take as range()'s.
-    first = start
-    while first < end:
-        row = first + in_block
-        x = _load_rows(x_ptr, gather_ptr, row, row < end, column, column_inside, row_stride, GATHER)
-        max_bits = tl.maximum(max_bits, _magnitude_bits(x))
-        first += BLOCK_ROWS
-    amax = tl.max(max_bits, axis=0).to(tl.float32, bitcast=True)
-    scale = _scale_of(amax, SCALE_KIND, FP8_MAX, FP8_MAX_EXPONENT)
-    tl.store(scale_ptr + group * columns + column, scale, mask=column_inside & (group < groups))
+    if TENSOR_SCALE:
+        scale = tl.load(scale_ptr)
+        column_scale = tl.full([BLOCK_COLUMNS], 1.0, tl.float32) * scale
+    else:
+        # While loops: the bounds are loaded values, which Triton's interpreter cannot take as range()'s.
+        first = start
+        while first < end:
+            row = first + in_block
+            x = _load_rows(x_ptr, gather_ptr, row, row < end, column, column_inside, row_stride, GATHER)
+            max_bits = tl.maximum(max_bits, _magnitude_bits(x))
+            first += BLOCK_ROWS
+        amax = tl.max(max_bits, axis=0).to(tl.float32, bitcast=True)
+        column_scale = _scale_of(amax, SCALE_KIND, FP8_MAX, FP8_MAX_EXPONENT)
+        tl.store(scale_ptr + group * columns + column, column_scale, mask=column_inside & (group < groups))
 
     # padded_start and padded_end themselves, written so that the compiler knows them multiples of MULTIPLE:
     # the stores are then 16-byte vectors (a hint on the loaded values did not reach the stores).
@@ -82,9 +94,16 @@ def quantize_group_columns_placed_kernel(
         row = start + (placed - base) + in_block
         present = row < end  # else a pad: zeros
         x = _load_rows(x_ptr, gather_ptr, row, present, column, column_inside, row_stride, GATHER)
-        bits = _e4m3_bits(x * scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
+        bits = _e4m3_bits(x * column_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
         position = placed + tl.arange(0, BLOCK_ROWS)
         inside = (position < bound)[:, None] & column_inside[None, :]
         tl.store(x_t_fp8_ptr + column[:, None] * padded_rows + position[None, :], tl.trans(bits),
                  mask=tl.trans(inside))
+        if TENSOR_SCALE:  # the rows where they lie, and their magnitudes (a pad's zeros change no amax)
+            max_bits = tl.maximum(max_bits, _magnitude_bits(x))
+            tl.store(x_fp8_ptr + row[:, None] * columns + column[None, :], bits,
+                     mask=present[:, None] & column_inside[None, :])
         step += 1
+    if TENSOR_SCALE:
+        amax = tl.max(max_bits, axis=0).to(tl.float32, bitcast=True)
+        tl.store(amax_ptr + group * columns + column, amax, mask=column_inside)

@@ -1,18 +1,25 @@
-"""``fp8graph::quantize_group_columns_placed``: a grouped GEMM's weight-gradient operand, cast per group and
-column and laid out for the GEMM, in one kernel.
+"""A grouped GEMM's weight-gradient operand, cast and laid out for the GEMM in one kernel: two ops.
 
-The weight-gradient GEMM of a mixture of experts reduces over each group's tokens, so row-wise scaling casts its
-operands (the input, the output's gradient: (S, C), rows sorted by expert) with one scale per group and column,
-and the GEMM reads them transposed, (C, S'), with every group zero-padded to a multiple of 16 tokens. Written as
-torch ops that is three passes over the operand: the amax table (``torch.segment_reduce``, an ATen kernel that
-reduces each output element in one thread: 11.1 ms of a 33.9 ms step on an H200 at 2048 tokens an expert,
-bench/results/moe-2026-11-27T132818Z.json), the cast, and the padded transpose (``fp8graph::transpose_fp8``).
-This op does it in one program a group and column block (``_group_columns_triton``): two reads of the BF16
-rows, the second from L2, one write of the FP8 bytes where the GEMM reads them.
+The weight-gradient GEMM of a mixture of experts reduces over each group's tokens and reads its operands (the
+input, the output's gradient: (S, C), rows sorted by expert) transposed, (C, S'), with every group zero-padded to
+a multiple of 16 tokens (``fp8graph.gemm.grouped_gemm``).
 
-On CUDA it runs the Triton kernel; everywhere else, and where Triton is missing, the reference
-(:func:`fp8graph.numerics.groups.quantize_group_columns`, then the padded transpose of
-``padded_group_sources``), which the tests hold the kernel to bit for bit under Triton's interpreter.
+``fp8graph::quantize_group_columns_placed``: row-wise scaling casts those operands with one scale per group and
+column. Written as torch ops that is three passes over the operand: the amax table (``torch.segment_reduce``, an
+ATen kernel that reduces each output element in one thread: 11.1 ms of a 33.9 ms step on an H200 at 2048 tokens
+an expert, bench/results/moe-2026-11-27T132818Z.json), the cast, and the padded transpose
+(``fp8graph::transpose_fp8``). This op does it in one program a group and column block
+(``_group_columns_triton``): two reads of the BF16 rows, the second from L2, one write of the FP8 bytes where the
+GEMM reads them.
+
+``fp8graph::quantize_rows_placed``: a per-tensor scale (current or delayed scaling) casts the gathered input
+once for the forward GEMM and grad_weight's. Written as torch ops the kernel that gathers the rows casts them and
+``fp8graph::transpose_fp8`` reads the FP8 rows again to lay them out; this op writes both layouts from one read
+of the rows, and each group's column amaxes with them (what delayed scaling records).
+
+On CUDA they run the Triton kernel; everywhere else, and where Triton is missing, the references (the torch
+casts, then the padded transpose of ``padded_group_sources``), which the tests hold the kernel to bit for bit under
+Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -22,9 +29,12 @@ import torch
 from fp8graph.kernels.quantize_tiles import KernelLaunch, triton_available
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.numerics.formats import fp8_max, fp8_max_exponent
-from fp8graph.numerics.groups import padded_group_bound, padded_group_sources, quantize_group_columns
+from fp8graph.numerics.groups import (group_column_amax, padded_group_bound, padded_group_sources,
+                                      quantize_group_columns)
+from fp8graph.numerics.quantize import quantize
 
-__all__ = ["plan_quantize_group_columns_placed", "quantize_group_columns_placed"]
+__all__ = ["plan_quantize_group_columns_placed", "plan_quantize_rows_placed", "quantize_group_columns_placed",
+           "quantize_rows_placed"]
 
 _FP8 = torch.float8_e4m3fn  # a grouped GEMM takes E4M3 only
 _BLOCK_ROWS = 64
@@ -33,47 +43,70 @@ _NUM_WARPS = 4
 _MAX_GROUPS = 1024  # every group's bounds are loaded by each program at once
 
 
-def _checked(x_hp: torch.Tensor, offsets: torch.Tensor, gather_index: torch.Tensor | None) -> None:
+def _name(tensor_scale: torch.Tensor | None) -> str:
+    return "quantize_group_columns_placed" if tensor_scale is None else "quantize_rows_placed"
+
+
+def _checked(x_hp: torch.Tensor, offsets: torch.Tensor, gather_index: torch.Tensor | None,
+             tensor_scale: torch.Tensor | None = None) -> None:
+    name = _name(tensor_scale)
     if x_hp.dim() != 2 or not x_hp.dtype.is_floating_point or x_hp.element_size() == 1:
-        raise ValueError(f"quantize_group_columns_placed casts a 2-D high-precision tensor, got {x_hp.dtype} "
-                         f"of shape {tuple(x_hp.shape)}")
+        raise ValueError(f"{name} casts a 2-D high-precision tensor, got {x_hp.dtype} of shape {tuple(x_hp.shape)}")
     if offsets.dim() != 1 or offsets.shape[0] == 0 or offsets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"quantize_group_columns_placed's offsets are a non-empty 1-D integer tensor, got "
-                         f"{offsets.dtype} of shape {tuple(offsets.shape)}")
+        raise ValueError(f"{name}'s offsets are a non-empty 1-D integer tensor, got {offsets.dtype} of shape "
+                         f"{tuple(offsets.shape)}")
     if gather_index is not None and (gather_index.dim() != 1 or gather_index.dtype != torch.int64):
-        raise ValueError(f"quantize_group_columns_placed's gather_index is a 1-D int64 tensor, got "
-                         f"{gather_index.dtype} of shape {tuple(gather_index.shape)}")
+        raise ValueError(f"{name}'s gather_index is a 1-D int64 tensor, got {gather_index.dtype} of shape "
+                         f"{tuple(gather_index.shape)}")
+    if tensor_scale is not None and (tensor_scale.numel() != 1 or tensor_scale.dtype != torch.float32):
+        raise ValueError(f"{name}'s scale is one float32 value, got {tensor_scale.dtype} of shape "
+                         f"{tuple(tensor_scale.shape)}")
 
 
-def plan_quantize_group_columns_placed(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int,
-                                       power_2_scales: bool, gather_index: torch.Tensor | None = None
-                                       ) -> tuple[KernelLaunch, torch.Tensor, torch.Tensor]:
-    """The launch that writes the op's ``(x_t_fp8 (C, P), scale (E, C))``, and those two outputs."""
+def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index: torch.Tensor | None,
+          tensor_scale: torch.Tensor | None, power_2_scales: bool):
+    """The kernel's launch and outputs: ``(launch, x_t_fp8 (C, P), rows (S, C) FP8 or None, table (E or E + 1, C))``,
+    the table the scales per group and column, or with ``tensor_scale`` the amaxes of each group's (and the rows in
+    no group's) columns."""
     from triton import cdiv, knobs, next_power_of_2
 
     from fp8graph.kernels._group_columns_triton import quantize_group_columns_placed_kernel
 
-    _checked(x_hp, offsets, gather_index)
     groups = offsets.shape[0]
     if groups > _MAX_GROUPS:
-        raise ValueError(f"quantize_group_columns_placed takes at most {_MAX_GROUPS} groups, got {groups}")
+        raise ValueError(f"{_name(tensor_scale)} takes at most {_MAX_GROUPS} groups, got {groups}")
     if x_hp.stride(1) != 1 and x_hp.shape[1] > 1:
         x_hp = x_hp.contiguous()
     rows = x_hp.shape[0] if gather_index is None else gather_index.shape[0]
     columns = x_hp.shape[1]
     padded_rows = padded_group_bound(rows, groups, multiple)
     x_t_fp8 = torch.empty((columns, padded_rows), dtype=_FP8, device=x_hp.device)
-    scale = torch.empty((groups, columns), dtype=torch.float32, device=x_hp.device)
+    rows_fp8 = None if tensor_scale is None else torch.empty((rows, columns), dtype=_FP8, device=x_hp.device)
+    table = torch.empty((groups + (tensor_scale is not None), columns), dtype=torch.float32, device=x_hp.device)
     gather = gather_index is not None
+    # Without tensor_scale the kernel writes the scales into the table and takes no rows output or amax table:
+    # the table's pointer stands in for them.
+    scale_arg, rows_arg, amax_arg = ((table, table, table) if tensor_scale is None
+                                     else (tensor_scale, rows_fp8.view(torch.uint8), table))
     launch = KernelLaunch(
         quantize_group_columns_placed_kernel, (groups + 1, cdiv(columns, _BLOCK_COLUMNS)),
         (x_hp, gather_index.contiguous() if gather else offsets, offsets.contiguous(), x_t_fp8.view(torch.uint8),
-         scale, rows, columns, padded_rows, x_hp.stride(0), groups),
+         scale_arg, rows_arg, amax_arg, rows, columns, padded_rows, x_hp.stride(0), groups),
         {"GATHER": gather, "MULTIPLE": multiple, "BLOCK_GROUPS": max(next_power_of_2(groups), 16),
          "BLOCK_ROWS": _BLOCK_ROWS, "BLOCK_COLUMNS": _BLOCK_COLUMNS, "SCALE_KIND": int(power_2_scales),
          "FP8_MAX": fp8_max(_FP8), "FP8_MAX_EXPONENT": fp8_max_exponent(_FP8),
          # The interpreter's own FP8 conversion is not the GPU's: round in software there.
-         "SOFTWARE_ROUNDING": bool(knobs.runtime.interpret), "num_warps": _NUM_WARPS})
+         "SOFTWARE_ROUNDING": bool(knobs.runtime.interpret), "TENSOR_SCALE": tensor_scale is not None,
+         "num_warps": _NUM_WARPS})
+    return launch, x_t_fp8, rows_fp8, table
+
+
+def plan_quantize_group_columns_placed(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int,
+                                       power_2_scales: bool, gather_index: torch.Tensor | None = None
+                                       ) -> tuple[KernelLaunch, torch.Tensor, torch.Tensor]:
+    """The launch that writes the op's ``(x_t_fp8 (C, P), scale (E, C))``, and those two outputs."""
+    _checked(x_hp, offsets, gather_index)
+    launch, x_t_fp8, _, scale = _plan(x_hp, offsets, multiple, gather_index, None, power_2_scales)
     return launch, x_t_fp8, scale
 
 
@@ -122,3 +155,61 @@ def _(x_hp, offsets, multiple, power_2_scales, gather_index=None):
     if not triton_available():
         return _reference(x_hp, offsets, multiple, power_2_scales, gather_index)
     return quantize_group_columns_placed_triton(x_hp, offsets, multiple, power_2_scales, gather_index)
+
+
+def plan_quantize_rows_placed(x_hp: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor, multiple: int,
+                              gather_index: torch.Tensor | None = None
+                              ) -> tuple[KernelLaunch, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launch that writes ``fp8graph::quantize_rows_placed``'s ``(rows_fp8, x_t_fp8, amax)``, and those."""
+    _checked(x_hp, offsets, gather_index, scale)
+    launch, x_t_fp8, rows_fp8, amax = _plan(x_hp, offsets, multiple, gather_index, scale.reshape(()), False)
+    return launch, rows_fp8, x_t_fp8, amax
+
+
+def quantize_rows_placed_triton(x_hp: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor, multiple: int,
+                                gather_index: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the Triton kernel (the op's outputs)."""
+    launch, rows_fp8, x_t_fp8, amax = plan_quantize_rows_placed(x_hp, scale, offsets, multiple, gather_index)
+    if x_t_fp8.numel():
+        launch()
+    return rows_fp8, x_t_fp8, amax
+
+
+def _rows_reference(x_hp, scale, offsets, multiple, gather_index):
+    _checked(x_hp, offsets, gather_index, scale)
+    rows_hp = x_hp if gather_index is None else x_hp[gather_index]
+    rows_fp8 = quantize(rows_hp, scale.reshape(()), _FP8)
+    sources, _ = padded_group_sources(offsets, rows_hp.shape[0], multiple)
+    return rows_fp8, transpose_fp8(rows_fp8, sources), group_column_amax(rows_hp, offsets)
+
+
+@torch.library.custom_op("fp8graph::quantize_rows_placed", mutates_args=())
+def quantize_rows_placed(x_hp: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor, multiple: int,
+                         gather_index: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows ``x_hp`` (S, C) (``x_hp[gather_index]`` with ``gather_index``), sorted into the groups ``offsets``
+    (E,) ends, cast to E4M3 with the one ``scale`` and written twice: as rows, and laid out as
+    :func:`quantize_group_columns_placed` lays them out. Returns ``(rows_fp8 (S, C), x_t_fp8 (C, P), amax (E + 1,
+    C))``, ``amax`` the largest finite magnitude of each group's columns (the last row the rows' in no group), whose
+    max is the rows' amax. Per-tensor scaling's gathered input: the forward GEMM reads the rows, grad_weight's the
+    layout, and one read of the rows writes both (and the amaxes delayed scaling records). ``gather_index`` must
+    hold row indices of ``x_hp``: unchecked, as a check would wait for the device."""
+    return _rows_reference(x_hp, scale, offsets, multiple, gather_index)
+
+
+@quantize_rows_placed.register_fake
+def _(x_hp, scale, offsets, multiple, gather_index=None):
+    _checked(x_hp, offsets, gather_index, scale)
+    rows = x_hp.shape[0] if gather_index is None else gather_index.shape[0]
+    padded_rows = padded_group_bound(rows, offsets.shape[0], multiple)
+    return (x_hp.new_empty((rows, x_hp.shape[1]), dtype=_FP8),
+            x_hp.new_empty((x_hp.shape[1], padded_rows), dtype=_FP8),
+            x_hp.new_empty((offsets.shape[0] + 1, x_hp.shape[1]), dtype=torch.float32))
+
+
+@quantize_rows_placed.register_kernel("cuda")
+def _(x_hp, scale, offsets, multiple, gather_index=None):
+    if not triton_available():
+        return _rows_reference(x_hp, scale, offsets, multiple, gather_index)
+    return quantize_rows_placed_triton(x_hp, scale, offsets, multiple, gather_index)

@@ -40,11 +40,12 @@ import torch
 from fp8graph.gemm.grouped_gemm import (group_columns_for_grad_weight, grouped_scaled_gemm, grouped_scaled_gemm_weights,
                                         placed_for_grad_weight)
 from fp8graph.gemm.scaled_gemm import Lowering, one_buffer
+from fp8graph.kernels import group_columns  # noqa: F401  (registers fp8graph::quantize_rows_placed)
 from fp8graph.kernels.transpose_fp8 import transpose_fp8, transpose_fp8_into_
 from fp8graph.numerics.formats import Role
-from fp8graph.numerics.quantize import (amax_to_scale, finite_magnitude, quantize, quantize_current, row_amaxes,
-                                        untracked)
-from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, NATIVE_GROUPED_GRANULARITIES, Recipe
+from fp8graph.numerics.quantize import (amax, amax_to_scale, finite_magnitude, quantize, quantize_current,
+                                        row_amaxes, untracked)
+from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, FP8_GEMM_DIM_MULTIPLE, NATIVE_GROUPED_GRANULARITIES, Recipe
 from fp8graph.buffers.amax_reduction import amax_reduction
 from fp8graph.numerics.delayed_scaling import scale_from_history
 from fp8graph.targets.cache_hash import register_target
@@ -128,10 +129,12 @@ class ExpertWeightCopy(NamedTuple):
 
 
 def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_index=None,
-                         weight_copy: ExpertWeightCopy | None = None):
+                         weight_copy: ExpertWeightCopy | None = None, placed_offsets: torch.Tensor | None = None):
     """The forward casts with delayed scaling: the input's scale from row 0 of the history, expert e's from row
     1 + e; every row moves one step (new scales, histories rolled, this call's amaxes recorded) in one
-    ``fp8graph::record_delayed_``. Returns the two casts as :func:`cast_rows` and :func:`cast_experts` do.
+    ``fp8graph::record_delayed_``. Returns the two casts as :func:`cast_rows` and :func:`cast_experts` do, and
+    the input's layout for grad_weight or None: with ``placed_offsets`` (the groups' ends) the gathered input is
+    cast by :func:`_cast_rows_placed`, its cast the gathered rows (S, K), and the amaxes recorded are its.
 
     Through ``weight_copy``, a filling call also writes the weight's cast, its transpose and the scales into the
     copies; a reusing call casts only the input, takes the copy and the scales it was cast with, and records no
@@ -153,7 +156,11 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
     input_scale, weight_scale = (torch.as_strided(new_scales, (), (), 0),
                                  torch.as_strided(new_scales, (experts, 1), (1, 1), 1))  # 0-dim, (E, 1)
     inverse = new_scales.reciprocal()
-    input_fp8 = quantize(input_hp, input_scale, _FP8)
+    input_placed = input_amaxes = None
+    if placed_offsets is not None:
+        input_fp8, input_placed, input_amaxes = _cast_rows_placed(input_hp, input_scale, placed_offsets, gather_index)
+    else:
+        input_fp8 = quantize(input_hp, input_scale, _FP8)
     if reuse:
         # An empty partial a row: zero recorded, and no kernel to make zeros for each of E rows.
         weight_fp8, weight_amaxes = weight_copy.weight_fp8, weight_copy.scale.new_empty(experts, 0)
@@ -172,13 +179,33 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
     if spec.update:
         # Of the gathered rows when the input is gathered: the kernel that gathers and casts them takes their
         # amaxes too.
-        rows_hp = input_hp if gather_index is None else input_hp[gather_index]
-        partials = [row_amaxes(rows_hp.detach()), *weight_amaxes.unbind(0)]
+        if input_amaxes is None:
+            rows_hp = input_hp if gather_index is None else input_hp[gather_index]
+            input_amaxes = row_amaxes(rows_hp.detach())
+        partials = [input_amaxes.reshape(-1), *weight_amaxes.unbind(0)]
         filling = weight_copy is not None and not reuse
         record_states([(history, scale)], [partials], new_scales[None].contiguous(),
                       amax_reduction(recipe.reduce_amax), [weight_copy.scale] if filling else ())
-    return ((input_fp8, input_scale, inverse[0].expand(input_hp.shape[0])),
-            (weight_fp8, weight_scale, inverse[1:, None].expand(experts, rows)))
+    return ((input_fp8, input_scale, inverse[0].expand(input_fp8.shape[0])),
+            (weight_fp8, weight_scale, inverse[1:, None].expand(experts, rows)), input_placed)
+
+
+def _cast_rows_placed(input_hp: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
+                      gather_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A per-tensor cast of the gathered rows ``input_hp[gather_index]`` for both GEMMs that read it, by one
+    kernel (``fp8graph::quantize_rows_placed``): ``(rows_fp8 (S, K), input_placed (K, S'), amax (E + 1, K))``. Cast
+    by Inductor, the kernel that gathers the rows writes the rows' cast and ``fp8graph::transpose_fp8`` reads it
+    again to place it (``placed_for_grad_weight``): this reads the rows once for both."""
+    return torch.ops.fp8graph.quantize_rows_placed(input_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, gather_index)
+
+
+def _rows_placed_by_one_kernel(spec: GroupedSpec, gather_index, needs_grad_weight: bool) -> bool:
+    """Whether the gathered input's one per-tensor cast is written for both GEMMs by :func:`_cast_rows_placed`:
+    on the native path, where grad_weight's GEMM reads its own layout of it. Without a gather the rows' cast
+    joins the kernel that produces them, and reading them again in high precision would cost more than laying
+    out the FP8 bytes (``placed_for_grad_weight``)."""
+    return (gather_index is not None and needs_grad_weight and not spec.per_row
+            and spec.lowering is Lowering.SCALED_MM)
 
 
 def _cast_grad_output_delayed(grad_output_hp, state, spec: GroupedSpec):
@@ -230,14 +257,17 @@ def _transposed_for_grad_input(weight_fp8: torch.Tensor, weight_inverse: torch.T
 
 
 def _placed_in_the_forward(input_fp8: torch.Tensor, input_inverse: torch.Tensor, offsets: torch.Tensor,
-                           spec: GroupedSpec) -> tuple[torch.Tensor, torch.Tensor]:
+                           spec: GroupedSpec, input_placed: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_placed, input_inverse)``: ``input_fp8`` (S, K), the forward's cast, which grad_weight reads too (a
     per-tensor scale; row-wise's cast per group and column is placed by the kernel that casts it), laid out for
-    grad_weight's GEMM (``placed_for_grad_weight``: one tiled transpose of the FP8 rows) in the forward, and the
-    inverse scale the forward GEMM reads, tied to it (``fp8graph.targets.partitioning``). Left to itself the
-    partitioner saves the cast and lays it out in the backward: the same pass, and the cast kept alive until then.
-    The emulation reads the cast as it is."""
-    input_placed = placed_for_grad_weight(input_fp8, offsets, spec.lowering)  # (K, S') for scaled_mm
+    grad_weight's GEMM in the forward (``input_placed`` where the kernel that cast it wrote it, else
+    ``placed_for_grad_weight``: one tiled transpose of the FP8 rows), and the inverse scale the forward GEMM
+    reads, tied to it (``fp8graph.targets.partitioning``). Left to itself the partitioner saves the cast and lays
+    it out in the backward: the same pass, and the cast kept alive until then. The emulation reads the cast as it
+    is."""
+    if input_placed is None:
+        input_placed = placed_for_grad_weight(input_fp8, offsets, spec.lowering)  # (K, S') for scaled_mm
     if input_placed is input_fp8:  # read as it is: nothing to write in the forward
         return input_fp8, input_inverse
     return input_placed, keep_for_backward(input_inverse, input_placed)
@@ -283,14 +313,22 @@ class _GroupedFP8(torch.autograd.Function):
         output_dtype = input_hp.dtype  # as torch._grouped_mm's
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         with torch.autocast(input_hp.device.type, enabled=False):
+            # Cast gathered, with grad_weight's layout (placed, below), by one kernel: input_placed not None.
+            placed_offsets = offsets if _rows_placed_by_one_kernel(spec, gather_index, needs_grad_weight) else None
+            input_placed = None
             if spec.delayed:
-                (input_fp8, input_scale, input_inverse), (weight_fp8, weight_scale, weight_inverse) = \
-                    cast_forward_delayed(input_hp, weight_hp, state, spec, gather_index, weight_copy)
+                (input_fp8, input_scale, input_inverse), (weight_fp8, weight_scale, weight_inverse), input_placed = \
+                    cast_forward_delayed(input_hp, weight_hp, state, spec, gather_index, weight_copy, placed_offsets)
                 if weight_copy is not None:  # grad_input's layout, kept with the forward's
                     weight_t_fp8 = weight_copy.weight_t_fp8
                     weight_t_inverse = weight_inverse[:, :1].expand(experts, weight_hp.shape[2])
             else:
-                input_fp8, input_scale, input_inverse = cast_rows(input_hp, spec)  # (S or T, K), along K
+                if placed_offsets is not None:
+                    input_scale = _scale(amax(input_hp), spec)  # as quantize_current's
+                    input_fp8, input_placed, _ = _cast_rows_placed(input_hp, input_scale, offsets, gather_index)
+                    input_inverse = input_scale.reciprocal().expand(input_fp8.shape[0])
+                else:
+                    input_fp8, input_scale, input_inverse = cast_rows(input_hp, spec)  # (S or T, K), along K
                 if weight_copy is None:
                     weight_fp8, weight_scale, weight_inverse = cast_experts(weight_hp, spec)  # (E, N, K), along K
                 else:  # kept between calls, with grad_input's
@@ -299,10 +337,11 @@ class _GroupedFP8(torch.autograd.Function):
             if needs_grad_input and not spec.per_row and weight_copy is None:
                 weight_fp8, weight_t_fp8, weight_inverse = _transposed_for_grad_input(weight_fp8, weight_inverse,
                                                                                       spec)
-            if stats is not None:
-                record_health(stats, Role.INPUT, input_hp, input_fp8, health_scales(input_scale), spec.recipe)
+            if stats is not None:  # the cast as it is: of the gathered rows where input_placed was written with it
+                cast_hp = input_hp if input_placed is None else input_hp[gather_index]
+                record_health(stats, Role.INPUT, cast_hp, input_fp8, health_scales(input_scale), spec.recipe)
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
-            if gather_index is not None:
+            if gather_index is not None and input_placed is None:
                 input_fp8, input_inverse = _gather_rows(input_fp8, gather_index), input_inverse[gather_index]
             input_fp8 = _one_buffer(input_fp8, spec)  # the forward GEMM's, and (per tensor) grad_weight's layout's
             saved_input = saved_weight = (None, None)
@@ -318,7 +357,8 @@ class _GroupedFP8(torch.autograd.Function):
                         input_inverse = keep_for_backward(input_inverse, input_placed)
                     saved_input = (input_placed, input_g_scale.reciprocal())  # (E, K)
                 else:
-                    input_placed, input_inverse = _placed_in_the_forward(input_fp8, input_inverse, offsets, spec)
+                    input_placed, input_inverse = _placed_in_the_forward(input_fp8, input_inverse, offsets, spec,
+                                                                         input_placed)
                     saved_input = (input_placed, input_inverse[:1].expand(experts, input_hp.shape[1]))
             weight_columns = None  # row-wise's cast along N for grad_input, where the forward writes it
             if needs_grad_input and weight_copy is None and spec.per_row and spec.recipe.save_transposes:

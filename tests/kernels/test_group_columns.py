@@ -1,5 +1,6 @@
-"""``fp8graph::quantize_group_columns_placed``: a grouped GEMM's weight-gradient operand cast per group and column
-and laid out for the GEMM by one kernel.
+"""``fp8graph::quantize_group_columns_placed`` and ``fp8graph::quantize_rows_placed``: a grouped GEMM's
+weight-gradient operand cast (per group and column, or per tensor with its rows written too) and laid out for the
+GEMM by one kernel.
 
 The Triton kernel is checked byte for byte against the op's reference by Triton's interpreter (a fresh process,
 ``TRITON_INTERPRET=1``), compiled for sm_90 and sm_100 in ``tests/kernels/test_kernels_compile.py``, and run on a
@@ -9,10 +10,11 @@ GPU in ``tests/test_gpu.py``.
 import pytest
 import torch
 
-from fp8graph.kernels.group_columns import quantize_group_columns_placed
+from fp8graph.kernels.group_columns import quantize_group_columns_placed, quantize_rows_placed
 from fp8graph.kernels.quantize_tiles import triton_available
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
-from fp8graph.numerics.groups import padded_group_bound, padded_group_sources, quantize_group_columns
+from fp8graph.numerics.groups import padded_group_bound, padded_group_sources, quantize_group_columns, row_groups
+from fp8graph.numerics.quantize import finite_magnitude, quantize
 from helpers import cases_checked_under_triton_interpreter
 
 OFFSETS = torch.tensor([5, 5, 30, 40], dtype=torch.int32)  # an empty group; rows 40.. in no group
@@ -20,7 +22,7 @@ OFFSETS = torch.tensor([5, 5, 30, 40], dtype=torch.int32)  # an empty group; row
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 def test_the_triton_kernel_equals_the_reference_under_the_interpreter():
-    assert cases_checked_under_triton_interpreter("check_group_columns.py") == 20
+    assert cases_checked_under_triton_interpreter("check_group_columns.py") == 40
 
 
 def test_the_op_is_the_group_column_cast_placed_and_traces_with_its_fake():
@@ -47,3 +49,40 @@ def test_bad_operands_are_refused_with_what_the_op_takes():
         quantize_group_columns_placed(x_hp, OFFSETS.float(), 16, False)
     with pytest.raises(ValueError, match="gather_index is a 1-D int64 tensor"):
         quantize_group_columns_placed(x_hp, OFFSETS, 16, False, torch.zeros(4, dtype=torch.int32))
+
+
+def test_the_per_tensor_op_is_the_cast_rows_and_their_placed_copy_with_each_groups_column_amaxes():
+    torch.manual_seed(0)
+    x_hp = torch.randn(30, 48, dtype=torch.bfloat16) * 100
+    x_hp[3, 7] = float("nan")
+    gather_index = torch.randint(0, 30, (44,))
+    scale = torch.tensor(3.0)
+    rows_fp8, x_t_fp8, amax = quantize_rows_placed(x_hp, scale, OFFSETS, 16, gather_index)
+    rows_hp = x_hp[gather_index]
+    expected_fp8 = quantize(rows_hp, scale, torch.float8_e4m3fn)
+    sources, _ = padded_group_sources(OFFSETS, 44, 16)
+    assert torch.equal(rows_fp8.view(torch.uint8), expected_fp8.view(torch.uint8))
+    assert x_t_fp8.shape == (48, padded_group_bound(44, 4, 16)) and x_t_fp8.is_contiguous()
+    assert torch.equal(x_t_fp8.view(torch.uint8), transpose_fp8(expected_fp8, sources).view(torch.uint8))
+    # Each group's (and the rows in no group's) column amaxes, NaN left out: their max is the rows' amax.
+    groups = row_groups(OFFSETS, 44)
+    for group in range(5):
+        in_group = finite_magnitude(rows_hp[groups == group])
+        expected = in_group.amax(dim=0) if in_group.shape[0] else torch.zeros(48)
+        assert torch.equal(amax[group], expected), group
+    assert amax.max() == finite_magnitude(rows_hp).max()
+    finite_hp = x_hp.nan_to_num()  # opcheck compares outputs with assert_close, to which NaN is unequal
+    for index in (None, gather_index):
+        torch.library.opcheck(torch.ops.fp8graph.quantize_rows_placed,
+                              (finite_hp if index is not None else finite_hp[gather_index], scale, OFFSETS, 16, index),
+                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_bad_operands_of_the_per_tensor_op_are_refused_with_what_it_takes():
+    x_hp = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="quantize_rows_placed casts a 2-D high-precision tensor"):
+        quantize_rows_placed(x_hp.to(torch.float8_e4m3fn), torch.tensor(1.0), OFFSETS, 16)
+    with pytest.raises(ValueError, match="quantize_rows_placed's scale is one float32 value"):
+        quantize_rows_placed(x_hp, torch.ones(2), OFFSETS, 16)
+    with pytest.raises(ValueError, match="quantize_rows_placed's gather_index is a 1-D int64 tensor"):
+        quantize_rows_placed(x_hp, torch.tensor(1.0), OFFSETS, 16, torch.zeros(4, dtype=torch.int32))

@@ -190,3 +190,29 @@ def test_the_group_column_cast_compiles_to_a_cubin_reading_rows_as_vectors(rows,
     if columns % 8 == 0:
         assert "ld.global.v4.b32" in ptx, "rows are not read as 16-byte vectors"
         assert "st.global.v4.b32" in ptx or "st.global.v2.b32" in ptx, "the transposed bytes are not stored as vectors"
+
+
+@pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
+@pytest.mark.parametrize("rows, columns, experts", [(262144, 2048, 128), (200, 100, 3)], ids=["qwen3-input", "ragged"])
+def test_the_per_tensor_rows_and_placed_cast_compiles_to_a_cubin_reading_and_writing_vectors(rows, columns, experts,
+                                                                                          capability):
+    """``fp8graph::quantize_rows_placed`` (a per-tensor recipe's gathered expert input, cast once for the forward
+    GEMM and grad_weight's): a cubin without spills that reads the gathered BF16 rows as 16-byte vectors when the
+    columns divide by 8, converts in hardware and stores both layouts' bytes as vectors. Not proven here: its speed
+    (``bench moe`` on a GPU)."""
+    from fp8graph.kernels.group_columns import plan_quantize_rows_placed
+
+    source = torch.empty(rows // 8, columns, dtype=torch.bfloat16)
+    launch, *_ = plan_quantize_rows_placed(source, torch.empty((), dtype=torch.float32),
+                                           torch.empty(experts, dtype=torch.int32), 16,
+                                           torch.empty(rows, dtype=torch.int64))
+    assert launch.constexprs["SOFTWARE_ROUNDING"] is False and launch.constexprs["TENSOR_SCALE"] is True
+    compiled = compile_launch(launch, capability)
+    usage = resource_usage(compiled)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
+    ptx = compiled.asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    if columns % 8 == 0:
+        assert "ld.global.v4.b32" in ptx, "rows are not read as 16-byte vectors"
+        stores = ptx.count("st.global.v4.b32") + ptx.count("st.global.v2.b32")
+        assert stores >= 2, "the rows' and the placed bytes are not both stored as vectors"

@@ -1,12 +1,14 @@
 """Run by tests/kernels/test_group_columns.py under TRITON_INTERPRET=1: the kernel of
-``fp8graph::quantize_group_columns_placed`` against the op's reference (the per-group-and-column cast, then the
-padded transpose), byte for byte and scale for scale: groups of every size (empty, one row, ragged, a block and
-more), rows in no group, columns not a multiple of the block, gathered rows, a row-strided source, values that
-test the amax (NaN, inf, zeros, subnormal-range magnitudes), exact and power-of-2 scales."""
+``fp8graph::quantize_group_columns_placed`` and ``fp8graph::quantize_rows_placed`` against the ops' references (the
+per-group-and-column cast, or the per-tensor one, then the padded transpose), byte for byte and scale (or amax)
+for scale: groups of every size (empty, one row, ragged, a block and more), rows in no group, columns not a
+multiple of the block, gathered rows, a row-strided source, values that test the amax (NaN, inf, zeros,
+subnormal-range magnitudes, values that saturate), exact and power-of-2 scales."""
 
 import torch
 
-from fp8graph.kernels.group_columns import _reference, quantize_group_columns_placed_triton
+from fp8graph.kernels.group_columns import (_reference, _rows_reference, quantize_group_columns_placed_triton,
+                                            quantize_rows_placed_triton)
 
 
 
@@ -38,5 +40,14 @@ for sizes, tail, columns in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 
         assert got_fp8.shape == expected_fp8.shape and got_scale.shape == expected_scale.shape, label
         assert torch.equal(got_scale, expected_scale), label
         assert torch.equal(_bytes(got_fp8), _bytes(expected_fp8)), label
+        cases += 1
+        # One scale for the tensor, a power of 2 or not; the largest values (up to about 2**8) saturate at 448.
+        scale = torch.tensor(4.0 if power_2 else 2.7, dtype=torch.float32)
+        expected = _rows_reference(x, scale, offsets, 16, index)
+        got = quantize_rows_placed_triton(x, scale, offsets, 16, index)
+        for got_part, expected_part, part in zip(got, expected, ("rows", "placed", "amax")):
+            assert got_part.shape == expected_part.shape, (label, part)
+            compared = (_bytes(got_part), _bytes(expected_part)) if part != "amax" else (got_part, expected_part)
+            assert torch.equal(*compared), (label, part)
         cases += 1
 print(f"cases checked: {cases}")
