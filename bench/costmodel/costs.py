@@ -11,7 +11,8 @@ GEMM (cuBLAS, extern)        FLOPs at a rate per operand type and scaling, or it
 attention (cuDNN SDPA)       FLOPs (4 B H Sq Sk D forward, 2.5x that backward) at a fitted rate.
 other extern (custom ops)    operand bytes at copy bandwidth: what a custom kernel really achieves is unknown;
                              an ATen kernel a GPU measured far below it (MEASURED_EXTERN_BANDWIDTH) at
-                             the bandwidth measured.
+                             the bandwidth measured; one bound by dependent loop steps (fp8graph's delayed
+                             record: MEASURED_EXTERN_STEP_US) at least its steps at the time a step measured.
 optimizer                    bench decoder's eager SGD (``p.add_(p.grad)``): 3 passes over each parameter.
 
 ``bench model`` re-times here the rows its child processes captured, and ``bench show`` re-reads them from a
@@ -108,6 +109,7 @@ class Row:
     flops: float = 0.0
     gemm: str = ""  # bf16 | fp8 tensorwise | fp8 rowwise | fp8 blockwise | bf16 grouped | fp8 rowwise grouped
     largest_numel: int = 0  # elements of its largest tensor operand: which of a site's operands it works on
+    serial_steps: int = 0  # an extern kernel bound by dependent loop steps, not bytes (MEASURED_EXTERN_STEP_US)
     group_rows: float = 0.0  # a grouped GEMM's tokens a group, on average (its rate depends on them)
 
     @property
@@ -148,7 +150,8 @@ def time_us(row: Row, machine: Machine, triton_bandwidth: float | None = None) -
         return max(row.flops / machine.attention_flops * 1e6, machine.gemm_floor_us)
     bandwidth = MEASURED_EXTERN_BANDWIDTH.get(extern_op(row.name), (machine.copy_bandwidth,))[0] \
         if row.kind == "extern" else machine.copy_bandwidth
-    return max(row.bytes / bandwidth * 1e6, machine.launch_floor_us)  # extern, memset, optimizer
+    steps_us = row.serial_steps * MEASURED_EXTERN_STEP_US.get(extern_op(row.name), (0.0,))[0]
+    return max(row.bytes / bandwidth * 1e6, steps_us, machine.launch_floor_us)  # extern, memset, optimizer
 
 
 # Extern kernels that run far from copy bandwidth, at the effective bandwidth (operand bytes over kernel time) a
@@ -158,6 +161,42 @@ MEASURED_EXTERN_BANDWIDTH = {
     "segment_reduce": (0.30e12, "bench/results/moe-2026-11-27T132818Z.json: NVIDIA H200, fp8graph ec8f139, "
                                 "row-wise MoE block at 2048 tokens an expert, 4 calls reading 3.36 GB in 11.11 ms"),
 }
+
+
+# Extern kernels whose time is a chain of dependent loop steps (each waiting on its loads), not their bytes: op ->
+# (us a step, the measurement). The steps of a launch are counted from its operands (``Row.serial_steps``).
+MEASURED_EXTERN_STEP_US = {
+    # fp8graph::record_delayed_ finishes each row's partial amaxes a block a step, then rolls its history. At
+    # ec8f139 one program walked every row of a call in blocks of 1024: Qwen3-30B-A3B's block at 2048 tokens an
+    # expert, 4 calls of 1796 steps in all (tests/bench/test_cost_model.py counts them), 1.02 ms on the H200.
+    "record_delayed_": (0.567, "bench/results/moe-2026-11-27T132818Z.json: NVIDIA H200, fp8graph ec8f139, delayed "
+                               "MoE block at 2048 tokens an expert, record_delayed_kernel 1.019 ms in 4 calls"),
+}
+
+
+def record_delayed_steps(extern) -> int:
+    """The loop steps of a ``record_delayed_`` launch's longest program, from its operands: the 1-D partial amaxes
+    (read) and the histories (written in place), as the captured fp8graph's kernel runs them
+    (``fp8graph.kernels.delayed_record.loop_steps``; :func:`_earlier_record_steps` for a commit without it)."""
+    lengths = [_numel(shape) for shape, _ in extern.inputs if len(shape) == 1]
+    history_len = max((shape[1] for shape, _ in getattr(extern, "mutated", ()) if len(shape) == 2), default=1)
+    try:
+        from fp8graph.kernels.delayed_record import loop_steps
+    except ImportError:
+        return _earlier_record_steps(lengths, history_len)
+    return loop_steps(max(lengths, default=0), history_len)
+
+
+def _earlier_record_steps(lengths: list[int], history_len: int) -> int:
+    """The record kernel's steps before its blocks grew with the rows (2026-11-28): blocks of 1024; a program a
+    row since 7d80b35, before it one program walking every row of a call."""
+    import inspect
+
+    from fp8graph.kernels import delayed_record
+
+    steps = [-(-length // 1024) + -(-history_len // 1024) for length in lengths]
+    program_a_row = "(len(histories), rows)" in inspect.getsource(delayed_record.plan_record_delayed)
+    return max(steps, default=0) if program_a_row else sum(steps)
 
 
 def extern_op(name: str) -> str:
@@ -260,6 +299,8 @@ def _extern_row(graph: str, extern) -> Row:
     row = Row(graph, "extern", kernel, " ".join("x".join(map(str, s)) + f":{d}" for s, d in extern.inputs),
               read=read, written=written,
               largest_numel=max((_numel(s) for s, _ in [*extern.inputs, *extern.outputs]), default=0))
+    if op in MEASURED_EXTERN_STEP_US:
+        row.serial_steps = record_delayed_steps(extern)
     if op in _GROUPED_GEMMS:
         _grouped_gemm(row, op, shapes, dtypes)
     elif op in _GEMMS:

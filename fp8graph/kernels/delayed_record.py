@@ -33,10 +33,32 @@ import torch
 from fp8graph.numerics.delayed_scaling import record_amax, roll_history
 from fp8graph.kernels.quantize_tiles import KernelLaunch, triton_available
 
-__all__ = ["finished_amax", "plan_record_delayed", "record_delayed_"]
+__all__ = ["amax_block", "finished_amax", "loop_steps", "plan_record_delayed", "record_delayed_"]
 
-_BLOCK_AMAX = 1024
+# A row's partial amaxes are finished by one program, a block a loop step, each step waiting on its loads: the
+# H200 ran ~0.57 us a step (docs/cost-model.md), so a row of 262144 partials (an expert GEMM's gathered input or
+# grad_output, a magnitude a token) took ~150 us in blocks of 1024. Blocks grow with the longest partial, to 16384
+# elements (32 a thread over 16 warps): 16 steps for that row.
+_MIN_BLOCK_AMAX = 1024
+_MAX_BLOCK_AMAX = 16384
 _BLOCK_HISTORY = 1024
+
+
+def amax_block(longest_partial: int) -> tuple[int, int]:
+    """``(BLOCK_AMAX, num_warps)`` of the launch whose longest row of partial amaxes has ``longest_partial``
+    elements: the whole row in one block up to 16384, at most 32 elements a thread, at least 4 warps."""
+    from triton import next_power_of_2
+
+    block = min(max(next_power_of_2(max(longest_partial, 1)), _MIN_BLOCK_AMAX), _MAX_BLOCK_AMAX)
+    return block, max(block // 1024, 4)
+
+
+def loop_steps(longest_partial: int, history_len: int) -> int:
+    """The loop steps of a launch's longest program (a program a row): its partial amaxes a block at a time, then
+    its history. Each step waits on its loads, so this, not the bytes, sets the launch's time
+    (``bench.costmodel.costs`` prices a step)."""
+    block, _ = amax_block(longest_partial)
+    return -(-longest_partial // block) + -(-history_len // _BLOCK_HISTORY)
 
 
 def finished_amax(partial: torch.Tensor) -> torch.Tensor:
@@ -95,21 +117,22 @@ def plan_record_delayed(histories, scales, row_amaxes, new_scales, kept_scales=(
 
     rows = _check(histories, scales, row_amaxes, new_scales, kept_scales)
     keep = bool(kept_scales)
+    block_amax, num_warps = amax_block(max(partial.numel() for partial in row_amaxes))
     row_stride = _row_stride(row_amaxes) if len(histories) == 1 else None
     if row_stride is not None:
         history, scale, first, second = histories[0], scales[0], row_amaxes[0], row_amaxes[1]
         return KernelLaunch(record_delayed_rows_kernel, (rows,),
                             (history, scale, first, first.numel(), second, row_stride, second.numel(), new_scales,
                              kept_scales[0] if keep else scale, history.shape[1]),
-                            {"KEEP": keep, "BLOCK_AMAX": _BLOCK_AMAX, "BLOCK_HISTORY": _BLOCK_HISTORY,
-                             "num_warps": 4})
+                            {"KEEP": keep, "BLOCK_AMAX": block_amax, "BLOCK_HISTORY": _BLOCK_HISTORY,
+                             "num_warps": num_warps})
     return KernelLaunch(record_delayed_kernel, (len(histories), rows),
                         (tuple(histories), tuple(scales), tuple(row_amaxes),
                          tuple(partial.numel() for partial in row_amaxes), new_scales,
                          # without kept buffers the kernel stores none: the scales stand in for the argument
                          tuple(kept_scales) if keep else tuple(scales), histories[0].shape[1]),
-                        {"ROWS": rows, "KEEP": keep, "BLOCK_AMAX": _BLOCK_AMAX, "BLOCK_HISTORY": _BLOCK_HISTORY,
-                         "num_warps": 4})
+                        {"ROWS": rows, "KEEP": keep, "BLOCK_AMAX": block_amax, "BLOCK_HISTORY": _BLOCK_HISTORY,
+                         "num_warps": num_warps})
 
 
 def _kernel_can_run(histories, scales, row_amaxes, new_scales, kept_scales) -> bool:

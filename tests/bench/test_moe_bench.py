@@ -154,10 +154,16 @@ def test_grad_weight_s_operands_are_laid_out_by_one_pass_each(steps):
     experts, hidden, width = TINY["experts"], TINY["hidden"], TINY["expert_width"]
     padded_rows = -(-(S + experts * 16) // 16) * 16
     operand_widths = (hidden, width, 2 * width, hidden)  # down: grad_output, input; gate_up: grad_output, input
+    transposed_widths = operand_widths[:3]  # gate_up's gathered input is placed by the kernel that casts it
     transposes = [r for r in steps["current"]["rows"] if r["kind"] == "extern" and "transpose_fp8" in r["name"]]
-    assert sorted(r["read"] for r in transposes) == sorted(S * w + padded_rows * 8 for w in operand_widths)
+    assert sorted(r["read"] for r in transposes) == sorted(S * w + padded_rows * 8 for w in transposed_widths)
     # the FP8 rows and each padded row's source
-    assert sorted(r["written"] for r in transposes) == sorted(padded_rows * w for w in operand_widths)
+    assert sorted(r["written"] for r in transposes) == sorted(padded_rows * w for w in transposed_widths)
+    # fp8graph::quantize_rows_placed: the TOKENS source rows through the gather's index (S,), the scale and the
+    # offsets read; the FP8 rows, their placed copy and each group's column amaxes written.
+    [rows_placed] = [r for r in steps["current"]["rows"] if r["kind"] == "extern" and "quantize_rows_placed" in r["name"]]
+    assert rows_placed["read"] == TOKENS * hidden * 2 + S * 8 + 4 + experts * 4
+    assert rows_placed["written"] == S * hidden + padded_rows * hidden + (experts + 1) * hidden * 4
     placed = [r for r in steps["rowwise"]["rows"] if r["kind"] == "extern"]
     assert [r for r in placed if "transpose_fp8" in r["name"]] == []
     placed = [r for r in placed if "quantize_group_columns_placed" in r["name"]]
@@ -185,15 +191,18 @@ def _scattered(case: dict) -> int:
 
 
 def test_current_scaling_lays_the_input_out_for_grad_weight_in_the_forward(steps):
-    """grad_weight's right operand, the gathered input's cast in groups padded to 16 tokens, is laid out in the
-    forward from the FP8 rows the forward GEMM reads (``fp8graph.targets.grouped._placed_in_the_forward``), and
-    the backward lays out only the grad_outputs' casts: it never moves a saved cast. Each FP8 operand is stored
-    once for its GEMM and its transpose."""
+    """grad_weight's right operands, the inputs' casts in groups padded to 16 tokens, are laid out in the forward
+    (``fp8graph.targets.grouped._placed_in_the_forward``): the gathered input of gate_up by the kernel that casts
+    it (``fp8graph::quantize_rows_placed``), the down projection's from the FP8 rows its forward GEMM reads; the
+    backward lays out only the grad_outputs' casts: it never moves a saved cast. Each FP8 operand is stored once
+    for its GEMM and its transpose."""
     rows = [r for r in steps["current"]["rows"] if r["kind"] == "extern" and "transpose_fp8" in r["name"]]
     forward = [r for r in rows if r["graph"].endswith("forward")]
     backward = [r for r in rows if r["graph"].endswith("backward")]
-    assert len(forward) == 2 and len(backward) == 2, [(r["graph"], r["detail"]) for r in rows]
+    assert len(forward) == 1 and len(backward) == 2, [(r["graph"], r["detail"]) for r in rows]
     assert all("float8_e4m3fn" in r["detail"] for r in rows)
+    placed = [r["graph"] for r in steps["current"]["rows"] if "quantize_rows_placed" in r["name"]]
+    assert len(placed) == 1 and placed[0].endswith("forward")
     assert sum(r.get("duplicate_written", 0) * r["count"] for r in steps["current"]["rows"]) == 0
 
 
@@ -329,18 +338,17 @@ def test_fp8graph_rowwise_runs_three_scaled_grouped_gemms_per_expert_site(steps)
 
 def test_the_tokens_are_cast_before_they_are_gathered(steps):
     """The sm_90 forward of current scaling: the amax reads the T hidden rows, and the kernel that gathers the S
-    sorted rows casts them on the way (indirect loads of the hidden states, FP8 stores in the forward GEMM's
-    layout, which grad_weight's layout is transposed from); no kernel stores the gathered rows in BF16
-    (fp8graph.passes.expert_sites.read_gather)."""
-    forward = [row for row in steps["current"]["rows"] if row["graph"].endswith("forward") and row["kind"] == "triton"]
+    sorted rows casts them on the way (``fp8graph::quantize_rows_placed``: the hidden states read through the
+    gather's index, FP8 stores in the forward GEMM's layout and grad_weight's); no kernel stores the gathered rows
+    in BF16 (fp8graph.passes.expert_sites.read_gather)."""
+    forward = [row for row in steps["current"]["rows"] if row["graph"].endswith("forward")]
     tokens, hidden = TOKENS, TINY["hidden"]
-    source_amax = [r for r in forward if "amax" in r["name"] and "index" not in r["name"]
+    source_amax = [r for r in forward if r["kind"] == "triton" and "amax" in r["name"] and "index" not in r["name"]
                    and r["read"] == tokens * hidden * 2]
-    # FP8 stores: the rows the forward GEMM reads (and fp8graph::transpose_fp8 lays out for grad_weight's GEMM)
-    gather_cast = [r for r in forward if "index" in r["name"] and "clamp" in r["name"]
-                   and r["written"] == S * hidden and r["read"] < S * hidden * 2]
+    gather_cast = [r for r in forward if "quantize_rows_placed" in r["name"] and r["read"] < S * hidden * 2
+                   and "x".join(map(str, (tokens, hidden))) + ":bfloat16" in r["detail"]]
     assert len(source_amax) == 1 and len(gather_cast) == 1, [(r["name"], r["read"], r["written"]) for r in forward]
-    assert not any(r["written"] == S * hidden * 2 for r in forward if r not in gather_cast), \
+    assert not any(r["written"] == S * hidden * 2 for r in forward if r["kind"] == "triton"), \
         "gathered rows stored in BF16"
 
 

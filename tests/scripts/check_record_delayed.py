@@ -1,7 +1,7 @@
 """Run by tests/kernels/test_record_delayed.py under TRITON_INTERPRET=1: the delayed-state kernel against the op's
 torch reference, exactly: history lengths 1, 2, 5 and 1024 (one block, and a partial second block at
 1500), one to five members, forward (two rows) and backward (one row) calls, partial amaxes longer than a
-block, in BF16 and fp32, with a NaN and an inf among them, and empty partials (zero recorded); forward calls also with kept buffers (a filling
+block (the block grows with the longest row, to 16384: rows of 40000 take three), in BF16 and fp32, with a NaN and an inf among them, and empty partials (zero recorded); forward calls also with kept buffers (a filling
 call's weight copies: the weight rows' scales), and an expert call's three rows (input, two
 experts) with them; and expert calls whose experts' rows are one tensor's rows (the rows kernel), with and
 without kept buffers, empty rows among them."""
@@ -19,7 +19,9 @@ for history_len in (1, 2, 5, 1024, 1500):
             for dtype in (torch.bfloat16, torch.float32):
                 histories = [torch.rand(rows, history_len, generator=generator) for _ in range(members)]
                 scales = [torch.rand(rows, generator=generator) + 1 for _ in range(members)]
-                lengths = [1, 7, 1024, 2500]
+                # Longer than a block: 2500 (a block of 4096 is the whole row), 40000 (16384 a block: two and a
+                # part, the longest row setting the block of every row).
+                lengths = [1, 7, 1024, 40000 if history_len == 5 else 2500]
                 partials = [torch.rand(lengths[(i + r) % 4], generator=generator).to(dtype) * 100
                             for i in range(members) for r in range(rows)]
                 if members > 1:
@@ -48,7 +50,8 @@ for history_len in (5, 1024):
                 histories = [torch.rand(rows, history_len, generator=generator)]
                 scales = [torch.rand(rows, generator=generator) + 1]
                 weight_amaxes = torch.rand(rows - 1, row_length, generator=generator).to(dtype) * 100
-                partials = [torch.rand(300, generator=generator).to(dtype), *weight_amaxes.unbind(0)]
+                input_length = 40000 if row_length == 7 else 300  # the gathered tokens' magnitudes: many blocks
+                partials = [torch.rand(input_length, generator=generator).to(dtype), *weight_amaxes.unbind(0)]
                 new_scales = torch.rand(1, rows, generator=generator)
                 kept = [torch.zeros(rows - 1, 1)] if keep else []
                 expected_h, expected_s = [h.clone() for h in histories], [s.clone() for s in scales]
