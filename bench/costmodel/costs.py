@@ -11,8 +11,11 @@ GEMM (cuBLAS, extern)        FLOPs at a rate per operand type and scaling, or it
 attention (cuDNN SDPA)       FLOPs (4 B H Sq Sk D forward, 2.5x that backward) at a fitted rate.
 other extern (custom ops)    operand bytes at copy bandwidth: what a custom kernel really achieves is unknown;
                              an ATen kernel a GPU measured far below it (MEASURED_EXTERN_BANDWIDTH) at
-                             the bandwidth measured; one bound by dependent loop steps (fp8graph's delayed
-                             record: MEASURED_EXTERN_STEP_US) at least its steps at the time a step measured.
+                             the bandwidth measured (a gathering op's rows as gathered, GATHERING_OPS);
+                             fp8graph's kernels that store transposed tiles at the
+                             fraction of it the H200's transposes ran at (TRANSPOSED_STORE_OPS); one bound
+                             by dependent loop steps (fp8graph's delayed record: MEASURED_EXTERN_STEP_US) at
+                             least its steps at the time a step measured.
 optimizer                    bench decoder's eager SGD (``p.add_(p.grad)``): 3 passes over each parameter.
 
 ``bench model`` re-times here the rows its child processes captured, and ``bench show`` re-reads them from a
@@ -60,6 +63,7 @@ _GPU_RATES = {
     "grouped_fp8_flops_large": lambda gpu: gpu.grouped_fp8_flops_large,
     "gemm_floor_us": lambda gpu: gpu.gemm_floor_us,
     "cast_fraction": lambda gpu: gpu.cast_fraction,
+    "transposed_store_fraction": lambda gpu: gpu.transposed_store_fraction,
 }
 
 
@@ -83,6 +87,7 @@ class Machine:
     grouped_fp8_flops_large: float = _h100(_GPU_RATES["grouped_fp8_flops_large"])
     gemm_floor_us: float = _h100(_GPU_RATES["gemm_floor_us"])
     cast_fraction: float = _h100(_GPU_RATES["cast_fraction"])  # FP8 casts against Inductor's other kernels
+    transposed_store_fraction: float = _h100(_GPU_RATES["transposed_store_fraction"])  # fp8graph's transposes
     gpu: str = "H100"  # whose rates these are (fp8graph.costs.gpus), as the model's results name the device
 
     @classmethod
@@ -148,8 +153,7 @@ def time_us(row: Row, machine: Machine, triton_bandwidth: float | None = None) -
                    row.bytes / machine.copy_bandwidth * 1e6, machine.gemm_floor_us)
     if row.kind == "attention":
         return max(row.flops / machine.attention_flops * 1e6, machine.gemm_floor_us)
-    bandwidth = MEASURED_EXTERN_BANDWIDTH.get(extern_op(row.name), (machine.copy_bandwidth,))[0] \
-        if row.kind == "extern" else machine.copy_bandwidth
+    bandwidth = extern_bandwidth(extern_op(row.name), machine) if row.kind == "extern" else machine.copy_bandwidth
     steps_us = row.serial_steps * MEASURED_EXTERN_STEP_US.get(extern_op(row.name), (0.0,))[0]
     return max(row.bytes / bandwidth * 1e6, steps_us, machine.launch_floor_us)  # extern, memset, optimizer
 
@@ -180,23 +184,41 @@ def record_delayed_steps(extern) -> int:
     (``fp8graph.kernels.delayed_record.loop_steps``; :func:`_earlier_record_steps` for a commit without it)."""
     lengths = [_numel(shape) for shape, _ in extern.inputs if len(shape) == 1]
     history_len = max((shape[1] for shape, _ in getattr(extern, "mutated", ()) if len(shape) == 2), default=1)
+    rows = next((shape[1] for shape, _ in extern.inputs if len(shape) == 2), 1)  # new_scales: (members, rows)
     try:
         from fp8graph.kernels.delayed_record import loop_steps
     except ImportError:
-        return _earlier_record_steps(lengths, history_len)
+        return _earlier_record_steps(lengths, history_len, rows)
     return loop_steps(max(lengths, default=0), history_len)
 
 
-def _earlier_record_steps(lengths: list[int], history_len: int) -> int:
+def _earlier_record_steps(lengths: list[int], history_len: int, rows: int) -> int:
     """The record kernel's steps before its blocks grew with the rows (2026-11-28): blocks of 1024; a program a
-    row since 7d80b35, before it one program walking every row of a call."""
+    row since 7d80b35, before it a program a member walking its ``rows`` rows (``lengths`` member by member)."""
     import inspect
 
     from fp8graph.kernels import delayed_record
 
     steps = [-(-length // 1024) + -(-history_len // 1024) for length in lengths]
-    program_a_row = "(len(histories), rows)" in inspect.getsource(delayed_record.plan_record_delayed)
-    return max(steps, default=0) if program_a_row else sum(steps)
+    if "(len(histories), rows)" in inspect.getsource(delayed_record.plan_record_delayed):  # a program a row
+        return max(steps, default=0)
+    return max((sum(steps[start:start + rows]) for start in range(0, len(steps), max(rows, 1))), default=0)
+
+
+# fp8graph's Triton kernels that store tiles transposed: at ``Machine.transposed_store_fraction`` of copy bandwidth
+# (fp8graph.costs.gpus, where the H200's measurement is; tests/bench/test_cost_model.py derives it).
+TRANSPOSED_STORE_OPS = ("transpose_fp8", "transpose_fp8_into_", "quantize_group_columns_placed",
+                        "quantize_rows_placed")
+
+
+def extern_bandwidth(op: str, machine: Machine) -> float:
+    """The bandwidth an extern kernel's operand bytes move at: measured (:data:`MEASURED_EXTERN_BANDWIDTH`), a
+    fraction of copy bandwidth (:data:`TRANSPOSED_STORE_OPS`), else copy bandwidth."""
+    if op in MEASURED_EXTERN_BANDWIDTH:
+        return MEASURED_EXTERN_BANDWIDTH[op][0]
+    if op in TRANSPOSED_STORE_OPS:
+        return machine.copy_bandwidth * machine.transposed_store_fraction
+    return machine.copy_bandwidth
 
 
 def extern_op(name: str) -> str:
@@ -287,12 +309,31 @@ def _numel(shape) -> int:
     return math.prod(shape) if shape else 1
 
 
+# fp8graph's ops that read their first operand's rows through an index (``gather_index``, the last int64 1-D
+# operand): each gathered row is read, top_k times a token's, from DRAM where the source outgrows L2 (Qwen3-30B-A3B's
+# 134 MB of hidden states against 50-60 MB): priced as the gathered rows, not the source.
+GATHERING_OPS = ("quantize_group_columns_placed", "quantize_rows_placed")
+
+
+def _gathered_read(extern) -> int | None:
+    """Bytes a :data:`GATHERING_OPS` launch reads of its source's rows, or None where it gathers none."""
+    (source, dtype), *rest = extern.inputs
+    index = [shape for shape, d in rest if d == "int64" and len(shape) == 1]
+    if not index or len(source) != 2:
+        return None
+    return index[-1][0] * source[1] * DTYPE_BYTES.get(dtype, 4)
+
+
 def _extern_row(graph: str, extern) -> Row:
     kernel = extern.kernel
     op = extern_op(kernel)
     elements = getattr(extern, "input_elements", None) or [None] * len(extern.inputs)
     read = sum((_numel(s) if n is None else min(n, _numel(s))) * DTYPE_BYTES.get(d, 4)
                for (s, d), n in zip(extern.inputs, elements))
+    gathered = _gathered_read(extern) if op in GATHERING_OPS else None
+    if gathered is not None:  # the gathered rows in place of the source's
+        (source, dtype), n = extern.inputs[0], elements[0]
+        read += gathered - (_numel(source) if n is None else min(n, _numel(source))) * DTYPE_BYTES.get(dtype, 4)
     written = sum(_numel(s) * DTYPE_BYTES.get(d, 4) for s, d in [*extern.outputs, *getattr(extern, "mutated", ())])
     shapes = [s for s, _ in extern.inputs]
     dtypes = [d for _, d in extern.inputs]

@@ -53,6 +53,12 @@ class GPU:
     # Inductor's FP8 casts (amax, saturation, 1-byte stores) at this fraction of triton_bandwidth: the H100's
     # decoder profiles fit one rate for every kernel (1.0); the H200's MoE profiles do not (below).
     cast_fraction: float = 1.0
+    # fp8graph's kernels that store tiles transposed (fp8graph::transpose_fp8, the ops that cast and place a grouped
+    # GEMM's operand) at this fraction of copy_bandwidth: the H200 ran transpose_bytes_kernel at 3.0 TB/s of its
+    # operand bytes, 0.70 of its modelled copy bandwidth (bench/results/moe-2026-11-27T052314Z.json and
+    # moe-2026-11-27T132818Z.json: 1.10-1.15 ms for 4 calls moving 3.38 GB); the placing casts, not yet run on a
+    # GPU, are assumed to run as it does. No other GPU has run them: the same fraction.
+    transposed_store_fraction: float = 0.70
 
     def grouped_flops(self, fp8: bool, tokens_per_group: float | None) -> float:
         """This GPU's rate of a grouped GEMM whose groups hold ``tokens_per_group`` rows on average

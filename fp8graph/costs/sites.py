@@ -88,7 +88,9 @@ def _grouped_casts_us(casts: GroupedCasts, M: int, K: int, N: int, experts: int,
     """One expert GEMM's share of a block's casts: its own elements' bytes, half the block's launches."""
     tokens, weights = M * (K + N), experts * K * N
     inductor = (casts.activation * tokens + casts.weight * weights) / (gpu.triton_bandwidth * gpu.cast_fraction) * 1e6
-    custom = (casts.activation_custom_op * tokens + casts.weight_custom_op * weights) / gpu.copy_bandwidth * 1e6
+    # An expert GEMM's custom ops store tiles transposed: grad_weight's placed operands, the weights' layouts.
+    custom = ((casts.activation_custom_op * tokens + casts.weight_custom_op * weights)
+              / (gpu.copy_bandwidth * gpu.transposed_store_fraction) * 1e6)
     return max(inductor + custom, casts.block_launches / 2 * gpu.launch_floor_us)
 
 

@@ -13,8 +13,8 @@ no FP8 copy to transpose afterwards.
 Scaled per tensor (``TENSOR_SCALE``: the scale is known before the kernel runs)
 it walks the rows once: each block is cast, stored as rows (the forward GEMM's
 layout) and transposed (the weight-gradient GEMM's), and its magnitudes kept
-for the group's and columns' amaxes, which it stores (what delayed scaling
-records), so the rows are read once for both layouts.
+for the amax of the group's block of columns, which it stores (what delayed
+scaling records), so the rows are read once for both layouts.
 
 Where each group lies is derived in the program from ``offsets`` alone: its
 padded start is the sum of the padded sizes of the groups before it (E <= BLOCK_GROUPS
@@ -104,6 +104,6 @@ def quantize_group_columns_placed_kernel(
             tl.store(x_fp8_ptr + row[:, None] * columns + column[None, :], bits,
                      mask=present[:, None] & column_inside[None, :])
         step += 1
-    if TENSOR_SCALE:
-        amax = tl.max(max_bits, axis=0).to(tl.float32, bitcast=True)
-        tl.store(amax_ptr + group * columns + column, amax, mask=column_inside)
+    if TENSOR_SCALE:  # one amax a group and block of columns: a short partial for the record to finish
+        amax = tl.max(tl.max(max_bits, axis=0), axis=0).to(tl.float32, bitcast=True)
+        tl.store(amax_ptr + group * tl.num_programs(1) + tl.program_id(1), amax)

@@ -47,9 +47,8 @@ _BLOCK_HISTORY = 1024
 def amax_block(longest_partial: int) -> tuple[int, int]:
     """``(BLOCK_AMAX, num_warps)`` of the launch whose longest row of partial amaxes has ``longest_partial``
     elements: the whole row in one block up to 16384, at most 32 elements a thread, at least 4 warps."""
-    from triton import next_power_of_2
-
-    block = min(max(next_power_of_2(max(longest_partial, 1)), _MIN_BLOCK_AMAX), _MAX_BLOCK_AMAX)
+    power_of_2 = 1 << (max(longest_partial, 1) - 1).bit_length()
+    block = min(max(power_of_2, _MIN_BLOCK_AMAX), _MAX_BLOCK_AMAX)
     return block, max(block // 1024, 4)
 
 

@@ -15,7 +15,7 @@ GEMM reads them.
 ``fp8graph::quantize_rows_placed``: a per-tensor scale (current or delayed scaling) casts the gathered input
 once for the forward GEMM and grad_weight's. Written as torch ops the kernel that gathers the rows casts them and
 ``fp8graph::transpose_fp8`` reads the FP8 rows again to lay them out; this op writes both layouts from one read
-of the rows, and each group's column amaxes with them (what delayed scaling records).
+of the rows, and each group's amaxes with them, a block of 64 columns each (what delayed scaling records).
 
 On CUDA they run the Triton kernel; everywhere else, and where Triton is missing, the references (the torch
 casts, then the padded transpose of ``padded_group_sources``), which the tests hold the kernel to bit for bit under
@@ -33,14 +33,19 @@ from fp8graph.numerics.groups import (group_column_amax, padded_group_bound, pad
                                       quantize_group_columns)
 from fp8graph.numerics.quantize import quantize
 
-__all__ = ["plan_quantize_group_columns_placed", "plan_quantize_rows_placed", "quantize_group_columns_placed",
-           "quantize_rows_placed"]
+__all__ = ["column_blocks", "plan_quantize_group_columns_placed", "plan_quantize_rows_placed",
+           "quantize_group_columns_placed", "quantize_rows_placed"]
 
 _FP8 = torch.float8_e4m3fn  # a grouped GEMM takes E4M3 only
 _BLOCK_ROWS = 64
 _BLOCK_COLUMNS = 64  # 128 bytes of a BF16 row a load; 64-byte runs of a transposed FP8 row a store
 _NUM_WARPS = 4
 _MAX_GROUPS = 1024  # every group's bounds are loaded by each program at once
+
+
+def column_blocks(columns: int) -> int:
+    """The blocks of columns ``fp8graph::quantize_rows_placed`` takes an amax of: one a kernel program."""
+    return -(-columns // _BLOCK_COLUMNS)
 
 
 def _name(tensor_scale: torch.Tensor | None) -> str:
@@ -58,16 +63,17 @@ def _checked(x_hp: torch.Tensor, offsets: torch.Tensor, gather_index: torch.Tens
     if gather_index is not None and (gather_index.dim() != 1 or gather_index.dtype != torch.int64):
         raise ValueError(f"{name}'s gather_index is a 1-D int64 tensor, got {gather_index.dtype} of shape "
                          f"{tuple(gather_index.shape)}")
-    if tensor_scale is not None and (tensor_scale.numel() != 1 or tensor_scale.dtype != torch.float32):
-        raise ValueError(f"{name}'s scale is one float32 value, got {tensor_scale.dtype} of shape "
-                         f"{tuple(tensor_scale.shape)}")
+    if tensor_scale is not None and (tensor_scale.numel() != 1 or tensor_scale.dtype != torch.float32
+                                     or tensor_scale.device != x_hp.device):
+        raise ValueError(f"{name}'s scale is one float32 value on {x_hp.device}, got {tensor_scale.dtype} of shape "
+                         f"{tuple(tensor_scale.shape)} on {tensor_scale.device}")
 
 
 def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index: torch.Tensor | None,
           tensor_scale: torch.Tensor | None, power_2_scales: bool):
-    """The kernel's launch and outputs: ``(launch, x_t_fp8 (C, P), rows (S, C) FP8 or None, table (E or E + 1, C))``,
-    the table the scales per group and column, or with ``tensor_scale`` the amaxes of each group's (and the rows in
-    no group's) columns."""
+    """The kernel's launch and outputs: ``(launch, x_t_fp8 (C, P), rows (S, C) FP8 or None, table)``, the table
+    the scales per group and column (E, C), or with ``tensor_scale`` the amaxes of each group's (and the rows in no
+    group's) blocks of columns (E + 1, :func:`column_blocks`)."""
     from triton import cdiv, knobs, next_power_of_2
 
     from fp8graph.kernels._group_columns_triton import quantize_group_columns_placed_kernel
@@ -82,7 +88,8 @@ def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index
     padded_rows = padded_group_bound(rows, groups, multiple)
     x_t_fp8 = torch.empty((columns, padded_rows), dtype=_FP8, device=x_hp.device)
     rows_fp8 = None if tensor_scale is None else torch.empty((rows, columns), dtype=_FP8, device=x_hp.device)
-    table = torch.empty((groups + (tensor_scale is not None), columns), dtype=torch.float32, device=x_hp.device)
+    table = (torch.empty((groups, columns), dtype=torch.float32, device=x_hp.device) if tensor_scale is None
+             else torch.empty((groups + 1, column_blocks(columns)), dtype=torch.float32, device=x_hp.device))
     gather = gather_index is not None
     # Without tensor_scale the kernel writes the scales into the table and takes no rows output or amax table:
     # the table's pointer stands in for them.
@@ -178,10 +185,13 @@ def quantize_rows_placed_triton(x_hp: torch.Tensor, scale: torch.Tensor, offsets
 
 def _rows_reference(x_hp, scale, offsets, multiple, gather_index):
     _checked(x_hp, offsets, gather_index, scale)
-    rows_hp = x_hp if gather_index is None else x_hp[gather_index]
+    rows_hp = (x_hp if gather_index is None else x_hp[gather_index]).contiguous()
     rows_fp8 = quantize(rows_hp, scale.reshape(()), _FP8)
     sources, _ = padded_group_sources(offsets, rows_hp.shape[0], multiple)
-    return rows_fp8, transpose_fp8(rows_fp8, sources), group_column_amax(rows_hp, offsets)
+    amax = group_column_amax(rows_hp, offsets)  # (E + 1, C), then the max of each block of columns
+    blocks = column_blocks(amax.shape[1])
+    amax = torch.nn.functional.pad(amax, (0, blocks * _BLOCK_COLUMNS - amax.shape[1]))
+    return rows_fp8, transpose_fp8(rows_fp8, sources), amax.reshape(amax.shape[0], blocks, _BLOCK_COLUMNS).amax(2)
 
 
 @torch.library.custom_op("fp8graph::quantize_rows_placed", mutates_args=())
@@ -191,8 +201,8 @@ def quantize_rows_placed(x_hp: torch.Tensor, scale: torch.Tensor, offsets: torch
     """The rows ``x_hp`` (S, C) (``x_hp[gather_index]`` with ``gather_index``), sorted into the groups ``offsets``
     (E,) ends, cast to E4M3 with the one ``scale`` and written twice: as rows, and laid out as
     :func:`quantize_group_columns_placed` lays them out. Returns ``(rows_fp8 (S, C), x_t_fp8 (C, P), amax (E + 1,
-    C))``, ``amax`` the largest finite magnitude of each group's columns (the last row the rows' in no group), whose
-    max is the rows' amax. Per-tensor scaling's gathered input: the forward GEMM reads the rows, grad_weight's the
+    B))``, ``amax`` the largest finite magnitude of each group's blocks of 64 columns (:func:`column_blocks`; the
+    last row the rows' in no group), whose max is the rows' amax. Per-tensor scaling's gathered input: the forward GEMM reads the rows, grad_weight's the
     layout, and one read of the rows writes both (and the amaxes delayed scaling records). ``gather_index`` must
     hold row indices of ``x_hp``: unchecked, as a check would wait for the device."""
     return _rows_reference(x_hp, scale, offsets, multiple, gather_index)
@@ -205,7 +215,7 @@ def _(x_hp, scale, offsets, multiple, gather_index=None):
     padded_rows = padded_group_bound(rows, offsets.shape[0], multiple)
     return (x_hp.new_empty((rows, x_hp.shape[1]), dtype=_FP8),
             x_hp.new_empty((x_hp.shape[1], padded_rows), dtype=_FP8),
-            x_hp.new_empty((offsets.shape[0] + 1, x_hp.shape[1]), dtype=torch.float32))
+            x_hp.new_empty((offsets.shape[0] + 1, column_blocks(x_hp.shape[1])), dtype=torch.float32))
 
 
 @quantize_rows_placed.register_kernel("cuda")

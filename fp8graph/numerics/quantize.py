@@ -14,8 +14,8 @@ import torch
 
 from fp8graph.numerics.formats import fp8_max
 
-__all__ = ["amax", "amax_to_scale", "dequantize", "finite_magnitude", "quantize", "quantize_current", "row_amaxes",
-           "untracked"]
+__all__ = ["amax", "amax_to_scale", "current_scale", "dequantize", "finite_magnitude", "quantize", "quantize_current",
+           "row_amaxes", "untracked"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOAT32_EXPONENT_MASK = 0x7F800000
@@ -133,6 +133,11 @@ def dequantize(
     return (x_fp8.to(torch.float32) / scale).to(out_dtype)
 
 
+def current_scale(x_hp: torch.Tensor, fp8_dtype: torch.dtype, power_2_scales: bool = False) -> torch.Tensor:
+    """Current (per-tensor) scaling's scale: from this tensor's own amax."""
+    return amax_to_scale(amax(x_hp), fp8_dtype, power_2_scales)
+
+
 def quantize_current(
     x_hp: torch.Tensor, fp8_dtype: torch.dtype, power_2_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,5 +145,5 @@ def quantize_current(
 
     Returns ``(x_fp8, scale)``.
     """
-    scale = amax_to_scale(amax(x_hp), fp8_dtype, power_2_scales)
+    scale = current_scale(x_hp, fp8_dtype, power_2_scales)
     return quantize(x_hp, scale, fp8_dtype), scale

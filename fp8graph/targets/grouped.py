@@ -43,7 +43,7 @@ from fp8graph.gemm.scaled_gemm import Lowering, one_buffer
 from fp8graph.kernels import group_columns  # noqa: F401  (registers fp8graph::quantize_rows_placed)
 from fp8graph.kernels.transpose_fp8 import transpose_fp8, transpose_fp8_into_
 from fp8graph.numerics.formats import Role
-from fp8graph.numerics.quantize import (amax, amax_to_scale, finite_magnitude, quantize, quantize_current,
+from fp8graph.numerics.quantize import (amax_to_scale, current_scale, finite_magnitude, quantize, quantize_current,
                                         row_amaxes, untracked)
 from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, FP8_GEMM_DIM_MULTIPLE, NATIVE_GROUPED_GRANULARITIES, Recipe
 from fp8graph.buffers.amax_reduction import amax_reduction
@@ -156,11 +156,15 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
     input_scale, weight_scale = (torch.as_strided(new_scales, (), (), 0),
                                  torch.as_strided(new_scales, (experts, 1), (1, 1), 1))  # 0-dim, (E, 1)
     inverse = new_scales.reciprocal()
-    input_placed = input_amaxes = None
+    input_placed = None
     if placed_offsets is not None:
         input_fp8, input_placed, input_amaxes = _cast_rows_placed(input_hp, input_scale, placed_offsets, gather_index)
     else:
         input_fp8 = quantize(input_hp, input_scale, _FP8)
+        # Of the gathered rows when the input is gathered: the kernel that gathers and casts them takes their
+        # amaxes too.
+        rows_hp = input_hp if gather_index is None else input_hp[gather_index]
+        input_amaxes = row_amaxes(rows_hp.detach()) if spec.update else None
     if reuse:
         # An empty partial a row: zero recorded, and no kernel to make zeros for each of E rows.
         weight_fp8, weight_amaxes = weight_copy.weight_fp8, weight_copy.scale.new_empty(experts, 0)
@@ -177,11 +181,6 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
             if not spec.update:  # else the record keeps the scales
                 weight_copy.scale.copy_(weight_scale)
     if spec.update:
-        # Of the gathered rows when the input is gathered: the kernel that gathers and casts them takes their
-        # amaxes too.
-        if input_amaxes is None:
-            rows_hp = input_hp if gather_index is None else input_hp[gather_index]
-            input_amaxes = row_amaxes(rows_hp.detach())
         partials = [input_amaxes.reshape(-1), *weight_amaxes.unbind(0)]
         filling = weight_copy is not None and not reuse
         record_states([(history, scale)], [partials], new_scales[None].contiguous(),
@@ -193,7 +192,8 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
 def _cast_rows_placed(input_hp: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
                       gather_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A per-tensor cast of the gathered rows ``input_hp[gather_index]`` for both GEMMs that read it, by one
-    kernel (``fp8graph::quantize_rows_placed``): ``(rows_fp8 (S, K), input_placed (K, S'), amax (E + 1, K))``. Cast
+    kernel (``fp8graph::quantize_rows_placed``): ``(rows_fp8 (S, K), input_placed (K, S'), amax (E + 1, K / 64))``.
+    Cast
     by Inductor, the kernel that gathers the rows writes the rows' cast and ``fp8graph::transpose_fp8`` reads it
     again to place it (``placed_for_grad_weight``): this reads the rows once for both."""
     return torch.ops.fp8graph.quantize_rows_placed(input_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, gather_index)
@@ -313,8 +313,9 @@ class _GroupedFP8(torch.autograd.Function):
         output_dtype = input_hp.dtype  # as torch._grouped_mm's
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         with torch.autocast(input_hp.device.type, enabled=False):
-            # Cast gathered, with grad_weight's layout (placed, below), by one kernel: input_placed not None.
-            placed_offsets = offsets if _rows_placed_by_one_kernel(spec, gather_index, needs_grad_weight) else None
+            # The gathered rows cast, with grad_weight's layout (placed, below), by one kernel.
+            cast_gathered = _rows_placed_by_one_kernel(spec, gather_index, needs_grad_weight)
+            placed_offsets = offsets if cast_gathered else None
             input_placed = None
             if spec.delayed:
                 (input_fp8, input_scale, input_inverse), (weight_fp8, weight_scale, weight_inverse), input_placed = \
@@ -323,8 +324,8 @@ class _GroupedFP8(torch.autograd.Function):
                     weight_t_fp8 = weight_copy.weight_t_fp8
                     weight_t_inverse = weight_inverse[:, :1].expand(experts, weight_hp.shape[2])
             else:
-                if placed_offsets is not None:
-                    input_scale = _scale(amax(input_hp), spec)  # as quantize_current's
+                if cast_gathered:
+                    input_scale = current_scale(input_hp, _FP8, spec.power_2)  # of the T source rows, as ever
                     input_fp8, input_placed, _ = _cast_rows_placed(input_hp, input_scale, offsets, gather_index)
                     input_inverse = input_scale.reciprocal().expand(input_fp8.shape[0])
                 else:
@@ -337,11 +338,14 @@ class _GroupedFP8(torch.autograd.Function):
             if needs_grad_input and not spec.per_row and weight_copy is None:
                 weight_fp8, weight_t_fp8, weight_inverse = _transposed_for_grad_input(weight_fp8, weight_inverse,
                                                                                       spec)
-            if stats is not None:  # the cast as it is: of the gathered rows where input_placed was written with it
-                cast_hp = input_hp if input_placed is None else input_hp[gather_index]
+            if stats is not None:
+                # The cast as the forward GEMM reads it: where the gathered rows were cast, of those rows (each
+                # token top_k times; the same scale, so the same fractions under- and overflowing), else of the
+                # source rows. The gathered rows' BF16 values are read again for it: stats cost that read.
+                cast_hp = input_hp[gather_index] if cast_gathered else input_hp
                 record_health(stats, Role.INPUT, cast_hp, input_fp8, health_scales(input_scale), spec.recipe)
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
-            if gather_index is not None and input_placed is None:
+            if gather_index is not None and not cast_gathered:
                 input_fp8, input_inverse = _gather_rows(input_fp8, gather_index), input_inverse[gather_index]
             input_fp8 = _one_buffer(input_fp8, spec)  # the forward GEMM's, and (per tensor) grad_weight's layout's
             saved_input = saved_weight = (None, None)

@@ -60,7 +60,7 @@ def test_an_aten_kernel_measured_far_below_copy_bandwidth_is_timed_at_the_measur
     assert rate == pytest.approx(operand_bytes / (kernel_ms / 1e3), rel=0.02) and "moe-2026-11-27T132818Z" in source
     machine = costs.Machine()
     assert sum(costs.time_us(row, machine) for row in rows) / 1e3 == pytest.approx(kernel_ms, rel=0.02)
-    other = _row(kind="extern", name="torch.ops.fp8graph.transpose_fp8.default", read=3_000_000_000)
+    other = _row(kind="extern", name="torch.ops.fp8graph.gathered_gemv.default", read=3_000_000_000)
     assert costs.time_us(other, machine) == pytest.approx(1e3)  # any other: copy bandwidth
 
 
@@ -97,6 +97,34 @@ def test_the_delayed_record_is_timed_by_its_loop_steps_at_the_step_the_h200_meas
     row = costs._extern_row("0:forward", extern)
     assert row.serial_steps == 17 + 1
     assert costs.time_us(row, costs.Machine()) == pytest.approx(18 * step_us)
+
+
+def test_fp8graphs_transposes_are_timed_at_the_fraction_of_copy_bandwidth_the_h200_ran_them_at():
+    """The four layouts of grad_weight's operands (``fp8graph::transpose_fp8``: the FP8 rows read, each padded row's
+    source index read, the padded layout written) in the measured block's per-tensor steps: their bytes, from the
+    run's own configuration, over the profiled ``transpose_bytes_kernel`` time, against the model's H200 copy
+    bandwidth: the fraction ``fp8graph.costs.gpus`` takes."""
+    from fp8graph.costs.gpus import H200
+    from fp8graph.models.moe import CONFIGS
+    from fp8graph.numerics.groups import padded_group_bound
+
+    for file in ("moe-2026-11-27T052314Z.json", "moe-2026-11-27T132818Z.json"):
+        measured = json.loads((RESULTS / file).read_text())
+        block = CONFIGS[measured["config"]]
+        rows = measured["batch"] * measured["sequence"] * block["top_k"]
+        padded = padded_group_bound(rows, block["experts"], 16)
+        widths = (block["hidden"], block["expert_width"], 2 * block["expert_width"], block["hidden"])
+        moved = sum(rows * width + padded * 8 + padded * width for width in widths)
+        for contestant in ("current", "delayed"):
+            row = next(row for row in measured["rows"] if row["contestant"] == contestant)
+            [(ms, launches)] = [(ms, n) for name, ms, n in row["profile"]["top"] if name == "transpose_bytes_kernel"]
+            assert launches == 4
+            fraction = moved / (ms / 1e3) / H200.copy_bandwidth
+            assert fraction == pytest.approx(H200.transposed_store_fraction, abs=0.02), (file, contestant)
+    machine = costs.Machine.of("H200")
+    transpose = _row(kind="extern", name="torch.ops.fp8graph.transpose_fp8.default", read=2_000_000_000)
+    assert costs.time_us(transpose, machine) == pytest.approx(
+        2e9 / (machine.copy_bandwidth * H200.transposed_store_fraction) * 1e6)
 
 
 def test_a_value_stored_twice_is_counted_once_too_many():

@@ -64,13 +64,19 @@ def test_the_per_tensor_op_is_the_cast_rows_and_their_placed_copy_with_each_grou
     assert torch.equal(rows_fp8.view(torch.uint8), expected_fp8.view(torch.uint8))
     assert x_t_fp8.shape == (48, padded_group_bound(44, 4, 16)) and x_t_fp8.is_contiguous()
     assert torch.equal(x_t_fp8.view(torch.uint8), transpose_fp8(expected_fp8, sources).view(torch.uint8))
-    # Each group's (and the rows in no group's) column amaxes, NaN left out: their max is the rows' amax.
+    # Each group's (and the rows in no group's) amax of each block of 64 columns, NaN left out: their max is the
+    # rows' amax. 100 columns: a block and a part.
+    wide_hp = torch.randn(30, 100, dtype=torch.bfloat16) * torch.logspace(0, 8, 100, base=2.0).bfloat16()
+    wide_hp[3, 70] = float("nan")
+    _, _, amax = quantize_rows_placed(wide_hp, scale, OFFSETS, 16, gather_index)
     groups = row_groups(OFFSETS, 44)
+    assert amax.shape == (5, 2)
     for group in range(5):
-        in_group = finite_magnitude(rows_hp[groups == group])
-        expected = in_group.amax(dim=0) if in_group.shape[0] else torch.zeros(48)
-        assert torch.equal(amax[group], expected), group
-    assert amax.max() == finite_magnitude(rows_hp).max()
+        in_group = finite_magnitude(wide_hp[gather_index][groups == group])
+        for block, columns in enumerate((slice(0, 64), slice(64, 100))):
+            expected = in_group[:, columns].max() if in_group.shape[0] else torch.tensor(0.0)
+            assert amax[group, block] == expected, (group, block)
+    assert amax.max() == finite_magnitude(wide_hp[gather_index]).max()
     finite_hp = x_hp.nan_to_num()  # opcheck compares outputs with assert_close, to which NaN is unequal
     for index in (None, gather_index):
         torch.library.opcheck(torch.ops.fp8graph.quantize_rows_placed,
@@ -82,7 +88,13 @@ def test_bad_operands_of_the_per_tensor_op_are_refused_with_what_it_takes():
     x_hp = torch.randn(8, 16)
     with pytest.raises(ValueError, match="quantize_rows_placed casts a 2-D high-precision tensor"):
         quantize_rows_placed(x_hp.to(torch.float8_e4m3fn), torch.tensor(1.0), OFFSETS, 16)
-    with pytest.raises(ValueError, match="quantize_rows_placed's scale is one float32 value"):
+    with pytest.raises(ValueError, match="quantize_rows_placed's scale is one float32 value on cpu"):
         quantize_rows_placed(x_hp, torch.ones(2), OFFSETS, 16)
+    with pytest.raises(ValueError, match="quantize_rows_placed's scale is one float32 value on meta"):
+        quantize_rows_placed(x_hp.to("meta"), torch.tensor(1.0), OFFSETS.to("meta"), 16)
+    # A transposed (dense, not contiguous) source: the rows come back row-major, as the fake says.
+    torch.library.opcheck(torch.ops.fp8graph.quantize_rows_placed, (torch.randn(16, 44).t(), torch.tensor(2.0),
+                                                                    OFFSETS, 16, None),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
     with pytest.raises(ValueError, match="quantize_rows_placed's gather_index is a 1-D int64 tensor"):
         quantize_rows_placed(x_hp, torch.tensor(1.0), OFFSETS, 16, torch.zeros(4, dtype=torch.int32))

@@ -21,7 +21,7 @@ for history_len in (1, 2, 5, 1024, 1500):
                 scales = [torch.rand(rows, generator=generator) + 1 for _ in range(members)]
                 # Longer than a block: 2500 (a block of 4096 is the whole row), 40000 (16384 a block: two and a
                 # part, the longest row setting the block of every row).
-                lengths = [1, 7, 1024, 40000 if history_len == 5 else 2500]
+                lengths = [1, 7, 1024, 40000 if (history_len, members) == (5, 3) else 2500]
                 partials = [torch.rand(lengths[(i + r) % 4], generator=generator).to(dtype) * 100
                             for i in range(members) for r in range(rows)]
                 if members > 1:
@@ -50,7 +50,8 @@ for history_len in (5, 1024):
                 histories = [torch.rand(rows, history_len, generator=generator)]
                 scales = [torch.rand(rows, generator=generator) + 1]
                 weight_amaxes = torch.rand(rows - 1, row_length, generator=generator).to(dtype) * 100
-                input_length = 40000 if row_length == 7 else 300  # the gathered tokens' magnitudes: many blocks
+                # the gathered tokens' magnitudes: many blocks
+                input_length = 40000 if (row_length, history_len) == (7, 5) else 300
                 partials = [torch.rand(input_length, generator=generator).to(dtype), *weight_amaxes.unbind(0)]
                 new_scales = torch.rand(1, rows, generator=generator)
                 kept = [torch.zeros(rows - 1, 1)] if keep else []
