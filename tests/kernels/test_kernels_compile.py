@@ -170,47 +170,31 @@ def test_the_gathered_expert_gemv_compiles_to_a_cubin_reading_fp8_as_vectors(row
 
 
 @pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
-@pytest.mark.parametrize("rows, columns, experts, gather",
-                         [(262144, 2048, 128, True), (262144, 768, 128, False), (200, 100, 3, False)],
-                         ids=["qwen3-input-gathered", "qwen3-grad-output", "ragged"])
-def test_the_group_column_cast_compiles_to_a_cubin_reading_rows_as_vectors(rows, columns, experts, gather,
-                                                                           capability):
-    """``fp8graph::quantize_group_columns_placed`` (row-wise's weight-gradient operands, cast per group and column
-    and laid out for the grouped GEMM): a cubin without spills that reads BF16 rows as 16-byte vectors when the
-    columns divide by 8, converts in hardware (saturating, round to nearest even) and writes the transposed bytes
-    as vectors. Not proven here: its speed (``bench moe`` on a GPU)."""
-    from fp8graph.kernels.group_columns import plan_quantize_group_columns_placed
+@pytest.mark.parametrize("op, rows, columns, experts, gather",
+                         [("group columns", 262144, 2048, 128, True), ("group columns", 262144, 768, 128, False),
+                          ("group columns", 200, 100, 3, False), ("rows", 262144, 2048, 128, True),
+                          ("rows", 200, 100, 3, True)],
+                         ids=["qwen3-input-gathered", "qwen3-grad-output", "ragged", "per-tensor-qwen3-input",
+                              "per-tensor-ragged"])
+def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_bytes_as_vectors(
+        op, rows, columns, experts, gather, capability):
+    """The kernel that casts a grouped GEMM's weight-gradient operand and lays it out: as
+    ``fp8graph::quantize_group_columns_placed`` (row-wise's operands, cast per group and column) and as
+    ``fp8graph::quantize_rows_placed`` (a per-tensor recipe's gathered input, also written as rows for the forward
+    GEMM). A cubin without spills that reads BF16 rows as 16-byte vectors when the columns divide by 8, converts in
+    hardware (saturating, round to nearest even) and stores the transposed bytes (and the rows) as vectors. Not
+    proven here: its speed (``bench moe`` on a GPU)."""
+    from fp8graph.kernels.group_columns import plan_quantize_group_columns_placed, plan_quantize_rows_placed
 
     source = torch.empty(rows // 8 if gather else rows, columns, dtype=torch.bfloat16)
     index = torch.empty(rows, dtype=torch.int64) if gather else None
-    launch, _, _ = plan_quantize_group_columns_placed(source, torch.empty(experts, dtype=torch.int32), 16, True,
-                                                      index)
+    offsets = torch.empty(experts, dtype=torch.int32)
+    if op == "rows":
+        launch, *_ = plan_quantize_rows_placed(source, torch.empty((), dtype=torch.float32), offsets, 16, index)
+    else:
+        launch, *_ = plan_quantize_group_columns_placed(source, offsets, 16, True, index)
     assert launch.constexprs["SOFTWARE_ROUNDING"] is False  # what a GPU runs
-    compiled = compile_launch(launch, capability)
-    usage = resource_usage(compiled)
-    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
-    ptx = compiled.asm["ptx"]
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
-    if columns % 8 == 0:
-        assert "ld.global.v4.b32" in ptx, "rows are not read as 16-byte vectors"
-        assert "st.global.v4.b32" in ptx or "st.global.v2.b32" in ptx, "the transposed bytes are not stored as vectors"
-
-
-@pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
-@pytest.mark.parametrize("rows, columns, experts", [(262144, 2048, 128), (200, 100, 3)], ids=["qwen3-input", "ragged"])
-def test_the_per_tensor_rows_and_placed_cast_compiles_to_a_cubin_reading_and_writing_vectors(rows, columns, experts,
-                                                                                          capability):
-    """``fp8graph::quantize_rows_placed`` (a per-tensor recipe's gathered expert input, cast once for the forward
-    GEMM and grad_weight's): a cubin without spills that reads the gathered BF16 rows as 16-byte vectors when the
-    columns divide by 8, converts in hardware and stores both layouts' bytes as vectors. Not proven here: its speed
-    (``bench moe`` on a GPU)."""
-    from fp8graph.kernels.group_columns import plan_quantize_rows_placed
-
-    source = torch.empty(rows // 8, columns, dtype=torch.bfloat16)
-    launch, *_ = plan_quantize_rows_placed(source, torch.empty((), dtype=torch.float32),
-                                           torch.empty(experts, dtype=torch.int32), 16,
-                                           torch.empty(rows, dtype=torch.int64))
-    assert launch.constexprs["SOFTWARE_ROUNDING"] is False and launch.constexprs["TENSOR_SCALE"] is True
+    assert launch.constexprs["TENSOR_SCALE"] is (op == "rows")
     compiled = compile_launch(launch, capability)
     usage = resource_usage(compiled)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
@@ -219,4 +203,4 @@ def test_the_per_tensor_rows_and_placed_cast_compiles_to_a_cubin_reading_and_wri
     if columns % 8 == 0:
         assert "ld.global.v4.b32" in ptx, "rows are not read as 16-byte vectors"
         stores = ptx.count("st.global.v4.b32") + ptx.count("st.global.v2.b32")
-        assert stores >= 2, "the rows' and the placed bytes are not both stored as vectors"
+        assert stores >= (2 if op == "rows" else 1), "the bytes are not stored as vectors (both layouts, per tensor)"
