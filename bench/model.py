@@ -281,7 +281,9 @@ def _legend(m: costs.Machine) -> str:
             f"{m.grouped_fp8_flops / 1e12:.0f}-{m.grouped_fp8_flops_large / 1e12:.0f} (FP8 rowwise) from 512 to "
             "2048 tokens a group; "
             f"attention: cuDNN SDPA at {m.attention_flops / 1e12:.0f} TFLOP/s; other extern: custom ops, operand "
-            "bytes at copy bandwidth; SGD: bench decoder's eager p.add_(p.grad). step ms: Triton at the H100 rate "
+            f"bytes at copy bandwidth (fp8graph's transposed stores at {m.transposed_store_fraction:.2f} of it, a "
+            "gathering op's rows as gathered, the delayed record by its loop steps, segment_reduce as measured); "
+            "SGD: bench decoder's eager p.add_(p.grad). step ms: Triton at the H100 rate "
             "plus the rest, kernel time only (no CPU or launch overhead). vs: the baseline's step ms over this "
             "one's. Differences in bytes, launches and structure are facts of the generated code; a few percent "
             "of time are not (docs/cost-model.md).")
