@@ -328,12 +328,12 @@ def _extern_row(graph: str, extern) -> Row:
     kernel = extern.kernel
     op = extern_op(kernel)
     elements = getattr(extern, "input_elements", None) or [None] * len(extern.inputs)
-    read = sum((_numel(s) if n is None else min(n, _numel(s))) * DTYPE_BYTES.get(d, 4)
-               for (s, d), n in zip(extern.inputs, elements))
+    operand_bytes = [(_numel(s) if n is None else min(n, _numel(s))) * DTYPE_BYTES.get(d, 4)
+                     for (s, d), n in zip(extern.inputs, elements)]
     gathered = _gathered_read(extern) if op in GATHERING_OPS else None
     if gathered is not None:  # the gathered rows in place of the source's
-        (source, dtype), n = extern.inputs[0], elements[0]
-        read += gathered - (_numel(source) if n is None else min(n, _numel(source))) * DTYPE_BYTES.get(dtype, 4)
+        operand_bytes[0] = gathered
+    read = sum(operand_bytes)
     written = sum(_numel(s) * DTYPE_BYTES.get(d, 4) for s, d in [*extern.outputs, *getattr(extern, "mutated", ())])
     shapes = [s for s, _ in extern.inputs]
     dtypes = [d for _, d in extern.inputs]

@@ -202,9 +202,10 @@ def quantize_rows_placed(x_hp: torch.Tensor, scale: torch.Tensor, offsets: torch
     (E,) ends, cast to E4M3 with the one ``scale`` and written twice: as rows, and laid out as
     :func:`quantize_group_columns_placed` lays them out. Returns ``(rows_fp8 (S, C), x_t_fp8 (C, P), amax (E + 1,
     B))``, ``amax`` the largest finite magnitude of each group's blocks of 64 columns (:func:`column_blocks`; the
-    last row the rows' in no group), whose max is the rows' amax. Per-tensor scaling's gathered input: the forward GEMM reads the rows, grad_weight's the
-    layout, and one read of the rows writes both (and the amaxes delayed scaling records). ``gather_index`` must
-    hold row indices of ``x_hp``: unchecked, as a check would wait for the device."""
+    last row the rows' in no group), whose max is the rows' amax. Per-tensor scaling's gathered input: the forward
+    GEMM reads the rows, grad_weight's the layout, and one read of the rows writes both (and the amaxes delayed
+    scaling records). ``gather_index`` must hold row indices of ``x_hp``: unchecked, as a check would wait for the
+    device."""
     return _rows_reference(x_hp, scale, offsets, multiple, gather_index)
 
 

@@ -193,9 +193,8 @@ def _cast_rows_placed(input_hp: torch.Tensor, scale: torch.Tensor, offsets: torc
                       gather_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A per-tensor cast of the gathered rows ``input_hp[gather_index]`` for both GEMMs that read it, by one
     kernel (``fp8graph::quantize_rows_placed``): ``(rows_fp8 (S, K), input_placed (K, S'), amax (E + 1, K / 64))``.
-    Cast
-    by Inductor, the kernel that gathers the rows writes the rows' cast and ``fp8graph::transpose_fp8`` reads it
-    again to place it (``placed_for_grad_weight``): this reads the rows once for both."""
+    Cast by Inductor, the kernel that gathers the rows writes the rows' cast and ``fp8graph::transpose_fp8`` reads
+    it again to place it (``placed_for_grad_weight``): this reads the rows once for both."""
     return torch.ops.fp8graph.quantize_rows_placed(input_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, gather_index)
 
 
