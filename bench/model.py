@@ -414,15 +414,18 @@ def accumulate(results: list[dict], micro_batches: list[int]) -> None:
     ``n`` times, then one optimizer step; after the first micro-batch autograd adds each parameter's gradient
     into the one it holds (read 2, write 1: the optimizer row's bytes). Every kernel of the forward and
     backward runs again, weight casts included, but where a case has ``reuse_rows`` (weights cast once per
-    step, ``cache_weights``): micro-batches 2..n run those instead."""
+    step, ``cache_weights``): micro-batches 2..n run those instead. A step of one micro-batch runs the case's
+    ``per_call_rows`` where it has them: outside a declaration its weights are cast per call, as bench's step of
+    one micro-batch runs (``bench.costmodel.workloads._MicroBatches``)."""
     if micro_batches == [1]:
         return
     for result in results:
         if "cases" not in result:
             continue
-        result["cases"] = [{**{k: v for k, v in case.items() if k != "reuse_rows"},
+        result["cases"] = [{**{k: v for k, v in case.items() if k not in ("reuse_rows", "per_call_rows")},
                             "case": _with_micro_batches(case["case"], n),
-                            "rows": _accumulated_rows(case["rows"], n, case.get("reuse_rows"))}
+                            "rows": (case["per_call_rows"] if n == 1 and "per_call_rows" in case
+                                     else _accumulated_rows(case["rows"], n, case.get("reuse_rows")))}
                            for case in result["cases"] for n in micro_batches]
 
 

@@ -340,6 +340,24 @@ def test_the_fp8_transpose_is_exact_on_the_gpu():
     assert torch.equal(copy.view(torch.uint8), weights_fp8.transpose(-2, -1).contiguous().view(torch.uint8))
 
 
+def test_the_transposed_weight_cast_equals_its_reference_on_the_gpu():
+    """``fp8graph::quantize_transposed`` on CUDA (the Triton kernel, the hardware's conversion) casts a batch of
+    expert weights, each with its scale, into grad_input's layout as the CPU reference does, byte for byte (NaN's
+    sign aside), stored either way round."""
+    from fp8graph.kernels.quantize_transposed import quantize_transposed
+
+    generator = torch.Generator().manual_seed(0)
+    weights = (torch.randn(8, 1536, 2048, generator=generator)
+               * torch.logspace(-10, 8, 2048, base=2.0)).to(torch.bfloat16)
+    weights[0, 3, 3], weights[1, 5, 7] = float("inf"), float("nan")
+    scale = torch.rand(8, 1, generator=generator) * 4
+    for weight in (weights, weights[:, :200, :70], weights.transpose(-2, -1).contiguous().transpose(-2, -1)):
+        expected = quantize_transposed(weight, scale).view(torch.uint8)
+        got = quantize_transposed(weight.cuda(), scale.cuda()).cpu().view(torch.uint8)
+        assert torch.equal(torch.where(got & 0x7F == 0x7F, 0x7F, got),
+                           torch.where(expected & 0x7F == 0x7F, 0x7F, expected))
+
+
 def test_the_group_column_cast_equals_its_reference_on_the_gpu():
     """``fp8graph::quantize_group_columns_placed`` on CUDA (the Triton kernel, the hardware's conversion) casts and
     places row-wise's weight-gradient operands as the CPU reference does, byte for byte (NaN's sign aside)."""

@@ -115,18 +115,13 @@ def decoder(spec: dict) -> list[dict]:
     model = fake_h100.to_fake_cuda(model, mode).train()
     with mode:
         tokens = torch.zeros(spec["batch"], spec["sequence"], dtype=torch.long, device="cuda")
-    with capture.Capture() as cap, inductor_config.patch(settings), mode, compiled(base, model) as compiled_model, \
-            _micro_batches_declared(compiled_model, _accumulating(spec)):
-        compiled_model(tokens, labels=tokens).loss.backward()
-        first_call_runs = _runs(cap)
-        note = _fp8_note(compiled_model, model)  # of the first micro-batch's graphs
-        weight_cache = _reusing_micro_batch(compiled_model, lambda: compiled_model(tokens, labels=tokens).loss,
-                                            None, base) if _accumulating(spec) else None
+    with capture.Capture() as cap, inductor_config.patch(settings), mode, compiled(base, model) as compiled_model:
+        micro_batches = _MicroBatches(cap, compiled_model, lambda: compiled_model(tokens, labels=tokens).loss, None)
+        note = micro_batches.run(spec, lambda: _fp8_note(compiled_model, model))
     config = model.config
     label = f"{config.num_hidden_layers} layers, vocab {config.vocab_size}, {spec['batch']}x{spec['sequence']}"
     case = _case(label, cap, note, _sgd_rows(model))
-    if weight_cache:
-        _split_reusing_micro_batch(case, cap, first_call_runs, grouped=False)
+    micro_batches.split(case, grouped=False)
     _check_attention(case, model)
     return [case]
 
@@ -142,16 +137,17 @@ def moe(spec: dict) -> list[dict]:
     cases = []
     for shape in shapes:
         torch._dynamo.reset()
-        cases.append(_moe_case(spec["contestant"], shape, _accumulating(spec)))
+        cases.append(_moe_case(spec, shape))
     return cases
 
 
-def _moe_case(contestant: str, shape: dict, accumulating: bool) -> dict:
+def _moe_case(spec: dict, shape: dict) -> dict:
     import torch._inductor.config as inductor_config
 
     from bench.moe import compile_block, fp8_note, parse_contestant, swap_in_torchao
     from fp8graph.models import moe as zoo
 
+    contestant = spec["contestant"]
     base, settings = parse_contestant(contestant)
     config = {**zoo.CONFIGS[shape["config"]], **shape["overrides"]}
     default_dtype = torch.get_default_dtype()
@@ -171,30 +167,15 @@ def _moe_case(contestant: str, shape: dict, accumulating: bool) -> dict:
                         requires_grad=True)
         grad_output = torch.empty(x.shape, dtype=torch.bfloat16, device="cuda")
     with capture.Capture() as cap, inductor_config.patch(settings), mode, \
-            compiled(base, block, compile_block) as compiled_block, _micro_batches_declared(compiled_block, accumulating):
-        compiled_block(x).backward(grad_output)
-        first_call_runs = _runs(cap)
-        note = fp8_note(compiled_block, block)  # of the first micro-batch's graphs (a reusing one adds its own)
-        weight_cache = _reusing_micro_batch(compiled_block, lambda: compiled_block(x), grad_output, contestant) \
-            if accumulating else None
+            compiled(base, block, compile_block) as compiled_block:
+        micro_batches = _MicroBatches(cap, compiled_block, lambda: compiled_block(x), grad_output)
+        note = micro_batches.run(spec, lambda: fp8_note(compiled_block, block))
     label = shape["label"] or (f"{config['experts']} experts, top {config['top_k']}, hidden {config['hidden']}, "
                                f"expert width {config['expert_width']}, {shape['batch']}x{shape['sequence']}")
     case = _case(label, cap, note, _sgd_rows(block))
-    if weight_cache:
-        _split_reusing_micro_batch(case, cap, first_call_runs)
+    micro_batches.split(case)
     _check_grouped_gemms(case, base)
     return case
-
-
-def _micro_batches_declared(compiled_model, accumulating: bool):
-    """Where a step has several micro-batches, an fp8graph contestant's are declared to see the same weights
-    (``fp8graph.weights_unchanged``), as its users write gradient accumulation: the first casts the weights and
-    keeps the casts, the others read them. A step of one micro-batch casts per call."""
-    if accumulating and hasattr(compiled_model, "fp8graph_backend"):
-        import fp8graph
-
-        return fp8graph.weights_unchanged(compiled_model)
-    return contextlib.nullcontext()
 
 
 def _accumulating(spec: dict) -> bool:
@@ -202,45 +183,83 @@ def _accumulating(spec: dict) -> bool:
     return spec.get("grad_accumulation", [1]) != [1]
 
 
-def _reusing_micro_batch(compiled_model, loss, grad_output, contestant: str):
-    """Where the contestant keeps its weights' casts between calls (fp8graph's cache_weights): a second
-    micro-batch, which reads them, run under the capture; returns the cache, or None where there is none."""
-    weight_cache = getattr(getattr(compiled_model, "fp8graph_backend", None), "weight_cache", None)
-    if weight_cache:  # the next micro-batch of the step reads the weights' casts the first one kept
-        loss().backward(grad_output)
-        if not weight_cache.reuse:
-            raise capture.CaptureError(f"{contestant}: the second micro-batch did not reuse the weights' casts")
-    return weight_cache
+@dataclasses.dataclass
+class _MicroBatches:
+    """The micro-batches of a captured step, as bench's steps run them (``bench.timing.accumulated_step``).
+
+    A step of one micro-batch casts the weights per call. A step of several declares them unchanged
+    (``fp8graph.weights_unchanged``), as users write gradient accumulation: the first micro-batch casts the
+    weights and keeps the casts (a "fill"), the others read them (a "reuse"). Where the spec models both, the
+    capture runs a fill, a reuse and, after the declaration, a call per call: each compiles graphs of its own
+    (Dynamo guards on the cache's mode), and :meth:`split` gives each its rows."""
+
+    cap: capture.Capture
+    compiled_model: object
+    loss: object
+    grad_output: object
+    runs: list = dataclasses.field(default_factory=list)  # the graphs' runs after each call, in order
+    kinds: list = dataclasses.field(default_factory=list)  # what each call was: "first", "reuse", "per call"
+
+    def _call(self, kind: str) -> None:
+        self.loss().backward(self.grad_output)
+        self.runs.append(_runs(self.cap))
+        self.kinds.append(kind)
+
+    def run(self, spec: dict, note) -> str:
+        """Run the step's micro-batches under the capture; returns ``note()`` of the first one's graphs."""
+        weight_cache = getattr(getattr(self.compiled_model, "fp8graph_backend", None), "weight_cache", None)
+        accumulating = _accumulating(spec) and bool(weight_cache)  # a cache without weights keeps nothing
+        declared = contextlib.nullcontext()
+        if accumulating:
+            import fp8graph
+
+            declared = fp8graph.weights_unchanged(self.compiled_model)
+        with declared:
+            self._call("first")
+            text = note()  # a reusing micro-batch adds graphs of its own
+            if accumulating:  # the next micro-batch of the step reads the weights' casts the first one kept
+                self._call("reuse")
+                if not weight_cache.reuse:
+                    raise capture.CaptureError(f"{spec['contestant']}: the second micro-batch did not reuse the "
+                                               "weights' casts")
+        if accumulating and 1 in spec["grad_accumulation"]:  # a step of one micro-batch: outside a declaration
+            self._call("per call")
+        return text
+
+    def split(self, case: dict, grouped: bool = True) -> None:
+        """``rows`` become the first micro-batch's, ``reuse_rows`` a reusing one's and ``per_call_rows`` a
+        one-micro-batch step's, where the step ran them: the graphs each call compiled, and the runs each added
+        to graphs they share (a regional model's graphs without FP8 weights). A step of n micro-batches is
+        ``rows`` once and ``reuse_rows`` n - 1 times, a step of one ``per_call_rows`` where there are
+        (``bench.model.accumulate``)."""
+        if len(self.runs) == 1:
+            return
+        phases = {kind: [] for kind in self.kinds}
+        before = [{}] + self.runs[:-1]
+        for row in case["rows"]:
+            if row["graph"] not in self.runs[-1]:  # the optimizer's, once a step: the first's, and a per-call step's
+                for kind, rows in phases.items():
+                    if kind != "reuse":
+                        rows.append(row)
+                continue
+            total = self.runs[-1][row["graph"]]  # a row's count is its graph's runs (bench.costmodel.costs.rows_of)
+            for kind, start, end in zip(self.kinds, before, self.runs):
+                ran = end.get(row["graph"], 0) - start.get(row["graph"], 0)
+                if ran:
+                    phases[kind].append({**row, "count": row["count"] * ran // total})
+        for kind, start, end in zip(self.kinds[1:], before[1:], self.runs[1:]):
+            if not set(end) - set(start):
+                raise capture.CaptureError(f"the {kind} micro-batch compiled no graph of its own")
+        case["rows"], case["reuse_rows"] = phases["first"], phases["reuse"]
+        if "per call" in phases:
+            case["per_call_rows"] = phases["per call"]
+        if grouped:
+            _check_grouped_gemms({"rows": case["reuse_rows"]}, "the reusing micro-batch")
 
 
 def _runs(cap: capture.Capture) -> dict[str, int]:
     """How many times each graph of the capture ran so far, by its rows' label."""
     return {f"{graph.index}:{graph.kind}": graph.runs for graph in cap.graphs}
-
-
-def _split_reusing_micro_batch(case: dict, cap: capture.Capture, first_call_runs: dict[str, int],
-                               grouped: bool = True) -> None:
-    """``rows`` become the first micro-batch's (the one that casts the weights) and ``reuse_rows`` the
-    second's: the graphs it compiled (those that read the kept weight casts), and the runs it added to graphs
-    both micro-batches share (a regional model's graphs without FP8 weights). A step of n micro-batches is
-    ``rows`` once and ``reuse_rows`` n - 1 times (``bench.model.accumulate``)."""
-    runs = _runs(cap)
-    if not set(runs) - set(first_call_runs):
-        raise capture.CaptureError("the reusing micro-batch compiled no graph of its own")
-    first, reuse = [], []
-    for row in case["rows"]:
-        if row["graph"] not in runs:  # the optimizer's, once a step
-            first.append(row)
-            continue
-        total = runs[row["graph"]]
-        in_first = first_call_runs.get(row["graph"], 0)
-        if in_first:  # a row's count is its graph's runs (bench.costmodel.costs.rows_of)
-            first.append({**row, "count": row["count"] * in_first // total})
-        if total > in_first:
-            reuse.append({**row, "count": row["count"] * (total - in_first) // total})
-    case["rows"], case["reuse_rows"] = first, reuse
-    if grouped:
-        _check_grouped_gemms({"rows": case["reuse_rows"]}, "the reusing micro-batch")
 
 
 def _check_grouped_gemms(case: dict, base: str) -> None:

@@ -105,7 +105,8 @@ def _e4m3_bits(x_scaled, FP8_MAX: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr)
         x_saturated = tl.minimum(tl.maximum(x_scaled, -FP8_MAX), FP8_MAX)
         bits = _round_to_e4m3_grid(x_saturated).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         bits = tl.where(x_scaled != x_scaled, E4M3_NAN_BITS, bits)
-        bits = tl.where((x_saturated < 0) & (bits == 0), E4M3_NEGATIVE_ZERO_BITS, bits)  # -0, as the GPU
+        negative = x_saturated.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 too
+        bits = tl.where(negative & (bits == 0), E4M3_NEGATIVE_ZERO_BITS, bits)  # -0, as the GPU
     else:
         bits = x_scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     return bits

@@ -41,6 +41,7 @@ from fp8graph.gemm.grouped_gemm import (group_columns_for_grad_weight, grouped_s
                                         placed_for_grad_weight)
 from fp8graph.gemm.scaled_gemm import Lowering, one_buffer
 from fp8graph.kernels import group_columns  # noqa: F401  (registers fp8graph::quantize_rows_placed)
+from fp8graph.kernels.quantize_transposed import quantize_transposed
 from fp8graph.kernels.transpose_fp8 import transpose_fp8, transpose_fp8_into_
 from fp8graph.numerics.formats import Role
 from fp8graph.numerics.quantize import (amax_to_scale, current_scale, finite_magnitude, quantize, quantize_current,
@@ -233,12 +234,34 @@ def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec, after: torc
     return weight_t_fp8, scale
 
 
+def _recasts_weight(spec: GroupedSpec) -> bool:
+    """Whether the backward casts a per-expert weight's copy for grad_input (E, K, N) from the weight, with the
+    forward's scales (:func:`_cast_experts_transposed`), rather than the forward writing it and saving it
+    (:func:`_transposed_for_grad_input`): unless the recipe saves its transposes, as for linears
+    (``fp8graph.targets.linear_tensorwise``). Saved, the copy is one byte an expert weight element kept from
+    forward to backward, which is more than BF16's whole step keeps where an expert sees few tokens (at 256 tokens
+    an expert, Qwen3-30B-A3B's block at 1 x 4096 tokens, twice BF16's bytes); cast again, the backward reads
+    every expert weight once more. The emulation reads any layout: the partitioner chooses."""
+    return spec.lowering is Lowering.SCALED_MM and not spec.recipe.save_transposes
+
+
+def _cast_experts_transposed(weight_hp: torch.Tensor, scale: torch.Tensor, after: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """In the backward that computes ``after``: ``(weight_t_fp8 (E, K, N), inverse (E, K))``, the per-expert
+    cast of ``weight_hp`` (E, N, K) with the forward's ``scale`` (E, 1) (the bytes the forward GEMM read), written
+    in the layout grad_input's GEMM reads (N contiguous) by ``fp8graph::quantize_transposed``: one read of the
+    weight, one write of the transposed bytes. The scale is read when that backward runs, so the partitioner
+    leaves the cast there."""
+    scale = read_in_backward(scale, after)
+    weight_t_fp8 = quantize_transposed(weight_hp, scale)
+    return weight_t_fp8, scale.reciprocal().expand(weight_hp.shape[0], weight_hp.shape[2])
+
+
 def _transposed_for_grad_input(weight_fp8: torch.Tensor, weight_inverse: torch.Tensor, spec: GroupedSpec):
     """``(weight_fp8, weight_t_fp8 (E, K, N), weight_inverse)``: the per-expert cast (E, N, K) laid out for
     grad_input's GEMM (N contiguous) in the forward, and the inverse scale the forward GEMM reads, tied to it
-    (``fp8graph.targets.partitioning``). Left to itself the partitioner recomputes the cast in the backward from
-    the high-precision weight: one more read of every expert weight at each call. The emulation reads any
-    layout: a view.
+    (``fp8graph.targets.partitioning``), where the recipe saves its transposes. Left to itself the partitioner
+    recomputes the cast in the backward from the high-precision weight. The emulation reads any layout: a view.
 
     Current scaling writes it from the kernel that casts the weight (one read of the weight for both layouts).
     Delayed scaling takes the weight's amaxes (the history's, along K) in the kernel of its cast, whose second
@@ -334,7 +357,9 @@ class _GroupedFP8(torch.autograd.Function):
                 else:  # kept between calls, with grad_input's
                     weight_fp8, weight_scale, weight_inverse, weight_t_fp8, weight_t_inverse = \
                         _cast_experts_through_copy(weight_hp, spec, weight_copy)
-            if needs_grad_input and not spec.per_row and weight_copy is None:
+            # A per-expert cast's copy for grad_input: written in the forward and saved, or cast in the backward.
+            recast_weight = needs_grad_input and not spec.per_row and weight_copy is None and _recasts_weight(spec)
+            if needs_grad_input and not spec.per_row and weight_copy is None and not recast_weight:
                 weight_fp8, weight_t_fp8, weight_inverse = _transposed_for_grad_input(weight_fp8, weight_inverse,
                                                                                       spec)
             if stats is not None:
@@ -381,10 +406,13 @@ class _GroupedFP8(torch.autograd.Function):
                     saved_weight = (weight_columns[0], weight_columns[1].reciprocal())
                 elif spec.per_row:  # cast along N in the backward, from the weight (kept anyway)
                     saved_weight = (weight_hp, None)
+                elif recast_weight:  # cast in the backward, from the weight with the forward's scales
+                    saved_weight = (weight_hp, weight_scale)
                 else:
                     saved_weight = (weight_t_fp8, weight_inverse[:, :1].expand(experts, weight_hp.shape[2]))
         ctx.save_for_backward(offsets, *saved_input, *saved_weight, gather_index)
         ctx.source_rows = input_hp.shape[0]
+        ctx.recast_weight = recast_weight
         # The state's buffers are read and written in place by the backward, not saved (as the linears' are:
         # fp8graph.targets.partitioning).
         ctx.spec, ctx.stats, ctx.state = spec, stats, state
@@ -410,6 +438,9 @@ class _GroupedFP8(torch.autograd.Function):
                 weight_hp = weight_t_fp8
                 weight_t_fp8, weight_t_scale = _cast_expert_columns(weight_hp, spec, after=grad_output_hp)
                 weight_t_inverse = weight_t_scale.reciprocal()
+            elif needs_grad_input and ctx.recast_weight:  # the weight and its forward scales: cast per expert now
+                weight_t_fp8, weight_t_inverse = _cast_experts_transposed(weight_t_fp8, weight_t_inverse,
+                                                                          after=grad_output_hp)
             if needs_grad_input:
                 # grad_input = grad_output . weight_e  (S, K): B is weight_e^T^T, (E, N, K) read column-major.
                 grad_input = grouped_scaled_gemm(grad_output_fp8, grad_output_inverse, weight_t_fp8.transpose(-2, -1),

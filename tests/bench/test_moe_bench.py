@@ -101,25 +101,34 @@ def test_micro_batches_after_the_first_run_the_reusing_graphs_where_weights_are_
 
 
 def test_a_graph_both_micro_batches_run_is_counted_once_in_each():
-    """A regional model's graphs without FP8 weights run in the micro-batch that fills the weight copies and in
-    the one that reuses them: their runs split between ``rows`` and ``reuse_rows``, where counting them all in
-    the first would charge a step of n micro-batches their kernels n + 1 times."""
+    """A regional model's graphs without FP8 weights run in the micro-batch that fills the weight copies, in the
+    one that reuses them and in a call outside the declaration (a step of one micro-batch, which casts per call):
+    their runs split between ``rows``, ``reuse_rows`` and ``per_call_rows``, where counting them all in the first
+    would charge a step of n micro-batches their kernels n + 2 times. Each call's own graphs go to it alone."""
     import types
 
     from bench.costmodel import workloads
 
-    graphs = [types.SimpleNamespace(index=0, kind="forward", runs=2),   # shared: ran once in each micro-batch
-              types.SimpleNamespace(index=1, kind="forward", runs=4),   # the fill graph of a 4-layer region
-              types.SimpleNamespace(index=2, kind="forward", runs=4)]   # the reuse graph, compiled by the second
-    cap = types.SimpleNamespace(graphs=graphs)
-    rows = [{"graph": "0:forward", "kind": "triton", "name": "norm", "count": 2},
+    rows = [{"graph": "0:forward", "kind": "triton", "name": "norm", "count": 3},
             {"graph": "1:forward", "kind": "triton", "name": "cast weight", "count": 4},
             {"graph": "2:forward", "kind": "triton", "name": "read copy", "count": 4},
+            {"graph": "3:forward", "kind": "triton", "name": "cast per call", "count": 4},
             {"graph": "optimizer", "kind": "optimizer", "name": "sgd", "count": 3}]
+    # The graphs' runs after each call: the shared graph ran once in each, each other graph 4 times in its own.
+    micro_batches = workloads._MicroBatches(None, None, None, None, runs=[
+        {"0:forward": 1, "1:forward": 4}, {"0:forward": 2, "1:forward": 4, "2:forward": 4},
+        {"0:forward": 3, "1:forward": 4, "2:forward": 4, "3:forward": 4}], kinds=["first", "reuse", "per call"])
     case = {"rows": rows}
-    workloads._split_reusing_micro_batch(case, cap, {"0:forward": 1, "1:forward": 4}, grouped=False)
+    micro_batches.split(case, grouped=False)
     assert [(r["name"], r["count"]) for r in case["rows"]] == [("norm", 1), ("cast weight", 4), ("sgd", 3)]
     assert [(r["name"], r["count"]) for r in case["reuse_rows"]] == [("norm", 1), ("read copy", 4)]
+    assert [(r["name"], r["count"]) for r in case["per_call_rows"]] == [("norm", 1), ("cast per call", 4),
+                                                                        ("sgd", 3)]
+    # A reusing call that compiled nothing of its own: the declaration was not seen.
+    stale = workloads._MicroBatches(None, None, None, None, runs=[{"0:forward": 1}, {"0:forward": 2}],
+                                    kinds=["first", "reuse"])
+    with pytest.raises(Exception, match="the reuse micro-batch compiled no graph of its own"):
+        stale.split({"rows": rows[:1]}, grouped=False)
 
 
 def _triton_bytes(case: dict, graph: str | None = None, key: str = "rows") -> tuple[int, int]:
@@ -128,18 +137,25 @@ def _triton_bytes(case: dict, graph: str | None = None, key: str = "rows") -> tu
     return (sum(r.get("read", 0) * r["count"] for r in kernels), sum(r.get("written", 0) * r["count"] for r in kernels))
 
 
-def test_current_scaling_casts_each_expert_weight_once_a_call_for_both_layouts(steps):
-    """Per call, as the cached step's fill does: the forward's cast writes the weight in both layouts from one
-    read, and grad_input reads the transposed copy it wrote (``fp8graph.targets.grouped``), where the
-    partitioner would cast it again in the backward from the BF16 weight."""
-    cached, current = steps["current"], steps["current uncached"]
-    # Byte for byte but grad_input's per-column inverse scales: the fill reads its (E, 1), the per-call
-    # backward an (E, K) copy of them.
-    inverse_bytes = TINY["experts"] * TINY["hidden"] * 4
-    for cached_bytes, current_bytes in zip(_triton_bytes(cached, "1:backward"), _triton_bytes(current, "1:backward")):
-        assert current_bytes - inverse_bytes <= cached_bytes <= current_bytes
-    # A cast of the transposed layout reading the BF16 weight again would add its bytes to the forward's reads.
-    assert _triton_bytes(current, "0:forward")[0] <= _triton_bytes(cached, "0:forward")[0]
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_per_call_the_backward_casts_each_expert_weight_again_for_grad_input(steps, recipe):
+    """Cast per call, a per-tensor expert GEMM keeps no FP8 copy of the weights for its backward
+    (``recipe.save_transposes``): the forward casts each expert weight for its own GEMM only, and the backward
+    casts it again with the forward's scales in grad_input's layout by one ``fp8graph::quantize_transposed``
+    launch a weight, reading the BF16 weight once and writing the transposed bytes. A step of one micro-batch of
+    the contestant that keeps weight casts (outside a declaration) runs the same kernels as the one without."""
+    per_call, cached = steps[f"{recipe} uncached"], steps[recipe]
+    experts, hidden, width = TINY["experts"], TINY["hidden"], TINY["expert_width"]
+    weight_elements = sorted([experts * 2 * width * hidden, experts * hidden * width])  # gate_up, down
+    casts = [r for r in per_call["rows"] if "quantize_transposed" in r["name"]]
+    assert [r["graph"] for r in casts] == ["1:backward"] * 2
+    assert sorted(r["read"] for r in casts) == [2 * n + experts * 4 for n in weight_elements]  # BF16, a scale each
+    assert sorted(r["written"] for r in casts) == weight_elements
+    assert [r for r in per_call["rows"] if "transpose_fp8" in r["name"] and r["detail"].startswith(f"{experts}x")] \
+        == []
+    assert _moved(per_call) == _moved({"rows": cached["per_call_rows"]})
+    assert sorted(r["name"] for r in cached["per_call_rows"] if r["kind"] == "extern") == \
+        sorted(r["name"] for r in per_call["rows"] if r["kind"] == "extern")
 
 
 def test_grad_weight_s_operands_are_laid_out_by_one_pass_each(steps):
@@ -210,12 +226,16 @@ def test_current_scaling_lays_the_input_out_for_grad_weight_in_the_forward(steps
 def test_a_fill_writes_the_weight_copies_where_it_casts_them(steps):
     """The first micro-batch of ``current`` casts each expert weight into the copies the other
     micro-batches read, and its GEMMs read those copies: the cast kernel stores each FP8 value once
-    (``fp8graph.targets.kept_copies``), so the fill moves the bytes of casting per call, plus each copy's scales."""
+    (``fp8graph.targets.kept_copies``), both layouts from one read of the weight. Its forward stores what casting
+    per call stores there, plus grad_input's layout (which a step casting per call casts in its backward) and
+    each copy's scales, and reads no more; the whole fill moves no more than casting per call."""
     cached, current = steps["current"], steps["current uncached"]
     assert sum(r.get("duplicate_written", 0) * r["count"] for r in cached["rows"]) == 0
     scales = 2 * TINY["experts"] * 4  # an fp32 scale an expert, for each of the two expert weights
-    assert _triton_bytes(cached, "0:forward")[1] <= _triton_bytes(current, "0:forward")[1] + scales
+    transposed = TINY["experts"] * 3 * TINY["hidden"] * TINY["expert_width"]  # an FP8 byte an element of both
+    assert _triton_bytes(cached, "0:forward")[1] <= _triton_bytes(current, "0:forward")[1] + transposed + scales
     assert _triton_bytes(cached, "0:forward")[0] <= _triton_bytes(current, "0:forward")[0] + scales
+    assert _moved(cached) <= _moved(current)
 
 
 def test_a_delayed_fill_transposes_the_cast_bytes_into_the_copy_and_moves_no_more_than_casting_per_call(steps):
@@ -223,7 +243,7 @@ def test_a_delayed_fill_transposes_the_cast_bytes_into_the_copy_and_moves_no_mor
     amaxes, storing the FP8 bytes once, into the copy the forward GEMM reads; ``fp8graph::transpose_fp8_into_``
     writes grad_input's copy from those bytes, in place (``fp8graph.targets.grouped.cast_forward_delayed``): the
     reduction never stores the transposed layout a row apart, and the fill moves no more bytes than a step that
-    casts at every call (which lays the same bytes out for grad_input in its forward), so a call after each
+    casts at every call (which casts the weight again for grad_input in its backward), so a call after each
     optimizer step loses nothing by keeping the copies."""
     cached, per_call = steps["delayed"], steps["delayed uncached"]
     experts, hidden, width = TINY["experts"], TINY["hidden"], TINY["expert_width"]
@@ -238,11 +258,11 @@ def test_a_delayed_fill_transposes_the_cast_bytes_into_the_copy_and_moves_no_mor
     # copies' scales (an fp32 scale an expert of each weight, kept by the state's record) at most.
     scales = 2 * experts * 4
     assert _triton_bytes(cached, "0:forward")[1] <= _triton_bytes(per_call, "0:forward")[1] + scales
-    # Casting per call lays grad_input's layout out from the same FP8 bytes (fp8graph::transpose_fp8, saved for the
-    # backward): the fill moves the same bytes, and the copies' scales written and read again with their inverses.
+    # Casting per call casts grad_input's layout again in the backward, from the BF16 weight
+    # (fp8graph::quantize_transposed): the fill moves fewer bytes, though it writes the copies' scales and reads
+    # them again with their inverses.
     assert _moved(cached) <= _moved(per_call) + 4 * scales
-    assert [r["graph"] for r in per_call["rows"] if "transpose_fp8.default" in r["name"]
-            and r["detail"].startswith(f"{experts}x")] == ["0:forward"] * 2
+    assert [r["graph"] for r in per_call["rows"] if "quantize_transposed" in r["name"]] == ["1:backward"] * 2
 
 
 def _moved(case: dict) -> int:

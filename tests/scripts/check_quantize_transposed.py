@@ -1,0 +1,43 @@
+"""Run by tests/kernels/test_quantize_transposed.py under TRITON_INTERPRET=1: the kernel of
+``fp8graph::quantize_transposed`` against the op's reference (the cast, then the transpose's contiguous copy), byte
+for byte: single matrices and batches, lengths not a multiple of the tile, one row, one column, BF16, fp16 and
+fp32, a row-strided slice, every other matrix of a batch, a transposed view (a weight stored the other way round),
+and values that test the cast (NaN, inf, zeros, subnormal-range magnitudes, values that saturate)."""
+
+import torch
+
+from fp8graph.kernels.quantize_transposed import _reference, quantize_transposed_triton
+
+
+def _bytes(x_fp8):
+    """E4M3 bytes with NaN's sign cleared: a NaN has no sign to keep (the GPU writes 0x7F), and the CPU's
+    reference keeps the sign bit of a BF16 NaN's conversion."""
+    bits = x_fp8.view(torch.uint8)
+    return torch.where(bits & 0x7F == 0x7F, 0x7F, bits)
+
+
+generator = torch.Generator().manual_seed(0)
+cases = 0
+for shape in [(64, 64), (130, 70), (1, 17), (17, 1), (3, 64, 128), (2, 70, 33), (5, 1, 16)]:
+    batch = shape[0] if len(shape) == 3 else 1
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        stored = torch.randn(2 * batch, shape[-2], 2 * shape[-1], generator=generator) * \
+            torch.logspace(-12, 6, 2 * shape[-1], base=2.0)
+        stored[0, 0, 0], stored[-1, -1, -1], stored[0, -1, 0] = float("nan"), float("inf"), -float("inf")
+        stored = stored.to(dtype)
+        flipped = stored.transpose(-2, -1).contiguous().transpose(-2, -1)  # the same values, stored transposed
+        operands = [stored[:batch, :, :shape[-1]],  # rows longer than the columns read
+                    stored[::2, :, :shape[-1]],  # every other matrix
+                    flipped[:batch, :, :shape[-1]]]  # a transposed view
+        scale = torch.rand(batch, generator=generator) * 4 + 0.01
+        scale[0] = 448.0  # saturates the largest values
+        for operand in operands:
+            operand = operand if len(shape) == 3 else operand[0]
+            matrix_scale = scale if len(shape) == 3 else scale[0]
+            expected = _reference(operand, matrix_scale)
+            got = quantize_transposed_triton(operand, matrix_scale)
+            label = (shape, dtype, operand.stride())
+            assert got.shape == expected.shape and got.dtype == expected.dtype and got.is_contiguous(), label
+            assert torch.equal(_bytes(got), _bytes(expected)), label
+            cases += 1
+print(f"cases checked: {cases}")
