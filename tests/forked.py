@@ -28,8 +28,8 @@ import tempfile
 from bench import forked as bench_forked
 
 # What every child imports anyway; each costs seconds (torch._dynamo alone about 3 s): what the benchmarks'
-# children preload, and torch.distributed for the gloo ranks.
-PRELOAD = [*bench_forked.PRELOAD, "torch.distributed"]
+# children preload, torch.distributed for the gloo ranks, and Inductor's CPU probe (inductor_cpu_isa).
+PRELOAD = [*bench_forked.PRELOAD, "torch.distributed", "inductor_cpu_isa"]
 # Read once, when the server imports torch, triton or Inductor's config: a child cannot change them.
 IMPORT_TIME_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
                          "DNNL_MAX_CPU_ISA", "TRITON_INTERPRET", "TORCHINDUCTOR_VEC_ISA_OK", "TORCH_LOGS",

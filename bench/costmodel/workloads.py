@@ -255,6 +255,8 @@ class _MicroBatches:
             case["per_call_rows"] = phases["per call"]
         if grouped:
             _check_grouped_gemms({"rows": case["reuse_rows"]}, "the reusing micro-batch")
+            if "per call" in phases:
+                _check_grouped_gemms({"rows": case["per_call_rows"]}, "the per-call micro-batch")
 
 
 def _runs(cap: capture.Capture) -> dict[str, int]:
@@ -389,7 +391,7 @@ def _attach_cubins(case: dict) -> None:
     for graph in case["_capture"].graphs:
         for name, record in graph.kernels.items():
             by_name[(f"{graph.index}:{graph.kind}", name)] = _FACTS.configs(name, record.source)
-    for row in case["rows"]:
+    for row in [*case["rows"], *case.get("reuse_rows", ()), *case.get("per_call_rows", ())]:
         if (row["graph"], row["name"]) in by_name:
             row["cubin"] = by_name[(row["graph"], row["name"])]
 

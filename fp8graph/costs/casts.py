@@ -119,16 +119,18 @@ class GroupedCasts:
     block_launches: int
 
 
-# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-27T114341Z.json
-# (Qwen3-30B-A3B's block at 256 and 2048 tokens an expert, sm_90, torch 2.13.0, triton 3.6.0); the FP8 steps'
-# Triton bytes it predicts are within 0.5% of the block at 1024 tokens an expert, 6% of Llama-4 Scout's and 7% of
-# DeepSeek-V3's (row-wise 19% under: its per-group column scales grow with the tokens an expert). Of what a recipe
-# adds to BF16's bytes alone it is worse on other blocks: DeepSeek-V3's current 30% under, row-wise 38% under,
-# delayed -0.55 GB predicted where it adds -0.67, Llama-4 Scout's 2-36% under. A negative rate:
-# the recipe's kernels move fewer bytes per routed token than BF16's (an FP8 byte where BF16 stores two); the
-# custom-op bytes are fp8graph::transpose_fp8's layouts of grad_weight's operands. Regenerated with the sweep.
+# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-28T100032Z.json
+# (Qwen3-30B-A3B's block at 256 and 2048 tokens an expert, a step of one micro-batch cast per call, sm_90, torch
+# 2.13.0, triton 3.6.0); the FP8 steps' Triton bytes it predicts are within 0.5% of the block at 1024 tokens an
+# expert, 7% of Llama-4 Scout's, and of DeepSeek-V3's 2% (current), 11% over (delayed) and 14% under (row-wise,
+# whose per-group column scales grow with the tokens an expert). Of what a recipe adds to BF16's bytes alone it is
+# worse on other blocks: DeepSeek-V3's current 15% under, row-wise 43% under, delayed -1.16 GB predicted where it
+# adds -1.73, Llama-4 Scout's 4-7% under. A negative rate: the recipe's kernels move fewer bytes per routed token
+# than BF16's (an FP8 byte where BF16 stores two). The custom-op bytes are fp8graph's ops: the layouts of
+# grad_weight's operands and, per weight element, the per-tensor recipes' weights cast again for grad_input in the
+# backward (fp8graph::quantize_transposed: 3 bytes). Regenerated with the sweep.
 GROUPED_CAST_TRAFFIC: dict[str, GroupedCasts] = {
-    "current": GroupedCasts(-1.3125, 2.0, 6.015625, 0.015625, 34),
-    "delayed": GroupedCasts(-2.921875, 2.0, 4.015625, 0.03125, 28),
-    "rowwise": GroupedCasts(2.09375, 4.0, 8.03125, 0.03125, 27),
+    "current": GroupedCasts(-1.71875, 2.640625, 5.015625, 3.015625, 36),
+    "delayed": GroupedCasts(-3.3125, 2.640625, 3.015625, 3.03125, 31),
+    "rowwise": GroupedCasts(-1.234375, 3.0, 8.015625, 0.03125, 14),
 }

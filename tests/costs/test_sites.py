@@ -130,17 +130,18 @@ def test_what_cannot_be_modelled_is_refused_by_name():
         site_times(_linear(8, 64, 64), "fastest")
 
 
-SWEEP_RESULT = pathlib.Path(__file__).parents[2] / "bench/results/model-moe-2026-11-27T114341Z.json"
+SWEEP_RESULT = pathlib.Path(__file__).parents[2] / "bench/results/model-moe-2026-11-28T100032Z.json"
 
 
 def test_the_grouped_table_is_the_committed_sweeps_and_predicts_its_other_blocks():
     """Solved from two Qwen3-30B-A3B blocks of the sweep (256 and 2048 tokens an expert); the Triton bytes it
     predicts for the other blocks' FP8 steps (BF16's plus what the recipe adds), against what the capture
-    shows: within 0.5% at 1024 tokens an expert (the same block), within 6% for Llama-4 Scout's and 7% for
-    DeepSeek-V3's experts (row-wise, whose per-group column scales grow with the tokens an expert: 19% under).
-    Measured against the step's bytes, not the difference: what a recipe adds to DeepSeek-V3's block is small
-    beside it (delayed scaling's is 0.67 GB fewer than BF16's), so any error is large beside the difference; of
-    the difference alone the table is 30% (current) and 38% (row-wise) under there (fp8graph/costs/casts.py)."""
+    shows: within 0.5% at 1024 tokens an expert (the same block), within 7% for Llama-4 Scout's experts, and for
+    DeepSeek-V3's within 2% (current), 11% (delayed, over) and 15% (row-wise, whose per-group column scales grow
+    with the tokens an expert: under). Measured against the step's bytes, not the difference: what a recipe adds
+    to DeepSeek-V3's block is small beside it (delayed scaling's is 1.73 GB fewer than BF16's), so any error is
+    large beside the difference; of the difference alone the table is 15% (current) and 43% (row-wise) under
+    there (fp8graph/costs/casts.py)."""
     from bench.costmodel import site_casts
 
     result = json.loads(SWEEP_RESULT.read_text())
@@ -149,7 +150,8 @@ def test_the_grouped_table_is_the_committed_sweeps_and_predicts_its_other_blocks
             for kind, casts in derived.items()} == GROUPED_CAST_TRAFFIC
     rows = {capture["contestant"]: {case["case"]: case["rows"] for case in capture["cases"]}
             for capture in result["captures"]}
-    bounds = {"Qwen3": 0.005, "Llama-4": 0.06, "DeepSeek-V3": 0.07}
+    bounds = {"Qwen3": dict.fromkeys(GROUPED_CAST_TRAFFIC, 0.005), "Llama-4": dict.fromkeys(GROUPED_CAST_TRAFFIC, 0.07),
+              "DeepSeek-V3": {"current": 0.02, "delayed": 0.11, "rowwise": 0.15}}
     for shape in result["spec"]["shapes"]:
         case = f"{shape['label']}, 1 micro-batch"
         tokens, weights = site_casts.block_elements(shape)
@@ -157,6 +159,6 @@ def test_the_grouped_table_is_the_committed_sweeps_and_predicts_its_other_blocks
         for kind, casts in GROUPED_CAST_TRAFFIC.items():
             captured = site_casts._extra(rows[kind][case], rows["bf16"][case])["triton"]
             predicted = casts.activation * tokens + casts.weight * weights
-            bound = next(bound for block, bound in bounds.items() if shape["label"].startswith(block))
-            bound = 0.19 if kind == "rowwise" and shape["label"].startswith("DeepSeek") else bound
+            block = next(block for block in bounds if shape["label"].startswith(block))
+            bound = bounds[block][kind]
             assert bf16 + predicted == pytest.approx(bf16 + captured, rel=bound), (kind, case)

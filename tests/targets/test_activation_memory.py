@@ -110,35 +110,61 @@ def test_rowwise_scaling_saves_no_more_than_torchao_rowwise_and_less_than_bf16(b
     assert saving - fp8 >= _fp8_weight_bytes()  # the weights' copies along N, and the inputs' along M
 
 
-def _moe_saved_bytes(recipe, monkeypatch) -> int:
-    """What the tiny MoE block (32 tokens an expert) saves for its backward, on the GPU's graph."""
-    torch._dynamo.reset()
+def _moe_block() -> tuple[torch.nn.Module, torch.Tensor]:
+    """The tiny MoE block (32 tokens an expert) and its input."""
     torch.manual_seed(0)
     block = MoEBlock(**CONFIGS["tiny"]).to(torch.bfloat16)
-    compiled = (torch.compile(block, backend="aot_eager") if recipe is None
-                else fp8graph.compile(block, policy=recipe, compiler="aot_eager"))
-    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_()
-    with pretend_gpu(monkeypatch):
-        return saved_for_backward_bytes(lambda: compiled(x).float().square().mean(), block.parameters())
+    return block, torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_()
+
+
+def _moe_loss(output: torch.Tensor) -> torch.Tensor:
+    return output.float().square().mean()
+
+
+@pytest.fixture(scope="module")
+def moe_bf16_bytes() -> int:
+    torch._dynamo.reset()
+    block, x = _moe_block()
+    compiled = torch.compile(block, backend="aot_eager")
+    return saved_for_backward_bytes(lambda: _moe_loss(compiled(x)), block.parameters())
 
 
 @pytest.mark.parametrize("recipe", [Float8RowwiseScaling(), Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
                          ids=["rowwise", "current", "delayed"])
-def test_expert_weights_are_cast_again_in_the_backward(monkeypatch, recipe):
+def test_expert_weights_are_cast_again_in_the_backward_to_the_same_bytes(monkeypatch, recipe, moe_bf16_bytes):
     """An expert weight's copy for grad_input (along N, row-wise's; per expert, transposed, the per-tensor
     recipes') is cast in the backward from the weight, which is kept anyway, so that the block keeps less for its
     backward than BF16's even where an expert sees few tokens (the copy is one byte an expert-weight element; at
     Qwen3-30B-A3B's block at 1 x 4096 tokens, 256 tokens an expert, keeping it saved twice BF16's bytes). With
     save_transposes the forward writes and saves it: the difference is one byte an element of every expert
     weight and its scales (row-wise's: one an expert and column; the per-tensor recipes': at most the inverse
-    scale the forward GEMM reads, one an expert and output row, tied to the copy)."""
-    weights = list(MoEBlock(**CONFIGS["tiny"]).experts.parameters())  # (E, N, K) each
-    expert_weights = sum(w.numel() for w in weights)
-    fp8 = _moe_saved_bytes(recipe, monkeypatch)
-    difference = _moe_saved_bytes(dataclasses.replace(recipe, save_transposes=True), monkeypatch) - fp8
+    scale the forward GEMM reads, one an expert and output row, tied to the copy). Either way the backward reads
+    the same bytes: on the GPU's graph (every GEMM checked against cuBLASLt's rules and computed exactly), over a
+    step and a step of two forwards before one backward the output, every gradient and delayed scaling's state
+    are bit for bit equal."""
+    saved, results = [], []
+    for save_transposes in (False, True):
+        torch._dynamo.reset()
+        block, x = _moe_block()
+        compiled = fp8graph.compile(block, policy=dataclasses.replace(recipe, save_transposes=save_transposes),
+                                    compiler="aot_eager")
+        with pretend_gpu(monkeypatch) as calls:
+            saved.append(saved_for_backward_bytes(lambda: _moe_loss(compiled(x)), block.parameters()))
+            # Two forwards before one backward: each backward casts with its own forward's scales (delayed
+            # scaling's second forward casts with the scales the first recorded).
+            output = compiled(x)
+            (_moe_loss(output) + _moe_loss(compiled(x))).backward()
+        calls.assert_every_rule_kept()
+        assert "_scaled_grouped_mm" in " ".join(calls.ops()), calls.ops()
+        results.append([output.detach(), x.grad, *(p.grad for p in block.parameters()),
+                        *(b.clone() for b in block.buffers())])
+    (fp8, saving), (cast_again, kept) = saved, results
+    assert len(cast_again) == len(kept) and all(torch.equal(a, b) for a, b in zip(cast_again, kept))
     # Measured (torch 2.13, 2026-11-28): BF16 87824 bytes; current 83264 (109856 with the copies saved, as every
     # per-tensor expert GEMM kept them before), delayed 83272, row-wise 82192.
-    assert fp8 < _moe_saved_bytes(None, monkeypatch), fp8
+    assert fp8 < moe_bf16_bytes, (fp8, moe_bf16_bytes)
+    weights = list(MoEBlock(**CONFIGS["tiny"]).experts.parameters())  # (E, N, K) each
+    expert_weights, difference = sum(w.numel() for w in weights), saving - fp8
     if recipe.tiled:
         column_scales = sum(w.shape[0] * w.shape[2] * 4 for w in weights)  # fp32, one an expert and column
         assert difference == expert_weights + column_scales, (difference, expert_weights, column_scales)
@@ -195,28 +221,3 @@ def test_saved_transposes_change_what_is_kept_not_the_numbers(recipe, lowering):
     assert grads.keys() == grads_saved.keys() and all(torch.equal(grads[n], grads_saved[n]) for n in grads)
     assert buffers.keys() == buffers_saved.keys() and all(torch.equal(buffers[n], buffers_saved[n]) for n in buffers)
 
-
-@pytest.mark.parametrize("recipe", [Float8RowwiseScaling(), Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
-                         ids=["rowwise", "current", "delayed"])
-def test_expert_weights_cast_again_give_the_numbers_of_saved_copies(monkeypatch, recipe):
-    """On the GPU's graph (every GEMM checked against cuBLASLt's rules and computed exactly), the expert weights'
-    copies for grad_input cast again in the backward with the forward's scales are the bytes the forward would
-    have saved: over two steps the output, every gradient and delayed scaling's state are bit for bit equal."""
-    results = []
-    for save_transposes in (False, True):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        block = MoEBlock(**CONFIGS["tiny"]).to(torch.bfloat16)
-        compiled = fp8graph.compile(block, policy=dataclasses.replace(recipe, save_transposes=save_transposes),
-                                    compiler="aot_eager")
-        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_()
-        with pretend_gpu(monkeypatch) as calls:
-            for _ in range(2):
-                output = compiled(x)
-                output.float().square().mean().backward()
-        calls.assert_every_rule_kept()
-        assert "_scaled_grouped_mm" in " ".join(calls.ops()), calls.ops()
-        results.append([output.detach(), x.grad, *(p.grad for p in block.parameters()),
-                        *(b.clone() for b in block.buffers())])
-    cast_again, saved = results
-    assert len(cast_again) == len(saved) and all(torch.equal(a, b) for a, b in zip(cast_again, saved))
