@@ -10,13 +10,7 @@ import torch
 from fp8graph.kernels.group_columns import (_reference, _rows_reference, quantize_group_columns_placed_triton,
                                             quantize_rows_placed_triton)
 
-
-
-def _bytes(x_fp8):
-    """E4M3 bytes with NaN's sign cleared: a NaN has no sign to keep (the GPU writes 0x7F), and the CPU's
-    reference keeps the sign bit of a BF16 NaN's conversion."""
-    bits = x_fp8.view(torch.uint8)
-    return torch.where(bits & 0x7F == 0x7F, 0x7F, bits)
+from e4m3_bytes import e4m3_bytes
 
 
 generator = torch.Generator().manual_seed(0)
@@ -39,7 +33,7 @@ for sizes, tail, columns in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 
         label = (sizes, tail, columns, dtype, gathered, strided, power_2)
         assert got_fp8.shape == expected_fp8.shape and got_scale.shape == expected_scale.shape, label
         assert torch.equal(got_scale, expected_scale), label
-        assert torch.equal(_bytes(got_fp8), _bytes(expected_fp8)), label
+        assert torch.equal(e4m3_bytes(got_fp8), e4m3_bytes(expected_fp8)), label
         cases += 1
         # One scale for the tensor, a power of 2 or not; the largest values (up to about 2**8) saturate at 448.
         scale = torch.tensor(4.0 if power_2 else 2.7, dtype=torch.float32)
@@ -47,7 +41,7 @@ for sizes, tail, columns in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 
         got = quantize_rows_placed_triton(x, scale, offsets, 16, index)
         for got_part, expected_part, part in zip(got, expected, ("rows", "placed", "amax")):
             assert got_part.shape == expected_part.shape, (label, part)
-            compared = (_bytes(got_part), _bytes(expected_part)) if part != "amax" else (got_part, expected_part)
+            compared = (e4m3_bytes(got_part), e4m3_bytes(expected_part)) if part != "amax" else (got_part, expected_part)
             assert torch.equal(*compared), (label, part)
         cases += 1
 print(f"cases checked: {cases}")
