@@ -46,6 +46,23 @@ _SHARED_MODULES = {"tests/apps/test_train_distributed.py", "tests/bench/test_moe
                    "tests/passes/test_operator_spellings.py", "tests/targets/test_activation_memory.py"}
 
 
+# Tests that compile the same graphs: one unit, on one worker, in collection order, so that the later ones find the
+# graphs in Inductor's on-disk caches rather than compiling them at the same time on the other worker (GPT-2's
+# Inductor test took 3 s after the weight-cache test where it took 40 s alone, 2026-11-28).
+_SHARED_GRAPHS = [
+    ("tests/buffers/test_weight_cache.py::test_gpt2_conv1d_weights_stored_k_n_get_n_k_copies_and_train_like_uncached"
+     "[inductor]", "tests/test_backend.py::test_inductor_trains_gpt2_conv1d_sites_like_eager"),
+]
+
+
+def _unit(nodeid: str) -> str:
+    """The unit a test is dealt to a worker with: its module's, its graphs' group's, or its own."""
+    module = nodeid.split("::")[0]
+    if module in _SHARED_MODULES:
+        return module
+    return next((group[0] for group in _SHARED_GRAPHS if nodeid in group), nodeid)
+
+
 def _known_seconds() -> dict[str, float]:
     """Each slow test's seconds from ``tests/slow_tests.txt`` (lines of pytest's ``--durations`` output)."""
     seconds: dict[str, float] = {}
@@ -67,8 +84,7 @@ def _two_halves_slowest_first(items):
     known = _known_seconds()
     units: dict[str, list] = {}
     for item in items:
-        module = item.nodeid.split("::")[0]
-        units.setdefault(module if module in _SHARED_MODULES else item.nodeid, []).append(item)
+        units.setdefault(_unit(item.nodeid), []).append(item)
 
     def seconds(unit) -> float:
         return sum(known.get(item.nodeid, 0.0) for item in unit)
