@@ -358,8 +358,9 @@ class _GroupedFP8(torch.autograd.Function):
                     weight_fp8, weight_scale, weight_inverse, weight_t_fp8, weight_t_inverse = \
                         _cast_experts_through_copy(weight_hp, spec, weight_copy)
             # A per-expert cast's copy for grad_input: written in the forward and saved, or cast in the backward.
-            recast_weight = needs_grad_input and not spec.per_row and weight_copy is None and _recasts_weight(spec)
-            if needs_grad_input and not spec.per_row and weight_copy is None and not recast_weight:
+            per_expert_copy = needs_grad_input and not spec.per_row and weight_copy is None
+            recast_weight = per_expert_copy and _recasts_weight(spec)
+            if per_expert_copy and not recast_weight:
                 weight_fp8, weight_t_fp8, weight_inverse = _transposed_for_grad_input(weight_fp8, weight_inverse,
                                                                                       spec)
             if stats is not None:
