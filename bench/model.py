@@ -548,6 +548,17 @@ def _sweep_case(model: dict, measured: dict) -> str | None:
     return None
 
 
+def peer_rows(model: dict, measured: dict) -> dict[str, dict]:
+    """The modelled rows, by contestant, of the step a measured ``bench moe`` or ``bench decoder`` run timed: a
+    sweep's block of its shape, and one micro-batch a step (a GPU run steps the optimizer after every micro-batch:
+    a modelled step of several is not its peer)."""
+    case = _sweep_case(model, measured)
+    accumulated = model.get("spec", {}).get("grad_accumulation", [1]) != [1]
+    return {row["contestant"]: row for row in model["rows"] if "error" not in row
+            and (row["case"] == case if case is not None else
+                 not accumulated or row["case"].endswith(_with_micro_batches("", 1)))}
+
+
 def compare_lines(measured: dict, measured_name: str, model_path: pathlib.Path | None,
                   results: pathlib.Path = pathlib.Path("bench/results")) -> list[str]:
     """Per contestant: the modelled step beside the measured one (profiled kernel time when the run
@@ -558,12 +569,7 @@ def compare_lines(measured: dict, measured_name: str, model_path: pathlib.Path |
         return [f"no modelled bench {name} result for {measured.get('config')} in {results}: run "
                 f"`python -m bench model {name}` (CPU) and commit it"]
     model = json.loads(model_path.read_text())
-    case = _sweep_case(model, measured)
-    # A GPU run steps the optimizer after every micro-batch: a modelled step of several is not its peer.
-    accumulated = model.get("spec", {}).get("grad_accumulation", [1]) != [1]
-    modelled = {row["contestant"]: row for row in model["rows"] if "error" not in row
-                and (row["case"] == case if case is not None else
-                     not accumulated or row["case"].endswith(_with_micro_batches("", 1)))}
+    modelled = peer_rows(model, measured)
     run = gpu_runs.run_of(measured_name, results)
     gpu = gpu_runs.gpu_name(measured["environment"]["device"]) or "H100"
     modelled = _retimed(model, modelled, costs.Machine.of(gpu))  # at the measuring GPU's rates

@@ -27,6 +27,11 @@ into them, transformers' expert-parallel ``masked_fill_``, keeps the gather as i
 casts the T source rows and gathers FP8 bytes (``fp8graph.targets.grouped``), where the gathered BF16
 rows would be written, then read for the amax and again for the cast.
 
+Between the two GEMMs of an expert MLP, ``gate, up = out.chunk(2, -1); h = silu(gate) * up``:
+:func:`read_swiglu` records those nodes when nothing else reads them, and the rewrite may give the activation to
+the first GEMM's call (``fp8graph.targets.grouped.fuses_swiglu``), whose backward then casts SwiGLU's gradient in
+the kernel that computes it.
+
 The router is a plain linear whose output picks the experts (it reaches ``topk``); a shared-expert gate
 is a one-column linear whose sigmoid scales the shared expert's output. FP8 error in either flips
 routing decisions or the shared expert's weight, which no FP8 system accepts: :func:`mark_gates`
@@ -45,7 +50,7 @@ from .node_values import argument, tensor_value
 from .sites import ExpertSite, GatheredExpertSite, GroupedExpertSite
 
 __all__ = ["GROUPED_OP", "is_grouped_gemm", "mark_gates", "read_dense_experts", "read_gather", "read_gathered_experts",
-           "read_grouped"]
+           "read_grouped", "read_swiglu"]
 
 GROUPED_OP = "grouped_mm"
 _GROUPED_FUNCTIONS = {torch._grouped_mm} | ({torch.nn.functional.grouped_mm}
@@ -191,6 +196,46 @@ def read_gather(site: GroupedExpertSite) -> None:
     if source_value.dim() == 2 and index_value.dim() == 1 and not index_value.is_floating_point() \
             and index_value.dtype != torch.bool and source_value.dtype == rows_value.dtype:
         site.gather_source, site.gather_index = source, index
+
+
+_CHUNKS = {torch.chunk, "chunk"}
+_SILU = {torch.nn.functional.silu, "silu"}
+_MULTIPLY = {operator.mul, torch.mul, "mul"}
+
+
+def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _is_call(node, targets: set) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method") and node.target in targets
+
+
+def read_swiglu(site: GroupedExpertSite) -> None:
+    """Record ``silu(gate) * up`` of ``gate, up = output.chunk(2, -1)`` (see the module's doc) when the site's
+    output (S, 2I) is read only by that chunk and each node on the way only by the next."""
+    if site.offsets_node is None or site.blocker is not None:
+        return
+    output_value = tensor_value(site.node)
+    chunk = _only_user(site.node)
+    if output_value is None or output_value.dim() != 2 or output_value.shape[1] % 2 or not _is_call(chunk, _CHUNKS):
+        return
+    chunks = argument(chunk, 1, "chunks")
+    dim = argument(chunk, 2, "dim")
+    if chunk.args[0] is not site.node or chunks != 2 or dim not in (-1, 1) or len(chunk.users) != 2:
+        return
+    halves = sorted(chunk.users, key=lambda user: user.args[1] if user.target is operator.getitem else -1)
+    if any(half.target is not operator.getitem or half.args[1] != index for index, half in enumerate(halves)):
+        return
+    gate, up = halves
+    silu = _only_user(gate)
+    if not _is_call(silu, _SILU) or argument(silu, 1, "inplace") or silu.args[0] is not gate:
+        return
+    product = _only_user(silu)
+    if not _is_call(product, _MULTIPLY) or _only_user(up) is not product or set(product.args) != {silu, up} \
+            or product.kwargs:
+        return
+    site.swiglu_nodes = (chunk, gate, up, silu, product)
 
 
 def is_grouped_fallback(node: torch.fx.Node) -> bool:

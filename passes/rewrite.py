@@ -15,6 +15,9 @@
     before:  x = h[idx]; y = _grouped_mm(x, w.t(-2, -1), offs=o)      (the tokens gathered, read only here)
     after:   y = fp8graph_grouped_<recipe>(h, w, o, gather_index=idx)  h cast, FP8 rows gathered; x left unused
 
+    before:  gate, up = _grouped_mm(x, w.t(-2, -1), offs=o).chunk(2, -1); a = silu(gate) * up   (read only so)
+    after:   a = fp8graph_grouped_<recipe>_swiglu(x, w, o)     (fuses_swiglu: the chunk, silu and product erased)
+
     before:  y = bmm(w[ids], x3)          | y = bmm(x3, w_ekn[ids])   (MoE decode, frozen weights)
     after:   y = fp8graph_gathered_<recipe>(x3, w, ids)  | weight fed as w_ekn.transpose(-2, -1)
 
@@ -46,7 +49,7 @@ from torch._dynamo.utils import counters
 
 from fp8graph.targets.cache_hash import mark_cacheable
 from fp8graph.targets.gathered import gathered_fp8_target
-from fp8graph.targets.grouped import grouped_fp8_target
+from fp8graph.targets.grouped import fuses_swiglu, grouped_fp8_target
 from fp8graph.targets.linear_tensorwise import linear_fp8_target, linears_fp8_target
 from fp8graph.targets.linear_tiled import linear_tiled_target
 from fp8graph.targets.matmul import matmul_fp8_target
@@ -212,8 +215,22 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
     for decision, output in zip(group, outputs):
         replaced[decision.site.node] = output
         node = decision.site.node
+        if _fuses_swiglu(decision):  # the call returns SwiGLU's value: the nodes that computed it go
+            *computed, product = decision.site.swiglu_nodes
+            output.meta.update({key: product.meta[key] for key in ("example_value", "val") if key in product.meta})
+            product.replace_all_uses_with(output)
+            replaced[product] = output
+            for computed_node in (product, *reversed(computed)):  # pure ops, each read only by the next
+                graph.erase_node(computed_node)
         node.replace_all_uses_with(output)
         graph.erase_node(node)
+
+
+def _fuses_swiglu(decision: Decision) -> bool:
+    """Whether the site's call takes the SwiGLU its output feeds (``fp8graph.targets.grouped.fuses_swiglu``)."""
+    site = decision.site
+    return isinstance(site, GroupedExpertSite) and bool(site.swiglu_nodes) \
+        and fuses_swiglu(decision.recipe, decision.lowering)
 
 
 @functools.singledispatch
@@ -236,7 +253,7 @@ def _matmul_call(site: MatmulSite, decision: Decision, graph, state, cache, buff
 @_single_call.register
 def _grouped_call(site: GroupedExpertSite, decision: Decision, graph, state, cache, buffers):
     target = grouped_fp8_target(decision.recipe, decision.lowering, state is None or buffers.updates_state(site),
-                                buffers.weight_cache if cache is not None else None)
+                                buffers.weight_cache if cache is not None else None, _fuses_swiglu(decision))
     if site.gather_source is None:
         return target, (site.input_node, _weight_nk(graph, decision), site.offsets_node), {}
     # Sorted tokens gathered from the hidden states: the call casts the source rows, then gathers.

@@ -106,13 +106,15 @@ class GroupedExpertSite(ExpertSite):
     """Each expert's GEMM over its group of the sorted tokens (``grouped_mm``, groups ending at
     ``offsets_node``), or, with no offsets, over E groups of T tokens (``bmm`` of (E, T, K): Llama-4). When its
     input is a row gather only it reads, ``gather_source[gather_index]``, the rewrite casts the source rows and
-    gathers FP8 bytes."""
+    gathers FP8 bytes. When only SwiGLU reads its output, ``swiglu_nodes`` are the nodes from the output's
+    ``chunk`` to ``silu(gate) * up``, the last one's value what the rewrite's call may return instead."""
 
     form: ClassVar[str] = "grouped"
 
     offsets_node: torch.fx.Node | None = None
     gather_source: torch.fx.Node | None = None
     gather_index: torch.fx.Node | None = None
+    swiglu_nodes: tuple[torch.fx.Node, ...] = ()
 
 
 @dataclasses.dataclass

@@ -402,6 +402,37 @@ def test_the_per_tensor_rows_and_placed_cast_equals_its_reference_on_the_gpu():
                                    torch.where(expected_bytes & 0x7F == 0x7F, 0x7F, expected_bytes))
 
 
+def test_the_swiglu_backward_cast_is_within_one_e4m3_step_of_its_reference_on_the_gpu():
+    """``fp8graph::swiglu_backward_placed`` and ``fp8graph::swiglu_backward_amax`` on CUDA (the Triton kernel, the
+    GPU's sigmoid and the hardware's conversion): each gradient byte within one E4M3 step of the CPU reference's
+    (the sigmoids may differ in the last bit; nearly all equal), the placed layout byte for byte the kernel's own
+    rows laid out, the amaxes within fp32 rounding, the amax op's equal to the cast's."""
+    from fp8graph.kernels.swiglu_backward import swiglu_backward_amax, swiglu_backward_placed
+    from fp8graph.kernels.transpose_fp8 import transpose_fp8
+    from fp8graph.numerics.groups import padded_group_sources
+
+    generator = torch.Generator().manual_seed(0)
+    for rows, width, sizes in ((4096, 768, [1000, 0, 3000]), (200, 70, [5, 100, 1, 50])):
+        gate_up = (torch.randn(rows, 2 * width, generator=generator) * 4).to(torch.bfloat16)
+        grad_h = (torch.randn(rows, width, generator=generator)
+                  * torch.logspace(-10, 6, width, base=2.0)).to(torch.bfloat16)
+        grad_h[3, 3] = float("inf")
+        offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        scale = torch.tensor(1.5)
+        expected = swiglu_backward_placed(gate_up, grad_h, scale, offsets, 16)
+        got = [t.cpu() for t in swiglu_backward_placed(gate_up.cuda(), grad_h.cuda(), scale.cuda(), offsets.cuda(),
+                                                       16)]
+        torch.testing.assert_close(got[2], expected[2], rtol=1e-6, atol=0)
+        assert torch.equal(swiglu_backward_amax(gate_up.cuda(), grad_h.cuda(), offsets.cuda()).cpu(), got[2])
+        got_bytes, expected_bytes = (torch.where(b & 0x7F == 0x7F, 0x7F, b).to(torch.int16)
+                                     for b in (got[0].view(torch.uint8), expected[0].view(torch.uint8)))
+        near = (((got_bytes - expected_bytes).abs() <= 1) & ((got_bytes & 0x80) == (expected_bytes & 0x80))) \
+            | ((got_bytes & 0x7F) + (expected_bytes & 0x7F) <= 1)
+        assert near.all() and (got_bytes != expected_bytes).float().mean() < 0.01
+        sources, _ = padded_group_sources(offsets, rows, 16)
+        assert torch.equal(got[1].view(torch.uint8), transpose_fp8(got[0], sources).view(torch.uint8))
+
+
 def test_the_delayed_state_kernel_equals_its_reference_on_the_gpu():
     """``fp8graph::record_delayed_`` on CUDA (the Triton kernel) records what the torch reference does."""
     from fp8graph.kernels.delayed_record import _record_reference, record_delayed_

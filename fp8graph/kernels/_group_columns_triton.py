@@ -36,6 +36,23 @@ from fp8graph.kernels._quantize_tiles_triton import _e4m3_bits, _magnitude_bits,
 
 
 @triton.jit
+def group_bounds(offsets_ptr, group, groups, rows, padded_rows, MULTIPLE: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    """``(start, end, padded_start, padded_end)`` of ``group``'s rows, and of its place in the padded layout: the
+    padded start sums the padded sizes of the groups before it. Group ``groups`` is the rows in no group, after
+    ``offsets[-1]``, placed after the padded groups."""
+    ids = tl.arange(0, BLOCK_GROUPS)
+    ends = tl.load(offsets_ptr + ids, mask=ids < groups, other=0).to(tl.int64)
+    starts = tl.load(offsets_ptr + ids - 1, mask=(ids > 0) & (ids < groups), other=0).to(tl.int64)
+    padded_sizes = (ends - starts + MULTIPLE - 1) // MULTIPLE * MULTIPLE
+    padded_start = tl.sum(tl.where(ids < group, padded_sizes, 0), axis=0)
+    start = tl.sum(tl.where(ids == group - 1, ends, 0), axis=0)  # offsets[group - 1], 0 for the first
+    last = group == groups
+    end = tl.where(last, rows, tl.sum(tl.where(ids == group, ends, 0), axis=0))
+    padded_end = tl.where(last, padded_rows, padded_start + tl.sum(tl.where(ids == group, padded_sizes, 0), axis=0))
+    return start, end, padded_start, padded_end
+
+
+@triton.jit
 def _load_rows(x_ptr, gather_ptr, row, present, column, column_inside, row_stride, GATHER: tl.constexpr):
     """Rows ``row`` of x (of ``x[gather[row]]`` with GATHER) at ``column``, in fp32; 0 where absent."""
     if GATHER:
@@ -55,16 +72,8 @@ def quantize_group_columns_placed_kernel(
     group = tl.program_id(0)
     column = tl.program_id(1).to(tl.int64) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)
     column_inside = column < columns
-    # Every group's bounds, to place this one: its padded start sums the padded sizes before it.
-    ids = tl.arange(0, BLOCK_GROUPS)
-    ends = tl.load(offsets_ptr + ids, mask=ids < groups, other=0).to(tl.int64)
-    starts = tl.load(offsets_ptr + ids - 1, mask=(ids > 0) & (ids < groups), other=0).to(tl.int64)
-    padded_sizes = (ends - starts + MULTIPLE - 1) // MULTIPLE * MULTIPLE
-    padded_start = tl.sum(tl.where(ids < group, padded_sizes, 0), axis=0)
-    start = tl.sum(tl.where(ids == group - 1, ends, 0), axis=0)  # offsets[group - 1], 0 for the first
-    last = group == groups  # the rows in no group
-    end = tl.where(last, rows, tl.sum(tl.where(ids == group, ends, 0), axis=0))
-    padded_end = tl.where(last, padded_rows, padded_start + tl.sum(tl.where(ids == group, padded_sizes, 0), axis=0))
+    start, end, padded_start, padded_end = group_bounds(offsets_ptr, group, groups, rows, padded_rows, MULTIPLE,
+                                                        BLOCK_GROUPS)
 
     in_block = tl.arange(0, BLOCK_ROWS).to(tl.int64)
     max_bits = tl.zeros([BLOCK_ROWS, BLOCK_COLUMNS], dtype=tl.int32)

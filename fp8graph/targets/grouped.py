@@ -42,6 +42,7 @@ from fp8graph.gemm.grouped_gemm import (group_columns_for_grad_weight, grouped_s
 from fp8graph.gemm.scaled_gemm import Lowering, one_buffer
 from fp8graph.kernels import group_columns  # noqa: F401  (registers fp8graph::quantize_rows_placed)
 from fp8graph.kernels.quantize_transposed import quantize_transposed
+from fp8graph.kernels.swiglu_backward import swiglu_backward_reference
 from fp8graph.kernels.transpose_fp8 import transpose_fp8, transpose_fp8_into_
 from fp8graph.numerics.formats import Role
 from fp8graph.numerics.quantize import (amax_to_scale, current_scale, finite_magnitude, quantize, quantize_current,
@@ -54,7 +55,7 @@ from fp8graph.targets.grouped_blocks import GroupedBlocks
 from fp8graph.targets.linear_tensorwise import record_health, record_states, target_name
 from fp8graph.targets.partitioning import keep_for_backward, read_in_backward, saved_not_recomputed
 
-__all__ = ["ExpertWeightCopy", "GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows",
+__all__ = ["ExpertWeightCopy", "GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "fuses_swiglu",
            "grouped_fp8_target", "health_scales"]
 
 _FP8 = torch.float8_e4m3fn
@@ -67,6 +68,7 @@ class GroupedSpec:
     recipe: Recipe
     lowering: Lowering
     update: bool = True  # delayed scaling: False in graphs without gradients, which read the stored scales
+    swiglu: bool = False  # the call returns silu(gate) * up of its output's halves (fuses_swiglu)
 
     @property
     def delayed(self) -> bool:
@@ -208,16 +210,63 @@ def _rows_placed_by_one_kernel(spec: GroupedSpec, gather_index, needs_grad_weigh
             and spec.lowering is Lowering.SCALED_MM)
 
 
+def _grad_scale_delayed(state, spec: GroupedSpec, after: torch.Tensor) -> torch.Tensor:
+    """grad_output's delayed scale (1,), from its own history, read when the backward that computes ``after``
+    runs."""
+    history, scale = (read_in_backward(buffer, after) for buffer in state[2:])  # (1, len), (1,)
+    return scale_from_history(history, scale, _FP8, spec.recipe.margin, spec.recipe.amax_compute_algo)
+
+
+def _record_grad_amaxes(state, spec: GroupedSpec, amaxes: torch.Tensor, new_scale: torch.Tensor) -> None:
+    """Move grad_output's history one step: ``amaxes`` this call's partials, ``new_scale`` (1,) its scale."""
+    if spec.update:
+        record_states([state[2:]], [[amaxes]], new_scale[None].contiguous(), amax_reduction(spec.recipe.reduce_amax))
+
+
 def _cast_grad_output_delayed(grad_output_hp, state, spec: GroupedSpec):
     """grad_output's cast with delayed scaling, from its own history, read when this backward runs."""
-    history, scale = (read_in_backward(buffer, grad_output_hp) for buffer in state[2:])  # (1, len), (1,)
-    recipe = spec.recipe
-    new_scale = scale_from_history(history, scale, _FP8, recipe.margin, recipe.amax_compute_algo)  # (1,)
+    new_scale = _grad_scale_delayed(state, spec, grad_output_hp)
     grad_output_fp8 = quantize(grad_output_hp, new_scale[0], _FP8)
-    if spec.update:
-        record_states([state[2:]], [[row_amaxes(grad_output_hp.detach())]], new_scale[None].contiguous(),
-                      amax_reduction(recipe.reduce_amax))
+    _record_grad_amaxes(state, spec, row_amaxes(grad_output_hp.detach()), new_scale)
     return grad_output_fp8, new_scale[0], new_scale.reciprocal().expand(grad_output_hp.shape[0])
+
+
+def fuses_swiglu(recipe: Recipe, lowering: Lowering) -> bool:
+    """Whether an expert site whose output only SwiGLU reads (``silu(gate) * up`` of its halves,
+    ``passes.expert_sites.read_swiglu``) takes the activation into its call, so that its backward computes SwiGLU's
+    gradient, casts it and lays it out for grad_weight in one kernel (:func:`_cast_swiglu_backward`): the per-tensor
+    recipes on the native path. Elsewhere autograd's SwiGLU stays in the graph as it was (row-wise's cast per group
+    and column, MXFP8's blocks and the emulation read the gradient in high precision anyway)."""
+    return (recipe.granularity in NATIVE_GROUPED_GRANULARITIES and not recipe.tiled
+            and lowering is Lowering.SCALED_MM)
+
+
+def _swiglu(gate_up_hp: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up_hp``'s halves, in the ops of the graph it replaces: Inductor fuses them
+    with the next GEMM's cast as it did there."""
+    gate, up = gate_up_hp.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _cast_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, offsets: torch.Tensor, state,
+                          spec: GroupedSpec):
+    """The gradient of ``gate_up_hp`` (S, 2I) through :func:`_swiglu`, given ``grad_h_hp`` (S, I), cast per tensor
+    as this GEMM's grad_output: ``(grad_output_fp8 (S, 2I), scale, inverse (S,), placed (2I, S'))``, ``placed``
+    laid out for grad_weight as ``placed_for_grad_weight`` lays it out. One kernel computes the gradient in fp32,
+    casts it and writes both layouts (``fp8graph::swiglu_backward_placed``); current scaling's amax is a read of
+    the same operands before it (``fp8graph::swiglu_backward_amax``); delayed scaling's scale comes from its grad
+    history, which records the amaxes the kernel returns. The gradient is never stored in BF16."""
+    if spec.delayed:
+        new_scale = _grad_scale_delayed(state, spec, grad_h_hp)
+        grad_fp8, placed, amaxes = torch.ops.fp8graph.swiglu_backward_placed(
+            gate_up_hp, grad_h_hp, new_scale[0], offsets, FP8_GEMM_DIM_MULTIPLE)
+        _record_grad_amaxes(state, spec, amaxes.reshape(-1), new_scale)
+        scale = new_scale[0]
+    else:
+        scale = _scale(torch.ops.fp8graph.swiglu_backward_amax(gate_up_hp, grad_h_hp, offsets).amax(), spec)
+        grad_fp8, placed, _ = torch.ops.fp8graph.swiglu_backward_placed(gate_up_hp, grad_h_hp, scale, offsets,
+                                                                         FP8_GEMM_DIM_MULTIPLE)
+    return grad_fp8, scale, scale.reciprocal().expand(grad_fp8.shape[0]), placed
 
 
 def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec, after: torch.Tensor | None = None
@@ -411,7 +460,10 @@ class _GroupedFP8(torch.autograd.Function):
                     saved_weight = (weight_hp, weight_scale)
                 else:
                     saved_weight = (weight_t_fp8, weight_inverse[:, :1].expand(experts, weight_hp.shape[2]))
-        ctx.save_for_backward(offsets, *saved_input, *saved_weight, gather_index)
+        gate_up_hp = None  # the GEMM's output, kept for SwiGLU's backward
+        if spec.swiglu:
+            gate_up_hp, output = output, _swiglu(output)
+        ctx.save_for_backward(offsets, *saved_input, *saved_weight, gather_index, gate_up_hp)
         ctx.source_rows = input_hp.shape[0]
         ctx.recast_weight = recast_weight
         # The state's buffers are read and written in place by the backward, not saved (as the linears' are:
@@ -422,16 +474,24 @@ class _GroupedFP8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output_hp):  # (S, N)
-        offsets, input_g_placed, input_g_inverse, weight_t_fp8, weight_t_inverse, gather_index = ctx.saved_tensors
+        (offsets, input_g_placed, input_g_inverse, weight_t_fp8, weight_t_inverse, gather_index,
+         gate_up_hp) = ctx.saved_tensors
         spec: GroupedSpec = ctx.spec
         needs_grad_input, needs_grad_weight = ctx.needs_input_grad[:2]
         grad_input = grad_weight = None
         experts = offsets.shape[0]
         with torch.autocast(grad_output_hp.device.type, enabled=False):
-            grad_output_fp8, grad_output_scale, grad_output_inverse = (  # along N
-                _cast_grad_output_delayed(grad_output_hp, ctx.state, spec) if spec.delayed
-                else cast_rows(grad_output_hp, spec))
-            grad_output_fp8 = _one_buffer(grad_output_fp8, spec)  # grad_input's GEMM's, and (per tensor) grad_weight's
+            grad_output_placed = None  # grad_weight's layout, where the kernel that casts writes it
+            if spec.swiglu:  # grad_output_hp is h's: the GEMM's grad_output is gate_up's, through SwiGLU
+                grad_output_fp8, grad_output_scale, grad_output_inverse, grad_output_placed = _cast_swiglu_backward(
+                    gate_up_hp, grad_output_hp, offsets, ctx.state, spec)
+                if ctx.stats is not None:  # the gradient in BF16 for its health record: stats cost its bytes
+                    grad_output_hp = swiglu_backward_reference(gate_up_hp, grad_output_hp).to(gate_up_hp.dtype)
+            else:
+                grad_output_fp8, grad_output_scale, grad_output_inverse = (  # along N
+                    _cast_grad_output_delayed(grad_output_hp, ctx.state, spec) if spec.delayed
+                    else cast_rows(grad_output_hp, spec))
+                grad_output_fp8 = _one_buffer(grad_output_fp8, spec)  # grad_input's GEMM's, and grad_weight's layout's
             if ctx.stats is not None:
                 record_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp, grad_output_fp8,
                               health_scales(grad_output_scale), spec.recipe)
@@ -457,8 +517,9 @@ class _GroupedFP8(torch.autograd.Function):
                         grad_output_hp, offsets, spec.lowering, spec.power_2)
                     grad_output_g_inverse = grad_output_g_scale.reciprocal()  # (E, N)
                 else:
-                    grad_output_g_placed = placed_for_grad_weight(grad_output_fp8, offsets, spec.lowering)
-                    grad_output_g_inverse = grad_output_inverse[:1].expand(experts, grad_output_hp.shape[1])
+                    grad_output_g_placed = (placed_for_grad_weight(grad_output_fp8, offsets, spec.lowering)
+                                            if grad_output_placed is None else grad_output_placed)
+                    grad_output_g_inverse = grad_output_inverse[:1].expand(experts, grad_output_fp8.shape[1])
                 # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
                 grad_weight = grouped_scaled_gemm_weights(grad_output_g_placed, grad_output_g_inverse, input_g_placed,
                                                           input_g_inverse, offsets, ctx.weight_dtype, spec.lowering)
@@ -487,7 +548,7 @@ def _per_expert_row(scale: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
-                       weight_cache: str | None = None) -> Callable[..., torch.Tensor]:
+                       weight_cache: str | None = None, swiglu: bool = False) -> Callable[..., torch.Tensor]:
     """The graph target for expert sites with ``recipe`` (one of :data:`EXPERT_GRANULARITIES`), named for it:
     ``grouped_fp8(input_hp (S, K), weight_hp (E, N, K), offsets (E,), stats=None, history=None, scale=None,
     grad_history=None, grad_scale=None)``, or, for ``torch.bmm`` over every expert (Llama-4), ``input_hp``
@@ -498,14 +559,17 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     gradients, eval-mode modules), only reads its scales. With ``weight_cache`` (``"fill"`` or ``"reuse"``),
     ``cached_weight``, ``cached_weight_scale`` and ``cached_weight_t`` are the weight's FP8 copy, its (E, 1)
     scales and the copy of its transpose (``fp8graph.buffers.weight_cache``), written or read in place of
-    casting the weight; row-wise adds ``cached_weight_t_scale`` (:class:`ExpertWeightCopy`)."""
+    casting the weight; row-wise adds ``cached_weight_t_scale`` (:class:`ExpertWeightCopy`). With ``swiglu``
+    (where :func:`fuses_swiglu` says so) it returns ``silu(gate) * up`` of the output's halves (S, N / 2)."""
+    if swiglu and not fuses_swiglu(recipe, lowering):
+        raise ValueError(f"{recipe.name} on the {lowering.value} path leaves SwiGLU to autograd (fuses_swiglu)")
 
     function = _GroupedFP8 if recipe.granularity in NATIVE_GROUPED_GRANULARITIES else GroupedBlocks
 
     def grouped_fp8(input_hp, weight_hp, offsets=None, stats=None, history=None, scale=None, grad_history=None,
                     grad_scale=None, gather_index=None, cached_weight=None, cached_weight_scale=None,
                     cached_weight_t=None, cached_weight_t_scale=None):
-        spec = GroupedSpec(recipe, lowering, update)
+        spec = GroupedSpec(recipe, lowering, update, swiglu)
         state = None if history is None else (history, scale, grad_history, grad_scale)
         if recipe.stateful and state is None:
             raise ValueError(f"{recipe.name} on an expert GEMM needs the weight's delayed-scaling state")
@@ -531,8 +595,10 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
 
     label = recipe.name if update else f"{recipe.name}_frozen"
     label = f"{label}_{weight_cache}_cached_weight" if weight_cache else label
+    label = f"{label}_swiglu" if swiglu else label
     grouped_fp8.__name__ = target_name("grouped", label, lowering.value)
     grouped_fp8.recipe = recipe
     grouped_fp8.lowering = lowering
     grouped_fp8.weight_cache = weight_cache
-    return register_target(grouped_fp8, recipe, lowering, update, weight_cache)
+    grouped_fp8.swiglu = swiglu
+    return register_target(grouped_fp8, recipe, lowering, update, weight_cache, swiglu)

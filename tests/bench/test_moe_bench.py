@@ -170,7 +170,8 @@ def test_grad_weight_s_operands_are_laid_out_by_one_pass_each(steps):
     experts, hidden, width = TINY["experts"], TINY["hidden"], TINY["expert_width"]
     padded_rows = -(-(S + experts * 16) // 16) * 16
     operand_widths = (hidden, width, 2 * width, hidden)  # down: grad_output, input; gate_up: grad_output, input
-    transposed_widths = operand_widths[:3]  # gate_up's gathered input is placed by the kernel that casts it
+    # gate_up's gathered input and its grad_output (SwiGLU's gradient) are placed by the kernels that cast them
+    transposed_widths = operand_widths[:2]
     transposes = [r for r in steps["current"]["rows"] if r["kind"] == "extern" and "transpose_fp8" in r["name"]]
     assert sorted(r["read"] for r in transposes) == sorted(S * w + padded_rows * 8 for w in transposed_widths)
     # the FP8 rows and each padded row's source
@@ -180,6 +181,12 @@ def test_grad_weight_s_operands_are_laid_out_by_one_pass_each(steps):
     [rows_placed] = [r for r in steps["current"]["rows"] if r["kind"] == "extern" and "quantize_rows_placed" in r["name"]]
     assert rows_placed["read"] == S * hidden * 2 + S * 8 + 4 + experts * 4
     assert rows_placed["written"] == S * hidden + padded_rows * hidden + (experts + 1) * -(-hidden // 64) * 4
+    # fp8graph::swiglu_backward_placed: gate_up's BF16 output (S, 2 width) and h's gradient (S, width), the scale and
+    # the offsets read; the gradient's FP8 rows, their placed copy and each group's amaxes (a block of 64 columns of
+    # each half) written.
+    [swiglu] = [r for r in steps["current"]["rows"] if r["kind"] == "extern" and "swiglu_backward_placed" in r["name"]]
+    assert swiglu["read"] == S * 2 * width * 2 + S * width * 2 + 4 + experts * 4
+    assert swiglu["written"] == S * 2 * width + padded_rows * 2 * width + (experts + 1) * 2 * -(-width // 64) * 4
     placed = [r for r in steps["rowwise"]["rows"] if r["kind"] == "extern"]
     assert [r for r in placed if "transpose_fp8" in r["name"]] == []
     placed = [r for r in placed if "quantize_group_columns_placed" in r["name"]]
@@ -211,12 +218,13 @@ def test_current_scaling_lays_the_input_out_for_grad_weight_in_the_forward(steps
     """grad_weight's right operands, the inputs' casts in groups padded to 16 tokens, are laid out in the forward
     (``fp8graph.targets.grouped._placed_in_the_forward``): the gathered input of gate_up by the kernel that casts
     it (``fp8graph::quantize_rows_placed``), the down projection's from the FP8 rows its forward GEMM reads; the
-    backward lays out only the grad_outputs' casts: it never moves a saved cast. Each FP8 operand is stored once
+    backward lays out only the grad_outputs' casts (the down projection's from its FP8 rows, gate_up's by the
+    kernel that computes and casts SwiGLU's gradient): it never moves a saved cast. Each FP8 operand is stored once
     for its GEMM and its transpose."""
     rows = [r for r in steps["current"]["rows"] if r["kind"] == "extern" and "transpose_fp8" in r["name"]]
     forward = [r for r in rows if r["graph"].endswith("forward")]
     backward = [r for r in rows if r["graph"].endswith("backward")]
-    assert len(forward) == 1 and len(backward) == 2, [(r["graph"], r["detail"]) for r in rows]
+    assert len(forward) == 1 and len(backward) == 1, [(r["graph"], r["detail"]) for r in rows]
     assert all("float8_e4m3fn" in r["detail"] for r in rows)
     placed = [r["graph"] for r in steps["current"]["rows"] if "quantize_rows_placed" in r["name"]]
     assert len(placed) == 1 and placed[0].endswith("forward")
@@ -371,6 +379,23 @@ def test_the_gathered_tokens_are_cast_on_the_way_and_never_stored_in_bf16(steps)
     assert len(source_amax) == 1 and len(gather_cast) == 1, [(r["name"], r["read"], r["written"]) for r in forward]
     assert not any(r["written"] == S * hidden * 2 for r in forward if r["kind"] == "triton"), \
         "gathered rows stored in BF16"
+
+
+@pytest.mark.parametrize("contestant", ["current", "delayed", "rowwise"])
+def test_swiglus_gradient_is_computed_and_cast_by_one_kernel_where_the_recipe_is_per_tensor(steps, contestant):
+    """The per-tensor recipes' backward computes SwiGLU's gradient inside ``fp8graph::swiglu_backward_placed``, which
+    casts it and lays it out for gate_up's grad_weight (current scaling reads the operands once before it, for
+    the amax: ``fp8graph::swiglu_backward_amax``): no Triton kernel of the backward computes silu's derivative or
+    stores the gradient, in BF16 or in FP8. Row-wise, whose casts of it are per row and per group and column, keeps
+    Inductor's kernel of autograd's SwiGLU backward."""
+    backward = [r for r in steps[contestant]["rows"] if r["graph"].endswith("backward")]
+    derivative = [r["name"] for r in backward if r["kind"] == "triton" and "sigmoid" in r["name"]]
+    ops = sorted(r["name"].split(".")[3] for r in backward if r["kind"] == "extern" and "swiglu" in r["name"])
+    if contestant == "rowwise":
+        assert len(derivative) == 1 and ops == [], (derivative, ops)
+    else:
+        assert derivative == [] and ops == (["swiglu_backward_amax", "swiglu_backward_placed"]
+                                            if contestant == "current" else ["swiglu_backward_placed"]), ops
 
 
 def test_the_swiglu_between_the_expert_gemms_lives_only_in_the_cast_kernels(steps):
@@ -604,8 +629,8 @@ def test_a_gpu_run_of_the_moe_block_is_shown_beside_the_committed_modelled_step(
     path = bench_model._newest_model(shape, results)
     assert path is not None and path.name.startswith("model-moe-")
     model = json.loads(path.read_text())
-    case = bench_model._sweep_case(model, shape)  # a sweep's block of that shape, one micro-batch a step
-    modelled = {row["contestant"]: row for row in model["rows"] if "error" not in row and case in (None, row["case"])}
+    modelled = bench_model.peer_rows(model, shape)  # a sweep's block of that shape, one micro-batch a step
+    assert modelled and not any(row["case"].endswith("micro-batches") for row in modelled.values())
     # compare re-times the captured kernels at today's rates of the measuring GPU
     modelled = bench_model._retimed(model, modelled, costs.Machine.of("H100"))
     fp8 = next(name for name in modelled if name != "bf16")  # a contestant the newest result modelled

@@ -207,6 +207,34 @@ def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_byt
 
 
 @pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
+@pytest.mark.parametrize("rows, width, experts, cast", [(262144, 768, 128, True), (262144, 768, 128, False),
+                                                        (200, 100, 3, True)],
+                         ids=["qwen3-cast", "qwen3-amax", "ragged"])
+def test_the_swiglu_backward_compiles_to_a_cubin_reading_rows_and_storing_bytes_as_vectors(rows, width, experts, cast,
+                                                                                          capability):
+    """``fp8graph::swiglu_backward_placed`` (SwiGLU's gradient between two expert GEMMs, cast as rows and laid out
+    for grad_weight) and ``fp8graph::swiglu_backward_amax`` (its amaxes alone): a cubin without spills that reads
+    gate, up and grad_h as 16-byte vectors when the width divides by 8, converts in hardware (saturating, round to
+    nearest even) and stores both layouts as vectors. Not proven here: its speed (``bench moe`` on a GPU)."""
+    from fp8graph.kernels.swiglu_backward import plan_swiglu_backward
+
+    gate_up, grad_h = torch.empty(rows, 2 * width, dtype=torch.bfloat16), torch.empty(rows, width, dtype=torch.bfloat16)
+    scale = torch.empty((), dtype=torch.float32) if cast else None
+    launch, *_ = plan_swiglu_backward(gate_up, grad_h, torch.empty(experts, dtype=torch.int32), scale)
+    assert launch.constexprs["SOFTWARE_ROUNDING"] is False and launch.constexprs["CAST"] is cast  # what a GPU runs
+    compiled = compile_launch(launch, capability)
+    usage = resource_usage(compiled)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
+    ptx = compiled.asm["ptx"]
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) is cast
+    if width % 8 == 0:
+        assert ptx.count("ld.global.v4.b32") >= 3, "gate, up and grad_h are not read as 16-byte vectors"
+    if cast and width % 8 == 0:
+        stores = ptx.count("st.global.v4.b32") + ptx.count("st.global.v2.b32")
+        assert stores >= 4, "the bytes are not stored as vectors (both halves, both layouts)"
+
+
+@pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
 @pytest.mark.parametrize("shape, stored_transposed", [((128, 1536, 2048), False), ((128, 2048, 768), False),
                                                       ((128, 1536, 2048), True), ((3, 200, 100), False)],
                          ids=["qwen3-gate-up", "qwen3-down", "stored-ekn", "ragged"])

@@ -1,0 +1,202 @@
+"""SwiGLU's backward between two expert GEMMs, cast for the first GEMM's backward by one kernel: two ops.
+
+A mixture of experts' expert MLP computes ``gate, up = gate_up.chunk(2, -1)``, ``h = silu(gate) * up`` between
+its two grouped GEMMs. The gradient of ``gate_up`` (S, 2I), ``cat(grad_gate, grad_up)``, is the first GEMM's
+grad_output: its grad_input GEMM reads it as rows, its grad_weight GEMM laid out with each group zero-padded
+(``fp8graph.gemm.grouped_gemm``). Left to Inductor, one kernel computes it inside a reduction for its amax, its
+cast stores the rows, and ``fp8graph::transpose_fp8`` reads them again to lay them out; the reduction over the
+concatenation loads both halves' operands under masks for every element (on the H200 it ran at about 1 TB/s,
+bench/results/moe-2026-11-27T132818Z.json).
+
+``fp8graph::swiglu_backward_placed(gate_up_hp, grad_h_hp, scale, offsets, multiple)``: one read of ``gate_up``
+and ``grad_h``, the gradient computed in fp32, cast with the one ``scale`` and stored as rows and in the placed
+layout, with each group's amaxes (what delayed scaling records). ``fp8graph::swiglu_backward_amax(gate_up_hp,
+grad_h_hp, offsets)``: the same amaxes alone, for current scaling, whose scale needs them before the cast.
+
+On CUDA they run ``_swiglu_backward_triton``; elsewhere, and where Triton is missing, the references (the
+gradient in torch ops, the cast, the padded transpose). The gradient's fp32 arithmetic is the same formula in both
+(``sigmoid(gate) * (1 + gate * (1 - sigmoid(gate)))`` for silu's derivative), but their sigmoids may differ in the
+last bit: the tests hold the kernel to the reference within one E4M3 step, and to its own rows in the layout
+byte for byte.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8graph.kernels.quantize_tiles import KernelLaunch, triton_available
+from fp8graph.kernels.transpose_fp8 import transpose_fp8
+from fp8graph.numerics.formats import fp8_max
+from fp8graph.numerics.groups import group_column_amax, padded_group_bound, padded_group_sources
+from fp8graph.numerics.quantize import quantize
+
+__all__ = ["amax_blocks", "plan_swiglu_backward", "swiglu_backward_amax", "swiglu_backward_placed",
+           "swiglu_backward_reference"]
+
+_FP8 = torch.float8_e4m3fn  # a grouped GEMM takes E4M3 only
+_BLOCK_ROWS = 32  # 64 x 64 blocks of both halves spill at 4 warps; 168 registers a thread at 32 x 64
+_BLOCK_COLUMNS = 64  # 128 bytes of a BF16 row a load
+_NUM_WARPS = 4
+_MAX_GROUPS = 1024  # every group's bounds are loaded by each program at once
+
+
+def amax_blocks(width: int) -> int:
+    """The amaxes a group's row holds: one a block of 64 columns of each half of the (S, 2 ``width``) gradient."""
+    return 2 * -(-width // _BLOCK_COLUMNS)
+
+
+def _checked(name: str, gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, offsets: torch.Tensor,
+             scale: torch.Tensor | None = None) -> None:
+    for label, x in (("gate_up_hp", gate_up_hp), ("grad_h_hp", grad_h_hp)):
+        if x.dim() != 2 or not x.dtype.is_floating_point or x.element_size() == 1:
+            raise ValueError(f"{name}'s {label} is a 2-D high-precision tensor, got {x.dtype} of shape "
+                             f"{tuple(x.shape)}")
+    if gate_up_hp.shape != (grad_h_hp.shape[0], 2 * grad_h_hp.shape[1]) or gate_up_hp.device != grad_h_hp.device:
+        raise ValueError(f"{name} takes gate_up_hp (S, 2 I) and grad_h_hp (S, I) on one device, got "
+                         f"{tuple(gate_up_hp.shape)} on {gate_up_hp.device} and {tuple(grad_h_hp.shape)} on "
+                         f"{grad_h_hp.device}")
+    if offsets.dim() != 1 or offsets.shape[0] == 0 or offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}'s offsets are a non-empty 1-D integer tensor, got {offsets.dtype} of shape "
+                         f"{tuple(offsets.shape)}")
+    if offsets.shape[0] > _MAX_GROUPS:
+        raise ValueError(f"{name} takes at most {_MAX_GROUPS} groups, got {offsets.shape[0]}")
+    if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32
+                              or scale.device != gate_up_hp.device):
+        raise ValueError(f"{name}'s scale is one float32 value on {gate_up_hp.device}, got {scale.dtype} of shape "
+                         f"{tuple(scale.shape)} on {scale.device}")
+
+
+def swiglu_backward_reference(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor) -> torch.Tensor:
+    """``cat(grad_gate, grad_up)`` (S, 2I) in fp32, for ``h = silu(gate) * up``, ``gate, up = gate_up.chunk(2, -1)``."""
+    gate, up = gate_up_hp.float().chunk(2, dim=-1)
+    grad_h = grad_h_hp.float()
+    sigmoid = torch.sigmoid(gate)
+    return torch.cat([grad_h * up * (sigmoid * (1.0 + gate * (1.0 - sigmoid))), grad_h * (gate * sigmoid)], dim=-1)
+
+
+def _blocked_amax(grad: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Each group's (and the rows in no group's) largest finite magnitude a block of 64 columns of each half:
+    (E + 1, :func:`amax_blocks`)."""
+    width = grad.shape[1] // 2
+    blocks = amax_blocks(width) // 2
+    halves = []
+    for half in group_column_amax(grad, offsets).chunk(2, dim=-1):
+        half = torch.nn.functional.pad(half, (0, blocks * _BLOCK_COLUMNS - width))
+        halves.append(half.reshape(half.shape[0], blocks, _BLOCK_COLUMNS).amax(2))
+    return torch.cat(halves, dim=1)
+
+
+def _amax_reference(gate_up_hp, grad_h_hp, offsets):
+    _checked("swiglu_backward_amax", gate_up_hp, grad_h_hp, offsets)
+    return _blocked_amax(swiglu_backward_reference(gate_up_hp, grad_h_hp), offsets)
+
+
+def _placed_reference(gate_up_hp, grad_h_hp, scale, offsets, multiple):
+    _checked("swiglu_backward_placed", gate_up_hp, grad_h_hp, offsets, scale)
+    grad = swiglu_backward_reference(gate_up_hp, grad_h_hp)
+    rows_fp8 = quantize(grad, scale.reshape(()), _FP8)
+    sources, _ = padded_group_sources(offsets, grad.shape[0], multiple)
+    return rows_fp8, transpose_fp8(rows_fp8, sources), _blocked_amax(grad, offsets)
+
+
+def plan_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, offsets: torch.Tensor,
+                         scale: torch.Tensor | None = None, multiple: int = 16):
+    """The kernel's launch and outputs: with ``scale``, ``(launch, rows_fp8 (S, 2I), placed (2I, P), amax)``, the
+    cast; without, ``(launch, amax)``, the amaxes alone."""
+    from triton import cdiv, knobs, next_power_of_2
+
+    from fp8graph.kernels._swiglu_backward_triton import swiglu_backward_placed_kernel
+
+    name = "swiglu_backward_amax" if scale is None else "swiglu_backward_placed"
+    _checked(name, gate_up_hp, grad_h_hp, offsets, scale)
+    if gate_up_hp.stride(1) != 1:
+        gate_up_hp = gate_up_hp.contiguous()
+    if grad_h_hp.stride(1) != 1:
+        grad_h_hp = grad_h_hp.contiguous()
+    rows, width = grad_h_hp.shape
+    groups = offsets.shape[0]
+    device = gate_up_hp.device
+    amax = torch.empty((groups + 1, amax_blocks(width)), dtype=torch.float32, device=device)
+    cast = scale is not None
+    padded_rows = padded_group_bound(rows, groups, multiple)
+    rows_fp8 = torch.empty((rows, 2 * width), dtype=_FP8, device=device) if cast else None
+    placed = torch.empty((2 * width, padded_rows), dtype=_FP8, device=device) if cast else None
+    # Without a cast the amax table's pointer stands in for the outputs the kernel does not write.
+    outputs = (scale.reshape(()), rows_fp8.view(torch.uint8), placed.view(torch.uint8)) if cast else (amax,) * 3
+    launch = KernelLaunch(
+        swiglu_backward_placed_kernel, (groups + 1, cdiv(width, _BLOCK_COLUMNS)),
+        (gate_up_hp, grad_h_hp, offsets.contiguous(), *outputs, amax, rows, width, padded_rows,
+         gate_up_hp.stride(0), grad_h_hp.stride(0), groups),
+        {"MULTIPLE": multiple, "BLOCK_GROUPS": max(next_power_of_2(groups), 16), "BLOCK_ROWS": _BLOCK_ROWS,
+         "BLOCK_COLUMNS": _BLOCK_COLUMNS, "FP8_MAX": fp8_max(_FP8),
+         # The interpreter's own FP8 conversion is not the GPU's: round in software there.
+         "SOFTWARE_ROUNDING": bool(knobs.runtime.interpret), "CAST": cast, "num_warps": _NUM_WARPS})
+    return (launch, rows_fp8, placed, amax) if cast else (launch, amax)
+
+
+def swiglu_backward_amax_triton(gate_up_hp, grad_h_hp, offsets):
+    """Run the Triton kernel without the cast (the amax op's output)."""
+    launch, amax = plan_swiglu_backward(gate_up_hp, grad_h_hp, offsets)
+    if grad_h_hp.shape[1]:
+        launch()
+    else:
+        amax.zero_()
+    return amax
+
+
+def swiglu_backward_placed_triton(gate_up_hp, grad_h_hp, scale, offsets, multiple):
+    """Run the Triton kernel with the cast (the op's outputs)."""
+    launch, rows_fp8, placed, amax = plan_swiglu_backward(gate_up_hp, grad_h_hp, offsets, scale, multiple)
+    if grad_h_hp.shape[1]:
+        launch()
+    else:
+        amax.zero_()
+    return rows_fp8, placed, amax
+
+
+@torch.library.custom_op("fp8graph::swiglu_backward_amax", mutates_args=())
+def swiglu_backward_amax(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The largest finite magnitude of SwiGLU's input gradient (``h = silu(gate) * up``, ``gate, up =
+    gate_up_hp.chunk(2, -1)``, ``grad_h_hp`` h's gradient) for each group of rows ``offsets`` (E,) ends and block of
+    64 columns of each half: (E + 1, :func:`amax_blocks`), the last row the rows' in no group, the gate half's
+    blocks first. Their max is the gradient's amax."""
+    return _amax_reference(gate_up_hp, grad_h_hp, offsets)
+
+
+@swiglu_backward_amax.register_fake
+def _(gate_up_hp, grad_h_hp, offsets):
+    _checked("swiglu_backward_amax", gate_up_hp, grad_h_hp, offsets)
+    return gate_up_hp.new_empty((offsets.shape[0] + 1, amax_blocks(grad_h_hp.shape[1])), dtype=torch.float32)
+
+
+@swiglu_backward_amax.register_kernel("cuda")
+def _(gate_up_hp, grad_h_hp, offsets):
+    if not triton_available():
+        return _amax_reference(gate_up_hp, grad_h_hp, offsets)
+    return swiglu_backward_amax_triton(gate_up_hp, grad_h_hp, offsets)
+
+
+@torch.library.custom_op("fp8graph::swiglu_backward_placed", mutates_args=())
+def swiglu_backward_placed(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, scale: torch.Tensor,
+                           offsets: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SwiGLU's input gradient (S, 2I) (as :func:`swiglu_backward_amax` takes it) cast to E4M3 with the one
+    ``scale`` and written twice, as rows and laid out for a grouped grad_weight GEMM (each group of ``offsets``
+    zero-padded to ``multiple`` rows, as ``fp8graph::quantize_rows_placed`` lays out): ``(rows_fp8 (S, 2I),
+    placed (2I, P), amax (E + 1, B))``, ``amax`` as :func:`swiglu_backward_amax`'s."""
+    return _placed_reference(gate_up_hp, grad_h_hp, scale, offsets, multiple)
+
+
+@swiglu_backward_placed.register_fake
+def _(gate_up_hp, grad_h_hp, scale, offsets, multiple):
+    _checked("swiglu_backward_placed", gate_up_hp, grad_h_hp, offsets, scale)
+    rows, width = grad_h_hp.shape
+    return (gate_up_hp.new_empty((rows, 2 * width), dtype=_FP8),
+            gate_up_hp.new_empty((2 * width, padded_group_bound(rows, offsets.shape[0], multiple)), dtype=_FP8),
+            gate_up_hp.new_empty((offsets.shape[0] + 1, amax_blocks(width)), dtype=torch.float32))
+
+
+@swiglu_backward_placed.register_kernel("cuda")
+def _(gate_up_hp, grad_h_hp, scale, offsets, multiple):
+    if not triton_available():
+        return _placed_reference(gate_up_hp, grad_h_hp, scale, offsets, multiple)
+    return swiglu_backward_placed_triton(gate_up_hp, grad_h_hp, scale, offsets, multiple)

@@ -1,0 +1,79 @@
+"""``fp8graph::swiglu_backward_placed`` and ``fp8graph::swiglu_backward_amax``: SwiGLU's backward between two expert
+GEMMs, cast as the first GEMM's grad_output and laid out for its grad_weight by one kernel.
+
+The Triton kernel is checked against the ops' references by Triton's interpreter (a fresh process,
+``TRITON_INTERPRET=1``), compiled for sm_90 and sm_100 in ``tests/kernels/test_kernels_compile.py``, and run on a
+GPU in ``tests/test_gpu.py``.
+"""
+
+import pytest
+import torch
+
+from fp8graph.kernels.quantize_tiles import triton_available
+from fp8graph.kernels.swiglu_backward import amax_blocks, swiglu_backward_amax, swiglu_backward_placed
+from fp8graph.kernels.transpose_fp8 import transpose_fp8
+from fp8graph.numerics.groups import padded_group_bound, padded_group_sources, row_groups
+from fp8graph.numerics.quantize import finite_magnitude, quantize
+from helpers import cases_checked_under_triton_interpreter
+
+OFFSETS = torch.tensor([5, 5, 30, 40], dtype=torch.int32)  # an empty group; rows 40.. in no group
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+def test_the_triton_kernel_equals_the_reference_under_the_interpreter():
+    assert cases_checked_under_triton_interpreter("check_swiglu_backward.py") == 30
+
+
+def _autograd_gradient(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``gate_up`` through ``silu(gate) * up``, by autograd in fp32."""
+    gate_up = gate_up_hp.float().requires_grad_()
+    gate, up = gate_up.chunk(2, dim=-1)
+    (torch.nn.functional.silu(gate) * up).backward(grad_h_hp.float())
+    return gate_up.grad
+
+
+def test_the_ops_are_swiglus_gradient_cast_as_rows_and_placed_with_each_groups_block_amaxes():
+    torch.manual_seed(0)
+    gate_up_hp = torch.randn(44, 200, dtype=torch.bfloat16) * 3
+    grad_h_hp = torch.randn(44, 100, dtype=torch.bfloat16) * torch.logspace(0, 8, 100, base=2.0).bfloat16()
+    grad_h_hp[3, 70] = float("nan")
+    scale = torch.tensor(0.5)
+    rows_fp8, placed, amax = swiglu_backward_placed(gate_up_hp, grad_h_hp, scale, OFFSETS, 16)
+    gradient = _autograd_gradient(gate_up_hp, grad_h_hp)
+    # Against autograd's gradient (another order of the same products): within one E4M3 step, nearly all equal.
+    expected_fp8 = quantize(gradient, scale, torch.float8_e4m3fn)
+    finite = ~gradient.isnan()
+    got, expected = rows_fp8.float()[finite], expected_fp8.float()[finite]
+    assert ((got - expected).abs() <= expected.abs() / 8 + 2.0 ** -9).all()
+    assert (got != expected).float().mean() < 0.01
+    assert rows_fp8.float()[~finite].isnan().all()
+    sources, _ = padded_group_sources(OFFSETS, 44, 16)
+    assert placed.shape == (200, padded_group_bound(44, 4, 16)) and placed.is_contiguous()
+    assert torch.equal(placed.view(torch.uint8), transpose_fp8(rows_fp8, sources).view(torch.uint8))
+    # Each group's (and the rows in no group's) amax of each half's blocks of 64 columns (100: a block and a
+    # part), NaN left out, the gate half's first: their max is the gradient's amax.
+    groups = row_groups(OFFSETS, 44)
+    assert amax.shape == (5, amax_blocks(100)) == (5, 4)
+    for group in range(5):
+        in_group = finite_magnitude(gradient[groups == group])
+        for block, columns in enumerate((slice(0, 64), slice(64, 100), slice(100, 164), slice(164, 200))):
+            expected = in_group[:, columns].max() if in_group.shape[0] else torch.tensor(0.0)
+            torch.testing.assert_close(amax[group, block], expected, rtol=1e-6, atol=0)
+    assert torch.equal(swiglu_backward_amax(gate_up_hp, grad_h_hp, OFFSETS), amax)
+    finite_h = grad_h_hp.nan_to_num()  # opcheck compares outputs with assert_close, to which NaN is unequal
+    torch.library.opcheck(torch.ops.fp8graph.swiglu_backward_placed, (gate_up_hp, finite_h, scale, OFFSETS, 16),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.fp8graph.swiglu_backward_amax, (gate_up_hp, finite_h, OFFSETS),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_bad_operands_are_refused_with_what_the_ops_take():
+    gate_up_hp, grad_h_hp = torch.randn(8, 32), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="swiglu_backward_amax's grad_h_hp is a 2-D high-precision tensor"):
+        swiglu_backward_amax(gate_up_hp, grad_h_hp.to(torch.float8_e4m3fn), OFFSETS)
+    with pytest.raises(ValueError, match=r"takes gate_up_hp \(S, 2 I\) and grad_h_hp \(S, I\)"):
+        swiglu_backward_amax(gate_up_hp, torch.randn(8, 15), OFFSETS)
+    with pytest.raises(ValueError, match="offsets are a non-empty 1-D integer tensor"):
+        swiglu_backward_amax(gate_up_hp, grad_h_hp, OFFSETS.float())
+    with pytest.raises(ValueError, match="swiglu_backward_placed's scale is one float32 value on cpu"):
+        swiglu_backward_placed(gate_up_hp, grad_h_hp, torch.ones(2), OFFSETS, 16)

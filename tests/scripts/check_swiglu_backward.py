@@ -1,0 +1,64 @@
+"""Run by tests/kernels/test_swiglu_backward.py under TRITON_INTERPRET=1: the kernel of
+``fp8graph::swiglu_backward_placed`` and ``fp8graph::swiglu_backward_amax`` against the ops' references: groups of
+every size (empty, one row, ragged, a block and more), rows in no group, widths not a multiple of the block,
+row-strided operands, values that test the amax and the cast (NaN, inf, zeros, gradients that saturate). The
+gradient's sigmoid is numpy's under the interpreter and torch's in the reference: each byte within one E4M3 step
+of the reference's (nearly all equal), the placed layout byte for byte the kernel's own rows laid out, the amaxes
+within fp32 rounding."""
+
+import torch
+
+from fp8graph.kernels.swiglu_backward import (_amax_reference, _placed_reference, swiglu_backward_amax_triton,
+                                              swiglu_backward_placed_triton)
+from fp8graph.kernels.transpose_fp8 import transpose_fp8
+from fp8graph.numerics.groups import padded_group_sources
+
+from e4m3_bytes import e4m3_bytes
+
+
+def within_one_step(got_fp8: torch.Tensor, expected_fp8: torch.Tensor, label) -> int:
+    """Asserts each byte equal to the reference's or its neighbour of the same sign; returns how many differ."""
+    got, expected = e4m3_bytes(got_fp8).to(torch.int16), e4m3_bytes(expected_fp8).to(torch.int16)
+    same_sign = (got & 0x80) == (expected & 0x80)
+    near = ((got - expected).abs() <= 1) & same_sign | ((got & 0x7F) + (expected & 0x7F) <= 1)  # +-0, +-min
+    assert bool(near.all()), (label, got[~near][:8], expected[~near][:8])
+    return int((got != expected).sum())
+
+
+generator = torch.Generator().manual_seed(0)
+cases, differing, compared = 0, 0, 0
+for sizes, tail, width in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 0], 7, 40), ([130], 0, 130),
+                           ([1, 2, 3, 4, 5, 6, 7, 8, 9], 2, 17)]:
+    offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    rows = sum(sizes) + tail
+    for dtype, strided in [(torch.bfloat16, False), (torch.float32, True), (torch.float16, False)]:
+        gate_up = torch.randn(rows, 2 * width * (2 if strided else 1), generator=generator) * 4
+        grad_h = torch.randn(rows, width * (2 if strided else 1), generator=generator) * \
+            torch.logspace(-10, 6, width * (2 if strided else 1), base=2.0)
+        if rows:
+            gate_up[0, 0], grad_h[-1, -1], grad_h[0, 1] = float("nan"), float("inf"), 0.0
+        gate_up, grad_h = gate_up.to(dtype), grad_h.to(dtype)
+        if strided:
+            gate_up, grad_h = gate_up[:, :2 * width], grad_h[:, :width]
+        label = (sizes, tail, width, dtype, strided)
+        expected_amax = _amax_reference(gate_up, grad_h, offsets)
+        got_amax = swiglu_backward_amax_triton(gate_up, grad_h, offsets)
+        assert got_amax.shape == expected_amax.shape, label
+        torch.testing.assert_close(got_amax, expected_amax, rtol=1e-6, atol=0, msg=str(label))
+        cases += 1
+        # The largest gradients (about 2**6 times 4 times 4) saturate at 448.
+        scale = torch.tensor(2.7, dtype=torch.float32)
+        expected = _placed_reference(gate_up, grad_h, scale, offsets, 16)
+        got = swiglu_backward_placed_triton(gate_up, grad_h, scale, offsets, 16)
+        for got_part, expected_part, part in zip(got, expected, ("rows", "placed", "amax")):
+            assert got_part.shape == expected_part.shape, (label, part)
+        got_rows, got_placed, got_amax = got
+        differing += within_one_step(got_rows, expected[0], label)
+        compared += got_rows.numel()
+        sources, _ = padded_group_sources(offsets, rows, 16)
+        assert torch.equal(e4m3_bytes(got_placed), e4m3_bytes(transpose_fp8(got_rows, sources))), label
+        torch.testing.assert_close(got_amax, expected[2], rtol=1e-6, atol=0, msg=str(label))
+        cases += 1
+assert differing <= compared // 200, (differing, compared)  # nearly every byte equal
+print(f"bytes one E4M3 step from the reference: {differing} of {compared}")
+print(f"cases checked: {cases}")
