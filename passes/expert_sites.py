@@ -222,14 +222,14 @@ def read_swiglu(site: GroupedExpertSite) -> None:
         return
     chunks = argument(chunk, 1, "chunks")
     dim = argument(chunk, 2, "dim")
-    if chunk.args[0] is not site.node or chunks != 2 or dim not in (-1, 1) or len(chunk.users) != 2:
+    if argument(chunk, 0, "input") is not site.node or chunks != 2 or dim not in (-1, 1) or len(chunk.users) != 2:
         return
     halves = sorted(chunk.users, key=lambda user: user.args[1] if user.target is operator.getitem else -1)
     if any(half.target is not operator.getitem or half.args[1] != index for index, half in enumerate(halves)):
         return
     gate, up = halves
     silu = _only_user(gate)
-    if not _is_call(silu, _SILU) or argument(silu, 1, "inplace") or silu.args[0] is not gate:
+    if not _is_call(silu, _SILU) or argument(silu, 1, "inplace") or argument(silu, 0, "input") is not gate:
         return
     product = _only_user(silu)
     if not _is_call(product, _MULTIPLY) or _only_user(up) is not product or set(product.args) != {silu, up} \

@@ -62,6 +62,7 @@ def sgd_steps(compiled, model, batches, steps, lr=1e-2, optimizer=None):
 
 
 _SCRIPTS = pathlib.Path(__file__).parent / "scripts"
+_HEADER = "=== fp8graph interpreter check: "  # a line of its own before each script's output
 # Runs every check script in one process (imports paid once: about 4 s of a 9 s check each), each script's output
 # (or its traceback) after a line naming it.
 _RUN_EVERY_CHECK = f"""
@@ -76,7 +77,7 @@ for path in sorted(pathlib.Path({str(_SCRIPTS)!r}).glob("check_*.py")):
     except BaseException:
         status = "failed"
         output.write(traceback.format_exc())
-    print(f"=== {{path.name}} {{status}}")
+    print(f"{_HEADER}{{path.name}} {{status}}")
     print(output.getvalue())
 """
 _interpreted: dict[str, tuple[str, str]] = {}  # script -> (status, output), of this process's one run of them all
@@ -89,11 +90,16 @@ def cases_checked_under_triton_interpreter(script_name: str) -> int:
     if not _interpreted:
         result = subprocess.run([sys.executable, "-c", _RUN_EVERY_CHECK], env=dict(os.environ, TRITON_INTERPRET="1"),
                                 capture_output=True, text=True, timeout=1200)
-        assert result.returncode == 0, result.stdout + result.stderr
-        for section in result.stdout.split("=== ")[1:]:
-            header, _, output = section.partition("\n")
-            name, status = header.split()
-            _interpreted[name] = (status, output)
+        name = None
+        for line in result.stdout.splitlines():
+            if line.startswith(_HEADER):
+                name, status = line.removeprefix(_HEADER).split()
+                _interpreted[name] = (status, "")
+            elif name is not None:
+                _interpreted[name] = (_interpreted[name][0], _interpreted[name][1] + line + "\n")
+        if result.returncode != 0:  # the process died: the scripts it did not finish fail with its output
+            for path in _SCRIPTS.glob("check_*.py"):
+                _interpreted.setdefault(path.name, ("crashed", result.stdout + result.stderr))
     assert script_name in _interpreted, sorted(_interpreted)
     status, output = _interpreted[script_name]
     assert status == "passed", output

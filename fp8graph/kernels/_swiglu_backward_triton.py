@@ -68,9 +68,11 @@ def swiglu_backward_placed_kernel(
             up_bits = _e4m3_bits(grad_up * scale, FP8_MAX, SOFTWARE_ROUNDING)
             position = placed + tl.arange(0, BLOCK_ROWS)
             inside = tl.trans((position < bound)[:, None] & column_inside[None, :])
-            placed_at = placed_ptr + column[:, None] * padded_rows + position[None, :]
-            tl.store(placed_at, tl.trans(gate_bits), mask=inside)
-            tl.store(placed_at + width * padded_rows, tl.trans(up_bits), mask=inside)
+            # 64-bit offsets (column is int64): the up half's start, width x padded_rows, passes 2**31 bytes at a
+            # million rows of a 2048-wide expert.
+            tl.store(placed_ptr + column[:, None] * padded_rows + position[None, :], tl.trans(gate_bits), mask=inside)
+            tl.store(placed_ptr + (column + width)[:, None] * padded_rows + position[None, :], tl.trans(up_bits),
+                     mask=inside)
             stored = present[:, None] & column_inside[None, :]
             rows_at = rows_fp8_ptr + row[:, None] * (2 * width) + column[None, :]
             tl.store(rows_at, gate_bits, mask=stored)

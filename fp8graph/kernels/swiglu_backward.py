@@ -34,7 +34,7 @@ __all__ = ["amax_blocks", "plan_swiglu_backward", "swiglu_backward_amax", "swigl
            "swiglu_backward_reference"]
 
 _FP8 = torch.float8_e4m3fn  # a grouped GEMM takes E4M3 only
-_BLOCK_ROWS = 32  # 64 x 64 blocks of both halves spill at 4 warps; 168 registers a thread at 32 x 64
+_BLOCK_ROWS = 32  # 64 x 64 blocks of both halves spill registers at 4 warps (docs/benchmarks.md)
 _BLOCK_COLUMNS = 64  # 128 bytes of a BF16 row a load
 _NUM_WARPS = 4
 _MAX_GROUPS = 1024  # every group's bounds are loaded by each program at once

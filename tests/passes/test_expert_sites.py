@@ -283,15 +283,17 @@ class _ExpertMLP(torch.nn.Module):
         activation = torch.nn.functional.silu(gate)
         h = up * activation if self.spelling == "up first" else activation * up
         y = torch._grouped_mm(h, self.down.transpose(-2, -1), offs=offsets)
-        return y + activation.sum() if self.spelling == "read twice" else y
+        read_again = {"silu read twice": activation, "up read twice": up, "output read twice": gate_up}
+        return y + read_again[self.spelling].sum() if self.spelling in read_again else y
 
 
 @pytest.mark.parametrize("spelling, fused", [("method", True), ("torch.chunk", True), ("up first", True),
-                                             ("read twice", False)])
+                                             ("silu read twice", False), ("up read twice", False),
+                                             ("output read twice", False)])
 def test_swiglu_moves_into_the_call_only_where_nothing_else_reads_its_steps(monkeypatch, spelling, fused):
     """The activation is the first call's to return only when each node from the GEMM's output to the product
-    is read by the next alone, whatever the spelling: ``silu(gate)`` read again keeps autograd's SwiGLU in the
-    graph."""
+    is read by the next alone, in the spellings models use: the GEMM's output, ``up`` or ``silu(gate)`` read
+    again keeps autograd's SwiGLU in the graph."""
     from gemm_rules import pretend_gpu
 
     torch.manual_seed(0)

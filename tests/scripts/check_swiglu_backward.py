@@ -32,14 +32,14 @@ for sizes, tail, width in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 0]
     offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     rows = sum(sizes) + tail
     for dtype, strided in [(torch.bfloat16, False), (torch.float32, True), (torch.float16, False)]:
-        gate_up = torch.randn(rows, 2 * width * (2 if strided else 1), generator=generator) * 4
-        grad_h = torch.randn(rows, width * (2 if strided else 1), generator=generator) * \
-            torch.logspace(-10, 6, width * (2 if strided else 1), base=2.0)
+        gate_up = torch.randn(rows, 2 * width, generator=generator) * 4
+        grad_h = torch.randn(rows, width, generator=generator) * torch.logspace(-10, 6, width, base=2.0)
         if rows:
             gate_up[0, 0], grad_h[-1, -1], grad_h[0, 1] = float("nan"), float("inf"), 0.0
         gate_up, grad_h = gate_up.to(dtype), grad_h.to(dtype)
-        if strided:
-            gate_up, grad_h = gate_up[:, :2 * width], grad_h[:, :width]
+        if strided:  # the same values, each row inside a row twice as long
+            gate_up = torch.cat([gate_up, torch.zeros_like(gate_up)], dim=1)[:, :2 * width]
+            grad_h = torch.cat([grad_h, torch.zeros_like(grad_h)], dim=1)[:, :width]
         label = (sizes, tail, width, dtype, strided)
         expected_amax = _amax_reference(gate_up, grad_h, offsets)
         got_amax = swiglu_backward_amax_triton(gate_up, grad_h, offsets)
