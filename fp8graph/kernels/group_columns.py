@@ -29,7 +29,7 @@ import torch
 from fp8graph.kernels.quantize_tiles import KernelLaunch, triton_available
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.numerics.formats import fp8_max, fp8_max_exponent
-from fp8graph.numerics.groups import (group_column_amax, padded_group_bound, padded_group_sources,
+from fp8graph.numerics.groups import (group_block_amax, padded_group_bound, padded_group_sources,
                                       quantize_group_columns)
 from fp8graph.numerics.quantize import quantize
 
@@ -188,10 +188,7 @@ def _rows_reference(x_hp, scale, offsets, multiple, gather_index):
     rows_hp = (x_hp if gather_index is None else x_hp[gather_index]).contiguous()
     rows_fp8 = quantize(rows_hp, scale.reshape(()), _FP8)
     sources, _ = padded_group_sources(offsets, rows_hp.shape[0], multiple)
-    amax = group_column_amax(rows_hp, offsets)  # (E + 1, C), then the max of each block of columns
-    blocks = column_blocks(amax.shape[1])
-    amax = torch.nn.functional.pad(amax, (0, blocks * _BLOCK_COLUMNS - amax.shape[1]))
-    return rows_fp8, transpose_fp8(rows_fp8, sources), amax.reshape(amax.shape[0], blocks, _BLOCK_COLUMNS).amax(2)
+    return rows_fp8, transpose_fp8(rows_fp8, sources), group_block_amax(rows_hp, offsets, _BLOCK_COLUMNS)
 
 
 @torch.library.custom_op("fp8graph::quantize_rows_placed", mutates_args=())

@@ -27,7 +27,7 @@ import torch
 from fp8graph.kernels.quantize_tiles import KernelLaunch, triton_available
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.numerics.formats import fp8_max
-from fp8graph.numerics.groups import group_column_amax, padded_group_bound, padded_group_sources
+from fp8graph.numerics.groups import group_block_amax, padded_group_bound, padded_group_sources
 from fp8graph.numerics.quantize import quantize
 
 __all__ = ["amax_blocks", "plan_swiglu_backward", "swiglu_backward_amax", "swiglu_backward_placed",
@@ -77,13 +77,7 @@ def swiglu_backward_reference(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor)
 def _blocked_amax(grad: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Each group's (and the rows in no group's) largest finite magnitude a block of 64 columns of each half:
     (E + 1, :func:`amax_blocks`)."""
-    width = grad.shape[1] // 2
-    blocks = amax_blocks(width) // 2
-    halves = []
-    for half in group_column_amax(grad, offsets).chunk(2, dim=-1):
-        half = torch.nn.functional.pad(half, (0, blocks * _BLOCK_COLUMNS - width))
-        halves.append(half.reshape(half.shape[0], blocks, _BLOCK_COLUMNS).amax(2))
-    return torch.cat(halves, dim=1)
+    return torch.cat([group_block_amax(half, offsets, _BLOCK_COLUMNS) for half in grad.chunk(2, dim=-1)], dim=1)
 
 
 def _amax_reference(gate_up_hp, grad_h_hp, offsets):
@@ -135,22 +129,18 @@ def plan_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, offs
 
 
 def swiglu_backward_amax_triton(gate_up_hp, grad_h_hp, offsets):
-    """Run the Triton kernel without the cast (the amax op's output)."""
+    """Run the Triton kernel without the cast (the amax op's output; no columns: no program, and nothing to write)."""
     launch, amax = plan_swiglu_backward(gate_up_hp, grad_h_hp, offsets)
     if grad_h_hp.shape[1]:
         launch()
-    else:
-        amax.zero_()
     return amax
 
 
 def swiglu_backward_placed_triton(gate_up_hp, grad_h_hp, scale, offsets, multiple):
-    """Run the Triton kernel with the cast (the op's outputs)."""
+    """Run the Triton kernel with the cast (the op's outputs; no columns: no program, and nothing to write)."""
     launch, rows_fp8, placed, amax = plan_swiglu_backward(gate_up_hp, grad_h_hp, offsets, scale, multiple)
     if grad_h_hp.shape[1]:
         launch()
-    else:
-        amax.zero_()
     return rows_fp8, placed, amax
 
 

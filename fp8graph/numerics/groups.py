@@ -23,7 +23,7 @@ import torch
 
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
-__all__ = ["group_column_amax", "group_padding", "padded_group_bound", "padded_group_offsets", "padded_group_rows",
+__all__ = ["group_block_amax", "group_column_amax", "group_padding", "padded_group_bound", "padded_group_offsets", "padded_group_rows",
            "padded_group_sources", "place_in_padded_groups", "quantize_group_columns", "row_groups"]
 
 
@@ -51,6 +51,16 @@ def group_column_amax(x_hp: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor
     # unsafe: the lengths sum to the row count by construction, and checking would wait for the device.
     table = torch.segment_reduce(magnitude, "max", lengths=lengths, axis=0, unsafe=True, initial=0)
     return table.to(torch.float32)
+
+
+def group_block_amax(x_hp: torch.Tensor, offsets: torch.Tensor, block: int) -> torch.Tensor:
+    """Largest finite magnitude of each group's (and the rows in no group's) blocks of ``block`` columns:
+    (E + 1, ceil(C / block)) fp32, a last block short where ``block`` does not divide C. What fp8graph's kernels
+    that cast a grouped operand per tensor return for delayed scaling to record: their max is the amax."""
+    table = group_column_amax(x_hp, offsets)
+    blocks = -(-table.shape[1] // block)
+    table = torch.nn.functional.pad(table, (0, blocks * block - table.shape[1]))
+    return table.reshape(table.shape[0], blocks, block).amax(2)
 
 
 def quantize_group_columns(x_hp: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,

@@ -13,16 +13,7 @@ from fp8graph.kernels.swiglu_backward import (_amax_reference, _placed_reference
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.numerics.groups import padded_group_sources
 
-from e4m3_bytes import e4m3_bytes
-
-
-def within_one_step(got_fp8: torch.Tensor, expected_fp8: torch.Tensor, label) -> int:
-    """Asserts each byte equal to the reference's or its neighbour of the same sign; returns how many differ."""
-    got, expected = e4m3_bytes(got_fp8).to(torch.int16), e4m3_bytes(expected_fp8).to(torch.int16)
-    same_sign = (got & 0x80) == (expected & 0x80)
-    near = ((got - expected).abs() <= 1) & same_sign | ((got & 0x7F) + (expected & 0x7F) <= 1)  # +-0, +-min
-    assert bool(near.all()), (label, got[~near][:8], expected[~near][:8])
-    return int((got != expected).sum())
+from e4m3_bytes import bytes_one_step_apart, e4m3_bytes
 
 
 generator = torch.Generator().manual_seed(0)
@@ -53,7 +44,7 @@ for sizes, tail, width in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 0]
         for got_part, expected_part, part in zip(got, expected, ("rows", "placed", "amax")):
             assert got_part.shape == expected_part.shape, (label, part)
         got_rows, got_placed, got_amax = got
-        differing += within_one_step(got_rows, expected[0], label)
+        differing += bytes_one_step_apart(got_rows, expected[0], label)
         compared += got_rows.numel()
         sources, _ = padded_group_sources(offsets, rows, 16)
         assert torch.equal(e4m3_bytes(got_placed), e4m3_bytes(transpose_fp8(got_rows, sources))), label

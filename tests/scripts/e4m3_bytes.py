@@ -1,4 +1,5 @@
-"""Shared by the interpreter check scripts (imported from their folder, the first entry of a script's path)."""
+"""Shared by the interpreter check scripts (imported from their folder, the first entry of a script's path) and
+tests/test_gpu.py (as ``scripts.e4m3_bytes``)."""
 
 import torch
 
@@ -8,3 +9,14 @@ def e4m3_bytes(x_fp8: torch.Tensor) -> torch.Tensor:
     reference keeps the sign bit of a BF16 NaN's conversion."""
     bits = x_fp8.view(torch.uint8)
     return torch.where(bits & 0x7F == 0x7F, 0x7F, bits)
+
+
+def bytes_one_step_apart(got_fp8: torch.Tensor, expected_fp8: torch.Tensor, label=None) -> int:
+    """Asserts each E4M3 byte equal to the reference's or its neighbour of the same sign (+-0 and the smallest
+    subnormals each other's); returns how many differ. For a kernel whose arithmetic before the cast may differ
+    from its reference's in the last bit (a sigmoid's)."""
+    got, expected = e4m3_bytes(got_fp8).to(torch.int16), e4m3_bytes(expected_fp8).to(torch.int16)
+    same_sign = (got & 0x80) == (expected & 0x80)
+    near = ((got - expected).abs() <= 1) & same_sign | ((got & 0x7F) + (expected & 0x7F) <= 1)
+    assert bool(near.all()), (label, got[~near][:8], expected[~near][:8])
+    return int((got != expected).sum())
