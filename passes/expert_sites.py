@@ -29,8 +29,11 @@ rows would be written, then read for the amax and again for the cast.
 
 Between the two GEMMs of an expert MLP, ``gate, up = out.chunk(2, -1); h = silu(gate) * up``:
 :func:`read_swiglu` records those nodes when nothing else reads them, and the rewrite may give the activation to
-the first GEMM's call (``fp8graph.targets.grouped.fuses_swiglu``), whose backward then casts SwiGLU's gradient in
-the kernel that computes it.
+the first GEMM's call (``fp8graph.targets.grouped.fuses_neighbours``), whose backward then casts SwiGLU's gradient
+in the kernel that computes it. After the last GEMM, the combine, ``y = out * w[perm].unsqueeze(-1);
+y[inverse].view(T, top_k, N).sum(dim=1)``: :func:`read_combine` records it when nothing else reads its nodes, and
+the rewrite may give it to that GEMM's call, whose backward then casts its grad_output (the combine's gradient,
+gathered and weighted) and the routing weights' gradient from one read.
 
 The router is a plain linear whose output picks the experts (it reaches ``topk``); a shared-expert gate
 is a one-column linear whose sigmoid scales the shared expert's output. FP8 error in either flips
@@ -47,10 +50,12 @@ import torch
 import torch.fx
 
 from .node_values import argument, tensor_value
+from .side_effects import has_side_effects
 from .sites import ExpertSite, GatheredExpertSite, GroupedExpertSite
+from .unpermute import unpermuting
 
 __all__ = ["GROUPED_OP", "is_grouped_gemm", "mark_gates", "read_dense_experts", "read_gather", "read_gathered_experts",
-           "read_grouped", "read_swiglu"]
+           "read_combine", "read_grouped", "read_swiglu"]
 
 GROUPED_OP = "grouped_mm"
 _GROUPED_FUNCTIONS = {torch._grouped_mm} | ({torch.nn.functional.grouped_mm}
@@ -236,6 +241,57 @@ def read_swiglu(site: GroupedExpertSite) -> None:
             or product.kwargs:
         return
     site.swiglu_nodes = (chunk, gate, up, silu, product)
+
+
+_VIEWS = {"view", "reshape", torch.reshape}
+_SUMS = {"sum", torch.sum}
+
+
+def read_combine(site: GroupedExpertSite) -> None:
+    """Record the experts' combine of the site's output (see the module's doc), ``((y * w)[inverse]).view(T, k,
+    N).sum(dim=1)`` with ``w`` (S, 1) of the output's dtype and ``inverse`` proven the inverse of a permutation
+    (``passes.unpermute``), when each node on the way is read only by the next and nothing between the GEMM and
+    the product has side effects (the call takes the GEMM's place at the product)."""
+    if site.offsets_node is None or site.blocker is not None or site.swiglu_nodes:
+        return
+    output_value = tensor_value(site.node)
+    product = _only_user(site.node)
+    if output_value is None or output_value.dim() != 2 or not _is_call(product, _MULTIPLY) or product.kwargs \
+            or len(product.args) != 2 or site.node not in product.args:
+        return
+    weights = product.args[1] if product.args[0] is site.node else product.args[0]
+    weights_value = tensor_value(weights)
+    if weights is site.node or weights_value is None or tuple(weights_value.shape) != (output_value.shape[0], 1) \
+            or weights_value.dtype != output_value.dtype or weights_value.device != output_value.device:
+        return
+    gather = _only_user(product)
+    if not (isinstance(gather, torch.fx.Node) and gather.op == "call_function" and gather.target is operator.getitem
+            and gather.args[0] is product):
+        return
+    unpermuted = unpermuting(gather)
+    view = _only_user(gather)
+    if unpermuted is None or not _is_call(view, _VIEWS) or argument(view, 0, "input") is not gather:
+        return
+    # The permutation sorted the GEMM's rows (compared as text: comparing symbols would guard the graph on them)
+    if str(tensor_value(unpermuted[0]).shape[0]) != str(output_value.shape[0]):
+        return
+    view_value, total = tensor_value(view), _only_user(view)
+    if view_value is None or view_value.dim() != 3 or not isinstance(view_value.shape[1], int) \
+            or tuple(view_value.shape[1:]) != (view_value.shape[1], output_value.shape[1]) \
+            or not _is_call(total, _SUMS) or argument(total, 0, "input") is not view:
+        return
+    dim = argument(total, 1, "dim")
+    if (dim if not isinstance(dim, (tuple, list)) or len(dim) != 1 else dim[0]) not in (1, -2) \
+            or argument(total, 2, "keepdim") or argument(total, 3, "dtype") is not None:
+        return
+    between = site.node.next
+    while between is not product:
+        if has_side_effects(between):
+            return
+        between = between.next
+    site.combine_nodes = (product, gather, view, total)
+    site.combine_weights, site.combine_permutation = weights, unpermuted[0]
+    site.combine_top_k = view_value.shape[1]
 
 
 def is_grouped_fallback(node: torch.fx.Node) -> bool:

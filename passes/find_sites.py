@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from .expert_sites import (GROUPED_OP, is_grouped_gemm, mark_gates, read_dense_experts, read_gather,
+from .expert_sites import (GROUPED_OP, is_grouped_gemm, mark_gates, read_combine, read_dense_experts, read_gather,
                            read_gathered_experts, read_grouped, read_swiglu)
 from .sites import FusedCallSite, GroupedExpertSite, LinearSite, MatmulSite, Site
 from .expand_attention import MHA_ARGUMENTS, UNEXPANDED_KEY, attention_arguments, is_multi_head_attention
@@ -365,6 +365,7 @@ def find_sites(
                 read_grouped(found[0], node, params.resolve)
                 read_gather(found[0])
                 read_swiglu(found[0])
+                read_combine(found[0])
             elif node.op == "call_function" and node.target in _FUSED_CALLS:
                 found = _fused_sites(node, _FUSED_CALLS[node.target], params, module_path(node, paths_by_id))
             elif is_multi_head_attention(node):

@@ -16,7 +16,11 @@
     after:   y = fp8graph_grouped_<recipe>(h, w, o, gather_index=idx)  h cast, FP8 rows gathered; x left unused
 
     before:  gate, up = _grouped_mm(x, w.t(-2, -1), offs=o).chunk(2, -1); a = silu(gate) * up   (read only so)
-    after:   a = fp8graph_grouped_<recipe>_swiglu(x, w, o)     (fuses_swiglu: the chunk, silu and product erased)
+    after:   a = fp8graph_grouped_<recipe>_swiglu(x, w, o)     (fuses_neighbours: chunk, silu and product erased)
+
+    before:  y = _grouped_mm(h, w.t(-2, -1), offs=o); out = (y * rw)[inv].view(T, k, N).sum(dim=1)   (the combine)
+    after:   out = fp8graph_grouped_<recipe>_combine<k>(h, w, o, row_weights=rw, permutation=perm)  (fuses_neighbours:
+             the product, gather, view and sum erased; inv, proven perm's inverse, left unread)
 
     before:  y = bmm(w[ids], x3)          | y = bmm(x3, w_ekn[ids])   (MoE decode, frozen weights)
     after:   y = fp8graph_gathered_<recipe>(x3, w, ids)  | weight fed as w_ekn.transpose(-2, -1)
@@ -49,7 +53,7 @@ from torch._dynamo.utils import counters
 
 from fp8graph.targets.cache_hash import mark_cacheable
 from fp8graph.targets.gathered import gathered_fp8_target
-from fp8graph.targets.grouped import fuses_swiglu, grouped_fp8_target
+from fp8graph.targets.grouped import fuses_neighbours, grouped_fp8_target
 from fp8graph.targets.linear_tensorwise import linear_fp8_target, linears_fp8_target
 from fp8graph.targets.linear_tiled import linear_tiled_target
 from fp8graph.targets.matmul import matmul_fp8_target
@@ -208,29 +212,41 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
                 args = args + (stats[0],)
             if state is not None:
                 args = args + state
-            call = graph.call_function(target, args, kwargs)
+            # A call that takes the combine reads its routing weights, made after the GEMM: it goes where the
+            # combine's product was (read_combine: nothing between has side effects).
+            with graph.inserting_before(site.combine_nodes[0] if _fuses_combine(first) else site.node):
+                call = graph.call_function(target, args, kwargs)
             call.meta.update(site.node.meta)
             mark_cacheable(call, target)
             outputs = [call]
     for decision, output in zip(group, outputs):
         replaced[decision.site.node] = output
         node = decision.site.node
-        if _fuses_swiglu(decision):  # the call returns SwiGLU's value: the nodes that computed it go
-            *computed, product = decision.site.swiglu_nodes
-            output.meta.update({key: product.meta[key] for key in ("example_value", "val") if key in product.meta})
-            product.replace_all_uses_with(output)
-            replaced[product] = output
-            for computed_node in (product, *reversed(computed)):  # pure ops, each read only by the next
+        fused = (decision.site.swiglu_nodes if _fuses_swiglu(decision)
+                 else decision.site.combine_nodes if _fuses_combine(decision) else ())
+        if fused:  # the call returns the last fused node's value: the nodes that computed it go
+            *computed, last = fused
+            output.meta.update({key: last.meta[key] for key in ("example_value", "val") if key in last.meta})
+            last.replace_all_uses_with(output)
+            replaced[last] = output
+            for computed_node in (last, *reversed(computed)):  # pure ops, each read only by the next
                 graph.erase_node(computed_node)
         node.replace_all_uses_with(output)
         graph.erase_node(node)
 
 
 def _fuses_swiglu(decision: Decision) -> bool:
-    """Whether the site's call takes the SwiGLU its output feeds (``fp8graph.targets.grouped.fuses_swiglu``)."""
+    """Whether the site's call takes the SwiGLU its output feeds (``fp8graph.targets.grouped.fuses_neighbours``)."""
     site = decision.site
     return isinstance(site, GroupedExpertSite) and bool(site.swiglu_nodes) \
-        and fuses_swiglu(decision.recipe, decision.lowering)
+        and fuses_neighbours(decision.recipe, decision.lowering)
+
+
+def _fuses_combine(decision: Decision) -> bool:
+    """Whether the site's call takes the experts' combine its output feeds (``fuses_neighbours``)."""
+    site = decision.site
+    return isinstance(site, GroupedExpertSite) and bool(site.combine_nodes) \
+        and fuses_neighbours(decision.recipe, decision.lowering)
 
 
 @functools.singledispatch
@@ -252,13 +268,16 @@ def _matmul_call(site: MatmulSite, decision: Decision, graph, state, cache, buff
 
 @_single_call.register
 def _grouped_call(site: GroupedExpertSite, decision: Decision, graph, state, cache, buffers):
+    combine = _fuses_combine(decision)
     target = grouped_fp8_target(decision.recipe, decision.lowering, state is None or buffers.updates_state(site),
-                                buffers.weight_cache if cache is not None else None, _fuses_swiglu(decision))
+                                buffers.weight_cache if cache is not None else None, _fuses_swiglu(decision),
+                                site.combine_top_k if combine else 0)
+    kwargs = {"row_weights": site.combine_weights, "permutation": site.combine_permutation} if combine else {}
     if site.gather_source is None:
-        return target, (site.input_node, _weight_nk(graph, decision), site.offsets_node), {}
+        return target, (site.input_node, _weight_nk(graph, decision), site.offsets_node), kwargs
     # Sorted tokens gathered from the hidden states: the call casts the source rows, then gathers.
     return (target, (site.gather_source, _weight_nk(graph, decision), site.offsets_node),
-            {"gather_index": site.gather_index})
+            {"gather_index": site.gather_index, **kwargs})
 
 
 @_single_call.register

@@ -107,7 +107,10 @@ class GroupedExpertSite(ExpertSite):
     ``offsets_node``), or, with no offsets, over E groups of T tokens (``bmm`` of (E, T, K): Llama-4). When its
     input is a row gather only it reads, ``gather_source[gather_index]``, the rewrite casts the source rows and
     gathers FP8 bytes. When only SwiGLU reads its output, ``swiglu_nodes`` are the nodes from the output's
-    ``chunk`` to ``silu(gate) * up``, the last one's value what the rewrite's call may return instead."""
+    ``chunk`` to ``silu(gate) * up``, the last one's value what the rewrite's call may return instead. When only
+    the experts' combine reads it, ``combine_nodes`` are the nodes from the product by ``combine_weights`` (S, 1)
+    to each token's sum of its ``combine_top_k`` rows, the tokens' order restored by the inverse of
+    ``combine_permutation``: the last one's value what the call may return instead."""
 
     form: ClassVar[str] = "grouped"
 
@@ -115,6 +118,10 @@ class GroupedExpertSite(ExpertSite):
     gather_source: torch.fx.Node | None = None
     gather_index: torch.fx.Node | None = None
     swiglu_nodes: tuple[torch.fx.Node, ...] = ()
+    combine_nodes: tuple[torch.fx.Node, ...] = ()
+    combine_weights: torch.fx.Node | None = None
+    combine_permutation: torch.fx.Node | None = None
+    combine_top_k: int = 0
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ from fp8graph.targets.unpermute import unpermute_rows
 
 from .node_values import tensor_value
 
-__all__ = ["unpermute_expert_outputs"]
+__all__ = ["unpermute_expert_outputs", "unpermuting"]
 
 _SORTS = {torch.sort, "sort"}
 _ARGSORTS = {torch.argsort, "argsort"}
@@ -77,6 +77,13 @@ def _unpermutes(graph: torch.fx.Graph):
             continue  # read some other way, or before it is written
         for gather in readers:
             yield gather, permutation, inverse
+
+
+def unpermuting(gather: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """``(permutation, inverse)`` where ``gather`` is ``rows[inverse]`` by the inverse of a permutation (see the
+    module's doc), else None."""
+    return next(((permutation, inverse) for found, permutation, inverse in _unpermutes(gather.graph)
+                 if found is gather), None)
 
 
 def unpermute_expert_outputs(gm: torch.fx.GraphModule) -> int:

@@ -402,6 +402,39 @@ def test_the_per_tensor_rows_and_placed_cast_equals_its_reference_on_the_gpu():
                                    torch.where(expected_bytes & 0x7F == 0x7F, 0x7F, expected_bytes))
 
 
+def test_the_combine_backward_cast_equals_its_reference_on_the_gpu():
+    """``fp8graph::quantize_weighted_rows_placed`` on CUDA (the Triton kernel, the hardware's conversion): the
+    gathered rows each times its weight, cast and placed, and the weighted rows' group-column amaxes as the CPU
+    reference writes them (NaN's sign aside); each row's dot product with the other rows to fp32's summation
+    order; without the other rows the same casts."""
+    from fp8graph.kernels.group_columns import quantize_weighted_rows_placed
+    from scripts.e4m3_bytes import e4m3_bytes
+
+    generator = torch.Generator().manual_seed(0)
+    for tokens, columns, sizes in ((512, 2048, [1000, 0, 3000]), (60, 70, [5, 100, 1, 50])):
+        grad = (torch.randn(tokens, columns, generator=generator)
+                * torch.logspace(-10, 8, columns, base=2.0)).to(torch.bfloat16)
+        grad[3, 3] = float("inf")
+        offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        rows = sum(sizes) + 7
+        token_of_row = torch.randint(0, tokens, (rows,), generator=generator)
+        row_weights = torch.rand(rows, generator=generator).to(torch.bfloat16)
+        other = torch.randn(rows, columns, generator=generator).to(torch.bfloat16)
+        scale = torch.tensor(1.5)
+        expected = quantize_weighted_rows_placed(grad, row_weights, other, scale, offsets, 16, token_of_row)
+        operands = [t.cuda() for t in (grad, row_weights, other, scale, offsets)]
+        got = [t.cpu() for t in quantize_weighted_rows_placed(*operands, 16, token_of_row.cuda())]
+        assert torch.equal(got[2], expected[2])
+        for got_fp8, expected_fp8 in zip(got[:2], expected[:2]):
+            assert torch.equal(e4m3_bytes(got_fp8), e4m3_bytes(expected_fp8))
+        bound = 1e-6 * (grad[token_of_row].float() * other.float()).abs().nan_to_num(0.0, 0.0, 0.0).sum(1)
+        finite = expected[3].isfinite()
+        assert torch.equal(got[3].isfinite(), finite)
+        assert ((got[3] - expected[3])[finite].abs() <= bound[finite]).all()
+        without = quantize_weighted_rows_placed(operands[0], operands[1], None, *operands[3:], 16, token_of_row.cuda())
+        assert without[3].numel() == 0 and torch.equal(without[1].cpu().view(torch.uint8), got[1].view(torch.uint8))
+
+
 def test_the_swiglu_backward_cast_is_within_one_e4m3_step_of_its_reference_on_the_gpu():
     """``fp8graph::swiglu_backward_placed`` and ``fp8graph::swiglu_backward_amax`` on CUDA (the Triton kernel, the
     GPU's sigmoid and the hardware's conversion): each gradient byte within one E4M3 step of the CPU reference's

@@ -119,21 +119,21 @@ class GroupedCasts:
     block_launches: int
 
 
-# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-28T131634Z.json
+# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-28T160425Z.json
 # (Qwen3-30B-A3B's block at 256 and 2048 tokens an expert, a step of one micro-batch cast per call, sm_90, torch
 # 2.13.0, triton 3.6.0); the FP8 steps' Triton bytes it predicts are within 0.1% of the block at 1024 tokens an
-# expert, 3.5% of Llama-4 Scout's (whose batched experts keep autograd's SwiGLU: current 2.2% under), and of
-# DeepSeek-V3's 5% (current, under), 9% (delayed, over) and 14% (row-wise, under, its per-group column scales
-# growing with the tokens an expert). The per-tensor recipes' SwiGLU backward is one kernel of fp8graph's, whose
-# bytes go with the expert width, not with both GEMMs' K + N the table's rate counts: of what a recipe adds to
-# BF16's bytes alone the table is worse on other blocks (DeepSeek-V3's current -0.68 GB predicted where it adds
-# -0.35, delayed -1.81 where -2.26, row-wise 43% under; Llama-4 Scout's 0-4% under). A negative rate: the recipe's
-# kernels move fewer bytes per routed token than BF16's (an FP8 byte where BF16 stores two). The custom-op bytes
-# are fp8graph's ops: the layouts of grad_weight's operands, SwiGLU's backward cast and, per weight element, the
-# per-tensor recipes' weights cast again for grad_input in the backward (fp8graph::quantize_transposed: 3 bytes).
-# Regenerated with the sweep.
+# expert, 3.3% of Llama-4 Scout's (whose batched experts keep autograd's SwiGLU and combine: 1-3% under), and of
+# DeepSeek-V3's 2.7% (current, over), 25% (delayed, over) and 14% (row-wise, under, its per-group column scales
+# growing with the tokens an expert). The per-tensor recipes' SwiGLU backward and combine backward are kernels of
+# fp8graph's, whose bytes go with the expert width and the hidden size, not with both GEMMs' K + N the table's
+# rate counts: of what a recipe adds to BF16's bytes alone the table is worse on other blocks (DeepSeek-V3's
+# current -1.37 GB predicted where it adds -1.52, delayed -2.50 where -3.44, row-wise 43% under; Llama-4 Scout's
+# 2-4% under). A negative rate: the recipe's kernels move fewer bytes per routed token than BF16's (an FP8 byte
+# where BF16 stores two). The custom-op bytes are fp8graph's ops: the layouts of grad_weight's operands, SwiGLU's
+# and the combine's backward casts and, per weight element, the per-tensor recipes' weights cast again for
+# grad_input in the backward (fp8graph::quantize_transposed: 3 bytes). Regenerated with the sweep.
 GROUPED_CAST_TRAFFIC: dict[str, GroupedCasts] = {
-    "current": GroupedCasts(-3.640625, 4.078125, 5.015625, 3.015625, 34),
-    "delayed": GroupedCasts(-4.28125, 3.359375, 3.015625, 3.03125, 29),
+    "current": GroupedCasts(-4.671875, 5.359375, 5.015625, 3.015625, 34),
+    "delayed": GroupedCasts(-5.3125, 4.640625, 3.015625, 3.03125, 28),
     "rowwise": GroupedCasts(-1.234375, 3.0, 8.015625, 0.03125, 14),
 }

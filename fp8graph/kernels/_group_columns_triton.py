@@ -1,5 +1,5 @@
-"""Triton kernel behind ``fp8graph::quantize_group_columns_placed`` and ``fp8graph::quantize_rows_placed``
-(imported only where Triton is installed).
+"""Triton kernel behind ``fp8graph::quantize_group_columns_placed``, ``fp8graph::quantize_rows_placed`` and
+``fp8graph::quantize_weighted_rows_placed`` (imported only where Triton is installed).
 
 One program a group of rows and a block of columns. Scaled per group and column
 (``TENSOR_SCALE`` off) it walks the group's rows twice, for each column's amax
@@ -14,7 +14,13 @@ Scaled per tensor (``TENSOR_SCALE``: the scale is known before the kernel runs)
 it walks the rows once: each block is cast, stored as rows (the forward GEMM's
 layout) and transposed (the weight-gradient GEMM's), and its magnitudes kept
 for the amax of the group's block of columns, which it stores (what delayed
-scaling records), so the rows are read once for both layouts.
+scaling records), so the rows are read once for both layouts. With
+``ROW_WEIGHTS`` each row is multiplied by its weight before the cast, and with
+``DOTS`` its dot product with the same row of a second tensor (``other``) over
+the block's columns is stored, a partial a block and row (a block's partials
+contiguous): the backward of an expert
+combine, ``out = sum_k weights * y``, whose gradient ``g`` gives ``y``'s as
+``g * weights`` and the weights' as ``g . y`` (``quantize_weighted_rows_placed``).
 
 Where each group lies is derived in the program from ``offsets`` alone: its
 padded start is the sum of the padded sizes of the groups before it (E <= BLOCK_GROUPS
@@ -65,10 +71,11 @@ def _load_rows(x_ptr, gather_ptr, row, present, column, column_inside, row_strid
 
 @triton.jit
 def quantize_group_columns_placed_kernel(
-        x_ptr, gather_ptr, offsets_ptr, x_t_fp8_ptr, scale_ptr, x_fp8_ptr, amax_ptr, rows, columns, padded_rows,
-        row_stride, groups, GATHER: tl.constexpr, MULTIPLE: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
-        BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, SCALE_KIND: tl.constexpr, FP8_MAX: tl.constexpr,
-        FP8_MAX_EXPONENT: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, TENSOR_SCALE: tl.constexpr):
+        x_ptr, gather_ptr, offsets_ptr, x_t_fp8_ptr, scale_ptr, x_fp8_ptr, amax_ptr, weights_ptr, other_ptr, dots_ptr,
+        rows, columns, padded_rows, row_stride, other_stride, groups, GATHER: tl.constexpr, MULTIPLE: tl.constexpr,
+        BLOCK_GROUPS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, SCALE_KIND: tl.constexpr,
+        FP8_MAX: tl.constexpr, FP8_MAX_EXPONENT: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
+        TENSOR_SCALE: tl.constexpr, ROW_WEIGHTS: tl.constexpr, DOTS: tl.constexpr):
     group = tl.program_id(0)
     column = tl.program_id(1).to(tl.int64) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)
     column_inside = column < columns
@@ -103,6 +110,12 @@ def quantize_group_columns_placed_kernel(
         row = start + (placed - base) + in_block
         present = row < end  # else a pad: zeros
         x = _load_rows(x_ptr, gather_ptr, row, present, column, column_inside, row_stride, GATHER)
+        if DOTS:  # the dot with other's row, before the weight
+            other = tl.load(other_ptr + row[:, None] * other_stride + column[None, :],
+                            mask=present[:, None] & column_inside[None, :], other=0.0).to(tl.float32)
+            tl.store(dots_ptr + tl.program_id(1) * rows + row, tl.sum(x * other, axis=1), mask=present)
+        if ROW_WEIGHTS:  # the row cast weighted
+            x = x * tl.load(weights_ptr + row, mask=present, other=0.0).to(tl.float32)[:, None]
         bits = _e4m3_bits(x * column_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
         position = placed + tl.arange(0, BLOCK_ROWS)
         inside = (position < bound)[:, None] & column_inside[None, :]

@@ -17,6 +17,13 @@ once for the forward GEMM and grad_weight's. Written as torch ops the kernel tha
 ``fp8graph::transpose_fp8`` reads the FP8 rows again to lay them out; this op writes both layouts from one read
 of the rows, and each group's amaxes with them, a block of 64 columns each (what delayed scaling records).
 
+``fp8graph::quantize_weighted_rows_placed``: the same cast of the rows each multiplied by its own weight, and each
+row's dot product with a second tensor's row, from the same read: the backward of an expert combine,
+``out[t] = sum_k weights[s] * y[s]`` over token ``t``'s routed rows ``s``, whose gradient ``g`` (T, C) gives the
+down projection's grad_output ``g[t(s)] * weights[s]``, cast here for its two GEMMs, and the routing weights'
+gradient ``g[t(s)] . y[s]``. Written as torch ops the kernel that gathers ``g`` casts the products and
+``fp8graph::transpose_fp8`` reads the FP8 rows again to lay them out.
+
 On CUDA they run the Triton kernel; everywhere else, and where Triton is missing, the references (the torch
 casts, then the padded transpose of ``padded_group_sources``), which the tests hold the kernel to bit for bit under
 Triton's interpreter.
@@ -34,7 +41,8 @@ from fp8graph.numerics.groups import (group_block_amax, padded_group_bound, padd
 from fp8graph.numerics.quantize import quantize
 
 __all__ = ["column_blocks", "plan_quantize_group_columns_placed", "plan_quantize_rows_placed",
-           "quantize_group_columns_placed", "quantize_rows_placed"]
+           "plan_quantize_weighted_rows_placed", "quantize_group_columns_placed", "quantize_rows_placed",
+           "quantize_weighted_rows_placed", "weighted_rows_reference"]
 
 _FP8 = torch.float8_e4m3fn  # a grouped GEMM takes E4M3 only
 _BLOCK_ROWS = 64
@@ -48,13 +56,14 @@ def column_blocks(columns: int) -> int:
     return -(-columns // _BLOCK_COLUMNS)
 
 
-def _name(tensor_scale: torch.Tensor | None) -> str:
-    return "quantize_group_columns_placed" if tensor_scale is None else "quantize_rows_placed"
+def _name(tensor_scale: torch.Tensor | None, weighted: bool = False) -> str:
+    return ("quantize_group_columns_placed" if tensor_scale is None else
+            "quantize_weighted_rows_placed" if weighted else "quantize_rows_placed")
 
 
 def _checked(x_hp: torch.Tensor, offsets: torch.Tensor, gather_index: torch.Tensor | None,
-             tensor_scale: torch.Tensor | None = None) -> None:
-    name = _name(tensor_scale)
+             tensor_scale: torch.Tensor | None = None, weighted: bool = False) -> None:
+    name = _name(tensor_scale, weighted)
     if x_hp.dim() != 2 or not x_hp.dtype.is_floating_point or x_hp.element_size() == 1:
         raise ValueError(f"{name} casts a 2-D high-precision tensor, got {x_hp.dtype} of shape {tuple(x_hp.shape)}")
     if offsets.dim() != 1 or offsets.shape[0] == 0 or offsets.dtype not in (torch.int32, torch.int64):
@@ -70,17 +79,21 @@ def _checked(x_hp: torch.Tensor, offsets: torch.Tensor, gather_index: torch.Tens
 
 
 def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index: torch.Tensor | None,
-          tensor_scale: torch.Tensor | None, power_2_scales: bool):
-    """The kernel's launch and outputs: ``(launch, x_t_fp8 (C, P), rows (S, C) FP8 or None, table)``, the table
-    the scales per group and column (E, C), or with ``tensor_scale`` the amaxes of each group's (and the rows in no
-    group's) blocks of columns (E + 1, :func:`column_blocks`)."""
+          tensor_scale: torch.Tensor | None, power_2_scales: bool, row_weights: torch.Tensor | None = None,
+          other_hp: torch.Tensor | None = None):
+    """The kernel's launch and outputs: ``(launch, x_t_fp8 (C, P), rows (S, C) FP8 or None, table, dots)``, the
+    table the scales per group and column (E, C), or with ``tensor_scale`` the amaxes of each group's (and the rows
+    in no group's) blocks of columns (E + 1, :func:`column_blocks`); with ``row_weights`` the rows are weighted
+    before the cast; with ``other_hp`` ``dots`` (:func:`column_blocks`, S) are each row's partial dot products with
+    ``other_hp``'s, else None."""
     from triton import cdiv, knobs, next_power_of_2
 
     from fp8graph.kernels._group_columns_triton import quantize_group_columns_placed_kernel
 
     groups = offsets.shape[0]
     if groups > _MAX_GROUPS:
-        raise ValueError(f"{_name(tensor_scale)} takes at most {_MAX_GROUPS} groups, got {groups}")
+        raise ValueError(f"{_name(tensor_scale, row_weights is not None)} takes at most {_MAX_GROUPS} groups, "
+                         f"got {groups}")
     if x_hp.stride(1) != 1 and x_hp.shape[1] > 1:
         x_hp = x_hp.contiguous()
     rows = x_hp.shape[0] if gather_index is None else gather_index.shape[0]
@@ -91,21 +104,30 @@ def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index
     table = (torch.empty((groups, columns), dtype=torch.float32, device=x_hp.device) if tensor_scale is None
              else torch.empty((groups + 1, column_blocks(columns)), dtype=torch.float32, device=x_hp.device))
     gather = gather_index is not None
-    # Without tensor_scale the kernel writes the scales into the table and takes no rows output or amax table:
-    # the table's pointer stands in for them.
+    # Without tensor_scale the kernel writes the scales into the table and takes no rows output or amax table,
+    # without row_weights no weights, other rows or dots: the table's pointer stands in for them.
     scale_arg, rows_arg, amax_arg = ((table, table, table) if tensor_scale is None
                                      else (tensor_scale, rows_fp8.view(torch.uint8), table))
+    weighted, dotted = row_weights is not None, other_hp is not None
+    if dotted and other_hp.shape[1] > 1 and other_hp.stride(1) != 1:
+        other_hp = other_hp.contiguous()
+    dots = (torch.empty((column_blocks(columns), rows), dtype=torch.float32, device=x_hp.device) if dotted
+            else None)
+    weights_arg = row_weights.contiguous() if weighted else table
+    other_arg, dots_arg = (other_hp, dots) if dotted else (table, table)
     launch = KernelLaunch(
         quantize_group_columns_placed_kernel, (groups + 1, cdiv(columns, _BLOCK_COLUMNS)),
         (x_hp, gather_index.contiguous() if gather else offsets, offsets.contiguous(), x_t_fp8.view(torch.uint8),
-         scale_arg, rows_arg, amax_arg, rows, columns, padded_rows, x_hp.stride(0), groups),
+         scale_arg, rows_arg, amax_arg, weights_arg, other_arg, dots_arg, rows, columns, padded_rows, x_hp.stride(0),
+         other_hp.stride(0) if dotted else 0, groups),
         {"GATHER": gather, "MULTIPLE": multiple, "BLOCK_GROUPS": max(next_power_of_2(groups), 16),
          "BLOCK_ROWS": _BLOCK_ROWS, "BLOCK_COLUMNS": _BLOCK_COLUMNS, "SCALE_KIND": int(power_2_scales),
          "FP8_MAX": fp8_max(_FP8), "FP8_MAX_EXPONENT": fp8_max_exponent(_FP8),
          # The interpreter's own FP8 conversion is not the GPU's: round in software there.
          "SOFTWARE_ROUNDING": bool(knobs.runtime.interpret), "TENSOR_SCALE": tensor_scale is not None,
-         "num_warps": _NUM_WARPS})
-    return launch, x_t_fp8, rows_fp8, table
+         # The dots' tile of the other rows beside the rows': 4 warps spill where the columns do not divide by 8.
+         "ROW_WEIGHTS": weighted, "DOTS": dotted, "num_warps": 2 * _NUM_WARPS if dotted else _NUM_WARPS})
+    return launch, x_t_fp8, rows_fp8, table, dots
 
 
 def plan_quantize_group_columns_placed(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int,
@@ -113,7 +135,7 @@ def plan_quantize_group_columns_placed(x_hp: torch.Tensor, offsets: torch.Tensor
                                        ) -> tuple[KernelLaunch, torch.Tensor, torch.Tensor]:
     """The launch that writes the op's ``(x_t_fp8 (C, P), scale (E, C))``, and those two outputs."""
     _checked(x_hp, offsets, gather_index)
-    launch, x_t_fp8, _, scale = _plan(x_hp, offsets, multiple, gather_index, None, power_2_scales)
+    launch, x_t_fp8, _, scale, _ = _plan(x_hp, offsets, multiple, gather_index, None, power_2_scales)
     return launch, x_t_fp8, scale
 
 
@@ -169,7 +191,7 @@ def plan_quantize_rows_placed(x_hp: torch.Tensor, scale: torch.Tensor, offsets: 
                               ) -> tuple[KernelLaunch, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The launch that writes ``fp8graph::quantize_rows_placed``'s ``(rows_fp8, x_t_fp8, amax)``, and those."""
     _checked(x_hp, offsets, gather_index, scale)
-    launch, x_t_fp8, rows_fp8, amax = _plan(x_hp, offsets, multiple, gather_index, scale.reshape(()), False)
+    launch, x_t_fp8, rows_fp8, amax, _ = _plan(x_hp, offsets, multiple, gather_index, scale.reshape(()), False)
     return launch, rows_fp8, x_t_fp8, amax
 
 
@@ -221,3 +243,87 @@ def _(x_hp, scale, offsets, multiple, gather_index=None):
     if not triton_available():
         return _rows_reference(x_hp, scale, offsets, multiple, gather_index)
     return quantize_rows_placed_triton(x_hp, scale, offsets, multiple, gather_index)
+
+
+def _weighted_checked(x_hp, row_weights, other_hp, scale, offsets, gather_index) -> None:
+    _checked(x_hp, offsets, gather_index, scale, weighted=True)
+    rows = x_hp.shape[0] if gather_index is None else gather_index.shape[0]
+    if row_weights.shape != (rows,) or not row_weights.dtype.is_floating_point or row_weights.device != x_hp.device:
+        raise ValueError(f"quantize_weighted_rows_placed takes one floating-point weight a row ({rows}) on "
+                         f"{x_hp.device}, got {row_weights.dtype} of shape {tuple(row_weights.shape)} on "
+                         f"{row_weights.device}")
+    if other_hp is not None and (other_hp.shape != (rows, x_hp.shape[1]) or not other_hp.dtype.is_floating_point
+                                 or other_hp.device != x_hp.device):
+        raise ValueError(f"quantize_weighted_rows_placed's other rows are ({rows}, {x_hp.shape[1]}) on {x_hp.device}, "
+                         f"got {other_hp.dtype} of shape {tuple(other_hp.shape)} on {other_hp.device}")
+
+
+def plan_quantize_weighted_rows_placed(x_hp: torch.Tensor, row_weights: torch.Tensor, other_hp: torch.Tensor | None,
+                                       scale: torch.Tensor, offsets: torch.Tensor, multiple: int,
+                                       gather_index: torch.Tensor | None = None):
+    """The launch that writes ``fp8graph::quantize_weighted_rows_placed``'s outputs, and ``(rows_fp8, x_t_fp8,
+    amax, dot_partials (B, S) or None)``: the op's dots are the partials' sums over the blocks."""
+    _weighted_checked(x_hp, row_weights, other_hp, scale, offsets, gather_index)
+    launch, x_t_fp8, rows_fp8, amax, dots = _plan(x_hp, offsets, multiple, gather_index, scale.reshape(()), False,
+                                                  row_weights, other_hp)
+    return launch, rows_fp8, x_t_fp8, amax, dots
+
+
+def quantize_weighted_rows_placed_triton(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index=None):
+    """Run the Triton kernel (the op's outputs)."""
+    launch, rows_fp8, x_t_fp8, amax, dots = plan_quantize_weighted_rows_placed(
+        x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index)
+    if x_t_fp8.numel():
+        launch()
+    elif dots is not None:
+        dots.zero_()
+    return rows_fp8, x_t_fp8, amax, dots.sum(dim=0) if dots is not None else x_hp.new_empty((0,), dtype=torch.float32)
+
+
+def weighted_rows_reference(x_hp: torch.Tensor, row_weights: torch.Tensor, other_hp: torch.Tensor | None,
+                            gather_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows (S, C), dots (S,) or (0,))`` in fp32: the gathered rows each times its weight, and each gathered
+    row's dot product with ``other_hp``'s (the products of two BF16 values are exact in fp32), none without it."""
+    rows_hp = (x_hp if gather_index is None else x_hp[gather_index]).to(torch.float32)
+    dots = (rows_hp * other_hp.to(torch.float32)).sum(dim=1) if other_hp is not None else rows_hp.new_empty((0,))
+    return rows_hp * row_weights.to(torch.float32)[:, None], dots
+
+
+def _weighted_reference(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index):
+    _weighted_checked(x_hp, row_weights, other_hp, scale, offsets, gather_index)
+    rows, dots = weighted_rows_reference(x_hp, row_weights, other_hp, gather_index)
+    rows_fp8 = quantize(rows, scale.reshape(()), _FP8)
+    sources, _ = padded_group_sources(offsets, rows.shape[0], multiple)
+    return rows_fp8, transpose_fp8(rows_fp8, sources), group_block_amax(rows, offsets, _BLOCK_COLUMNS), dots
+
+
+@torch.library.custom_op("fp8graph::quantize_weighted_rows_placed", mutates_args=())
+def quantize_weighted_rows_placed(x_hp: torch.Tensor, row_weights: torch.Tensor, other_hp: torch.Tensor | None,
+                                  scale: torch.Tensor, offsets: torch.Tensor, multiple: int,
+                                  gather_index: torch.Tensor | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows ``x_hp[gather_index]`` (S, C) (``x_hp`` without an index), each multiplied by its ``row_weights``
+    (S,) in fp32, cast and laid out as :func:`quantize_rows_placed` casts and lays out its rows; and each gathered
+    row's dot product with the same row of ``other_hp`` (S, C), before the weight, in fp32. Returns ``(rows_fp8
+    (S, C), x_t_fp8 (C, P), amax (E + 1, B), dots (S,))``, ``amax`` of the weighted rows; without ``other_hp``
+    (nothing needs the dots) ``dots`` is empty and ``other_hp`` is not read. ``gather_index`` must
+    hold row indices of ``x_hp``: unchecked, as a check would wait for the device."""
+    return _weighted_reference(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index)
+
+
+@quantize_weighted_rows_placed.register_fake
+def _(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index=None):
+    _weighted_checked(x_hp, row_weights, other_hp, scale, offsets, gather_index)
+    rows = x_hp.shape[0] if gather_index is None else gather_index.shape[0]
+    padded_rows = padded_group_bound(rows, offsets.shape[0], multiple)
+    return (x_hp.new_empty((rows, x_hp.shape[1]), dtype=_FP8),
+            x_hp.new_empty((x_hp.shape[1], padded_rows), dtype=_FP8),
+            x_hp.new_empty((offsets.shape[0] + 1, column_blocks(x_hp.shape[1])), dtype=torch.float32),
+            x_hp.new_empty((rows if other_hp is not None else 0,), dtype=torch.float32))
+
+
+@quantize_weighted_rows_placed.register_kernel("cuda")
+def _(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index=None):
+    if not triton_available():
+        return _weighted_reference(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index)
+    return quantize_weighted_rows_placed_triton(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index)

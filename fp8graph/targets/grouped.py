@@ -55,7 +55,7 @@ from fp8graph.targets.grouped_blocks import GroupedBlocks
 from fp8graph.targets.linear_tensorwise import record_health, record_states, target_name
 from fp8graph.targets.partitioning import keep_for_backward, read_in_backward, saved_not_recomputed
 
-__all__ = ["ExpertWeightCopy", "GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "fuses_swiglu",
+__all__ = ["ExpertWeightCopy", "GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "fuses_neighbours",
            "grouped_fp8_target", "health_scales"]
 
 _FP8 = torch.float8_e4m3fn
@@ -68,7 +68,8 @@ class GroupedSpec:
     recipe: Recipe
     lowering: Lowering
     update: bool = True  # delayed scaling: False in graphs without gradients, which read the stored scales
-    swiglu: bool = False  # the call returns silu(gate) * up of its output's halves (fuses_swiglu)
+    swiglu: bool = False  # the call returns silu(gate) * up of its output's halves (fuses_neighbours)
+    combine_top_k: int = 0  # else the call returns its output's combine, top_k rows a token (fuses_neighbours)
 
     @property
     def delayed(self) -> bool:
@@ -231,12 +232,14 @@ def _cast_grad_output_delayed(grad_output_hp, state, spec: GroupedSpec):
     return grad_output_fp8, new_scale[0], new_scale.reciprocal().expand(grad_output_hp.shape[0])
 
 
-def fuses_swiglu(recipe: Recipe, lowering: Lowering) -> bool:
-    """Whether an expert site whose output only SwiGLU reads (``silu(gate) * up`` of its halves,
-    ``passes.expert_sites.read_swiglu``) takes the activation into its call, so that its backward computes SwiGLU's
-    gradient, casts it and lays it out for grad_weight in one kernel (:func:`_cast_swiglu_backward`): the per-tensor
-    recipes on the native path. Elsewhere autograd's SwiGLU stays in the graph as it was (row-wise's cast per group
-    and column, MXFP8's blocks and the emulation read the gradient in high precision anyway)."""
+def fuses_neighbours(recipe: Recipe, lowering: Lowering) -> bool:
+    """Whether an expert site takes the ops next to it into its call, so that its backward casts its grad_output in
+    the kernel that computes it and lays it out for grad_weight there: SwiGLU where it alone reads the output
+    (``silu(gate) * up`` of its halves, ``passes.expert_sites.read_swiglu``: :func:`_cast_swiglu_backward`), the
+    experts' combine where it alone reads it (each row times its routing weight, the tokens' order restored, each
+    token's top_k rows summed, ``passes.expert_sites.read_combine``: :func:`_cast_combine_backward`). The
+    per-tensor recipes on the native path. Elsewhere autograd's ops stay in the graph as they were (row-wise's cast
+    per group and column, MXFP8's blocks and the emulation read the gradient in high precision anyway)."""
     return (recipe.granularity in NATIVE_GROUPED_GRANULARITIES and not recipe.tiled
             and lowering is Lowering.SCALED_MM)
 
@@ -246,6 +249,45 @@ def _swiglu(gate_up_hp: torch.Tensor) -> torch.Tensor:
     with the next GEMM's cast as it did there."""
     gate, up = gate_up_hp.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def _combine(rows_hp: torch.Tensor, row_weights: torch.Tensor, permutation: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The experts' combine of ``rows_hp`` (S, N), sorted by expert: each row times its ``row_weights`` (S, 1), the
+    tokens' order restored (``permutation`` sorted them), each token's ``top_k`` rows summed: (S / top_k, N). In the
+    ops of the graph it replaces, which Inductor fuses as it did there; the inverse of the permutation is made as
+    that graph made it."""
+    inverse = torch.empty_like(permutation)
+    inverse[permutation] = torch.arange(permutation.shape[0], device=permutation.device)
+    return (rows_hp * row_weights)[inverse].view(-1, top_k, rows_hp.shape[1]).sum(dim=1)
+
+
+def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, rows_hp: torch.Tensor,
+                           token_of_row: torch.Tensor, offsets: torch.Tensor, state, spec: GroupedSpec,
+                           needs_grad_row_weights: bool):
+    """Through :func:`_combine`, given its gradient ``grad_hp`` (T, N): this GEMM's grad_output
+    ``grad_hp[token_of_row] * row_weights`` (S, N) cast per tensor, ``(grad_output_fp8 (S, N), scale, inverse (S,),
+    placed (N, S'), grad_row_weights (S, 1) or None)``, ``placed`` laid out for grad_weight, and the routing
+    weights' gradient, each gathered row's dot product with the GEMM's output ``rows_hp`` (S, N). One kernel
+    gathers, weighs, casts and writes both layouts (and the dots) (``fp8graph::quantize_weighted_rows_placed``);
+    current scaling's amax is each token's gradient row's amax times each of its rows' routing weight, the weighted
+    rows' amax in fp32 without reading them (exact: a product of two BF16 values is; but where such a product
+    overflows fp32, a weight above 1 on a gradient near fp32's largest value, that row counts as 0 here where the
+    kernel keeps its finite products); delayed scaling's scale comes from its grad history, which records the
+    amaxes the kernel returns. The weighted gradient is never stored in BF16."""
+    weights = row_weights.reshape(-1)
+    other_hp = rows_hp if needs_grad_row_weights else None
+    if spec.delayed:
+        new_scale = _grad_scale_delayed(state, spec, grad_hp)
+        scale = new_scale[0]
+    else:
+        token_amax = finite_magnitude(grad_hp.detach()).amax(dim=1)  # (T,)
+        scale = _scale(finite_magnitude(token_amax[token_of_row] * weights.detach().to(torch.float32)).amax(), spec)
+    grad_fp8, placed, amaxes, dots = torch.ops.fp8graph.quantize_weighted_rows_placed(
+        grad_hp, weights, other_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, token_of_row)
+    if spec.delayed:
+        _record_grad_amaxes(state, spec, amaxes.reshape(-1), new_scale)
+    grad_row_weights = dots.to(row_weights.dtype).reshape(row_weights.shape) if needs_grad_row_weights else None
+    return grad_fp8, scale, scale.reciprocal().expand(grad_fp8.shape[0]), placed, grad_row_weights
 
 
 def _cast_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, offsets: torch.Tensor, state,
@@ -375,7 +417,7 @@ class _GroupedFP8(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_hp, weight_hp, offsets, spec: GroupedSpec, stats, grad_enabled: bool, state=None,
-                gather_index=None, weight_copy=None):
+                gather_index=None, weight_copy=None, row_weights=None, permutation=None):
         # With gather_index, input_hp is the (T, K) source and the GEMMs' rows are input_hp[gather_index] (S, K):
         # a row's cast does not depend on the other rows, so casting the T source rows and gathering FP8 bytes
         # gives the same FP8 rows (row-wise exactly; per tensor, the amax of the source, which is the rows'
@@ -460,10 +502,14 @@ class _GroupedFP8(torch.autograd.Function):
                     saved_weight = (weight_hp, weight_scale)
                 else:
                     saved_weight = (weight_t_fp8, weight_inverse[:, :1].expand(experts, weight_hp.shape[2]))
-        gate_up_hp = None  # the GEMM's output, kept for SwiGLU's backward
+        kept_output = None  # the GEMM's output, kept for SwiGLU's backward or the routing weights' gradient
         if spec.swiglu:
-            gate_up_hp, output = output, _swiglu(output)
-        ctx.save_for_backward(offsets, *saved_input, *saved_weight, gather_index, gate_up_hp)
+            kept_output, output = output, _swiglu(output)
+        elif spec.combine_top_k:  # the output is read back only for the routing weights' gradient
+            kept_output = output if ctx.needs_input_grad[9] else None
+            output = _combine(output, row_weights, permutation, spec.combine_top_k)
+        ctx.save_for_backward(offsets, *saved_input, *saved_weight, gather_index, kept_output, row_weights,
+                              permutation)
         ctx.source_rows = input_hp.shape[0]
         ctx.recast_weight = recast_weight
         # The state's buffers are read and written in place by the backward, not saved (as the linears' are:
@@ -474,19 +520,26 @@ class _GroupedFP8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output_hp):  # (S, N)
-        (offsets, input_g_placed, input_g_inverse, weight_t_fp8, weight_t_inverse, gather_index,
-         gate_up_hp) = ctx.saved_tensors
+        (offsets, input_g_placed, input_g_inverse, weight_t_fp8, weight_t_inverse, gather_index, kept_output,
+         row_weights, permutation) = ctx.saved_tensors
         spec: GroupedSpec = ctx.spec
         needs_grad_input, needs_grad_weight = ctx.needs_input_grad[:2]
-        grad_input = grad_weight = None
+        grad_input = grad_weight = grad_row_weights = None
         experts = offsets.shape[0]
         with torch.autocast(grad_output_hp.device.type, enabled=False):
             grad_output_placed = None  # grad_weight's layout, where the kernel that casts writes it
             if spec.swiglu:  # grad_output_hp is h's: the GEMM's grad_output is gate_up's, through SwiGLU
                 grad_output_fp8, grad_output_scale, grad_output_inverse, grad_output_placed = _cast_swiglu_backward(
-                    gate_up_hp, grad_output_hp, offsets, ctx.state, spec)
+                    kept_output, grad_output_hp, offsets, ctx.state, spec)
                 if ctx.stats is not None:  # the gradient in BF16 for its health record: stats cost its bytes
-                    grad_output_hp = swiglu_backward_reference(gate_up_hp, grad_output_hp).to(gate_up_hp.dtype)
+                    grad_output_hp = swiglu_backward_reference(kept_output, grad_output_hp).to(kept_output.dtype)
+            elif spec.combine_top_k:  # grad_output_hp is the combine's (T, N): the GEMM's, through it
+                token_of_row = permutation // spec.combine_top_k
+                grad_output_fp8, grad_output_scale, grad_output_inverse, grad_output_placed, grad_row_weights = \
+                    _cast_combine_backward(grad_output_hp, row_weights, kept_output, token_of_row, offsets,
+                                           ctx.state, spec, ctx.needs_input_grad[9])
+                if ctx.stats is not None:  # the gradient in BF16 for its health record: stats cost its bytes
+                    grad_output_hp = grad_output_hp[token_of_row] * row_weights
             else:
                 grad_output_fp8, grad_output_scale, grad_output_inverse = (  # along N
                     _cast_grad_output_delayed(grad_output_hp, ctx.state, spec) if spec.delayed
@@ -523,7 +576,7 @@ class _GroupedFP8(torch.autograd.Function):
                 # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
                 grad_weight = grouped_scaled_gemm_weights(grad_output_g_placed, grad_output_g_inverse, input_g_placed,
                                                           input_g_inverse, offsets, ctx.weight_dtype, spec.lowering)
-        return grad_input, grad_weight, None, None, None, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None, None, None, None, grad_row_weights, None
 
 
 def _one_buffer(x_fp8: torch.Tensor, spec: GroupedSpec) -> torch.Tensor:
@@ -548,7 +601,8 @@ def _per_expert_row(scale: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
-                       weight_cache: str | None = None, swiglu: bool = False) -> Callable[..., torch.Tensor]:
+                       weight_cache: str | None = None, swiglu: bool = False, combine_top_k: int = 0
+                       ) -> Callable[..., torch.Tensor]:
     """The graph target for expert sites with ``recipe`` (one of :data:`EXPERT_GRANULARITIES`), named for it:
     ``grouped_fp8(input_hp (S, K), weight_hp (E, N, K), offsets (E,), stats=None, history=None, scale=None,
     grad_history=None, grad_scale=None)``, or, for ``torch.bmm`` over every expert (Llama-4), ``input_hp``
@@ -560,16 +614,25 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     ``cached_weight``, ``cached_weight_scale`` and ``cached_weight_t`` are the weight's FP8 copy, its (E, 1)
     scales and the copy of its transpose (``fp8graph.buffers.weight_cache``), written or read in place of
     casting the weight; row-wise adds ``cached_weight_t_scale`` (:class:`ExpertWeightCopy`). With ``swiglu``
-    (where :func:`fuses_swiglu` says so) it returns ``silu(gate) * up`` of the output's halves (S, N / 2)."""
-    if swiglu and not fuses_swiglu(recipe, lowering):
-        raise ValueError(f"{recipe.name} on the {lowering.value} path leaves SwiGLU to autograd (fuses_swiglu)")
+    (where :func:`fuses_neighbours` says so) it returns ``silu(gate) * up`` of the output's halves (S, N / 2); with
+    ``combine_top_k`` (where it says so) the experts' combine of the output (S / top_k, N), given ``row_weights``
+    (S, 1), each row's routing weight, and ``permutation`` (S,), the sort that ordered the rows by expert
+    (:func:`_combine`)."""
+    if (swiglu or combine_top_k) and not fuses_neighbours(recipe, lowering):
+        raise ValueError(f"{recipe.name} on the {lowering.value} path leaves the ops next to an expert GEMM to "
+                         "autograd (fuses_neighbours)")
+    if swiglu and combine_top_k:
+        raise ValueError("an expert GEMM's output is read by SwiGLU or by the experts' combine, not both")
 
     function = _GroupedFP8 if recipe.granularity in NATIVE_GROUPED_GRANULARITIES else GroupedBlocks
 
     def grouped_fp8(input_hp, weight_hp, offsets=None, stats=None, history=None, scale=None, grad_history=None,
                     grad_scale=None, gather_index=None, cached_weight=None, cached_weight_scale=None,
-                    cached_weight_t=None, cached_weight_t_scale=None):
-        spec = GroupedSpec(recipe, lowering, update, swiglu)
+                    cached_weight_t=None, cached_weight_t_scale=None, row_weights=None, permutation=None):
+        spec = GroupedSpec(recipe, lowering, update, swiglu, combine_top_k)
+        if bool(combine_top_k) != (row_weights is not None and permutation is not None):
+            raise ValueError(f"{grouped_fp8.__name__}: the combine's routing weights and permutation come with a "
+                             "target made for the combine (combine_top_k), and only with it")
         state = None if history is None else (history, scale, grad_history, grad_scale)
         if recipe.stateful and state is None:
             raise ValueError(f"{recipe.name} on an expert GEMM needs the weight's delayed-scaling state")
@@ -584,9 +647,10 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
         copy = () if weight_cache is None else (ExpertWeightCopy.of(
             weight_hp, weight_cache, cached_weight, cached_weight_scale, cached_weight_t, cached_weight_t_scale),)
         if offsets is not None:
-            rows = () if gather_index is None and not copy else (gather_index,)
+            rows = () if gather_index is None and not copy and not combine_top_k else (gather_index,)
+            combine = () if not combine_top_k else ((copy or (None,))[0], row_weights, permutation)
             return function.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled(), state, *rows,
-                                  *copy)
+                                  *(combine or copy))
         experts, tokens, _ = input_hp.shape
         offsets = torch.arange(1, experts + 1, device=input_hp.device, dtype=torch.int32) * tokens
         output = function.apply(input_hp.reshape(experts * tokens, input_hp.shape[2]), weight_hp, offsets, spec,
@@ -596,9 +660,11 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     label = recipe.name if update else f"{recipe.name}_frozen"
     label = f"{label}_{weight_cache}_cached_weight" if weight_cache else label
     label = f"{label}_swiglu" if swiglu else label
+    label = f"{label}_combine{combine_top_k}" if combine_top_k else label
     grouped_fp8.__name__ = target_name("grouped", label, lowering.value)
     grouped_fp8.recipe = recipe
     grouped_fp8.lowering = lowering
     grouped_fp8.weight_cache = weight_cache
     grouped_fp8.swiglu = swiglu
-    return register_target(grouped_fp8, recipe, lowering, update, weight_cache, swiglu)
+    grouped_fp8.combine_top_k = combine_top_k
+    return register_target(grouped_fp8, recipe, lowering, update, weight_cache, swiglu, combine_top_k)

@@ -170,8 +170,9 @@ def test_grad_weight_s_operands_are_laid_out_by_one_pass_each(steps):
     experts, hidden, width = TINY["experts"], TINY["hidden"], TINY["expert_width"]
     padded_rows = -(-(S + experts * 16) // 16) * 16
     operand_widths = (hidden, width, 2 * width, hidden)  # down: grad_output, input; gate_up: grad_output, input
-    # gate_up's gathered input and its grad_output (SwiGLU's gradient) are placed by the kernels that cast them
-    transposed_widths = operand_widths[:2]
+    # gate_up's gathered input and its grad_output (SwiGLU's gradient) are placed by the kernels that cast them, so
+    # is the down projection's grad_output (the combine's gradient, gathered and weighted): its input is left
+    transposed_widths = operand_widths[1:2]
     transposes = [r for r in steps["current"]["rows"] if r["kind"] == "extern" and "transpose_fp8" in r["name"]]
     assert sorted(r["read"] for r in transposes) == sorted(S * w + padded_rows * 8 for w in transposed_widths)
     # the FP8 rows and each padded row's source
@@ -187,6 +188,13 @@ def test_grad_weight_s_operands_are_laid_out_by_one_pass_each(steps):
     [swiglu] = [r for r in steps["current"]["rows"] if r["kind"] == "extern" and "swiglu_backward_placed" in r["name"]]
     assert swiglu["read"] == S * 2 * width * 2 + S * width * 2 + 4 + experts * 4
     assert swiglu["written"] == S * 2 * width + padded_rows * 2 * width + (experts + 1) * 2 * -(-width // 64) * 4
+    # fp8graph::quantize_weighted_rows_placed: S rows of the combine's gradient (TOKENS, hidden) through the index
+    # of each row's token (S,), the routing weights (S,), the GEMM's output (S, hidden) for their gradient, the
+    # scale and the offsets read; the FP8 rows, their placed copy, each group's amaxes and each row's dot written.
+    [weighted] = [r for r in steps["current"]["rows"]
+                  if r["kind"] == "extern" and "quantize_weighted_rows_placed" in r["name"]]
+    assert weighted["read"] == S * hidden * 2 + S * 8 + S * 2 + S * hidden * 2 + 4 + experts * 4
+    assert weighted["written"] == S * hidden + padded_rows * hidden + (experts + 1) * -(-hidden // 64) * 4 + S * 4
     placed = [r for r in steps["rowwise"]["rows"] if r["kind"] == "extern"]
     assert [r for r in placed if "transpose_fp8" in r["name"]] == []
     placed = [r for r in placed if "quantize_group_columns_placed" in r["name"]]
@@ -218,16 +226,17 @@ def test_current_scaling_lays_the_input_out_for_grad_weight_in_the_forward(steps
     """grad_weight's right operands, the inputs' casts in groups padded to 16 tokens, are laid out in the forward
     (``fp8graph.targets.grouped._placed_in_the_forward``): the gathered input of gate_up by the kernel that casts
     it (``fp8graph::quantize_rows_placed``), the down projection's from the FP8 rows its forward GEMM reads; the
-    backward lays out only the grad_outputs' casts (the down projection's from its FP8 rows, gate_up's by the
-    kernel that computes and casts SwiGLU's gradient): it never moves a saved cast. Each FP8 operand is stored once
-    for its GEMM and its transpose."""
+    backward lays out only the grad_outputs' casts, each by the kernel that computes and casts it (the down
+    projection's from the combine's gradient, gate_up's SwiGLU's gradient): it never moves a saved cast. Each FP8
+    operand is stored once for its GEMM and its transpose."""
     rows = [r for r in steps["current"]["rows"] if r["kind"] == "extern" and "transpose_fp8" in r["name"]]
-    forward = [r for r in rows if r["graph"].endswith("forward")]
-    backward = [r for r in rows if r["graph"].endswith("backward")]
-    assert len(forward) == 1 and len(backward) == 1, [(r["graph"], r["detail"]) for r in rows]
-    assert all("float8_e4m3fn" in r["detail"] for r in rows)
-    placed = [r["graph"] for r in steps["current"]["rows"] if "quantize_rows_placed" in r["name"]]
-    assert len(placed) == 1 and placed[0].endswith("forward")
+    padded_rows = -(-(S + TINY["experts"] * 16) // 16) * 16
+    assert [(r["graph"], r["detail"]) for r in rows] == [
+        ("0:forward", f"{S}x{TINY['expert_width']}:float8_e4m3fn {padded_rows}:int64")]
+    placing = {name: [r["graph"] for r in steps["current"]["rows"] if f"fp8graph.{name}." in r["name"]]
+               for name in ("quantize_rows_placed", "quantize_weighted_rows_placed", "swiglu_backward_placed")}
+    assert placing == {"quantize_rows_placed": ["0:forward"], "quantize_weighted_rows_placed": ["1:backward"],
+                       "swiglu_backward_placed": ["1:backward"]}, placing
     assert sum(r.get("duplicate_written", 0) * r["count"] for r in steps["current"]["rows"]) == 0
 
 

@@ -1,6 +1,6 @@
-"""``fp8graph::quantize_group_columns_placed`` and ``fp8graph::quantize_rows_placed``: a grouped GEMM's
-weight-gradient operand cast (per group and column, or per tensor with its rows written too) and laid out for the
-GEMM by one kernel.
+"""``fp8graph::quantize_group_columns_placed``, ``fp8graph::quantize_rows_placed`` and
+``fp8graph::quantize_weighted_rows_placed``: a grouped GEMM's weight-gradient operand cast (per group and column, or
+per tensor with its rows written too, each row weighted or not) and laid out for the GEMM by one kernel.
 
 The Triton kernel is checked byte for byte against the op's reference by Triton's interpreter (a fresh process,
 ``TRITON_INTERPRET=1``), compiled for sm_90 and sm_100 in ``tests/kernels/test_kernels_compile.py``, and run on a
@@ -10,7 +10,8 @@ GPU in ``tests/test_gpu.py``.
 import pytest
 import torch
 
-from fp8graph.kernels.group_columns import quantize_group_columns_placed, quantize_rows_placed
+from fp8graph.kernels.group_columns import (quantize_group_columns_placed, quantize_rows_placed,
+                                            quantize_weighted_rows_placed)
 from fp8graph.kernels.quantize_tiles import triton_available
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.numerics.groups import padded_group_bound, padded_group_sources, quantize_group_columns, row_groups
@@ -22,7 +23,7 @@ OFFSETS = torch.tensor([5, 5, 30, 40], dtype=torch.int32)  # an empty group; row
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 def test_the_triton_kernel_equals_the_reference_under_the_interpreter():
-    assert cases_checked_under_triton_interpreter("check_group_columns.py") == 40
+    assert cases_checked_under_triton_interpreter("check_group_columns.py") == 60
 
 
 def test_the_op_is_the_group_column_cast_placed_and_traces_with_its_fake():
@@ -98,3 +99,49 @@ def test_bad_operands_of_the_per_tensor_op_are_refused_with_what_it_takes():
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
     with pytest.raises(ValueError, match="quantize_rows_placed's gather_index is a 1-D int64 tensor"):
         quantize_rows_placed(x_hp, torch.tensor(1.0), OFFSETS, 16, torch.zeros(4, dtype=torch.int32))
+
+
+def test_the_weighted_op_casts_each_gathered_row_times_its_weight_and_returns_each_rows_dot_with_the_other():
+    """The combine's backward: ``g[token_of_row] * w`` cast per tensor (from fp32: the product of two BF16 values is
+    exact there), laid out as the per-tensor op lays out its rows, the amaxes of the weighted rows, and each
+    gathered row's dot product with ``other`` (the GEMM's output: the routing weights' gradient) before the
+    weight. Without ``other`` the same casts and no dots."""
+    torch.manual_seed(0)
+    grad_hp = torch.randn(30, 100, dtype=torch.bfloat16) * 10
+    grad_hp[3, 70] = float("nan")
+    token_of_row = torch.randint(0, 30, (44,))
+    row_weights = torch.rand(44, dtype=torch.bfloat16)
+    row_weights[0] = 0.0
+    other_hp = torch.randn(44, 100, dtype=torch.bfloat16)
+    scale = torch.tensor(3.0)
+    rows_fp8, x_t_fp8, amax, dots = quantize_weighted_rows_placed(grad_hp, row_weights, other_hp, scale, OFFSETS, 16,
+                                                                  token_of_row)
+    gathered = grad_hp[token_of_row].float()
+    weighted = gathered * row_weights.float()[:, None]
+    expected_fp8 = quantize(weighted, scale, torch.float8_e4m3fn)
+    sources, _ = padded_group_sources(OFFSETS, 44, 16)
+    assert torch.equal(rows_fp8.view(torch.uint8), expected_fp8.view(torch.uint8))
+    assert torch.equal(x_t_fp8.view(torch.uint8), transpose_fp8(expected_fp8, sources).view(torch.uint8))
+    assert amax.shape == (5, 2) and amax.max() == finite_magnitude(weighted).max()
+    assert torch.equal(dots, (gathered * other_hp.float()).sum(1))  # NaN where the gathered row holds one
+    assert dots.isnan().sum() == (token_of_row == 3).sum()
+    no_dots = quantize_weighted_rows_placed(grad_hp, row_weights, None, scale, OFFSETS, 16, token_of_row)
+    assert no_dots[3].shape == (0,) and torch.equal(no_dots[1].view(torch.uint8), x_t_fp8.view(torch.uint8))
+    finite_hp = grad_hp.nan_to_num()
+    for other in (other_hp, None):
+        torch.library.opcheck(torch.ops.fp8graph.quantize_weighted_rows_placed,
+                              (finite_hp, row_weights, other, scale, OFFSETS, 16, token_of_row),
+                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_bad_operands_of_the_weighted_op_are_refused_with_what_it_takes():
+    x_hp, index = torch.randn(8, 16), torch.zeros(44, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"one floating-point weight a row \(44\) on cpu"):
+        quantize_weighted_rows_placed(x_hp, torch.ones(8), None, torch.tensor(1.0), OFFSETS, 16, index)
+    with pytest.raises(ValueError, match=r"one floating-point weight a row \(44\) on cpu"):
+        quantize_weighted_rows_placed(x_hp, torch.ones(44, dtype=torch.int64), None, torch.tensor(1.0), OFFSETS, 16,
+                                      index)
+    with pytest.raises(ValueError, match=r"other rows are \(44, 16\) on cpu"):
+        quantize_weighted_rows_placed(x_hp, torch.ones(44), torch.ones(44, 15), torch.tensor(1.0), OFFSETS, 16, index)
+    with pytest.raises(ValueError, match="quantize_weighted_rows_placed's scale is one float32 value"):
+        quantize_weighted_rows_placed(x_hp, torch.ones(44), None, torch.ones(2), OFFSETS, 16, index)

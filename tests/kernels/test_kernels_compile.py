@@ -173,28 +173,38 @@ def test_the_gathered_expert_gemv_compiles_to_a_cubin_reading_fp8_as_vectors(row
 @pytest.mark.parametrize("op, rows, columns, experts, gather",
                          [("group columns", 262144, 2048, 128, True), ("group columns", 262144, 768, 128, False),
                           ("group columns", 200, 100, 3, False), ("rows", 262144, 2048, 128, True),
-                          ("rows", 200, 100, 3, True)],
+                          ("rows", 200, 100, 3, True), ("weighted rows", 262144, 2048, 128, True),
+                          ("weighted rows", 200, 100, 3, True)],
                          ids=["qwen3-input-gathered", "qwen3-grad-output", "ragged", "per-tensor-qwen3-input",
-                              "per-tensor-ragged"])
+                              "per-tensor-ragged", "combine-backward-qwen3", "combine-backward-ragged"])
 def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_bytes_as_vectors(
         op, rows, columns, experts, gather, capability):
     """The kernel that casts a grouped GEMM's weight-gradient operand and lays it out: as
     ``fp8graph::quantize_group_columns_placed`` (row-wise's operands, cast per group and column) and as
     ``fp8graph::quantize_rows_placed`` (a per-tensor recipe's gathered input, also written as rows for the forward
-    GEMM). A cubin without spills that reads BF16 rows as 16-byte vectors when the columns divide by 8, converts in
-    hardware (saturating, round to nearest even) and stores the transposed bytes (and the rows) as vectors. Not
-    proven here: its speed (``bench moe`` on a GPU)."""
-    from fp8graph.kernels.group_columns import plan_quantize_group_columns_placed, plan_quantize_rows_placed
+    GEMM), and as ``fp8graph::quantize_weighted_rows_placed`` (the combine's gradient, gathered, weighted and cast
+    for the down projection, with each row's dot product with the GEMM's output). A cubin without spills that
+    reads BF16 rows (and the other rows) as 16-byte vectors when the columns divide by 8, converts in hardware
+    (saturating, round to nearest even) and stores the transposed bytes (and the rows) as vectors. Not proven here:
+    its speed (``bench moe`` on a GPU)."""
+    from fp8graph.kernels.group_columns import (plan_quantize_group_columns_placed, plan_quantize_rows_placed,
+                                                plan_quantize_weighted_rows_placed)
 
     source = torch.empty(rows // 8 if gather else rows, columns, dtype=torch.bfloat16)
     index = torch.empty(rows, dtype=torch.int64) if gather else None
     offsets = torch.empty(experts, dtype=torch.int32)
+    scale = torch.empty((), dtype=torch.float32)
     if op == "rows":
-        launch, *_ = plan_quantize_rows_placed(source, torch.empty((), dtype=torch.float32), offsets, 16, index)
+        launch, *_ = plan_quantize_rows_placed(source, scale, offsets, 16, index)
+    elif op == "weighted rows":
+        launch, *_ = plan_quantize_weighted_rows_placed(
+            source, torch.empty(rows, dtype=torch.bfloat16), torch.empty(rows, columns, dtype=torch.bfloat16), scale,
+            offsets, 16, index)
     else:
         launch, *_ = plan_quantize_group_columns_placed(source, offsets, 16, True, index)
     assert launch.constexprs["SOFTWARE_ROUNDING"] is False  # what a GPU runs
-    assert launch.constexprs["TENSOR_SCALE"] is (op == "rows")
+    assert launch.constexprs["TENSOR_SCALE"] is (op != "group columns")
+    assert launch.constexprs["ROW_WEIGHTS"] is launch.constexprs["DOTS"] is (op == "weighted rows")
     compiled = compile_launch(launch, capability)
     usage = resource_usage(compiled)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
@@ -203,7 +213,10 @@ def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_byt
     if columns % 8 == 0:
         assert "ld.global.v4.b32" in ptx, "rows are not read as 16-byte vectors"
         stores = ptx.count("st.global.v4.b32") + ptx.count("st.global.v2.b32")
-        assert stores >= (2 if op == "rows" else 1), "the bytes are not stored as vectors (both layouts, per tensor)"
+        assert stores >= (2 if op != "group columns" else 1), \
+            "the bytes are not stored as vectors (both layouts, per tensor)"
+        if op == "weighted rows":
+            assert ptx.count("ld.global.v4.b32") >= 2, "the other rows are not read as 16-byte vectors"
 
 
 @pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())

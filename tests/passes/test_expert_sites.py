@@ -168,22 +168,30 @@ def test_the_batched_mm_decode_form_is_an_expert_site_kept_with_its_reason():
     assert all(r.reason.startswith("expert weights gathered per token") for r in experts)
 
 
-@pytest.mark.parametrize("recipe", [Float8RowwiseScaling(), Float8CurrentScaling(), MXFP8BlockScaling()], ids=str)
-def test_expert_sites_record_their_fp8_health(recipe):
+@pytest.mark.parametrize("recipe, native", [(Float8RowwiseScaling(), False), (Float8CurrentScaling(), False),
+                                            (MXFP8BlockScaling(), False), (Float8CurrentScaling(), True)], ids=str)
+def test_expert_sites_record_their_fp8_health(monkeypatch, recipe, native):
     """stats=True: the experts module's buffer holds the health of its expert GEMMs' casts (the module's two sites
     share it: the later one's, the down projection, as for any module with two sites), at the call that casts the
-    expert weights and at the next, which reads their kept casts."""
+    expert weights and at the next, which reads their kept casts. On the native path (the GPU's graph, casting per
+    call) current scaling's calls take SwiGLU and the combine, whose gradients the stats read in BF16."""
+    from gemm_rules import pretend_gpu
+
     model, x = _moe()
     compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager", stats=True)
-    with fp8graph.weights_unchanged(compiled):
+    with pretend_gpu(monkeypatch) if native else fp8graph.weights_unchanged(compiled) as calls:
         for step in range(2):
             compiled(x).float().pow(2).mean().backward()
-            assert compiled.fp8graph_backend.weight_cache.reuse == (step == 1)
+            if not native:
+                assert compiled.fp8graph_backend.weight_cache.reuse == (step == 1)
             rows = {(r.path, r.role): r for r in compiled.fp8graph_stats.record(step=step)}
             for role in ("input", "weight", "grad_output"):
                 row = rows["experts", role]
                 assert row.sqnr_db > 25 and row.underflow < 0.05 and row.amax > 0, (step, role, row)
             assert ("gate", "input") not in rows, "the router stays in high precision"
+    if native:
+        calls.assert_every_rule_kept()
+        assert [name.split("_")[-3] for name in _grouped_calls(compiled.fp8graph_backend)] == ["swiglu", "combine2"]
 
 
 def test_dynamic_token_counts_compile_once_with_a_symbolic_m():
@@ -233,7 +241,7 @@ def test_swiglu_between_the_expert_gemms_moves_into_the_first_call_on_the_native
         block, _ = _moe()
         x_run = x.clone().requires_grad_()
         if not fuse:
-            monkeypatch.setattr(rewrite, "fuses_swiglu", lambda recipe, lowering: False)
+            monkeypatch.setattr(rewrite, "fuses_neighbours", lambda recipe, lowering: False)
         compiled, backend = compile_fp8(block, policy=recipe)
         with pretend_gpu(monkeypatch) as calls:
             for _ in range(2):  # delayed scaling's second step casts with the scales the first recorded
@@ -248,7 +256,8 @@ def test_swiglu_between_the_expert_gemms_moves_into_the_first_call_on_the_native
     (fused_calls, fused, fused_grads, fused_state), (plain_calls, plain, plain_grads, plain_state) = results
     per_tensor = not recipe.tiled
     assert [name.endswith("_swiglu_scaled_mm") for name in fused_calls] == [per_tensor, False]
-    assert not any("swiglu" in name for name in plain_calls)
+    assert [name.endswith("_combine2_scaled_mm") for name in fused_calls] == [False, per_tensor], fused_calls
+    assert not any("swiglu" in name or "combine" in name for name in plain_calls)
     assert torch.equal(fused, plain)
     for name, ref, fused_grad, plain_grad in zip(["x", *(n for n, _ in block.named_parameters())], reference,
                                                  fused_grads, plain_grads):
@@ -306,3 +315,93 @@ def test_swiglu_moves_into_the_call_only_where_nothing_else_reads_its_steps(monk
     silu_left = any(n.target is torch.nn.functional.silu for gm in backend.graph_modules for n in gm.graph.nodes)
     assert silu_left is not fused
     assert output.shape == (48, 32) and output.isfinite().all()
+
+
+class _Combine(torch.nn.Module):
+    """One grouped GEMM and the experts' combine after it, ``(y * w)[inverse].view(T, k, N).sum(dim=1)``, in one of
+    the spellings models use, or with a step read again or changed so that it is no combine to take."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.down = torch.nn.Parameter(torch.randn(4, 32, 32) * 0.2)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x, expert_of_row, routing):  # (S, 32), (S,), (T, k)
+        top_k = routing.shape[1]
+        _, perm = torch.sort(expert_of_row)
+        offsets = torch.tensor([10, 10, 30, 48], dtype=torch.int32)
+        weights_sorted = routing.reshape(-1)[perm]  # transformers': sorted before the GEMM
+        if self.spelling == "gathered input":  # the rows gathered from the tokens, as for a first expert GEMM
+            x = x[: x.shape[0] // top_k][perm // top_k]
+        y = torch._grouped_mm(x, self.down.transpose(-2, -1), offs=offsets)
+        if self.spelling == "side effect between":
+            self.calls.add_(1)
+        weights = (weights_sorted if self.spelling != "weights after" else routing.reshape(-1)[perm]).unsqueeze(-1)
+        weights = weights.float() if self.spelling == "fp32 weights" else weights
+        weighted = weights * y if self.spelling == "weights first" else y * weights
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.shape[0])
+        index = torch.argsort(inverse) if self.spelling == "gathered by another index" else inverse
+        rows = weighted[index]
+        if self.spelling == "reshape, torch.sum":
+            out = torch.sum(rows.reshape(-1, top_k, 32), 1)
+        elif self.spelling == "summed over the tokens":
+            out = rows.view(-1, top_k, 32).sum(dim=0)
+        else:
+            out = rows.view(-1, top_k, 32).sum(dim=1, keepdim=self.spelling == "keepdim").reshape(-1, 32)
+        return out + y.sum() if self.spelling == "output read twice" else out
+
+
+@pytest.mark.parametrize("spelling, fused", [("weights before", True), ("weights after", True),
+                                             ("weights first", True), ("reshape, torch.sum", True),
+                                             ("gathered input", True), ("output read twice", False),
+                                             ("keepdim", False), ("summed over the tokens", False),
+                                             ("fp32 weights", False), ("gathered by another index", False),
+                                             ("side effect between", False)])
+def test_the_combine_moves_into_the_last_call_only_where_nothing_else_reads_its_steps(monkeypatch, spelling, fused):
+    """The experts' combine is the call's to return only when each node from the GEMM's output to the sum is read
+    by the next alone, the rows gathered by the proven inverse of the sort's permutation and summed over the
+    top-k dimension, the weights (S, 1) of the output's dtype, and nothing with side effects lies between the GEMM
+    and the product (the call goes where the product was): the routing weights may be made before the GEMM or after
+    it, either side of the product, and the GEMM's rows gathered from the tokens (its call casts those). The
+    output is the graph's, bit for bit (the same ops), the gradients as close to fp32 eager's as the unfused
+    graph's."""
+    from fp8graph.passes import rewrite
+    from gemm_rules import pretend_gpu
+    from helpers import sqnr_db
+
+    torch.manual_seed(0)
+    x = torch.randn(48, 32, dtype=torch.bfloat16)
+    expert_of_row = torch.cat([torch.full((n,), e) for e, n in enumerate((10, 0, 20, 18))])[torch.randperm(48)]
+    routing = torch.rand(24, 2, dtype=torch.bfloat16)
+    results = []
+    for fuse in (True, False):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        model = _Combine(spelling).to(torch.bfloat16)
+        x_run, routing_run = x.clone().requires_grad_(), routing.clone().requires_grad_()
+        if not fuse:
+            monkeypatch.setattr(rewrite, "fuses_neighbours", lambda recipe, lowering: False)
+        compiled, backend = compile_fp8(model, policy=Float8CurrentScaling())
+        with pretend_gpu(monkeypatch) as calls:
+            output = compiled(x_run, expert_of_row, routing_run)
+            output.float().pow(2).mean().backward()
+        calls.assert_every_rule_kept()
+        monkeypatch.undo()
+        results.append((_grouped_calls(backend), output, [x_run.grad, routing_run.grad, model.down.grad]))
+    (fused_calls, fused_output, fused_grads), (plain_calls, plain_output, plain_grads) = results
+    assert [name.endswith("_combine2_scaled_mm") for name in fused_calls] == [fused]
+    assert not any("combine" in name for name in plain_calls)
+    assert torch.equal(fused_output, plain_output)
+    reference_model = _Combine(spelling if spelling != "side effect between" else "weights before").float()
+    reference_model.down.data.copy_(model.down.float())
+    x_fp32, routing_fp32 = x.float().requires_grad_(), routing.float().requires_grad_()
+    reference_model(x_fp32, expert_of_row, routing_fp32).pow(2).mean().backward()
+    for name, ref, fused_grad, plain_grad in zip(("x", "routing", "down"),
+                                                 (x_fp32.grad, routing_fp32.grad, reference_model.down.grad),
+                                                 fused_grads, plain_grads):
+        assert sqnr_db(ref, fused_grad) >= sqnr_db(ref, plain_grad) - 1.0, name
+        assert sqnr_db(plain_grad, fused_grad) >= 30.0, name
+        if not fused:
+            assert torch.equal(fused_grad, plain_grad), name

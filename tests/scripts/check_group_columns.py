@@ -1,14 +1,17 @@
 """Run by tests/kernels/test_group_columns.py under TRITON_INTERPRET=1: the kernel of
-``fp8graph::quantize_group_columns_placed`` and ``fp8graph::quantize_rows_placed`` against the ops' references (the
-per-group-and-column cast, or the per-tensor one, then the padded transpose), byte for byte and scale (or amax)
-for scale: groups of every size (empty, one row, ragged, a block and more), rows in no group, columns not a
-multiple of the block, gathered rows, a row-strided source, values that test the amax (NaN, inf, zeros,
-subnormal-range magnitudes, values that saturate), exact and power-of-2 scales."""
+``fp8graph::quantize_group_columns_placed``, ``fp8graph::quantize_rows_placed`` and
+``fp8graph::quantize_weighted_rows_placed`` against the ops' references (the per-group-and-column cast, or the
+per-tensor one of the rows or of the weighted rows, then the padded transpose), byte for byte and scale (or amax)
+for scale, the weighted op's dot products to fp32's summation order: groups of every size (empty, one row,
+ragged, a block and more), rows in no group, columns not a multiple of the block, gathered rows, row-strided
+operands, values that test the amax (NaN, inf, zeros, subnormal-range magnitudes, values that saturate), exact
+and power-of-2 scales, weights of every sign and zero."""
 
 import torch
 
-from fp8graph.kernels.group_columns import (_reference, _rows_reference, quantize_group_columns_placed_triton,
-                                            quantize_rows_placed_triton)
+from fp8graph.kernels.group_columns import (_reference, _rows_reference, _weighted_reference,
+                                            quantize_group_columns_placed_triton, quantize_rows_placed_triton,
+                                            quantize_weighted_rows_placed_triton)
 
 from e4m3_bytes import e4m3_bytes
 
@@ -41,7 +44,33 @@ for sizes, tail, columns in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 
         got = quantize_rows_placed_triton(x, scale, offsets, 16, index)
         for got_part, expected_part, part in zip(got, expected, ("rows", "placed", "amax")):
             assert got_part.shape == expected_part.shape, (label, part)
-            compared = (e4m3_bytes(got_part), e4m3_bytes(expected_part)) if part != "amax" else (got_part, expected_part)
+            compared = ((e4m3_bytes(got_part), e4m3_bytes(expected_part)) if part != "amax"
+                        else (got_part, expected_part))
             assert torch.equal(*compared), (label, part)
+        cases += 1
+        # Each row weighted (a zero, a negative, one that saturates the row's largest values); the dots with other
+        # rows, where x's NaN and inf reach only the dots of the rows gathered from theirs.
+        row_weights = torch.rand(rows, generator=generator).to(dtype)
+        row_weights[: min(rows, 3)] = torch.tensor([0.0, -1.5, 3.0], dtype=dtype)[: min(rows, 3)]
+        other = torch.randn(rows, columns * (2 if strided else 1), generator=generator).to(dtype)[:, :columns]
+        expected = _weighted_reference(x, row_weights, other, scale, offsets, 16, index)
+        got = quantize_weighted_rows_placed_triton(x, row_weights, other, scale, offsets, 16, index)
+        # Without other rows: the same cast, and no dots.
+        assert all(torch.equal(e4m3_bytes(a) if a.dtype == torch.float8_e4m3fn else a,
+                               e4m3_bytes(b) if b.dtype == torch.float8_e4m3fn else b) for a, b in zip(
+            quantize_weighted_rows_placed_triton(x, row_weights, None, scale, offsets, 16, index)[:3], got[:3])), label
+        assert quantize_weighted_rows_placed_triton(x, row_weights, None, scale, offsets, 16, index)[3].numel() == 0
+        for got_part, expected_part, part in zip(got, expected, ("rows", "placed", "amax", "dots")):
+            assert got_part.shape == expected_part.shape, (label, part)
+            if part == "dots":  # summed in another order: within fp32's rounding of the products' magnitudes
+                gathered = (x if index is None else x[index]).float()
+                bound = 1e-6 * (gathered * other.float()).abs().nan_to_num(0.0, 0.0, 0.0).sum(1)
+                finite = expected_part.isfinite()
+                assert torch.equal(finite, got_part.isfinite()), (label, part)
+                assert ((got_part - expected_part)[finite].abs() <= bound[finite]).all(), (label, part)
+            else:
+                compared = ((e4m3_bytes(got_part), e4m3_bytes(expected_part)) if part != "amax"
+                            else (got_part, expected_part))
+                assert torch.equal(*compared), (label, part)
         cases += 1
 print(f"cases checked: {cases}")
