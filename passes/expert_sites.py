@@ -249,9 +249,11 @@ _SUMS = {"sum", torch.sum}
 
 def read_combine(site: GroupedExpertSite) -> None:
     """Record the experts' combine of the site's output (see the module's doc), ``((y * w)[inverse]).view(T, k,
-    N).sum(dim=1)`` with ``w`` (S, 1) of the output's dtype and ``inverse`` proven the inverse of a permutation
-    (``passes.unpermute``), when each node on the way is read only by the next and nothing between the GEMM and
-    the product has side effects (the call takes the GEMM's place at the product)."""
+    N).sum(dim=1)`` with ``w`` (S, 1) floating point (BF16, or fp32 as Mixtral's and DeepSeek-V3's routers give it:
+    the product then fp32, as in the graph) and ``inverse`` proven the inverse of a permutation made before the
+    product (``passes.unpermute``), when each node on the way is read only by the next and nothing between the
+    GEMM and the product has side effects (the call takes the GEMM's place at the product). Shapes are compared as
+    text: comparing symbols would guard the graph on them."""
     if site.offsets_node is None or site.blocker is not None or site.swiglu_nodes:
         return
     output_value = tensor_value(site.node)
@@ -261,8 +263,9 @@ def read_combine(site: GroupedExpertSite) -> None:
         return
     weights = product.args[1] if product.args[0] is site.node else product.args[0]
     weights_value = tensor_value(weights)
-    if weights is site.node or weights_value is None or tuple(weights_value.shape) != (output_value.shape[0], 1) \
-            or weights_value.dtype != output_value.dtype or weights_value.device != output_value.device:
+    if weights is site.node or weights_value is None or str(tuple(weights_value.shape)) != str(
+            (output_value.shape[0], 1)) or not weights_value.dtype.is_floating_point \
+            or weights_value.device != output_value.device:
         return
     gather = _only_user(product)
     if not (isinstance(gather, torch.fx.Node) and gather.op == "call_function" and gather.target is operator.getitem
@@ -272,12 +275,18 @@ def read_combine(site: GroupedExpertSite) -> None:
     view = _only_user(gather)
     if unpermuted is None or not _is_call(view, _VIEWS) or argument(view, 0, "input") is not gather:
         return
-    # The permutation sorted the GEMM's rows (compared as text: comparing symbols would guard the graph on them)
-    if str(tensor_value(unpermuted[0]).shape[0]) != str(output_value.shape[0]):
+    # The permutation sorted the GEMM's rows, and is made before the product, where the call will read it
+    permutation = unpermuted[0]
+    if str(tensor_value(permutation).shape[0]) != str(output_value.shape[0]):
         return
+    after_product = product.next
+    while after_product is not gather:
+        if after_product is permutation:
+            return
+        after_product = after_product.next
     view_value, total = tensor_value(view), _only_user(view)
     if view_value is None or view_value.dim() != 3 or not isinstance(view_value.shape[1], int) \
-            or tuple(view_value.shape[1:]) != (view_value.shape[1], output_value.shape[1]) \
+            or str(view_value.shape[2]) != str(output_value.shape[1]) \
             or not _is_call(total, _SUMS) or argument(total, 0, "input") is not view:
         return
     dim = argument(total, 1, "dim")
@@ -290,7 +299,7 @@ def read_combine(site: GroupedExpertSite) -> None:
             return
         between = between.next
     site.combine_nodes = (product, gather, view, total)
-    site.combine_weights, site.combine_permutation = weights, unpermuted[0]
+    site.combine_weights, site.combine_permutation = weights, permutation
     site.combine_top_k = view_value.shape[1]
 
 

@@ -113,7 +113,7 @@ def quantize_group_columns_placed_kernel(
         if DOTS:  # the dot with other's row, before the weight
             other = tl.load(other_ptr + row[:, None] * other_stride + column[None, :],
                             mask=present[:, None] & column_inside[None, :], other=0.0).to(tl.float32)
-            tl.store(dots_ptr + tl.program_id(1) * rows + row, tl.sum(x * other, axis=1), mask=present)
+            tl.store(dots_ptr + tl.program_id(1).to(tl.int64) * rows + row, tl.sum(x * other, axis=1), mask=present)
         if ROW_WEIGHTS:  # the row cast weighted
             x = x * tl.load(weights_ptr + row, mask=present, other=0.0).to(tl.float32)[:, None]
         bits = _e4m3_bits(x * column_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)

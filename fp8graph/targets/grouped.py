@@ -254,8 +254,8 @@ def _swiglu(gate_up_hp: torch.Tensor) -> torch.Tensor:
 def _combine(rows_hp: torch.Tensor, row_weights: torch.Tensor, permutation: torch.Tensor, top_k: int) -> torch.Tensor:
     """The experts' combine of ``rows_hp`` (S, N), sorted by expert: each row times its ``row_weights`` (S, 1), the
     tokens' order restored (``permutation`` sorted them), each token's ``top_k`` rows summed: (S / top_k, N). In the
-    ops of the graph it replaces, which Inductor fuses as it did there; the inverse of the permutation is made as
-    that graph made it."""
+    ops of the graph it replaces (Inductor may keep the product in fp32 where that graph rounded it to BF16, or the
+    other way round); the inverse of the permutation is made as that graph made it."""
     inverse = torch.empty_like(permutation)
     inverse[permutation] = torch.arange(permutation.shape[0], device=permutation.device)
     return (rows_hp * row_weights)[inverse].view(-1, top_k, rows_hp.shape[1]).sum(dim=1)

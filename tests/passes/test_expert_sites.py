@@ -342,6 +342,10 @@ class _Combine(torch.nn.Module):
         weighted = weights * y if self.spelling == "weights first" else y * weights
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.shape[0])
+        if self.spelling == "sorted again after the product":  # the same permutation, made after the product
+            _, again = torch.sort(expert_of_row)
+            inverse = torch.empty_like(again)
+            inverse[again] = torch.arange(again.shape[0])
         index = torch.argsort(inverse) if self.spelling == "gathered by another index" else inverse
         rows = weighted[index]
         if self.spelling == "reshape, torch.sum":
@@ -356,15 +360,17 @@ class _Combine(torch.nn.Module):
 @pytest.mark.parametrize("spelling, fused", [("weights before", True), ("weights after", True),
                                              ("weights first", True), ("reshape, torch.sum", True),
                                              ("gathered input", True), ("output read twice", False),
-                                             ("keepdim", False), ("summed over the tokens", False),
-                                             ("fp32 weights", False), ("gathered by another index", False),
+                                             ("fp32 weights", True), ("keepdim", False),
+                                             ("summed over the tokens", False), ("gathered by another index", False),
+                                             ("sorted again after the product", False),
                                              ("side effect between", False)])
 def test_the_combine_moves_into_the_last_call_only_where_nothing_else_reads_its_steps(monkeypatch, spelling, fused):
     """The experts' combine is the call's to return only when each node from the GEMM's output to the sum is read
     by the next alone, the rows gathered by the proven inverse of the sort's permutation and summed over the
-    top-k dimension, the weights (S, 1) of the output's dtype, and nothing with side effects lies between the GEMM
-    and the product (the call goes where the product was): the routing weights may be made before the GEMM or after
-    it, either side of the product, and the GEMM's rows gathered from the tokens (its call casts those). The
+    top-k dimension, the weights (S, 1), the permutation made before the product, and nothing with side effects
+    between the GEMM and the product (the call goes where the product was): the routing weights may be made before
+    the GEMM or after it, either side of the product, in fp32 (Mixtral's and DeepSeek-V3's routers: the combine
+    then fp32), and the GEMM's rows gathered from the tokens (its call casts those). The
     output is the graph's, bit for bit (the same ops), the gradients as close to fp32 eager's as the unfused
     graph's."""
     from fp8graph.passes import rewrite
