@@ -275,8 +275,7 @@ def quantize_weighted_rows_placed_triton(x_hp, row_weights, other_hp, scale, off
         x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index)
     if x_t_fp8.numel():
         launch()
-    elif dots is not None:
-        dots.zero_()
+    # Without columns the partials are (0, S): their sums are S zeros.
     return rows_fp8, x_t_fp8, amax, dots.sum(dim=0) if dots is not None else x_hp.new_empty((0,), dtype=torch.float32)
 
 

@@ -261,13 +261,13 @@ def _combine(rows_hp: torch.Tensor, row_weights: torch.Tensor, permutation: torc
     return (rows_hp * row_weights)[inverse].view(-1, top_k, rows_hp.shape[1]).sum(dim=1)
 
 
-def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, rows_hp: torch.Tensor,
-                           token_of_row: torch.Tensor, offsets: torch.Tensor, state, spec: GroupedSpec,
-                           needs_grad_row_weights: bool):
+def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, rows_hp: torch.Tensor | None,
+                           token_of_row: torch.Tensor, offsets: torch.Tensor, state, spec: GroupedSpec):
     """Through :func:`_combine`, given its gradient ``grad_hp`` (T, N): this GEMM's grad_output
     ``grad_hp[token_of_row] * row_weights`` (S, N) cast per tensor, ``(grad_output_fp8 (S, N), scale, inverse (S,),
     placed (N, S'), grad_row_weights (S, 1) or None)``, ``placed`` laid out for grad_weight, and the routing
-    weights' gradient, each gathered row's dot product with the GEMM's output ``rows_hp`` (S, N). One kernel
+    weights' gradient, each gathered row's dot product with the GEMM's output ``rows_hp`` (S, N), which the forward
+    kept only where the routing weights need a gradient (else None, and no gradient). One kernel
     gathers, weighs, casts and writes both layouts (and the dots) (``fp8graph::quantize_weighted_rows_placed``);
     current scaling's amax is each token's gradient row's amax times each of its rows' routing weight, the weighted
     rows' amax in fp32 without reading them (exact: a product of two BF16 values is; but where such a product
@@ -275,7 +275,6 @@ def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, row
     kernel keeps its finite products); delayed scaling's scale comes from its grad history, which records the
     amaxes the kernel returns. The weighted gradient is never stored in BF16."""
     weights = row_weights.reshape(-1)
-    other_hp = rows_hp if needs_grad_row_weights else None
     if spec.delayed:
         new_scale = _grad_scale_delayed(state, spec, grad_hp)
         scale = new_scale[0]
@@ -283,10 +282,10 @@ def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, row
         token_amax = finite_magnitude(grad_hp.detach()).amax(dim=1)  # (T,)
         scale = _scale(finite_magnitude(token_amax[token_of_row] * weights.detach().to(torch.float32)).amax(), spec)
     grad_fp8, placed, amaxes, dots = torch.ops.fp8graph.quantize_weighted_rows_placed(
-        grad_hp, weights, other_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, token_of_row)
+        grad_hp, weights, rows_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, token_of_row)
     if spec.delayed:
         _record_grad_amaxes(state, spec, amaxes.reshape(-1), new_scale)
-    grad_row_weights = dots.to(row_weights.dtype).reshape(row_weights.shape) if needs_grad_row_weights else None
+    grad_row_weights = dots.to(row_weights.dtype).reshape(row_weights.shape) if rows_hp is not None else None
     return grad_fp8, scale, scale.reciprocal().expand(grad_fp8.shape[0]), placed, grad_row_weights
 
 
@@ -537,7 +536,7 @@ class _GroupedFP8(torch.autograd.Function):
                 token_of_row = permutation // spec.combine_top_k
                 grad_output_fp8, grad_output_scale, grad_output_inverse, grad_output_placed, grad_row_weights = \
                     _cast_combine_backward(grad_output_hp, row_weights, kept_output, token_of_row, offsets,
-                                           ctx.state, spec, ctx.needs_input_grad[9])
+                                           ctx.state, spec)
                 if ctx.stats is not None:  # the gradient in BF16 for its health record: stats cost its bytes
                     grad_output_hp = grad_output_hp[token_of_row] * row_weights
             else:
@@ -647,10 +646,11 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
         copy = () if weight_cache is None else (ExpertWeightCopy.of(
             weight_hp, weight_cache, cached_weight, cached_weight_scale, cached_weight_t, cached_weight_t_scale),)
         if offsets is not None:
-            rows = () if gather_index is None and not copy and not combine_top_k else (gather_index,)
-            combine = () if not combine_top_k else ((copy or (None,))[0], row_weights, permutation)
+            # Positional: the arguments after state that the call has, each before it in place (None where absent).
+            after_rows = ((copy or (None,))[0], row_weights, permutation) if combine_top_k else copy
+            rows = (gather_index,) if gather_index is not None or after_rows else ()
             return function.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled(), state, *rows,
-                                  *(combine or copy))
+                                  *after_rows)
         experts, tokens, _ = input_hp.shape
         offsets = torch.arange(1, experts + 1, device=input_hp.device, dtype=torch.int32) * tokens
         output = function.apply(input_hp.reshape(experts * tokens, input_hp.shape[2]), weight_hp, offsets, spec,
