@@ -358,6 +358,30 @@ def test_the_transposed_weight_cast_equals_its_reference_on_the_gpu():
                            torch.where(expected & 0x7F == 0x7F, 0x7F, expected))
 
 
+def test_both_layouts_of_the_weight_cast_and_their_tile_amaxes_equal_the_reference_on_the_gpu():
+    """``fp8graph::quantize_both_layouts`` on CUDA (the Triton kernel, the hardware's conversion) writes an expert
+    weight's cast in both GEMMs' layouts as the CPU reference does, byte for byte (NaN's sign aside), and each
+    64 x 64 tile's amax exactly, stored either way round, into new tensors and into kept copies."""
+    from fp8graph.kernels.quantize_transposed import quantize_both_layouts, quantize_both_layouts_into_
+    from scripts.e4m3_bytes import e4m3_bytes
+
+    generator = torch.Generator().manual_seed(0)
+    weights = (torch.randn(8, 1536, 2048, generator=generator)
+               * torch.logspace(-10, 8, 2048, base=2.0)).to(torch.bfloat16)
+    weights[0, 3, 3], weights[1, 5, 7] = float("inf"), float("nan")
+    scale = torch.rand(8, 1, generator=generator) * 4
+    for weight in (weights, weights[:, :200, :70], weights.transpose(-2, -1).contiguous().transpose(-2, -1)):
+        expected = quantize_both_layouts(weight, scale, True)
+        got = [part.cpu() for part in quantize_both_layouts(weight.cuda(), scale.cuda(), True)]
+        for got_fp8, expected_fp8 in zip(got[:2], expected[:2]):
+            assert torch.equal(e4m3_bytes(got_fp8), e4m3_bytes(expected_fp8))
+        assert torch.equal(got[2], expected[2])
+        copies = [torch.empty_like(part, device="cuda") for part in expected[:2]]  # the kept copies' form
+        amax = quantize_both_layouts_into_(weight.cuda(), scale.cuda(), True, *copies)
+        assert torch.equal(amax.cpu(), expected[2])
+        assert all(torch.equal(e4m3_bytes(c.cpu()), e4m3_bytes(e)) for c, e in zip(copies, expected[:2]))
+
+
 def test_the_group_column_cast_equals_its_reference_on_the_gpu():
     """``fp8graph::quantize_group_columns_placed`` on CUDA (the Triton kernel, the hardware's conversion) casts and
     places row-wise's weight-gradient operands as the CPU reference does, byte for byte (NaN's sign aside)."""

@@ -73,11 +73,15 @@ def table_source(derived: dict[str, dict]) -> str:
 
 # --- expert sites: what a recipe adds to a MoE block, per routed-token element and per weight element -------
 
-# The two Qwen3-30B-A3B blocks of the sweep the grouped table is solved from: the same weights, 8x the tokens.
+# The two Qwen3-30B-A3B blocks of the sweep the grouped table is solved from (the same weights, 4x the tokens),
+# where every expert site casts its weight again in the backward; and the block whose sites that keep their
+# weight's copy from the forward (fp8graph.numerics.groups.weight_copy_fits: its gate_up) give that form's rates.
 GROUPED_CASES = ("Qwen3-30B-A3B, 1x4096, 256 tokens an expert, 1 micro-batch",
-                 "Qwen3-30B-A3B, 8x4096, 2048 tokens an expert, 1 micro-batch")
-# The recipes whose rows the sweep holds (bench moe's), each against BF16's.
+                 "Qwen3-30B-A3B, 4x4096, 1024 tokens an expert, 1 micro-batch")
+KEPT_CASE = "Qwen3-30B-A3B, 8x4096, 2048 tokens an expert, 1 micro-batch"
+# The recipes whose rows the sweep holds (bench moe's), each against BF16's; the per-tensor ones keep the copy.
 GROUPED_RECIPES = ("current", "delayed", "rowwise")
+KEEPS_WEIGHT_COPY = ("current", "delayed")
 
 
 def _extra(rows: list[dict], baseline: list[dict]) -> dict[str, float]:
@@ -96,43 +100,81 @@ def _extra(rows: list[dict], baseline: list[dict]) -> dict[str, float]:
     return {key: mine[key] - theirs[key] for key in mine}
 
 
-def block_elements(shape: dict) -> tuple[int, int]:
-    """A sweep block's (routed-token elements, expert-weight elements) over its two expert GEMMs: gate_up
-    (K = hidden, N = 2 x width) and down (K = width, N = hidden), each M x (K + N) and E x K x N."""
+def block_sites(shape: dict) -> list[tuple[int, int, int, int]]:
+    """A sweep block's two expert GEMMs as ``(routed rows S, K, N, experts)``: gate_up (K = hidden, N = 2 x
+    width) and down (K = width, N = hidden)."""
     from fp8graph.models.moe import CONFIGS
 
     fields = {**CONFIGS[shape["config"]], **shape["overrides"]}
     hidden, width, experts = fields["hidden"], fields["expert_width"], fields["experts"]
     rows = shape["batch"] * shape["sequence"] * fields["top_k"]
-    return rows * ((hidden + 2 * width) + (width + hidden)), experts * 3 * width * hidden
+    return [(rows, hidden, 2 * width, experts), (rows, width, hidden, experts)]
+
+
+def block_elements(shape: dict) -> tuple[int, int]:
+    """A sweep block's (routed-token elements, expert-weight elements) over its two expert GEMMs, each
+    M x (K + N) and E x K x N."""
+    sites = block_sites(shape)
+    return sum(rows * (k + n) for rows, k, n, _ in sites), sum(experts * k * n for _, k, n, experts in sites)
+
+
+def kept_weight_elements(shape: dict) -> int:
+    """Expert-weight elements of the block's sites that keep their weight's copy for grad_input from the forward
+    (``fp8graph.numerics.groups.weight_copy_fits``, the rule the per-tensor recipes' sites follow)."""
+    from fp8graph.numerics.groups import weight_copy_fits
+    from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
+
+    return sum(experts * k * n for rows, k, n, experts in block_sites(shape)
+               if weight_copy_fits(rows, experts, n, FP8_GEMM_DIM_MULTIPLE))
+
+
+def _per_64th(value: float) -> float:
+    return round(value * 64) / 64
 
 
 def derive_grouped(result: dict) -> dict[str, dict]:
     """Per recipe of a ``bench model moe --sweep`` result: bytes per routed-token element and per weight
     element (Inductor's kernels and custom ops apart) and launches a block adds over BF16's, solved from
-    :data:`GROUPED_CASES` (two equations, two unknowns per kind of kernel)."""
+    :data:`GROUPED_CASES` (two equations, two unknowns per kind of kernel); for the recipes whose sites keep
+    their weight's copy from the forward, the change per weight element of a site that keeps it, from what
+    :data:`KEPT_CASE` moves beyond what those rates predict for it."""
     shapes = {f"{shape['label']}, 1 micro-batch": shape for shape in result["spec"]["shapes"]}
     captures = {capture["contestant"]: {case["case"]: case["rows"] for case in capture["cases"]}
                 for capture in result["captures"]}
     (a1, w1), (a2, w2) = (block_elements(shapes[case]) for case in GROUPED_CASES)
+    kept_tokens, kept_weights = block_elements(shapes[KEPT_CASE])
+    kept_elements = kept_weight_elements(shapes[KEPT_CASE])
     determinant = a1 * w2 - a2 * w1
     derived = {}
     for contestant in GROUPED_RECIPES:
         extras = [_extra(captures[contestant][case], captures["bf16"][case]) for case in GROUPED_CASES]
-        per_element = {}
+        kept_extra = _extra(captures[contestant][KEPT_CASE], captures["bf16"][KEPT_CASE])
+        per_element, kept = {}, {}
         for kind in ("triton", "custom_op"):
             e1, e2 = extras[0][kind], extras[1][kind]
-            per_element[kind] = (round((e1 * w2 - e2 * w1) / determinant * 64) / 64,
-                                 round((a1 * e2 - a2 * e1) / determinant * 64) / 64)
+            activation = _per_64th((e1 * w2 - e2 * w1) / determinant)
+            weight = _per_64th((a1 * e2 - a2 * e1) / determinant)
+            per_element[kind] = (activation, weight)
+            residual = kept_extra[kind] - activation * kept_tokens - weight * kept_weights
+            kept[kind] = _per_64th(residual / kept_elements) if contestant in KEEPS_WEIGHT_COPY else 0.0
         derived[contestant] = {"activation": (per_element["triton"][0], per_element["custom_op"][0]),
                                "weight": (per_element["triton"][1], per_element["custom_op"][1]),
-                               "launches": extras[0]["launches"]}
+                               "launches": extras[0]["launches"],
+                               "kept_weight": (kept["triton"], kept["custom_op"])}
     return derived
+
+
+def grouped_casts(derived: dict) -> "GroupedCasts":
+    """:func:`derive_grouped`'s answer for one recipe as the table's entry."""
+    from fp8graph.costs.casts import GroupedCasts
+
+    return GroupedCasts(*derived["activation"], *derived["weight"], derived["launches"], *derived["kept_weight"])
 
 
 def grouped_table_source(derived: dict[str, dict]) -> str:
     """``GROUPED_CAST_TRAFFIC``'s Python source for :func:`derive_grouped`'s answer."""
     lines = ["GROUPED_CAST_TRAFFIC: dict[str, GroupedCasts] = {"]
-    lines += [f'    "{kind}": GroupedCasts({", ".join(map(repr, (*c["activation"], *c["weight"], c["launches"])))}),'
-              for kind, c in derived.items()]
+    for kind, c in derived.items():
+        fields = (*c["activation"], *c["weight"], c["launches"], *c["kept_weight"])
+        lines.append(f'    "{kind}": GroupedCasts({", ".join(map(repr, fields))}),')
     return "\n".join(lines + ["}"])

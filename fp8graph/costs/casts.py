@@ -117,23 +117,29 @@ class GroupedCasts:
     weight: float
     weight_custom_op: float
     block_launches: int
+    # Per weight element of a site that keeps its weight's copy for grad_input from the forward
+    # (fp8graph.numerics.groups.weight_copy_fits), added to ``weight`` and ``weight_custom_op``: the forward casts
+    # it into both layouts by one kernel, the backward casts nothing again.
+    kept_weight: float = 0.0
+    kept_weight_custom_op: float = 0.0
 
 
-# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-28T160425Z.json
-# (Qwen3-30B-A3B's block at 256 and 2048 tokens an expert, a step of one micro-batch cast per call, sm_90, torch
-# 2.13.0, triton 3.6.0); the FP8 steps' Triton bytes it predicts are within 0.1% of the block at 1024 tokens an
-# expert, 3.3% of Llama-4 Scout's (whose batched experts keep autograd's SwiGLU and combine: 1-3% under), and of
-# DeepSeek-V3's 2.7% (current, over), 25% (delayed, over) and 14% (row-wise, under, its per-group column scales
-# growing with the tokens an expert). The per-tensor recipes' SwiGLU backward and combine backward are kernels of
-# fp8graph's, whose bytes go with the expert width and the hidden size, not with both GEMMs' K + N the table's
-# rate counts: of what a recipe adds to BF16's bytes alone the table is worse on other blocks (DeepSeek-V3's
-# current -1.37 GB predicted where it adds -1.52, delayed -2.50 where -3.44, row-wise 43% under; Llama-4 Scout's
-# 2-4% under). A negative rate: the recipe's kernels move fewer bytes per routed token than BF16's (an FP8 byte
-# where BF16 stores two). The custom-op bytes are fp8graph's ops: the layouts of grad_weight's operands, SwiGLU's
-# and the combine's backward casts and, per weight element, the per-tensor recipes' weights cast again for
-# grad_input in the backward (fp8graph::quantize_transposed: 3 bytes). Regenerated with the sweep.
+# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-28T185953Z.json
+# (Qwen3-30B-A3B's block at 256 and 1024 tokens an expert, where every site casts its weight again in the
+# backward, and at 2048, where gate_up keeps its copy from the forward; a step of one micro-batch cast per call,
+# sm_90, torch 2.13.0, triton 3.6.0); the FP8 steps' Triton bytes it predicts are within 0.5% of the block at 2048
+# tokens an expert, within 7% of Llama-4 Scout's (whose batched experts keep autograd's SwiGLU and combine), and
+# within 26% of DeepSeek-V3's (tests/costs/test_sites.py). The per-tensor recipes' SwiGLU backward and combine
+# backward are kernels of fp8graph's, whose bytes go with the expert width and the hidden size, not with both
+# GEMMs' K + N the table's rate counts: of what a recipe adds to BF16's bytes alone the table is worse on other
+# blocks (DeepSeek-V3's delayed and row-wise furthest). A negative rate: the recipe's kernels move fewer bytes per
+# routed token than BF16's (an FP8 byte where BF16 stores two). The custom-op bytes are fp8graph's ops: the
+# layouts of grad_weight's operands, SwiGLU's and the combine's backward casts and, per weight element, the
+# per-tensor recipes' weights cast again for grad_input in the backward (fp8graph::quantize_transposed: 3 bytes);
+# a site that keeps the copy from the forward casts both layouts in one op (fp8graph::quantize_both_layouts: 4
+# bytes, 1 more) and no Inductor kernel casts its weight (3 bytes fewer). Regenerated with the sweep.
 GROUPED_CAST_TRAFFIC: dict[str, GroupedCasts] = {
-    "current": GroupedCasts(-4.671875, 5.359375, 5.015625, 3.015625, 34),
-    "delayed": GroupedCasts(-5.3125, 4.640625, 3.015625, 3.03125, 28),
-    "rowwise": GroupedCasts(-1.234375, 3.0, 8.015625, 0.03125, 14),
+    "current": GroupedCasts(-4.671875, 5.359375, 5.015625, 3.015625, 34, -3.015625, 1.03125),
+    "delayed": GroupedCasts(-5.3125, 4.640625, 3.015625, 3.03125, 28, -3.015625, 1.015625),
+    "rowwise": GroupedCasts(-1.234375, 3.0, 8.015625, 0.03125, 14, 0.0, 0.0),
 }

@@ -9,7 +9,8 @@ For one linear site (``M`` tokens, ``K`` in, ``N`` out; an expert site: ``M`` so
     FP8    the same GEMMs at the recipe's FP8 rate, plus the casts: every kernel of
            fp8graph.costs.casts at Inductor's bandwidth (fp8graph's own kernels at copy bandwidth), never
            less than the launch floor each, and the small launches at the floor; an expert site in training,
-           its share of what the recipe adds to a MoE block (GROUPED_CAST_TRAFFIC)
+           its share of what the recipe adds to a MoE block (GROUPED_CAST_TRAFFIC; a site that keeps its
+           weight's copy for grad_input from the forward, weight_copy_fits, with that form's rates)
 
 A recipe whose GEMM the GPU lacks (MXFP8 before Blackwell) is emulated: its GEMMs run at the BF16 rate after
 the casts, so it never gains. Only kernel time is modelled: no CPU overhead, no overlap, no attention or
@@ -26,7 +27,8 @@ import dataclasses
 from fp8graph.costs.casts import CAST_TRAFFIC, GROUPED_CAST_TRAFFIC, GroupedCasts, RecipeCasts
 from fp8graph.costs.gpus import GPU, gpu as gpu_named
 from fp8graph.recipes.policy import SiteInfo
-from fp8graph.recipes.scaling import NATIVE_GROUPED_GRANULARITIES, PRESETS
+from fp8graph.numerics.groups import weight_copy_fits
+from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE, NATIVE_GROUPED_GRANULARITIES, PRESETS
 
 __all__ = ["SiteTimes", "site_times"]
 
@@ -84,12 +86,16 @@ def _casts_us(casts: RecipeCasts, sizes: dict[str, int], gpu: GPU, training: boo
     return total + small * gpu.launch_floor_us
 
 
-def _grouped_casts_us(casts: GroupedCasts, M: int, K: int, N: int, experts: int, gpu: GPU) -> float:
-    """One expert GEMM's share of a block's casts: its own elements' bytes, half the block's launches."""
+def _grouped_casts_us(casts: GroupedCasts, M: int, K: int, N: int, experts: int, gpu: GPU, kept: bool) -> float:
+    """One expert GEMM's share of a block's casts: its own elements' bytes, half the block's launches; ``kept``:
+    the site keeps its weight's copy for grad_input from the forward."""
     tokens, weights = M * (K + N), experts * K * N
-    inductor = (casts.activation * tokens + casts.weight * weights) / (gpu.triton_bandwidth * gpu.cast_fraction) * 1e6
+    weight, weight_custom_op = casts.weight, casts.weight_custom_op
+    if kept:
+        weight, weight_custom_op = weight + casts.kept_weight, weight_custom_op + casts.kept_weight_custom_op
+    inductor = (casts.activation * tokens + weight * weights) / (gpu.triton_bandwidth * gpu.cast_fraction) * 1e6
     # An expert GEMM's custom ops store tiles transposed: grad_weight's placed operands, the weights' layouts.
-    custom = ((casts.activation_custom_op * tokens + casts.weight_custom_op * weights)
+    custom = ((casts.activation_custom_op * tokens + weight_custom_op * weights)
               / (gpu.copy_bandwidth * gpu.transposed_store_fraction) * 1e6)
     return max(inductor + custom, casts.block_launches / 2 * gpu.launch_floor_us)
 
@@ -139,7 +145,8 @@ def site_times(site: SiteInfo, recipe, gpu: "str | GPU" = "H100", training: bool
         fp8_gemm_us = _gemms_us(M, K, N, weights, fp8_rate, 4 / 3, rates, training)
     grouped = GROUPED_CAST_TRAFFIC.get(kind) if site.experts else None
     if grouped is not None and training:
-        casts_us = _grouped_casts_us(grouped, M, K, N, weights, rates)
+        kept = getattr(recipe, "save_transposes", False) or weight_copy_fits(M, weights, N, FP8_GEMM_DIM_MULTIPLE)
+        casts_us = _grouped_casts_us(grouped, M, K, N, weights, rates, kept)
     else:  # dense sites; expert sites of the recipes the sweep did not model, or in inference: the dense casts
         sizes = {"input": M * K, "weight": weights * K * N, "grad_output": M * N}
         casts_us = _casts_us(casts, sizes, rates, training)

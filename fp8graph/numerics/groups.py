@@ -116,6 +116,18 @@ def padded_group_bound(rows: int, groups: int, multiple: int) -> int:
     return -(-(rows + groups * multiple) // multiple) * multiple
 
 
+def weight_copy_fits(routed_rows, experts: int, rows: int, multiple: int) -> bool:
+    """Whether a one-byte copy of an expert weight of ``experts`` x ``rows`` x K elements takes no more memory
+    than FP8 saves over BF16 on a grouped GEMM's input of ``routed_rows`` S rows of K: BF16 keeps them in 2
+    bytes, FP8 grad_weight's layout of them in 1, the groups padded to ``multiple`` (:func:`padded_group_bound`
+    rows), so it fits where ``2 S - padded rows >= experts x rows`` (on average ``rows + multiple`` tokens a
+    group or more). A symbolic S fits only where that is provable: no guard is made on it."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(2 * routed_rows - padded_group_bound(routed_rows, experts, multiple)
+                                 >= experts * rows)
+
+
 def group_padding(offsets: torch.Tensor, padded_offsets: torch.Tensor, multiple: int, padded_rows: int) -> torch.Tensor:
     """The rows that pad the groups of :func:`padded_group_rows`: (E * (multiple - 1),) int64, group ``e``'s
     ``padded size - size`` rows after its own, the other slots ``padded_rows - 1``, past every group and every

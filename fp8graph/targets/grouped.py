@@ -41,10 +41,11 @@ from fp8graph.gemm.grouped_gemm import (group_columns_for_grad_weight, grouped_s
                                         placed_for_grad_weight)
 from fp8graph.gemm.scaled_gemm import Lowering, one_buffer
 from fp8graph.kernels import group_columns  # noqa: F401  (registers fp8graph::quantize_rows_placed)
-from fp8graph.kernels.quantize_transposed import quantize_transposed
+from fp8graph.kernels.quantize_transposed import (quantize_both_layouts, quantize_both_layouts_into_,
+                                                  quantize_transposed)
 from fp8graph.kernels.swiglu_backward import swiglu_backward_reference
-from fp8graph.kernels.transpose_fp8 import transpose_fp8, transpose_fp8_into_
 from fp8graph.numerics.formats import Role
+from fp8graph.numerics.groups import weight_copy_fits
 from fp8graph.numerics.quantize import (amax_to_scale, current_scale, finite_magnitude, quantize, quantize_current,
                                         row_amaxes, untracked)
 from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, FP8_GEMM_DIM_MULTIPLE, NATIVE_GROUPED_GRANULARITIES, Recipe
@@ -103,8 +104,25 @@ def cast_experts(weight_hp: torch.Tensor, spec: GroupedSpec) -> tuple[torch.Tens
     if spec.per_row:
         weight_fp8, scale, inverse = cast_rows(weight_hp.reshape(experts * rows, columns), spec)
         return weight_fp8.reshape(experts, rows, columns), scale.reshape(experts, rows), inverse.reshape(experts, rows)
-    scale = _scale(finite_magnitude(weight_hp.detach()).amax(dim=(1, 2)), spec)[:, None]  # (E, 1): per expert
+    scale = _expert_scale(weight_hp, spec)
     return quantize(weight_hp, scale[:, :, None], _FP8), scale, scale.reciprocal().expand(experts, rows)
+
+
+def _expert_scale(weight_hp: torch.Tensor, spec: GroupedSpec) -> torch.Tensor:
+    """Current scaling's scale of each expert of ``weight_hp`` (E, R, C): (E, 1)."""
+    return _scale(finite_magnitude(weight_hp.detach()).amax(dim=(1, 2)), spec)[:, None]
+
+
+def _cast_experts_both_layouts(weight_hp: torch.Tensor, spec: GroupedSpec
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight_hp`` (E, N, K) cast per expert with current scaling in both GEMMs' layouts by one kernel
+    (:func:`_transposed_for_grad_input`): ``(weight_fp8 (E, N, K), weight_t_fp8 (E, K, N), scale (E, 1),
+    inverse_scale (E, N))``."""
+    experts, rows, _ = weight_hp.shape
+    scale = _expert_scale(weight_hp, spec)
+    with saved_not_recomputed():  # grad_input's copy is saved, never cast again from the weight
+        weight_fp8, weight_t_fp8, _ = quantize_both_layouts(weight_hp, scale, False)
+    return weight_fp8, weight_t_fp8, scale, scale.reciprocal().expand(experts, rows)
 
 
 class ExpertWeightCopy(NamedTuple):
@@ -133,12 +151,15 @@ class ExpertWeightCopy(NamedTuple):
 
 
 def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_index=None,
-                         weight_copy: ExpertWeightCopy | None = None, placed_offsets: torch.Tensor | None = None):
+                         weight_copy: ExpertWeightCopy | None = None, placed_offsets: torch.Tensor | None = None,
+                         both_layouts: bool = False):
     """The forward casts with delayed scaling: the input's scale from row 0 of the history, expert e's from row
     1 + e; every row moves one step (new scales, histories rolled, this call's amaxes recorded) in one
-    ``fp8graph::record_delayed_``. Returns the two casts as :func:`cast_rows` and :func:`cast_experts` do, and
-    the input's layout for grad_weight or None: with ``placed_offsets`` (the groups' ends) the gathered input is
-    cast by :func:`_cast_rows_placed`, its cast the gathered rows (S, K), and the amaxes recorded are its.
+    ``fp8graph::record_delayed_``. Returns the two casts as :func:`cast_rows` and :func:`cast_experts` do, the
+    input's layout for grad_weight or None, and the weight's cast in grad_input's layout (E, K, N) or None: with
+    ``placed_offsets`` (the groups' ends) the gathered input is cast by :func:`_cast_rows_placed`, its cast the
+    gathered rows (S, K), and the amaxes recorded are its; with ``both_layouts`` one kernel casts the weight into
+    both GEMMs' layouts and takes its amaxes (:func:`_transposed_for_grad_input`).
 
     Through ``weight_copy``, a filling call also writes the weight's cast, its transpose and the scales into the
     copies; a reusing call casts only the input, takes the copy and the scales it was cast with, and records no
@@ -169,28 +190,33 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
         # amaxes too.
         rows_hp = input_hp if gather_index is None else input_hp[gather_index]
         input_amaxes = row_amaxes(rows_hp.detach()) if spec.update else None
+    weight_t_fp8 = None
     if reuse:
         # An empty partial a row: zero recorded, and no kernel to make zeros for each of E rows.
         weight_fp8, weight_amaxes = weight_copy.weight_fp8, weight_copy.scale.new_empty(experts, 0)
+    elif both_layouts:  # a partial amax a 64 x 64 tile of each expert, from the read that casts
+        with saved_not_recomputed():
+            weight_fp8, weight_t_fp8, weight_amaxes = quantize_both_layouts(weight_hp, weight_scale, spec.update)
+    elif weight_copy is not None:
+        # Both layouts written straight into the copies by the kernel that casts (and takes the amaxes): left to
+        # Inductor, the cast's kernel would store the transpose a row apart from inside the amax's reduction,
+        # which the GPU runs far slower than its bytes say (docs/cost-model.md).
+        weight_amaxes = quantize_both_layouts_into_(weight_hp, weight_scale, spec.update, weight_copy.weight_fp8,
+                                                    weight_copy.weight_t_fp8)
+        weight_fp8 = weight_copy.weight_fp8
+        if not spec.update:  # else the record keeps the scales
+            weight_copy.scale.copy_(weight_scale)
     else:
         # Per-row partial amaxes, computed with the cast in one read; the op finishes them.
         weight_fp8 = quantize(weight_hp, weight_scale[:, :, None], _FP8)
         weight_amaxes = finite_magnitude(weight_hp.detach()).amax(dim=2)  # (E, N)
-        if weight_copy is not None:
-            weight_copy.weight_fp8.copy_(weight_fp8)
-            # The transpose from the FP8 bytes, straight into its copy: left to Inductor, the cast's kernel stores
-            # it a row apart from inside the amax's reduction, which the GPU runs far slower than its bytes say
-            # (docs/cost-model.md).
-            transpose_fp8_into_(weight_fp8, weight_copy.weight_t_fp8)
-            if not spec.update:  # else the record keeps the scales
-                weight_copy.scale.copy_(weight_scale)
     if spec.update:
         partials = [input_amaxes.reshape(-1), *weight_amaxes.unbind(0)]
         filling = weight_copy is not None and not reuse
         record_states([(history, scale)], [partials], new_scales[None].contiguous(),
                       amax_reduction(recipe.reduce_amax), [weight_copy.scale] if filling else ())
     return ((input_fp8, input_scale, inverse[0].expand(input_fp8.shape[0])),
-            (weight_fp8, weight_scale, inverse[1:, None].expand(experts, rows)), input_placed)
+            (weight_fp8, weight_scale, inverse[1:, None].expand(experts, rows)), input_placed, weight_t_fp8)
 
 
 def _cast_rows_placed(input_hp: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
@@ -324,15 +350,24 @@ def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec, after: torc
     return weight_t_fp8, scale
 
 
-def _recasts_weight(spec: GroupedSpec) -> bool:
+def _recasts_weight(spec: GroupedSpec, routed_rows, weight_hp: torch.Tensor, needs_grad_weight: bool) -> bool:
     """Whether the backward casts a per-expert weight's copy for grad_input (E, K, N) from the weight, with the
     forward's scales (:func:`_cast_experts_transposed`), rather than the forward writing it and saving it
-    (:func:`_transposed_for_grad_input`): unless the recipe saves its transposes, as for linears
-    (``fp8graph.targets.linear_tensorwise``). Saved, the copy is one byte an expert weight element kept from
-    forward to backward, which is more than BF16's whole step keeps where an expert sees few tokens (at 256 tokens
-    an expert, Qwen3-30B-A3B's block at 1 x 4096 tokens, twice BF16's bytes); cast again, the backward reads
-    every expert weight once more. The emulation reads any layout: the partitioner chooses."""
-    return spec.lowering is Lowering.SCALED_MM and not spec.recipe.save_transposes
+    (:func:`_transposed_for_grad_input`). Saved, the copy is one byte an expert weight element kept from forward
+    to backward; cast again, the backward reads every expert weight once more (2 bytes an element, and 1
+    written). The forward keeps it where the recipe saves its transposes, as for linears
+    (``fp8graph.targets.linear_tensorwise``), and where the copy is no larger than what FP8 saves on the site's own
+    input over BF16, so that the site keeps no more bytes for its backward than BF16's does
+    (``fp8graph.numerics.groups.weight_copy_fits``: BF16 keeps the ``routed_rows`` S rows of K elements in 2
+    bytes, FP8 grad_weight's layout of them, S + 16 E rows, in 1; on average at least N + 16 tokens an expert).
+    Where an expert sees fewer the copy would outweigh the activations (at 256 tokens an expert, Qwen3-30B-A3B's
+    block at 1 x 4096 tokens, twice BF16's whole step's bytes), and where the experts' weights are frozen BF16
+    keeps no input at all: there it is cast again. A symbolic S counts only where it is provably large enough
+    (no guard: the graph is not specialized on it). The emulation reads any layout: the partitioner chooses."""
+    if spec.lowering is not Lowering.SCALED_MM or spec.recipe.save_transposes:
+        return False
+    experts, rows, _ = weight_hp.shape
+    return not (needs_grad_weight and weight_copy_fits(routed_rows, experts, rows, FP8_GEMM_DIM_MULTIPLE))
 
 
 def _cast_experts_transposed(weight_hp: torch.Tensor, scale: torch.Tensor, after: torch.Tensor
@@ -347,25 +382,18 @@ def _cast_experts_transposed(weight_hp: torch.Tensor, scale: torch.Tensor, after
     return weight_t_fp8, scale.reciprocal().expand(weight_hp.shape[0], weight_hp.shape[2])
 
 
-def _transposed_for_grad_input(weight_fp8: torch.Tensor, weight_inverse: torch.Tensor, spec: GroupedSpec):
-    """``(weight_fp8, weight_t_fp8 (E, K, N), weight_inverse)``: the per-expert cast (E, N, K) laid out for
-    grad_input's GEMM (N contiguous) in the forward, and the inverse scale the forward GEMM reads, tied to it
-    (``fp8graph.targets.partitioning``), where the recipe saves its transposes. Left to itself the partitioner
-    recomputes the cast in the backward from the high-precision weight. The emulation reads any layout: a view.
-
-    Current scaling writes it from the kernel that casts the weight (one read of the weight for both layouts).
-    Delayed scaling takes the weight's amaxes (the history's, along K) in the kernel of its cast, whose second
-    output laid out along N would be stored a row apart from inside that reduction (``docs/cost-model.md``), so
-    ``fp8graph::transpose_fp8`` lays out the FP8 bytes, as a fill lays out the kept copy: 2 bytes an element where
-    casting again in the backward moves 3. ``weight_fp8`` comes back as the one buffer the forward GEMM and the
-    transpose read (``one_buffer``)."""
+def _transposed_for_grad_input(weight_fp8: torch.Tensor, weight_t_fp8: torch.Tensor | None,
+                               weight_inverse: torch.Tensor, spec: GroupedSpec):
+    """``(weight_t_fp8 (E, K, N), weight_inverse)``: the per-expert cast laid out for grad_input's GEMM (N
+    contiguous) in the forward and saved, where :func:`_recasts_weight` says not to cast it again, and the inverse
+    scale the forward GEMM reads, tied to it (``fp8graph.targets.partitioning``). On the native path the kernel
+    that casts the weight wrote it, ``fp8graph::quantize_both_layouts`` (``weight_t_fp8``): one read of the weight
+    for both layouts (and, delayed, its amaxes), where Inductor would store the second layout a row apart from
+    inside the amax's reduction (``docs/cost-model.md``) or a second kernel read the FP8 bytes again to transpose
+    them. The emulation reads any layout: a view of ``weight_fp8``."""
     if spec.lowering is not Lowering.SCALED_MM:
-        return weight_fp8, weight_fp8.transpose(-2, -1), weight_inverse
-    if spec.delayed:
-        weight_fp8 = one_buffer(weight_fp8)
-    with saved_not_recomputed():  # the copy alone: the cast stays free to fuse
-        weight_t_fp8 = transpose_fp8(weight_fp8) if spec.delayed else weight_fp8.transpose(-2, -1).contiguous()
-    return weight_fp8, weight_t_fp8, keep_for_backward(weight_inverse, weight_t_fp8)
+        return weight_fp8.transpose(-2, -1), weight_inverse
+    return weight_t_fp8, keep_for_backward(weight_inverse, weight_t_fp8)
 
 
 def _placed_in_the_forward(input_fp8: torch.Tensor, input_inverse: torch.Tensor, offsets: torch.Tensor,
@@ -394,16 +422,17 @@ def _cast_experts_through_copy(weight_hp: torch.Tensor, spec: GroupedSpec, copy:
     both copies contiguous, as the two GEMMs read them."""
     copy_fp8, copy_scale, copy_t_fp8, copy_t_scale = copy.weight_fp8, copy.scale, copy.weight_t_fp8, copy.t_scale
     experts, rows, columns = weight_hp.shape
-    if copy.mode == "fill":
-        weight_fp8, scale, _ = cast_experts(weight_hp, spec)  # one read of the weight writes both layouts
+    if copy.mode == "fill" and spec.per_row:
+        weight_fp8, scale, _ = cast_experts(weight_hp, spec)
         copy_fp8.copy_(weight_fp8)
         copy_scale.copy_(scale)
-        if spec.per_row:
-            weight_t_fp8, scale_t = _cast_expert_columns(weight_hp, spec)
-            copy_t_fp8.copy_(weight_t_fp8)
-            copy_t_scale.copy_(scale_t)
-        else:
-            copy_t_fp8.copy_(weight_fp8.transpose(-2, -1))
+        weight_t_fp8, scale_t = _cast_expert_columns(weight_hp, spec)
+        copy_t_fp8.copy_(weight_t_fp8)
+        copy_t_scale.copy_(scale_t)
+    elif copy.mode == "fill":  # one read of the weight writes both layouts into the copies
+        scale = _expert_scale(weight_hp, spec)
+        quantize_both_layouts_into_(weight_hp, scale, False, copy_fp8, copy_t_fp8)
+        copy_scale.copy_(scale)
     scale = copy_scale.clone()  # (E, N) or (E, 1)
     inverse = scale.reciprocal()
     inverse_t = (copy_t_scale.reciprocal() if spec.per_row else inverse.expand(experts, columns))  # (E, K)
@@ -429,9 +458,16 @@ class _GroupedFP8(torch.autograd.Function):
             cast_gathered = _rows_placed_by_one_kernel(spec, gather_index, needs_grad_weight)
             placed_offsets = offsets if cast_gathered else None
             input_placed = None
+            # A per-expert cast's copy for grad_input: written in the forward and saved, or cast in the backward.
+            per_expert_copy = needs_grad_input and not spec.per_row and weight_copy is None
+            routed_rows = input_hp.shape[0] if gather_index is None else gather_index.shape[0]
+            recast_weight = per_expert_copy and _recasts_weight(spec, routed_rows, weight_hp, needs_grad_weight)
+            both_layouts = per_expert_copy and not recast_weight and spec.lowering is Lowering.SCALED_MM
+            weight_t_fp8 = None
             if spec.delayed:
-                (input_fp8, input_scale, input_inverse), (weight_fp8, weight_scale, weight_inverse), input_placed = \
-                    cast_forward_delayed(input_hp, weight_hp, state, spec, gather_index, weight_copy, placed_offsets)
+                (input_fp8, input_scale, input_inverse), (weight_fp8, weight_scale, weight_inverse), input_placed, \
+                    weight_t_fp8 = cast_forward_delayed(input_hp, weight_hp, state, spec, gather_index, weight_copy,
+                                                        placed_offsets, both_layouts)
                 if weight_copy is not None:  # grad_input's layout, kept with the forward's
                     weight_t_fp8 = weight_copy.weight_t_fp8
                     weight_t_inverse = weight_inverse[:, :1].expand(experts, weight_hp.shape[2])
@@ -442,17 +478,17 @@ class _GroupedFP8(torch.autograd.Function):
                     input_inverse = input_scale.reciprocal().expand(input_fp8.shape[0])
                 else:
                     input_fp8, input_scale, input_inverse = cast_rows(input_hp, spec)  # (S or T, K), along K
-                if weight_copy is None:
+                if both_layouts:  # (E, N, K) and (E, K, N), along K
+                    weight_fp8, weight_t_fp8, weight_scale, weight_inverse = _cast_experts_both_layouts(weight_hp,
+                                                                                                       spec)
+                elif weight_copy is None:
                     weight_fp8, weight_scale, weight_inverse = cast_experts(weight_hp, spec)  # (E, N, K), along K
                 else:  # kept between calls, with grad_input's
                     weight_fp8, weight_scale, weight_inverse, weight_t_fp8, weight_t_inverse = \
                         _cast_experts_through_copy(weight_hp, spec, weight_copy)
-            # A per-expert cast's copy for grad_input: written in the forward and saved, or cast in the backward.
-            per_expert_copy = needs_grad_input and not spec.per_row and weight_copy is None
-            recast_weight = per_expert_copy and _recasts_weight(spec)
             if per_expert_copy and not recast_weight:
-                weight_fp8, weight_t_fp8, weight_inverse = _transposed_for_grad_input(weight_fp8, weight_inverse,
-                                                                                      spec)
+                weight_t_fp8, weight_inverse = _transposed_for_grad_input(weight_fp8, weight_t_fp8, weight_inverse,
+                                                                          spec)
             if stats is not None:
                 # The cast as the forward GEMM reads it: where the gathered rows were cast, of those rows (each
                 # token top_k times; the same scale, so the same fractions under- and overflowing), else of the

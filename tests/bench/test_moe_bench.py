@@ -255,29 +255,53 @@ def test_a_fill_writes_the_weight_copies_where_it_casts_them(steps):
     assert _moved(cached) <= _moved(current)
 
 
-def test_a_delayed_fill_transposes_the_cast_bytes_into_the_copy_and_moves_no_more_than_casting_per_call(steps):
-    """Delayed scaling's fill casts each expert weight with its history's scales in the kernel that takes its
-    amaxes, storing the FP8 bytes once, into the copy the forward GEMM reads; ``fp8graph::transpose_fp8_into_``
-    writes grad_input's copy from those bytes, in place (``fp8graph.targets.grouped.cast_forward_delayed``): the
-    reduction never stores the transposed layout a row apart, and the fill moves no more bytes than a step that
-    casts at every call (which casts the weight again for grad_input in its backward), so a call after each
-    optimizer step loses nothing by keeping the copies."""
-    cached, per_call = steps["delayed"], steps["delayed uncached"]
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_at_many_tokens_an_expert_the_forward_writes_grad_inputs_copy_with_its_cast(recipe):
+    """Where a site routes enough rows that FP8's saving on its input pays for the weights' copy for grad_input
+    (S >= E x (N + 16): 8 experts of 64 output rows each, 512 tokens routed twice), the forward keeps it
+    (``fp8graph.targets.grouped._recasts_weight``): one ``fp8graph::quantize_both_layouts`` launch a weight casts it into both GEMMs' layouts from one read of the BF16 weight (delayed scaling's amaxes
+    with it, a partial a 64 x 64 tile), and the backward casts no weight again."""
+    (result,) = _run_kept([{**_spec(f"{recipe} uncached"), "sequence": 8 * TOKENS}])
+    assert "error" not in result, result["error"]
+    rows = result["cases"][0]["rows"]
     experts, hidden, width = TINY["experts"], TINY["hidden"], TINY["expert_width"]
     weight_elements = sorted([experts * 2 * width * hidden, experts * hidden * width])  # gate_up, down
-    fills = [r for r in cached["rows"] if "transpose_fp8_into_" in r["name"]]
+    casts = sorted((r for r in rows if r["kind"] == "extern" and "quantize_both_layouts" in r["name"]),
+                   key=lambda r: r["written"])
+    assert [r["graph"] for r in casts] == ["0:forward"] * 2
+    tiles = [experts, experts]  # each (N, K) matrix is one 64 x 64 tile: gate_up's 64 x 64, down's 64 x 32
+    amaxes = [4 * t for t in tiles] if recipe == "delayed" else [0, 0]
+    assert [r["read"] for r in casts] == [2 * n + experts * 4 for n in weight_elements]  # BF16, a scale each
+    assert [r["written"] for r in casts] == [2 * n + a for n, a in zip(weight_elements, amaxes)]
+    assert [r for r in rows if "quantize_transposed" in r["name"]] == []
+    assert [r for r in rows if "transpose_fp8" in r["name"] and r["detail"].startswith(f"{experts}x")] == []
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_a_fill_writes_both_copies_by_the_kernel_that_casts_and_moves_no_more_than_casting_per_call(steps, recipe):
+    """A fill casts each expert weight straight into both copies, the forward GEMM's layout and grad_input's, by
+    one ``fp8graph::quantize_both_layouts_into_`` launch a weight (delayed scaling's amaxes taken with it, a
+    partial a 64 x 64 tile; ``fp8graph.targets.grouped``): one read of the BF16 weight, each FP8 byte stored once,
+    never a transpose of its own, and the fill moves no more bytes than a step that casts at every call (which
+    casts the weight again for grad_input in its backward), so a call after each optimizer step loses nothing by
+    keeping the copies. Calls that reuse the copies cast no weight."""
+    cached, per_call = steps[recipe], steps[f"{recipe} uncached"]
+    experts, hidden, width = TINY["experts"], TINY["hidden"], TINY["expert_width"]
+    weight_elements = sorted([experts * 2 * width * hidden, experts * hidden * width])  # gate_up, down
+    fills = sorted((r for r in cached["rows"] if r["kind"] == "extern" and "quantize_both_layouts_into_" in r["name"]),
+                   key=lambda r: r["read"])
     assert [r["graph"] for r in fills] == ["0:forward"] * 2
-    assert sorted(r["read"] for r in fills) == sorted(r["written"] for r in fills) == weight_elements
-    assert [r for r in cached["reuse_rows"] if "transpose_fp8_into_" in r["name"]] == []
-    assert [r for r in per_call["rows"] if "transpose_fp8_into_" in r["name"]] == []
+    amaxes = [experts * 4] * 2 if recipe == "delayed" else [0, 0]  # one 64 x 64 tile a matrix: 64 x 32, 64 x 64
+    assert [r["read"] for r in fills] == [2 * n + experts * 4 for n in weight_elements]  # BF16, a scale each
+    assert [r["written"] for r in fills] == [2 * n + a for n, a in zip(weight_elements, amaxes)]
+    for rows in (cached["rows"], cached["reuse_rows"], per_call["rows"]):
+        assert [r for r in rows if "transpose_fp8_into_" in r["name"]] == []
+    assert [r for r in cached["reuse_rows"] if "quantize_both_layouts" in r["name"]] == []
     assert sum(r.get("duplicate_written", 0) * r["count"] for r in cached["rows"]) == 0
-    # The forward's Triton kernels store each weight's bytes once: what the per-call forward stores, plus the
-    # copies' scales (an fp32 scale an expert of each weight, kept by the state's record) at most.
-    scales = 2 * experts * 4
-    assert _triton_bytes(cached, "0:forward")[1] <= _triton_bytes(per_call, "0:forward")[1] + scales
     # Casting per call casts grad_input's layout again in the backward, from the BF16 weight
     # (fp8graph::quantize_transposed): the fill moves fewer bytes, though it writes the copies' scales and reads
     # them again with their inverses.
+    scales = 2 * experts * 4
     assert _moved(cached) <= _moved(per_call) + 4 * scales
     assert [r["graph"] for r in per_call["rows"] if "quantize_transposed" in r["name"]] == ["1:backward"] * 2
 

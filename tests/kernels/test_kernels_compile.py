@@ -247,21 +247,25 @@ def test_the_swiglu_backward_compiles_to_a_cubin_reading_rows_and_storing_bytes_
 
 
 @pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
-@pytest.mark.parametrize("shape, stored_transposed", [((128, 1536, 2048), False), ((128, 2048, 768), False),
-                                                      ((128, 1536, 2048), True), ((3, 200, 100), False)],
-                         ids=["qwen3-gate-up", "qwen3-down", "stored-ekn", "ragged"])
-def test_the_transposed_weight_cast_compiles_to_a_cubin_reading_and_storing_vectors(shape, stored_transposed,
+@pytest.mark.parametrize("shape, stored_transposed, both", [
+    ((128, 1536, 2048), False, False), ((128, 2048, 768), False, False), ((128, 1536, 2048), True, False),
+    ((3, 200, 100), False, False), ((128, 1536, 2048), False, True), ((128, 1536, 2048), True, True),
+    ((3, 200, 100), False, True)],
+    ids=["qwen3-gate-up", "qwen3-down", "stored-ekn", "ragged", "both-qwen3-gate-up", "both-stored-ekn",
+         "both-ragged"])
+def test_the_transposed_weight_cast_compiles_to_a_cubin_reading_and_storing_vectors(shape, stored_transposed, both,
                                                                                     capability):
-    """``fp8graph::quantize_transposed`` (an expert weight cast again in the backward, in grad_input's layout): a
-    cubin without spills that converts in hardware and, when both lengths divide by 16, reads the BF16 weight
-    and stores the transposed bytes as vectors, whichever way round the weight is stored. Not proven here: its
-    speed (``bench moe`` on a GPU)."""
+    """``fp8graph::quantize_transposed`` (an expert weight cast again in the backward, in grad_input's layout) and
+    ``fp8graph::quantize_both_layouts`` (the forward's cast in both layouts, with its tiles' amaxes): a cubin
+    without spills that converts in hardware and, when both lengths divide by 16, reads the BF16 weight and
+    stores the bytes as vectors (both layouts' where both are written), whichever way round the weight is
+    stored. Not proven here: its speed (``bench moe`` on a GPU)."""
     from fp8graph.kernels.quantize_transposed import plan_quantize_transposed
 
     weight = torch.empty(shape, dtype=torch.bfloat16)
     if stored_transposed:  # an (E, K, N) parameter read as (E, N, K)
         weight = torch.empty(shape[0], shape[2], shape[1], dtype=torch.bfloat16).transpose(-2, -1)
-    launch, _ = plan_quantize_transposed(weight, torch.ones(shape[0]))
+    launch, _ = plan_quantize_transposed(weight, torch.ones(shape[0]), straight=both, tile_amax=both)
     assert launch.constexprs["SOFTWARE_ROUNDING"] is False  # what a GPU runs
     compiled = compile_launch(launch, capability)
     usage = resource_usage(compiled)
@@ -270,4 +274,4 @@ def test_the_transposed_weight_cast_compiles_to_a_cubin_reading_and_storing_vect
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     if all(length % 16 == 0 for length in shape[-2:]):
         assert "ld.global.v4.b32" in ptx, "the weight is not read as 16-byte vectors"
-        assert "st.global.v4.b32" in ptx, "the transposed bytes are not stored as 16-byte vectors"
+        assert ptx.count("st.global.v4.b32") >= (2 if both else 1), "the bytes are not stored as 16-byte vectors"

@@ -1,12 +1,14 @@
 """Run by tests/kernels/test_quantize_transposed.py under TRITON_INTERPRET=1: the kernel of
 ``fp8graph::quantize_transposed`` against the op's reference (the cast, then the transpose's contiguous copy), byte
-for byte: single matrices and batches, lengths not a multiple of the tile, one row, one column, BF16, fp16 and
+for byte, and of ``fp8graph::quantize_both_layouts`` (both layouts byte for byte, each tile's amax exactly, with
+and without the amaxes, into new tensors and into given buffers): single matrices and batches, lengths not a multiple of the tile, one row, one column, BF16, fp16 and
 fp32, a row-strided slice, every other matrix of a batch, a transposed view (a weight stored the other way round),
 and values that test the cast (NaN, inf, zeros, subnormal-range magnitudes, values that saturate)."""
 
 import torch
 
-from fp8graph.kernels.quantize_transposed import _reference, quantize_transposed_triton
+from fp8graph.kernels.quantize_transposed import (_both_layouts_reference, _reference, quantize_both_layouts_triton,
+                                                  quantize_transposed_triton)
 
 from e4m3_bytes import e4m3_bytes
 
@@ -35,4 +37,18 @@ for shape in [(64, 64), (130, 70), (1, 17), (17, 1), (3, 64, 128), (2, 70, 33), 
             assert got.shape == expected.shape and got.dtype == expected.dtype and got.is_contiguous(), label
             assert torch.equal(e4m3_bytes(got), e4m3_bytes(expected)), label
             cases += 1
+            tile_amax = dtype is not torch.float16  # both forms of the op, each on every shape
+            expected_both = _both_layouts_reference(operand, matrix_scale, tile_amax)
+            got_both = quantize_both_layouts_triton(operand, matrix_scale, tile_amax)
+            for got_part, expected_part in zip(got_both[:2], expected_both[:2]):
+                assert got_part.shape == expected_part.shape and got_part.is_contiguous(), label
+                assert torch.equal(e4m3_bytes(got_part), e4m3_bytes(expected_part)), label
+            assert torch.equal(got_both[2], expected_both[2]) and (expected_both[2].numel() > 0) == tile_amax, label
+            cases += 1
+            if dtype is torch.bfloat16:  # into given buffers: the kept copies' form
+                buffers = (torch.empty_like(expected_both[0]), torch.empty_like(expected_both[1]))
+                amax = quantize_both_layouts_triton(operand, matrix_scale, True, buffers)[2]
+                assert all(torch.equal(e4m3_bytes(b), e4m3_bytes(e)) for b, e in zip(buffers, expected_both)), label
+                assert torch.equal(amax, _both_layouts_reference(operand, matrix_scale, True)[2]), label
+                cases += 1
 print(f"cases checked: {cases}")

@@ -210,3 +210,27 @@ def test_the_native_lowering_computes_what_the_emulation_does(monkeypatch, recip
         assert torch.equal(native, emulated)
     for native, emulated in zip(*results):
         torch.testing.assert_close(native, emulated, rtol=1e-2, atol=1e-2 * emulated.abs().max().item())
+
+
+def test_the_weights_copy_for_grad_input_is_kept_only_where_fp8s_saving_on_the_input_pays_for_it():
+    """``_recasts_weight``: the forward keeps an expert weight's copy for grad_input (one byte an (E, N, K)
+    element) where FP8's saving on the site's input over BF16 (S rows of K: 2 bytes each in BF16, 1 in grad_weight's
+    layout of S + 16 E rows) covers it, ``S >= E (N + 16)``; else, with frozen experts (BF16 keeps no input),
+    and for a symbolic S not provably large enough (no guard made), it is cast again in the backward. A recipe
+    that saves its transposes keeps it always; the emulation leaves it to the partitioner."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fp8graph.targets.grouped import GroupedSpec, _recasts_weight
+
+    weight = torch.empty(4, 64, 32)  # E = 4, N = 64
+    native = GroupedSpec(Float8CurrentScaling(), Lowering.SCALED_MM)
+    assert _recasts_weight(native, 4 * (64 + 16) - 1, weight, True)
+    assert not _recasts_weight(native, 4 * (64 + 16), weight, True)
+    assert _recasts_weight(native, 10 ** 6, weight, False)  # frozen experts
+    saving = GroupedSpec(Float8CurrentScaling(save_transposes=True), Lowering.SCALED_MM)
+    assert not _recasts_weight(saving, 1, weight, True)
+    assert not _recasts_weight(GroupedSpec(DelayedScaling(), Lowering.EMULATED), 1, weight, True)
+    shape_env = ShapeEnv()
+    symbolic_rows = shape_env.create_unbacked_symint()
+    assert _recasts_weight(native, symbolic_rows, weight, True)
+    assert not shape_env.guards
