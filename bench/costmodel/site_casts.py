@@ -144,6 +144,10 @@ def derive_grouped(result: dict) -> dict[str, dict]:
     (a1, w1), (a2, w2) = (block_elements(shapes[case]) for case in GROUPED_CASES)
     kept_tokens, kept_weights = block_elements(shapes[KEPT_CASE])
     kept_elements = kept_weight_elements(shapes[KEPT_CASE])
+    # The two equations hold only where every site casts again, and the kept form's rates need a site that keeps.
+    if any(kept_weight_elements(shapes[case]) for case in GROUPED_CASES) or not kept_elements:
+        raise ValueError(f"the grouped table is solved from blocks where no site keeps its weight's copy "
+                         f"({GROUPED_CASES}) and one where a site does ({KEPT_CASE})")
     determinant = a1 * w2 - a2 * w1
     derived = {}
     for contestant in GROUPED_RECIPES:

@@ -127,9 +127,9 @@ class GroupedCasts:
 # bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-28T185953Z.json
 # (Qwen3-30B-A3B's block at 256 and 1024 tokens an expert, where every site casts its weight again in the
 # backward, and at 2048, where gate_up keeps its copy from the forward; a step of one micro-batch cast per call,
-# sm_90, torch 2.13.0, triton 3.6.0); the FP8 steps' Triton bytes it predicts are within 0.5% of the block at 2048
-# tokens an expert, within 7% of Llama-4 Scout's (whose batched experts keep autograd's SwiGLU and combine), and
-# within 26% of DeepSeek-V3's (tests/costs/test_sites.py). The per-tensor recipes' SwiGLU backward and combine
+# sm_90, torch 2.13.0, triton 3.6.0: the three blocks are fitted, to the rates' rounding to 1/64 byte); of the
+# blocks it was not solved from, the FP8 steps' Triton bytes it predicts are within 7% of Llama-4 Scout's (whose
+# batched experts keep autograd's SwiGLU and combine) and within 26% of DeepSeek-V3's (tests/costs/test_sites.py). The per-tensor recipes' SwiGLU backward and combine
 # backward are kernels of fp8graph's, whose bytes go with the expert width and the hidden size, not with both
 # GEMMs' K + N the table's rate counts: of what a recipe adds to BF16's bytes alone the table is worse on other
 # blocks (DeepSeek-V3's delayed and row-wise furthest). A negative rate: the recipe's kernels move fewer bytes per

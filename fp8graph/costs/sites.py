@@ -145,7 +145,9 @@ def site_times(site: SiteInfo, recipe, gpu: "str | GPU" = "H100", training: bool
         fp8_gemm_us = _gemms_us(M, K, N, weights, fp8_rate, 4 / 3, rates, training)
     grouped = GROUPED_CAST_TRAFFIC.get(kind) if site.experts else None
     if grouped is not None and training:
-        kept = getattr(recipe, "save_transposes", False) or weight_copy_fits(M, weights, N, FP8_GEMM_DIM_MULTIPLE)
+        # A symbolic M (dynamic=True) is modelled at ``tokens``, but the site cannot prove it fits: cast again.
+        kept = getattr(recipe, "save_transposes", False) or (
+            isinstance(site.M, int) and weight_copy_fits(M, weights, N, FP8_GEMM_DIM_MULTIPLE))
         casts_us = _grouped_casts_us(grouped, M, K, N, weights, rates, kept)
     else:  # dense sites; expert sites of the recipes the sweep did not model, or in inference: the dense casts
         sizes = {"input": M * K, "weight": weights * K * N, "grad_output": M * N}

@@ -23,8 +23,9 @@ import torch
 
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
-__all__ = ["group_block_amax", "group_column_amax", "group_padding", "padded_group_bound", "padded_group_offsets", "padded_group_rows",
-           "padded_group_sources", "place_in_padded_groups", "quantize_group_columns", "row_groups"]
+__all__ = ["group_block_amax", "group_column_amax", "group_padding", "padded_group_bound", "padded_group_offsets",
+           "padded_group_rows", "padded_group_sources", "place_in_padded_groups", "quantize_group_columns", "row_groups",
+           "weight_copy_fits"]
 
 
 def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:

@@ -259,8 +259,9 @@ def test_a_fill_writes_the_weight_copies_where_it_casts_them(steps):
 def test_at_many_tokens_an_expert_the_forward_writes_grad_inputs_copy_with_its_cast(recipe):
     """Where a site routes enough rows that FP8's saving on its input pays for the weights' copy for grad_input
     (S >= E x (N + 16): 8 experts of 64 output rows each, 512 tokens routed twice), the forward keeps it
-    (``fp8graph.targets.grouped._recasts_weight``): one ``fp8graph::quantize_both_layouts`` launch a weight casts it into both GEMMs' layouts from one read of the BF16 weight (delayed scaling's amaxes
-    with it, a partial a 64 x 64 tile), and the backward casts no weight again."""
+    (``fp8graph.targets.grouped._recasts_weight``): one ``fp8graph::quantize_both_layouts`` launch a weight casts
+    it into both GEMMs' layouts from one read of the BF16 weight (delayed scaling's amaxes with it, a partial a
+    64 x 64 tile), and the backward casts no weight again."""
     (result,) = _run_kept([{**_spec(f"{recipe} uncached"), "sequence": 8 * TOKENS}])
     assert "error" not in result, result["error"]
     rows = result["cases"][0]["rows"]

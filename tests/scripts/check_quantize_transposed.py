@@ -1,9 +1,10 @@
 """Run by tests/kernels/test_quantize_transposed.py under TRITON_INTERPRET=1: the kernel of
 ``fp8graph::quantize_transposed`` against the op's reference (the cast, then the transpose's contiguous copy), byte
 for byte, and of ``fp8graph::quantize_both_layouts`` (both layouts byte for byte, each tile's amax exactly, with
-and without the amaxes, into new tensors and into given buffers): single matrices and batches, lengths not a multiple of the tile, one row, one column, BF16, fp16 and
-fp32, a row-strided slice, every other matrix of a batch, a transposed view (a weight stored the other way round),
-and values that test the cast (NaN, inf, zeros, subnormal-range magnitudes, values that saturate)."""
+and without the amaxes, into new tensors and into given buffers): single matrices and batches, lengths not a
+multiple of the tile, one row, one column, BF16, fp16 and fp32, a row-strided slice, every other matrix of a batch,
+a transposed view (a weight stored the other way round), and values that test the cast (NaN, inf, zeros,
+subnormal-range magnitudes, values that saturate)."""
 
 import torch
 

@@ -180,8 +180,9 @@ def test_expert_weights_are_cast_again_in_the_backward_to_the_same_bytes(monkeyp
                          ids=["current", "delayed"])
 def test_at_many_tokens_an_expert_the_weights_copy_is_kept_from_the_forward_within_bf16s_bytes(monkeypatch, recipe):
     """Where an expert site routes enough rows that FP8's saving on its input pays for the copy (S >= E x (N + 16):
-    256 tokens routed twice, 4 experts of 64 output rows each site), the per-tensor recipes keep the weight's copy for grad_input
-    from the forward (``fp8graph.targets.grouped._recasts_weight``), cast with the forward's in one kernel: the
+    256 tokens routed twice, 4 experts of 64 output rows each site), the per-tensor recipes keep the weight's copy
+    for grad_input from the forward (``fp8graph.targets.grouped._recasts_weight``), cast with the forward's in one
+    kernel: the
     block keeps one byte an expert-weight element more than when it is cast again in the backward (forced here),
     still less than BF16's block, and the output, every gradient and delayed scaling's state are bit for bit
     those of casting again (on the GPU's graph, cuBLASLt's rules checked), over a step and a step of two
@@ -216,6 +217,39 @@ def test_at_many_tokens_an_expert_the_weights_copy_is_kept_from_the_forward_with
     # Measured (torch 2.13, 2026-11-28): BF16 351248 bytes; current 334880 kept (308288 cast again), delayed
     # 334880 (308296).
     assert kept < bf16, (kept, recast, bf16)
+
+
+def test_inside_a_checkpoint_region_the_weights_copy_is_not_kept(monkeypatch):
+    """A checkpoint region keeps only its inputs for the backward and computes the rest again there: the site that
+    keeps its weight's copy from the forward outside one (above) keeps no copy across it, no more bytes than
+    casting again in the backward, and computes the same gradients."""
+    from fp8graph.targets import grouped
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+    saved, results = [], []
+    for cast_again in (False, True):
+        torch._dynamo.reset()
+        block, x = _moe_block(tokens=256)
+        model = Checkpointed(block)
+        if cast_again:
+            monkeypatch.setattr(grouped, "_recasts_weight", lambda *arguments: True)
+        compiled = fp8graph.compile(model, policy=Float8CurrentScaling(), compiler="aot_eager")
+        with pretend_gpu(monkeypatch) as calls:
+            saved.append(saved_for_backward_bytes(lambda: _moe_loss(compiled(x)), model.parameters()))
+            _moe_loss(compiled(x)).backward()
+        calls.assert_every_rule_kept()
+        assert "_scaled_grouped_mm" in " ".join(calls.ops()), calls.ops()  # the experts run in FP8
+        results.append([x.grad, *(p.grad for p in model.parameters())])
+    # Measured (torch 2.13, 2026-11-28): 98304 bytes either way, the region's input and routing.
+    assert saved[0] == saved[1], saved
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_saved_transposes_keep_each_weight_and_input_copy(bf16_bytes):
