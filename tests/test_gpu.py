@@ -340,22 +340,29 @@ def test_the_fp8_transpose_is_exact_on_the_gpu():
     assert torch.equal(copy.view(torch.uint8), weights_fp8.transpose(-2, -1).contiguous().view(torch.uint8))
 
 
-def test_the_transposed_weight_cast_equals_its_reference_on_the_gpu():
-    """``fp8graph::quantize_transposed`` on CUDA (the Triton kernel, the hardware's conversion) casts a batch of
-    expert weights, each with its scale, into grad_input's layout as the CPU reference does, byte for byte (NaN's
-    sign aside), stored either way round."""
-    from fp8graph.kernels.quantize_transposed import quantize_transposed
-
+def _expert_weights_each_way_round() -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Eight Qwen3-sized expert weights (magnitudes over 18 binades, an inf and a NaN) whole, a ragged slice and
+    stored the other way round, and a scale an expert."""
     generator = torch.Generator().manual_seed(0)
     weights = (torch.randn(8, 1536, 2048, generator=generator)
                * torch.logspace(-10, 8, 2048, base=2.0)).to(torch.bfloat16)
     weights[0, 3, 3], weights[1, 5, 7] = float("inf"), float("nan")
     scale = torch.rand(8, 1, generator=generator) * 4
-    for weight in (weights, weights[:, :200, :70], weights.transpose(-2, -1).contiguous().transpose(-2, -1)):
-        expected = quantize_transposed(weight, scale).view(torch.uint8)
-        got = quantize_transposed(weight.cuda(), scale.cuda()).cpu().view(torch.uint8)
-        assert torch.equal(torch.where(got & 0x7F == 0x7F, 0x7F, got),
-                           torch.where(expected & 0x7F == 0x7F, 0x7F, expected))
+    return [weights, weights[:, :200, :70], weights.transpose(-2, -1).contiguous().transpose(-2, -1)], scale
+
+
+def test_the_transposed_weight_cast_equals_its_reference_on_the_gpu():
+    """``fp8graph::quantize_transposed`` on CUDA (the Triton kernel, the hardware's conversion) casts a batch of
+    expert weights, each with its scale, into grad_input's layout as the CPU reference does, byte for byte (NaN's
+    sign aside), stored either way round."""
+    from fp8graph.kernels.quantize_transposed import quantize_transposed
+    from scripts.e4m3_bytes import e4m3_bytes
+
+    weights, scale = _expert_weights_each_way_round()
+    for weight in weights:
+        expected = quantize_transposed(weight, scale)
+        got = quantize_transposed(weight.cuda(), scale.cuda()).cpu()
+        assert torch.equal(e4m3_bytes(got), e4m3_bytes(expected))
 
 
 def test_both_layouts_of_the_weight_cast_and_their_tile_amaxes_equal_the_reference_on_the_gpu():
@@ -365,12 +372,8 @@ def test_both_layouts_of_the_weight_cast_and_their_tile_amaxes_equal_the_referen
     from fp8graph.kernels.quantize_transposed import quantize_both_layouts, quantize_both_layouts_into_
     from scripts.e4m3_bytes import e4m3_bytes
 
-    generator = torch.Generator().manual_seed(0)
-    weights = (torch.randn(8, 1536, 2048, generator=generator)
-               * torch.logspace(-10, 8, 2048, base=2.0)).to(torch.bfloat16)
-    weights[0, 3, 3], weights[1, 5, 7] = float("inf"), float("nan")
-    scale = torch.rand(8, 1, generator=generator) * 4
-    for weight in (weights, weights[:, :200, :70], weights.transpose(-2, -1).contiguous().transpose(-2, -1)):
+    weights, scale = _expert_weights_each_way_round()
+    for weight in weights:
         expected = quantize_both_layouts(weight, scale, True)
         got = [part.cpu() for part in quantize_both_layouts(weight.cuda(), scale.cuda(), True)]
         for got_fp8, expected_fp8 in zip(got[:2], expected[:2]):
@@ -386,6 +389,7 @@ def test_the_group_column_cast_equals_its_reference_on_the_gpu():
     """``fp8graph::quantize_group_columns_placed`` on CUDA (the Triton kernel, the hardware's conversion) casts and
     places row-wise's weight-gradient operands as the CPU reference does, byte for byte (NaN's sign aside)."""
     from fp8graph.kernels.group_columns import quantize_group_columns_placed
+    from scripts.e4m3_bytes import e4m3_bytes
 
     generator = torch.Generator().manual_seed(0)
     for rows, columns, sizes in ((4096, 1024, [1000, 0, 3000]), (200, 70, [5, 100, 1, 50])):
@@ -398,15 +402,14 @@ def test_the_group_column_cast_equals_its_reference_on_the_gpu():
             got = quantize_group_columns_placed(x.cuda(), offsets.cuda(), 16, True,
                                                 None if index is None else index.cuda())
             assert torch.equal(got[1].cpu(), expected[1])
-            got_bytes, expected_bytes = got[0].cpu().view(torch.uint8), expected[0].view(torch.uint8)
-            assert torch.equal(torch.where(got_bytes & 0x7F == 0x7F, 0x7F, got_bytes),
-                               torch.where(expected_bytes & 0x7F == 0x7F, 0x7F, expected_bytes))
+            assert torch.equal(e4m3_bytes(got[0].cpu()), e4m3_bytes(expected[0]))
 
 
 def test_the_per_tensor_rows_and_placed_cast_equals_its_reference_on_the_gpu():
     """``fp8graph::quantize_rows_placed`` on CUDA (the Triton kernel, the hardware's conversion) writes the gathered
     rows' cast, its placed copy and the group-column amaxes as the CPU reference does (NaN's sign aside)."""
     from fp8graph.kernels.group_columns import quantize_rows_placed
+    from scripts.e4m3_bytes import e4m3_bytes
 
     generator = torch.Generator().manual_seed(0)
     for rows, columns, sizes in ((4096, 1024, [1000, 0, 3000]), (200, 70, [5, 100, 1, 50])):
@@ -421,9 +424,7 @@ def test_the_per_tensor_rows_and_placed_cast_equals_its_reference_on_the_gpu():
                                        None if index is None else index.cuda())
             assert torch.equal(got[2].cpu(), expected[2])
             for got_fp8, expected_fp8 in zip(got[:2], expected[:2]):
-                got_bytes, expected_bytes = got_fp8.cpu().view(torch.uint8), expected_fp8.view(torch.uint8)
-                assert torch.equal(torch.where(got_bytes & 0x7F == 0x7F, 0x7F, got_bytes),
-                                   torch.where(expected_bytes & 0x7F == 0x7F, 0x7F, expected_bytes))
+                assert torch.equal(e4m3_bytes(got_fp8.cpu()), e4m3_bytes(expected_fp8))
 
 
 def test_the_combine_backward_cast_equals_its_reference_on_the_gpu():
