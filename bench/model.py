@@ -274,7 +274,8 @@ def _legend(m: costs.Machine) -> str:
             f"them; FP8 GB stored twice: writes of a value already stored at the same index in another buffer; "
             f"scattered: DRAM bytes beyond those of pointwise stores a row apart (a 32-byte sector read and written "
             f"back an element); tiny: launches under 0.1 MB. Triton ms at a copy's bandwidth and at the rate "
-            f"Inductor's kernels reached on the H100, at least {m.launch_floor_us:.0f} us a launch. GEMM: cuBLAS at "
+            f"Inductor's kernels reached on the {m.gpu} ({m.triton_bandwidth / 1e12:.2f} TB/s, its FP8 casts at "
+            f"{m.cast_fraction:.2f} of it), at least {m.launch_floor_us:.0f} us a launch. GEMM: cuBLAS at "
             f"{m.bf16_flops / 1e12:.0f} (BF16), {m.fp8_flops / 1e12:.0f} (FP8 tensorwise), "
             f"{m.fp8_rowwise_flops / 1e12:.0f} (rowwise), {m.fp8_blockwise_flops / 1e12:.0f} (blockwise) TFLOP/s, "
             f"grouped {m.grouped_bf16_flops / 1e12:.0f}-{m.grouped_bf16_flops_large / 1e12:.0f} (BF16), "
@@ -283,7 +284,7 @@ def _legend(m: costs.Machine) -> str:
             f"attention: cuDNN SDPA at {m.attention_flops / 1e12:.0f} TFLOP/s; other extern: custom ops, operand "
             f"bytes at copy bandwidth (fp8graph's transposed stores at {m.transposed_store_fraction:.2f} of it, a "
             "gathering op's rows as gathered, the delayed record by its loop steps, segment_reduce as measured); "
-            "SGD: bench decoder's eager p.add_(p.grad). step ms: Triton at the H100 rate "
+            f"SGD: bench decoder's eager p.add_(p.grad). step ms: Triton at the {m.gpu}'s rate "
             "plus the rest, kernel time only (no CPU or launch overhead). vs: the baseline's step ms over this "
             "one's. Differences in bytes, launches and structure are facts of the generated code; a few percent "
             "of time are not (docs/cost-model.md).")
@@ -388,7 +389,10 @@ def model_moe(args) -> dict:
                          "commit, or 'installed'")
     fp8graph = calibration.measured_fp8graph(args.fp8graph_at)  # "installed": this checkout
     try:
-        results = children(args)([{**spec, "contestant": c} for c in contestants], fp8graph.env)
+        # policies.auto() decides its sites at the rates the step is modelled at.
+        gpu = machine_of(args).gpu
+        results = children(args)([{**spec, "contestant": c, **({"policy_gpu": gpu} if c in AUTO else {})}
+                                  for c in contestants], fp8graph.env)
     finally:
         fp8graph.close()
     if args.fp8graph_at != "installed":

@@ -201,11 +201,11 @@ def swap_in_torchao(block: torch.nn.Module) -> int:
     return wrapped
 
 
-def compile_block(block: torch.nn.Module, contestant: str, compiler):
+def compile_block(block: torch.nn.Module, contestant: str, compiler, policy_gpu: str | None = None):
     """``block`` compiled as ``contestant`` (a base name): plain ``torch.compile`` for BF16 and torchao (whose
     conversion is done beforehand), ``fp8graph.compile`` with ``policies.auto()`` of the named recipe (current
-    by default) for ``auto``, a recipe with ``cache_weights=False`` for ``<recipe> uncached``, with the
-    recipe's preset as the policy otherwise."""
+    by default) for ``auto``, its sites timed on ``policy_gpu`` (``None``: the GPU this runs on), a recipe with
+    ``cache_weights=False`` for ``<recipe> uncached``, with the recipe's preset as the policy otherwise."""
     if contestant == "bf16" or contestant.startswith("torchao"):
         return torch.compile(block, backend=compiler)
     import fp8graph
@@ -213,7 +213,9 @@ def compile_block(block: torch.nn.Module, contestant: str, compiler):
 
     if contestant in AUTO:
         recipe = contestant.removeprefix("auto").strip() or "current"
-        return fp8graph.compile(block, policy=fp8graph.policies.auto(recipe=recipe), compiler=compiler)
+        # An earlier commit's auto() (the calibration models the GPU runs at theirs) took no gpu=None.
+        policy = fp8graph.policies.auto(recipe=recipe, **({"gpu": policy_gpu} if policy_gpu else {}))
+        return fp8graph.compile(block, policy=policy, compiler=compiler)
     if contestant.endswith(" uncached"):
         recipe = contestant.removesuffix(" uncached")
         return fp8graph.compile(block, policy=PRESETS[recipe], compiler=compiler, cache_weights=False)

@@ -16,12 +16,13 @@
                prefill, frozen weights            >= 1.55x BF16 torch.compile
                fp8graph row-wise training step    >= torchao row-wise (when both ran)
                peak memory                        <= BF16 torch.compile's
-               memory saved for backward          <= BF16 torch.compile's (also on CPU)
+               memory saved for backward          <= BF16 torch.compile's (also on CPU), <= torchao tensorwise's
+               per-tensor (current, delayed) step >= 1.45x BF16 torch.compile, >= 1.20x torchao tensorwise
                compile time, cold                 <= 1.30x BF16 torch.compile's (<= 1.0x for the 32-layer Llama-3-8B)
                compile time, warm                 <  cold (the warm start reuses the caches)
     compile    fp8graph.compile's compile time    <= 1.30x plain whole-model Inductor's, cold and warm (CPU);
                                                   <= 1.0x with --deep (12 layers: each compiled once)
-    model_decoder  (modelled, ``bench model decoder``: bench decoder's step, Triton at the H100 rate)
+    model_decoder  (modelled, ``bench model decoder``: bench decoder's step, at the --gpu's rates)
                FP8 GB stored twice                == 0 for every fp8graph recipe
                launches (Triton and custom ops)   <= 2x BF16's
                step over BF16                     current >= 1.25x, delayed >= 1.32x
@@ -30,13 +31,17 @@
     moe_block  (measured, ``bench moe``: one Qwen3-30B-A3B MoE block, forward + backward + SGD)
                fp8graph row-wise training step    >= 1.25x BF16 torch.compile
                                                   >= 1.05x torchao's MoE training (row-wise), when it ran
-    model_moe  (modelled, ``bench model moe``: the same step, Triton at the H100 rate)
+    model_moe  (modelled, ``bench model moe``: the same step, at the --gpu's rates)
                FP8 GB stored twice                == 0 for every fp8graph recipe
                row-wise step                      >= 1.25x BF16, >= 1.05x torchao moe rowwise (same run)
                the sweep (``--sweep``), best recipe: >= 1.20x BF16 and >= 1.15x torchao moe rowwise at 2048 or
                                                   more tokens an expert; >= 1.05x BF16 for Qwen3-30B-A3B at
                                                   256 tokens an expert with 4 micro-batches a step;
                                                   policies.auto() (current or delayed) >= 1.00x BF16 in every case
+    moe_block and model_moe, at 2048 or more tokens an expert (measured, or modelled at the --gpu's rates):
+               one micro-batch a step                 best recipe >= 1.15x BF16 and >= 1.10x torchao moe rowwise;
+                                                      every recipe >= 1.00x BF16; policies.auto() >= 1.05x BF16
+               four micro-batches a step              best recipe >= 1.20x BF16
 
 Every result file carries its verdicts (``"targets"``) and every summary
 prints them, so a miss is stated with its size in the same place as the
@@ -227,6 +232,31 @@ def _decoder_saved(result):
         yield row["contestant"], row["saved_vs_bf16"]
 
 
+def _per_tensor_column(column: str):
+    """The per-tensor recipes' (current, delayed) ``column`` in the 4-layer stack's results."""
+    def measure(result):
+        if _is_llama_3_8b(result):
+            return
+        for row in _fp8graph_rows(result):
+            if row["contestant"] in ("current", "delayed"):
+                yield row["contestant"], row[column]
+    return measure
+
+
+def _per_tensor_vs_torchao(result):
+    for contestant, ratio in _decoder_vs_torchao(result):
+        if contestant in ("current", "delayed"):
+            yield contestant, ratio
+
+
+def _decoder_saved_vs_torchao(result):
+    """Memory saved for backward over torchao tensorwise's (both measured in the same run)."""
+    torchao = [row for row in result["rows"] if row["contestant"] == "torchao tensorwise" and "saved_gb" in row]
+    for reference in torchao:
+        for row in _fp8graph_rows(result):
+            yield row["contestant"], row["saved_gb"] / reference["saved_gb"]
+
+
 def _decoder_warm_over_cold(result):
     for row in _fp8graph_rows(result):
         yield row["contestant"], row["compile_warm_s"] / row["compile_cold_s"]
@@ -298,6 +328,14 @@ TARGETS = (
     Target("decoder_stack", "peak memory over BF16 torch.compile", 1.00, False, _decoder_memory),
     # The part of the memory a recipe changes, measurable on CPU as well (bench.memory).
     Target("decoder_stack", "memory saved for backward over BF16 torch.compile", 1.00, False, _decoder_saved),
+    # The per-tensor recipes where fp8graph sees the whole graph and torchao swaps modules: more than the
+    # stack's floor above, and no more saved for the backward than torchao's FP8 saves.
+    Target("decoder_stack", "per-tensor: training speedup over BF16 torch.compile", 1.45, True,
+           _per_tensor_column("train_speedup_vs_bf16_compile")),
+    Target("decoder_stack", "per-tensor: training tokens/s over torchao tensorwise", 1.20, True,
+           _per_tensor_vs_torchao),
+    Target("decoder_stack", "memory saved for backward over torchao tensorwise's", 1.00, False,
+           _decoder_saved_vs_torchao),
     Target("decoder_stack", "cold compile time over BF16 torch.compile", 1.30, False,
            _fp8graph_column("compile_cold_vs_bf16", llama_3_8b=False)),
     # Each repeated layer compiled once: 32 layers must compile no slower than BF16's one whole graph.
@@ -362,6 +400,90 @@ def _qwen3_at_256_accumulating_4(case: str) -> bool:
     return case.startswith("Qwen3-30B-A3B") and _tokens_per_expert(case) == 256 and "4 micro-batches" in case
 
 
+def _moe_case(result: dict, row: dict) -> tuple[str, int | None, int]:
+    """A MoE row's case, its tokens an expert and micro-batches a step: a ``bench model moe`` row names them in
+    its case (``"... 2048 tokens an expert, 4 micro-batches"`` in the sweep, ``"128 experts, top 8, ..., 8x4096,
+    1 micro-batch"`` otherwise); a measured ``bench moe`` result in its settings."""
+    if "case" in row:
+        case = row["case"]
+        tokens = _tokens_per_expert(case)
+        block = re.search(r"(\d+) experts, top (\d+),.* (\d+)x(\d+)", case)
+        if tokens is None and block:
+            experts, top_k, batch, sequence = map(int, block.groups())
+            tokens = batch * sequence * top_k // experts
+        micro = re.search(r"(\d+) micro-batch", case)
+        return case, tokens, int(micro.group(1)) if micro else 1
+    from fp8graph.models.moe import CONFIGS
+
+    config = CONFIGS.get(result.get("config"), {})
+    micro_batches = result.get("grad_accumulation", 1)
+    tokens = (result["batch"] * result["sequence"] * config["top_k"] // config["experts"]) if config else None
+    return (f"{result.get('config')}, {result['batch']}x{result['sequence']}, {tokens} tokens an expert, "
+            f"{micro_batches} micro-batch{'es' if micro_batches > 1 else ''}"), tokens, micro_batches
+
+
+# A MoE row's speedups over BF16 and over torchao's MoE training, modelled (bench model moe) or measured (bench moe).
+_MOE_COLUMNS = {"model_moe": ("vs_bf16", "vs_torchao_moe_rowwise"),
+                "moe_block": ("train_speedup_vs_bf16_compile", "train_speedup_vs_torchao")}
+
+
+def _moe_rows(result: dict, micro_batches: int, min_tokens: int = 2048):
+    """``(row, case)`` of each fp8graph MoE row with at least ``min_tokens`` tokens an expert and
+    ``micro_batches`` a step."""
+    for row in _fp8graph_rows(result):
+        case, tokens, micro = _moe_case(result, row)
+        if tokens is not None and tokens >= min_tokens and micro == micro_batches:
+            yield row, case
+
+
+def _is_recipe(row: dict) -> bool:
+    """A recipe's row (``current``, ``rowwise``), not a policy's (``auto``) or a variation's (``current
+    uncached``)."""
+    return len(row["contestant"].split()) == 1 and row["contestant"] != "auto"
+
+
+def _moe_best(versus: int, micro_batches: int):
+    """The best recipe's speedup per case (``versus``: 0 over BF16, 1 over torchao)."""
+    def measure(result):
+        column = _MOE_COLUMNS[result["workload"]][versus]
+        best: dict[str, tuple[float, str]] = {}
+        for row, case in _moe_rows(result, micro_batches):
+            if _is_recipe(row) and column in row:
+                best[case] = max(best.get(case, (float("-inf"), "")), (row[column], row["contestant"]))
+        for case, (value, contestant) in best.items():
+            yield f"{contestant} ({case})", value
+    return measure
+
+
+def _moe_each(policies: bool, micro_batches: int = 1):
+    """Each recipe's (or each ``policies.auto()`` row's) speedup over BF16 per case."""
+    def measure(result):
+        column = _MOE_COLUMNS[result["workload"]][0]
+        for row, case in _moe_rows(result, micro_batches):
+            chosen = row["contestant"].split()[0] == "auto" if policies else _is_recipe(row)
+            if chosen and column in row:
+                yield f"{row['contestant']} ({case})", row[column]
+    return measure
+
+
+def _moe_step_targets(workload: str, how: str) -> tuple[Target, ...]:
+    """The MoE block's speed targets at 2048 and more tokens an expert, measured (``moe_block``) or modelled
+    (``model_moe``): FP8 must pay where the experts' GEMMs are large, in every recipe and in the policy that
+    chooses per site, and more where the weights' casts are shared by several micro-batches."""
+    return (
+        Target(workload, f"best recipe: step over BF16, >= 2048 tokens an expert, 1 micro-batch ({how})", 1.15,
+               True, _moe_best(0, 1)),
+        Target(workload, f"best recipe: step over torchao moe rowwise, >= 2048 tokens an expert, 1 micro-batch "
+                         f"({how})", 1.10, True, _moe_best(1, 1)),
+        Target(workload, f"every recipe: step over BF16, >= 2048 tokens an expert, 1 micro-batch ({how})", 1.00,
+               True, _moe_each(policies=False)),
+        Target(workload, f"policies.auto(): step over BF16, >= 2048 tokens an expert, 1 micro-batch ({how})", 1.05,
+               True, _moe_each(policies=True)),
+        Target(workload, f"best recipe: step over BF16, >= 2048 tokens an expert, 4 micro-batches ({how})", 1.20,
+               True, _moe_best(0, 4)),
+    )
+
+
 MOE_TARGETS = (
     # One MoE block of Qwen3-30B-A3B: its 6 grouped GEMMs carry over 99% of the FLOPs; the routing, gather,
     # SwiGLU and scatter are memory-bound BF16 work in every contestant, and an FP8 step adds its casts.
@@ -384,6 +506,8 @@ MOE_TARGETS = (
     # A site FP8 would slow is kept: the policy is never slower than BF16.
     Target("model_moe", "policies.auto(): step over BF16 (modelled)", 1.00, True,
            _modelled("vs_bf16", ("auto", "auto delayed"))),
+    *_moe_step_targets("moe_block", "measured"),
+    *_moe_step_targets("model_moe", "modelled"),
 )
 TARGETS = TARGETS + MOE_TARGETS
 

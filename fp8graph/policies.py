@@ -1,6 +1,6 @@
 """Ready-made policies: :func:`auto` keeps in high precision the sites FP8 would make slower.
 
-    compiled = fp8graph.compile(model, policy=fp8graph.policies.auto())    # modelled on an H100
+    compiled = fp8graph.compile(model, policy=fp8graph.policies.auto())    # modelled on the GPU it runs on
     print(fp8graph.explain(compiled, input_ids))                            # each kept site says why, in us
 
 FP8 pays for its quantization only on GEMMs large enough that the faster
@@ -16,7 +16,7 @@ import dataclasses
 import json
 import pathlib
 
-from fp8graph.costs import GPU, gpu as gpu_named, site_times
+from fp8graph.costs import GPU, gpu as gpu_named, running_gpu, site_times
 from fp8graph.recipes.policy import Policy, SiteInfo
 from fp8graph.recipes.scaling import PRESETS, Recipe
 
@@ -71,7 +71,7 @@ def _threshold(shapes: list[_Shape], min_speedup: float) -> _Shape | None:
     return threshold
 
 
-def auto(measurements=None, recipe: str = "current", min_speedup: float = 1.05, gpu: "str | GPU" = "H100",
+def auto(measurements=None, recipe: str = "current", min_speedup: float = 1.05, gpu: "str | GPU | None" = None,
          tokens: int = 8192) -> Policy:
     """A policy that gives ``recipe`` to the linear and expert sites that gain from it.
 
@@ -86,7 +86,9 @@ def auto(measurements=None, recipe: str = "current", min_speedup: float = 1.05, 
             margin of the model's error on a site: an expert GEMM modelled 1.01x ran its MoE block at
             0.99x in the cost model (docs/policies-and-inspection.md); 1.0 takes any gain.
         gpu: the GPU the cost model times sites on (``"H100"``, ``"H200"``, ``"B200"``, or a
-            :class:`fp8graph.costs.GPU`); unused with ``measurements``.
+            :class:`fp8graph.costs.GPU`); ``None``, the one this process runs on
+            (:func:`fp8graph.costs.running_gpu`: the H100's rates where it knows no other); unused with
+            ``measurements``. The rule's name, which ``explain`` shows for each kept site, names it.
         tokens: the ``M`` the model times a site at when its ``M`` is symbolic (``dynamic=True``).
 
     Modelled, a site stays in high precision when its modelled time in ``recipe`` is more than its BF16
@@ -103,7 +105,7 @@ def auto(measurements=None, recipe: str = "current", min_speedup: float = 1.05, 
     if recipe not in PRESETS:
         raise ValueError(f"fp8graph.policies.auto: recipe must be one of {sorted(PRESETS)}, got {recipe!r}")
     if measurements is None:
-        return _modelled(PRESETS[recipe], min_speedup, gpu_named(gpu), tokens)
+        return _modelled(PRESETS[recipe], min_speedup, running_gpu() if gpu is None else gpu_named(gpu), tokens)
     return _measured(measurements, recipe, min_speedup)
 
 

@@ -8,7 +8,7 @@ Every kernel that is not a GEMM is counted against the operand of its largest te
 
 from __future__ import annotations
 
-from bench.costmodel.costs import TINY_BYTES
+from bench.costmodel.costs import TINY_BYTES, Row, fp8_cast
 
 SHAPE = (16384, 4096, 14336)  # M, K, N: input, weight and grad_output of three different sizes
 
@@ -84,15 +84,25 @@ GROUPED_RECIPES = ("current", "delayed", "rowwise")
 KEEPS_WEIGHT_COPY = ("current", "delayed")
 
 
+# The kinds of kernel the grouped table keeps apart, each run at its own rate (fp8graph.costs.casts.KernelBytes).
+KERNEL_KINDS = ("cast", "plain", "custom_op")
+
+
+def _kernel_kind(row: dict) -> str:
+    if row["kind"] != "triton":
+        return "custom_op"
+    return "cast" if fp8_cast(Row(**row)) else "plain"
+
+
 def _extra(rows: list[dict], baseline: list[dict]) -> dict[str, float]:
     """What ``rows`` move and launch beyond ``baseline``'s, outside the GEMMs and the optimizer: bytes of
-    Inductor's kernels and of custom ops, and launches."""
+    Inductor's FP8 casts, of its other kernels and of custom ops, and launches."""
     def totals(selection):
-        moved = {"triton": 0, "custom_op": 0, "launches": 0}
+        moved = dict.fromkeys((*KERNEL_KINDS, "launches"), 0)
         for row in selection:
             if row["kind"] in ("gemm", "attention", "optimizer", "memset"):
                 continue
-            moved["triton" if row["kind"] == "triton" else "custom_op"] += (row["read"] + row["written"]) * row["count"]
+            moved[_kernel_kind(row)] += (row["read"] + row["written"]) * row["count"]
             moved["launches"] += row["count"]
         return moved
 
@@ -153,32 +163,34 @@ def derive_grouped(result: dict) -> dict[str, dict]:
     for contestant in GROUPED_RECIPES:
         extras = [_extra(captures[contestant][case], captures["bf16"][case]) for case in GROUPED_CASES]
         kept_extra = _extra(captures[contestant][KEPT_CASE], captures["bf16"][KEPT_CASE])
-        per_element, kept = {}, {}
-        for kind in ("triton", "custom_op"):
+        activation, weight, kept = {}, {}, {}
+        for kind in KERNEL_KINDS:
             e1, e2 = extras[0][kind], extras[1][kind]
-            activation = _per_64th((e1 * w2 - e2 * w1) / determinant)
-            weight = _per_64th((a1 * e2 - a2 * e1) / determinant)
-            per_element[kind] = (activation, weight)
-            residual = kept_extra[kind] - activation * kept_tokens - weight * kept_weights
+            activation[kind] = _per_64th((e1 * w2 - e2 * w1) / determinant)
+            weight[kind] = _per_64th((a1 * e2 - a2 * e1) / determinant)
+            residual = kept_extra[kind] - activation[kind] * kept_tokens - weight[kind] * kept_weights
             kept[kind] = _per_64th(residual / kept_elements) if contestant in KEEPS_WEIGHT_COPY else 0.0
-        derived[contestant] = {"activation": (per_element["triton"][0], per_element["custom_op"][0]),
-                               "weight": (per_element["triton"][1], per_element["custom_op"][1]),
-                               "launches": extras[0]["launches"],
-                               "kept_weight": (kept["triton"], kept["custom_op"])}
+        derived[contestant] = {"activation": tuple(activation.values()), "weight": tuple(weight.values()),
+                               "launches": extras[0]["launches"], "kept_weight": tuple(kept.values())}
     return derived
 
 
 def grouped_casts(derived: dict) -> "GroupedCasts":
     """:func:`derive_grouped`'s answer for one recipe as the table's entry."""
-    from fp8graph.costs.casts import GroupedCasts
+    from fp8graph.costs.casts import GroupedCasts, KernelBytes
 
-    return GroupedCasts(*derived["activation"], *derived["weight"], derived["launches"], *derived["kept_weight"])
+    return GroupedCasts(KernelBytes(*derived["activation"]), KernelBytes(*derived["weight"]), derived["launches"],
+                        KernelBytes(*derived["kept_weight"]))
 
 
 def grouped_table_source(derived: dict[str, dict]) -> str:
     """``GROUPED_CAST_TRAFFIC``'s Python source for :func:`derive_grouped`'s answer."""
+    def kernel_bytes(values):
+        return f"_b({', '.join(map(repr, values))})"
+
     lines = ["GROUPED_CAST_TRAFFIC: dict[str, GroupedCasts] = {"]
     for kind, c in derived.items():
-        fields = (*c["activation"], *c["weight"], c["launches"], *c["kept_weight"])
-        lines.append(f'    "{kind}": GroupedCasts({", ".join(map(repr, fields))}),')
+        opening = f'    "{kind}": GroupedCasts('
+        lines.append(f'{opening}{kernel_bytes(c["activation"])}, {kernel_bytes(c["weight"])}, {c["launches"]},')
+        lines.append(f'{" " * len(opening)}{kernel_bytes(c["kept_weight"])}),')
     return "\n".join(lines + ["}"])

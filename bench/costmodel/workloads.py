@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -167,7 +168,8 @@ def _moe_case(spec: dict, shape: dict) -> dict:
                         requires_grad=True)
         grad_output = torch.empty(x.shape, dtype=torch.bfloat16, device="cuda")
     with capture.Capture() as cap, inductor_config.patch(settings), mode, \
-            compiled(base, block, compile_block) as compiled_block:
+            compiled(base, block, functools.partial(compile_block, policy_gpu=spec.get("policy_gpu"))) \
+            as compiled_block:
         micro_batches = _MicroBatches(cap, compiled_block, lambda: compiled_block(x), grad_output)
         note = micro_batches.run(spec, lambda: fp8_note(compiled_block, block))
     label = shape["label"] or (f"{config['experts']} experts, top {config['top_k']}, hidden {config['hidden']}, "

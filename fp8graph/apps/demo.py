@@ -31,7 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import fp8graph
 from fp8graph.apps.demo_baseline import Baseline, choose_baseline
-from fp8graph.costs import GPUS
+from fp8graph.costs import GPUS, running_gpu
 from fp8graph.inspection.loss_plot import save_loss_figure
 from fp8graph.models import build
 from fp8graph.models.text_data import TextBatches
@@ -169,13 +169,10 @@ def _check_writable(out: pathlib.Path) -> None:
 
 
 def policy_gpu(args: argparse.Namespace, device: torch.device) -> str:
-    """The GPU the cost model times sites on: --gpu, else this CUDA device when it is one it knows."""
+    """The GPU the cost model times sites on: --gpu, else this process's (fp8graph.costs.running_gpu)."""
     if args.gpu is not None:
         return args.gpu
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).upper()
-        return next((known for known in GPUS if known in name), "H100")
-    return "H100"
+    return running_gpu(device if device.type == "cuda" else None).name
 
 
 def _policy(args: argparse.Namespace, gpu: str, device: torch.device, model: torch.nn.Module):

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["CAST_TRAFFIC", "CastKernels", "GROUPED_CAST_TRAFFIC", "GroupedCasts", "OPERANDS", "RecipeCasts"]
+__all__ = ["CAST_TRAFFIC", "CastKernels", "GROUPED_CAST_TRAFFIC", "GroupedCasts", "KernelBytes", "NO_BYTES", "OPERANDS",
+           "RecipeCasts"]
 
 OPERANDS = ("input", "weight", "grad_output")
 
@@ -107,21 +108,44 @@ CAST_TRAFFIC: dict[str, RecipeCasts] = {
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelBytes:
+    """Bytes per element, by the rate the kernels that move them run at: a GPU runs Inductor's FP8 casts (amax,
+    saturation, 1-byte stores) slower than its other kernels (fp8graph.costs.gpus.GPU.cast_fraction), and
+    fp8graph's ops store tiles transposed (``transposed_store_fraction``)."""
+
+    cast: float  # Inductor's kernels that cast to FP8
+    plain: float  # Inductor's other kernels, over BF16's: negative where FP8's move fewer (an FP8 byte for two)
+    custom_op: float  # fp8graph's ops
+
+    def __add__(self, other: "KernelBytes") -> "KernelBytes":
+        return KernelBytes(self.cast + other.cast, self.plain + other.plain, self.custom_op + other.custom_op)
+
+    @property
+    def inductor(self) -> float:
+        """Inductor's kernels' bytes, casts and the rest."""
+        return self.cast + self.plain
+
+
+NO_BYTES = KernelBytes(0.0, 0.0, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
 class GroupedCasts:
     """What a recipe adds to a MoE block's two expert GEMMs over BF16's kernels, outside the GEMMs: bytes per
     routed-token element (``M x (K + N)`` of each expert GEMM) and per expert-weight element (``E x K x N``),
-    in Inductor's kernels and in custom ops, and the launches it adds to the block."""
+    and the launches it adds to the block."""
 
-    activation: float
-    activation_custom_op: float
-    weight: float
-    weight_custom_op: float
+    activation: KernelBytes
+    weight: KernelBytes
     block_launches: int
     # Per weight element of a site that keeps its weight's copy for grad_input from the forward
-    # (fp8graph.numerics.groups.weight_copy_fits), added to ``weight`` and ``weight_custom_op``: the forward casts
-    # it into both layouts by one kernel, the backward casts nothing again.
-    kept_weight: float = 0.0
-    kept_weight_custom_op: float = 0.0
+    # (fp8graph.numerics.groups.weight_copy_fits), added to ``weight``: the forward casts it into both layouts by
+    # one of fp8graph's kernels, no Inductor kernel casts it, and the backward casts nothing again.
+    kept_weight: KernelBytes = NO_BYTES
+
+
+def _b(cast: float, plain: float, custom_op: float) -> KernelBytes:
+    return KernelBytes(cast, plain, custom_op)
 
 
 # bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-28T185953Z.json
@@ -129,17 +153,23 @@ class GroupedCasts:
 # backward, and at 2048, where gate_up keeps its copy from the forward; a step of one micro-batch cast per call,
 # sm_90, torch 2.13.0, triton 3.6.0: the three blocks are fitted, to the rates' rounding to 1/64 byte); of the
 # blocks it was not solved from, the FP8 steps' Triton bytes it predicts are within 7% of Llama-4 Scout's (whose
-# batched experts keep autograd's SwiGLU and combine) and within 26% of DeepSeek-V3's (tests/costs/test_sites.py). The per-tensor recipes' SwiGLU backward and combine
-# backward are kernels of fp8graph's, whose bytes go with the expert width and the hidden size, not with both
-# GEMMs' K + N the table's rate counts: of what a recipe adds to BF16's bytes alone the table is worse on other
-# blocks (DeepSeek-V3's delayed and row-wise furthest). A negative rate: the recipe's kernels move fewer bytes per
-# routed token than BF16's (an FP8 byte where BF16 stores two). The custom-op bytes are fp8graph's ops: the
-# layouts of grad_weight's operands, SwiGLU's and the combine's backward casts and, per weight element, the
-# per-tensor recipes' weights cast again for grad_input in the backward (fp8graph::quantize_transposed: 3 bytes);
-# a site that keeps the copy from the forward casts both layouts in one op (fp8graph::quantize_both_layouts: 4
-# bytes, 1 more) and no Inductor kernel casts its weight (3 bytes fewer). Regenerated with the sweep.
+# batched experts keep autograd's SwiGLU and combine) and within 26% of DeepSeek-V3's (tests/costs/test_sites.py).
+# The per-tensor recipes' SwiGLU backward and combine backward are kernels of fp8graph's, whose bytes go with the
+# expert width and the hidden size, not with both GEMMs' K + N the table's rate counts: of what a recipe adds to
+# BF16's bytes alone the table is worse on other blocks (DeepSeek-V3's delayed and row-wise furthest).
+# Per routed-token element, Inductor's plain kernels move fewer bytes than BF16's (an FP8 byte where BF16 stores
+# two; SwiGLU's and the combine's backward are fp8graph's ops in the per-tensor recipes); its FP8 casts are of
+# the gathered input and, in row-wise, of SwiGLU's and the combine's gradients. Per weight element: the cast for
+# the forward GEMM (3 bytes) and, in current scaling, the weight's amax (2) and in row-wise its per-column amax
+# and cast (5) in Inductor's kernels; the per-tensor recipes cast again for grad_input by
+# fp8graph::quantize_transposed (3 bytes). A site that keeps the copy from the forward casts both layouts by
+# fp8graph::quantize_both_layouts (4 bytes, 1 more) and no Inductor kernel casts its weight (3 bytes fewer).
+# Regenerated with the sweep.
 GROUPED_CAST_TRAFFIC: dict[str, GroupedCasts] = {
-    "current": GroupedCasts(-4.671875, 5.359375, 5.015625, 3.015625, 34, -3.015625, 1.03125),
-    "delayed": GroupedCasts(-5.3125, 4.640625, 3.015625, 3.03125, 28, -3.015625, 1.015625),
-    "rowwise": GroupedCasts(-1.234375, 3.0, 8.015625, 0.03125, 14, 0.0, 0.0),
+    "current": GroupedCasts(_b(0.609375, -5.28125, 5.359375), _b(3.0, 2.015625, 3.015625), 34,
+                            _b(-3.03125, 0.015625, 1.03125)),
+    "delayed": GroupedCasts(_b(0.609375, -5.921875, 4.640625), _b(3.015625, 0.0, 3.03125), 28,
+                            _b(-3.03125, 0.015625, 1.015625)),
+    "rowwise": GroupedCasts(_b(4.203125, -5.453125, 3.0), _b(8.015625, 0.015625, 0.03125), 14,
+                            _b(0.0, 0.0, 0.0)),
 }

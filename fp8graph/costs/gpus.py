@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["B200", "GPU", "GPUS", "GROUPED_RATE_TOKENS", "H100", "H200", "gpu", "grouped_rate"]
+__all__ = ["B200", "GPU", "GPUS", "GROUPED_RATE_TOKENS", "H100", "H200", "gpu", "grouped_rate", "running_gpu"]
 
 # The tokens a group at which each GPU's two grouped GEMM rates were timed: a grouped GEMM's rate grows with its
 # groups' rows (more of each weight's tiles busy), and between these it is interpolated in log2 of the rows.
@@ -130,3 +130,16 @@ def gpu(name: "str | GPU") -> GPU:
     if found is None:
         raise ValueError(f"fp8graph.costs: no rates for GPU {name!r}; known: {sorted(GPUS)} (or pass a GPU)")
     return found
+
+
+def running_gpu(device=None) -> GPU:
+    """The rates of the CUDA GPU this process runs on (``device``, default the current one): the known GPU whose
+    name its device name holds ("NVIDIA H200" -> H200, "NVIDIA GH200 480GB" -> H200), else the H100's (another
+    Hopper or Ada GPU, or no CUDA device: the rates the model was fitted to first). Whichever it took, the
+    policies and reports that use it name it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return H100
+    name = torch.cuda.get_device_name(device).upper()
+    return next((rates for known, rates in GPUS.items() if known in name), H100)

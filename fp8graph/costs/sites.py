@@ -10,7 +10,9 @@ For one linear site (``M`` tokens, ``K`` in, ``N`` out; an expert site: ``M`` so
            fp8graph.costs.casts at Inductor's bandwidth (fp8graph's own kernels at copy bandwidth), never
            less than the launch floor each, and the small launches at the floor; an expert site in training,
            its share of what the recipe adds to a MoE block (GROUPED_CAST_TRAFFIC; a site that keeps its
-           weight's copy for grad_input from the forward, weight_copy_fits, with that form's rates)
+           weight's copy for grad_input from the forward, weight_copy_fits, with that form's rates): Inductor's
+           FP8 casts at the GPU's cast rate, its other kernels' bytes over BF16's at its plain rate, fp8graph's
+           ops at their transposed-store rate, as the block model prices each kernel by its kind
 
 A recipe whose GEMM the GPU lacks (MXFP8 before Blackwell) is emulated: its GEMMs run at the BF16 rate after
 the casts, so it never gains. Only kernel time is modelled: no CPU overhead, no overlap, no attention or
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fp8graph.costs.casts import CAST_TRAFFIC, GROUPED_CAST_TRAFFIC, GroupedCasts, RecipeCasts
+from fp8graph.costs.casts import CAST_TRAFFIC, GROUPED_CAST_TRAFFIC, GroupedCasts, KernelBytes, RecipeCasts
 from fp8graph.costs.gpus import GPU, gpu as gpu_named
 from fp8graph.recipes.policy import SiteInfo
 from fp8graph.numerics.groups import weight_copy_fits
@@ -86,18 +88,19 @@ def _casts_us(casts: RecipeCasts, sizes: dict[str, int], gpu: GPU, training: boo
     return total + small * gpu.launch_floor_us
 
 
+def _kernel_bytes_us(moved: KernelBytes, elements: float, gpu: GPU) -> float:
+    """``elements`` times ``moved``'s bytes an element, each kind of kernel at its rate."""
+    return elements * (moved.cast / (gpu.triton_bandwidth * gpu.cast_fraction) + moved.plain / gpu.triton_bandwidth
+                       + moved.custom_op / (gpu.copy_bandwidth * gpu.transposed_store_fraction)) * 1e6
+
+
 def _grouped_casts_us(casts: GroupedCasts, M: int, K: int, N: int, experts: int, gpu: GPU, kept: bool) -> float:
     """One expert GEMM's share of a block's casts: its own elements' bytes, half the block's launches; ``kept``:
-    the site keeps its weight's copy for grad_input from the forward."""
-    tokens, weights = M * (K + N), experts * K * N
-    weight, weight_custom_op = casts.weight, casts.weight_custom_op
-    if kept:
-        weight, weight_custom_op = weight + casts.kept_weight, weight_custom_op + casts.kept_weight_custom_op
-    inductor = (casts.activation * tokens + weight * weights) / (gpu.triton_bandwidth * gpu.cast_fraction) * 1e6
-    # An expert GEMM's custom ops store tiles transposed: grad_weight's placed operands, the weights' layouts.
-    custom = ((casts.activation_custom_op * tokens + weight_custom_op * weights)
-              / (gpu.copy_bandwidth * gpu.transposed_store_fraction) * 1e6)
-    return max(inductor + custom, casts.block_launches / 2 * gpu.launch_floor_us)
+    the site keeps its weight's copy for grad_input from the forward. fp8graph's ops on an expert GEMM store
+    tiles transposed (grad_weight's placed operands, the weights' layouts)."""
+    weight = casts.weight + casts.kept_weight if kept else casts.weight
+    moved_us = _kernel_bytes_us(casts.activation, M * (K + N), gpu) + _kernel_bytes_us(weight, experts * K * N, gpu)
+    return max(moved_us, casts.block_launches / 2 * gpu.launch_floor_us)
 
 
 def site_times(site: SiteInfo, recipe, gpu: "str | GPU" = "H100", training: bool = True,

@@ -43,6 +43,20 @@ def test_a_step_is_its_kernels_at_the_machines_rates():
     assert summary["step_ms"] == pytest.approx(summary["triton_ms"] + 2.0)
 
 
+def test_the_same_kernels_in_another_order_model_the_same_step_to_the_last_bit():
+    """policies.auto() keeping every site compiles BF16's kernels, not always in BF16's order: its step must
+    not model a rounding error slower (a target would call 0.9999999999999999x a miss)."""
+    import random
+
+    machine = costs.Machine()
+    draw = random.Random(0)
+    rows = [_row(kind="gemm", name=f"mm{i}", flops=draw.uniform(1e9, 1e15), gemm="bf16") for i in range(40)]
+    orders = (rows, rows[::-1], rows[7:] + rows[:7])
+    # Summed in order, these rows' times differ in the last bits: the test can fail.
+    assert len({sum(costs.time_us(r, machine) for r in order) for order in orders}) > 1
+    assert len({costs.summary(order, machine)["step_ms"] for order in orders}) == 1
+
+
 def test_an_aten_kernel_measured_far_below_copy_bandwidth_is_timed_at_the_measured_rate():
     """``segment_reduce`` (row-wise MoE's group-column amaxes at ec8f139) ran at a tenth of copy bandwidth on the
     H200: the rate the model takes is the committed profile's time over the committed capture's bytes."""

@@ -355,7 +355,9 @@ def test_the_sweep_targets_take_each_case_s_best_recipe():
         ("best recipe: step over torchao moe rowwise, >= 2048 tokens an expert (modelled)", f"rowwise ({case})",
          1.2, True),
         ("best recipe: step over BF16, Qwen3 at 256 tokens an expert, 4 micro-batches (modelled)",
-         f"current ({small})", 0.8, False)]
+         f"current ({small})", 0.8, False),
+        ("best recipe: step over BF16, >= 2048 tokens an expert, 4 micro-batches (modelled)", f"delayed ({case})",
+         1.3, True)]
     auto = [(v["case"], v["met"]) for v in judge({"workload": "model_moe", "rows": rows})
             if v["target"] == "policies.auto(): step over BF16 (modelled)"]
     assert auto == [(f"auto ({small})", True), (f"auto delayed ({case})", False)]

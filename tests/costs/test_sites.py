@@ -146,32 +146,46 @@ def test_the_grouped_table_is_the_committed_sweeps_and_predicts_its_other_blocks
     is 3.5 times its expert width where Qwen3's is 2.7 times. Measured against the step's bytes, not the
     difference: what a recipe adds to DeepSeek-V3's block is small beside it (delayed scaling's is 3.44 GB fewer
     than BF16's), so any error is large beside the difference; of the difference alone the table is far off there
-    (fp8graph/costs/casts.py)."""
+    (fp8graph/costs/casts.py). Inductor's FP8 casts, which the site model prices at the GPU's cast rate, are solved
+    apart from its other kernels: within 1% on the Qwen3 blocks, 4% on Llama-4 Scout's, 6% on DeepSeek-V3's in the
+    per-tensor recipes and 22% in row-wise (its casts of SwiGLU's and the combine's gradients grow with the width
+    and the hidden size, not with K + N)."""
     from bench.costmodel import site_casts
 
     result = json.loads(SWEEP_RESULT.read_text())
     derived = site_casts.derive_grouped(result)
     assert {kind: site_casts.grouped_casts(casts) for kind, casts in derived.items()} == GROUPED_CAST_TRAFFIC
     # The kept form: the forward's one op writes a byte an element more than the backward's cast again, and no
-    # Inductor kernel reads the BF16 weight and writes its FP8 bytes (3 bytes an element) for the forward GEMM.
+    # Inductor cast reads the BF16 weight and writes its FP8 bytes (3 bytes an element) for the forward GEMM.
     for kind in site_casts.KEEPS_WEIGHT_COPY:
-        assert GROUPED_CAST_TRAFFIC[kind].kept_weight == pytest.approx(-3, abs=0.05)
-        assert GROUPED_CAST_TRAFFIC[kind].kept_weight_custom_op == pytest.approx(1, abs=0.05)
+        kept = GROUPED_CAST_TRAFFIC[kind].kept_weight
+        assert (kept.cast, kept.plain, kept.custom_op) == pytest.approx((-3, 0, 1), abs=0.05)
+    # Each recipe's weight casts for the forward GEMM are Inductor's FP8 casts: a read of 2 bytes, a write of 1.
+    for kind, casts in GROUPED_CAST_TRAFFIC.items():
+        assert casts.weight.cast >= 3 - 0.05, kind
     rows = {capture["contestant"]: {case["case"]: case["rows"] for case in capture["cases"]}
             for capture in result["captures"]}
     bounds = {"Qwen3": dict.fromkeys(GROUPED_CAST_TRAFFIC, 0.005), "Llama-4": dict.fromkeys(GROUPED_CAST_TRAFFIC, 0.07),
               "DeepSeek-V3": {"current": 0.05, "delayed": 0.26, "rowwise": 0.15}}
+    cast_bounds = {"Qwen3": dict.fromkeys(GROUPED_CAST_TRAFFIC, 0.01), "Llama-4": dict.fromkeys(GROUPED_CAST_TRAFFIC, 0.04),
+                   "DeepSeek-V3": {"current": 0.06, "delayed": 0.06, "rowwise": 0.22}}
     for shape in result["spec"]["shapes"]:
         case = f"{shape['label']}, 1 micro-batch"
         tokens, weights = site_casts.block_elements(shape)
         kept = site_casts.kept_weight_elements(shape)
         bf16 = sum((r["read"] + r["written"]) * r["count"] for r in rows["bf16"][case] if r["kind"] == "triton")
         for kind, casts in GROUPED_CAST_TRAFFIC.items():
-            captured = site_casts._extra(rows[kind][case], rows["bf16"][case])["triton"]
-            predicted = casts.activation * tokens + casts.weight * weights + casts.kept_weight * kept
+            extra = site_casts._extra(rows[kind][case], rows["bf16"][case])
+            captured = extra["cast"] + extra["plain"]
+            predicted = (casts.activation.inductor * tokens + casts.weight.inductor * weights
+                         + casts.kept_weight.inductor * kept)
             block = next(block for block in bounds if shape["label"].startswith(block))
             bound = bounds[block][kind]
             assert bf16 + predicted == pytest.approx(bf16 + captured, rel=bound), (kind, case)
+            # Inductor's FP8 casts apart (the site model prices them at the GPU's cast rate): the same blocks.
+            casts_predicted = (casts.activation.cast * tokens + casts.weight.cast * weights
+                               + casts.kept_weight.cast * kept)
+            assert casts_predicted == pytest.approx(extra["cast"], rel=cast_bounds[block][kind]), (kind, case)
 
 
 def test_an_expert_site_keeps_its_weights_copy_in_the_model_only_where_the_target_does():
@@ -187,8 +201,10 @@ def test_an_expert_site_keeps_its_weights_copy_in_the_model_only_where_the_targe
     casts = GROUPED_CAST_TRAFFIC["current"]
     h100 = gpu("H100")
     weights = 128 * 2048 * 1536
-    difference_us = weights * (-casts.kept_weight / (h100.triton_bandwidth * h100.cast_fraction)
-                               - casts.kept_weight_custom_op / (h100.copy_bandwidth * h100.transposed_store_fraction))
+    kept_bytes = casts.kept_weight
+    difference_us = weights * (-kept_bytes.cast / (h100.triton_bandwidth * h100.cast_fraction)
+                               - kept_bytes.plain / h100.triton_bandwidth
+                               - kept_bytes.custom_op / (h100.copy_bandwidth * h100.transposed_store_fraction))
     assert symbolic.M == kept.M
     assert symbolic.fp8_casts_us - kept.fp8_casts_us == pytest.approx(difference_us * 1e6, rel=1e-9)
     few = site_times(site(128 * 256), "current")

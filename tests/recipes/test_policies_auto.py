@@ -168,3 +168,32 @@ def test_an_explicit_rule_before_autos_wins():
     policy = Policy(default=modelled.default, rules=[("small", PRESETS["current"]), *modelled.rules])
     assert resolve(policy, "small", SiteInfo("linear", 8, 64, 64, torch.bfloat16)).recipe == PRESETS["current"]
     assert resolve(policy, "other", SiteInfo("linear", 8, 64, 64, torch.bfloat16)).recipe is None
+
+
+@pytest.mark.parametrize("device_name, rates", [
+    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"), ("NVIDIA GH200 480GB", "H200"),
+    ("NVIDIA B200", "B200"), ("NVIDIA H800", "H100"), (None, "H100")])
+def test_auto_times_sites_on_the_gpu_it_runs_on(monkeypatch, device_name, rates):
+    """Without ``gpu``, auto() takes the rates of the CUDA device this process runs on, the H100's where it knows
+    no other (or there is none), and names them in its rule, which explain shows for each kept site."""
+    from fp8graph.costs import running_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: device_name is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
+    assert running_gpu().name == rates
+    [(rule, _)] = auto().rules
+    assert rule.__name__ == f"auto: current modelled below 1.05x of BF16 on {rates}"
+
+
+def test_expert_sites_are_decided_at_the_rates_of_the_gpu_given():
+    """Qwen3-30B-A3B's expert sites at 2048 tokens an expert in current scaling: at the H100's rates (one rate for
+    every Inductor kernel) both stay in BF16; at the H200's, fitted to its MoE runs (FP8 casts at 0.6 of its other
+    kernels' rate, each priced apart), gate_up gains past 1.05x and down does not. The block model agrees
+    (bench/results/model-moe-2026-11-28T211302Z.json: gate_up alone in FP8 1.13x BF16, both 1.07x)."""
+    def expert_site(K, N):
+        return SiteInfo("grouped_mm", 128 * 2048, K, N, torch.bfloat16, experts=128)
+
+    gate_up, down = expert_site(2048, 1536), expert_site(768, 2048)
+    for gpu, wanted in (("H100", (None, None)), ("H200", (PRESETS["current"], None))):
+        policy = auto(gpu=gpu)
+        assert tuple(resolve(policy, "experts", site).recipe for site in (gate_up, down)) == wanted, gpu
