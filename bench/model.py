@@ -389,9 +389,10 @@ def model_moe(args) -> dict:
                          "commit, or 'installed'")
     fp8graph = calibration.measured_fp8graph(args.fp8graph_at)  # "installed": this checkout
     try:
-        # policies.auto() decides its sites at the rates the step is modelled at.
         gpu = machine_of(args).gpu
-        results = children(args)([{**spec, "contestant": c, **({"policy_gpu": gpu} if c in AUTO else {})}
+        # policies.auto() decides its sites at the rates of the --gpu named (a rate option given does not reach it).
+        results = children(args)([{**spec, "contestant": c,
+                                   **({"policy_gpu": gpu} if parse_contestant(c)[0] in AUTO else {})}
                                   for c in contestants], fp8graph.env)
     finally:
         fp8graph.close()

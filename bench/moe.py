@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import pathlib
 import time
@@ -213,8 +214,10 @@ def compile_block(block: torch.nn.Module, contestant: str, compiler, policy_gpu:
 
     if contestant in AUTO:
         recipe = contestant.removeprefix("auto").strip() or "current"
-        # An earlier commit's auto() (the calibration models the GPU runs at theirs) took no gpu=None.
-        policy = fp8graph.policies.auto(recipe=recipe, **({"gpu": policy_gpu} if policy_gpu else {}))
+        # An earlier commit's auto() (the calibration and --fp8graph-at model one) may take no gpu at all: it
+        # decided at the H100's rates, and so it is modelled.
+        takes_gpu = "gpu" in inspect.signature(fp8graph.policies.auto).parameters
+        policy = fp8graph.policies.auto(recipe=recipe, **({"gpu": policy_gpu} if policy_gpu and takes_gpu else {}))
         return fp8graph.compile(block, policy=policy, compiler=compiler)
     if contestant.endswith(" uncached"):
         recipe = contestant.removesuffix(" uncached")

@@ -13,6 +13,7 @@ measurement from the GPU you train on, from the smallest measured shape that gai
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 
@@ -105,23 +106,39 @@ def auto(measurements=None, recipe: str = "current", min_speedup: float = 1.05, 
     if recipe not in PRESETS:
         raise ValueError(f"fp8graph.policies.auto: recipe must be one of {sorted(PRESETS)}, got {recipe!r}")
     if measurements is None:
-        return _modelled(PRESETS[recipe], min_speedup, running_gpu() if gpu is None else gpu_named(gpu), tokens)
+        return _modelled(PRESETS[recipe], min_speedup, None if gpu is None else gpu_named(gpu), tokens)
     return _measured(measurements, recipe, min_speedup)
 
 
-def _modelled(recipe: Recipe, min_speedup: float, gpu: GPU, tokens: int) -> Policy:
-    def modelled_slower(path: str, module, site: SiteInfo) -> "str | bool":
+class _ModelledBelow:
+    """auto()'s modelled rule: keeps a site whose modelled speedup in ``recipe`` is under ``min_speedup``. Without a
+    named GPU it takes the rates of the one this process runs on when it decides its first site, at compile time,
+    not when the policy is made: a policy made before a fork leaves CUDA uninitialised for the children."""
+
+    def __init__(self, recipe: Recipe, min_speedup: float, gpu: "GPU | None", tokens: int):
+        self._recipe, self._min_speedup, self._named_gpu, self._tokens = recipe, min_speedup, gpu, tokens
+
+    @functools.cached_property
+    def gpu(self) -> GPU:
+        return running_gpu() if self._named_gpu is None else self._named_gpu
+
+    @property
+    def __name__(self) -> str:  # the rule's name in explain's reports
+        return f"auto: {self._recipe.kind} modelled below {self._min_speedup}x of BF16 on {self.gpu.name}"
+
+    def __call__(self, path: str, module, site: SiteInfo) -> "str | bool":
         if site.K is None or site.N is None:
             return False  # not a GEMM the model speaks to
-        times = site_times(site, recipe, gpu, training=True, tokens=tokens)
-        if times.speedup >= min_speedup:
+        times = site_times(site, self._recipe, self.gpu, training=True, tokens=self._tokens)
+        if times.speedup >= self._min_speedup:
             return False
         if times.speedup < 1.0:
             return f"FP8 modelled slower: {times.describe()}"
-        return f"FP8 modelled to gain under the {min_speedup}x asked: {times.describe()}"
+        return f"FP8 modelled to gain under the {self._min_speedup}x asked: {times.describe()}"
 
-    modelled_slower.__name__ = f"auto: {recipe.kind} modelled below {min_speedup}x of BF16 on {gpu.name}"
-    return Policy(default=recipe, rules=[(modelled_slower, None)])
+
+def _modelled(recipe: Recipe, min_speedup: float, gpu: "GPU | None", tokens: int) -> Policy:
+    return Policy(default=recipe, rules=[(_ModelledBelow(recipe, min_speedup, gpu, tokens), None)])
 
 
 def _measured(measurements, recipe: str, min_speedup: float) -> Policy:

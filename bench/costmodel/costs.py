@@ -24,6 +24,7 @@ result file; the H100's rates are fp8graph's own (``fp8graph.costs.gpus``), whic
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -234,9 +235,14 @@ def summary(rows: list[Row], machine: Machine) -> dict:
         return [r for r in rows if r.kind == kind]
 
     def total(selection, value):
-        # Correctly rounded, whatever the rows' order: a contestant whose graph is BF16's kernels in another order
-        # (policies.auto() keeping every site) models BF16's step to the last bit, not a hair slower.
-        return math.fsum(value(r) * r.count for r in selection)
+        # The launches of each value counted first, then one correctly rounded sum: BF16's kernels in another order
+        # or split otherwise between rows (policies.auto() keeping every site; a step of n micro-batches as one
+        # first and n - 1 reusing ones, where BF16's runs each kernel n times) model BF16's step to the last bit,
+        # not a hair slower or faster.
+        launches = collections.Counter()
+        for r in selection:
+            launches[value(r)] += r.count
+        return math.fsum(each * count for each, count in launches.items())
 
     triton, gemm = of("triton"), of("gemm")
     other = of("extern") + of("memset")

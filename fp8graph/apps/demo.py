@@ -169,10 +169,11 @@ def _check_writable(out: pathlib.Path) -> None:
 
 
 def policy_gpu(args: argparse.Namespace, device: torch.device) -> str:
-    """The GPU the cost model times sites on: --gpu, else this process's (fp8graph.costs.running_gpu)."""
+    """The GPU the cost model times sites on: --gpu, else the CUDA device the demo trains on
+    (fp8graph.costs.running_gpu), the H100 for a run on the CPU."""
     if args.gpu is not None:
         return args.gpu
-    return running_gpu(device if device.type == "cuda" else None).name
+    return running_gpu(device).name if device.type == "cuda" else "H100"
 
 
 def _policy(args: argparse.Namespace, gpu: str, device: torch.device, model: torch.nn.Module):

@@ -73,9 +73,10 @@ def _check_pattern(pattern: object, index: int) -> None:
         )
 
 
-def _check_recipe(recipe: object, where: str) -> None:
+def _check_recipe(recipe: object, where: "str | Callable[[], str]") -> None:
+    """``where``: the setting's name, or what makes it (a rule's name is only asked for in the error)."""
     if recipe is not None and not isinstance(recipe, Recipe):
-        raise ValueError(f"{where} must be a recipe or None, got {recipe!r}")
+        raise ValueError(f"{where if isinstance(where, str) else where()} must be a recipe or None, got {recipe!r}")
 
 
 def describe_pattern(pattern: Pattern) -> str:
@@ -125,7 +126,7 @@ class Policy:
                 raise ValueError(f"Policy rule {index} must be a (pattern, recipe) pair, got {rule!r}")
             pattern, recipe = rule
             _check_pattern(pattern, index)
-            _check_recipe(recipe, f"Policy rule {index} ({describe_pattern(pattern)}) recipe")
+            _check_recipe(recipe, lambda: f"Policy rule {index} ({describe_pattern(pattern)}) recipe")
             checked.append((pattern, recipe))
         object.__setattr__(self, "_default", default)
         object.__setattr__(self, "_rules", tuple(checked))

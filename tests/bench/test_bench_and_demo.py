@@ -328,3 +328,16 @@ def test_a_contestant_child_that_fails_or_outlives_its_time_is_an_error_row(tmp_
     os.mkfifo(never_written)  # opening it for reading waits for a writer that never comes
     code, _ = forked.run_bench(["show", str(never_written)], timeout=2)
     assert code is None
+
+
+def test_the_demo_models_sites_on_the_gpu_it_trains_on(monkeypatch):
+    """--policy auto times sites on --gpu, else on the CUDA device the demo trains on, else (on the CPU) the H100."""
+    import argparse
+
+    from fp8graph.apps.demo import policy_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert policy_gpu(argparse.Namespace(gpu=None), torch.device("cuda", 0)) == "H200"
+    assert policy_gpu(argparse.Namespace(gpu="B200"), torch.device("cuda", 0)) == "B200"
+    assert policy_gpu(argparse.Namespace(gpu=None), torch.device("cpu")) == "H100"

@@ -182,7 +182,7 @@ def test_decoder_targets_judge_fp8graph_against_bf16_and_torchao():
     per_tensor = verdicts["per-tensor: training speedup over BF16 torch.compile", "current"]
     assert not per_tensor["met"] and per_tensor["missed_by"] == pytest.approx(0.05)
     assert not verdicts["per-tensor: training tokens/s over torchao tensorwise", "current"]["met"]
-    saved = verdicts["memory saved for backward over torchao tensorwise's", "current"]
+    saved = verdicts["memory saved for backward over torchao's (tensorwise or row-wise, as the recipe)", "current"]
     assert saved["measured"] == pytest.approx(8 / 7) and not saved["met"]
 
 
@@ -193,8 +193,16 @@ def test_decoder_rowwise_is_held_to_torchao_rowwise():
         _decoder_row("torchao rowwise", 1150, 37.0, 7.0, 70, 15)))
     rowwise = verdicts["row-wise training tokens/s over torchao row-wise", "rowwise"]
     assert not rowwise["met"] and rowwise["measured"] == pytest.approx(1100 / 1150)
-    # Not a per-tensor recipe: the per-tensor speedups do not judge it.
+    # Not a per-tensor recipe: the per-tensor speedups do not judge it; its saved memory is held to torchao
+    # row-wise's (8 GB against 7).
     assert not any(target.startswith("per-tensor") for target, _ in verdicts)
+    saved = verdicts["memory saved for backward over torchao's (tensorwise or row-wise, as the recipe)", "rowwise"]
+    assert saved["measured"] == pytest.approx(8 / 7)
+    # A recipe torchao has no counterpart of is not held to torchao's memory.
+    block = _verdicts(_decoder_result(_decoder_row("bf16", 1000, 40.0, 10.0, 60, 20),
+                                      _decoder_row("block", 1100, 38.0, 8.0, 90, 10),
+                                      _decoder_row("torchao tensorwise", 1150, 37.0, 7.0, 70, 15)))
+    assert not any(target.startswith("memory saved for backward over torchao") for target, _ in block)
 
 
 def test_decoder_without_torchao_or_cuda_memory_skips_those_targets():

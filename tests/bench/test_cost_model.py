@@ -13,8 +13,10 @@ measurements today, on the pinned torch. What it does not: that it predicts code
 (``tests/bench/test_step_structure.py`` pins that code's structure, whose bytes and launches are facts).
 """
 
+import dataclasses
 import hashlib
 import json
+import math
 import pathlib
 
 import pytest
@@ -55,6 +57,12 @@ def test_the_same_kernels_in_another_order_model_the_same_step_to_the_last_bit()
     # Summed in order, these rows' times differ in the last bits: the test can fail.
     assert len({sum(costs.time_us(r, machine) for r in order) for order in orders}) > 1
     assert len({costs.summary(order, machine)["step_ms"] for order in orders}) == 1
+    # A step of 4 micro-batches: BF16 runs each kernel 4 times, a contestant keeping every site as one first
+    # micro-batch and 3 reusing ones (bench.model.accumulate): the same launches.
+    four = [dataclasses.replace(r, count=4) for r in rows]
+    split = [dataclasses.replace(r, count=1) for r in rows] + [dataclasses.replace(r, count=3) for r in rows[::-1]]
+    assert len({math.fsum(costs.time_us(r, machine) * r.count for r in order) for order in (four, split)}) > 1
+    assert costs.summary(four, machine)["step_ms"] == costs.summary(split, machine)["step_ms"]
 
 
 def test_an_aten_kernel_measured_far_below_copy_bandwidth_is_timed_at_the_measured_rate():

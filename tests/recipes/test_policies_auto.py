@@ -131,7 +131,7 @@ def test_the_modelled_policy_agrees_with_every_win_and_loss_of_the_h100_run_whos
     BF16 where it lost, for every pair but the four whose casts were kernels since replaced."""
     disagreements = set()
     for (recipe, shape), measured in _measured_speedups().items():
-        chosen = _recipe_for(auto(recipe=recipe), *shape)
+        chosen = _recipe_for(auto(recipe=recipe, gpu="H100"), *shape)
         if (chosen is not None) != (measured >= 1.0):
             disagreements.add((recipe, shape))
     assert disagreements == REPLACED_KERNELS
@@ -140,7 +140,7 @@ def test_the_modelled_policy_agrees_with_every_win_and_loss_of_the_h100_run_whos
 
 def test_a_site_auto_keeps_gives_its_modelled_times_in_explain():
     model = torch.nn.Sequential(torch.nn.Linear(64, 64))
-    [row] = fp8graph.explain(model, torch.randn(8, 64), policy=auto())
+    [row] = fp8graph.explain(model, torch.randn(8, 64), policy=auto(gpu="H100"))
     assert row.recipe is None and row.rule == "rule 0 (auto: current modelled below 1.05x of BF16 on H100)"
     assert row.reason.startswith("FP8 modelled slower: BF16 15.0 us, current ")
     assert row.reason.endswith("on H100, modelled") and row.modelled.speedup < 1
@@ -148,15 +148,15 @@ def test_a_site_auto_keeps_gives_its_modelled_times_in_explain():
 
 
 def test_min_speedup_gpu_and_symbolic_tokens_move_the_modelled_decision():
-    assert _recipe_for(auto(), 16384, 4096, 4096) == PRESETS["current"]             # 1.35x on an H100
-    assert _recipe_for(auto(min_speedup=1.4), 16384, 4096, 4096) is None
-    [(gains_too_little, _)] = auto(min_speedup=1.4).rules
+    assert _recipe_for(auto(gpu="H100"), 16384, 4096, 4096) == PRESETS["current"]   # 1.35x on an H100
+    assert _recipe_for(auto(min_speedup=1.4, gpu="H100"), 16384, 4096, 4096) is None
+    [(gains_too_little, _)] = auto(min_speedup=1.4, gpu="H100").rules
     assert gains_too_little("x", None, SiteInfo("linear", 16384, 4096, 4096, torch.bfloat16)).startswith(
         "FP8 modelled to gain under the 1.4x asked: BF16 2,228.7 us, current 1,666.7 us (1.34x) on H100")
-    assert _recipe_for(auto(recipe="mxfp8"), 16384, 4096, 4096) is None              # emulated on an H100
+    assert _recipe_for(auto(recipe="mxfp8", gpu="H100"), 16384, 4096, 4096) is None  # emulated on an H100
     assert _recipe_for(auto(recipe="mxfp8", gpu="B200"), 16384, 4096, 4096) == PRESETS["mxfp8"]
-    assert _recipe_for(auto(), "s0", 4096, 4096) == PRESETS["current"]               # modelled at 8192 tokens
-    assert _recipe_for(auto(tokens=16), "s0", 4096, 4096) is None
+    assert _recipe_for(auto(gpu="H100"), "s0", 4096, 4096) == PRESETS["current"]     # modelled at 8192 tokens
+    assert _recipe_for(auto(tokens=16, gpu="H100"), "s0", 4096, 4096) is None
     with pytest.raises(ValueError, match="no rates for GPU 'A100'"):
         auto(gpu="A100")
 
@@ -164,7 +164,7 @@ def test_min_speedup_gpu_and_symbolic_tokens_move_the_modelled_decision():
 def test_an_explicit_rule_before_autos_wins():
     from fp8graph.recipes.policy import Policy
 
-    modelled = auto()
+    modelled = auto(gpu="H100")
     policy = Policy(default=modelled.default, rules=[("small", PRESETS["current"]), *modelled.rules])
     assert resolve(policy, "small", SiteInfo("linear", 8, 64, 64, torch.bfloat16)).recipe == PRESETS["current"]
     assert resolve(policy, "other", SiteInfo("linear", 8, 64, 64, torch.bfloat16)).recipe is None
@@ -197,3 +197,22 @@ def test_expert_sites_are_decided_at_the_rates_of_the_gpu_given():
     for gpu, wanted in (("H100", (None, None)), ("H200", (PRESETS["current"], None))):
         policy = auto(gpu=gpu)
         assert tuple(resolve(policy, "experts", site).recipe for site in (gate_up, down)) == wanted, gpu
+
+
+def test_auto_asks_for_the_gpu_when_it_decides_a_site_not_when_it_is_made(monkeypatch):
+    """Making the policy initialises no CUDA (a process may make it, then fork workers that use CUDA): the device
+    is asked at the first site decided, at compile time, and once."""
+    asked = []
+
+    def device_name(device=None):
+        asked.append(device)
+        return "NVIDIA H200"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", device_name)
+    policy = auto()
+    assert not asked
+    site = SiteInfo("grouped_mm", 128 * 2048, 2048, 1536, torch.bfloat16, experts=128)
+    assert resolve(policy, "experts", site).recipe == PRESETS["current"]  # 1.16x at the H200's rates
+    assert resolve(policy, "experts", site).recipe == PRESETS["current"]
+    assert len(asked) == 1
