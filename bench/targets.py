@@ -388,17 +388,24 @@ def _tokens_per_expert(case: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def _best_per_case(candidates):
+    """``(f"{contestant} ({case})", value)`` of the best value of each case among ``(case, contestant, value)``:
+    a best-recipe target is met when one recipe meets it."""
+    best: dict[str, tuple[float, str]] = {}
+    for case, contestant, value in candidates:
+        best[case] = max(best.get(case, (float("-inf"), "")), (value, contestant))
+    for case, (value, contestant) in best.items():
+        yield f"{contestant} ({case})", value
+
+
 def _best_recipe(column: str, case_matches):
     """The best fp8graph recipe's ``column`` per sweep case (``bench model moe --sweep``) that
-    ``case_matches(case)``: the target is met when one recipe meets it (``policies.auto()``'s rows are a
-    policy's, not a recipe's, and are judged on their own)."""
+    ``case_matches(case)`` (``policies.auto()``'s rows are a policy's, not a recipe's, and are judged on their
+    own)."""
     def measure(result):
-        best: dict[str, tuple[float, str]] = {}
-        for row in _fp8graph_rows(result):
-            if column in row and case_matches(row["case"]) and row["contestant"].split()[0] != "auto":
-                best[row["case"]] = max(best.get(row["case"], (float("-inf"), "")), (row[column], row["contestant"]))
-        for case, (value, contestant) in best.items():
-            yield f"{contestant} ({case})", value
+        return _best_per_case((row["case"], row["contestant"], row[column]) for row in _fp8graph_rows(result)
+                              if column in row and case_matches(row["case"])
+                              and row["contestant"].split()[0] != "auto")
     return measure
 
 
@@ -456,12 +463,8 @@ def _moe_best(versus: int, micro_batches: int):
     """The best recipe's speedup per case (``versus``: 0 over BF16, 1 over torchao)."""
     def measure(result):
         column = _MOE_COLUMNS[result["workload"]][versus]
-        best: dict[str, tuple[float, str]] = {}
-        for row, case in _moe_rows(result, micro_batches):
-            if _is_recipe(row) and column in row:
-                best[case] = max(best.get(case, (float("-inf"), "")), (row[column], row["contestant"]))
-        for case, (value, contestant) in best.items():
-            yield f"{contestant} ({case})", value
+        return _best_per_case((case, row["contestant"], row[column]) for row, case in _moe_rows(result, micro_batches)
+                              if _is_recipe(row) and column in row)
     return measure
 
 
