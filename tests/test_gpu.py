@@ -405,6 +405,23 @@ def test_the_group_column_cast_equals_its_reference_on_the_gpu():
             assert torch.equal(e4m3_bytes(got[0].cpu()), e4m3_bytes(expected[0]))
 
 
+def test_the_expert_column_cast_equals_its_reference_on_the_gpu():
+    """``fp8graph::quantize_expert_columns`` on CUDA (the Triton kernel, the hardware's conversion) casts row-wise's
+    expert weights along N and stores them (E, K, N) as the CPU reference does, byte for byte (NaN's sign aside)."""
+    from fp8graph.kernels.group_columns import quantize_expert_columns
+    from scripts.e4m3_bytes import e4m3_bytes
+
+    generator = torch.Generator().manual_seed(0)
+    for experts, rows, columns in ((8, 1536, 2048), (3, 100, 70)):
+        weight = (torch.randn(experts, rows, columns, generator=generator)
+                  * torch.logspace(-10, 6, columns, base=2.0)).to(torch.bfloat16)
+        weight[1, 3, 3] = float("inf")
+        expected = quantize_expert_columns(weight, True)
+        got = quantize_expert_columns(weight.cuda(), True)
+        assert torch.equal(got[1].cpu(), expected[1])
+        assert torch.equal(e4m3_bytes(got[0].cpu()), e4m3_bytes(expected[0]))
+
+
 def test_the_per_tensor_rows_and_placed_cast_equals_its_reference_on_the_gpu():
     """``fp8graph::quantize_rows_placed`` on CUDA (the Triton kernel, the hardware's conversion) writes the gathered
     rows' cast, its placed copy and the group-column amaxes as the CPU reference does (NaN's sign aside)."""

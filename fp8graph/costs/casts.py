@@ -148,7 +148,7 @@ def _b(cast: float, plain: float, custom_op: float) -> KernelBytes:
     return KernelBytes(cast, plain, custom_op)
 
 
-# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-28T185953Z.json
+# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-29T004247Z.json
 # (Qwen3-30B-A3B's block at 256 and 1024 tokens an expert, where every site casts its weight again in the
 # backward, and at 2048, where gate_up keeps its copy from the forward; a step of one micro-batch cast per call,
 # sm_90, torch 2.13.0, triton 3.6.0: the three blocks are fitted, to the rates' rounding to 1/64 byte); of the
@@ -160,9 +160,9 @@ def _b(cast: float, plain: float, custom_op: float) -> KernelBytes:
 # Per routed-token element, Inductor's plain kernels move fewer bytes than BF16's (an FP8 byte where BF16 stores
 # two; SwiGLU's and the combine's backward are fp8graph's ops in the per-tensor recipes); its FP8 casts are of
 # the gathered input and, in row-wise, of SwiGLU's and the combine's gradients. Per weight element: the cast for
-# the forward GEMM (3 bytes) and, in current scaling, the weight's amax (2) and in row-wise its per-column amax
-# and cast (5) in Inductor's kernels; the per-tensor recipes cast again for grad_input by
-# fp8graph::quantize_transposed (3 bytes). A site that keeps the copy from the forward casts both layouts by
+# the forward GEMM (3 bytes) and, in current scaling, the weight's amax (2) in Inductor's kernels; row-wise casts
+# along N for grad_input by fp8graph::quantize_expert_columns (3 bytes), the per-tensor recipes cast again for it
+# by fp8graph::quantize_transposed (3 bytes). A site that keeps the copy from the forward casts both layouts by
 # fp8graph::quantize_both_layouts (4 bytes, 1 more) and no Inductor kernel casts its weight (3 bytes fewer).
 # Regenerated with the sweep.
 GROUPED_CAST_TRAFFIC: dict[str, GroupedCasts] = {
@@ -170,6 +170,6 @@ GROUPED_CAST_TRAFFIC: dict[str, GroupedCasts] = {
                             _b(-3.03125, 0.015625, 1.03125)),
     "delayed": GroupedCasts(_b(0.609375, -5.921875, 4.640625), _b(3.015625, 0.0, 3.03125), 28,
                             _b(-3.03125, 0.015625, 1.015625)),
-    "rowwise": GroupedCasts(_b(4.203125, -5.453125, 3.0), _b(8.015625, 0.015625, 0.03125), 14,
+    "rowwise": GroupedCasts(_b(4.203125, -5.453125, 3.0), _b(3.0, 0.015625, 3.03125), 14,
                             _b(0.0, 0.0, 0.0)),
 }

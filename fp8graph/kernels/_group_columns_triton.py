@@ -22,6 +22,10 @@ contiguous): the backward of an expert
 combine, ``out = sum_k weights * y``, whose gradient ``g`` gives ``y``'s as
 ``g * weights`` and the weights' as ``g . y`` (``quantize_weighted_rows_placed``).
 
+With ``EXPERT_MAJOR`` (every group the same size, a multiple of ``MULTIPLE``: an expert weight (E, N, K) as E
+groups of N rows) the bytes are stored (E, K, N), each group's transpose a block of its own: the layout grad_input's
+GEMM reads a row-wise weight cast along N in (``quantize_expert_columns``).
+
 Where each group lies is derived in the program from ``offsets`` alone: its
 padded start is the sum of the padded sizes of the groups before it (E <= BLOCK_GROUPS
 values, loaded at once). Program ``E`` (one past the last group) takes the rows in
@@ -75,7 +79,7 @@ def quantize_group_columns_placed_kernel(
         rows, columns, padded_rows, row_stride, other_stride, groups, GATHER: tl.constexpr, MULTIPLE: tl.constexpr,
         BLOCK_GROUPS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, SCALE_KIND: tl.constexpr,
         FP8_MAX: tl.constexpr, FP8_MAX_EXPONENT: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
-        TENSOR_SCALE: tl.constexpr, ROW_WEIGHTS: tl.constexpr, DOTS: tl.constexpr):
+        TENSOR_SCALE: tl.constexpr, ROW_WEIGHTS: tl.constexpr, DOTS: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
     group = tl.program_id(0)
     column = tl.program_id(1).to(tl.int64) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)
     column_inside = column < columns
@@ -119,8 +123,11 @@ def quantize_group_columns_placed_kernel(
         bits = _e4m3_bits(x * column_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
         position = placed + tl.arange(0, BLOCK_ROWS)
         inside = (position < bound)[:, None] & column_inside[None, :]
-        tl.store(x_t_fp8_ptr + column[:, None] * padded_rows + position[None, :], tl.trans(bits),
-                 mask=tl.trans(inside))
+        if EXPERT_MAJOR:  # (E, C, N): each group's rows a block of their own, a column's bytes contiguous in it
+            placed_at = x_t_fp8_ptr + base * columns + column[:, None] * (bound - base) + (position - base)[None, :]
+        else:
+            placed_at = x_t_fp8_ptr + column[:, None] * padded_rows + position[None, :]
+        tl.store(placed_at, tl.trans(bits), mask=tl.trans(inside))
         if TENSOR_SCALE:  # the rows where they lie, and their magnitudes (a pad's zeros change no amax)
             max_bits = tl.maximum(max_bits, _magnitude_bits(x))
             tl.store(x_fp8_ptr + row[:, None] * columns + column[None, :], bits,

@@ -12,6 +12,11 @@ an expert, bench/results/moe-2026-11-27T132818Z.json), the cast, and the padded 
 (``_group_columns_triton``): two reads of the BF16 rows, the second from L2, one write of the FP8 bytes where the
 GEMM reads them.
 
+``fp8graph::quantize_expert_columns``: the same cast of an expert weight (E, N, K) along N, each expert's N rows a
+group, stored (E, K, N) where row-wise's grad_input GEMM reads it. Written as torch ops it is an amax reduction over
+the weight and a second kernel that reads it again to cast it and store the transposed bytes (5 bytes an element);
+here the second read of each program's columns comes from L2 (3).
+
 ``fp8graph::quantize_rows_placed``: a per-tensor scale (current or delayed scaling) casts the gathered input
 once for the forward GEMM and grad_weight's. Written as torch ops the kernel that gathers the rows casts them and
 ``fp8graph::transpose_fp8`` reads the FP8 rows again to lay them out; this op writes both layouts from one read
@@ -31,6 +36,8 @@ Triton's interpreter.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fp8graph.kernels.quantize_tiles import KernelLaunch, triton_available
@@ -38,11 +45,12 @@ from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.numerics.formats import fp8_max, fp8_max_exponent
 from fp8graph.numerics.groups import (group_block_amax, padded_group_bound, padded_group_sources,
                                       quantize_group_columns)
-from fp8graph.numerics.quantize import quantize
+from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
-__all__ = ["column_blocks", "plan_quantize_group_columns_placed", "plan_quantize_rows_placed",
-           "plan_quantize_weighted_rows_placed", "quantize_group_columns_placed", "quantize_rows_placed",
-           "quantize_weighted_rows_placed", "weighted_rows_reference"]
+__all__ = ["column_blocks", "plan_quantize_expert_columns", "plan_quantize_group_columns_placed",
+           "plan_quantize_rows_placed", "plan_quantize_weighted_rows_placed", "quantize_expert_columns",
+           "quantize_group_columns_placed", "quantize_rows_placed", "quantize_weighted_rows_placed",
+           "weighted_rows_reference"]
 
 _FP8 = torch.float8_e4m3fn  # a grouped GEMM takes E4M3 only
 _BLOCK_ROWS = 64
@@ -80,12 +88,13 @@ def _checked(x_hp: torch.Tensor, offsets: torch.Tensor, gather_index: torch.Tens
 
 def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index: torch.Tensor | None,
           tensor_scale: torch.Tensor | None, power_2_scales: bool, row_weights: torch.Tensor | None = None,
-          other_hp: torch.Tensor | None = None):
+          other_hp: torch.Tensor | None = None, expert_major: bool = False):
     """The kernel's launch and outputs: ``(launch, x_t_fp8 (C, P), rows (S, C) FP8 or None, table, dots)``, the
     table the scales per group and column (E, C), or with ``tensor_scale`` the amaxes of each group's (and the rows
     in no group's) blocks of columns (E + 1, :func:`column_blocks`); with ``row_weights`` the rows are weighted
     before the cast; with ``other_hp`` ``dots`` (:func:`column_blocks`, S) are each row's partial dot products with
-    ``other_hp``'s, else None."""
+    ``other_hp``'s, else None; ``expert_major`` (groups of one size, a multiple of ``multiple``) lays ``x_t_fp8`` out
+    (E, C, P / E), each group's transpose a block of its own."""
     from triton import cdiv, knobs, next_power_of_2
 
     from fp8graph.kernels._group_columns_triton import quantize_group_columns_placed_kernel
@@ -98,8 +107,10 @@ def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index
         x_hp = x_hp.contiguous()
     rows = x_hp.shape[0] if gather_index is None else gather_index.shape[0]
     columns = x_hp.shape[1]
-    padded_rows = padded_group_bound(rows, groups, multiple)
-    x_t_fp8 = torch.empty((columns, padded_rows), dtype=_FP8, device=x_hp.device)
+    # Groups of one size, a multiple of ``multiple``, are laid out without pads.
+    padded_rows = rows if expert_major else padded_group_bound(rows, groups, multiple)
+    x_t_fp8 = torch.empty((groups, columns, rows // groups) if expert_major else (columns, padded_rows),
+                          dtype=_FP8, device=x_hp.device)
     rows_fp8 = None if tensor_scale is None else torch.empty((rows, columns), dtype=_FP8, device=x_hp.device)
     table = (torch.empty((groups, columns), dtype=torch.float32, device=x_hp.device) if tensor_scale is None
              else torch.empty((groups + 1, column_blocks(columns)), dtype=torch.float32, device=x_hp.device))
@@ -126,7 +137,8 @@ def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index
          # The interpreter's own FP8 conversion is not the GPU's: round in software there.
          "SOFTWARE_ROUNDING": bool(knobs.runtime.interpret), "TENSOR_SCALE": tensor_scale is not None,
          # The dots' tile of the other rows beside the rows': 4 warps spill where the columns do not divide by 8.
-         "ROW_WEIGHTS": weighted, "DOTS": dotted, "num_warps": 2 * _NUM_WARPS if dotted else _NUM_WARPS})
+         "ROW_WEIGHTS": weighted, "DOTS": dotted, "EXPERT_MAJOR": expert_major,
+         "num_warps": 2 * _NUM_WARPS if dotted else _NUM_WARPS})
     return launch, x_t_fp8, rows_fp8, table, dots
 
 
@@ -184,6 +196,74 @@ def _(x_hp, offsets, multiple, power_2_scales, gather_index=None):
     if not triton_available():
         return _reference(x_hp, offsets, multiple, power_2_scales, gather_index)
     return quantize_group_columns_placed_triton(x_hp, offsets, multiple, power_2_scales, gather_index)
+
+
+def _expert_checked(weight_hp: torch.Tensor) -> None:
+    if weight_hp.dim() != 3 or not weight_hp.dtype.is_floating_point or weight_hp.element_size() == 1:
+        raise ValueError(f"quantize_expert_columns casts a 3-D high-precision expert weight (E, N, K), got "
+                         f"{weight_hp.dtype} of shape {tuple(weight_hp.shape)}")
+    if weight_hp.shape[0] > _MAX_GROUPS:
+        raise ValueError(f"quantize_expert_columns takes at most {_MAX_GROUPS} experts, got {weight_hp.shape[0]}")
+
+
+def _expert_groups(weight_hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``weight_hp`` (E, N, K) as the groups the kernel casts: ``(rows (E N, K), offsets (E,), multiple)``, each
+    expert's N rows a group, ``multiple`` the largest power of 2 up to 16 that divides N (no pads)."""
+    experts, rows, columns = weight_hp.shape
+    offsets = torch.arange(1, experts + 1, dtype=torch.int32, device=weight_hp.device) * rows
+    return weight_hp.reshape(experts * rows, columns), offsets, math.gcd(rows, 16)
+
+
+def plan_quantize_expert_columns(weight_hp: torch.Tensor, power_2_scales: bool
+                                 ) -> tuple[KernelLaunch, torch.Tensor, torch.Tensor]:
+    """The launch that writes ``fp8graph::quantize_expert_columns``'s ``(weight_t_fp8 (E, K, N), scale (E, K))``,
+    and those two outputs."""
+    _expert_checked(weight_hp)
+    rows_hp, offsets, multiple = _expert_groups(weight_hp)
+    launch, weight_t_fp8, _, scale, _ = _plan(rows_hp, offsets, multiple, None, None, power_2_scales,
+                                              expert_major=True)
+    return launch, weight_t_fp8, scale
+
+
+def quantize_expert_columns_triton(weight_hp: torch.Tensor, power_2_scales: bool
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the Triton kernel (the op's outputs) on a weight with elements."""
+    launch, weight_t_fp8, scale = plan_quantize_expert_columns(weight_hp, power_2_scales)
+    launch()
+    return weight_t_fp8, scale
+
+
+def _expert_reference(weight_hp, power_2_scales):
+    _expert_checked(weight_hp)
+    experts, rows, columns = weight_hp.shape
+    magnitude = finite_magnitude(weight_hp)
+    amax = magnitude.amax(dim=1) if rows else magnitude.new_zeros((experts, columns))  # (E, K)
+    scale = amax_to_scale(amax, _FP8, power_2_scales)
+    return quantize(weight_hp, scale[:, None, :], _FP8).transpose(-2, -1).contiguous(), scale
+
+
+@torch.library.custom_op("fp8graph::quantize_expert_columns", mutates_args=())
+def quantize_expert_columns(weight_hp: torch.Tensor, power_2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert weights ``weight_hp`` (E, N, K) cast to E4M3 along N, one scale per expert and column, and written
+    transposed: ``(weight_t_fp8 (E, K, N), scale (E, K))``, what a row-wise grouped grad_input GEMM reads (each
+    expert's N contiguous). :func:`quantize_group_columns_placed` with every expert's N rows a group and each
+    group's transpose a block of its own."""
+    return _expert_reference(weight_hp, power_2_scales)
+
+
+@quantize_expert_columns.register_fake
+def _(weight_hp, power_2_scales):
+    _expert_checked(weight_hp)
+    experts, rows, columns = weight_hp.shape
+    return (weight_hp.new_empty((experts, columns, rows), dtype=_FP8),
+            weight_hp.new_empty((experts, columns), dtype=torch.float32))
+
+
+@quantize_expert_columns.register_kernel("cuda")
+def _(weight_hp, power_2_scales):
+    if not triton_available() or weight_hp.numel() == 0:  # nothing for a program to write the scales of
+        return _expert_reference(weight_hp, power_2_scales)
+    return quantize_expert_columns_triton(weight_hp, power_2_scales)
 
 
 def plan_quantize_rows_placed(x_hp: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor, multiple: int,

@@ -339,10 +339,16 @@ def _cast_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, off
 def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec, after: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight_hp`` (E, N, K) cast along N, one scale per expert and column: ``(weight_t_fp8 (E, K, N),
-    scale (E, K))``, written in the layout grad_input's GEMM reads (N contiguous). The amax and the
-    cast read the weight where it lies; only the FP8 write is transposed (a transposed bf16 copy first would
-    cost the weight's bytes twice more). With ``after`` (a backward's gradient) the scales are read when that
-    backward runs, so the partitioner leaves the cast there (``fp8graph.targets.linear_tiled._cast_in_backward``)."""
+    scale (E, K))``, written in the layout grad_input's GEMM reads (N contiguous). Stored (E, N, K), the weight is
+    cast by ``fp8graph::quantize_expert_columns``, one kernel that reads it for the amaxes and again from L2 for the
+    cast (3 bytes an element, where an amax reduction and a transposing cast read it twice from memory, 5). Stored
+    (E, K, N) and fed transposed, the cast is along its rows, which Inductor fuses into one reduction. With ``after``
+    (a backward's gradient) the cast runs when that backward runs, so the partitioner leaves it there
+    (``fp8graph.targets.linear_tiled._cast_in_backward``)."""
+    if weight_hp.stride(-1) == 1:
+        if after is not None:
+            weight_hp = read_in_backward(weight_hp, after)
+        return torch.ops.fp8graph.quantize_expert_columns(untracked(weight_hp), spec.power_2)
     scale = _scale(finite_magnitude(untracked(weight_hp)).amax(dim=1), spec)  # (E, K)
     if after is not None:
         scale = read_in_backward(scale, after)

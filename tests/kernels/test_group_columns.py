@@ -10,12 +10,12 @@ GPU in ``tests/test_gpu.py``.
 import pytest
 import torch
 
-from fp8graph.kernels.group_columns import (quantize_group_columns_placed, quantize_rows_placed,
-                                            quantize_weighted_rows_placed)
+from fp8graph.kernels.group_columns import (quantize_expert_columns, quantize_group_columns_placed,
+                                            quantize_rows_placed, quantize_weighted_rows_placed)
 from fp8graph.kernels.quantize_tiles import triton_available
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.numerics.groups import padded_group_bound, padded_group_sources, quantize_group_columns, row_groups
-from fp8graph.numerics.quantize import finite_magnitude, quantize
+from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 from helpers import cases_checked_under_triton_interpreter
 
 OFFSETS = torch.tensor([5, 5, 30, 40], dtype=torch.int32)  # an empty group; rows 40.. in no group
@@ -23,7 +23,7 @@ OFFSETS = torch.tensor([5, 5, 30, 40], dtype=torch.int32)  # an empty group; row
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 def test_the_triton_kernel_equals_the_reference_under_the_interpreter():
-    assert cases_checked_under_triton_interpreter("check_group_columns.py") == 60
+    assert cases_checked_under_triton_interpreter("check_group_columns.py") == 72
 
 
 def test_the_op_is_the_group_column_cast_placed_and_traces_with_its_fake():
@@ -50,6 +50,41 @@ def test_bad_operands_are_refused_with_what_the_op_takes():
         quantize_group_columns_placed(x_hp, OFFSETS.float(), 16, False)
     with pytest.raises(ValueError, match="gather_index is a 1-D int64 tensor"):
         quantize_group_columns_placed(x_hp, OFFSETS, 16, False, torch.zeros(4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("power_2", [False, True])
+def test_the_expert_op_is_each_experts_column_cast_transposed_and_the_group_cast_of_its_rows(power_2):
+    """``fp8graph::quantize_expert_columns``: each expert's columns cast along N with their own scale (the amax of
+    the finite magnitudes), stored (E, K, N) contiguous; the same bytes and scales as the per-group-and-column cast
+    of the (E N, K) rows with each expert's N rows a group. An expert without rows or columns, and none at all, give
+    empty casts of their shapes."""
+    torch.manual_seed(0)
+    weight = torch.randn(3, 24, 40, dtype=torch.bfloat16) * 50
+    weight[1, 5, 7], weight[2, :, 3] = float("nan"), 0.0
+    weight_t_fp8, scale = quantize_expert_columns(weight, power_2)
+    expected_scale = amax_to_scale(finite_magnitude(weight).amax(dim=1), torch.float8_e4m3fn, power_2)
+    expected = quantize(weight, expected_scale[:, None, :], torch.float8_e4m3fn).transpose(-2, -1)
+    assert weight_t_fp8.shape == (3, 40, 24) and weight_t_fp8.is_contiguous() and scale.shape == (3, 40)
+    assert torch.equal(scale, expected_scale)
+    assert torch.equal(weight_t_fp8.view(torch.uint8), expected.contiguous().view(torch.uint8))
+    rows_fp8, group_scale = quantize_group_columns(weight.reshape(72, 40), torch.tensor([24, 48, 72]),
+                                                   torch.float8_e4m3fn, power_2)
+    assert torch.equal(group_scale, scale)
+    assert torch.equal(rows_fp8.view(torch.uint8).reshape(3, 24, 40).transpose(-2, -1), weight_t_fp8.view(torch.uint8))
+    for shape in ((0, 24, 40), (3, 0, 40), (3, 24, 0)):
+        empty_fp8, empty_scale = quantize_expert_columns(torch.zeros(shape, dtype=torch.bfloat16), power_2)
+        assert empty_fp8.shape == (shape[0], shape[2], shape[1]) and empty_scale.shape == (shape[0], shape[2])
+    torch.library.opcheck(torch.ops.fp8graph.quantize_expert_columns, (weight.nan_to_num(), power_2),  # NaN != NaN
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_bad_operands_of_the_expert_op_are_refused_with_what_it_takes():
+    with pytest.raises(ValueError, match="3-D high-precision expert weight"):
+        quantize_expert_columns(torch.randn(8, 16), False)
+    with pytest.raises(ValueError, match="3-D high-precision expert weight"):
+        quantize_expert_columns(torch.randn(2, 8, 16).to(torch.float8_e4m3fn), False)
+    with pytest.raises(ValueError, match="at most 1024 experts"):
+        quantize_expert_columns(torch.randn(1025, 1, 1), False)
 
 
 def test_the_per_tensor_op_is_the_cast_rows_and_their_placed_copy_with_each_groups_column_amaxes():

@@ -220,6 +220,33 @@ def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_byt
 
 
 @pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
+@pytest.mark.parametrize("experts, rows, columns", [(128, 1536, 2048), (128, 2048, 768), (3, 100, 70)],
+                         ids=["qwen3-gate-up", "qwen3-down", "ragged"])
+def test_the_expert_column_cast_compiles_to_a_cubin_reading_rows_and_storing_bytes_as_vectors(experts, rows, columns,
+                                                                                            capability):
+    """``fp8graph::quantize_expert_columns`` (a row-wise expert weight (E, N, K) cast along N for grad_input's GEMM,
+    stored (E, K, N)): the group-column kernel with each expert's rows a group and its transpose a block of its own.
+    A cubin without spills that reads BF16 rows as 16-byte vectors when K divides by 8, converts in hardware
+    (saturating, round to nearest even) and stores the transposed bytes as vectors when N divides by 16. Not proven
+    here: its speed (``bench moe`` on a GPU)."""
+    from fp8graph.kernels.group_columns import plan_quantize_expert_columns
+
+    launch, weight_t_fp8, scale = plan_quantize_expert_columns(
+        torch.empty(experts, rows, columns, dtype=torch.bfloat16), False)
+    assert launch.constexprs["SOFTWARE_ROUNDING"] is False and launch.constexprs["EXPERT_MAJOR"] is True
+    assert weight_t_fp8.shape == (experts, columns, rows) and scale.shape == (experts, columns)
+    compiled = compile_launch(launch, capability)
+    usage = resource_usage(compiled)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
+    ptx = compiled.asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    if columns % 8 == 0:
+        assert "ld.global.v4.b32" in ptx, "rows are not read as 16-byte vectors"
+    if rows % 16 == 0:
+        assert ptx.count("st.global.v4.b32") + ptx.count("st.global.v2.b32") >= 1, "the bytes are not stored as vectors"
+
+
+@pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
 @pytest.mark.parametrize("rows, width, experts, cast", [(262144, 768, 128, True), (262144, 768, 128, False),
                                                         (200, 100, 3, True)],
                          ids=["qwen3-cast", "qwen3-amax", "ragged"])

@@ -1,17 +1,18 @@
 """Run by tests/kernels/test_group_columns.py under TRITON_INTERPRET=1: the kernel of
-``fp8graph::quantize_group_columns_placed``, ``fp8graph::quantize_rows_placed`` and
-``fp8graph::quantize_weighted_rows_placed`` against the ops' references (the per-group-and-column cast, or the
-per-tensor one of the rows or of the weighted rows, then the padded transpose), byte for byte and scale (or amax)
-for scale, the weighted op's dot products to fp32's summation order: groups of every size (empty, one row,
-ragged, a block and more), rows in no group, columns not a multiple of the block, gathered rows, row-strided
-operands, values that test the amax (NaN, inf, zeros, subnormal-range magnitudes, values that saturate), exact
-and power-of-2 scales, weights of every sign and zero."""
+``fp8graph::quantize_group_columns_placed``, ``fp8graph::quantize_rows_placed``,
+``fp8graph::quantize_weighted_rows_placed`` and ``fp8graph::quantize_expert_columns`` against the ops' references
+(the per-group-and-column cast, or the per-tensor one of the rows or of the weighted rows, then the padded
+transpose; an expert weight's cast along N, transposed), byte for byte and scale (or amax) for scale, the weighted
+op's dot products to fp32's summation order: groups of every size (empty, one row, ragged, a block and more), rows
+in no group, columns not a multiple of the block, gathered rows, row-strided operands, values that test the amax
+(NaN, inf, zeros, subnormal-range magnitudes, values that saturate), exact and power-of-2 scales, weights of every
+sign and zero."""
 
 import torch
 
-from fp8graph.kernels.group_columns import (_reference, _rows_reference, _weighted_reference,
-                                            quantize_group_columns_placed_triton, quantize_rows_placed_triton,
-                                            quantize_weighted_rows_placed_triton)
+from fp8graph.kernels.group_columns import (_expert_reference, _reference, _rows_reference, _weighted_reference,
+                                            quantize_expert_columns_triton, quantize_group_columns_placed_triton,
+                                            quantize_rows_placed_triton, quantize_weighted_rows_placed_triton)
 
 from e4m3_bytes import e4m3_bytes
 
@@ -72,5 +73,22 @@ for sizes, tail, columns in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 
                 compared = ((e4m3_bytes(got_part), e4m3_bytes(expected_part)) if part != "amax"
                             else (got_part, expected_part))
                 assert torch.equal(*compared), (label, part)
+        cases += 1
+# fp8graph::quantize_expert_columns: expert weights (E, N, K) cast along N and stored (E, K, N); N a multiple of 16,
+# of 2 only, odd; K not a multiple of the block; a (E, N, K) view of rows strided apart.
+for experts, rows, columns in [(3, 48, 40), (2, 24, 130), (4, 7, 17), (1, 200, 64)]:
+    for dtype, strided, power_2 in [(torch.bfloat16, False, False), (torch.float32, True, True),
+                                    (torch.float16, False, True)]:
+        weight = torch.randn(experts, rows, columns * (2 if strided else 1), generator=generator) * \
+            torch.logspace(-12, 6, columns * (2 if strided else 1), base=2.0)
+        weight[0, 0, 0], weight[-1, -1, -1] = float("nan"), float("inf")
+        weight[:, :, 1] = 0.0
+        weight = weight.to(dtype)[:, :, :columns] if strided else weight.to(dtype)
+        expected_fp8, expected_scale = _expert_reference(weight, power_2)
+        got_fp8, got_scale = quantize_expert_columns_triton(weight, power_2)
+        label = (experts, rows, columns, dtype, strided, power_2)
+        assert got_fp8.shape == expected_fp8.shape == (experts, columns, rows) and got_fp8.is_contiguous(), label
+        assert torch.equal(got_scale, expected_scale), label
+        assert torch.equal(e4m3_bytes(got_fp8), e4m3_bytes(expected_fp8)), label
         cases += 1
 print(f"cases checked: {cases}")
