@@ -42,9 +42,9 @@ def _accumulate(model, compiled, generator, dtype=torch.float32):
                           generator)
 
 
-def _accumulate_on(model, compiled, batch, generator=None):
+def _accumulate_on(model, compiled, batch, generator=None, before_step=lambda: None):
     """:func:`_accumulate` on the micro-batches ``batch(generator)`` makes, each step's declared to see the same
-    weights."""
+    weights, ``before_step()`` called after them inside the declaration."""
     generator = generator if generator is not None else torch.Generator().manual_seed(1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, reused = [], []
@@ -56,6 +56,7 @@ def _accumulate_on(model, compiled, batch, generator=None):
                 loss.backward()
                 losses.append(loss.item())
                 reused.append(cache is not None and cache.reuse)
+            before_step()
         optimizer.step()
         optimizer.zero_grad()
     return losses, reused
@@ -118,24 +119,10 @@ def test_tiled_recipes_keep_both_gemms_weight_casts_and_train_as_when_cast_at_ev
     only: their fill casts a matrix more than a call casting it does, and "auto" says so."""
     model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), _KNProjection(256, 128))
     cached_model = copy.deepcopy(model)
-
-    def train(model, compiled):
-        return _accumulate_on(model, compiled, lambda generator: torch.randn(32, 128, generator=generator))
-
     policy = PRESETS[recipe]
-    losses, _ = train(model, fp8graph.compile(model, policy=policy, compiler=compiler, cache_weights=False))
-    plan = fp8graph.plan(cached_model, policy)  # cache_weights="auto"
-    assert [entry.fp8_copy for entry in plan] == ["per call"] * 2
-    assert "a tiled recipe's fill casts a matrix more" in str(plan)
-    torch._dynamo.reset()
-    compiled = fp8graph.compile(cached_model, policy=policy, compiler=compiler, cache_weights=True)
-    cached_losses, reused = train(cached_model, compiled)
-    assert cached_losses == losses and reused == [False, True, True] * STEPS
-    for name, param in model.named_parameters():
-        assert torch.equal(dict(cached_model.named_parameters())[name], param), name
-    assert sum(d.rewritten for d in compiled.fp8graph_backend.decisions) == 2 * 2  # both sites, both graphs
-    with fp8graph.weights_unchanged(compiled), torch.no_grad():
-        compiled(torch.randn(32, 128))  # fills the copies from the last step's weights
+    checked = []
+
+    def copies_are_the_weights_casts():
         square = recipe == "block"
         for module, weight_nk in ((cached_model[0], cached_model[0].weight),
                                   (cached_model[2], cached_model[2].weight.t())):
@@ -146,6 +133,28 @@ def test_tiled_recipes_keep_both_gemms_weight_casts_and_train_as_when_cast_at_ev
             for copy_, operand in zip(copies, expected, strict=True):
                 assert copy_.shape == operand.shape
                 assert torch.equal(_bits(copy_), _bits(operand.contiguous()))
+        checked.append(True)
+
+    def train(model, compiled, before_step=lambda: None):
+        return _accumulate_on(model, compiled, lambda generator: torch.randn(32, 128, generator=generator),
+                              before_step=before_step)
+
+    losses, _ = train(model, fp8graph.compile(model, policy=policy, compiler=compiler, cache_weights=False))
+    plan = fp8graph.plan(cached_model, policy)  # cache_weights="auto"
+    assert [entry.fp8_copy for entry in plan] == ["per call"] * 2
+    assert "a tiled recipe's fill casts a matrix more" in str(plan)
+    torch._dynamo.reset()
+    compiled = fp8graph.compile(cached_model, policy=policy, compiler=compiler, cache_weights=True)
+    # Each step's copies are the casts of the weights its micro-batches saw (after the first, trained ones).
+    cached_losses, reused = train(cached_model, compiled, copies_are_the_weights_casts)
+    assert cached_losses == losses and reused == [False, True, True] * STEPS and checked == [True] * STEPS
+    for name, param in model.named_parameters():
+        assert torch.equal(dict(cached_model.named_parameters())[name], param), name
+    assert sum(d.rewritten for d in compiled.fp8graph_backend.decisions) == 2 * 2  # both sites, both graphs
+    if compiler == "aot_eager":  # an inference call's fill too (under Inductor an inference graph more to compile)
+        with fp8graph.weights_unchanged(compiled), torch.no_grad():
+            compiled(torch.randn(32, 128))  # fills the copies from the last step's weights
+            copies_are_the_weights_casts()
 
 
 @pytest.mark.parametrize("recipe", ["current", "rowwise", "mxfp8"])
@@ -466,13 +475,15 @@ def test_a_second_compile_whose_policy_caches_other_weights_is_refused_naming_th
                          policy=fp8graph.Policy(rules=[("mid", None)]))
 
 
-def _train_with_accumulation(model, compiled, steps=2):
-    """``steps`` SGD steps of MICRO_BATCHES token micro-batches; every loss, and the modes the calls ran in."""
+def _train_with_accumulation(model, compiled, steps=2, before_step=lambda: None):
+    """``steps`` SGD steps of MICRO_BATCHES token micro-batches, ``before_step()`` called after each step's
+    micro-batches, inside their declaration (the weights they saw and the copies still in place); every loss, and
+    the modes the calls ran in."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(0)
     losses, reused = [], []
     for _ in range(steps):
-        step_losses, step_reused = _declared_micro_batches(compiled, generator)
+        step_losses, step_reused = _declared_micro_batches(compiled, generator, before_step)
         losses += step_losses
         reused += step_reused
         optimizer.step()
@@ -480,9 +491,9 @@ def _train_with_accumulation(model, compiled, steps=2):
     return losses, reused
 
 
-def _declared_micro_batches(compiled, generator):
-    """MICRO_BATCHES token micro-batches declared to see the same weights: their losses, and whether each read the
-    kept casts."""
+def _declared_micro_batches(compiled, generator, last=lambda: None):
+    """MICRO_BATCHES token micro-batches declared to see the same weights, ``last()`` called after them inside the
+    declaration: their losses, and whether each read the kept casts."""
     cache = compiled.fp8graph_backend.weight_cache
     losses, reused = [], []
     with fp8graph.weights_unchanged(compiled):
@@ -492,13 +503,16 @@ def _declared_micro_batches(compiled, generator):
             loss.backward()
             losses.append(loss.item())
             reused.append(cache is not None and cache.reuse)
+        last()
     return losses, reused
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 def test_gpt2_conv1d_weights_stored_k_n_get_n_k_copies_and_train_like_uncached(compiler):
     """GPT-2's Conv1D stores its weight (K, N) and runs ``addmm(b, x2d, w)``: the linear multiplies
-    ``w.t()``, and the copy is laid out (N, K) like an nn.Linear's."""
+    ``w.t()``, and the copy is laid out (N, K) like an nn.Linear's. Each step's copies are the cast of the weights
+    its micro-batches saw (the second step's, of the weights the first step trained), checked before the optimizer
+    moves them: no inference graph compiled for it (an inference call's fill: the MLP tests)."""
     model = build("gpt2", "tiny")
     cached_model = copy.deepcopy(model)
     # Uncached, the graphs of tests/test_backend.py's GPT-2 test (the same config and token shape): kept alike, so
@@ -506,19 +520,22 @@ def test_gpt2_conv1d_weights_stored_k_n_get_n_k_copies_and_train_like_uncached(c
     losses, _ = _train_with_accumulation(model, fp8graph.compile(model, compiler=compiler, cache_weights=False))
     torch._dynamo.reset()
     compiled = fp8graph.compile(cached_model, compiler=compiler, cache_weights=True)
-    cached_losses, reused = _train_with_accumulation(cached_model, compiled)
-    assert cached_losses == losses
-    assert reused == [False, True, True] * 2
-    for name, param in model.named_parameters():
-        assert torch.equal(dict(cached_model.named_parameters())[name], param), name
-    with fp8graph.weights_unchanged(compiled), torch.no_grad():  # a fill with the trained weights
-        compiled(torch.randint(0, 250, (2, 16)))
+    checked = []
+
+    def copies_are_the_weights_casts():
         for path in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):  # (64, 192), (64, 64), (64, 256), ...
             module = cached_model.get_submodule(f"transformer.h.0.{path}")
             weight_fp8, _ = fp8graph.numerics.quantize.quantize_current(module.weight.detach().t(),
                                                                         torch.float8_e4m3fn)
             assert torch.equal(getattr(module, CACHED_WEIGHT_PREFIX + "weight").view(torch.uint8),
                                weight_fp8.contiguous().view(torch.uint8)), path
+        checked.append(True)
+
+    cached_losses, reused = _train_with_accumulation(cached_model, compiled, before_step=copies_are_the_weights_casts)
+    assert cached_losses == losses and checked == [True, True]
+    assert reused == [False, True, True] * 2
+    for name, param in model.named_parameters():
+        assert torch.equal(dict(cached_model.named_parameters())[name], param), name
 
 
 def test_a_weight_multiplied_k_n_by_an_unknown_module_is_read_through_its_copy_transposed():
