@@ -209,8 +209,9 @@ def _earlier_record_steps(lengths: list[int], history_len: int, rows: int) -> in
 # fp8graph's Triton kernels that store tiles transposed: at ``Machine.transposed_store_fraction`` of copy bandwidth
 # (fp8graph.costs.gpus, where the H200's measurement is; tests/bench/test_cost_model.py derives it).
 TRANSPOSED_STORE_OPS = ("transpose_fp8", "transpose_fp8_into_", "quantize_both_layouts", "quantize_both_layouts_into_",
-                        "quantize_expert_columns", "quantize_group_columns_placed", "quantize_rows_placed",
-                        "quantize_transposed", "quantize_weighted_rows_placed", "swiglu_backward_placed")
+                        "quantize_expert_columns", "quantize_expert_columns_into_", "quantize_group_columns_placed",
+                        "quantize_rows_placed", "quantize_transposed", "quantize_weighted_rows_placed",
+                        "swiglu_backward_placed")
 
 
 def extern_bandwidth(op: str, machine: Machine) -> float:

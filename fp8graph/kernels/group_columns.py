@@ -13,7 +13,8 @@ an expert, bench/results/moe-2026-11-27T132818Z.json), the cast, and the padded 
 GEMM reads them.
 
 ``fp8graph::quantize_expert_columns``: the same cast of an expert weight (E, N, K) along N, each expert's N rows a
-group, stored (E, K, N) where row-wise's grad_input GEMM reads it. Written as torch ops it is an amax reduction over
+group, stored (E, K, N) where row-wise's grad_input GEMM reads it (``quantize_expert_columns_into_``: into a
+kept copy's buffers). Written as torch ops it is an amax reduction over
 the weight and a second kernel that reads it again to cast it and store the transposed bytes (5 bytes an element);
 here the second read of each program's columns comes from L2 (3).
 
@@ -49,8 +50,8 @@ from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
 __all__ = ["column_blocks", "plan_quantize_expert_columns", "plan_quantize_group_columns_placed",
            "plan_quantize_rows_placed", "plan_quantize_weighted_rows_placed", "quantize_expert_columns",
-           "quantize_group_columns_placed", "quantize_rows_placed", "quantize_weighted_rows_placed",
-           "weighted_rows_reference"]
+           "quantize_expert_columns_into_", "quantize_group_columns_placed", "quantize_rows_placed",
+           "quantize_weighted_rows_placed", "takes_expert_weight", "weighted_rows_reference"]
 
 _FP8 = torch.float8_e4m3fn  # a grouped GEMM takes E4M3 only
 _BLOCK_ROWS = 64
@@ -88,13 +89,14 @@ def _checked(x_hp: torch.Tensor, offsets: torch.Tensor, gather_index: torch.Tens
 
 def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index: torch.Tensor | None,
           tensor_scale: torch.Tensor | None, power_2_scales: bool, row_weights: torch.Tensor | None = None,
-          other_hp: torch.Tensor | None = None, expert_major: bool = False):
+          other_hp: torch.Tensor | None = None, expert_major: bool = False,
+          into: tuple[torch.Tensor, torch.Tensor] | None = None):
     """The kernel's launch and outputs: ``(launch, x_t_fp8 (C, P), rows (S, C) FP8 or None, table, dots)``, the
     table the scales per group and column (E, C), or with ``tensor_scale`` the amaxes of each group's (and the rows
     in no group's) blocks of columns (E + 1, :func:`column_blocks`); with ``row_weights`` the rows are weighted
     before the cast; with ``other_hp`` ``dots`` (:func:`column_blocks`, S) are each row's partial dot products with
     ``other_hp``'s, else None; ``expert_major`` (groups of one size, a multiple of ``multiple``) lays ``x_t_fp8`` out
-    (E, C, P / E), each group's transpose a block of its own."""
+    (E, C, P / E), each group's transpose a block of its own; ``into`` are the ``(x_t_fp8, table)`` to write."""
     from triton import cdiv, knobs, next_power_of_2
 
     from fp8graph.kernels._group_columns_triton import quantize_group_columns_placed_kernel
@@ -110,9 +112,10 @@ def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index
     # Groups of one size, a multiple of ``multiple``, are laid out without pads.
     padded_rows = rows if expert_major else padded_group_bound(rows, groups, multiple)
     x_t_fp8 = torch.empty((groups, columns, rows // groups) if expert_major else (columns, padded_rows),
-                          dtype=_FP8, device=x_hp.device)
+                          dtype=_FP8, device=x_hp.device) if into is None else into[0]
     rows_fp8 = None if tensor_scale is None else torch.empty((rows, columns), dtype=_FP8, device=x_hp.device)
-    table = (torch.empty((groups, columns), dtype=torch.float32, device=x_hp.device) if tensor_scale is None
+    table = (into[1] if into is not None else
+             torch.empty((groups, columns), dtype=torch.float32, device=x_hp.device) if tensor_scale is None
              else torch.empty((groups + 1, column_blocks(columns)), dtype=torch.float32, device=x_hp.device))
     gather = gather_index is not None
     # Without tensor_scale the kernel writes the scales into the table and takes no rows output or amax table,
@@ -214,21 +217,30 @@ def _expert_groups(weight_hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return weight_hp.reshape(experts * rows, columns), offsets, math.gcd(rows, 16)
 
 
-def plan_quantize_expert_columns(weight_hp: torch.Tensor, power_2_scales: bool
+def takes_expert_weight(weight_hp: torch.Tensor) -> bool:
+    """Whether :func:`quantize_expert_columns` casts ``weight_hp`` (E, N, K): stored with K contiguous (a weight
+    stored (E, K, N) and read transposed is cast along its own rows, which Inductor does in one reduction) and at
+    most 1024 experts (each program loads every group's bounds at once)."""
+    return weight_hp.dim() == 3 and weight_hp.stride(-1) == 1 and weight_hp.shape[0] <= _MAX_GROUPS
+
+
+def plan_quantize_expert_columns(weight_hp: torch.Tensor, power_2_scales: bool,
+                                 into: tuple[torch.Tensor, torch.Tensor] | None = None
                                  ) -> tuple[KernelLaunch, torch.Tensor, torch.Tensor]:
-    """The launch that writes ``fp8graph::quantize_expert_columns``'s ``(weight_t_fp8 (E, K, N), scale (E, K))``,
-    and those two outputs."""
+    """The launch that writes ``fp8graph::quantize_expert_columns``'s ``(weight_t_fp8 (E, K, N), scale (E, K))``
+    (into the buffers ``into``, where given), and those two."""
     _expert_checked(weight_hp)
     rows_hp, offsets, multiple = _expert_groups(weight_hp)
     launch, weight_t_fp8, _, scale, _ = _plan(rows_hp, offsets, multiple, None, None, power_2_scales,
-                                              expert_major=True)
+                                              expert_major=True, into=into)
     return launch, weight_t_fp8, scale
 
 
-def quantize_expert_columns_triton(weight_hp: torch.Tensor, power_2_scales: bool
+def quantize_expert_columns_triton(weight_hp: torch.Tensor, power_2_scales: bool,
+                                   into: tuple[torch.Tensor, torch.Tensor] | None = None
                                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the Triton kernel (the op's outputs) on a weight with elements."""
-    launch, weight_t_fp8, scale = plan_quantize_expert_columns(weight_hp, power_2_scales)
+    """Run the Triton kernel (the op's outputs, written into ``into`` where given) on a weight with elements."""
+    launch, weight_t_fp8, scale = plan_quantize_expert_columns(weight_hp, power_2_scales, into)
     launch()
     return weight_t_fp8, scale
 
@@ -264,6 +276,51 @@ def _(weight_hp, power_2_scales):
     if not triton_available() or weight_hp.numel() == 0:  # nothing for a program to write the scales of
         return _expert_reference(weight_hp, power_2_scales)
     return quantize_expert_columns_triton(weight_hp, power_2_scales)
+
+
+def _expert_destinations_checked(weight_hp: torch.Tensor, weight_t_fp8: torch.Tensor, scale: torch.Tensor) -> None:
+    experts, rows, columns = weight_hp.shape
+    for name, buffer, shape, dtype in (("weight_t_fp8", weight_t_fp8, (experts, columns, rows), _FP8),
+                                       ("scale", scale, (experts, columns), torch.float32)):
+        if buffer.shape != shape or buffer.dtype != dtype or not buffer.is_contiguous() or \
+                buffer.device != weight_hp.device:
+            raise ValueError(f"quantize_expert_columns_into_ writes {name} as a contiguous {dtype} tensor of shape "
+                             f"{shape} on {weight_hp.device}, got {buffer.dtype} of shape {tuple(buffer.shape)} on "
+                             f"{buffer.device}" + ("" if buffer.is_contiguous() else ", not contiguous"))
+
+
+def _expert_written_into(weight_hp, power_2_scales, weight_t_fp8, scale) -> None:
+    """The reference, copied into the buffers."""
+    _expert_checked(weight_hp)
+    _expert_destinations_checked(weight_hp, weight_t_fp8, scale)
+    cast, cast_scale = _expert_reference(weight_hp, power_2_scales)
+    weight_t_fp8.copy_(cast)
+    scale.copy_(cast_scale)
+
+
+@torch.library.custom_op("fp8graph::quantize_expert_columns_into_", mutates_args=("weight_t_fp8", "scale"))
+def quantize_expert_columns_into_(weight_hp: torch.Tensor, power_2_scales: bool, weight_t_fp8: torch.Tensor,
+                                  scale: torch.Tensor) -> None:
+    """:func:`quantize_expert_columns` written straight into the buffers that keep it (a row-wise expert weight's
+    kept copy for grad_input and its scales, ``fp8graph.targets.grouped``), where the op and two ``copy_`` would
+    write it twice. Inductor writes a graph input's mutation by this op in place (its re-inplacing of
+    functionalized mutations)."""
+    _expert_written_into(weight_hp, power_2_scales, weight_t_fp8, scale)
+
+
+@quantize_expert_columns_into_.register_fake
+def _(weight_hp, power_2_scales, weight_t_fp8, scale):
+    _expert_checked(weight_hp)
+    _expert_destinations_checked(weight_hp, weight_t_fp8, scale)
+
+
+@quantize_expert_columns_into_.register_kernel("cuda")
+def _(weight_hp, power_2_scales, weight_t_fp8, scale):
+    if not triton_available() or weight_hp.numel() == 0:
+        _expert_written_into(weight_hp, power_2_scales, weight_t_fp8, scale)
+        return
+    _expert_destinations_checked(weight_hp, weight_t_fp8, scale)
+    quantize_expert_columns_triton(weight_hp, power_2_scales, (weight_t_fp8, scale))
 
 
 def plan_quantize_rows_placed(x_hp: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor, multiple: int,

@@ -40,7 +40,7 @@ import torch
 from fp8graph.gemm.grouped_gemm import (group_columns_for_grad_weight, grouped_scaled_gemm, grouped_scaled_gemm_weights,
                                         placed_for_grad_weight)
 from fp8graph.gemm.scaled_gemm import Lowering, one_buffer
-from fp8graph.kernels import group_columns  # noqa: F401  (registers fp8graph::quantize_rows_placed)
+from fp8graph.kernels.group_columns import takes_expert_weight  # (registers fp8graph::quantize_rows_placed too)
 from fp8graph.kernels.quantize_transposed import (quantize_both_layouts, quantize_both_layouts_into_,
                                                   quantize_transposed)
 from fp8graph.kernels.swiglu_backward import swiglu_backward_reference
@@ -341,11 +341,12 @@ def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec, after: torc
     """``weight_hp`` (E, N, K) cast along N, one scale per expert and column: ``(weight_t_fp8 (E, K, N),
     scale (E, K))``, written in the layout grad_input's GEMM reads (N contiguous). Stored (E, N, K), the weight is
     cast by ``fp8graph::quantize_expert_columns``, one kernel that reads it for the amaxes and again from L2 for the
-    cast (3 bytes an element, where an amax reduction and a transposing cast read it twice from memory, 5). Stored
-    (E, K, N) and fed transposed, the cast is along its rows, which Inductor fuses into one reduction. With ``after``
+    cast (3 bytes an element, where an amax reduction and a transposing cast read it twice from memory, 5;
+    ``takes_expert_weight``). Stored (E, K, N) and fed transposed, the cast is along its rows, which Inductor fuses
+    into one reduction. With ``after``
     (a backward's gradient) the cast runs when that backward runs, so the partitioner leaves it there
     (``fp8graph.targets.linear_tiled._cast_in_backward``)."""
-    if weight_hp.stride(-1) == 1:
+    if takes_expert_weight(weight_hp):
         if after is not None:
             weight_hp = read_in_backward(weight_hp, after)
         return torch.ops.fp8graph.quantize_expert_columns(untracked(weight_hp), spec.power_2)
@@ -354,6 +355,22 @@ def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec, after: torc
         scale = read_in_backward(scale, after)
     weight_t_fp8 = quantize(weight_hp, scale[:, None, :], _FP8).transpose(-2, -1).contiguous()
     return weight_t_fp8, scale
+
+
+def _cast_expert_columns_into(weight_hp: torch.Tensor, spec: GroupedSpec, copy_t_fp8: torch.Tensor,
+                              copy_t_scale: torch.Tensor) -> None:
+    """:func:`_cast_expert_columns` written into a kept copy (E, K, N) and its scales (E, K): by
+    ``fp8graph::quantize_expert_columns_into_`` where that op takes the weight and the copy is laid out as it
+    writes, so the cast is stored once; else cast, then copied."""
+    experts, rows, columns = weight_hp.shape
+    if (takes_expert_weight(weight_hp) and copy_t_fp8.shape == (experts, columns, rows) and copy_t_fp8.is_contiguous()
+            and copy_t_scale.shape == (experts, columns) and copy_t_scale.is_contiguous()):
+        torch.ops.fp8graph.quantize_expert_columns_into_(untracked(weight_hp), spec.power_2, copy_t_fp8,
+                                                          copy_t_scale)
+        return
+    weight_t_fp8, scale_t = _cast_expert_columns(weight_hp, spec)
+    copy_t_fp8.copy_(weight_t_fp8)
+    copy_t_scale.copy_(scale_t)
 
 
 def _recasts_weight(spec: GroupedSpec, routed_rows, weight_hp: torch.Tensor, needs_grad_weight: bool) -> bool:
@@ -432,9 +449,7 @@ def _cast_experts_through_copy(weight_hp: torch.Tensor, spec: GroupedSpec, copy:
         weight_fp8, scale, _ = cast_experts(weight_hp, spec)
         copy_fp8.copy_(weight_fp8)
         copy_scale.copy_(scale)
-        weight_t_fp8, scale_t = _cast_expert_columns(weight_hp, spec)
-        copy_t_fp8.copy_(weight_t_fp8)
-        copy_t_scale.copy_(scale_t)
+        _cast_expert_columns_into(weight_hp, spec, copy_t_fp8, copy_t_scale)
     elif copy.mode == "fill":  # one read of the weight writes both layouts into the copies
         scale = _expert_scale(weight_hp, spec)
         quantize_both_layouts_into_(weight_hp, scale, False, copy_fp8, copy_t_fp8)

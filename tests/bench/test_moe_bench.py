@@ -163,8 +163,9 @@ def test_row_wise_casts_each_expert_weight_along_n_for_grad_input_by_one_kernel(
     ``fp8graph::quantize_expert_columns`` launch a weight casts it, reading the BF16 weight once and writing the
     transposed bytes (E, K, N) and the scales (E, K) (``fp8graph.targets.grouped._cast_expert_columns``), where an
     amax reduction and a transposing cast read it twice: in the backward of a step cast at every call, in the
-    forward of a fill (the first micro-batch of a step that keeps the casts, writing the copies), and never in a
-    micro-batch reading the copies."""
+    forward of a fill (the first micro-batch of a step that keeps the casts), written straight into the kept copy
+    (``fp8graph::quantize_expert_columns_into_``: no kernel copies it there), and never in a micro-batch reading
+    the copies."""
     experts, hidden, width = TINY["experts"], TINY["hidden"], TINY["expert_width"]
     weights = sorted([(2 * width, hidden), (hidden, width)])  # gate_up (E, 2 width, hidden), down (E, hidden, width)
     rowwise = steps["rowwise"]
@@ -173,7 +174,12 @@ def test_row_wise_casts_each_expert_weight_along_n_for_grad_input_by_one_kernel(
         assert [r["graph"].split(":")[1] for r in casts] == [graph] * 2, key
         assert [r["read"] for r in casts] == [2 * experts * n * k for n, k in weights], key
         assert [r["written"] for r in casts] == [experts * n * k + experts * k * 4 for n, k in weights], key
+        assert all(("_into_" in r["name"]) is (key == "rows") for r in casts), key
     assert [r for r in rowwise["reuse_rows"] if "quantize_expert_columns" in r["name"]] == []
+    # The fill's Triton kernels move no more bytes than a step casting at every call, but for the copies' scales
+    # (written, read again with their inverses): no kernel of its own copies a cast.
+    scales = 4 * experts * sum(n + k for n, k in weights)
+    assert sum(_triton_bytes(rowwise)) <= sum(_triton_bytes(rowwise, key="per_call_rows")) + 4 * scales
 
 
 def test_grad_weight_s_operands_are_laid_out_by_one_pass_each(steps):

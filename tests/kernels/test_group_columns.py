@@ -10,8 +10,9 @@ GPU in ``tests/test_gpu.py``.
 import pytest
 import torch
 
-from fp8graph.kernels.group_columns import (quantize_expert_columns, quantize_group_columns_placed,
-                                            quantize_rows_placed, quantize_weighted_rows_placed)
+from fp8graph.kernels.group_columns import (quantize_expert_columns, quantize_expert_columns_into_,
+                                            quantize_group_columns_placed, quantize_rows_placed,
+                                            quantize_weighted_rows_placed, takes_expert_weight)
 from fp8graph.kernels.quantize_tiles import triton_available
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.numerics.groups import padded_group_bound, padded_group_sources, quantize_group_columns, row_groups
@@ -76,6 +77,12 @@ def test_the_expert_op_is_each_experts_column_cast_transposed_and_the_group_cast
         assert empty_fp8.shape == (shape[0], shape[2], shape[1]) and empty_scale.shape == (shape[0], shape[2])
     torch.library.opcheck(torch.ops.fp8graph.quantize_expert_columns, (weight.nan_to_num(), power_2),  # NaN != NaN
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    # Written into a kept copy's buffers: the same bytes and scales, in place.
+    copy_fp8, copy_scale = torch.empty(3, 40, 24, dtype=torch.float8_e4m3fn), torch.empty(3, 40)
+    assert quantize_expert_columns_into_(weight, power_2, copy_fp8, copy_scale) is None
+    assert torch.equal(copy_fp8.view(torch.uint8), weight_t_fp8.view(torch.uint8)) and torch.equal(copy_scale, scale)
+    torch.library.opcheck(torch.ops.fp8graph.quantize_expert_columns_into_,
+                          (weight.nan_to_num(), power_2, copy_fp8, copy_scale), test_utils=("test_faketensor",))
 
 
 def test_bad_operands_of_the_expert_op_are_refused_with_what_it_takes():
@@ -85,6 +92,17 @@ def test_bad_operands_of_the_expert_op_are_refused_with_what_it_takes():
         quantize_expert_columns(torch.randn(2, 8, 16).to(torch.float8_e4m3fn), False)
     with pytest.raises(ValueError, match="at most 1024 experts"):
         quantize_expert_columns(torch.randn(1025, 1, 1), False)
+    weight = torch.randn(2, 8, 16)
+    with pytest.raises(ValueError, match=r"writes weight_t_fp8 as a contiguous torch.float8_e4m3fn tensor of shape "
+                                         r"\(2, 16, 8\)"):
+        quantize_expert_columns_into_(weight, False, torch.empty(2, 8, 16, dtype=torch.float8_e4m3fn),
+                                      torch.empty(2, 16))
+    with pytest.raises(ValueError, match="not contiguous"):
+        quantize_expert_columns_into_(weight, False, torch.empty(2, 16, 8, dtype=torch.float8_e4m3fn),
+                                      torch.empty(16, 2).t())
+    # What the op takes: K contiguous, at most 1024 experts; a weight read transposed keeps Inductor's row cast.
+    assert takes_expert_weight(weight) and not takes_expert_weight(torch.randn(2, 16, 8).transpose(-2, -1))
+    assert not takes_expert_weight(torch.randn(1025, 1, 1))
 
 
 def test_the_per_tensor_op_is_the_cast_rows_and_their_placed_copy_with_each_groups_column_amaxes():

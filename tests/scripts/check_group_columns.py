@@ -90,5 +90,9 @@ for experts, rows, columns in [(3, 48, 40), (2, 24, 130), (4, 7, 17), (1, 200, 6
         assert got_fp8.shape == expected_fp8.shape == (experts, columns, rows) and got_fp8.is_contiguous(), label
         assert torch.equal(got_scale, expected_scale), label
         assert torch.equal(e4m3_bytes(got_fp8), e4m3_bytes(expected_fp8)), label
+        # Written into given buffers (a kept copy's), the same bytes and scales.
+        into = (torch.empty_like(expected_fp8), torch.empty_like(expected_scale))
+        quantize_expert_columns_triton(weight, power_2, into)
+        assert torch.equal(into[1], expected_scale) and torch.equal(e4m3_bytes(into[0]), e4m3_bytes(expected_fp8)), label
         cases += 1
 print(f"cases checked: {cases}")

@@ -33,18 +33,17 @@ def test_gelu_output_is_quantized_in_the_kernel_that_computes_it():
     assert code.count("extern_kernels.addmm(") == 1
 
 
-def _loops_reading(code: str, numel_tiles: int) -> int:
-    """Outer loops of the generated C++ that walk the input tile by tile (one tile per
-    iteration, an inner loop over its elements); the loop that turns amaxes into
-    scales walks tiles 16 at a time and reads no input."""
-    return len(re.findall(rf"x0<static_cast<int64_t>\({numel_tiles}L\); x0\+=static_cast<int64_t>\(1L\)", code))
+def _input_reads(code: str) -> int:
+    """Places in the generated C++ that read the input: each a pass over its elements (the suite compiles
+    Inductor's C++ kernels scalar, tests/conftest.py: a load is ``in_ptr0[...]``)."""
+    return code.count("in_ptr0[")
 
 
 @pytest.mark.parametrize("recipe_name", ["rowwise", "block", "mxfp8"])
 def test_each_tiled_quantize_is_one_kernel(recipe_name):
     """What Inductor makes of a tiled quantize (amax per tile, scale, cast): one fused kernel.
 
-    Measured on the C++ backend: two loops over the tiles (amax, then cast), so
+    Measured on the C++ backend: two passes over each tile (amax, then cast), so
     the tensor is read twice from memory when it exceeds the cache; E8M0
     scales compile from their integer operations like any other op.
     """
@@ -58,8 +57,7 @@ def test_each_tiled_quantize_is_one_kernel(recipe_name):
     x = torch.randn(1024, 2048)
     _, [code] = run_and_get_code(torch.compile(lambda x: reference_quantize_tiles(x, tiling), backend="inductor"), x)
     assert len(set(re.findall(r"(cpp_fused_\w+)\(", code))) == 1
-    tiles = x.numel() // tiling.tile_cols(x)
-    assert _loops_reading(code, tiles) == 2, code
+    assert _input_reads(code) == 2, code
 
 
 def test_scaled_mm_operands_are_cast_straight_into_the_layouts_the_gemms_read():
