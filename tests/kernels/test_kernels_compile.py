@@ -174,21 +174,25 @@ def test_the_gathered_expert_gemv_compiles_to_a_cubin_reading_fp8_as_vectors(row
                          [("group columns", 262144, 2048, 128, True), ("group columns", 262144, 768, 128, False),
                           ("group columns", 200, 100, 3, False), ("rows", 262144, 2048, 128, True),
                           ("rows", 200, 100, 3, True), ("weighted rows", 262144, 2048, 128, True),
-                          ("weighted rows", 200, 100, 3, True)],
+                          ("weighted rows", 200, 100, 3, True), ("expert columns", 128 * 1536, 2048, 128, False),
+                          ("expert columns", 128 * 2048, 768, 128, False), ("expert columns", 300, 70, 3, False)],
                          ids=["qwen3-input-gathered", "qwen3-grad-output", "ragged", "per-tensor-qwen3-input",
-                              "per-tensor-ragged", "combine-backward-qwen3", "combine-backward-ragged"])
+                              "per-tensor-ragged", "combine-backward-qwen3", "combine-backward-ragged",
+                              "qwen3-gate-up-weight", "qwen3-down-weight", "weight-ragged"])
 def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_bytes_as_vectors(
         op, rows, columns, experts, gather, capability):
     """The kernel that casts a grouped GEMM's weight-gradient operand and lays it out: as
     ``fp8graph::quantize_group_columns_placed`` (row-wise's operands, cast per group and column) and as
     ``fp8graph::quantize_rows_placed`` (a per-tensor recipe's gathered input, also written as rows for the forward
-    GEMM), and as ``fp8graph::quantize_weighted_rows_placed`` (the combine's gradient, gathered, weighted and cast
-    for the down projection, with each row's dot product with the GEMM's output). A cubin without spills that
+    GEMM), as ``fp8graph::quantize_weighted_rows_placed`` (the combine's gradient, gathered, weighted and cast
+    for the down projection, with each row's dot product with the GEMM's output), and as
+    ``fp8graph::quantize_expert_columns`` (row-wise's expert weights (E, N, K) cast along N, each expert's rows a
+    group, stored (E, K, N) for grad_input's GEMM). A cubin without spills that
     reads BF16 rows (and the other rows) as 16-byte vectors when the columns divide by 8, converts in hardware
     (saturating, round to nearest even) and stores the transposed bytes (and the rows) as vectors. Not proven here:
     its speed (``bench moe`` on a GPU)."""
-    from fp8graph.kernels.group_columns import (plan_quantize_group_columns_placed, plan_quantize_rows_placed,
-                                                plan_quantize_weighted_rows_placed)
+    from fp8graph.kernels.group_columns import (plan_quantize_expert_columns, plan_quantize_group_columns_placed,
+                                                plan_quantize_rows_placed, plan_quantize_weighted_rows_placed)
 
     source = torch.empty(rows // 8 if gather else rows, columns, dtype=torch.bfloat16)
     index = torch.empty(rows, dtype=torch.int64) if gather else None
@@ -200,10 +204,15 @@ def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_byt
         launch, *_ = plan_quantize_weighted_rows_placed(
             source, torch.empty(rows, dtype=torch.bfloat16), torch.empty(rows, columns, dtype=torch.bfloat16), scale,
             offsets, 16, index)
+    elif op == "expert columns":
+        launch, weight_t_fp8, scale = plan_quantize_expert_columns(source.view(experts, rows // experts, columns),
+                                                                   False)
+        assert weight_t_fp8.shape == (experts, columns, rows // experts) and scale.shape == (experts, columns)
     else:
         launch, *_ = plan_quantize_group_columns_placed(source, offsets, 16, True, index)
     assert launch.constexprs["SOFTWARE_ROUNDING"] is False  # what a GPU runs
-    assert launch.constexprs["TENSOR_SCALE"] is (op != "group columns")
+    assert launch.constexprs["TENSOR_SCALE"] is (op not in ("group columns", "expert columns"))
+    assert launch.constexprs["EXPERT_MAJOR"] is (op == "expert columns")
     assert launch.constexprs["ROW_WEIGHTS"] is launch.constexprs["DOTS"] is (op == "weighted rows")
     compiled = compile_launch(launch, capability)
     usage = resource_usage(compiled)
@@ -213,37 +222,10 @@ def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_byt
     if columns % 8 == 0:
         assert "ld.global.v4.b32" in ptx, "rows are not read as 16-byte vectors"
         stores = ptx.count("st.global.v4.b32") + ptx.count("st.global.v2.b32")
-        assert stores >= (2 if op != "group columns" else 1), \
+        assert stores >= (1 if op in ("group columns", "expert columns") else 2), \
             "the bytes are not stored as vectors (both layouts, per tensor)"
         if op == "weighted rows":
             assert ptx.count("ld.global.v4.b32") >= 2, "the other rows are not read as 16-byte vectors"
-
-
-@pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
-@pytest.mark.parametrize("experts, rows, columns", [(128, 1536, 2048), (128, 2048, 768), (3, 100, 70)],
-                         ids=["qwen3-gate-up", "qwen3-down", "ragged"])
-def test_the_expert_column_cast_compiles_to_a_cubin_reading_rows_and_storing_bytes_as_vectors(experts, rows, columns,
-                                                                                            capability):
-    """``fp8graph::quantize_expert_columns`` (a row-wise expert weight (E, N, K) cast along N for grad_input's GEMM,
-    stored (E, K, N)): the group-column kernel with each expert's rows a group and its transpose a block of its own.
-    A cubin without spills that reads BF16 rows as 16-byte vectors when K divides by 8, converts in hardware
-    (saturating, round to nearest even) and stores the transposed bytes as vectors when N divides by 16. Not proven
-    here: its speed (``bench moe`` on a GPU)."""
-    from fp8graph.kernels.group_columns import plan_quantize_expert_columns
-
-    launch, weight_t_fp8, scale = plan_quantize_expert_columns(
-        torch.empty(experts, rows, columns, dtype=torch.bfloat16), False)
-    assert launch.constexprs["SOFTWARE_ROUNDING"] is False and launch.constexprs["EXPERT_MAJOR"] is True
-    assert weight_t_fp8.shape == (experts, columns, rows) and scale.shape == (experts, columns)
-    compiled = compile_launch(launch, capability)
-    usage = resource_usage(compiled)
-    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
-    ptx = compiled.asm["ptx"]
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
-    if columns % 8 == 0:
-        assert "ld.global.v4.b32" in ptx, "rows are not read as 16-byte vectors"
-    if rows % 16 == 0:
-        assert ptx.count("st.global.v4.b32") + ptx.count("st.global.v2.b32") >= 1, "the bytes are not stored as vectors"
 
 
 @pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
