@@ -51,7 +51,8 @@ from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 __all__ = ["column_blocks", "plan_quantize_expert_columns", "plan_quantize_group_columns_placed",
            "plan_quantize_rows_placed", "plan_quantize_weighted_rows_placed", "quantize_expert_columns",
            "quantize_expert_columns_into_", "quantize_group_columns_placed", "quantize_rows_placed",
-           "quantize_weighted_rows_placed", "takes_expert_weight", "weighted_rows_reference"]
+           "quantize_weighted_rows_placed", "takes_expert_destinations", "takes_expert_weight",
+           "weighted_rows_reference"]
 
 _FP8 = torch.float8_e4m3fn  # a grouped GEMM takes E4M3 only
 _BLOCK_ROWS = 64
@@ -278,15 +279,29 @@ def _(weight_hp, power_2_scales):
     return quantize_expert_columns_triton(weight_hp, power_2_scales)
 
 
-def _expert_destinations_checked(weight_hp: torch.Tensor, weight_t_fp8: torch.Tensor, scale: torch.Tensor) -> None:
+def _expert_destination_fault(weight_hp: torch.Tensor, weight_t_fp8: torch.Tensor, scale: torch.Tensor) -> str | None:
+    """Why ``quantize_expert_columns_into_`` cannot write ``weight_hp``'s cast into the buffers, or None."""
     experts, rows, columns = weight_hp.shape
     for name, buffer, shape, dtype in (("weight_t_fp8", weight_t_fp8, (experts, columns, rows), _FP8),
                                        ("scale", scale, (experts, columns), torch.float32)):
         if buffer.shape != shape or buffer.dtype != dtype or not buffer.is_contiguous() or \
                 buffer.device != weight_hp.device:
-            raise ValueError(f"quantize_expert_columns_into_ writes {name} as a contiguous {dtype} tensor of shape "
-                             f"{shape} on {weight_hp.device}, got {buffer.dtype} of shape {tuple(buffer.shape)} on "
-                             f"{buffer.device}" + ("" if buffer.is_contiguous() else ", not contiguous"))
+            return (f"quantize_expert_columns_into_ writes {name} as a contiguous {dtype} tensor of shape {shape} "
+                    f"on {weight_hp.device}, got {buffer.dtype} of shape {tuple(buffer.shape)} on {buffer.device}"
+                    + ("" if buffer.is_contiguous() else ", not contiguous"))
+    return None
+
+
+def takes_expert_destinations(weight_hp: torch.Tensor, weight_t_fp8: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether :func:`quantize_expert_columns_into_` casts ``weight_hp`` into ``weight_t_fp8`` (E, K, N) and
+    ``scale`` (E, K) as they lie: :func:`takes_expert_weight`, and the buffers laid out as the op writes them."""
+    return takes_expert_weight(weight_hp) and _expert_destination_fault(weight_hp, weight_t_fp8, scale) is None
+
+
+def _expert_destinations_checked(weight_hp: torch.Tensor, weight_t_fp8: torch.Tensor, scale: torch.Tensor) -> None:
+    fault = _expert_destination_fault(weight_hp, weight_t_fp8, scale)
+    if fault is not None:
+        raise ValueError(fault)
 
 
 def _expert_written_into(weight_hp, power_2_scales, weight_t_fp8, scale) -> None:

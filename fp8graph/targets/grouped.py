@@ -40,7 +40,8 @@ import torch
 from fp8graph.gemm.grouped_gemm import (group_columns_for_grad_weight, grouped_scaled_gemm, grouped_scaled_gemm_weights,
                                         placed_for_grad_weight)
 from fp8graph.gemm.scaled_gemm import Lowering, one_buffer
-from fp8graph.kernels.group_columns import takes_expert_weight  # (registers fp8graph::quantize_rows_placed too)
+from fp8graph.kernels.group_columns import (  # (registers fp8graph::quantize_rows_placed too)
+    takes_expert_destinations, takes_expert_weight)
 from fp8graph.kernels.quantize_transposed import (quantize_both_layouts, quantize_both_layouts_into_,
                                                   quantize_transposed)
 from fp8graph.kernels.swiglu_backward import swiglu_backward_reference
@@ -343,9 +344,8 @@ def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec, after: torc
     cast by ``fp8graph::quantize_expert_columns``, one kernel that reads it for the amaxes and again from L2 for the
     cast (3 bytes an element, where an amax reduction and a transposing cast read it twice from memory, 5;
     ``takes_expert_weight``). Stored (E, K, N) and fed transposed, the cast is along its rows, which Inductor fuses
-    into one reduction. With ``after``
-    (a backward's gradient) the cast runs when that backward runs, so the partitioner leaves it there
-    (``fp8graph.targets.linear_tiled._cast_in_backward``)."""
+    into one reduction. With ``after`` (a backward's gradient) the cast runs when that backward runs, so the
+    partitioner leaves it there (``fp8graph.targets.linear_tiled._cast_in_backward``)."""
     if takes_expert_weight(weight_hp):
         if after is not None:
             weight_hp = read_in_backward(weight_hp, after)
@@ -362,9 +362,7 @@ def _cast_expert_columns_into(weight_hp: torch.Tensor, spec: GroupedSpec, copy_t
     """:func:`_cast_expert_columns` written into a kept copy (E, K, N) and its scales (E, K): by
     ``fp8graph::quantize_expert_columns_into_`` where that op takes the weight and the copy is laid out as it
     writes, so the cast is stored once; else cast, then copied."""
-    experts, rows, columns = weight_hp.shape
-    if (takes_expert_weight(weight_hp) and copy_t_fp8.shape == (experts, columns, rows) and copy_t_fp8.is_contiguous()
-            and copy_t_scale.shape == (experts, columns) and copy_t_scale.is_contiguous()):
+    if takes_expert_destinations(weight_hp, copy_t_fp8, copy_t_scale):
         torch.ops.fp8graph.quantize_expert_columns_into_(untracked(weight_hp), spec.power_2, copy_t_fp8,
                                                           copy_t_scale)
         return

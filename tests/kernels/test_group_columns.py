@@ -12,7 +12,8 @@ import torch
 
 from fp8graph.kernels.group_columns import (quantize_expert_columns, quantize_expert_columns_into_,
                                             quantize_group_columns_placed, quantize_rows_placed,
-                                            quantize_weighted_rows_placed, takes_expert_weight)
+                                            quantize_weighted_rows_placed, takes_expert_destinations,
+                                            takes_expert_weight)
 from fp8graph.kernels.quantize_tiles import triton_available
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.numerics.groups import padded_group_bound, padded_group_sources, quantize_group_columns, row_groups
@@ -23,6 +24,7 @@ OFFSETS = torch.tensor([5, 5, 30, 40], dtype=torch.int32)  # an empty group; row
 
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+@pytest.mark.triton_interpreter
 def test_the_triton_kernel_equals_the_reference_under_the_interpreter():
     assert cases_checked_under_triton_interpreter("check_group_columns.py") == 72
 
@@ -103,6 +105,14 @@ def test_bad_operands_of_the_expert_op_are_refused_with_what_it_takes():
     # What the op takes: K contiguous, at most 1024 experts; a weight read transposed keeps Inductor's row cast.
     assert takes_expert_weight(weight) and not takes_expert_weight(torch.randn(2, 16, 8).transpose(-2, -1))
     assert not takes_expert_weight(torch.randn(1025, 1, 1))
+    # Where the target writes a kept copy through the op: the same conditions as the op's refusals above.
+    copy_fp8, copy_scale = torch.empty(2, 16, 8, dtype=torch.float8_e4m3fn), torch.empty(2, 16)
+    assert takes_expert_destinations(weight, copy_fp8, copy_scale)
+    assert not takes_expert_destinations(weight, copy_fp8.transpose(-2, -1), copy_scale)
+    assert not takes_expert_destinations(weight, copy_fp8, torch.empty(16, 2).t())
+    assert not takes_expert_destinations(weight, copy_fp8, copy_scale.bfloat16())
+    assert not takes_expert_destinations(weight.transpose(-2, -1).contiguous().transpose(-2, -1),
+                                         copy_fp8, copy_scale)
 
 
 def test_the_per_tensor_op_is_the_cast_rows_and_their_placed_copy_with_each_groups_column_amaxes():
