@@ -61,12 +61,16 @@ _SHARED_GRAPHS = [
 ]
 
 
-def _unit(nodeid: str) -> str:
-    """The unit a test is dealt to a worker with: its module's, its graphs' group's, or its own."""
-    module = nodeid.split("::")[0]
+def _unit(item) -> str:
+    """The unit a test is dealt to a worker with: its module's, its graphs' group's, the interpreter's (one
+    process a worker runs every kernel's check script, ``tests/helpers.py``: dealt to both workers, both ran all of
+    them, 40-45 s each, 2026-11-29), or its own."""
+    module = item.nodeid.split("::")[0]
     if module in _SHARED_MODULES:
         return module
-    return next((group[0] for group in _SHARED_GRAPHS if nodeid in group), nodeid)
+    if item.get_closest_marker("triton_interpreter"):
+        return "triton_interpreter"
+    return next((group[0] for group in _SHARED_GRAPHS if item.nodeid in group), item.nodeid)
 
 
 def _known_seconds() -> dict[str, float]:
@@ -90,7 +94,7 @@ def _two_halves_slowest_first(items):
     known = _known_seconds()
     units: dict[str, list] = {}
     for item in items:
-        units.setdefault(_unit(item.nodeid), []).append(item)
+        units.setdefault(_unit(item), []).append(item)
 
     def seconds(unit) -> float:
         return sum(known.get(item.nodeid, 0.0) for item in unit)

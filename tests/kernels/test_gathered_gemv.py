@@ -23,6 +23,7 @@ def _operands(rows=6, experts=3, columns=48, depth=32, seed=0):
 
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+@pytest.mark.triton_interpreter
 def test_the_triton_kernel_matches_the_reference_under_the_interpreter():
     assert cases_checked_under_triton_interpreter("check_gathered_gemv.py") == 16
 

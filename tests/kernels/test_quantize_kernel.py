@@ -18,6 +18,7 @@ from fp8graph.numerics.tiles import ScaleKind, Tiling, reference_quantize_tiles
 from helpers import cases_checked_under_triton_interpreter
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+@pytest.mark.triton_interpreter
 def test_triton_kernel_equals_the_reference_under_the_interpreter():
     assert cases_checked_under_triton_interpreter("check_quantize_kernel.py") == 18
 

@@ -17,6 +17,7 @@ from helpers import cases_checked_under_triton_interpreter
 
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+@pytest.mark.triton_interpreter
 def test_the_triton_kernel_equals_the_reference_under_the_interpreter():
     assert cases_checked_under_triton_interpreter("check_quantize_transposed.py") == 147
 

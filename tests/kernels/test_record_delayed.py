@@ -58,6 +58,7 @@ def test_arguments_that_do_not_fit_are_refused():
 
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+@pytest.mark.triton_interpreter
 def test_the_triton_kernel_equals_the_reference_under_the_interpreter():
     assert cases_checked_under_triton_interpreter("check_record_delayed.py") == 120
 

@@ -13,6 +13,7 @@ from fp8graph.kernels.transpose_fp8 import transpose_fp8, transpose_fp8_into_
 from helpers import cases_checked_under_triton_interpreter
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+@pytest.mark.triton_interpreter
 def test_the_triton_transpose_equals_the_reference_under_the_interpreter():
     assert cases_checked_under_triton_interpreter("check_transpose_fp8.py") == 39
 
