@@ -298,7 +298,9 @@ def takes_expert_destinations(weight_hp: torch.Tensor, weight_t_fp8: torch.Tenso
     return takes_expert_weight(weight_hp) and _expert_destination_fault(weight_hp, weight_t_fp8, scale) is None
 
 
-def _expert_destinations_checked(weight_hp: torch.Tensor, weight_t_fp8: torch.Tensor, scale: torch.Tensor) -> None:
+def _expert_into_checked(weight_hp: torch.Tensor, weight_t_fp8: torch.Tensor, scale: torch.Tensor) -> None:
+    """``quantize_expert_columns_into_``'s operands: the weight first (the buffers' shapes follow from it)."""
+    _expert_checked(weight_hp)
     fault = _expert_destination_fault(weight_hp, weight_t_fp8, scale)
     if fault is not None:
         raise ValueError(fault)
@@ -306,8 +308,7 @@ def _expert_destinations_checked(weight_hp: torch.Tensor, weight_t_fp8: torch.Te
 
 def _expert_written_into(weight_hp, power_2_scales, weight_t_fp8, scale) -> None:
     """The reference, copied into the buffers."""
-    _expert_checked(weight_hp)
-    _expert_destinations_checked(weight_hp, weight_t_fp8, scale)
+    _expert_into_checked(weight_hp, weight_t_fp8, scale)
     cast, cast_scale = _expert_reference(weight_hp, power_2_scales)
     weight_t_fp8.copy_(cast)
     scale.copy_(cast_scale)
@@ -325,8 +326,7 @@ def quantize_expert_columns_into_(weight_hp: torch.Tensor, power_2_scales: bool,
 
 @quantize_expert_columns_into_.register_fake
 def _(weight_hp, power_2_scales, weight_t_fp8, scale):
-    _expert_checked(weight_hp)
-    _expert_destinations_checked(weight_hp, weight_t_fp8, scale)
+    _expert_into_checked(weight_hp, weight_t_fp8, scale)
 
 
 @quantize_expert_columns_into_.register_kernel("cuda")
@@ -334,7 +334,7 @@ def _(weight_hp, power_2_scales, weight_t_fp8, scale):
     if not triton_available() or weight_hp.numel() == 0:
         _expert_written_into(weight_hp, power_2_scales, weight_t_fp8, scale)
         return
-    _expert_destinations_checked(weight_hp, weight_t_fp8, scale)
+    _expert_into_checked(weight_hp, weight_t_fp8, scale)
     quantize_expert_columns_triton(weight_hp, power_2_scales, (weight_t_fp8, scale))
 
 

@@ -94,6 +94,9 @@ def test_bad_operands_of_the_expert_op_are_refused_with_what_it_takes():
         quantize_expert_columns(torch.randn(2, 8, 16).to(torch.float8_e4m3fn), False)
     with pytest.raises(ValueError, match="at most 1024 experts"):
         quantize_expert_columns(torch.randn(1025, 1, 1), False)
+    with pytest.raises(ValueError, match="casts a 3-D high-precision expert weight"):  # the weight before its buffers
+        quantize_expert_columns_into_(torch.randn(8, 16), False, torch.empty(2, 16, 8, dtype=torch.float8_e4m3fn),
+                                      torch.empty(2, 16))
     weight = torch.randn(2, 8, 16)
     with pytest.raises(ValueError, match=r"writes weight_t_fp8 as a contiguous torch.float8_e4m3fn tensor of shape "
                                          r"\(2, 16, 8\)"):
