@@ -477,6 +477,34 @@ def test_the_combine_backward_cast_equals_its_reference_on_the_gpu():
         assert without[3].numel() == 0 and torch.equal(without[1].cpu().view(torch.uint8), got[1].view(torch.uint8))
 
 
+def test_the_rowwise_combine_backward_cast_equals_its_reference_on_the_gpu():
+    """``fp8graph::quantize_weighted_rows_rowwise`` on CUDA (the Triton kernel, the hardware's conversion): the
+    gathered rows each times its weight, cast with each row's scale and per group and column, placed, and the
+    group-column scales, as the CPU reference writes them; the dots to fp32's summation order."""
+    from fp8graph.kernels.group_columns import quantize_weighted_rows_rowwise
+    from scripts.e4m3_bytes import e4m3_bytes
+
+    generator = torch.Generator().manual_seed(0)
+    for tokens, columns, sizes in ((512, 2048, [1000, 0, 3000]), (60, 70, [5, 100, 1, 50])):
+        grad = (torch.randn(tokens, columns, generator=generator)
+                * torch.logspace(-10, 8, columns, base=2.0)).to(torch.bfloat16)
+        offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        rows = sum(sizes) + 7
+        token_of_row = torch.randint(0, tokens, (rows,), generator=generator)
+        row_weights = torch.rand(rows, generator=generator).to(torch.bfloat16)
+        other = torch.randn(rows, columns, generator=generator).to(torch.bfloat16)
+        row_scale = torch.rand(rows, generator=generator) * 4
+        expected = quantize_weighted_rows_rowwise(grad, row_weights, other, row_scale, offsets, 16, False,
+                                                  token_of_row)
+        operands = [t.cuda() for t in (grad, row_weights, other, row_scale, offsets)]
+        got = [t.cpu() for t in quantize_weighted_rows_rowwise(*operands, 16, False, token_of_row.cuda())]
+        assert torch.equal(got[2], expected[2])
+        for got_fp8, expected_fp8 in zip(got[:2], expected[:2]):
+            assert torch.equal(e4m3_bytes(got_fp8), e4m3_bytes(expected_fp8))
+        bound = 1e-6 * (grad[token_of_row].float() * other.float()).abs().sum(1)
+        assert ((got[3] - expected[3]).abs() <= bound).all()
+
+
 def test_the_swiglu_backward_cast_is_within_one_e4m3_step_of_its_reference_on_the_gpu():
     """``fp8graph::swiglu_backward_placed`` and ``fp8graph::swiglu_backward_amax`` on CUDA (the Triton kernel, the
     GPU's sigmoid and the hardware's conversion): each gradient byte within one E4M3 step of the CPU reference's

@@ -211,7 +211,7 @@ def _earlier_record_steps(lengths: list[int], history_len: int, rows: int) -> in
 TRANSPOSED_STORE_OPS = ("transpose_fp8", "transpose_fp8_into_", "quantize_both_layouts", "quantize_both_layouts_into_",
                         "quantize_expert_columns", "quantize_expert_columns_into_", "quantize_group_columns_placed",
                         "quantize_rows_placed", "quantize_transposed", "quantize_weighted_rows_placed",
-                        "swiglu_backward_placed")
+                        "quantize_weighted_rows_rowwise", "swiglu_backward_placed")
 
 
 def extern_bandwidth(op: str, machine: Machine) -> float:
@@ -322,7 +322,8 @@ def _numel(shape) -> int:
 # fp8graph's ops that read their first operand's rows through an index (``gather_index``, the last int64 1-D
 # operand): each gathered row is read, top_k times a token's, from DRAM where the source outgrows L2 (Qwen3-30B-A3B's
 # 134 MB of hidden states against 50-60 MB): priced as the gathered rows, not the source.
-GATHERING_OPS = ("quantize_group_columns_placed", "quantize_rows_placed", "quantize_weighted_rows_placed")
+GATHERING_OPS = ("quantize_group_columns_placed", "quantize_rows_placed", "quantize_weighted_rows_placed",
+                 "quantize_weighted_rows_rowwise")
 
 
 def _gathered_read(extern) -> int | None:

@@ -1,5 +1,6 @@
-"""Triton kernel behind ``fp8graph::quantize_group_columns_placed``, ``fp8graph::quantize_rows_placed`` and
-``fp8graph::quantize_weighted_rows_placed`` (imported only where Triton is installed).
+"""Triton kernel behind ``fp8graph::quantize_group_columns_placed``, ``fp8graph::quantize_rows_placed``,
+``fp8graph::quantize_weighted_rows_placed`` and ``fp8graph::quantize_weighted_rows_rowwise`` (imported only where
+Triton is installed).
 
 One program a group of rows and a block of columns. Scaled per group and column
 (``TENSOR_SCALE`` off) it walks the group's rows twice, for each column's amax
@@ -21,6 +22,11 @@ the block's columns is stored, a partial a block and row (a block's partials
 contiguous): the backward of an expert
 combine, ``out = sum_k weights * y``, whose gradient ``g`` gives ``y``'s as
 ``g * weights`` and the weights' as ``g . y`` (``quantize_weighted_rows_placed``).
+Scaled per group and column with ``ROW_WEIGHTS`` the amax walk weighs the rows
+too, and with ``ROW_SCALES`` the cast walk also stores the rows where they lie,
+each cast with its own scale (given: a row's scale needs its every column, which
+no program sees): row-wise scaling's two casts of that gradient, one for each of
+its GEMMs, from the same two walks (``quantize_weighted_rows_rowwise``).
 
 With ``EXPERT_MAJOR`` (every group the same size, a multiple of ``MULTIPLE``: an expert weight (E, N, K) as E
 groups of N rows) the bytes are stored (E, K, N), each group's transpose a block of its own: the layout grad_input's
@@ -76,10 +82,11 @@ def _load_rows(x_ptr, gather_ptr, row, present, column, column_inside, row_strid
 @triton.jit
 def quantize_group_columns_placed_kernel(
         x_ptr, gather_ptr, offsets_ptr, x_t_fp8_ptr, scale_ptr, x_fp8_ptr, amax_ptr, weights_ptr, other_ptr, dots_ptr,
-        rows, columns, padded_rows, row_stride, other_stride, groups, GATHER: tl.constexpr, MULTIPLE: tl.constexpr,
-        BLOCK_GROUPS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, SCALE_KIND: tl.constexpr,
-        FP8_MAX: tl.constexpr, FP8_MAX_EXPONENT: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
-        TENSOR_SCALE: tl.constexpr, ROW_WEIGHTS: tl.constexpr, DOTS: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
+        row_scales_ptr, rows, columns, padded_rows, row_stride, other_stride, groups, GATHER: tl.constexpr,
+        MULTIPLE: tl.constexpr, BLOCK_GROUPS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr,
+        SCALE_KIND: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MAX_EXPONENT: tl.constexpr,
+        SOFTWARE_ROUNDING: tl.constexpr, TENSOR_SCALE: tl.constexpr, ROW_WEIGHTS: tl.constexpr, DOTS: tl.constexpr,
+        EXPERT_MAJOR: tl.constexpr, ROW_SCALES: tl.constexpr):
     group = tl.program_id(0)
     column = tl.program_id(1).to(tl.int64) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)
     column_inside = column < columns
@@ -97,6 +104,8 @@ def quantize_group_columns_placed_kernel(
         while first < end:
             row = first + in_block
             x = _load_rows(x_ptr, gather_ptr, row, row < end, column, column_inside, row_stride, GATHER)
+            if ROW_WEIGHTS:  # the amaxes of the rows as they are cast: weighted
+                x = x * tl.load(weights_ptr + row, mask=row < end, other=0.0).to(tl.float32)[:, None]
             max_bits = tl.maximum(max_bits, _magnitude_bits(x))
             first += BLOCK_ROWS
         amax = tl.max(max_bits, axis=0).to(tl.float32, bitcast=True)
@@ -131,6 +140,11 @@ def quantize_group_columns_placed_kernel(
         if TENSOR_SCALE:  # the rows where they lie, and their magnitudes (a pad's zeros change no amax)
             max_bits = tl.maximum(max_bits, _magnitude_bits(x))
             tl.store(x_fp8_ptr + row[:, None] * columns + column[None, :], bits,
+                     mask=present[:, None] & column_inside[None, :])
+        if ROW_SCALES:  # the rows where they lie, cast with their own scales
+            row_scale = tl.load(row_scales_ptr + row, mask=present, other=0.0)
+            tl.store(x_fp8_ptr + row[:, None] * columns + column[None, :],
+                     _e4m3_bits(x * row_scale[:, None], FP8_MAX, SOFTWARE_ROUNDING),
                      mask=present[:, None] & column_inside[None, :])
         step += 1
     if TENSOR_SCALE:  # one amax a group and block of columns: a short partial for the record to finish

@@ -30,6 +30,12 @@ down projection's grad_output ``g[t(s)] * weights[s]``, cast here for its two GE
 gradient ``g[t(s)] . y[s]``. Written as torch ops the kernel that gathers ``g`` casts the products and
 ``fp8graph::transpose_fp8`` reads the FP8 rows again to lay them out.
 
+``fp8graph::quantize_weighted_rows_rowwise``: that gradient cast as row-wise scaling's two GEMMs read it, each
+row with its own scale (grad_input's, stored as rows) and per group and column (grad_weight's, laid out), with the
+dots, from two reads of the gathered rows (the second from L2). Written as torch ops autograd's combine backward
+stores the weighted gradient in BF16, a reduction casts its rows, and ``quantize_group_columns_placed`` reads it
+twice more.
+
 On CUDA they run the Triton kernel; everywhere else, and where Triton is missing, the references (the torch
 casts, then the padded transpose of ``padded_group_sources``), which the tests hold the kernel to bit for bit under
 Triton's interpreter.
@@ -49,10 +55,10 @@ from fp8graph.numerics.groups import (group_block_amax, padded_group_bound, padd
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
 __all__ = ["column_blocks", "plan_quantize_expert_columns", "plan_quantize_group_columns_placed",
-           "plan_quantize_rows_placed", "plan_quantize_weighted_rows_placed", "quantize_expert_columns",
-           "quantize_expert_columns_into_", "quantize_group_columns_placed", "quantize_rows_placed",
-           "quantize_weighted_rows_placed", "takes_expert_destinations", "takes_expert_weight",
-           "weighted_rows_reference"]
+           "plan_quantize_rows_placed", "plan_quantize_weighted_rows_placed", "plan_quantize_weighted_rows_rowwise",
+           "quantize_expert_columns", "quantize_expert_columns_into_", "quantize_group_columns_placed",
+           "quantize_rows_placed", "quantize_weighted_rows_placed", "quantize_weighted_rows_rowwise",
+           "takes_expert_destinations", "takes_expert_weight", "weighted_rows_reference"]
 
 _FP8 = torch.float8_e4m3fn  # a grouped GEMM takes E4M3 only
 _BLOCK_ROWS = 64
@@ -72,8 +78,8 @@ def _name(tensor_scale: torch.Tensor | None, weighted: bool = False) -> str:
 
 
 def _checked(x_hp: torch.Tensor, offsets: torch.Tensor, gather_index: torch.Tensor | None,
-             tensor_scale: torch.Tensor | None = None, weighted: bool = False) -> None:
-    name = _name(tensor_scale, weighted)
+             tensor_scale: torch.Tensor | None = None, weighted: bool = False, name: str | None = None) -> None:
+    name = name or _name(tensor_scale, weighted)
     if x_hp.dim() != 2 or not x_hp.dtype.is_floating_point or x_hp.element_size() == 1:
         raise ValueError(f"{name} casts a 2-D high-precision tensor, got {x_hp.dtype} of shape {tuple(x_hp.shape)}")
     if offsets.dim() != 1 or offsets.shape[0] == 0 or offsets.dtype not in (torch.int32, torch.int64):
@@ -91,13 +97,14 @@ def _checked(x_hp: torch.Tensor, offsets: torch.Tensor, gather_index: torch.Tens
 def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index: torch.Tensor | None,
           tensor_scale: torch.Tensor | None, power_2_scales: bool, row_weights: torch.Tensor | None = None,
           other_hp: torch.Tensor | None = None, expert_major: bool = False,
-          into: tuple[torch.Tensor, torch.Tensor] | None = None):
+          into: tuple[torch.Tensor, torch.Tensor] | None = None, row_scales: torch.Tensor | None = None):
     """The kernel's launch and outputs: ``(launch, x_t_fp8 (C, P), rows (S, C) FP8 or None, table, dots)``, the
     table the scales per group and column (E, C), or with ``tensor_scale`` the amaxes of each group's (and the rows
     in no group's) blocks of columns (E + 1, :func:`column_blocks`); with ``row_weights`` the rows are weighted
     before the cast; with ``other_hp`` ``dots`` (:func:`column_blocks`, S) are each row's partial dot products with
     ``other_hp``'s, else None; ``expert_major`` (groups of one size, a multiple of ``multiple``) lays ``x_t_fp8`` out
-    (E, C, P / E), each group's transpose a block of its own; ``into`` are the ``(x_t_fp8, table)`` to write."""
+    (E, C, P / E), each group's transpose a block of its own; ``into`` are the ``(x_t_fp8, table)`` to write; with
+    ``row_scales`` (S,) (and no ``tensor_scale``) the rows are stored too, each cast with its own scale."""
     from triton import cdiv, knobs, next_power_of_2
 
     from fp8graph.kernels._group_columns_triton import quantize_group_columns_placed_kernel
@@ -114,15 +121,16 @@ def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index
     padded_rows = rows if expert_major else padded_group_bound(rows, groups, multiple)
     x_t_fp8 = torch.empty((groups, columns, rows // groups) if expert_major else (columns, padded_rows),
                           dtype=_FP8, device=x_hp.device) if into is None else into[0]
-    rows_fp8 = None if tensor_scale is None else torch.empty((rows, columns), dtype=_FP8, device=x_hp.device)
+    rows_fp8 = (None if tensor_scale is None and row_scales is None
+                else torch.empty((rows, columns), dtype=_FP8, device=x_hp.device))
     table = (into[1] if into is not None else
              torch.empty((groups, columns), dtype=torch.float32, device=x_hp.device) if tensor_scale is None
              else torch.empty((groups + 1, column_blocks(columns)), dtype=torch.float32, device=x_hp.device))
     gather = gather_index is not None
-    # Without tensor_scale the kernel writes the scales into the table and takes no rows output or amax table,
-    # without row_weights no weights, other rows or dots: the table's pointer stands in for them.
-    scale_arg, rows_arg, amax_arg = ((table, table, table) if tensor_scale is None
-                                     else (tensor_scale, rows_fp8.view(torch.uint8), table))
+    # Without tensor_scale the kernel writes the scales into the table and takes no amax table (nor rows output
+    # without row_scales), without row_weights no weights, other rows or dots: the table's pointer stands in for them.
+    scale_arg, rows_arg, amax_arg = ((table, table if rows_fp8 is None else rows_fp8.view(torch.uint8), table)
+                                     if tensor_scale is None else (tensor_scale, rows_fp8.view(torch.uint8), table))
     weighted, dotted = row_weights is not None, other_hp is not None
     if dotted and other_hp.shape[1] > 1 and other_hp.stride(1) != 1:
         other_hp = other_hp.contiguous()
@@ -133,7 +141,8 @@ def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index
     launch = KernelLaunch(
         quantize_group_columns_placed_kernel, (groups + 1, cdiv(columns, _BLOCK_COLUMNS)),
         (x_hp, gather_index.contiguous() if gather else offsets, offsets.contiguous(), x_t_fp8.view(torch.uint8),
-         scale_arg, rows_arg, amax_arg, weights_arg, other_arg, dots_arg, rows, columns, padded_rows, x_hp.stride(0),
+         scale_arg, rows_arg, amax_arg, weights_arg, other_arg, dots_arg,
+         table if row_scales is None else row_scales.contiguous(), rows, columns, padded_rows, x_hp.stride(0),
          other_hp.stride(0) if dotted else 0, groups),
         {"GATHER": gather, "MULTIPLE": multiple, "BLOCK_GROUPS": max(next_power_of_2(groups), 16),
          "BLOCK_ROWS": _BLOCK_ROWS, "BLOCK_COLUMNS": _BLOCK_COLUMNS, "SCALE_KIND": int(power_2_scales),
@@ -141,7 +150,7 @@ def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index
          # The interpreter's own FP8 conversion is not the GPU's: round in software there.
          "SOFTWARE_ROUNDING": bool(knobs.runtime.interpret), "TENSOR_SCALE": tensor_scale is not None,
          # The dots' tile of the other rows beside the rows': 4 warps spill where the columns do not divide by 8.
-         "ROW_WEIGHTS": weighted, "DOTS": dotted, "EXPERT_MAJOR": expert_major,
+         "ROW_WEIGHTS": weighted, "DOTS": dotted, "EXPERT_MAJOR": expert_major, "ROW_SCALES": row_scales is not None,
          "num_warps": 2 * _NUM_WARPS if dotted else _NUM_WARPS})
     return launch, x_t_fp8, rows_fp8, table, dots
 
@@ -397,16 +406,18 @@ def _(x_hp, scale, offsets, multiple, gather_index=None):
     return quantize_rows_placed_triton(x_hp, scale, offsets, multiple, gather_index)
 
 
-def _weighted_checked(x_hp, row_weights, other_hp, scale, offsets, gather_index) -> None:
-    _checked(x_hp, offsets, gather_index, scale, weighted=True)
+def _weighted_checked(x_hp, row_weights, other_hp, scale, offsets, gather_index,
+                      name: str = "quantize_weighted_rows_placed") -> None:
+    """The operands of ``name``, one of the two ops that cast weighted rows (``scale`` a tensor's, or None)."""
+    _checked(x_hp, offsets, gather_index, scale, weighted=True, name=name)
     rows = x_hp.shape[0] if gather_index is None else gather_index.shape[0]
     if row_weights.shape != (rows,) or not row_weights.dtype.is_floating_point or row_weights.device != x_hp.device:
-        raise ValueError(f"quantize_weighted_rows_placed takes one floating-point weight a row ({rows}) on "
+        raise ValueError(f"{name} takes one floating-point weight a row ({rows}) on "
                          f"{x_hp.device}, got {row_weights.dtype} of shape {tuple(row_weights.shape)} on "
                          f"{row_weights.device}")
     if other_hp is not None and (other_hp.shape != (rows, x_hp.shape[1]) or not other_hp.dtype.is_floating_point
                                  or other_hp.device != x_hp.device):
-        raise ValueError(f"quantize_weighted_rows_placed's other rows are ({rows}, {x_hp.shape[1]}) on {x_hp.device}, "
+        raise ValueError(f"{name}'s other rows are ({rows}, {x_hp.shape[1]}) on {x_hp.device}, "
                          f"got {other_hp.dtype} of shape {tuple(other_hp.shape)} on {other_hp.device}")
 
 
@@ -478,3 +489,81 @@ def _(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index=None):
     if not triton_available():
         return _weighted_reference(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index)
     return quantize_weighted_rows_placed_triton(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index)
+
+
+def _weighted_rowwise_checked(x_hp, row_weights, other_hp, row_scale, offsets, gather_index) -> None:
+    name = "quantize_weighted_rows_rowwise"
+    _weighted_checked(x_hp, row_weights, other_hp, None, offsets, gather_index, name)
+    rows = row_weights.shape[0]
+    if row_scale.shape != (rows,) or row_scale.dtype != torch.float32 or row_scale.device != x_hp.device:
+        raise ValueError(f"{name}'s row_scale is one float32 scale a row ({rows}) on {x_hp.device}, got "
+                         f"{row_scale.dtype} of shape {tuple(row_scale.shape)} on {row_scale.device}")
+
+
+def plan_quantize_weighted_rows_rowwise(x_hp: torch.Tensor, row_weights: torch.Tensor, other_hp: torch.Tensor | None,
+                                        row_scale: torch.Tensor, offsets: torch.Tensor, multiple: int,
+                                        power_2_scales: bool, gather_index: torch.Tensor | None = None):
+    """The launch that writes ``fp8graph::quantize_weighted_rows_rowwise``'s outputs, and ``(rows_fp8, x_t_fp8,
+    scale (E, C), dot_partials (B, S) or None)``: the op's dots are the partials' sums over the blocks."""
+    _weighted_rowwise_checked(x_hp, row_weights, other_hp, row_scale, offsets, gather_index)
+    launch, x_t_fp8, rows_fp8, scale, dots = _plan(x_hp, offsets, multiple, gather_index, None, power_2_scales,
+                                                   row_weights, other_hp, row_scales=row_scale)
+    return launch, rows_fp8, x_t_fp8, scale, dots
+
+
+def quantize_weighted_rows_rowwise_triton(x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales,
+                                          gather_index=None):
+    """Run the Triton kernel (the op's outputs)."""
+    launch, rows_fp8, x_t_fp8, scale, dots = plan_quantize_weighted_rows_rowwise(
+        x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales, gather_index)
+    if x_t_fp8.shape[0]:  # with columns the scales are written even where no row is
+        launch()
+    return rows_fp8, x_t_fp8, scale, dots.sum(dim=0) if dots is not None else x_hp.new_empty((0,), dtype=torch.float32)
+
+
+def _weighted_rowwise_reference(x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales,
+                                gather_index):
+    _weighted_rowwise_checked(x_hp, row_weights, other_hp, row_scale, offsets, gather_index)
+    rows, dots = weighted_rows_reference(x_hp, row_weights, other_hp, gather_index)
+    x_fp8, scale = quantize_group_columns(rows, offsets, _FP8, power_2_scales)
+    sources, _ = padded_group_sources(offsets, rows.shape[0], multiple)
+    return quantize(rows, row_scale[:, None], _FP8), transpose_fp8(x_fp8, sources), scale, dots
+
+
+@torch.library.custom_op("fp8graph::quantize_weighted_rows_rowwise", mutates_args=())
+def quantize_weighted_rows_rowwise(x_hp: torch.Tensor, row_weights: torch.Tensor, other_hp: torch.Tensor | None,
+                                   row_scale: torch.Tensor, offsets: torch.Tensor, multiple: int, power_2_scales: bool,
+                                   gather_index: torch.Tensor | None = None
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows ``x_hp[gather_index]`` (S, C) (``x_hp`` without an index), each multiplied by its ``row_weights``
+    (S,) in fp32, cast to E4M3 twice, as row-wise scaling's two GEMMs read them: each row with its own
+    ``row_scale`` (S,), stored as rows (grad_input's GEMM reduces along C), and with one scale per group and column
+    laid out as :func:`quantize_group_columns_placed` lays out its cast (grad_weight's reduces over each group's
+    rows); and each gathered row's dot product with the same row of ``other_hp`` (S, C), before the weight, in
+    fp32. Returns ``(rows_fp8 (S, C), x_t_fp8 (C, P), scale (E, C), dots (S,))``; without ``other_hp`` ``dots`` is
+    empty and ``other_hp`` is not read. A row's scale needs all of its columns, which no program of the kernel
+    sees: the caller makes it (the experts' combine: from each token's gradient amax and the row's weight,
+    ``fp8graph.targets.grouped``). ``gather_index`` must hold row indices of ``x_hp``: unchecked, as a check
+    would wait for the device."""
+    return _weighted_rowwise_reference(x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales,
+                                       gather_index)
+
+
+@quantize_weighted_rows_rowwise.register_fake
+def _(x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales, gather_index=None):
+    _weighted_rowwise_checked(x_hp, row_weights, other_hp, row_scale, offsets, gather_index)
+    rows = row_weights.shape[0]
+    padded_rows = padded_group_bound(rows, offsets.shape[0], multiple)
+    return (x_hp.new_empty((rows, x_hp.shape[1]), dtype=_FP8),
+            x_hp.new_empty((x_hp.shape[1], padded_rows), dtype=_FP8),
+            x_hp.new_empty((offsets.shape[0], x_hp.shape[1]), dtype=torch.float32),
+            x_hp.new_empty((rows if other_hp is not None else 0,), dtype=torch.float32))
+
+
+@quantize_weighted_rows_rowwise.register_kernel("cuda")
+def _(x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales, gather_index=None):
+    if not triton_available():
+        return _weighted_rowwise_reference(x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales,
+                                           gather_index)
+    return quantize_weighted_rows_rowwise_triton(x_hp, row_weights, other_hp, row_scale, offsets, multiple,
+                                                 power_2_scales, gather_index)

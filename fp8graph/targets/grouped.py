@@ -57,8 +57,8 @@ from fp8graph.targets.grouped_blocks import GroupedBlocks
 from fp8graph.targets.linear_tensorwise import record_health, record_states, target_name
 from fp8graph.targets.partitioning import keep_for_backward, read_in_backward, saved_not_recomputed
 
-__all__ = ["ExpertWeightCopy", "GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "fuses_neighbours",
-           "grouped_fp8_target", "health_scales"]
+__all__ = ["ExpertWeightCopy", "GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "fuses_combine",
+           "fuses_swiglu", "grouped_fp8_target", "health_scales"]
 
 _FP8 = torch.float8_e4m3fn
 
@@ -70,8 +70,8 @@ class GroupedSpec:
     recipe: Recipe
     lowering: Lowering
     update: bool = True  # delayed scaling: False in graphs without gradients, which read the stored scales
-    swiglu: bool = False  # the call returns silu(gate) * up of its output's halves (fuses_neighbours)
-    combine_top_k: int = 0  # else the call returns its output's combine, top_k rows a token (fuses_neighbours)
+    swiglu: bool = False  # the call returns silu(gate) * up of its output's halves (fuses_swiglu)
+    combine_top_k: int = 0  # else the call returns its output's combine, top_k rows a token (fuses_combine)
 
     @property
     def delayed(self) -> bool:
@@ -259,16 +259,25 @@ def _cast_grad_output_delayed(grad_output_hp, state, spec: GroupedSpec):
     return grad_output_fp8, new_scale[0], new_scale.reciprocal().expand(grad_output_hp.shape[0])
 
 
-def fuses_neighbours(recipe: Recipe, lowering: Lowering) -> bool:
-    """Whether an expert site takes the ops next to it into its call, so that its backward casts its grad_output in
-    the kernel that computes it and lays it out for grad_weight there: SwiGLU where it alone reads the output
-    (``silu(gate) * up`` of its halves, ``passes.expert_sites.read_swiglu``: :func:`_cast_swiglu_backward`), the
-    experts' combine where it alone reads it (each row times its routing weight, the tokens' order restored, each
-    token's top_k rows summed, ``passes.expert_sites.read_combine``: :func:`_cast_combine_backward`). The
-    per-tensor recipes on the native path. Elsewhere autograd's ops stay in the graph as they were (row-wise's cast
-    per group and column, MXFP8's blocks and the emulation read the gradient in high precision anyway)."""
+def fuses_swiglu(recipe: Recipe, lowering: Lowering) -> bool:
+    """Whether an expert site takes the SwiGLU that alone reads its output (``silu(gate) * up`` of its halves,
+    ``passes.expert_sites.read_swiglu``) into its call, so that its backward computes SwiGLU's gradient, casts it as
+    its grad_output and lays it out for grad_weight in one kernel (:func:`_cast_swiglu_backward`): the per-tensor
+    recipes on the native path. Elsewhere autograd's SwiGLU stays in the graph as it was (row-wise's casts per row
+    and per group and column of that gradient are not in that kernel; MXFP8's blocks and the emulation read the
+    gradient in high precision anyway)."""
     return (recipe.granularity in NATIVE_GROUPED_GRANULARITIES and not recipe.tiled
             and lowering is Lowering.SCALED_MM)
+
+
+def fuses_combine(recipe: Recipe, lowering: Lowering) -> bool:
+    """Whether an expert site takes the experts' combine that alone reads its output (each row times its routing
+    weight, the tokens' order restored, each token's top_k rows summed, ``passes.expert_sites.read_combine``) into
+    its call, so that its backward gathers the combine's gradient, weighs it, casts it for both of its GEMMs and
+    lays it out for grad_weight in one kernel (:func:`_cast_combine_backward`): the per-tensor and row-wise recipes
+    on the native path. Elsewhere autograd's ops stay in the graph as they were (MXFP8's blocks and the emulation
+    read the gradient in high precision anyway)."""
+    return recipe.granularity in NATIVE_GROUPED_GRANULARITIES and lowering is Lowering.SCALED_MM
 
 
 def _swiglu(gate_up_hp: torch.Tensor) -> torch.Tensor:
@@ -291,29 +300,44 @@ def _combine(rows_hp: torch.Tensor, row_weights: torch.Tensor, permutation: torc
 def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, rows_hp: torch.Tensor | None,
                            token_of_row: torch.Tensor, offsets: torch.Tensor, state, spec: GroupedSpec):
     """Through :func:`_combine`, given its gradient ``grad_hp`` (T, N): this GEMM's grad_output
-    ``grad_hp[token_of_row] * row_weights`` (S, N) cast per tensor, ``(grad_output_fp8 (S, N), scale, inverse (S,),
-    placed (N, S'), grad_row_weights (S, 1) or None)``, ``placed`` laid out for grad_weight, and the routing
-    weights' gradient, each gathered row's dot product with the GEMM's output ``rows_hp`` (S, N), which the forward
-    kept only where the routing weights need a gradient (else None, and no gradient). One kernel
-    gathers, weighs, casts and writes both layouts (and the dots) (``fp8graph::quantize_weighted_rows_placed``);
-    current scaling's amax is each token's gradient row's amax times each of its rows' routing weight, the weighted
-    rows' amax in fp32 without reading them (exact: a product of two BF16 values is; but where such a product
-    overflows fp32, a weight above 1 on a gradient near fp32's largest value, that row counts as 0 here where the
-    kernel keeps its finite products); delayed scaling's scale comes from its grad history, which records the
-    amaxes the kernel returns. The weighted gradient is never stored in BF16."""
+    ``grad_hp[token_of_row] * row_weights`` (S, N) cast for both of its GEMMs, ``(grad_output_fp8 (S, N), scale,
+    inverse (S,), placed (N, S'), placed_inverse (E, N), grad_row_weights (S, 1) or None)``: the rows grad_input's
+    GEMM reads, ``placed`` laid out for grad_weight's with its inverse scales, and the routing weights' gradient,
+    each gathered row's dot product with the GEMM's output ``rows_hp`` (S, N), which the forward kept only where
+    the routing weights need a gradient (else None, and no gradient). One kernel gathers, weighs, casts and writes
+    both layouts (and the dots): per tensor ``fp8graph::quantize_weighted_rows_placed``, one scale for both;
+    row-wise ``fp8graph::quantize_weighted_rows_rowwise``, the rows each with its own scale and the layout per
+    group and column (the kernel's first read of the rows takes those amaxes). A weighted row's amax is its
+    token's gradient amax times its routing weight, in fp32, without reading the weighted rows (exact: rounding is
+    monotone, so the largest rounded product is the rounded largest; but where such a product overflows fp32, a
+    weight above 1 on a gradient near fp32's largest value, that row counts as 0 here where the kernel keeps its
+    finite products): row-wise's row scales, and current scaling's tensor amax their max; delayed scaling's scale
+    comes from its grad history, which records the amaxes the kernel returns. The weighted gradient is never
+    stored in high precision."""
     weights = row_weights.reshape(-1)
-    if spec.delayed:
-        new_scale = _grad_scale_delayed(state, spec, grad_hp)
-        scale = new_scale[0]
-    else:
+    columns = grad_hp.shape[1]
+    if spec.per_row or not spec.delayed:
         token_amax = finite_magnitude(grad_hp.detach()).amax(dim=1)  # (T,)
-        scale = _scale(finite_magnitude(token_amax[token_of_row] * weights.detach().to(torch.float32)).amax(), spec)
-    grad_fp8, placed, amaxes, dots = torch.ops.fp8graph.quantize_weighted_rows_placed(
-        grad_hp, weights, rows_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, token_of_row)
-    if spec.delayed:
-        _record_grad_amaxes(state, spec, amaxes.reshape(-1), new_scale)
+        row_amax = finite_magnitude(token_amax[token_of_row] * weights.detach().to(torch.float32))  # (S,)
+    if spec.per_row:
+        scale = _scale(row_amax, spec)
+        grad_fp8, placed, placed_scale, dots = torch.ops.fp8graph.quantize_weighted_rows_rowwise(
+            grad_hp, weights, rows_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, spec.power_2, token_of_row)
+        inverse, placed_inverse = scale.reciprocal(), placed_scale.reciprocal()
+    else:
+        if spec.delayed:
+            new_scale = _grad_scale_delayed(state, spec, grad_hp)
+            scale = new_scale[0]
+        else:
+            scale = _scale(row_amax.amax(), spec)
+        grad_fp8, placed, amaxes, dots = torch.ops.fp8graph.quantize_weighted_rows_placed(
+            grad_hp, weights, rows_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, token_of_row)
+        if spec.delayed:
+            _record_grad_amaxes(state, spec, amaxes.reshape(-1), new_scale)
+        inverse = scale.reciprocal().expand(grad_fp8.shape[0])
+        placed_inverse = inverse[:1].expand(offsets.shape[0], columns)
     grad_row_weights = dots.to(row_weights.dtype).reshape(row_weights.shape) if rows_hp is not None else None
-    return grad_fp8, scale, scale.reciprocal().expand(grad_fp8.shape[0]), placed, grad_row_weights
+    return grad_fp8, scale, inverse, placed, placed_inverse, grad_row_weights
 
 
 def _cast_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, offsets: torch.Tensor, state,
@@ -582,6 +606,7 @@ class _GroupedFP8(torch.autograd.Function):
         experts = offsets.shape[0]
         with torch.autocast(grad_output_hp.device.type, enabled=False):
             grad_output_placed = None  # grad_weight's layout, where the kernel that casts writes it
+            grad_output_g_inverse = None  # its inverse scales (E, N), where that kernel casts it for grad_weight
             if spec.swiglu:  # grad_output_hp is h's: the GEMM's grad_output is gate_up's, through SwiGLU
                 grad_output_fp8, grad_output_scale, grad_output_inverse, grad_output_placed = _cast_swiglu_backward(
                     kept_output, grad_output_hp, offsets, ctx.state, spec)
@@ -589,9 +614,9 @@ class _GroupedFP8(torch.autograd.Function):
                     grad_output_hp = swiglu_backward_reference(kept_output, grad_output_hp).to(kept_output.dtype)
             elif spec.combine_top_k:  # grad_output_hp is the combine's (T, N): the GEMM's, through it
                 token_of_row = permutation // spec.combine_top_k
-                grad_output_fp8, grad_output_scale, grad_output_inverse, grad_output_placed, grad_row_weights = \
-                    _cast_combine_backward(grad_output_hp, row_weights, kept_output, token_of_row, offsets,
-                                           ctx.state, spec)
+                (grad_output_fp8, grad_output_scale, grad_output_inverse, grad_output_placed, grad_output_g_inverse,
+                 grad_row_weights) = _cast_combine_backward(grad_output_hp, row_weights, kept_output, token_of_row,
+                                                            offsets, ctx.state, spec)
                 if ctx.stats is not None:  # the gradient in BF16 for its health record: stats cost its bytes
                     grad_output_hp = grad_output_hp[token_of_row] * row_weights
             else:
@@ -619,7 +644,9 @@ class _GroupedFP8(torch.autograd.Function):
                     grad_input = torch.index_put(grad_input.new_zeros((ctx.source_rows, grad_input.shape[1])),
                                                  (gather_index,), grad_input, accumulate=True)
             if needs_grad_weight:
-                if spec.per_row:
+                if grad_output_g_inverse is not None:  # cast for grad_weight and laid out by the combine's kernel
+                    grad_output_g_placed = grad_output_placed
+                elif spec.per_row:
                     grad_output_g_placed, grad_output_g_scale = group_columns_for_grad_weight(
                         grad_output_hp, offsets, spec.lowering, spec.power_2)
                     grad_output_g_inverse = grad_output_g_scale.reciprocal()  # (E, N)
@@ -668,13 +695,16 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     ``cached_weight``, ``cached_weight_scale`` and ``cached_weight_t`` are the weight's FP8 copy, its (E, 1)
     scales and the copy of its transpose (``fp8graph.buffers.weight_cache``), written or read in place of
     casting the weight; row-wise adds ``cached_weight_t_scale`` (:class:`ExpertWeightCopy`). With ``swiglu``
-    (where :func:`fuses_neighbours` says so) it returns ``silu(gate) * up`` of the output's halves (S, N / 2); with
-    ``combine_top_k`` (where it says so) the experts' combine of the output (S / top_k, N), given ``row_weights``
-    (S, 1), each row's routing weight, and ``permutation`` (S,), the sort that ordered the rows by expert
-    (:func:`_combine`)."""
-    if (swiglu or combine_top_k) and not fuses_neighbours(recipe, lowering):
-        raise ValueError(f"{recipe.name} on the {lowering.value} path leaves the ops next to an expert GEMM to "
-                         "autograd (fuses_neighbours)")
+    (where :func:`fuses_swiglu` says so) it returns ``silu(gate) * up`` of the output's halves (S, N / 2); with
+    ``combine_top_k`` (where :func:`fuses_combine` says so) the experts' combine of the output (S / top_k, N),
+    given ``row_weights`` (S, 1), each row's routing weight, and ``permutation`` (S,), the sort that ordered the
+    rows by expert (:func:`_combine`)."""
+    if swiglu and not fuses_swiglu(recipe, lowering):
+        raise ValueError(f"{recipe.name} on the {lowering.value} path leaves the SwiGLU after an expert GEMM to "
+                         "autograd (fuses_swiglu)")
+    if combine_top_k and not fuses_combine(recipe, lowering):
+        raise ValueError(f"{recipe.name} on the {lowering.value} path leaves the experts' combine after an expert "
+                         "GEMM to autograd (fuses_combine)")
     if swiglu and combine_top_k:
         raise ValueError("an expert GEMM's output is read by SwiGLU or by the experts' combine, not both")
 

@@ -221,15 +221,21 @@ def test_grad_weight_s_operands_are_laid_out_by_one_pass_each(steps):
     assert weighted["written"] == S * hidden + padded_rows * hidden + (experts + 1) * -(-hidden // 64) * 4 + S * 4
     placed = [r for r in steps["rowwise"]["rows"] if r["kind"] == "extern"]
     assert [r for r in placed if "transpose_fp8" in r["name"]] == []
+    # fp8graph::quantize_weighted_rows_rowwise: the combine's gradient as quantize_weighted_rows_placed reads it,
+    # with a scale a row (S,) for the one scale; the FP8 rows, their placed copy cast per group and column, its
+    # scales (E, hidden) and each row's dot written.
+    [weighted] = [r for r in placed if "quantize_weighted_rows_rowwise" in r["name"]]
+    assert weighted["read"] == S * hidden * 2 + S * 8 + S * 2 + S * hidden * 2 + S * 4 + experts * 4
+    assert weighted["written"] == S * hidden + (padded_rows + experts * 4) * hidden + S * 4
     placed = [r for r in placed if "quantize_group_columns_placed" in r["name"]]
-    # Each BF16 operand and the offsets: the grad_outputs (S, hidden) and (S, 2 width), down's input (S, width),
-    # gate_up's input its S rows gathered from the TOKENS source rows (bench.costmodel.costs.GATHERING_OPS) and the
-    # gather's index (S,).
+    # Each BF16 operand and the offsets: gate_up's grad_output (S, 2 width), down's input (S, width), gate_up's
+    # input its S rows gathered from the TOKENS source rows (bench.costmodel.costs.GATHERING_OPS) and the gather's
+    # index (S,).
     offsets = experts * 4
     assert sorted(r["read"] for r in placed) == sorted(
-        [S * hidden * 2 + offsets, S * 2 * width * 2 + offsets, S * width * 2 + offsets,
-         S * hidden * 2 + S * 8 + offsets]), [r["detail"] for r in placed]
-    assert sorted(r["written"] for r in placed) == sorted((padded_rows + experts * 4) * w for w in operand_widths)
+        [S * 2 * width * 2 + offsets, S * width * 2 + offsets, S * hidden * 2 + S * 8 + offsets]), \
+        [r["detail"] for r in placed]
+    assert sorted(r["written"] for r in placed) == sorted((padded_rows + experts * 4) * w for w in operand_widths[1:])
     for contestant in ("rowwise", "current"):
         rows = steps[contestant]["rows"]
         triton = [r for r in rows if r["kind"] == "triton"]
@@ -461,6 +467,24 @@ def test_swiglus_gradient_is_computed_and_cast_by_one_kernel_where_the_recipe_is
     else:
         assert derivative == [] and ops == (["swiglu_backward_amax", "swiglu_backward_placed"]
                                             if contestant == "current" else ["swiglu_backward_placed"]), ops
+
+
+def test_rowwise_casts_the_combines_gradient_for_both_down_projection_gemms_in_one_kernel(steps):
+    """Row-wise's backward gathers the combine's gradient, weighs it and casts it per row (grad_input's operand)
+    and per group and column, laid out (grad_weight's), in one kernel (``fp8graph::quantize_weighted_rows_rowwise``)
+    that reads the (TOKENS, hidden) gradient through the index: no Triton kernel of the backward stores the
+    weighted (S, hidden) gradient, in BF16 or FP8, and ``quantize_group_columns_placed`` casts only gate_up's
+    gradient (S, 2 width) there."""
+    backward = [r for r in steps["rowwise"]["rows"] if r["graph"].endswith("backward")]
+    hidden, width = TINY["hidden"], TINY["expert_width"]
+    combine = [r["detail"] for r in backward if "fp8graph.quantize_weighted_rows_rowwise." in r["name"]]
+    assert len(combine) == 1 and combine[0].startswith(f"{TOKENS}x{hidden}:bfloat16"), combine
+    group_columns = [r["detail"] for r in backward if "fp8graph.quantize_group_columns_placed." in r["name"]]
+    assert len(group_columns) == 1 and group_columns[0].startswith(f"{S}x{2 * width}:bfloat16"), group_columns
+    # (The gather's backward zeroes and scatter-adds grad_input into (TOKENS, hidden) fp32: S hidden 2 bytes too.)
+    stored = [r["name"] for r in backward if r["kind"] == "triton" and r["written"] in (S * hidden, S * hidden * 2)
+              and "index_put" not in r["name"] and not ("new_zeros" in r["name"] and r["read"] == 0)]
+    assert stored == [], stored
 
 
 def test_the_swiglu_between_the_expert_gemms_lives_only_in_the_cast_kernels(steps):

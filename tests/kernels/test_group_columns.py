@@ -1,6 +1,8 @@
-"""``fp8graph::quantize_group_columns_placed``, ``fp8graph::quantize_rows_placed`` and
-``fp8graph::quantize_weighted_rows_placed``: a grouped GEMM's weight-gradient operand cast (per group and column, or
-per tensor with its rows written too, each row weighted or not) and laid out for the GEMM by one kernel.
+"""``fp8graph::quantize_group_columns_placed``, ``fp8graph::quantize_rows_placed``,
+``fp8graph::quantize_weighted_rows_placed`` and ``fp8graph::quantize_weighted_rows_rowwise``: a grouped GEMM's
+weight-gradient operand cast (per group and column, or per tensor with its rows written too, each row weighted or
+not; weighted and per group and column with its rows written too, each with its own scale) and laid out for the GEMM
+by one kernel.
 
 The Triton kernel is checked byte for byte against the op's reference by Triton's interpreter (a fresh process,
 ``TRITON_INTERPRET=1``), compiled for sm_90 and sm_100 in ``tests/kernels/test_kernels_compile.py``, and run on a
@@ -12,8 +14,8 @@ import torch
 
 from fp8graph.kernels.group_columns import (quantize_expert_columns, quantize_expert_columns_into_,
                                             quantize_group_columns_placed, quantize_rows_placed,
-                                            quantize_weighted_rows_placed, takes_expert_destinations,
-                                            takes_expert_weight)
+                                            quantize_weighted_rows_placed, quantize_weighted_rows_rowwise,
+                                            takes_expert_destinations, takes_expert_weight)
 from fp8graph.kernels.quantize_tiles import triton_available
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.numerics.groups import padded_group_bound, padded_group_sources, quantize_group_columns, row_groups
@@ -26,7 +28,7 @@ OFFSETS = torch.tensor([5, 5, 30, 40], dtype=torch.int32)  # an empty group; row
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 @pytest.mark.triton_interpreter
 def test_the_triton_kernel_equals_the_reference_under_the_interpreter():
-    assert cases_checked_under_triton_interpreter("check_group_columns.py") == 72
+    assert cases_checked_under_triton_interpreter("check_group_columns.py") == 92
 
 
 def test_the_op_is_the_group_column_cast_placed_and_traces_with_its_fake():
@@ -211,3 +213,54 @@ def test_bad_operands_of_the_weighted_op_are_refused_with_what_it_takes():
         quantize_weighted_rows_placed(x_hp, torch.ones(44), torch.ones(44, 15), torch.tensor(1.0), OFFSETS, 16, index)
     with pytest.raises(ValueError, match="quantize_weighted_rows_placed's scale is one float32 value"):
         quantize_weighted_rows_placed(x_hp, torch.ones(44), None, torch.ones(2), OFFSETS, 16, index)
+
+
+def test_the_rowwise_weighted_op_casts_each_weighted_row_with_its_scale_and_lays_out_its_group_column_cast():
+    """Row-wise's combine backward: ``g[token_of_row] * w`` in fp32, cast twice, each row with its given scale
+    (grad_input's operand) and per group and column (grad_weight's, laid out as ``quantize_group_columns_placed``
+    lays out a cast; its scales of the weighted rows, not of ``g``'s), and each gathered row's dot product with
+    ``other`` before the weight. Without ``other`` the same casts and no dots."""
+    torch.manual_seed(0)
+    grad_hp = torch.randn(30, 100, dtype=torch.bfloat16) * 10
+    grad_hp[3, 70] = float("nan")
+    token_of_row = torch.randint(0, 30, (44,))
+    row_weights = torch.rand(44, dtype=torch.bfloat16) * 4
+    row_weights[0] = 0.0
+    other_hp = torch.randn(44, 100, dtype=torch.bfloat16)
+    row_scale = torch.rand(44) * 10
+    rows_fp8, x_t_fp8, scale, dots = quantize_weighted_rows_rowwise(grad_hp, row_weights, other_hp, row_scale,
+                                                                    OFFSETS, 16, True, token_of_row)
+    gathered = grad_hp[token_of_row].float()
+    weighted = gathered * row_weights.float()[:, None]
+    assert torch.equal(rows_fp8.view(torch.uint8),
+                       quantize(weighted, row_scale[:, None], torch.float8_e4m3fn).view(torch.uint8))
+    weighted_fp8, expected_scale = quantize_group_columns(weighted, OFFSETS, torch.float8_e4m3fn, True)
+    assert torch.equal(scale, expected_scale) and scale.shape == (4, 100)
+    # The scales are the weighted rows': not those of the rows before the weights.
+    assert not torch.equal(scale, quantize_group_columns(gathered, OFFSETS, torch.float8_e4m3fn, True)[1])
+    sources, _ = padded_group_sources(OFFSETS, 44, 16)
+    assert torch.equal(x_t_fp8.view(torch.uint8), transpose_fp8(weighted_fp8, sources).view(torch.uint8))
+    assert torch.equal(dots, (gathered * other_hp.float()).sum(1))
+    no_dots = quantize_weighted_rows_rowwise(grad_hp, row_weights, None, row_scale, OFFSETS, 16, True, token_of_row)
+    assert no_dots[3].shape == (0,) and torch.equal(no_dots[1].view(torch.uint8), x_t_fp8.view(torch.uint8))
+    finite_hp = grad_hp.nan_to_num()
+    for other in (other_hp, None):
+        torch.library.opcheck(torch.ops.fp8graph.quantize_weighted_rows_rowwise,
+                              (finite_hp, row_weights, other, row_scale, OFFSETS, 16, False, token_of_row),
+                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_bad_operands_of_the_rowwise_weighted_op_are_refused_with_what_it_takes():
+    x_hp, index = torch.randn(8, 16), torch.zeros(44, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"quantize_weighted_rows_rowwise takes one floating-point weight a row"):
+        quantize_weighted_rows_rowwise(x_hp, torch.ones(8), None, torch.ones(44), OFFSETS, 16, False, index)
+    with pytest.raises(ValueError, match=r"quantize_weighted_rows_rowwise's other rows are \(44, 16\) on cpu"):
+        quantize_weighted_rows_rowwise(x_hp, torch.ones(44), torch.ones(44, 15), torch.ones(44), OFFSETS, 16, False,
+                                       index)
+    with pytest.raises(ValueError, match=r"row_scale is one float32 scale a row \(44\) on cpu"):
+        quantize_weighted_rows_rowwise(x_hp, torch.ones(44), None, torch.ones(44, dtype=torch.float64), OFFSETS, 16,
+                                       False, index)
+    with pytest.raises(ValueError, match=r"row_scale is one float32 scale a row \(44\) on cpu"):
+        quantize_weighted_rows_rowwise(x_hp, torch.ones(44), None, torch.ones(43), OFFSETS, 16, False, index)
+    with pytest.raises(ValueError, match="quantize_weighted_rows_rowwise casts a 2-D high-precision tensor"):
+        quantize_weighted_rows_rowwise(x_hp[0], torch.ones(44), None, torch.ones(44), OFFSETS, 16, False, index)

@@ -174,10 +174,13 @@ def test_the_gathered_expert_gemv_compiles_to_a_cubin_reading_fp8_as_vectors(row
                          [("group columns", 262144, 2048, 128, True), ("group columns", 262144, 768, 128, False),
                           ("group columns", 200, 100, 3, False), ("rows", 262144, 2048, 128, True),
                           ("rows", 200, 100, 3, True), ("weighted rows", 262144, 2048, 128, True),
-                          ("weighted rows", 200, 100, 3, True), ("expert columns", 128 * 1536, 2048, 128, False),
+                          ("weighted rows", 200, 100, 3, True), ("weighted rows rowwise", 262144, 2048, 128, True),
+                          ("weighted rows rowwise", 200, 100, 3, True),
+                          ("expert columns", 128 * 1536, 2048, 128, False),
                           ("expert columns", 128 * 2048, 768, 128, False), ("expert columns", 300, 70, 3, False)],
                          ids=["qwen3-input-gathered", "qwen3-grad-output", "ragged", "per-tensor-qwen3-input",
                               "per-tensor-ragged", "combine-backward-qwen3", "combine-backward-ragged",
+                              "rowwise-combine-backward-qwen3", "rowwise-combine-backward-ragged",
                               "qwen3-gate-up-weight", "qwen3-down-weight", "weight-ragged"])
 def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_bytes_as_vectors(
         op, rows, columns, experts, gather, capability):
@@ -185,14 +188,17 @@ def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_byt
     ``fp8graph::quantize_group_columns_placed`` (row-wise's operands, cast per group and column) and as
     ``fp8graph::quantize_rows_placed`` (a per-tensor recipe's gathered input, also written as rows for the forward
     GEMM), as ``fp8graph::quantize_weighted_rows_placed`` (the combine's gradient, gathered, weighted and cast
-    for the down projection, with each row's dot product with the GEMM's output), and as
+    for the down projection, with each row's dot product with the GEMM's output), as
+    ``fp8graph::quantize_weighted_rows_rowwise`` (the same gradient cast for row-wise: each row with its own scale,
+    stored as rows, and per group and column, laid out), and as
     ``fp8graph::quantize_expert_columns`` (row-wise's expert weights (E, N, K) cast along N, each expert's rows a
     group, stored (E, K, N) for grad_input's GEMM). A cubin without spills that
     reads BF16 rows (and the other rows) as 16-byte vectors when the columns divide by 8, converts in hardware
     (saturating, round to nearest even) and stores the transposed bytes (and the rows) as vectors. Not proven here:
     its speed (``bench moe`` on a GPU)."""
     from fp8graph.kernels.group_columns import (plan_quantize_expert_columns, plan_quantize_group_columns_placed,
-                                                plan_quantize_rows_placed, plan_quantize_weighted_rows_placed)
+                                                plan_quantize_rows_placed, plan_quantize_weighted_rows_placed,
+                                                plan_quantize_weighted_rows_rowwise)
 
     source = torch.empty(rows // 8 if gather else rows, columns, dtype=torch.bfloat16)
     index = torch.empty(rows, dtype=torch.int64) if gather else None
@@ -204,6 +210,10 @@ def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_byt
         launch, *_ = plan_quantize_weighted_rows_placed(
             source, torch.empty(rows, dtype=torch.bfloat16), torch.empty(rows, columns, dtype=torch.bfloat16), scale,
             offsets, 16, index)
+    elif op == "weighted rows rowwise":
+        launch, *_ = plan_quantize_weighted_rows_rowwise(
+            source, torch.empty(rows, dtype=torch.bfloat16), torch.empty(rows, columns, dtype=torch.bfloat16),
+            torch.empty(rows, dtype=torch.float32), offsets, 16, False, index)
     elif op == "expert columns":
         launch, weight_t_fp8, scale = plan_quantize_expert_columns(source.view(experts, rows // experts, columns),
                                                                    False)
@@ -211,9 +221,10 @@ def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_byt
     else:
         launch, *_ = plan_quantize_group_columns_placed(source, offsets, 16, True, index)
     assert launch.constexprs["SOFTWARE_ROUNDING"] is False  # what a GPU runs
-    assert launch.constexprs["TENSOR_SCALE"] is (op not in ("group columns", "expert columns"))
+    assert launch.constexprs["TENSOR_SCALE"] is (op in ("rows", "weighted rows"))
     assert launch.constexprs["EXPERT_MAJOR"] is (op == "expert columns")
-    assert launch.constexprs["ROW_WEIGHTS"] is launch.constexprs["DOTS"] is (op == "weighted rows")
+    assert launch.constexprs["ROW_WEIGHTS"] is launch.constexprs["DOTS"] is op.startswith("weighted rows")
+    assert launch.constexprs["ROW_SCALES"] is (op == "weighted rows rowwise")
     compiled = compile_launch(launch, capability)
     usage = resource_usage(compiled)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
@@ -223,8 +234,8 @@ def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_byt
         assert "ld.global.v4.b32" in ptx, "rows are not read as 16-byte vectors"
         stores = ptx.count("st.global.v4.b32") + ptx.count("st.global.v2.b32")
         assert stores >= (1 if op in ("group columns", "expert columns") else 2), \
-            "the bytes are not stored as vectors (both layouts, per tensor)"
-        if op == "weighted rows":
+            "the bytes are not stored as vectors (both layouts, where the rows are stored too)"
+        if op.startswith("weighted rows"):
             assert ptx.count("ld.global.v4.b32") >= 2, "the other rows are not read as 16-byte vectors"
 
 

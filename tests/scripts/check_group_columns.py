@@ -1,9 +1,10 @@
 """Run by tests/kernels/test_group_columns.py under TRITON_INTERPRET=1: the kernel of
 ``fp8graph::quantize_group_columns_placed``, ``fp8graph::quantize_rows_placed``,
-``fp8graph::quantize_weighted_rows_placed`` and ``fp8graph::quantize_expert_columns`` against the ops' references
-(the per-group-and-column cast, or the per-tensor one of the rows or of the weighted rows, then the padded
-transpose; an expert weight's cast along N, transposed), byte for byte and scale (or amax) for scale, the weighted
-op's dot products to fp32's summation order: groups of every size (empty, one row, ragged, a block and more), rows
+``fp8graph::quantize_weighted_rows_placed``, ``fp8graph::quantize_weighted_rows_rowwise`` and
+``fp8graph::quantize_expert_columns`` against the ops' references (the per-group-and-column cast, or the per-tensor
+one of the rows or of the weighted rows, then the padded transpose; the weighted rows cast per row and per group and
+column; an expert weight's cast along N, transposed), byte for byte and scale (or amax) for scale, the weighted
+ops' dot products to fp32's summation order: groups of every size (empty, one row, ragged, a block and more), rows
 in no group, columns not a multiple of the block, gathered rows, row-strided operands, values that test the amax
 (NaN, inf, zeros, subnormal-range magnitudes, values that saturate), exact and power-of-2 scales, weights of every
 sign and zero."""
@@ -11,8 +12,10 @@ sign and zero."""
 import torch
 
 from fp8graph.kernels.group_columns import (_expert_reference, _reference, _rows_reference, _weighted_reference,
-                                            quantize_expert_columns_triton, quantize_group_columns_placed_triton,
-                                            quantize_rows_placed_triton, quantize_weighted_rows_placed_triton)
+                                            _weighted_rowwise_reference, quantize_expert_columns_triton,
+                                            quantize_group_columns_placed_triton, quantize_rows_placed_triton,
+                                            quantize_weighted_rows_placed_triton,
+                                            quantize_weighted_rows_rowwise_triton)
 
 from e4m3_bytes import e4m3_bytes
 
@@ -61,18 +64,33 @@ for sizes, tail, columns in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 
                                e4m3_bytes(b) if b.dtype == torch.float8_e4m3fn else b) for a, b in zip(
             quantize_weighted_rows_placed_triton(x, row_weights, None, scale, offsets, 16, index)[:3], got[:3])), label
         assert quantize_weighted_rows_placed_triton(x, row_weights, None, scale, offsets, 16, index)[3].numel() == 0
-        for got_part, expected_part, part in zip(got, expected, ("rows", "placed", "amax", "dots")):
-            assert got_part.shape == expected_part.shape, (label, part)
-            if part == "dots":  # summed in another order: within fp32's rounding of the products' magnitudes
-                gathered = (x if index is None else x[index]).float()
-                bound = 1e-6 * (gathered * other.float()).abs().nan_to_num(0.0, 0.0, 0.0).sum(1)
-                finite = expected_part.isfinite()
-                assert torch.equal(finite, got_part.isfinite()), (label, part)
-                assert ((got_part - expected_part)[finite].abs() <= bound[finite]).all(), (label, part)
-            else:
-                compared = ((e4m3_bytes(got_part), e4m3_bytes(expected_part)) if part != "amax"
-                            else (got_part, expected_part))
-                assert torch.equal(*compared), (label, part)
+
+        def same_parts(got, expected, parts):
+            for got_part, expected_part, part in zip(got, expected, parts):
+                assert got_part.shape == expected_part.shape, (label, part)
+                if part == "dots":  # summed in another order: within fp32's rounding of the products' magnitudes
+                    gathered = (x if index is None else x[index]).float()
+                    bound = 1e-6 * (gathered * other.float()).abs().nan_to_num(0.0, 0.0, 0.0).sum(1)
+                    finite = expected_part.isfinite()
+                    assert torch.equal(finite, got_part.isfinite()), (label, part)
+                    assert ((got_part - expected_part)[finite].abs() <= bound[finite]).all(), (label, part)
+                else:
+                    compared = ((e4m3_bytes(got_part), e4m3_bytes(expected_part))
+                                if got_part.dtype == torch.float8_e4m3fn else (got_part, expected_part))
+                    assert torch.equal(*compared), (label, part)
+
+        same_parts(got, expected, ("rows", "placed", "amax", "dots"))
+        cases += 1
+        # Row-wise: each row with its own scale (zero, one, a power of 2, one that saturates the row's largest
+        # values), the layout per group and column of the weighted rows.
+        row_scale = torch.rand(rows, generator=generator) * 8.0
+        row_scale[: min(rows, 3)] = torch.tensor([0.0, 1.0, 256.0])[: min(rows, 3)]
+        expected = _weighted_rowwise_reference(x, row_weights, other, row_scale, offsets, 16, power_2, index)
+        got = quantize_weighted_rows_rowwise_triton(x, row_weights, other, row_scale, offsets, 16, power_2, index)
+        same_parts(got, expected, ("rows", "placed", "scale", "dots"))
+        without = quantize_weighted_rows_rowwise_triton(x, row_weights, None, row_scale, offsets, 16, power_2, index)
+        same_parts(without[:3], expected[:3], ("rows", "placed", "scale"))
+        assert without[3].numel() == 0, label
         cases += 1
 # fp8graph::quantize_expert_columns: expert weights (E, N, K) cast along N and stored (E, K, N); N a multiple of 16,
 # of 2 only, odd; K not a multiple of the block; a (E, N, K) view of rows strided apart.

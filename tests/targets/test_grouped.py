@@ -11,7 +11,7 @@ import torch
 from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.numerics.health import sqnr_db
 from fp8graph.recipes.scaling import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling
-from fp8graph.targets.grouped import grouped_fp8_target
+from fp8graph.targets.grouped import _combine, grouped_fp8_target
 from helpers import group_bounds
 
 RECIPES = [Float8RowwiseScaling(), Float8RowwiseScaling(power_2_scales=False), Float8CurrentScaling(),
@@ -210,6 +210,42 @@ def test_the_native_lowering_computes_what_the_emulation_does(monkeypatch, recip
         assert torch.equal(native, emulated)
     for native, emulated in zip(*results):
         torch.testing.assert_close(native, emulated, rtol=1e-2, atol=1e-2 * emulated.abs().max().item())
+
+
+@pytest.mark.parametrize("recipe", [Float8RowwiseScaling(), Float8RowwiseScaling(power_2_scales=False)], ids=str)
+def test_the_rowwise_call_that_takes_the_combine_casts_its_gradient_as_autograds_combine_and_the_call_would(
+        monkeypatch, recipe):
+    """Row-wise's call with the experts' combine (``fuses_combine``) on the SM 9.0 path: its backward casts the
+    combine's gradient, gathered and weighted, per row for grad_input and per group and column for grad_weight in
+    one kernel (``fp8graph::quantize_weighted_rows_rowwise``), each row's scale from its token's amax times its
+    weight. In fp32, where autograd's combine forms the same products, that is what the call without the combine
+    and autograd's combine compute, bit for bit: the input's and the weight's gradients equal, the routing
+    weights' (each row's dot, summed in another order) within fp32's rounding; the output equal."""
+    torch.manual_seed(0)
+    tokens, top_k = 40, 2
+    offsets = torch.tensor([13, 13, 50, 80], dtype=torch.int32)  # an empty expert
+    permutation = torch.randperm(tokens * top_k)
+    h, w = torch.randn(tokens * top_k, 64), torch.randn(4, 96, 64)
+    row_weights = torch.rand(tokens * top_k, 1)
+    row_weights[5] = 0.0
+    grad = torch.randn(tokens, 96) * torch.logspace(-4, 4, 96, base=2.0)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _read_scaled_grouped_mm)
+    results = []
+    for fused in (True, False):
+        h_run, w_run, weights_run = (t.clone().requires_grad_() for t in (h, w, row_weights))
+        if fused:
+            output = grouped_fp8_target(recipe, Lowering.SCALED_MM, combine_top_k=top_k)(
+                h_run, w_run, offsets, row_weights=weights_run, permutation=permutation)
+        else:
+            rows = grouped_fp8_target(recipe, Lowering.SCALED_MM)(h_run, w_run, offsets)
+            output = _combine(rows, weights_run, permutation, top_k)
+        output.backward(grad)
+        results.append((output, h_run.grad, w_run.grad, weights_run.grad))
+    (fused_output, *fused_grads, fused_weights_grad), (plain_output, *plain_grads, plain_weights_grad) = results
+    assert torch.equal(fused_output, plain_output)
+    for fused_grad, plain_grad in zip(fused_grads, plain_grads):
+        assert torch.equal(fused_grad, plain_grad)
+    torch.testing.assert_close(fused_weights_grad, plain_weights_grad, rtol=1e-5, atol=1e-5)
 
 
 def test_the_weights_copy_for_grad_input_is_kept_only_where_fp8s_saving_on_the_input_pays_for_it():
