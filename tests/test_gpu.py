@@ -533,6 +533,32 @@ def test_the_swiglu_backward_cast_is_within_one_e4m3_step_of_its_reference_on_th
         assert torch.equal(got[1].view(torch.uint8), transpose_fp8(got[0], sources).view(torch.uint8))
 
 
+def test_the_rowwise_swiglu_backward_casts_are_within_one_e4m3_step_of_their_reference_on_the_gpu():
+    """``fp8graph::swiglu_backward_rowwise_amax`` and ``fp8graph::swiglu_backward_rowwise`` on CUDA: the row and
+    group-column amaxes within fp32 rounding of the CPU reference's, and with the same scales each byte of the rows
+    and of the layout within one E4M3 step of the reference's (the sigmoids may differ in the last bit)."""
+    from fp8graph.kernels.swiglu_backward import swiglu_backward_rowwise, swiglu_backward_rowwise_amax
+    from fp8graph.numerics.quantize import amax_to_scale
+    from scripts.e4m3_bytes import bytes_one_step_apart
+
+    generator = torch.Generator().manual_seed(0)
+    for rows, width, sizes in ((4096, 768, [1000, 0, 3000]), (200, 70, [5, 100, 1, 50])):
+        gate_up = (torch.randn(rows, 2 * width, generator=generator) * 4).to(torch.bfloat16)
+        grad_h = (torch.randn(rows, width, generator=generator)
+                  * torch.logspace(-10, 6, width, base=2.0)).to(torch.bfloat16)
+        offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        expected_amaxes = swiglu_backward_rowwise_amax(gate_up, grad_h, offsets)
+        got_amaxes = swiglu_backward_rowwise_amax(gate_up.cuda(), grad_h.cuda(), offsets.cuda())
+        for got, expected in zip(got_amaxes, expected_amaxes):
+            torch.testing.assert_close(got.cpu(), expected, rtol=1e-6, atol=0)
+        row_scale, column_scale = (amax_to_scale(amax, torch.float8_e4m3fn, False) for amax in expected_amaxes)
+        expected = swiglu_backward_rowwise(gate_up, grad_h, row_scale, column_scale, offsets, 16)
+        got = swiglu_backward_rowwise(gate_up.cuda(), grad_h.cuda(), row_scale.cuda(), column_scale.cuda(),
+                                      offsets.cuda(), 16)
+        for got_fp8, expected_fp8 in zip(got, expected):
+            assert bytes_one_step_apart(got_fp8.cpu(), expected_fp8, (rows, width)) < 0.01 * got_fp8.numel()
+
+
 def test_the_delayed_state_kernel_equals_its_reference_on_the_gpu():
     """``fp8graph::record_delayed_`` on CUDA (the Triton kernel) records what the torch reference does."""
     from fp8graph.kernels.delayed_record import _record_reference, record_delayed_

@@ -261,13 +261,11 @@ def _cast_grad_output_delayed(grad_output_hp, state, spec: GroupedSpec):
 
 def fuses_swiglu(recipe: Recipe, lowering: Lowering) -> bool:
     """Whether an expert site takes the SwiGLU that alone reads its output (``silu(gate) * up`` of its halves,
-    ``passes.expert_sites.read_swiglu``) into its call, so that its backward computes SwiGLU's gradient, casts it as
-    its grad_output and lays it out for grad_weight in one kernel (:func:`_cast_swiglu_backward`): the per-tensor
-    recipes on the native path. Elsewhere autograd's SwiGLU stays in the graph as it was (row-wise's casts per row
-    and per group and column of that gradient are not in that kernel; MXFP8's blocks and the emulation read the
-    gradient in high precision anyway)."""
-    return (recipe.granularity in NATIVE_GROUPED_GRANULARITIES and not recipe.tiled
-            and lowering is Lowering.SCALED_MM)
+    ``passes.expert_sites.read_swiglu``) into its call, so that its backward computes SwiGLU's gradient, casts it
+    for both of its GEMMs and lays it out for grad_weight in one kernel (:func:`_cast_swiglu_backward`): the
+    per-tensor and row-wise recipes on the native path. Elsewhere autograd's SwiGLU stays in the graph as it was
+    (MXFP8's blocks and the emulation read the gradient in high precision anyway)."""
+    return recipe.granularity in NATIVE_GROUPED_GRANULARITIES and lowering is Lowering.SCALED_MM
 
 
 def fuses_combine(recipe: Recipe, lowering: Lowering) -> bool:
@@ -342,12 +340,23 @@ def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, row
 
 def _cast_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, offsets: torch.Tensor, state,
                           spec: GroupedSpec):
-    """The gradient of ``gate_up_hp`` (S, 2I) through :func:`_swiglu`, given ``grad_h_hp`` (S, I), cast per tensor
-    as this GEMM's grad_output: ``(grad_output_fp8 (S, 2I), scale, inverse (S,), placed (2I, S'))``, ``placed``
-    laid out for grad_weight as ``placed_for_grad_weight`` lays it out. One kernel computes the gradient in fp32,
-    casts it and writes both layouts (``fp8graph::swiglu_backward_placed``); current scaling's amax is a read of
-    the same operands before it (``fp8graph::swiglu_backward_amax``); delayed scaling's scale comes from its grad
-    history, which records the amaxes the kernel returns. The gradient is never stored in BF16."""
+    """The gradient of ``gate_up_hp`` (S, 2I) through :func:`_swiglu`, given ``grad_h_hp`` (S, I), cast for both of
+    this GEMM's backward GEMMs: ``(grad_output_fp8 (S, 2I), scale, inverse (S,), placed (2I, S'), placed_inverse
+    (E, 2I))``, the rows grad_input's GEMM reads and ``placed`` laid out for grad_weight's (as
+    ``placed_for_grad_weight`` lays out) with its inverse scales. One kernel computes the gradient in fp32, casts it
+    and writes both layouts; a read of the same operands before it takes the amaxes the scales need. Per tensor
+    (``fp8graph::swiglu_backward_placed``, one scale for both): current scaling's amax from
+    ``fp8graph::swiglu_backward_amax``, delayed scaling's scale from its grad history, which records the amaxes the
+    cast returns. Row-wise (``fp8graph::swiglu_backward_rowwise``, a scale a row for the rows and a scale a group
+    and column for the layout): both amaxes from ``fp8graph::swiglu_backward_rowwise_amax``. The gradient is never
+    stored in high precision."""
+    experts = offsets.shape[0]
+    if spec.per_row:
+        row_amax, column_amax = torch.ops.fp8graph.swiglu_backward_rowwise_amax(gate_up_hp, grad_h_hp, offsets)
+        row_scale, column_scale = _scale(row_amax, spec), _scale(column_amax, spec)  # (S,), (E + 1, 2I)
+        grad_fp8, placed = torch.ops.fp8graph.swiglu_backward_rowwise(gate_up_hp, grad_h_hp, row_scale, column_scale,
+                                                                      offsets, FP8_GEMM_DIM_MULTIPLE)
+        return grad_fp8, row_scale, row_scale.reciprocal(), placed, column_scale[:experts].reciprocal()
     if spec.delayed:
         new_scale = _grad_scale_delayed(state, spec, grad_h_hp)
         grad_fp8, placed, amaxes = torch.ops.fp8graph.swiglu_backward_placed(
@@ -358,7 +367,8 @@ def _cast_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, off
         scale = _scale(torch.ops.fp8graph.swiglu_backward_amax(gate_up_hp, grad_h_hp, offsets).amax(), spec)
         grad_fp8, placed, _ = torch.ops.fp8graph.swiglu_backward_placed(gate_up_hp, grad_h_hp, scale, offsets,
                                                                          FP8_GEMM_DIM_MULTIPLE)
-    return grad_fp8, scale, scale.reciprocal().expand(grad_fp8.shape[0]), placed
+    inverse = scale.reciprocal().expand(grad_fp8.shape[0])
+    return grad_fp8, scale, inverse, placed, inverse[:1].expand(experts, grad_fp8.shape[1])
 
 
 def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec, after: torch.Tensor | None = None
@@ -605,11 +615,11 @@ class _GroupedFP8(torch.autograd.Function):
         grad_input = grad_weight = grad_row_weights = None
         experts = offsets.shape[0]
         with torch.autocast(grad_output_hp.device.type, enabled=False):
-            grad_output_placed = None  # grad_weight's layout, where the kernel that casts writes it
-            grad_output_g_inverse = None  # its inverse scales (E, N), where that kernel casts it for grad_weight
+            # grad_weight's layout and its inverse scales (E, N), where the kernel that casts for grad_input writes it
+            grad_output_placed = grad_output_g_inverse = None
             if spec.swiglu:  # grad_output_hp is h's: the GEMM's grad_output is gate_up's, through SwiGLU
-                grad_output_fp8, grad_output_scale, grad_output_inverse, grad_output_placed = _cast_swiglu_backward(
-                    kept_output, grad_output_hp, offsets, ctx.state, spec)
+                (grad_output_fp8, grad_output_scale, grad_output_inverse, grad_output_placed,
+                 grad_output_g_inverse) = _cast_swiglu_backward(kept_output, grad_output_hp, offsets, ctx.state, spec)
                 if ctx.stats is not None:  # the gradient in BF16 for its health record: stats cost its bytes
                     grad_output_hp = swiglu_backward_reference(kept_output, grad_output_hp).to(kept_output.dtype)
             elif spec.combine_top_k:  # grad_output_hp is the combine's (T, N): the GEMM's, through it
@@ -644,15 +654,14 @@ class _GroupedFP8(torch.autograd.Function):
                     grad_input = torch.index_put(grad_input.new_zeros((ctx.source_rows, grad_input.shape[1])),
                                                  (gather_index,), grad_input, accumulate=True)
             if needs_grad_weight:
-                if grad_output_g_inverse is not None:  # cast for grad_weight and laid out by the combine's kernel
+                if grad_output_g_inverse is not None:  # cast and laid out by SwiGLU's or the combine's kernel
                     grad_output_g_placed = grad_output_placed
                 elif spec.per_row:
                     grad_output_g_placed, grad_output_g_scale = group_columns_for_grad_weight(
                         grad_output_hp, offsets, spec.lowering, spec.power_2)
                     grad_output_g_inverse = grad_output_g_scale.reciprocal()  # (E, N)
                 else:
-                    grad_output_g_placed = (placed_for_grad_weight(grad_output_fp8, offsets, spec.lowering)
-                                            if grad_output_placed is None else grad_output_placed)
+                    grad_output_g_placed = placed_for_grad_weight(grad_output_fp8, offsets, spec.lowering)
                     grad_output_g_inverse = grad_output_inverse[:1].expand(experts, grad_output_fp8.shape[1])
                 # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
                 grad_weight = grouped_scaled_gemm_weights(grad_output_g_placed, grad_output_g_inverse, input_g_placed,

@@ -228,14 +228,19 @@ def test_grad_weight_s_operands_are_laid_out_by_one_pass_each(steps):
     assert weighted["read"] == S * hidden * 2 + S * 8 + S * 2 + S * hidden * 2 + S * 4 + experts * 4
     assert weighted["written"] == S * hidden + (padded_rows + experts * 4) * hidden + S * 4
     placed = [r for r in placed if "quantize_group_columns_placed" in r["name"]]
-    # Each BF16 operand and the offsets: gate_up's grad_output (S, 2 width), down's input (S, width), gate_up's
-    # input its S rows gathered from the TOKENS source rows (bench.costmodel.costs.GATHERING_OPS) and the gather's
-    # index (S,).
+    # fp8graph::swiglu_backward_rowwise: gate_up's BF16 output (S, 2 width) and h's gradient (S, width), a scale a
+    # row, the column scales (E + 1, 2 width) and the offsets read; the gradient's FP8 rows and its placed copy
+    # written (and its amax walk before it reads the same operands).
+    [swiglu] = [r for r in steps["rowwise"]["rows"] if r["kind"] == "extern"
+                and "fp8graph.swiglu_backward_rowwise.default" in r["name"]]
+    assert swiglu["read"] == S * 2 * width * 2 + S * width * 2 + S * 4 + (experts + 1) * 2 * width * 4 + experts * 4
+    assert swiglu["written"] == S * 2 * width + padded_rows * 2 * width
+    # Each BF16 operand and the offsets: down's input (S, width), gate_up's input its S rows gathered from the
+    # TOKENS source rows (bench.costmodel.costs.GATHERING_OPS) and the gather's index (S,).
     offsets = experts * 4
-    assert sorted(r["read"] for r in placed) == sorted(
-        [S * 2 * width * 2 + offsets, S * width * 2 + offsets, S * hidden * 2 + S * 8 + offsets]), \
+    assert sorted(r["read"] for r in placed) == sorted([S * width * 2 + offsets, S * hidden * 2 + S * 8 + offsets]), \
         [r["detail"] for r in placed]
-    assert sorted(r["written"] for r in placed) == sorted((padded_rows + experts * 4) * w for w in operand_widths[1:])
+    assert sorted(r["written"] for r in placed) == sorted((padded_rows + experts * 4) * w for w in operand_widths[1::2])
     for contestant in ("rowwise", "current"):
         rows = steps[contestant]["rows"]
         triton = [r for r in rows if r["kind"] == "triton"]
@@ -453,34 +458,32 @@ def test_the_gathered_tokens_are_cast_on_the_way_and_never_stored_in_bf16(steps)
 
 
 @pytest.mark.parametrize("contestant", ["current", "delayed", "rowwise"])
-def test_swiglus_gradient_is_computed_and_cast_by_one_kernel_where_the_recipe_is_per_tensor(steps, contestant):
+def test_swiglus_gradient_is_computed_and_cast_by_one_kernel(steps, contestant):
     """The per-tensor recipes' backward computes SwiGLU's gradient inside ``fp8graph::swiglu_backward_placed``, which
     casts it and lays it out for gate_up's grad_weight (current scaling reads the operands once before it, for
-    the amax: ``fp8graph::swiglu_backward_amax``): no Triton kernel of the backward computes silu's derivative or
-    stores the gradient, in BF16 or in FP8. Row-wise, whose casts of it are per row and per group and column, keeps
-    Inductor's kernel of autograd's SwiGLU backward."""
+    the amax: ``fp8graph::swiglu_backward_amax``), row-wise's inside ``fp8graph::swiglu_backward_rowwise`` (a scale
+    a row and a scale a group and column, their amaxes from ``swiglu_backward_rowwise_amax`` before it): no Triton
+    kernel of the backward computes silu's derivative or stores the gradient, in BF16 or in FP8."""
     backward = [r for r in steps[contestant]["rows"] if r["graph"].endswith("backward")]
     derivative = [r["name"] for r in backward if r["kind"] == "triton" and "sigmoid" in r["name"]]
     ops = sorted(r["name"].split(".")[3] for r in backward if r["kind"] == "extern" and "swiglu" in r["name"])
-    if contestant == "rowwise":
-        assert len(derivative) == 1 and ops == [], (derivative, ops)
-    else:
-        assert derivative == [] and ops == (["swiglu_backward_amax", "swiglu_backward_placed"]
-                                            if contestant == "current" else ["swiglu_backward_placed"]), ops
+    expected = {"current": ["swiglu_backward_amax", "swiglu_backward_placed"], "delayed": ["swiglu_backward_placed"],
+                "rowwise": ["swiglu_backward_rowwise", "swiglu_backward_rowwise_amax"]}[contestant]
+    assert derivative == [] and ops == expected, (derivative, ops)
 
 
 def test_rowwise_casts_the_combines_gradient_for_both_down_projection_gemms_in_one_kernel(steps):
     """Row-wise's backward gathers the combine's gradient, weighs it and casts it per row (grad_input's operand)
     and per group and column, laid out (grad_weight's), in one kernel (``fp8graph::quantize_weighted_rows_rowwise``)
     that reads the (TOKENS, hidden) gradient through the index: no Triton kernel of the backward stores the
-    weighted (S, hidden) gradient, in BF16 or FP8, and ``quantize_group_columns_placed`` casts only gate_up's
-    gradient (S, 2 width) there."""
+    weighted (S, hidden) gradient, in BF16 or FP8, and ``quantize_group_columns_placed`` casts nothing there (gate_up's
+    gradient is SwiGLU's kernel's)."""
     backward = [r for r in steps["rowwise"]["rows"] if r["graph"].endswith("backward")]
     hidden, width = TINY["hidden"], TINY["expert_width"]
     combine = [r["detail"] for r in backward if "fp8graph.quantize_weighted_rows_rowwise." in r["name"]]
     assert len(combine) == 1 and combine[0].startswith(f"{TOKENS}x{hidden}:bfloat16"), combine
     group_columns = [r["detail"] for r in backward if "fp8graph.quantize_group_columns_placed." in r["name"]]
-    assert len(group_columns) == 1 and group_columns[0].startswith(f"{S}x{2 * width}:bfloat16"), group_columns
+    assert group_columns == [], group_columns
     # (The gather's backward zeroes and scatter-adds grad_input into (TOKENS, hidden) fp32: S hidden 2 bytes too.)
     stored = [r["name"] for r in backward if r["kind"] == "triton" and r["written"] in (S * hidden, S * hidden * 2)
               and "index_put" not in r["name"] and not ("new_zeros" in r["name"] and r["read"] == 0)]

@@ -240,21 +240,31 @@ def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_byt
 
 
 @pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
-@pytest.mark.parametrize("rows, width, experts, cast", [(262144, 768, 128, True), (262144, 768, 128, False),
-                                                        (200, 100, 3, True)],
-                         ids=["qwen3-cast", "qwen3-amax", "ragged"])
-def test_the_swiglu_backward_compiles_to_a_cubin_reading_rows_and_storing_bytes_as_vectors(rows, width, experts, cast,
-                                                                                          capability):
+@pytest.mark.parametrize("rows, width, experts, cast, rowwise",
+                         [(262144, 768, 128, True, False), (262144, 768, 128, False, False), (200, 100, 3, True, False),
+                          (262144, 768, 128, True, True), (262144, 768, 128, False, True), (200, 100, 3, True, True)],
+                         ids=["qwen3-cast", "qwen3-amax", "ragged", "rowwise-qwen3-cast", "rowwise-qwen3-amax",
+                              "rowwise-ragged"])
+def test_the_swiglu_backward_compiles_to_a_cubin_reading_rows_and_storing_bytes_as_vectors(
+        rows, width, experts, cast, rowwise, capability):
     """``fp8graph::swiglu_backward_placed`` (SwiGLU's gradient between two expert GEMMs, cast as rows and laid out
-    for grad_weight) and ``fp8graph::swiglu_backward_amax`` (its amaxes alone): a cubin without spills that reads
-    gate, up and grad_h as 16-byte vectors when the width divides by 8, converts in hardware (saturating, round to
-    nearest even) and stores both layouts as vectors. Not proven here: its speed (``bench moe`` on a GPU)."""
-    from fp8graph.kernels.swiglu_backward import plan_swiglu_backward
+    for grad_weight) and ``fp8graph::swiglu_backward_amax`` (its amaxes alone), and their row-wise forms
+    (``swiglu_backward_rowwise``: the rows cast a scale a row, the layout a scale a group and column;
+    ``swiglu_backward_rowwise_amax``: each row's and each group's columns' amaxes): a cubin without spills that
+    reads gate, up and grad_h as 16-byte vectors when the width divides by 8, converts in hardware (saturating,
+    round to nearest even) and stores both layouts as vectors. Not proven here: its speed (``bench moe`` on a
+    GPU)."""
+    from fp8graph.kernels.swiglu_backward import plan_swiglu_backward, plan_swiglu_backward_rowwise
 
     gate_up, grad_h = torch.empty(rows, 2 * width, dtype=torch.bfloat16), torch.empty(rows, width, dtype=torch.bfloat16)
-    scale = torch.empty((), dtype=torch.float32) if cast else None
-    launch, *_ = plan_swiglu_backward(gate_up, grad_h, torch.empty(experts, dtype=torch.int32), scale)
+    offsets = torch.empty(experts, dtype=torch.int32)
+    if rowwise:
+        scales = (torch.empty(rows), torch.empty(experts + 1, 2 * width)) if cast else None
+        launch, *_ = plan_swiglu_backward_rowwise(gate_up, grad_h, offsets, scales)
+    else:
+        launch, *_ = plan_swiglu_backward(gate_up, grad_h, offsets, torch.empty(()) if cast else None)
     assert launch.constexprs["SOFTWARE_ROUNDING"] is False and launch.constexprs["CAST"] is cast  # what a GPU runs
+    assert launch.constexprs["ROWWISE"] is rowwise
     compiled = compile_launch(launch, capability)
     usage = resource_usage(compiled)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"

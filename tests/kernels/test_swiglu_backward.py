@@ -1,5 +1,7 @@
 """``fp8graph::swiglu_backward_placed`` and ``fp8graph::swiglu_backward_amax``: SwiGLU's backward between two expert
-GEMMs, cast as the first GEMM's grad_output and laid out for its grad_weight by one kernel.
+GEMMs, cast as the first GEMM's grad_output and laid out for its grad_weight by one kernel; and their row-wise forms,
+``swiglu_backward_rowwise`` and ``swiglu_backward_rowwise_amax`` (the rows a scale a row, the layout a scale a group
+and column).
 
 The Triton kernel is checked against the ops' references by Triton's interpreter (a fresh process,
 ``TRITON_INTERPRET=1``), compiled for sm_90 and sm_100 in ``tests/kernels/test_kernels_compile.py``, and run on a
@@ -10,10 +12,12 @@ import pytest
 import torch
 
 from fp8graph.kernels.quantize_tiles import triton_available
-from fp8graph.kernels.swiglu_backward import amax_blocks, swiglu_backward_amax, swiglu_backward_placed
+from fp8graph.kernels.swiglu_backward import (amax_blocks, swiglu_backward_amax, swiglu_backward_placed,
+                                              swiglu_backward_rowwise, swiglu_backward_rowwise_amax)
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.numerics.groups import padded_group_bound, padded_group_sources, row_groups
-from fp8graph.numerics.quantize import finite_magnitude, quantize
+from fp8graph.numerics.groups import quantize_group_columns
+from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 from helpers import cases_checked_under_triton_interpreter
 
 OFFSETS = torch.tensor([5, 5, 30, 40], dtype=torch.int32)  # an empty group; rows 40.. in no group
@@ -22,7 +26,7 @@ OFFSETS = torch.tensor([5, 5, 30, 40], dtype=torch.int32)  # an empty group; row
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 @pytest.mark.triton_interpreter
 def test_the_triton_kernel_equals_the_reference_under_the_interpreter():
-    assert cases_checked_under_triton_interpreter("check_swiglu_backward.py") == 30
+    assert cases_checked_under_triton_interpreter("check_swiglu_backward.py") == 45
 
 
 def _autograd_gradient(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor) -> torch.Tensor:
@@ -78,3 +82,50 @@ def test_bad_operands_are_refused_with_what_the_ops_take():
         swiglu_backward_amax(gate_up_hp, grad_h_hp, OFFSETS.float())
     with pytest.raises(ValueError, match="swiglu_backward_placed's scale is one float32 value on cpu"):
         swiglu_backward_placed(gate_up_hp, grad_h_hp, torch.ones(2), OFFSETS, 16)
+
+
+def test_the_rowwise_ops_are_swiglus_gradient_cast_a_scale_a_row_and_a_scale_a_group_and_column():
+    """Row-wise: each row's amax and each group's columns' (the rows in no group's last), and the gradient cast
+    with the scales they give, as rows a scale a row and laid out a scale a group and column: what row-wise's cast
+    of autograd's fp32 gradient gives (``quantize_group_columns``, then the padded transpose), within one E4M3
+    step where the two gradients' products are ordered otherwise (nearly all equal)."""
+    torch.manual_seed(0)
+    gate_up_hp = torch.randn(44, 200, dtype=torch.bfloat16) * 3
+    grad_h_hp = torch.randn(44, 100, dtype=torch.bfloat16) * torch.logspace(0, 8, 100, base=2.0).bfloat16()
+    gradient = _autograd_gradient(gate_up_hp, grad_h_hp)
+    row_amax, column_amax = swiglu_backward_rowwise_amax(gate_up_hp, grad_h_hp, OFFSETS)
+    torch.testing.assert_close(row_amax, finite_magnitude(gradient).amax(dim=1), rtol=1e-6, atol=0)
+    expected_fp8, expected_column_scale = quantize_group_columns(gradient, OFFSETS, torch.float8_e4m3fn, True)
+    assert column_amax.shape == (5, 200)
+    column_scale = amax_to_scale(column_amax, torch.float8_e4m3fn, True)
+    torch.testing.assert_close(column_scale[:4], expected_column_scale, rtol=1e-6, atol=0)
+    row_scale = amax_to_scale(row_amax, torch.float8_e4m3fn, True)
+    rows_fp8, placed = swiglu_backward_rowwise(gate_up_hp, grad_h_hp, row_scale, column_scale, OFFSETS, 16)
+    sources, _ = padded_group_sources(OFFSETS, 44, 16)
+    for got, expected in ((rows_fp8, quantize(gradient, row_scale[:, None], torch.float8_e4m3fn)),
+                          (placed, transpose_fp8(expected_fp8, sources))):
+        assert got.shape == expected.shape and got.is_contiguous()
+        got, expected = got.float(), expected.float()
+        assert ((got - expected).abs() <= expected.abs() / 8 + 2.0 ** -9).all()
+        assert (got != expected).float().mean() < 0.01
+    # Each row's largest magnitude is cast into the format's top binade (a power-of-2 scale: 224 to 448).
+    row_largest = rows_fp8.float().abs().amax(dim=1)
+    assert ((row_largest >= 224) & (row_largest <= 448)).all()
+    torch.library.opcheck(torch.ops.fp8graph.swiglu_backward_rowwise_amax, (gate_up_hp, grad_h_hp, OFFSETS),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.fp8graph.swiglu_backward_rowwise,
+                          (gate_up_hp, grad_h_hp, row_scale, column_scale, OFFSETS, 16),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_bad_operands_of_the_rowwise_ops_are_refused_with_what_they_take():
+    gate_up_hp, grad_h_hp = torch.randn(8, 32), torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"swiglu_backward_rowwise_amax takes gate_up_hp \(S, 2 I\)"):
+        swiglu_backward_rowwise_amax(gate_up_hp, torch.randn(8, 15), OFFSETS)
+    with pytest.raises(ValueError, match=r"swiglu_backward_rowwise's row_scale is a float32 tensor of shape \(8,\)"):
+        swiglu_backward_rowwise(gate_up_hp, grad_h_hp, torch.ones(7), torch.ones(5, 32), OFFSETS, 16)
+    with pytest.raises(ValueError, match=r"column_scale is a float32 tensor of shape \(5, 32\) on cpu"):
+        swiglu_backward_rowwise(gate_up_hp, grad_h_hp, torch.ones(8), torch.ones(4, 32), OFFSETS, 16)
+    with pytest.raises(ValueError, match=r"column_scale is a float32 tensor of shape \(5, 32\) on cpu"):
+        swiglu_backward_rowwise(gate_up_hp, grad_h_hp, torch.ones(8), torch.ones(5, 32, dtype=torch.float64),
+                                OFFSETS, 16)

@@ -1,5 +1,7 @@
 """Run by tests/kernels/test_swiglu_backward.py under TRITON_INTERPRET=1: the kernel of
-``fp8graph::swiglu_backward_placed`` and ``fp8graph::swiglu_backward_amax`` against the ops' references: groups of
+``fp8graph::swiglu_backward_placed`` and ``fp8graph::swiglu_backward_amax`` (and of their row-wise forms,
+``swiglu_backward_rowwise`` and ``swiglu_backward_rowwise_amax``: a scale a row, a scale a group and column)
+against the ops' references: groups of
 every size (empty, one row, ragged, a block and more), rows in no group, widths not a multiple of the block,
 row-strided operands, values that test the amax and the cast (NaN, inf, zeros, gradients that saturate). The
 gradient's sigmoid is numpy's under the interpreter and torch's in the reference: each byte within one E4M3 step
@@ -8,8 +10,11 @@ within fp32 rounding."""
 
 import torch
 
-from fp8graph.kernels.swiglu_backward import (_amax_reference, _placed_reference, swiglu_backward_amax_triton,
-                                              swiglu_backward_placed_triton)
+from fp8graph.kernels.swiglu_backward import (_amax_reference, _placed_reference, _rowwise_amax_reference,
+                                              _rowwise_reference, swiglu_backward_amax_triton,
+                                              swiglu_backward_placed_triton, swiglu_backward_rowwise_amax_triton,
+                                              swiglu_backward_rowwise_triton)
+from fp8graph.numerics.quantize import amax_to_scale
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.numerics.groups import padded_group_sources
 
@@ -49,6 +54,22 @@ for sizes, tail, width in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 0]
         sources, _ = padded_group_sources(offsets, rows, 16)
         assert torch.equal(e4m3_bytes(got_placed), e4m3_bytes(transpose_fp8(got_rows, sources))), label
         torch.testing.assert_close(got_amax, expected[2], rtol=1e-6, atol=0, msg=str(label))
+        cases += 1
+        # Row-wise: each row's and each group's columns' amaxes, then the casts with the scales they give (power-of-2
+        # scales where the width is even: both kinds), the largest values of some rows saturating.
+        expected_amaxes = _rowwise_amax_reference(gate_up, grad_h, offsets)
+        got_amaxes = swiglu_backward_rowwise_amax_triton(gate_up, grad_h, offsets)
+        for got_part, expected_part in zip(got_amaxes, expected_amaxes):
+            assert got_part.shape == expected_part.shape, label
+            torch.testing.assert_close(got_part, expected_part, rtol=1e-6, atol=0, msg=str(label))
+        row_scale, column_scale = (amax_to_scale(amax, torch.float8_e4m3fn, width % 2 == 0) for amax in expected_amaxes)
+        row_scale[: min(rows, 2)] *= 4.0  # saturates those rows' largest values
+        expected = _rowwise_reference(gate_up, grad_h, row_scale, column_scale, offsets, 16)
+        got = swiglu_backward_rowwise_triton(gate_up, grad_h, row_scale, column_scale, offsets, 16)
+        for got_part, expected_part in zip(got, expected):
+            assert got_part.shape == expected_part.shape, label
+            differing += bytes_one_step_apart(got_part, expected_part, label)
+            compared += got_part.numel()
         cases += 1
 assert differing <= compared // 200, (differing, compared)  # nearly every byte equal
 print(f"bytes one E4M3 step from the reference: {differing} of {compared}")

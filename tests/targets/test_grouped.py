@@ -11,7 +11,7 @@ import torch
 from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.numerics.health import sqnr_db
 from fp8graph.recipes.scaling import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling
-from fp8graph.targets.grouped import _combine, grouped_fp8_target
+from fp8graph.targets.grouped import _combine, _swiglu, grouped_fp8_target
 from helpers import group_bounds
 
 RECIPES = [Float8RowwiseScaling(), Float8RowwiseScaling(power_2_scales=False), Float8CurrentScaling(),
@@ -246,6 +246,35 @@ def test_the_rowwise_call_that_takes_the_combine_casts_its_gradient_as_autograds
     for fused_grad, plain_grad in zip(fused_grads, plain_grads):
         assert torch.equal(fused_grad, plain_grad)
     torch.testing.assert_close(fused_weights_grad, plain_weights_grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", [Float8RowwiseScaling(), Float8RowwiseScaling(power_2_scales=False)], ids=str)
+def test_the_rowwise_call_that_takes_swiglu_casts_its_gradient_as_autograds_swiglu_and_the_call_would(
+        monkeypatch, recipe):
+    """Row-wise's call with SwiGLU (``fuses_swiglu``) on the SM 9.0 path: its backward computes SwiGLU's gradient
+    and casts it a scale a row for grad_input and a scale a group and column for grad_weight in one kernel
+    (``fp8graph::swiglu_backward_rowwise``, its amaxes from ``swiglu_backward_rowwise_amax``). In fp32, where the
+    ops' reference forms the products in autograd's order, that is what the call without SwiGLU and autograd's
+    SwiGLU compute, bit for bit (on the GPU the kernel's sigmoid may move a byte one step: tests/test_gpu.py), the
+    output equal; an expert of no rows and rows in no group included."""
+    torch.manual_seed(0)
+    offsets = torch.tensor([13, 13, 50, 80, 83], dtype=torch.int32)  # an empty expert; 3 rows in no group past it
+    x, w = torch.randn(83, 64), torch.randn(5, 96, 64) * 0.3
+    grad = torch.randn(83, 48) * torch.logspace(-4, 4, 48, base=2.0)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _read_scaled_grouped_mm)
+    results = []
+    for fused in (True, False):
+        x_run, w_run = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if fused:
+            output = grouped_fp8_target(recipe, Lowering.SCALED_MM, swiglu=True)(x_run, w_run, offsets)
+        else:
+            output = _swiglu(grouped_fp8_target(recipe, Lowering.SCALED_MM)(x_run, w_run, offsets))
+        output.backward(grad)
+        results.append((output, x_run.grad, w_run.grad))
+    (fused_output, *fused_grads), (plain_output, *plain_grads) = results
+    assert torch.equal(fused_output, plain_output)
+    for fused_grad, plain_grad in zip(fused_grads, plain_grads):
+        assert torch.equal(fused_grad, plain_grad)
 
 
 def test_the_weights_copy_for_grad_input_is_kept_only_where_fp8s_saving_on_the_input_pays_for_it():
