@@ -29,7 +29,7 @@ rows would be written, then read for the amax and again for the cast.
 
 Between the two GEMMs of an expert MLP, ``gate, up = out.chunk(2, -1); h = silu(gate) * up``:
 :func:`read_swiglu` records those nodes when nothing else reads them, and the rewrite may give the activation to
-the first GEMM's call (``fp8graph.targets.grouped.fuses_swiglu``), whose backward then casts SwiGLU's gradient
+the first GEMM's call (``fp8graph.targets.grouped.fuses_neighbours``), whose backward then casts SwiGLU's gradient
 in the kernel that computes it. After the last GEMM, the combine, ``y = out * w[perm].unsqueeze(-1);
 y[inverse].view(T, top_k, N).sum(dim=1)``: :func:`read_combine` records it when nothing else reads its nodes, and
 the rewrite may give it to that GEMM's call, whose backward then casts its grad_output (the combine's gradient,

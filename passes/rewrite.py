@@ -16,10 +16,10 @@
     after:   y = fp8graph_grouped_<recipe>(h, w, o, gather_index=idx)  h cast, FP8 rows gathered; x left unused
 
     before:  gate, up = _grouped_mm(x, w.t(-2, -1), offs=o).chunk(2, -1); a = silu(gate) * up   (read only so)
-    after:   a = fp8graph_grouped_<recipe>_swiglu(x, w, o)     (fuses_swiglu: chunk, silu and product erased)
+    after:   a = fp8graph_grouped_<recipe>_swiglu(x, w, o)     (fuses_neighbours: chunk, silu and product erased)
 
     before:  y = _grouped_mm(h, w.t(-2, -1), offs=o); out = (y * rw)[inv].view(T, k, N).sum(dim=1)   (the combine)
-    after:   out = fp8graph_grouped_<recipe>_combine<k>(h, w, o, row_weights=rw, permutation=perm)  (fuses_combine:
+    after:   out = fp8graph_grouped_<recipe>_combine<k>(h, w, o, row_weights=rw, permutation=perm)  (fuses_neighbours:
              the product, gather, view and sum erased; inv, proven perm's inverse, left unread)
 
     before:  y = bmm(w[ids], x3)          | y = bmm(x3, w_ekn[ids])   (MoE decode, frozen weights)
@@ -53,7 +53,7 @@ from torch._dynamo.utils import counters
 
 from fp8graph.targets.cache_hash import mark_cacheable
 from fp8graph.targets.gathered import gathered_fp8_target
-from fp8graph.targets.grouped import fuses_combine, fuses_swiglu, grouped_fp8_target
+from fp8graph.targets.grouped import fuses_neighbours, grouped_fp8_target
 from fp8graph.targets.linear_tensorwise import linear_fp8_target, linears_fp8_target
 from fp8graph.targets.linear_tiled import linear_tiled_target
 from fp8graph.targets.matmul import matmul_fp8_target
@@ -236,18 +236,17 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
 
 
 def _fuses_swiglu(decision: Decision) -> bool:
-    """Whether the site's call takes the SwiGLU its output feeds (``fp8graph.targets.grouped.fuses_swiglu``)."""
+    """Whether the site's call takes the SwiGLU its output feeds (``fp8graph.targets.grouped.fuses_neighbours``)."""
     site = decision.site
     return isinstance(site, GroupedExpertSite) and bool(site.swiglu_nodes) \
-        and fuses_swiglu(decision.recipe, decision.lowering)
+        and fuses_neighbours(decision.recipe, decision.lowering)
 
 
 def _fuses_combine(decision: Decision) -> bool:
-    """Whether the site's call takes the experts' combine its output feeds
-    (``fp8graph.targets.grouped.fuses_combine``)."""
+    """Whether the site's call takes the experts' combine its output feeds (``fuses_neighbours``)."""
     site = decision.site
     return isinstance(site, GroupedExpertSite) and bool(site.combine_nodes) \
-        and fuses_combine(decision.recipe, decision.lowering)
+        and fuses_neighbours(decision.recipe, decision.lowering)
 
 
 @functools.singledispatch

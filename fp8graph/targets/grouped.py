@@ -57,8 +57,8 @@ from fp8graph.targets.grouped_blocks import GroupedBlocks
 from fp8graph.targets.linear_tensorwise import record_health, record_states, target_name
 from fp8graph.targets.partitioning import keep_for_backward, read_in_backward, saved_not_recomputed
 
-__all__ = ["ExpertWeightCopy", "GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "fuses_combine",
-           "fuses_swiglu", "grouped_fp8_target", "health_scales"]
+__all__ = ["ExpertWeightCopy", "GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "fuses_neighbours",
+           "grouped_fp8_target", "health_scales"]
 
 _FP8 = torch.float8_e4m3fn
 
@@ -70,8 +70,8 @@ class GroupedSpec:
     recipe: Recipe
     lowering: Lowering
     update: bool = True  # delayed scaling: False in graphs without gradients, which read the stored scales
-    swiglu: bool = False  # the call returns silu(gate) * up of its output's halves (fuses_swiglu)
-    combine_top_k: int = 0  # else the call returns its output's combine, top_k rows a token (fuses_combine)
+    swiglu: bool = False  # the call returns silu(gate) * up of its output's halves (fuses_neighbours)
+    combine_top_k: int = 0  # else the call returns its output's combine, top_k rows a token (fuses_neighbours)
 
     @property
     def delayed(self) -> bool:
@@ -259,22 +259,15 @@ def _cast_grad_output_delayed(grad_output_hp, state, spec: GroupedSpec):
     return grad_output_fp8, new_scale[0], new_scale.reciprocal().expand(grad_output_hp.shape[0])
 
 
-def fuses_swiglu(recipe: Recipe, lowering: Lowering) -> bool:
-    """Whether an expert site takes the SwiGLU that alone reads its output (``silu(gate) * up`` of its halves,
-    ``passes.expert_sites.read_swiglu``) into its call, so that its backward computes SwiGLU's gradient, casts it
-    for both of its GEMMs and lays it out for grad_weight in one kernel (:func:`_cast_swiglu_backward`): the
-    per-tensor and row-wise recipes on the native path. Elsewhere autograd's SwiGLU stays in the graph as it was
-    (MXFP8's blocks and the emulation read the gradient in high precision anyway)."""
-    return recipe.granularity in NATIVE_GROUPED_GRANULARITIES and lowering is Lowering.SCALED_MM
-
-
-def fuses_combine(recipe: Recipe, lowering: Lowering) -> bool:
-    """Whether an expert site takes the experts' combine that alone reads its output (each row times its routing
-    weight, the tokens' order restored, each token's top_k rows summed, ``passes.expert_sites.read_combine``) into
-    its call, so that its backward gathers the combine's gradient, weighs it, casts it for both of its GEMMs and
-    lays it out for grad_weight in one kernel (:func:`_cast_combine_backward`): the per-tensor and row-wise recipes
-    on the native path. Elsewhere autograd's ops stay in the graph as they were (MXFP8's blocks and the emulation
-    read the gradient in high precision anyway)."""
+def fuses_neighbours(recipe: Recipe, lowering: Lowering) -> bool:
+    """Whether an expert site takes the ops next to it into its call, so that its backward computes its
+    grad_output, casts it for both of its GEMMs and lays it out for grad_weight in one kernel: SwiGLU where it
+    alone reads the output (``silu(gate) * up`` of its halves, ``passes.expert_sites.read_swiglu``:
+    :func:`_cast_swiglu_backward`), the experts' combine where it alone reads it (each row times its routing weight,
+    the tokens' order restored, each token's top_k rows summed, ``passes.expert_sites.read_combine``:
+    :func:`_cast_combine_backward`). The per-tensor and row-wise recipes on the native path (fp8graph's kernels
+    cast a scale a tensor, or a scale a row and a scale a group and column). Elsewhere autograd's ops stay in the
+    graph as they were (MXFP8's blocks and the emulation read the gradient in high precision anyway)."""
     return recipe.granularity in NATIVE_GROUPED_GRANULARITIES and lowering is Lowering.SCALED_MM
 
 
@@ -704,16 +697,13 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     ``cached_weight``, ``cached_weight_scale`` and ``cached_weight_t`` are the weight's FP8 copy, its (E, 1)
     scales and the copy of its transpose (``fp8graph.buffers.weight_cache``), written or read in place of
     casting the weight; row-wise adds ``cached_weight_t_scale`` (:class:`ExpertWeightCopy`). With ``swiglu``
-    (where :func:`fuses_swiglu` says so) it returns ``silu(gate) * up`` of the output's halves (S, N / 2); with
-    ``combine_top_k`` (where :func:`fuses_combine` says so) the experts' combine of the output (S / top_k, N),
+    (where :func:`fuses_neighbours` says so) it returns ``silu(gate) * up`` of the output's halves (S, N / 2); with
+    ``combine_top_k`` (where it says so) the experts' combine of the output (S / top_k, N),
     given ``row_weights`` (S, 1), each row's routing weight, and ``permutation`` (S,), the sort that ordered the
     rows by expert (:func:`_combine`)."""
-    if swiglu and not fuses_swiglu(recipe, lowering):
-        raise ValueError(f"{recipe.name} on the {lowering.value} path leaves the SwiGLU after an expert GEMM to "
-                         "autograd (fuses_swiglu)")
-    if combine_top_k and not fuses_combine(recipe, lowering):
-        raise ValueError(f"{recipe.name} on the {lowering.value} path leaves the experts' combine after an expert "
-                         "GEMM to autograd (fuses_combine)")
+    if (swiglu or combine_top_k) and not fuses_neighbours(recipe, lowering):
+        raise ValueError(f"{recipe.name} on the {lowering.value} path leaves the ops next to an expert GEMM to "
+                         "autograd (fuses_neighbours)")
     if swiglu and combine_top_k:
         raise ValueError("an expert GEMM's output is read by SwiGLU or by the experts' combine, not both")
 

@@ -15,8 +15,7 @@ from fp8graph.kernels.quantize_tiles import triton_available
 from fp8graph.kernels.swiglu_backward import (amax_blocks, swiglu_backward_amax, swiglu_backward_placed,
                                               swiglu_backward_rowwise, swiglu_backward_rowwise_amax)
 from fp8graph.kernels.transpose_fp8 import transpose_fp8
-from fp8graph.numerics.groups import padded_group_bound, padded_group_sources, row_groups
-from fp8graph.numerics.groups import quantize_group_columns
+from fp8graph.numerics.groups import padded_group_bound, padded_group_sources, quantize_group_columns, row_groups
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 from helpers import cases_checked_under_triton_interpreter
 

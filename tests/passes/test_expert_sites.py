@@ -242,8 +242,7 @@ def test_swiglu_between_the_expert_gemms_moves_into_the_first_call_on_the_native
         block, _ = _moe()
         x_run = x.clone().requires_grad_()
         if not fuse:
-            for predicate in ("fuses_swiglu", "fuses_combine"):
-                monkeypatch.setattr(rewrite, predicate, lambda recipe, lowering: False)
+            monkeypatch.setattr(rewrite, "fuses_neighbours", lambda recipe, lowering: False)
         compiled, backend = compile_fp8(block, policy=recipe)
         with pretend_gpu(monkeypatch) as calls:
             for _ in range(2):  # delayed scaling's second step casts with the scales the first recorded
@@ -389,8 +388,7 @@ def test_the_combine_moves_into_the_last_call_only_where_nothing_else_reads_its_
         model = _Combine(spelling).to(torch.bfloat16)
         x_run, routing_run = x.clone().requires_grad_(), routing.clone().requires_grad_()
         if not fuse:
-            for predicate in ("fuses_swiglu", "fuses_combine"):
-                monkeypatch.setattr(rewrite, predicate, lambda recipe, lowering: False)
+            monkeypatch.setattr(rewrite, "fuses_neighbours", lambda recipe, lowering: False)
         compiled, backend = compile_fp8(model, policy=Float8CurrentScaling())
         with pretend_gpu(monkeypatch) as calls:
             output = compiled(x_run, expert_of_row, routing_run)

@@ -215,7 +215,7 @@ def test_the_native_lowering_computes_what_the_emulation_does(monkeypatch, recip
 @pytest.mark.parametrize("recipe", [Float8RowwiseScaling(), Float8RowwiseScaling(power_2_scales=False)], ids=str)
 def test_the_rowwise_call_that_takes_the_combine_casts_its_gradient_as_autograds_combine_and_the_call_would(
         monkeypatch, recipe):
-    """Row-wise's call with the experts' combine (``fuses_combine``) on the SM 9.0 path: its backward casts the
+    """Row-wise's call with the experts' combine (``fuses_neighbours``) on the SM 9.0 path: its backward casts the
     combine's gradient, gathered and weighted, per row for grad_input and per group and column for grad_weight in
     one kernel (``fp8graph::quantize_weighted_rows_rowwise``), each row's scale from its token's amax times its
     weight. In fp32, where autograd's combine forms the same products, that is what the call without the combine
@@ -251,7 +251,7 @@ def test_the_rowwise_call_that_takes_the_combine_casts_its_gradient_as_autograds
 @pytest.mark.parametrize("recipe", [Float8RowwiseScaling(), Float8RowwiseScaling(power_2_scales=False)], ids=str)
 def test_the_rowwise_call_that_takes_swiglu_casts_its_gradient_as_autograds_swiglu_and_the_call_would(
         monkeypatch, recipe):
-    """Row-wise's call with SwiGLU (``fuses_swiglu``) on the SM 9.0 path: its backward computes SwiGLU's gradient
+    """Row-wise's call with SwiGLU (``fuses_neighbours``) on the SM 9.0 path: its backward computes SwiGLU's gradient
     and casts it a scale a row for grad_input and a scale a group and column for grad_weight in one kernel
     (``fp8graph::swiglu_backward_rowwise``, its amaxes from ``swiglu_backward_rowwise_amax``). In fp32, where the
     ops' reference forms the products in autograd's order, that is what the call without SwiGLU and autograd's
