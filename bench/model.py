@@ -384,6 +384,8 @@ def model_moe(args) -> dict:
         print(f"moe ({config}{f' {overrides}' if overrides else ''}, {batch}x{tokens} tokens): "
               f"{len(contestants)} contestants, one process each", file=sys.stderr)
     spec.update(source=args.source, cubin=args.cubin, grad_accumulation=args.grad_accumulation)
+    if args.frozen_experts:
+        spec["frozen_experts"] = True
     if args.fp8graph_at == "measured":
         raise SystemExit("--fp8graph-at: 'measured' is the H100 run's commit, which had no expert GEMMs; give a "
                          "commit, or 'installed'")
@@ -405,9 +407,11 @@ def model_moe(args) -> dict:
     what = (f"bench moe's training step, {blocks}; BF16, forward + backward + eager SGD"
             + (f", {' or '.join(map(str, args.grad_accumulation))} micro-batches a step"
                if args.grad_accumulation != [1] else "")
+            + ("; the experts' weights frozen" if args.frozen_experts else "")
             + (f"; fp8graph at {args.fp8graph_at}" if args.fp8graph_at != "installed" else ""))
     result = _finish(build_result("moe", spec, results, machine_of(args), what), args)
-    if args.sweep and {"bf16", *site_casts.GROUPED_RECIPES} <= set(contestants) and \
+    # The table is of steps whose experts train: a frozen sweep has no grad_weight casts to solve for.
+    if args.sweep and not args.frozen_experts and {"bf16", *site_casts.GROUPED_RECIPES} <= set(contestants) and \
             all("error" not in r for r in results):
         print("fp8graph/costs/casts.py's table of expert sites, from this sweep's kernels:")
         print(site_casts.grouped_table_source(site_casts.derive_grouped(result)))
@@ -696,6 +700,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="every block of bench/moe.py's SWEEP (Qwen3-30B-A3B at 256, 1024 and 2048 tokens an expert, "
                         "DeepSeek-V3's experts 8 a rank, Llama-4 Scout's) instead of one")
     _add_grad_accumulation(p)
+    p.add_argument("--frozen-experts", action="store_true",
+                   help="the experts' weights frozen (bench moe's --frozen-experts): no grad_weight GEMMs")
     p.add_argument("--fp8graph-at", default="installed", metavar="COMMIT",
                    help="fp8graph (its package, passes and models) at this commit, extracted from git; default: "
                         "the working tree")

@@ -49,7 +49,8 @@ from . import forked
 from .cli import contestants_of, positive, require_cuda
 
 __all__ = ["AUTO", "DEFAULT", "UNCACHED", "KNOWN", "SWEEP", "SweepShape", "parse_contestant", "swap_in_torchao",
-           "PaddedExperts", "padded_token_groups", "TORCHAO_GROUP_ALIGNMENT", "compile_block"]
+           "PaddedExperts", "padded_token_groups", "TORCHAO_GROUP_ALIGNMENT", "child_command", "compile_block",
+           "freeze_experts", "sgd_step"]
 
 # fp8graph's recipes on expert sites with a native SM90 GEMM (delayed since commit 8d924b3).
 RECIPES = ("rowwise", "current", "delayed")
@@ -202,6 +203,12 @@ def swap_in_torchao(block: torch.nn.Module) -> int:
     return wrapped
 
 
+def freeze_experts(block: torch.nn.Module) -> None:
+    """``--frozen-experts``: the experts' weights take no gradient (fine-tuning the rest of a model, the router and
+    the attention around it), so the step runs no grad_weight GEMM; grad_input still flows through the experts."""
+    block.experts.requires_grad_(False)
+
+
 def compile_block(block: torch.nn.Module, contestant: str, compiler, policy_gpu: str | None = None):
     """``block`` compiled as ``contestant`` (a base name): plain ``torch.compile`` for BF16 and torchao (whose
     conversion is done beforehand), ``fp8graph.compile`` with ``policies.auto()`` of the named recipe (current
@@ -303,6 +310,8 @@ def measure_contestant(name: str, args) -> dict:
         if device.type != "cuda":
             raise RuntimeError("torchao's MoE training casts with Triton kernels, which need CUDA")
         swap_in_torchao(block)
+    if args.frozen_experts:
+        freeze_experts(block)
     hidden = block.gate.in_features
     generator = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(settings["batch"], settings["tokens"], hidden, device=device, dtype=torch.bfloat16,
@@ -312,10 +321,7 @@ def measure_contestant(name: str, args) -> dict:
         compiled = compile_block(block, contestant, settings["compiler"])
 
         def sgd():
-            with torch.no_grad():
-                for parameter in block.parameters():
-                    parameter.add_(parameter.grad, alpha=-1e-5)
-                    parameter.grad = None
+            sgd_step(block)
             x.grad = None
 
         step = accumulated_step(compiled, lambda: compiled(x).backward(grad_output), sgd, args.grad_accumulation)
@@ -344,19 +350,34 @@ def measure_contestant(name: str, args) -> dict:
     return row
 
 
+def sgd_step(block: torch.nn.Module, lr: float = 1e-5) -> None:
+    """The step's eager SGD, as bench decoder's: ``p.add_(p.grad, alpha=-lr)`` for each parameter with a gradient
+    (frozen experts have none), then the gradients dropped."""
+    with torch.no_grad():
+        for parameter in block.parameters():
+            if parameter.grad is not None:
+                parameter.add_(parameter.grad, alpha=-lr)
+                parameter.grad = None
+
+
 def _as_loss(out: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
     """A scalar whose gradient on ``out`` is ``grad_output`` (bench.memory runs ``.backward()`` on it)."""
     return (out * grad_output).sum()
 
 
+def child_command(name: str, args) -> list[str]:
+    """``bench``'s arguments for a child process that measures contestant ``name`` as ``args`` ask."""
+    command = ["moe", "--one", name, "--config", args.config, "--tokens", str(args.tokens), "--batch",
+               str(args.batch), "--repeats", str(args.repeats), "--grad-accumulation", str(args.grad_accumulation)]
+    return command + [flag for flag, wanted in (("--smoke", args.smoke), ("--profile", args.profile),
+                                                ("--decode", args.decode), ("--frozen-experts", args.frozen_experts))
+                      if wanted]
+
+
 def _in_own_process(name: str, args) -> dict:
     """``measure_contestant`` in a child process (its own CUDA context and peak memory); a crash or timeout
     is the row's error, and the other contestants go on."""
-    command = ["moe", "--one", name, "--config", args.config, "--tokens", str(args.tokens), "--batch",
-               str(args.batch), "--repeats", str(args.repeats), "--grad-accumulation", str(args.grad_accumulation)]
-    command += [flag for flag, wanted in (("--smoke", args.smoke), ("--profile", args.profile),
-                                          ("--decode", args.decode)) if wanted]
-    return forked.row_in_child(name, command, args.contestant_timeout)
+    return forked.row_in_child(name, child_command(name, args), args.contestant_timeout)
 
 
 def wanted_contestants(requested: list[str] | None, decode: bool = False) -> list[str]:
@@ -381,7 +402,7 @@ def run(args: argparse.Namespace) -> dict:
               "sequence": settings["tokens"], "environment": environment(settings["device"]),
               "warmup": settings["warmup"],
               "repeats": settings["repeats"], "process_per_contestant": True,
-              "grad_accumulation": args.grad_accumulation, "rows": rows}
+              "grad_accumulation": args.grad_accumulation, "frozen_experts": args.frozen_experts, "rows": rows}
     for name in wanted:
         rows.append(_in_own_process(name, args))
         print(f"{name}: {'error' if 'error' in rows[-1] else 'measured'}", flush=True)
@@ -427,7 +448,8 @@ def summary(result: dict) -> str:
     micro_batches = result.get("grad_accumulation", 1)
     heading = (f"MoE block ({result['config']}, batch {result['batch']}, {result['sequence']} tokens, "
                + (f"{micro_batches} micro-batches of " if micro_batches > 1 else "")
-               + "forward + backward, then SGD)")
+               + "forward + backward, then SGD"
+               + (", the experts' weights frozen)" if result.get("frozen_experts") else ")"))
     notes = [f"- {r['contestant']}: {r['note']}" for r in result["rows"] if r.get("note")]
     return "\n".join([title(heading, result), "", *markdown_table(columns, rows), *([""] + notes if notes else []),
                       *failed(result["rows"]), *_profile_tables(result["rows"])])
@@ -449,6 +471,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive(int), default=20)
     parser.add_argument("--grad-accumulation", type=positive(int), default=1, metavar="N",
                         help="micro-batches a training step (fp8graph's declared unchanged: fp8graph.weights_unchanged)")
+    parser.add_argument("--frozen-experts", action="store_true",
+                        help="the experts' weights frozen: no grad_weight GEMMs (fine-tuning the router and the rest)")
     parser.add_argument("--profile", action="store_true", help="also profile training steps: kernel time by category")
     parser.add_argument("--contestant-timeout", type=positive(float), default=600,
                         help="seconds one contestant may take")

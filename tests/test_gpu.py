@@ -475,6 +475,10 @@ def test_the_combine_backward_cast_equals_its_reference_on_the_gpu():
         assert ((got[3] - expected[3])[finite].abs() <= bound[finite]).all()
         without = quantize_weighted_rows_placed(operands[0], operands[1], None, *operands[3:], 16, token_of_row.cuda())
         assert without[3].numel() == 0 and torch.equal(without[1].cpu().view(torch.uint8), got[1].view(torch.uint8))
+        # Without the layout (frozen experts): the same rows and amaxes, nothing laid out.
+        rows_alone = quantize_weighted_rows_placed(*operands, 16, token_of_row.cuda(), False)
+        assert rows_alone[1].shape == (columns, 0) and torch.equal(rows_alone[2].cpu(), got[2])
+        assert torch.equal(rows_alone[0].cpu().view(torch.uint8), got[0].view(torch.uint8))
 
 
 def test_the_rowwise_combine_backward_cast_equals_its_reference_on_the_gpu():
@@ -503,6 +507,10 @@ def test_the_rowwise_combine_backward_cast_equals_its_reference_on_the_gpu():
             assert torch.equal(e4m3_bytes(got_fp8), e4m3_bytes(expected_fp8))
         bound = 1e-6 * (grad[token_of_row].float() * other.float()).abs().sum(1)
         assert ((got[3] - expected[3]).abs() <= bound).all()
+        # Without the layout (frozen experts): the same rows from one read, no layout and no scales for it.
+        rows_alone = quantize_weighted_rows_rowwise(*operands, 16, False, token_of_row.cuda(), False)
+        assert rows_alone[1].shape == (columns, 0) and rows_alone[2].shape == (len(sizes), 0)
+        assert torch.equal(rows_alone[0].cpu().view(torch.uint8), got[0].view(torch.uint8))
 
 
 def test_the_swiglu_backward_cast_is_within_one_e4m3_step_of_its_reference_on_the_gpu():
@@ -531,6 +539,9 @@ def test_the_swiglu_backward_cast_is_within_one_e4m3_step_of_its_reference_on_th
         assert bytes_one_step_apart(got[0], expected[0], (rows, width)) < 0.01 * got[0].numel()
         sources, _ = padded_group_sources(offsets, rows, 16)
         assert torch.equal(got[1].view(torch.uint8), transpose_fp8(got[0], sources).view(torch.uint8))
+        rows_alone = swiglu_backward_placed(gate_up.cuda(), grad_h.cuda(), scale.cuda(), offsets.cuda(), 16, False)
+        assert rows_alone[1].shape == (2 * width, 0) and torch.equal(rows_alone[2].cpu(), got[2])
+        assert torch.equal(rows_alone[0].cpu().view(torch.uint8), got[0].view(torch.uint8))
 
 
 def test_the_rowwise_swiglu_backward_casts_are_within_one_e4m3_step_of_their_reference_on_the_gpu():
@@ -557,6 +568,10 @@ def test_the_rowwise_swiglu_backward_casts_are_within_one_e4m3_step_of_their_ref
                                       offsets.cuda(), 16)
         for got_fp8, expected_fp8 in zip(got, expected):
             assert bytes_one_step_apart(got_fp8.cpu(), expected_fp8, (rows, width)) < 0.01 * got_fp8.numel()
+        rows_alone = swiglu_backward_rowwise(gate_up.cuda(), grad_h.cuda(), row_scale.cuda(), column_scale.cuda(),
+                                             offsets.cuda(), 16, False)
+        assert rows_alone[1].shape == (2 * width, 0)
+        assert torch.equal(rows_alone[0].view(torch.uint8), got[0].view(torch.uint8))
 
 
 def test_the_delayed_state_kernel_equals_its_reference_on_the_gpu():

@@ -74,9 +74,12 @@ def _case(label: str, cap: capture.Capture, note: str = "", extra_rows=()) -> di
 
 
 def _sgd_rows(model) -> list[costs.Row]:
-    """bench decoder's optimizer step, eager: ``p.add_(p.grad, alpha=-lr)`` per parameter (read 2, write 1)."""
+    """bench decoder's optimizer step, eager: ``p.add_(p.grad, alpha=-lr)`` per parameter that trains (read 2,
+    write 1)."""
     sizes: dict[int, int] = {}
     for p in model.parameters():
+        if not p.requires_grad:
+            continue
         nbytes = p.numel() * p.element_size()
         sizes[nbytes] = sizes.get(nbytes, 0) + 1
     return [costs.Row("optimizer", "optimizer", "param.add_(param.grad) (eager SGD)", f"{n / 1e6:.1f} MB parameter",
@@ -145,7 +148,7 @@ def moe(spec: dict) -> list[dict]:
 def _moe_case(spec: dict, shape: dict) -> dict:
     import torch._inductor.config as inductor_config
 
-    from bench.moe import compile_block, fp8_note, parse_contestant, swap_in_torchao
+    from bench.moe import compile_block, fp8_note, freeze_experts, parse_contestant, swap_in_torchao
     from fp8graph.models import moe as zoo
 
     contestant = spec["contestant"]
@@ -163,6 +166,8 @@ def _moe_case(spec: dict, shape: dict) -> dict:
     if base.startswith("torchao"):  # after the move: to_fake_cuda would drop torchao's tensor subclass
         with mode:
             swap_in_torchao(block)
+    if spec.get("frozen_experts"):
+        freeze_experts(block)
     with mode:
         x = torch.empty(shape["batch"], shape["sequence"], config["hidden"], dtype=torch.bfloat16, device="cuda",
                         requires_grad=True)
@@ -176,7 +181,7 @@ def _moe_case(spec: dict, shape: dict) -> dict:
                                f"expert width {config['expert_width']}, {shape['batch']}x{shape['sequence']}")
     case = _case(label, cap, note, _sgd_rows(block))
     micro_batches.split(case)
-    _check_grouped_gemms(case, base)
+    _check_grouped_gemms(case, base, bool(spec.get("frozen_experts")))
     return case
 
 
@@ -266,20 +271,22 @@ def _runs(cap: capture.Capture) -> dict[str, int]:
     return {f"{graph.index}:{graph.kind}": graph.runs for graph in cap.graphs}
 
 
-def _check_grouped_gemms(case: dict, base: str) -> None:
+def _check_grouped_gemms(case: dict, base: str, frozen_experts: bool = False) -> None:
     """A MoE step's expert GEMMs must be costed as GEMMs: two grouped GEMMs forward and four backward (grad
-    input and grad weight of each expert site). Fewer means a grouped GEMM went unrecognised (costed by its
-    bytes) or was decomposed into Triton kernels, and every number of the step would be wrong."""
+    input and grad weight of each expert site; with the experts' weights frozen, grad input alone). Fewer means
+    a grouped GEMM went unrecognised (costed by its bytes) or was decomposed into Triton kernels, and every
+    number of the step would be wrong."""
     grouped = [row for row in case["rows"] if row["kind"] == "gemm" and "grouped" in row["name"]]
     templates = sorted({row["name"] for row in case["rows"] if row["kind"] == "triton"
                         and row["name"].startswith("triton_tem") and "grouped" in row["name"]})
     if templates:
         raise capture.CaptureError(f"{base}: Inductor generated Triton templates for grouped GEMMs {templates[:3]}, "
                                    "which the cost model would cost by their bytes, not their FLOPs")
-    if len(grouped) < 6:
+    expected = 4 if frozen_experts else 6
+    if len(grouped) < expected:
         raise capture.CaptureError(
-            f"{base}: {len(grouped)} grouped GEMMs costed as GEMMs in the MoE step, expected 6 (forward, grad "
-            f"input and grad weight of both expert sites); extern calls seen: "
+            f"{base}: {len(grouped)} grouped GEMMs costed as GEMMs in the MoE step, expected {expected} (forward, "
+            f"grad input{'' if frozen_experts else ' and grad weight'} of both expert sites); extern calls seen: "
             f"{sorted({row['name'] for row in case['rows'] if row['kind'] in ('gemm', 'extern')})}")
 
 

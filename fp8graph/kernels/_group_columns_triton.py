@@ -32,6 +32,9 @@ With ``EXPERT_MAJOR`` (every group the same size, a multiple of ``MULTIPLE``: an
 groups of N rows) the bytes are stored (E, K, N), each group's transpose a block of its own: the layout grad_input's
 GEMM reads a row-wise weight cast along N in (``quantize_expert_columns``).
 
+Without ``LAYOUT`` (no grad_weight GEMM reads it: the experts' weights frozen) nothing is laid out: the rows alone
+are stored, per tensor or with ``ROW_SCALES`` (whose amax walk, for the layout's scales, is then skipped too).
+
 Where each group lies is derived in the program from ``offsets`` alone: its
 padded start is the sum of the padded sizes of the groups before it (E <= BLOCK_GROUPS
 values, loaded at once). Program ``E`` (one past the last group) takes the rows in
@@ -86,7 +89,7 @@ def quantize_group_columns_placed_kernel(
         MULTIPLE: tl.constexpr, BLOCK_GROUPS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr,
         SCALE_KIND: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MAX_EXPONENT: tl.constexpr,
         SOFTWARE_ROUNDING: tl.constexpr, TENSOR_SCALE: tl.constexpr, ROW_WEIGHTS: tl.constexpr, DOTS: tl.constexpr,
-        EXPERT_MAJOR: tl.constexpr, ROW_SCALES: tl.constexpr):
+        EXPERT_MAJOR: tl.constexpr, ROW_SCALES: tl.constexpr, LAYOUT: tl.constexpr):
     group = tl.program_id(0)
     column = tl.program_id(1).to(tl.int64) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)
     column_inside = column < columns
@@ -98,7 +101,7 @@ def quantize_group_columns_placed_kernel(
     if TENSOR_SCALE:
         scale = tl.load(scale_ptr)
         column_scale = tl.full([BLOCK_COLUMNS], 1.0, tl.float32) * scale
-    else:
+    elif LAYOUT:
         # While loops: the bounds are loaded values, which Triton's interpreter cannot take as range()'s.
         first = start
         while first < end:
@@ -129,14 +132,17 @@ def quantize_group_columns_placed_kernel(
             tl.store(dots_ptr + tl.program_id(1).to(tl.int64) * rows + row, tl.sum(x * other, axis=1), mask=present)
         if ROW_WEIGHTS:  # the row cast weighted
             x = x * tl.load(weights_ptr + row, mask=present, other=0.0).to(tl.float32)[:, None]
-        bits = _e4m3_bits(x * column_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
-        position = placed + tl.arange(0, BLOCK_ROWS)
-        inside = (position < bound)[:, None] & column_inside[None, :]
-        if EXPERT_MAJOR:  # (E, C, N): each group's rows a block of their own, a column's bytes contiguous in it
-            placed_at = x_t_fp8_ptr + base * columns + column[:, None] * (bound - base) + (position - base)[None, :]
-        else:
-            placed_at = x_t_fp8_ptr + column[:, None] * padded_rows + position[None, :]
-        tl.store(placed_at, tl.trans(bits), mask=tl.trans(inside))
+        if TENSOR_SCALE or LAYOUT:
+            bits = _e4m3_bits(x * column_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
+        if LAYOUT:
+            position = placed + tl.arange(0, BLOCK_ROWS)
+            inside = (position < bound)[:, None] & column_inside[None, :]
+            if EXPERT_MAJOR:  # (E, C, N): each group's rows a block of their own, a column's bytes contiguous
+                placed_at = (x_t_fp8_ptr + base * columns + column[:, None] * (bound - base)
+                             + (position - base)[None, :])
+            else:
+                placed_at = x_t_fp8_ptr + column[:, None] * padded_rows + position[None, :]
+            tl.store(placed_at, tl.trans(bits), mask=tl.trans(inside))
         if TENSOR_SCALE:  # the rows where they lie, and their magnitudes (a pad's zeros change no amax)
             max_bits = tl.maximum(max_bits, _magnitude_bits(x))
             tl.store(x_fp8_ptr + row[:, None] * columns + column[None, :], bits,

@@ -16,6 +16,8 @@ over the block's columns of both halves (a partial a block and row, a block's pa
 needs its every column, which no program sees) and each column's amax over the group's rows; the walk with
 ``CAST`` casts the rows with the given row scales and the layout with the group's column scales.
 
+Without ``LAYOUT`` (no grad_weight: the experts' weights frozen) the walk with ``CAST`` stores the rows alone.
+
 The gradient is computed in fp32 from the BF16 loads and never rounded before the cast, as Inductor's fused
 kernels compute it; the cast is ``fp8graph.kernels._quantize_tiles_triton``'s (E4M3 only: the grouped GEMM's).
 """
@@ -47,7 +49,7 @@ def swiglu_backward_placed_kernel(
         gate_up_ptr, grad_h_ptr, offsets_ptr, scale_ptr, rows_fp8_ptr, placed_ptr, amax_ptr, column_table_ptr, rows,
         width, padded_rows, gate_up_stride, grad_h_stride, groups, MULTIPLE: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
         BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, FP8_MAX: tl.constexpr,
-        SOFTWARE_ROUNDING: tl.constexpr, CAST: tl.constexpr, ROWWISE: tl.constexpr):
+        SOFTWARE_ROUNDING: tl.constexpr, CAST: tl.constexpr, ROWWISE: tl.constexpr, LAYOUT: tl.constexpr):
     group = tl.program_id(0)
     block = tl.program_id(1)
     column = block.to(tl.int64) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)
@@ -59,10 +61,10 @@ def swiglu_backward_placed_kernel(
     gate_bits_max = tl.zeros([BLOCK_ROWS, BLOCK_COLUMNS], dtype=tl.int32)
     up_bits_max = tl.zeros([BLOCK_ROWS, BLOCK_COLUMNS], dtype=tl.int32)
     if CAST:
-        if ROWWISE:  # scale_ptr holds a scale a row, column_table_ptr (E + 1, 2I) the columns' scales a group
+        if ROWWISE and LAYOUT:  # scale_ptr: a scale a row; column_table_ptr (E + 1, 2I): the columns' a group
             gate_scale = tl.load(column_table_ptr + group * (2 * width) + column, mask=column_inside, other=0.0)
             up_scale = tl.load(column_table_ptr + group * (2 * width) + width + column, mask=column_inside, other=0.0)
-        else:
+        elif not ROWWISE:
             scale = tl.load(scale_ptr)
         # Written so that the compiler knows them multiples of MULTIPLE: the transposed stores are then vectors.
         base = padded_start // MULTIPLE * MULTIPLE
@@ -76,18 +78,21 @@ def swiglu_backward_placed_kernel(
             grad_gate, grad_up = _swiglu_backward(gate_up_ptr, grad_h_ptr, row, present, column, column_inside,
                                                   gate_up_stride, grad_h_stride, width)
             if ROWWISE:  # the layout with the group's column scales; the rows below with their own
-                gate_bits = _e4m3_bits(grad_gate * gate_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
-                up_bits = _e4m3_bits(grad_up * up_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
+                if LAYOUT:
+                    gate_bits = _e4m3_bits(grad_gate * gate_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
+                    up_bits = _e4m3_bits(grad_up * up_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
             else:
                 gate_bits = _e4m3_bits(grad_gate * scale, FP8_MAX, SOFTWARE_ROUNDING)
                 up_bits = _e4m3_bits(grad_up * scale, FP8_MAX, SOFTWARE_ROUNDING)
-            position = placed + tl.arange(0, BLOCK_ROWS)
-            inside = tl.trans((position < bound)[:, None] & column_inside[None, :])
-            # 64-bit offsets (column is int64): the up half's start, width x padded_rows, passes 2**31 bytes at a
-            # million rows of a 2048-wide expert.
-            tl.store(placed_ptr + column[:, None] * padded_rows + position[None, :], tl.trans(gate_bits), mask=inside)
-            tl.store(placed_ptr + (column + width)[:, None] * padded_rows + position[None, :], tl.trans(up_bits),
-                     mask=inside)
+            if LAYOUT:
+                position = placed + tl.arange(0, BLOCK_ROWS)
+                inside = tl.trans((position < bound)[:, None] & column_inside[None, :])
+                # 64-bit offsets (column is int64): the up half's start, width x padded_rows, passes 2**31 bytes at
+                # a million rows of a 2048-wide expert.
+                tl.store(placed_ptr + column[:, None] * padded_rows + position[None, :], tl.trans(gate_bits),
+                         mask=inside)
+                tl.store(placed_ptr + (column + width)[:, None] * padded_rows + position[None, :],
+                         tl.trans(up_bits), mask=inside)
             if ROWWISE:
                 row_scale = tl.load(scale_ptr + row, mask=present, other=0.0)[:, None]
                 gate_bits = _e4m3_bits(grad_gate * row_scale, FP8_MAX, SOFTWARE_ROUNDING)

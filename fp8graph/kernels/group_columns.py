@@ -97,14 +97,17 @@ def _checked(x_hp: torch.Tensor, offsets: torch.Tensor, gather_index: torch.Tens
 def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index: torch.Tensor | None,
           tensor_scale: torch.Tensor | None, power_2_scales: bool, row_weights: torch.Tensor | None = None,
           other_hp: torch.Tensor | None = None, expert_major: bool = False,
-          into: tuple[torch.Tensor, torch.Tensor] | None = None, row_scales: torch.Tensor | None = None):
+          into: tuple[torch.Tensor, torch.Tensor] | None = None, row_scales: torch.Tensor | None = None,
+          layout: bool = True):
     """The kernel's launch and outputs: ``(launch, x_t_fp8 (C, P), rows (S, C) FP8 or None, table, dots)``, the
     table the scales per group and column (E, C), or with ``tensor_scale`` the amaxes of each group's (and the rows
     in no group's) blocks of columns (E + 1, :func:`column_blocks`); with ``row_weights`` the rows are weighted
     before the cast; with ``other_hp`` ``dots`` (:func:`column_blocks`, S) are each row's partial dot products with
     ``other_hp``'s, else None; ``expert_major`` (groups of one size, a multiple of ``multiple``) lays ``x_t_fp8`` out
     (E, C, P / E), each group's transpose a block of its own; ``into`` are the ``(x_t_fp8, table)`` to write; with
-    ``row_scales`` (S,) (and no ``tensor_scale``) the rows are stored too, each cast with its own scale."""
+    ``row_scales`` (S,) (and no ``tensor_scale``) the rows are stored too, each cast with its own scale; without
+    ``layout`` (rows stored: ``tensor_scale`` or ``row_scales``) nothing is laid out, ``x_t_fp8`` is (C, 0) and a
+    per-group table (E, 0)."""
     from triton import cdiv, knobs, next_power_of_2
 
     from fp8graph.kernels._group_columns_triton import quantize_group_columns_placed_kernel
@@ -119,12 +122,16 @@ def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index
     columns = x_hp.shape[1]
     # Groups of one size, a multiple of ``multiple``, are laid out without pads.
     padded_rows = rows if expert_major else padded_group_bound(rows, groups, multiple)
-    x_t_fp8 = torch.empty((groups, columns, rows // groups) if expert_major else (columns, padded_rows),
-                          dtype=_FP8, device=x_hp.device) if into is None else into[0]
     rows_fp8 = (None if tensor_scale is None and row_scales is None
                 else torch.empty((rows, columns), dtype=_FP8, device=x_hp.device))
+    if not layout and (rows_fp8 is None or expert_major or into is not None):
+        raise ValueError("a cast without grad_weight's layout stores the rows (a tensor's scale, or a row's)")
+    x_t_fp8 = (into[0] if into is not None else
+               torch.empty((groups, columns, rows // groups) if expert_major
+                           else (columns, padded_rows if layout else 0), dtype=_FP8, device=x_hp.device))
     table = (into[1] if into is not None else
-             torch.empty((groups, columns), dtype=torch.float32, device=x_hp.device) if tensor_scale is None
+             torch.empty((groups, columns if layout else 0), dtype=torch.float32, device=x_hp.device)
+             if tensor_scale is None
              else torch.empty((groups + 1, column_blocks(columns)), dtype=torch.float32, device=x_hp.device))
     gather = gather_index is not None
     # Without tensor_scale the kernel writes the scales into the table and takes no amax table (nor rows output
@@ -151,7 +158,7 @@ def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index
          "SOFTWARE_ROUNDING": bool(knobs.runtime.interpret), "TENSOR_SCALE": tensor_scale is not None,
          # The dots' tile of the other rows beside the rows': 4 warps spill where the columns do not divide by 8.
          "ROW_WEIGHTS": weighted, "DOTS": dotted, "EXPERT_MAJOR": expert_major, "ROW_SCALES": row_scales is not None,
-         "num_warps": 2 * _NUM_WARPS if dotted else _NUM_WARPS})
+         "LAYOUT": layout, "num_warps": 2 * _NUM_WARPS if dotted else _NUM_WARPS})
     return launch, x_t_fp8, rows_fp8, table, dots
 
 
@@ -423,20 +430,21 @@ def _weighted_checked(x_hp, row_weights, other_hp, scale, offsets, gather_index,
 
 def plan_quantize_weighted_rows_placed(x_hp: torch.Tensor, row_weights: torch.Tensor, other_hp: torch.Tensor | None,
                                        scale: torch.Tensor, offsets: torch.Tensor, multiple: int,
-                                       gather_index: torch.Tensor | None = None):
+                                       gather_index: torch.Tensor | None = None, layout: bool = True):
     """The launch that writes ``fp8graph::quantize_weighted_rows_placed``'s outputs, and ``(rows_fp8, x_t_fp8,
     amax, dot_partials (B, S) or None)``: the op's dots are the partials' sums over the blocks."""
     _weighted_checked(x_hp, row_weights, other_hp, scale, offsets, gather_index)
     launch, x_t_fp8, rows_fp8, amax, dots = _plan(x_hp, offsets, multiple, gather_index, scale.reshape(()), False,
-                                                  row_weights, other_hp)
+                                                  row_weights, other_hp, layout=layout)
     return launch, rows_fp8, x_t_fp8, amax, dots
 
 
-def quantize_weighted_rows_placed_triton(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index=None):
+def quantize_weighted_rows_placed_triton(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index=None,
+                                         layout=True):
     """Run the Triton kernel (the op's outputs)."""
     launch, rows_fp8, x_t_fp8, amax, dots = plan_quantize_weighted_rows_placed(
-        x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index)
-    if x_t_fp8.numel():
+        x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index, layout)
+    if x_t_fp8.numel() or rows_fp8.numel():
         launch()
     # Without columns the partials are (0, S): their sums are S zeros.
     return rows_fp8, x_t_fp8, amax, dots.sum(dim=0) if dots is not None else x_hp.new_empty((0,), dtype=torch.float32)
@@ -451,33 +459,40 @@ def weighted_rows_reference(x_hp: torch.Tensor, row_weights: torch.Tensor, other
     return rows_hp * row_weights.to(torch.float32)[:, None], dots
 
 
-def _weighted_reference(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index):
+def _no_layout(x_hp: torch.Tensor) -> torch.Tensor:
+    """The layout a cast without one returns: (C, 0)."""
+    return x_hp.new_empty((x_hp.shape[1], 0), dtype=_FP8)
+
+
+def _weighted_reference(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index, layout=True):
     _weighted_checked(x_hp, row_weights, other_hp, scale, offsets, gather_index)
     rows, dots = weighted_rows_reference(x_hp, row_weights, other_hp, gather_index)
     rows_fp8 = quantize(rows, scale.reshape(()), _FP8)
-    sources, _ = padded_group_sources(offsets, rows.shape[0], multiple)
-    return rows_fp8, transpose_fp8(rows_fp8, sources), group_block_amax(rows, offsets, _BLOCK_COLUMNS), dots
+    placed = transpose_fp8(rows_fp8, padded_group_sources(offsets, rows.shape[0], multiple)[0]) if layout else \
+        _no_layout(x_hp)
+    return rows_fp8, placed, group_block_amax(rows, offsets, _BLOCK_COLUMNS), dots
 
 
 @torch.library.custom_op("fp8graph::quantize_weighted_rows_placed", mutates_args=())
 def quantize_weighted_rows_placed(x_hp: torch.Tensor, row_weights: torch.Tensor, other_hp: torch.Tensor | None,
                                   scale: torch.Tensor, offsets: torch.Tensor, multiple: int,
-                                  gather_index: torch.Tensor | None = None
+                                  gather_index: torch.Tensor | None = None, layout: bool = True
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows ``x_hp[gather_index]`` (S, C) (``x_hp`` without an index), each multiplied by its ``row_weights``
     (S,) in fp32, cast and laid out as :func:`quantize_rows_placed` casts and lays out its rows; and each gathered
     row's dot product with the same row of ``other_hp`` (S, C), before the weight, in fp32. Returns ``(rows_fp8
     (S, C), x_t_fp8 (C, P), amax (E + 1, B), dots (S,))``, ``amax`` of the weighted rows; without ``other_hp``
-    (nothing needs the dots) ``dots`` is empty and ``other_hp`` is not read. ``gather_index`` must
-    hold row indices of ``x_hp``: unchecked, as a check would wait for the device."""
-    return _weighted_reference(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index)
+    (nothing needs the dots) ``dots`` is empty and ``other_hp`` is not read. Without ``layout`` (no grad_weight
+    GEMM reads it) ``x_t_fp8`` is (C, 0): nothing is laid out. ``gather_index`` must hold row indices of ``x_hp``:
+    unchecked, as a check would wait for the device."""
+    return _weighted_reference(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index, layout)
 
 
 @quantize_weighted_rows_placed.register_fake
-def _(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index=None):
+def _(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index=None, layout=True):
     _weighted_checked(x_hp, row_weights, other_hp, scale, offsets, gather_index)
     rows = x_hp.shape[0] if gather_index is None else gather_index.shape[0]
-    padded_rows = padded_group_bound(rows, offsets.shape[0], multiple)
+    padded_rows = padded_group_bound(rows, offsets.shape[0], multiple) if layout else 0
     return (x_hp.new_empty((rows, x_hp.shape[1]), dtype=_FP8),
             x_hp.new_empty((x_hp.shape[1], padded_rows), dtype=_FP8),
             x_hp.new_empty((offsets.shape[0] + 1, column_blocks(x_hp.shape[1])), dtype=torch.float32),
@@ -485,10 +500,11 @@ def _(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index=None):
 
 
 @quantize_weighted_rows_placed.register_kernel("cuda")
-def _(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index=None):
+def _(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index=None, layout=True):
     if not triton_available():
-        return _weighted_reference(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index)
-    return quantize_weighted_rows_placed_triton(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index)
+        return _weighted_reference(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index, layout)
+    return quantize_weighted_rows_placed_triton(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index,
+                                                layout)
 
 
 def _weighted_rowwise_checked(x_hp, row_weights, other_hp, row_scale, offsets, gather_index) -> None:
@@ -502,38 +518,42 @@ def _weighted_rowwise_checked(x_hp, row_weights, other_hp, row_scale, offsets, g
 
 def plan_quantize_weighted_rows_rowwise(x_hp: torch.Tensor, row_weights: torch.Tensor, other_hp: torch.Tensor | None,
                                         row_scale: torch.Tensor, offsets: torch.Tensor, multiple: int,
-                                        power_2_scales: bool, gather_index: torch.Tensor | None = None):
+                                        power_2_scales: bool, gather_index: torch.Tensor | None = None,
+                                        layout: bool = True):
     """The launch that writes ``fp8graph::quantize_weighted_rows_rowwise``'s outputs, and ``(rows_fp8, x_t_fp8,
     scale (E, C), dot_partials (B, S) or None)``: the op's dots are the partials' sums over the blocks."""
     _weighted_rowwise_checked(x_hp, row_weights, other_hp, row_scale, offsets, gather_index)
     launch, x_t_fp8, rows_fp8, scale, dots = _plan(x_hp, offsets, multiple, gather_index, None, power_2_scales,
-                                                   row_weights, other_hp, row_scales=row_scale)
+                                                   row_weights, other_hp, row_scales=row_scale, layout=layout)
     return launch, rows_fp8, x_t_fp8, scale, dots
 
 
 def quantize_weighted_rows_rowwise_triton(x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales,
-                                          gather_index=None):
+                                          gather_index=None, layout=True):
     """Run the Triton kernel (the op's outputs)."""
     launch, rows_fp8, x_t_fp8, scale, dots = plan_quantize_weighted_rows_rowwise(
-        x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales, gather_index)
+        x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales, gather_index, layout)
     if x_t_fp8.shape[0]:  # with columns the scales are written even where no row is
         launch()
     return rows_fp8, x_t_fp8, scale, dots.sum(dim=0) if dots is not None else x_hp.new_empty((0,), dtype=torch.float32)
 
 
 def _weighted_rowwise_reference(x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales,
-                                gather_index):
+                                gather_index, layout=True):
     _weighted_rowwise_checked(x_hp, row_weights, other_hp, row_scale, offsets, gather_index)
     rows, dots = weighted_rows_reference(x_hp, row_weights, other_hp, gather_index)
+    rows_fp8 = quantize(rows, row_scale[:, None], _FP8)
+    if not layout:
+        return rows_fp8, _no_layout(x_hp), rows.new_empty((offsets.shape[0], 0)), dots
     x_fp8, scale = quantize_group_columns(rows, offsets, _FP8, power_2_scales)
     sources, _ = padded_group_sources(offsets, rows.shape[0], multiple)
-    return quantize(rows, row_scale[:, None], _FP8), transpose_fp8(x_fp8, sources), scale, dots
+    return rows_fp8, transpose_fp8(x_fp8, sources), scale, dots
 
 
 @torch.library.custom_op("fp8graph::quantize_weighted_rows_rowwise", mutates_args=())
 def quantize_weighted_rows_rowwise(x_hp: torch.Tensor, row_weights: torch.Tensor, other_hp: torch.Tensor | None,
                                    row_scale: torch.Tensor, offsets: torch.Tensor, multiple: int, power_2_scales: bool,
-                                   gather_index: torch.Tensor | None = None
+                                   gather_index: torch.Tensor | None = None, layout: bool = True
                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows ``x_hp[gather_index]`` (S, C) (``x_hp`` without an index), each multiplied by its ``row_weights``
     (S,) in fp32, cast to E4M3 twice, as row-wise scaling's two GEMMs read them: each row with its own
@@ -543,27 +563,28 @@ def quantize_weighted_rows_rowwise(x_hp: torch.Tensor, row_weights: torch.Tensor
     fp32. Returns ``(rows_fp8 (S, C), x_t_fp8 (C, P), scale (E, C), dots (S,))``; without ``other_hp`` ``dots`` is
     empty and ``other_hp`` is not read. A row's scale needs all of its columns, which no program of the kernel
     sees: the caller makes it (the experts' combine: from each token's gradient amax and the row's weight,
-    ``fp8graph.targets.grouped``). ``gather_index`` must hold row indices of ``x_hp``: unchecked, as a check
-    would wait for the device."""
+    ``fp8graph.targets.grouped``). Without ``layout`` (no grad_weight GEMM reads it) the rows alone are cast,
+    from one read: ``x_t_fp8`` is (C, 0) and ``scale`` (E, 0). ``gather_index`` must hold row indices of ``x_hp``:
+    unchecked, as a check would wait for the device."""
     return _weighted_rowwise_reference(x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales,
-                                       gather_index)
+                                       gather_index, layout)
 
 
 @quantize_weighted_rows_rowwise.register_fake
-def _(x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales, gather_index=None):
+def _(x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales, gather_index=None, layout=True):
     _weighted_rowwise_checked(x_hp, row_weights, other_hp, row_scale, offsets, gather_index)
     rows = row_weights.shape[0]
-    padded_rows = padded_group_bound(rows, offsets.shape[0], multiple)
+    padded_rows = padded_group_bound(rows, offsets.shape[0], multiple) if layout else 0
     return (x_hp.new_empty((rows, x_hp.shape[1]), dtype=_FP8),
             x_hp.new_empty((x_hp.shape[1], padded_rows), dtype=_FP8),
-            x_hp.new_empty((offsets.shape[0], x_hp.shape[1]), dtype=torch.float32),
+            x_hp.new_empty((offsets.shape[0], x_hp.shape[1] if layout else 0), dtype=torch.float32),
             x_hp.new_empty((rows if other_hp is not None else 0,), dtype=torch.float32))
 
 
 @quantize_weighted_rows_rowwise.register_kernel("cuda")
-def _(x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales, gather_index=None):
+def _(x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales, gather_index=None, layout=True):
     if not triton_available():
         return _weighted_rowwise_reference(x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales,
-                                           gather_index)
+                                           gather_index, layout)
     return quantize_weighted_rows_rowwise_triton(x_hp, row_weights, other_hp, row_scale, offsets, multiple,
-                                                 power_2_scales, gather_index)
+                                                 power_2_scales, gather_index, layout)

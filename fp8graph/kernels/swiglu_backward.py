@@ -94,12 +94,18 @@ def _amax_reference(gate_up_hp, grad_h_hp, offsets):
     return _blocked_amax(swiglu_backward_reference(gate_up_hp, grad_h_hp), offsets)
 
 
-def _placed_reference(gate_up_hp, grad_h_hp, scale, offsets, multiple):
+def _laid_out(x_fp8: torch.Tensor, offsets: torch.Tensor, multiple: int, layout: bool) -> torch.Tensor:
+    """``x_fp8`` (S, C) laid out for grad_weight (C, P), or without ``layout`` the (C, 0) the ops return then."""
+    if not layout:
+        return x_fp8.new_empty((x_fp8.shape[1], 0))
+    return transpose_fp8(x_fp8, padded_group_sources(offsets, x_fp8.shape[0], multiple)[0])
+
+
+def _placed_reference(gate_up_hp, grad_h_hp, scale, offsets, multiple, layout=True):
     _checked("swiglu_backward_placed", gate_up_hp, grad_h_hp, offsets, scale)
     grad = swiglu_backward_reference(gate_up_hp, grad_h_hp)
     rows_fp8 = quantize(grad, scale.reshape(()), _FP8)
-    sources, _ = padded_group_sources(offsets, grad.shape[0], multiple)
-    return rows_fp8, transpose_fp8(rows_fp8, sources), _blocked_amax(grad, offsets)
+    return rows_fp8, _laid_out(rows_fp8, offsets, multiple, layout), _blocked_amax(grad, offsets)
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -107,9 +113,9 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(gate_up_hp, grad_h_hp, offsets, multiple, padded_rows, outputs, amax, column_table, cast: bool,
-            rowwise: bool) -> KernelLaunch:
+            rowwise: bool, layout: bool = True) -> KernelLaunch:
     """The kernel's launch: ``outputs`` its ``(scale, rows_fp8, placed)`` pointers, a program a group (and the rows
-    in no group) and block of 64 columns of each half."""
+    in no group) and block of 64 columns of each half; without ``layout`` the cast stores the rows alone."""
     from triton import cdiv, knobs, next_power_of_2
 
     from fp8graph.kernels._swiglu_backward_triton import swiglu_backward_placed_kernel
@@ -123,14 +129,14 @@ def _launch(gate_up_hp, grad_h_hp, offsets, multiple, padded_rows, outputs, amax
         {"MULTIPLE": multiple, "BLOCK_GROUPS": max(next_power_of_2(groups), 16), "BLOCK_ROWS": _BLOCK_ROWS,
          "BLOCK_COLUMNS": _BLOCK_COLUMNS, "FP8_MAX": fp8_max(_FP8),
          # The interpreter's own FP8 conversion is not the GPU's: round in software there.
-         "SOFTWARE_ROUNDING": bool(knobs.runtime.interpret), "CAST": cast, "ROWWISE": rowwise,
+         "SOFTWARE_ROUNDING": bool(knobs.runtime.interpret), "CAST": cast, "ROWWISE": rowwise, "LAYOUT": layout,
          "num_warps": _NUM_WARPS})
 
 
 def plan_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, offsets: torch.Tensor,
-                         scale: torch.Tensor | None = None, multiple: int = 16):
+                         scale: torch.Tensor | None = None, multiple: int = 16, layout: bool = True):
     """The kernel's launch and outputs: with ``scale``, ``(launch, rows_fp8 (S, 2I), placed (2I, P), amax)``, the
-    cast; without, ``(launch, amax)``, the amaxes alone."""
+    cast (``placed`` (2I, 0) without ``layout``); without, ``(launch, amax)``, the amaxes alone."""
     name = "swiglu_backward_amax" if scale is None else "swiglu_backward_placed"
     _checked(name, gate_up_hp, grad_h_hp, offsets, scale)
     gate_up_hp, grad_h_hp = _rows_contiguous(gate_up_hp), _rows_contiguous(grad_h_hp)
@@ -141,11 +147,12 @@ def plan_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, offs
     cast = scale is not None
     padded_rows = padded_group_bound(rows, groups, multiple)
     rows_fp8 = torch.empty((rows, 2 * width), dtype=_FP8, device=device) if cast else None
-    placed = torch.empty((2 * width, padded_rows), dtype=_FP8, device=device) if cast else None
+    placed = torch.empty((2 * width, padded_rows if layout else 0), dtype=_FP8, device=device) if cast else None
     # Without a cast the amax table's pointer stands in for the outputs the kernel does not write, and for the
     # column table, which only row-wise reads or writes.
     outputs = (scale.reshape(()), rows_fp8.view(torch.uint8), placed.view(torch.uint8)) if cast else (amax,) * 3
-    launch = _launch(gate_up_hp, grad_h_hp, offsets, multiple, padded_rows, outputs, amax, amax, cast, False)
+    launch = _launch(gate_up_hp, grad_h_hp, offsets, multiple, padded_rows, outputs, amax, amax, cast, False,
+                     layout)
     return (launch, rows_fp8, placed, amax) if cast else (launch, amax)
 
 
@@ -161,9 +168,10 @@ def _rowwise_checked(name: str, gate_up_hp, grad_h_hp, offsets, row_scale=None, 
 
 
 def plan_swiglu_backward_rowwise(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, offsets: torch.Tensor,
-                                 scales: tuple[torch.Tensor, torch.Tensor] | None = None, multiple: int = 16):
+                                 scales: tuple[torch.Tensor, torch.Tensor] | None = None, multiple: int = 16,
+                                 layout: bool = True):
     """The row-wise launches and outputs: with ``scales``, ``(row_scale (S,), column_scale (E + 1, 2I))``,
-    ``(launch, rows_fp8 (S, 2I), placed (2I, P))``, the casts; without, ``(launch, row_partials (B, S),
+    ``(launch, rows_fp8 (S, 2I), placed (2I, P))``, the casts (``placed`` (2I, 0) without ``layout``); without, ``(launch, row_partials (B, S),
     column_amax (E + 1, 2I))``, the amaxes (a row's is the max of its partials, one a block of 64 columns)."""
     name = "swiglu_backward_rowwise_amax" if scales is None else "swiglu_backward_rowwise"
     _rowwise_checked(name, gate_up_hp, grad_h_hp, offsets, *(scales or ()))
@@ -181,11 +189,11 @@ def plan_swiglu_backward_rowwise(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tens
         return launch, row_partials, column_amax
     row_scale, column_scale = (scale.contiguous() for scale in scales)
     rows_fp8 = torch.empty((rows, 2 * width), dtype=_FP8, device=device)
-    placed = torch.empty((2 * width, padded_rows), dtype=_FP8, device=device)
+    placed = torch.empty((2 * width, padded_rows if layout else 0), dtype=_FP8, device=device)
     # The cast stores no amaxes: the row scales' pointer stands in for their table.
     launch = _launch(gate_up_hp, grad_h_hp, offsets, multiple, padded_rows,
                      (row_scale, rows_fp8.view(torch.uint8), placed.view(torch.uint8)), row_scale, column_scale,
-                     True, True)
+                     True, True, layout)
     return launch, rows_fp8, placed
 
 
@@ -197,9 +205,9 @@ def swiglu_backward_amax_triton(gate_up_hp, grad_h_hp, offsets):
     return amax
 
 
-def swiglu_backward_placed_triton(gate_up_hp, grad_h_hp, scale, offsets, multiple):
+def swiglu_backward_placed_triton(gate_up_hp, grad_h_hp, scale, offsets, multiple, layout=True):
     """Run the Triton kernel with the cast (the op's outputs; no columns: no program, and nothing to write)."""
-    launch, rows_fp8, placed, amax = plan_swiglu_backward(gate_up_hp, grad_h_hp, offsets, scale, multiple)
+    launch, rows_fp8, placed, amax = plan_swiglu_backward(gate_up_hp, grad_h_hp, offsets, scale, multiple, layout)
     if grad_h_hp.shape[1]:
         launch()
     return rows_fp8, placed, amax
@@ -229,28 +237,34 @@ def _(gate_up_hp, grad_h_hp, offsets):
 
 @torch.library.custom_op("fp8graph::swiglu_backward_placed", mutates_args=())
 def swiglu_backward_placed(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, scale: torch.Tensor,
-                           offsets: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           offsets: torch.Tensor, multiple: int, layout: bool = True
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SwiGLU's input gradient (S, 2I) (as :func:`swiglu_backward_amax` takes it) cast to E4M3 with the one
     ``scale`` and written twice, as rows and laid out for a grouped grad_weight GEMM (each group of ``offsets``
     zero-padded to ``multiple`` rows, as ``fp8graph::quantize_rows_placed`` lays out): ``(rows_fp8 (S, 2I),
-    placed (2I, P), amax (E + 1, B))``, ``amax`` as :func:`swiglu_backward_amax`'s."""
-    return _placed_reference(gate_up_hp, grad_h_hp, scale, offsets, multiple)
+    placed (2I, P), amax (E + 1, B))``, ``amax`` as :func:`swiglu_backward_amax`'s. Without ``layout`` (no
+    grad_weight GEMM reads it) ``placed`` is (2I, 0): the rows alone are stored."""
+    return _placed_reference(gate_up_hp, grad_h_hp, scale, offsets, multiple, layout)
+
+
+def _padded_rows(rows: int, offsets: torch.Tensor, multiple: int, layout: bool):
+    return padded_group_bound(rows, offsets.shape[0], multiple) if layout else 0
 
 
 @swiglu_backward_placed.register_fake
-def _(gate_up_hp, grad_h_hp, scale, offsets, multiple):
+def _(gate_up_hp, grad_h_hp, scale, offsets, multiple, layout=True):
     _checked("swiglu_backward_placed", gate_up_hp, grad_h_hp, offsets, scale)
     rows, width = grad_h_hp.shape
     return (gate_up_hp.new_empty((rows, 2 * width), dtype=_FP8),
-            gate_up_hp.new_empty((2 * width, padded_group_bound(rows, offsets.shape[0], multiple)), dtype=_FP8),
+            gate_up_hp.new_empty((2 * width, _padded_rows(rows, offsets, multiple, layout)), dtype=_FP8),
             gate_up_hp.new_empty((offsets.shape[0] + 1, amax_blocks(width)), dtype=torch.float32))
 
 
 @swiglu_backward_placed.register_kernel("cuda")
-def _(gate_up_hp, grad_h_hp, scale, offsets, multiple):
+def _(gate_up_hp, grad_h_hp, scale, offsets, multiple, layout=True):
     if not triton_available():
-        return _placed_reference(gate_up_hp, grad_h_hp, scale, offsets, multiple)
-    return swiglu_backward_placed_triton(gate_up_hp, grad_h_hp, scale, offsets, multiple)
+        return _placed_reference(gate_up_hp, grad_h_hp, scale, offsets, multiple, layout)
+    return swiglu_backward_placed_triton(gate_up_hp, grad_h_hp, scale, offsets, multiple, layout)
 
 
 def swiglu_backward_rowwise_amax_triton(gate_up_hp, grad_h_hp, offsets):
@@ -262,10 +276,10 @@ def swiglu_backward_rowwise_amax_triton(gate_up_hp, grad_h_hp, offsets):
     return row_partials.amax(dim=0), column_amax
 
 
-def swiglu_backward_rowwise_triton(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, multiple):
+def swiglu_backward_rowwise_triton(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, multiple, layout=True):
     """Run the Triton kernel's row-wise cast (the op's outputs; no columns: no program, and nothing to write)."""
     launch, rows_fp8, placed = plan_swiglu_backward_rowwise(gate_up_hp, grad_h_hp, offsets, (row_scale, column_scale),
-                                                            multiple)
+                                                            multiple, layout)
     if grad_h_hp.shape[1]:
         launch()
     return rows_fp8, placed
@@ -279,12 +293,14 @@ def _rowwise_amax_reference(gate_up_hp, grad_h_hp, offsets):
     return row_amax, group_column_amax(grad, offsets)
 
 
-def _rowwise_reference(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, multiple):
+def _rowwise_reference(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, multiple, layout=True):
     _rowwise_checked("swiglu_backward_rowwise", gate_up_hp, grad_h_hp, offsets, row_scale, column_scale)
     grad = swiglu_backward_reference(gate_up_hp, grad_h_hp)
+    rows_fp8 = quantize(grad, row_scale[:, None], _FP8)
+    if not layout:
+        return rows_fp8, _laid_out(rows_fp8, offsets, multiple, False)
     grouped_fp8 = quantize(grad, column_scale[row_groups(offsets, grad.shape[0])], _FP8)
-    sources, _ = padded_group_sources(offsets, grad.shape[0], multiple)
-    return quantize(grad, row_scale[:, None], _FP8), transpose_fp8(grouped_fp8, sources)
+    return rows_fp8, _laid_out(grouped_fp8, offsets, multiple, True)
 
 
 @torch.library.custom_op("fp8graph::swiglu_backward_rowwise_amax", mutates_args=())
@@ -312,26 +328,28 @@ def _(gate_up_hp, grad_h_hp, offsets):
 
 @torch.library.custom_op("fp8graph::swiglu_backward_rowwise", mutates_args=())
 def swiglu_backward_rowwise(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, row_scale: torch.Tensor,
-                            column_scale: torch.Tensor, offsets: torch.Tensor, multiple: int
+                            column_scale: torch.Tensor, offsets: torch.Tensor, multiple: int, layout: bool = True
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """SwiGLU's input gradient (S, 2I) (as :func:`swiglu_backward_amax` takes it) cast to E4M3 twice, as row-wise
     scaling's two GEMMs read it: each row with its ``row_scale`` (S,), stored as rows (grad_input's), and each
     group's columns with that group's row of ``column_scale`` (E + 1, 2I) (the last row the rows' in no group),
     laid out for grad_weight as :func:`swiglu_backward_placed` lays out its cast: ``(rows_fp8 (S, 2I), placed (2I,
-    P))``."""
-    return _rowwise_reference(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, multiple)
+    P))``. Without ``layout`` (no grad_weight GEMM reads it) ``placed`` is (2I, 0) and ``column_scale`` unread:
+    the rows alone are stored."""
+    return _rowwise_reference(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, multiple, layout)
 
 
 @swiglu_backward_rowwise.register_fake
-def _(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, multiple):
+def _(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, multiple, layout=True):
     _rowwise_checked("swiglu_backward_rowwise", gate_up_hp, grad_h_hp, offsets, row_scale, column_scale)
     rows, width = grad_h_hp.shape
     return (gate_up_hp.new_empty((rows, 2 * width), dtype=_FP8),
-            gate_up_hp.new_empty((2 * width, padded_group_bound(rows, offsets.shape[0], multiple)), dtype=_FP8))
+            gate_up_hp.new_empty((2 * width, _padded_rows(rows, offsets, multiple, layout)), dtype=_FP8))
 
 
 @swiglu_backward_rowwise.register_kernel("cuda")
-def _(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, multiple):
+def _(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, multiple, layout=True):
     if not triton_available():
-        return _rowwise_reference(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, multiple)
-    return swiglu_backward_rowwise_triton(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, multiple)
+        return _rowwise_reference(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, multiple, layout)
+    return swiglu_backward_rowwise_triton(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, multiple,
+                                          layout)

@@ -289,7 +289,8 @@ def _combine(rows_hp: torch.Tensor, row_weights: torch.Tensor, permutation: torc
 
 
 def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, rows_hp: torch.Tensor | None,
-                           token_of_row: torch.Tensor, offsets: torch.Tensor, state, spec: GroupedSpec):
+                           token_of_row: torch.Tensor, offsets: torch.Tensor, state, spec: GroupedSpec,
+                           layout: bool = True):
     """Through :func:`_combine`, given its gradient ``grad_hp`` (T, N): this GEMM's grad_output
     ``grad_hp[token_of_row] * row_weights`` (S, N) cast for both of its GEMMs, ``(grad_output_fp8 (S, N), scale,
     inverse (S,), placed (N, S'), placed_inverse (E, N), grad_row_weights (S, 1) or None)``: the rows grad_input's
@@ -304,7 +305,8 @@ def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, row
     weight above 1 on a gradient near fp32's largest value, that row counts as 0 here where the kernel keeps its
     finite products): row-wise's row scales, and current scaling's tensor amax their max; delayed scaling's scale
     comes from its grad history, which records the amaxes the kernel returns. The weighted gradient is never
-    stored in high precision."""
+    stored in high precision. Without ``layout`` (no grad_weight: the experts' weights frozen) ``placed`` is
+    empty: the kernel stores the rows alone."""
     weights = row_weights.reshape(-1)
     columns = grad_hp.shape[1]
     if spec.per_row or not spec.delayed:
@@ -313,7 +315,7 @@ def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, row
     if spec.per_row:
         scale = _scale(row_amax, spec)
         grad_fp8, placed, placed_scale, dots = torch.ops.fp8graph.quantize_weighted_rows_rowwise(
-            grad_hp, weights, rows_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, spec.power_2, token_of_row)
+            grad_hp, weights, rows_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, spec.power_2, token_of_row, layout)
         inverse, placed_inverse = scale.reciprocal(), placed_scale.reciprocal()
     else:
         if spec.delayed:
@@ -322,7 +324,7 @@ def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, row
         else:
             scale = _scale(row_amax.amax(), spec)
         grad_fp8, placed, amaxes, dots = torch.ops.fp8graph.quantize_weighted_rows_placed(
-            grad_hp, weights, rows_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, token_of_row)
+            grad_hp, weights, rows_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, token_of_row, layout)
         if spec.delayed:
             _record_grad_amaxes(state, spec, amaxes.reshape(-1), new_scale)
         inverse = scale.reciprocal().expand(grad_fp8.shape[0])
@@ -332,7 +334,7 @@ def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, row
 
 
 def _cast_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, offsets: torch.Tensor, state,
-                          spec: GroupedSpec):
+                          spec: GroupedSpec, layout: bool = True):
     """The gradient of ``gate_up_hp`` (S, 2I) through :func:`_swiglu`, given ``grad_h_hp`` (S, I), cast for both of
     this GEMM's backward GEMMs: ``(grad_output_fp8 (S, 2I), scale, inverse (S,), placed (2I, S'), placed_inverse
     (E, 2I))``, the rows grad_input's GEMM reads and ``placed`` laid out for grad_weight's (as
@@ -342,24 +344,25 @@ def _cast_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, off
     ``fp8graph::swiglu_backward_amax``, delayed scaling's scale from its grad history, which records the amaxes the
     cast returns. Row-wise (``fp8graph::swiglu_backward_rowwise``, a scale a row for the rows and a scale a group
     and column for the layout): both amaxes from ``fp8graph::swiglu_backward_rowwise_amax``. The gradient is never
-    stored in high precision."""
+    stored in high precision. Without ``layout`` (no grad_weight: the experts' weights frozen) ``placed`` is
+    empty: the cast stores the rows alone."""
     experts = offsets.shape[0]
     if spec.per_row:
         row_amax, column_amax = torch.ops.fp8graph.swiglu_backward_rowwise_amax(gate_up_hp, grad_h_hp, offsets)
         row_scale, column_scale = _scale(row_amax, spec), _scale(column_amax, spec)  # (S,), (E + 1, 2I)
         grad_fp8, placed = torch.ops.fp8graph.swiglu_backward_rowwise(gate_up_hp, grad_h_hp, row_scale, column_scale,
-                                                                      offsets, FP8_GEMM_DIM_MULTIPLE)
+                                                                      offsets, FP8_GEMM_DIM_MULTIPLE, layout)
         return grad_fp8, row_scale, row_scale.reciprocal(), placed, column_scale[:experts].reciprocal()
     if spec.delayed:
         new_scale = _grad_scale_delayed(state, spec, grad_h_hp)
         grad_fp8, placed, amaxes = torch.ops.fp8graph.swiglu_backward_placed(
-            gate_up_hp, grad_h_hp, new_scale[0], offsets, FP8_GEMM_DIM_MULTIPLE)
+            gate_up_hp, grad_h_hp, new_scale[0], offsets, FP8_GEMM_DIM_MULTIPLE, layout)
         _record_grad_amaxes(state, spec, amaxes.reshape(-1), new_scale)
         scale = new_scale[0]
     else:
         scale = _scale(torch.ops.fp8graph.swiglu_backward_amax(gate_up_hp, grad_h_hp, offsets).amax(), spec)
         grad_fp8, placed, _ = torch.ops.fp8graph.swiglu_backward_placed(gate_up_hp, grad_h_hp, scale, offsets,
-                                                                         FP8_GEMM_DIM_MULTIPLE)
+                                                                         FP8_GEMM_DIM_MULTIPLE, layout)
     inverse = scale.reciprocal().expand(grad_fp8.shape[0])
     return grad_fp8, scale, inverse, placed, inverse[:1].expand(experts, grad_fp8.shape[1])
 
@@ -612,14 +615,15 @@ class _GroupedFP8(torch.autograd.Function):
             grad_output_placed = grad_output_g_inverse = None
             if spec.swiglu:  # grad_output_hp is h's: the GEMM's grad_output is gate_up's, through SwiGLU
                 (grad_output_fp8, grad_output_scale, grad_output_inverse, grad_output_placed,
-                 grad_output_g_inverse) = _cast_swiglu_backward(kept_output, grad_output_hp, offsets, ctx.state, spec)
+                 grad_output_g_inverse) = _cast_swiglu_backward(kept_output, grad_output_hp, offsets, ctx.state, spec,
+                                                                needs_grad_weight)
                 if ctx.stats is not None:  # the gradient in BF16 for its health record: stats cost its bytes
                     grad_output_hp = swiglu_backward_reference(kept_output, grad_output_hp).to(kept_output.dtype)
             elif spec.combine_top_k:  # grad_output_hp is the combine's (T, N): the GEMM's, through it
                 token_of_row = permutation // spec.combine_top_k
                 (grad_output_fp8, grad_output_scale, grad_output_inverse, grad_output_placed, grad_output_g_inverse,
                  grad_row_weights) = _cast_combine_backward(grad_output_hp, row_weights, kept_output, token_of_row,
-                                                            offsets, ctx.state, spec)
+                                                            offsets, ctx.state, spec, needs_grad_weight)
                 if ctx.stats is not None:  # the gradient in BF16 for its health record: stats cost its bytes
                     grad_output_hp = grad_output_hp[token_of_row] * row_weights
             else:

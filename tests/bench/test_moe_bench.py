@@ -14,6 +14,7 @@ import json
 import pathlib
 
 import pytest
+import torch
 
 from bench import model as bench_model
 from bench.costmodel import costs
@@ -502,6 +503,54 @@ def test_the_swiglu_between_the_expert_gemms_lives_only_in_the_cast_kernels(step
     assert "clamp" in cast["name"] and cast["written"] == S * TINY["expert_width"]  # FP8, once
 
 
+@pytest.fixture(scope="module")
+def frozen_steps() -> dict:
+    """current's and row-wise's modelled steps with the experts' weights frozen (``--frozen-experts``), one after
+    the other in one child process."""
+    contestants = ("current", "rowwise")
+    specs = [{**_spec(c), "grad_accumulation": [1], "frozen_experts": True} for c in contestants]
+    results = dict(zip(contestants, _run_kept(specs)))
+    for contestant, result in results.items():
+        assert "error" not in result, (contestant, result["error"])
+    return {c: r["cases"][0] for c, r in results.items()}
+
+
+_LAYING_OUT = ("quantize_group_columns_placed", "quantize_rows_placed", "transpose_fp8")
+
+
+@pytest.mark.parametrize("contestant", ["current", "rowwise"])
+def test_frozen_experts_cast_their_neighbours_gradients_for_grad_input_alone(frozen_steps, steps, contestant):
+    """With the experts' weights frozen the step runs no grad_weight GEMM (four grouped GEMMs, not six) and lays
+    nothing out for one: the kernels that cast SwiGLU's and the combine's gradients store the rows alone, a byte a
+    routed-token element where the trained step's store two, no other kernel lays an operand out, and the SGD
+    step leaves the experts alone."""
+    frozen, trained = frozen_steps[contestant], steps[contestant]
+    grouped = _grouped(frozen)
+    assert len(grouped) == 4 and all(row["kind"] == "gemm" for row in grouped)
+    assert all("(rows)" in row["detail"] for row in grouped)
+    laying_out = [r["name"] for r in frozen["rows"] if r["kind"] == "extern" and r["name"].split(".")[3] in _LAYING_OUT]
+    assert laying_out == [], laying_out
+
+    def neighbours(case):  # {op: bytes written} of the fused neighbours' backward casts
+        return {r["name"].split(".")[3]: r["written"] for r in case["rows"] if r["kind"] == "extern"
+                and r["graph"].endswith("backward") and r["name"].split(".")[3].startswith(
+                    ("swiglu_backward_placed", "swiglu_backward_rowwise", "quantize_weighted_rows"))
+                and not r["name"].split(".")[3].endswith("_amax")}
+
+    frozen_written, trained_written = neighbours(frozen), neighbours(trained)
+    rows_bytes = {"swiglu": S * 2 * TINY["expert_width"], "weighted": S * TINY["hidden"]}  # E4M3 rows, a byte each
+    assert frozen_written.keys() == trained_written.keys() and len(frozen_written) == 2, (frozen_written,
+                                                                                          trained_written)
+    for op, written in frozen_written.items():
+        rows = rows_bytes["swiglu" if op.startswith("swiglu") else "weighted"]
+        assert rows <= written < rows + 4 * S + 1024, (op, written)  # the rows, and amaxes or dots (fp32)
+        assert trained_written[op] >= written + rows, (op, trained_written[op])  # the layout: S' >= S bytes more
+    expert_weights = {TINY["experts"] * n * k * 2 for n, k in ((2 * TINY["expert_width"], TINY["hidden"]),
+                                                               (TINY["hidden"], TINY["expert_width"]))}
+    sgd = [r for r in frozen["rows"] if r["kind"] == "optimizer"]
+    assert sgd and not any(r["written"] in expert_weights for r in sgd), sgd
+
+
 def test_a_step_the_model_cannot_decide_is_an_error_row_not_a_number():
     """4 experts: the router's mm (N = 4) is misaligned, and Inductor would time it padded and unpadded on the
     device to decide; the child refuses with the reason."""
@@ -570,6 +619,29 @@ def test_bench_moe_refuses_without_cuda_and_checks_its_names(capsys):
     with pytest.raises(SystemExit):
         main(["moe", "--tokens", "0"])
     assert "must be > 0" in capsys.readouterr().err
+
+
+def test_bench_moe_frozen_experts_reach_the_child_and_its_sgd_steps_what_trains():
+    """``--frozen-experts``: the child that measures a contestant is told; the block's experts take no gradient,
+    and the step's SGD moves the router alone."""
+    import argparse
+
+    from bench.moe import add_arguments, child_command, freeze_experts, sgd_step
+    from fp8graph.models import build
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert "--frozen-experts" in child_command("current", parser.parse_args(["--frozen-experts"]))
+    assert "--frozen-experts" not in child_command("current", parser.parse_args([]))
+    block = build("moe", "tiny")
+    freeze_experts(block)
+    x = torch.randn(2, 8, block.gate.in_features, requires_grad=True)
+    block(x).sum().backward()
+    before = {name: p.detach().clone() for name, p in block.named_parameters()}
+    sgd_step(block, lr=1.0)
+    moved = {name for name, p in block.named_parameters() if not torch.equal(p, before[name])}
+    assert moved and all(name.startswith("gate") for name in moved), moved
+    assert all(p.grad is None for p in block.parameters()) and x.grad is not None
 
 
 def _step(module, x, grad_output) -> tuple:

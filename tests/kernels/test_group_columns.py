@@ -195,10 +195,16 @@ def test_the_weighted_op_casts_each_gathered_row_times_its_weight_and_returns_ea
     assert dots.isnan().sum() == (token_of_row == 3).sum()
     no_dots = quantize_weighted_rows_placed(grad_hp, row_weights, None, scale, OFFSETS, 16, token_of_row)
     assert no_dots[3].shape == (0,) and torch.equal(no_dots[1].view(torch.uint8), x_t_fp8.view(torch.uint8))
+    # Without the layout (no grad_weight): the same rows, amaxes and dots, nothing laid out.
+    rows_alone = quantize_weighted_rows_placed(grad_hp, row_weights, other_hp, scale, OFFSETS, 16, token_of_row,
+                                               layout=False)
+    assert rows_alone[1].shape == (100, 0) and torch.equal(rows_alone[0].view(torch.uint8), rows_fp8.view(torch.uint8))
+    assert torch.equal(rows_alone[2], amax)
+    torch.testing.assert_close(rows_alone[3], dots, rtol=0, atol=0, equal_nan=True)
     finite_hp = grad_hp.nan_to_num()
-    for other in (other_hp, None):
+    for other, layout in ((other_hp, True), (None, True), (other_hp, False)):
         torch.library.opcheck(torch.ops.fp8graph.quantize_weighted_rows_placed,
-                              (finite_hp, row_weights, other, scale, OFFSETS, 16, token_of_row),
+                              (finite_hp, row_weights, other, scale, OFFSETS, 16, token_of_row, layout),
                               test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
 
 
@@ -243,10 +249,16 @@ def test_the_rowwise_weighted_op_casts_each_weighted_row_with_its_scale_and_lays
     assert torch.equal(dots, (gathered * other_hp.float()).sum(1))
     no_dots = quantize_weighted_rows_rowwise(grad_hp, row_weights, None, row_scale, OFFSETS, 16, True, token_of_row)
     assert no_dots[3].shape == (0,) and torch.equal(no_dots[1].view(torch.uint8), x_t_fp8.view(torch.uint8))
+    # Without the layout (no grad_weight): the same rows and dots; no layout, no scales for it.
+    rows_alone = quantize_weighted_rows_rowwise(grad_hp, row_weights, other_hp, row_scale, OFFSETS, 16, True,
+                                                token_of_row, layout=False)
+    assert rows_alone[1].shape == (100, 0) and rows_alone[2].shape == (4, 0)
+    assert torch.equal(rows_alone[0].view(torch.uint8), rows_fp8.view(torch.uint8))
+    assert torch.equal(rows_alone[3], dots)
     finite_hp = grad_hp.nan_to_num()
-    for other in (other_hp, None):
+    for other, layout in ((other_hp, True), (None, True), (other_hp, False)):
         torch.library.opcheck(torch.ops.fp8graph.quantize_weighted_rows_rowwise,
-                              (finite_hp, row_weights, other, row_scale, OFFSETS, 16, False, token_of_row),
+                              (finite_hp, row_weights, other, row_scale, OFFSETS, 16, False, token_of_row, layout),
                               test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
 
 

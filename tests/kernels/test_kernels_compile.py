@@ -175,12 +175,14 @@ def test_the_gathered_expert_gemv_compiles_to_a_cubin_reading_fp8_as_vectors(row
                           ("group columns", 200, 100, 3, False), ("rows", 262144, 2048, 128, True),
                           ("rows", 200, 100, 3, True), ("weighted rows", 262144, 2048, 128, True),
                           ("weighted rows", 200, 100, 3, True), ("weighted rows rowwise", 262144, 2048, 128, True),
-                          ("weighted rows rowwise", 200, 100, 3, True),
+                          ("weighted rows rowwise", 200, 100, 3, True), ("weighted rows frozen", 262144, 2048, 128, True),
+                          ("weighted rows rowwise frozen", 262144, 2048, 128, True),
                           ("expert columns", 128 * 1536, 2048, 128, False),
                           ("expert columns", 128 * 2048, 768, 128, False), ("expert columns", 300, 70, 3, False)],
                          ids=["qwen3-input-gathered", "qwen3-grad-output", "ragged", "per-tensor-qwen3-input",
                               "per-tensor-ragged", "combine-backward-qwen3", "combine-backward-ragged",
                               "rowwise-combine-backward-qwen3", "rowwise-combine-backward-ragged",
+                              "frozen-combine-backward-qwen3", "frozen-rowwise-combine-backward-qwen3",
                               "qwen3-gate-up-weight", "qwen3-down-weight", "weight-ragged"])
 def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_bytes_as_vectors(
         op, rows, columns, experts, gather, capability):
@@ -190,7 +192,7 @@ def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_byt
     GEMM), as ``fp8graph::quantize_weighted_rows_placed`` (the combine's gradient, gathered, weighted and cast
     for the down projection, with each row's dot product with the GEMM's output), as
     ``fp8graph::quantize_weighted_rows_rowwise`` (the same gradient cast for row-wise: each row with its own scale,
-    stored as rows, and per group and column, laid out), and as
+    stored as rows, and per group and column, laid out; ``frozen``: the rows alone, for frozen experts), and as
     ``fp8graph::quantize_expert_columns`` (row-wise's expert weights (E, N, K) cast along N, each expert's rows a
     group, stored (E, K, N) for grad_input's GEMM). A cubin without spills that
     reads BF16 rows (and the other rows) as 16-byte vectors when the columns divide by 8, converts in hardware
@@ -204,16 +206,18 @@ def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_byt
     index = torch.empty(rows, dtype=torch.int64) if gather else None
     offsets = torch.empty(experts, dtype=torch.int32)
     scale = torch.empty((), dtype=torch.float32)
+    frozen = op.endswith(" frozen")
+    op = op.removesuffix(" frozen")
     if op == "rows":
         launch, *_ = plan_quantize_rows_placed(source, scale, offsets, 16, index)
     elif op == "weighted rows":
         launch, *_ = plan_quantize_weighted_rows_placed(
             source, torch.empty(rows, dtype=torch.bfloat16), torch.empty(rows, columns, dtype=torch.bfloat16), scale,
-            offsets, 16, index)
+            offsets, 16, index, layout=not frozen)
     elif op == "weighted rows rowwise":
         launch, *_ = plan_quantize_weighted_rows_rowwise(
             source, torch.empty(rows, dtype=torch.bfloat16), torch.empty(rows, columns, dtype=torch.bfloat16),
-            torch.empty(rows, dtype=torch.float32), offsets, 16, False, index)
+            torch.empty(rows, dtype=torch.float32), offsets, 16, False, index, layout=not frozen)
     elif op == "expert columns":
         launch, weight_t_fp8, scale = plan_quantize_expert_columns(source.view(experts, rows // experts, columns),
                                                                    False)
@@ -225,6 +229,7 @@ def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_byt
     assert launch.constexprs["EXPERT_MAJOR"] is (op == "expert columns")
     assert launch.constexprs["ROW_WEIGHTS"] is launch.constexprs["DOTS"] is op.startswith("weighted rows")
     assert launch.constexprs["ROW_SCALES"] is (op == "weighted rows rowwise")
+    assert launch.constexprs["LAYOUT"] is not frozen
     compiled = compile_launch(launch, capability)
     usage = resource_usage(compiled)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
@@ -233,24 +238,27 @@ def test_the_group_placing_casts_compile_to_a_cubin_reading_rows_and_storing_byt
     if columns % 8 == 0:
         assert "ld.global.v4.b32" in ptx, "rows are not read as 16-byte vectors"
         stores = ptx.count("st.global.v4.b32") + ptx.count("st.global.v2.b32")
-        assert stores >= (1 if op in ("group columns", "expert columns") else 2), \
+        assert stores >= (1 if op in ("group columns", "expert columns") or frozen else 2), \
             "the bytes are not stored as vectors (both layouts, where the rows are stored too)"
         if op.startswith("weighted rows"):
             assert ptx.count("ld.global.v4.b32") >= 2, "the other rows are not read as 16-byte vectors"
 
 
 @pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
-@pytest.mark.parametrize("rows, width, experts, cast, rowwise",
-                         [(262144, 768, 128, True, False), (262144, 768, 128, False, False), (200, 100, 3, True, False),
-                          (262144, 768, 128, True, True), (262144, 768, 128, False, True), (200, 100, 3, True, True)],
+@pytest.mark.parametrize("rows, width, experts, cast, rowwise, layout",
+                         [(262144, 768, 128, True, False, True), (262144, 768, 128, False, False, True),
+                          (200, 100, 3, True, False, True), (262144, 768, 128, True, True, True),
+                          (262144, 768, 128, False, True, True), (200, 100, 3, True, True, True),
+                          (262144, 768, 128, True, False, False), (262144, 768, 128, True, True, False)],
                          ids=["qwen3-cast", "qwen3-amax", "ragged", "rowwise-qwen3-cast", "rowwise-qwen3-amax",
-                              "rowwise-ragged"])
+                              "rowwise-ragged", "frozen-qwen3-cast", "frozen-rowwise-qwen3-cast"])
 def test_the_swiglu_backward_compiles_to_a_cubin_reading_rows_and_storing_bytes_as_vectors(
-        rows, width, experts, cast, rowwise, capability):
+        rows, width, experts, cast, rowwise, layout, capability):
     """``fp8graph::swiglu_backward_placed`` (SwiGLU's gradient between two expert GEMMs, cast as rows and laid out
     for grad_weight) and ``fp8graph::swiglu_backward_amax`` (its amaxes alone), and their row-wise forms
     (``swiglu_backward_rowwise``: the rows cast a scale a row, the layout a scale a group and column;
-    ``swiglu_backward_rowwise_amax``: each row's and each group's columns' amaxes): a cubin without spills that
+    ``swiglu_backward_rowwise_amax``: each row's and each group's columns' amaxes; the casts without the layout,
+    for frozen experts): a cubin without spills that
     reads gate, up and grad_h as 16-byte vectors when the width divides by 8, converts in hardware (saturating,
     round to nearest even) and stores both layouts as vectors. Not proven here: its speed (``bench moe`` on a
     GPU)."""
@@ -260,11 +268,11 @@ def test_the_swiglu_backward_compiles_to_a_cubin_reading_rows_and_storing_bytes_
     offsets = torch.empty(experts, dtype=torch.int32)
     if rowwise:
         scales = (torch.empty(rows), torch.empty(experts + 1, 2 * width)) if cast else None
-        launch, *_ = plan_swiglu_backward_rowwise(gate_up, grad_h, offsets, scales)
+        launch, *_ = plan_swiglu_backward_rowwise(gate_up, grad_h, offsets, scales, layout=layout)
     else:
-        launch, *_ = plan_swiglu_backward(gate_up, grad_h, offsets, torch.empty(()) if cast else None)
+        launch, *_ = plan_swiglu_backward(gate_up, grad_h, offsets, torch.empty(()) if cast else None, layout=layout)
     assert launch.constexprs["SOFTWARE_ROUNDING"] is False and launch.constexprs["CAST"] is cast  # what a GPU runs
-    assert launch.constexprs["ROWWISE"] is rowwise
+    assert launch.constexprs["ROWWISE"] is rowwise and launch.constexprs["LAYOUT"] is layout
     compiled = compile_launch(launch, capability)
     usage = resource_usage(compiled)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
@@ -273,7 +281,8 @@ def test_the_swiglu_backward_compiles_to_a_cubin_reading_rows_and_storing_bytes_
     if width % 8 == 0:
         assert ptx.count("ld.global.v4.b32") >= 3, "gate, up and grad_h are not read as 16-byte vectors"
     if cast and width % 8 == 0:
-        assert ptx.count("st.global.v4.b32") >= 4, "bytes not stored as 16-byte vectors (both halves, both layouts)"
+        assert ptx.count("st.global.v4.b32") >= (4 if layout else 2), \
+            "bytes not stored as 16-byte vectors (both halves, both layouts or the rows alone)"
 
 
 @pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())

@@ -25,7 +25,7 @@ OFFSETS = torch.tensor([5, 5, 30, 40], dtype=torch.int32)  # an empty group; row
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 @pytest.mark.triton_interpreter
 def test_the_triton_kernel_equals_the_reference_under_the_interpreter():
-    assert cases_checked_under_triton_interpreter("check_swiglu_backward.py") == 45
+    assert cases_checked_under_triton_interpreter("check_swiglu_backward.py") == 55
 
 
 def _autograd_gradient(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor) -> torch.Tensor:
@@ -65,8 +65,15 @@ def test_the_ops_are_swiglus_gradient_cast_as_rows_and_placed_with_each_groups_b
             torch.testing.assert_close(amax[group, block], expected, rtol=1e-6, atol=0)
     assert torch.equal(swiglu_backward_amax(gate_up_hp, grad_h_hp, OFFSETS), amax)
     finite_h = grad_h_hp.nan_to_num()  # opcheck compares outputs with assert_close, to which NaN is unequal
-    torch.library.opcheck(torch.ops.fp8graph.swiglu_backward_placed, (gate_up_hp, finite_h, scale, OFFSETS, 16),
-                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    # Without the layout (no grad_weight): the same rows and amaxes, nothing laid out.
+    rows_alone = swiglu_backward_placed(gate_up_hp, grad_h_hp, scale, OFFSETS, 16, layout=False)
+    assert rows_alone[1].shape == (200, 0)
+    assert torch.equal(rows_alone[0].view(torch.uint8), rows_fp8.view(torch.uint8))
+    assert torch.equal(rows_alone[2], amax)
+    for layout in (True, False):
+        torch.library.opcheck(torch.ops.fp8graph.swiglu_backward_placed,
+                              (gate_up_hp, finite_h, scale, OFFSETS, 16, layout),
+                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
     torch.library.opcheck(torch.ops.fp8graph.swiglu_backward_amax, (gate_up_hp, finite_h, OFFSETS),
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
 
@@ -112,9 +119,13 @@ def test_the_rowwise_ops_are_swiglus_gradient_cast_a_scale_a_row_and_a_scale_a_g
     assert ((row_largest >= 224) & (row_largest <= 448)).all()
     torch.library.opcheck(torch.ops.fp8graph.swiglu_backward_rowwise_amax, (gate_up_hp, grad_h_hp, OFFSETS),
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
-    torch.library.opcheck(torch.ops.fp8graph.swiglu_backward_rowwise,
-                          (gate_up_hp, grad_h_hp, row_scale, column_scale, OFFSETS, 16),
-                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    rows_alone, no_layout = swiglu_backward_rowwise(gate_up_hp, grad_h_hp, row_scale, column_scale, OFFSETS, 16,
+                                                    layout=False)
+    assert no_layout.shape == (200, 0) and torch.equal(rows_alone.view(torch.uint8), rows_fp8.view(torch.uint8))
+    for layout in (True, False):
+        torch.library.opcheck(torch.ops.fp8graph.swiglu_backward_rowwise,
+                              (gate_up_hp, grad_h_hp, row_scale, column_scale, OFFSETS, 16, layout),
+                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 def test_bad_operands_of_the_rowwise_ops_are_refused_with_what_they_take():

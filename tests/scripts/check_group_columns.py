@@ -59,12 +59,16 @@ for sizes, tail, columns in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 
         other = torch.randn(rows, columns * (2 if strided else 1), generator=generator).to(dtype)[:, :columns]
         expected = _weighted_reference(x, row_weights, other, scale, offsets, 16, index)
         got = quantize_weighted_rows_placed_triton(x, row_weights, other, scale, offsets, 16, index)
-        # Without other rows: the same cast, and no dots.
-        without = quantize_weighted_rows_placed_triton(x, row_weights, None, scale, offsets, 16, index)
-        assert all(torch.equal(e4m3_bytes(a) if a.dtype == torch.float8_e4m3fn else a,
-                               e4m3_bytes(b) if b.dtype == torch.float8_e4m3fn else b)
-                   for a, b in zip(without[:3], got[:3])), label
+        # Without other rows: the same cast, and no dots; gathered, without the layout too (the experts' weights
+        # frozen): the same rows and amaxes, nothing laid out.
+        without = quantize_weighted_rows_placed_triton(x, row_weights, None, scale, offsets, 16, index,
+                                                       layout=not gathered)
+        kept = (0, 1, 2) if not gathered else (0, 2)
+        assert all(torch.equal(e4m3_bytes(without[i]) if without[i].dtype == torch.float8_e4m3fn else without[i],
+                               e4m3_bytes(got[i]) if got[i].dtype == torch.float8_e4m3fn else got[i])
+                   for i in kept), label
         assert without[3].numel() == 0, label
+        assert gathered == (without[1].shape == (columns, 0)), label
 
         def same_parts(got, expected, parts):
             for got_part, expected_part, part in zip(got, expected, parts):
@@ -89,9 +93,13 @@ for sizes, tail, columns in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 
         expected = _weighted_rowwise_reference(x, row_weights, other, row_scale, offsets, 16, power_2, index)
         got = quantize_weighted_rows_rowwise_triton(x, row_weights, other, row_scale, offsets, 16, power_2, index)
         same_parts(got, expected, ("rows", "placed", "scale", "dots"))
-        without = quantize_weighted_rows_rowwise_triton(x, row_weights, None, row_scale, offsets, 16, power_2, index)
-        same_parts(without[:3], expected[:3], ("rows", "placed", "scale"))
+        without = quantize_weighted_rows_rowwise_triton(x, row_weights, None, row_scale, offsets, 16, power_2, index,
+                                                        layout=not gathered)
+        same_parts(without[:3], expected[:3] if not gathered else
+                   _weighted_rowwise_reference(x, row_weights, None, row_scale, offsets, 16, power_2, index, False),
+                   ("rows", "placed", "scale"))
         assert without[3].numel() == 0, label
+        assert gathered == (without[1].shape == (columns, 0) and without[2].shape == (len(sizes), 0)), label
         cases += 1
 # fp8graph::quantize_expert_columns: expert weights (E, N, K) cast along N and stored (E, K, N); N a multiple of 16,
 # of 2 only, odd; K not a multiple of the block; a (E, N, K) view of rows strided apart.

@@ -3,7 +3,8 @@
 ``swiglu_backward_rowwise`` and ``swiglu_backward_rowwise_amax``: a scale a row, a scale a group and column)
 against the ops' references: groups of
 every size (empty, one row, ragged, a block and more), rows in no group, widths not a multiple of the block,
-row-strided operands, values that test the amax and the cast (NaN, inf, zeros, gradients that saturate). The
+row-strided operands, values that test the amax and the cast (NaN, inf, zeros, gradients that saturate); both
+casts without grad_weight's layout too (the experts' weights frozen), the rows as with it. The
 gradient's sigmoid is numpy's under the interpreter and torch's in the reference: each byte within one E4M3 step
 of the reference's (nearly all equal), the placed layout byte for byte the kernel's own rows laid out, the amaxes
 within fp32 rounding."""
@@ -55,6 +56,12 @@ for sizes, tail, width in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 0]
         assert torch.equal(e4m3_bytes(got_placed), e4m3_bytes(transpose_fp8(got_rows, sources))), label
         torch.testing.assert_close(got_amax, expected[2], rtol=1e-6, atol=0, msg=str(label))
         cases += 1
+        if dtype == torch.bfloat16:  # without the layout (the experts' weights frozen): the same rows and amaxes
+            rows_alone = swiglu_backward_placed_triton(gate_up, grad_h, scale, offsets, 16, layout=False)
+            assert rows_alone[1].shape == (2 * width, 0), label
+            assert torch.equal(e4m3_bytes(rows_alone[0]), e4m3_bytes(got_rows)), label
+            assert torch.equal(rows_alone[2], got_amax), label
+            cases += 1
         # Row-wise: each row's and each group's columns' amaxes, then the casts with the scales they give (power-of-2
         # scales where the width is even: both kinds), the largest values of some rows saturating.
         expected_amaxes = _rowwise_amax_reference(gate_up, grad_h, offsets)
@@ -71,6 +78,12 @@ for sizes, tail, width in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 0]
             differing += bytes_one_step_apart(got_part, expected_part, label)
             compared += got_part.numel()
         cases += 1
+        if dtype == torch.bfloat16:  # without the layout: the same rows, nothing laid out
+            rows_alone = swiglu_backward_rowwise_triton(gate_up, grad_h, row_scale, column_scale, offsets, 16,
+                                                        layout=False)
+            assert rows_alone[1].shape == (2 * width, 0), label
+            assert torch.equal(e4m3_bytes(rows_alone[0]), e4m3_bytes(got[0])), label
+            cases += 1
 assert differing <= compared // 200, (differing, compared)  # nearly every byte equal
 print(f"bytes one E4M3 step from the reference: {differing} of {compared}")
 print(f"cases checked: {cases}")

@@ -7,6 +7,7 @@ gradients of that. Floors on Gaussian data: output >= 27 dB, grad_input and grad
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.numerics.health import sqnr_db
@@ -275,6 +276,65 @@ def test_the_rowwise_call_that_takes_swiglu_casts_its_gradient_as_autograds_swig
     assert torch.equal(fused_output, plain_output)
     for fused_grad, plain_grad in zip(fused_grads, plain_grads):
         assert torch.equal(fused_grad, plain_grad)
+
+
+class _FusedBackwardCasts(TorchDispatchMode):
+    """Each call of the kernels that cast a fused neighbour's gradient: ``(op, layout given, laid-out output)``."""
+
+    OPS = ("swiglu_backward_placed", "swiglu_backward_rowwise", "quantize_weighted_rows_placed",
+           "quantize_weighted_rows_rowwise")
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        outputs = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in self.OPS:
+            schema_args = [argument.name for argument in func._schema.arguments]
+            layout = {**dict(zip(schema_args, args)), **(kwargs or {})}.get("layout", True)
+            self.calls.append((name, layout, outputs[1]))
+        return outputs
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8RowwiseScaling(), DelayedScaling(amax_history_len=4)],
+                         ids=str)
+@pytest.mark.parametrize("neighbour", ["swiglu", "combine"])
+def test_frozen_experts_fused_neighbours_cast_the_gradient_for_grad_input_alone(monkeypatch, recipe, neighbour):
+    """With the experts' weights frozen no grad_weight GEMM runs: the kernel that casts a fused neighbour's gradient
+    stores the rows grad_input's GEMM reads and lays out nothing (``layout=False``; row-wise's combine skips the
+    walk for the layout's scales too), where it would write a byte an element that nothing reads. The input's and
+    the routing weights' gradients are those of the call whose weights train, bit for bit."""
+    torch.manual_seed(0)
+    tokens, top_k = 40, 2
+    offsets = torch.tensor([13, 13, 50, 80], dtype=torch.int32)  # an empty expert
+    permutation = torch.randperm(tokens * top_k)
+    x, w = torch.randn(tokens * top_k, 64), torch.randn(4, 96, 64) * 0.3
+    row_weights = torch.rand(tokens * top_k, 1)
+    grad = torch.randn(tokens if neighbour == "combine" else tokens * top_k, 96 if neighbour == "combine" else 48)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _read_scaled_grouped_mm)
+    fused = (grouped_fp8_target(recipe, Lowering.SCALED_MM, swiglu=True) if neighbour == "swiglu"
+             else grouped_fp8_target(recipe, Lowering.SCALED_MM, combine_top_k=top_k))
+    results, calls = [], []
+    for frozen in (False, True):
+        x_run, w_run, weights_run = x.clone().requires_grad_(), w.clone().requires_grad_(not frozen), \
+            row_weights.clone().requires_grad_()
+        state = (torch.zeros(5, 4), torch.ones(5), torch.zeros(1, 4), torch.ones(1)) if recipe.stateful else ()
+        extra = {} if neighbour == "swiglu" else {"row_weights": weights_run, "permutation": permutation}
+        output = fused(x_run, w_run, offsets, None, *state, **extra)
+        with _FusedBackwardCasts() as casts:
+            output.backward(grad)
+        results.append((x_run.grad, weights_run.grad))
+        calls.append(casts.calls)
+        assert (w_run.grad is None) == frozen
+    (trained, frozen_calls) = calls
+    assert [layout for _, layout, _ in trained] == [True] and [layout for _, layout, _ in frozen_calls] == [False]
+    assert frozen_calls[0][2].numel() == 0 and trained[0][2].numel() > 0
+    for trained_grad, frozen_grad in zip(*results):
+        assert (trained_grad is None) == (frozen_grad is None)
+        if trained_grad is not None:
+            assert torch.equal(trained_grad, frozen_grad)
 
 
 def test_the_weights_copy_for_grad_input_is_kept_only_where_fp8s_saving_on_the_input_pays_for_it():
