@@ -117,6 +117,7 @@ class Row:
     largest_numel: int = 0  # elements of its largest tensor operand: which of a site's operands it works on
     serial_steps: int = 0  # an extern kernel bound by dependent loop steps, not bytes (MEASURED_EXTERN_STEP_US)
     group_rows: float = 0.0  # a grouped GEMM's tokens a group, on average (its rate depends on them)
+    lays_out_nothing: bool = False  # an op of TRANSPOSED_STORE_OPS whose layout came out empty (layout=False)
 
     @property
     def bytes(self) -> int:
@@ -154,7 +155,8 @@ def time_us(row: Row, machine: Machine, triton_bandwidth: float | None = None) -
                    row.bytes / machine.copy_bandwidth * 1e6, machine.gemm_floor_us)
     if row.kind == "attention":
         return max(row.flops / machine.attention_flops * 1e6, machine.gemm_floor_us)
-    bandwidth = extern_bandwidth(extern_op(row.name), machine) if row.kind == "extern" else machine.copy_bandwidth
+    bandwidth = (extern_bandwidth(extern_op(row.name), machine, transposed=not row.lays_out_nothing)
+                 if row.kind == "extern" else machine.copy_bandwidth)
     steps_us = row.serial_steps * MEASURED_EXTERN_STEP_US.get(extern_op(row.name), (0.0,))[0]
     return max(row.bytes / bandwidth * 1e6, steps_us, machine.launch_floor_us)  # extern, memset, optimizer
 
@@ -214,12 +216,13 @@ TRANSPOSED_STORE_OPS = ("transpose_fp8", "transpose_fp8_into_", "quantize_both_l
                         "quantize_weighted_rows_rowwise", "swiglu_backward_placed", "swiglu_backward_rowwise")
 
 
-def extern_bandwidth(op: str, machine: Machine) -> float:
+def extern_bandwidth(op: str, machine: Machine, transposed: bool = True) -> float:
     """The bandwidth an extern kernel's operand bytes move at: measured (:data:`MEASURED_EXTERN_BANDWIDTH`), a
-    fraction of copy bandwidth (:data:`TRANSPOSED_STORE_OPS`), else copy bandwidth."""
+    fraction of copy bandwidth (:data:`TRANSPOSED_STORE_OPS`, unless this launch laid nothing out:
+    ``transposed=False``), else copy bandwidth."""
     if op in MEASURED_EXTERN_BANDWIDTH:
         return MEASURED_EXTERN_BANDWIDTH[op][0]
-    if op in TRANSPOSED_STORE_OPS:
+    if op in TRANSPOSED_STORE_OPS and transposed:
         return machine.copy_bandwidth * machine.transposed_store_fraction
     return machine.copy_bandwidth
 
@@ -353,6 +356,9 @@ def _extern_row(graph: str, extern) -> Row:
               largest_numel=max((_numel(s) for s, _ in [*extern.inputs, *extern.outputs]), default=0))
     if op in MEASURED_EXTERN_STEP_US:
         row.serial_steps = record_delayed_steps(extern)
+    if op in TRANSPOSED_STORE_OPS:  # a cast told to lay nothing out (frozen experts) returns an empty layout
+        row.lays_out_nothing = any(len(shape) == 2 and 0 in shape and _numel(extern.inputs[0][0])
+                                   for shape, dtype in extern.outputs if dtype.startswith("float8"))
     if op in _GROUPED_GEMMS:
         _grouped_gemm(row, op, shapes, dtypes)
     elif op in _GEMMS:

@@ -531,13 +531,22 @@ def test_frozen_experts_cast_their_neighbours_gradients_for_grad_input_alone(fro
     laying_out = [r["name"] for r in frozen["rows"] if r["kind"] == "extern" and r["name"].split(".")[3] in _LAYING_OUT]
     assert laying_out == [], laying_out
 
-    def neighbours(case):  # {op: bytes written} of the fused neighbours' backward casts
-        return {r["name"].split(".")[3]: r["written"] for r in case["rows"] if r["kind"] == "extern"
+    def neighbours(case):  # the fused neighbours' backward casts by op
+        return {r["name"].split(".")[3]: r for r in case["rows"] if r["kind"] == "extern"
                 and r["graph"].endswith("backward") and r["name"].split(".")[3].startswith(
                     ("swiglu_backward_placed", "swiglu_backward_rowwise", "quantize_weighted_rows"))
                 and not r["name"].split(".")[3].endswith("_amax")}
 
-    frozen_written, trained_written = neighbours(frozen), neighbours(trained)
+    # Priced as stores of rows (copy bandwidth), not of transposed tiles, where they laid nothing out.
+    machine = costs.Machine()
+    for op, row in neighbours(frozen).items():
+        assert row["lays_out_nothing"] and not neighbours(trained)[op]["lays_out_nothing"], op
+        large = {**row, "read": row["read"] * 10**4, "written": row["written"] * 10**4}  # past the launch floor
+        assert costs.time_us(costs.Row(**large), machine) == pytest.approx(
+            costs.time_us(costs.Row(**{**large, "lays_out_nothing": False}), machine)
+            * machine.transposed_store_fraction), op
+    frozen_written = {op: row["written"] for op, row in neighbours(frozen).items()}
+    trained_written = {op: row["written"] for op, row in neighbours(trained).items()}
     rows_bytes = {"swiglu": S * 2 * TINY["expert_width"], "weighted": S * TINY["hidden"]}  # E4M3 rows, a byte each
     assert frozen_written.keys() == trained_written.keys() and len(frozen_written) == 2, (frozen_written,
                                                                                           trained_written)
