@@ -479,6 +479,7 @@ def test_the_combine_backward_cast_equals_its_reference_on_the_gpu():
         rows_alone = quantize_weighted_rows_placed(*operands, 16, token_of_row.cuda(), False)
         assert rows_alone[1].shape == (columns, 0) and torch.equal(rows_alone[2].cpu(), got[2])
         assert torch.equal(rows_alone[0].cpu().view(torch.uint8), got[0].view(torch.uint8))
+        torch.testing.assert_close(rows_alone[3].cpu(), got[3], rtol=0, atol=0, equal_nan=True)
 
 
 def test_the_rowwise_combine_backward_cast_equals_its_reference_on_the_gpu():
@@ -511,6 +512,7 @@ def test_the_rowwise_combine_backward_cast_equals_its_reference_on_the_gpu():
         rows_alone = quantize_weighted_rows_rowwise(*operands, 16, False, token_of_row.cuda(), False)
         assert rows_alone[1].shape == (columns, 0) and rows_alone[2].shape == (len(sizes), 0)
         assert torch.equal(rows_alone[0].cpu().view(torch.uint8), got[0].view(torch.uint8))
+        assert torch.equal(rows_alone[3].cpu(), got[3])
 
 
 def test_the_swiglu_backward_cast_is_within_one_e4m3_step_of_its_reference_on_the_gpu():

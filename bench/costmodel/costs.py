@@ -216,6 +216,12 @@ TRANSPOSED_STORE_OPS = ("transpose_fp8", "transpose_fp8_into_", "quantize_both_l
                         "quantize_weighted_rows_rowwise", "swiglu_backward_placed", "swiglu_backward_rowwise")
 
 
+# Of those, the casts that take ``layout=False`` (no grad_weight: the experts' weights frozen): their first output
+# is the rows, their second the layout, (C, 0) where they laid nothing out.
+LAYOUT_OPTIONAL_OPS = ("quantize_weighted_rows_placed", "quantize_weighted_rows_rowwise", "swiglu_backward_placed",
+                       "swiglu_backward_rowwise")
+
+
 def extern_bandwidth(op: str, machine: Machine, transposed: bool = True) -> float:
     """The bandwidth an extern kernel's operand bytes move at: measured (:data:`MEASURED_EXTERN_BANDWIDTH`), a
     fraction of copy bandwidth (:data:`TRANSPOSED_STORE_OPS`, unless this launch laid nothing out:
@@ -356,9 +362,9 @@ def _extern_row(graph: str, extern) -> Row:
               largest_numel=max((_numel(s) for s, _ in [*extern.inputs, *extern.outputs]), default=0))
     if op in MEASURED_EXTERN_STEP_US:
         row.serial_steps = record_delayed_steps(extern)
-    if op in TRANSPOSED_STORE_OPS:  # a cast told to lay nothing out (frozen experts) returns an empty layout
-        row.lays_out_nothing = any(len(shape) == 2 and 0 in shape and _numel(extern.inputs[0][0])
-                                   for shape, dtype in extern.outputs if dtype.startswith("float8"))
+    if op in LAYOUT_OPTIONAL_OPS:  # told to lay nothing out (frozen experts), it returns rows and an empty layout
+        (rows, _), (layout, _) = extern.outputs[:2]
+        row.lays_out_nothing = _numel(rows) > 0 and len(layout) == 2 and layout[-1] == 0
     if op in _GROUPED_GEMMS:
         _grouped_gemm(row, op, shapes, dtypes)
     elif op in _GEMMS:

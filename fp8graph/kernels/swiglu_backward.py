@@ -171,8 +171,9 @@ def plan_swiglu_backward_rowwise(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tens
                                  scales: tuple[torch.Tensor, torch.Tensor] | None = None, multiple: int = 16,
                                  layout: bool = True):
     """The row-wise launches and outputs: with ``scales``, ``(row_scale (S,), column_scale (E + 1, 2I))``,
-    ``(launch, rows_fp8 (S, 2I), placed (2I, P))``, the casts (``placed`` (2I, 0) without ``layout``); without, ``(launch, row_partials (B, S),
-    column_amax (E + 1, 2I))``, the amaxes (a row's is the max of its partials, one a block of 64 columns)."""
+    ``(launch, rows_fp8 (S, 2I), placed (2I, P))``, the casts (``placed`` (2I, 0) without ``layout``); without,
+    ``(launch, row_partials (B, S), column_amax (E + 1, 2I))``, the amaxes (a row's is the max of its partials, one
+    a block of 64 columns)."""
     name = "swiglu_backward_rowwise_amax" if scales is None else "swiglu_backward_rowwise"
     _rowwise_checked(name, gate_up_hp, grad_h_hp, offsets, *(scales or ()))
     gate_up_hp, grad_h_hp = _rows_contiguous(gate_up_hp), _rows_contiguous(grad_h_hp)

@@ -528,7 +528,8 @@ def test_frozen_experts_cast_their_neighbours_gradients_for_grad_input_alone(fro
     grouped = _grouped(frozen)
     assert len(grouped) == 4 and all(row["kind"] == "gemm" for row in grouped)
     assert all("(rows)" in row["detail"] for row in grouped)
-    laying_out = [r["name"] for r in frozen["rows"] if r["kind"] == "extern" and r["name"].split(".")[3] in _LAYING_OUT]
+    laying_out = [r["name"] for r in frozen["rows"]
+                  if r["kind"] == "extern" and r["name"].split(".")[3] in _LAYING_OUT]
     assert laying_out == [], laying_out
 
     def neighbours(case):  # the fused neighbours' backward casts by op

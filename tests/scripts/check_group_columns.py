@@ -61,14 +61,14 @@ for sizes, tail, columns in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 
         got = quantize_weighted_rows_placed_triton(x, row_weights, other, scale, offsets, 16, index)
         # Without other rows: the same cast, and no dots; gathered, without the layout too (the experts' weights
         # frozen): the same rows and amaxes, nothing laid out.
-        without = quantize_weighted_rows_placed_triton(x, row_weights, None, scale, offsets, 16, index,
-                                                       layout=not gathered)
-        kept = (0, 1, 2) if not gathered else (0, 2)
-        assert all(torch.equal(e4m3_bytes(without[i]) if without[i].dtype == torch.float8_e4m3fn else without[i],
-                               e4m3_bytes(got[i]) if got[i].dtype == torch.float8_e4m3fn else got[i])
-                   for i in kept), label
-        assert without[3].numel() == 0, label
-        assert gathered == (without[1].shape == (columns, 0)), label
+        for layout in (True, False) if gathered else (True,):
+            without = quantize_weighted_rows_placed_triton(x, row_weights, None, scale, offsets, 16, index,
+                                                           layout=layout)
+            assert all(torch.equal(e4m3_bytes(without[i]) if without[i].dtype == torch.float8_e4m3fn else without[i],
+                                   e4m3_bytes(got[i]) if got[i].dtype == torch.float8_e4m3fn else got[i])
+                       for i in ((0, 1, 2) if layout else (0, 2))), label
+            assert without[3].numel() == 0, label
+            assert layout != (without[1].shape == (columns, 0)), label
 
         def same_parts(got, expected, parts):
             for got_part, expected_part, part in zip(got, expected, parts):
@@ -93,14 +93,22 @@ for sizes, tail, columns in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 
         expected = _weighted_rowwise_reference(x, row_weights, other, row_scale, offsets, 16, power_2, index)
         got = quantize_weighted_rows_rowwise_triton(x, row_weights, other, row_scale, offsets, 16, power_2, index)
         same_parts(got, expected, ("rows", "placed", "scale", "dots"))
-        without = quantize_weighted_rows_rowwise_triton(x, row_weights, None, row_scale, offsets, 16, power_2, index,
-                                                        layout=not gathered)
-        same_parts(without[:3], expected[:3] if not gathered else
-                   _weighted_rowwise_reference(x, row_weights, None, row_scale, offsets, 16, power_2, index, False),
-                   ("rows", "placed", "scale"))
-        assert without[3].numel() == 0, label
-        assert gathered == (without[1].shape == (columns, 0) and without[2].shape == (len(sizes), 0)), label
+        for layout in (True, False) if gathered else (True,):
+            without = quantize_weighted_rows_rowwise_triton(x, row_weights, None, row_scale, offsets, 16, power_2,
+                                                            index, layout=layout)
+            same_parts(without[:3], expected[:3] if layout else
+                       _weighted_rowwise_reference(x, row_weights, None, row_scale, offsets, 16, power_2, index, False),
+                       ("rows", "placed", "scale"))
+            assert without[3].numel() == 0, label
+            assert layout != (without[1].shape == (columns, 0) and without[2].shape == (len(sizes), 0)), label
         cases += 1
+# No routed row at all (a rank that got no tokens), without the layout: no row to store, and every group's amaxes
+# written as zeros (delayed scaling records them).
+empty = quantize_weighted_rows_placed_triton(torch.randn(5, 70), torch.empty(0), None, torch.tensor(2.0),
+                                             torch.zeros(3, dtype=torch.int32), 16, torch.empty(0, dtype=torch.int64),
+                                             layout=False)
+assert empty[0].shape == (0, 70) and empty[1].shape == (70, 0) and torch.equal(empty[2], torch.zeros(4, 2))
+cases += 1
 # fp8graph::quantize_expert_columns: expert weights (E, N, K) cast along N and stored (E, K, N); N a multiple of 16,
 # of 2 only, odd; K not a multiple of the block; a (E, N, K) view of rows strided apart.
 for experts, rows, columns in [(3, 48, 40), (2, 24, 130), (4, 7, 17), (1, 200, 64)]:
