@@ -519,13 +519,15 @@ def model_compare(args) -> None:
 
 def _newest_model(measured: dict, results: pathlib.Path) -> pathlib.Path | None:
     """The newest modelled result of the measured run's workload and configuration: bench moe's block (same
-    config, batch and tokens, no overrides; the newest that models every measured contestant, if one does) or
-    bench decoder's stack (same config and layers)."""
+    config, batch and tokens, no overrides, the experts frozen or not alike; the newest that models every measured
+    contestant, if one does) or bench decoder's stack (same config and layers)."""
     if measured.get("workload") == "moe_block":
         matching = []
         for path in sorted(results.glob("model-moe-*.json"), reverse=True):
             model = json.loads(path.read_text())
             spec = model["spec"]
+            if not _same_experts(spec, measured):
+                continue
             if ((spec.get("config"), spec.get("batch"), spec.get("sequence")) ==
                     (measured.get("config"), measured.get("batch"), measured.get("sequence"))
                     and not spec.get("overrides")) or _sweep_case(model, measured):
@@ -543,11 +545,18 @@ def _newest_model(measured: dict, results: pathlib.Path) -> pathlib.Path | None:
     return None
 
 
+def _same_experts(spec: dict, measured: dict) -> bool:
+    """Whether a modelled spec and a measured bench moe run both froze the experts' weights, or neither did
+    (``--frozen-experts``: a step without grad_weight GEMMs is no peer of one with them)."""
+    return bool(spec.get("frozen_experts")) == bool(measured.get("frozen_experts"))
+
+
 def _sweep_case(model: dict, measured: dict) -> str | None:
     """The case of a ``bench model moe --sweep`` result that models the measured block (same config, batch and
-    tokens, no overrides; one micro-batch a step, as bench moe runs it), or ``None``."""
+    tokens, no overrides, the experts frozen or not alike; one micro-batch a step, as bench moe runs it), or
+    ``None``."""
     spec = model.get("spec", {})
-    if 1 not in spec.get("grad_accumulation", [1]):
+    if 1 not in spec.get("grad_accumulation", [1]) or not _same_experts(spec, measured):
         return None
     for shape in spec.get("shapes") or ():
         if ((shape["config"], shape["batch"], shape["sequence"]) ==

@@ -816,6 +816,13 @@ def test_a_gpu_run_of_the_moe_block_is_shown_beside_the_committed_modelled_step(
     assert path.name in lines[0] and "+0%" in row and f"{modelled[fp8]['vs_bf16']:.2f}x" in row
     assert bench_model.compare_lines({**measured, "sequence": 1024}, "x", None, results)[0].startswith(
         "no modelled bench moe result")
+    # A step with the experts frozen is modelled by a frozen spec only, and the other way round.
+    for frozen in (False, True):
+        for batch in (1, 8):
+            path = bench_model._newest_model({**shape, "batch": batch, "frozen_experts": frozen}, results)
+            assert path is None or bool(json.loads(path.read_text())["spec"].get("frozen_experts")) == frozen
+    frozen_model = bench_model._newest_model({**shape, "batch": 8, "frozen_experts": True}, results)
+    assert frozen_model is not None and frozen_model != bench_model._newest_model({**shape, "batch": 8}, results)
 
 
 def test_the_tokens_order_is_restored_without_storing_the_sorted_gradient(steps):
