@@ -54,8 +54,8 @@ from fp8graph.numerics.groups import (group_block_amax, padded_group_bound, padd
                                       quantize_group_columns)
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
-__all__ = ["column_blocks", "plan_quantize_expert_columns", "plan_quantize_group_columns_placed",
-           "plan_quantize_rows_placed", "plan_quantize_weighted_rows_placed", "plan_quantize_weighted_rows_rowwise",
+__all__ = ["column_blocks", "layout_reference", "layout_rows", "plan_quantize_expert_columns",
+           "plan_quantize_group_columns_placed", "plan_quantize_rows_placed", "plan_quantize_weighted_rows_placed", "plan_quantize_weighted_rows_rowwise",
            "quantize_expert_columns", "quantize_expert_columns_into_", "quantize_group_columns_placed",
            "quantize_rows_placed", "quantize_weighted_rows_placed", "quantize_weighted_rows_rowwise",
            "takes_expert_destinations", "takes_expert_weight", "weighted_rows_reference"]
@@ -182,12 +182,26 @@ def quantize_group_columns_placed_triton(x_hp: torch.Tensor, offsets: torch.Tens
     return x_t_fp8, scale
 
 
+def layout_rows(rows: int, groups: int, multiple: int, layout: bool = True) -> int:
+    """The columns of grad_weight's layout of ``rows`` rows in ``groups`` groups, each zero-padded to ``multiple``
+    (:func:`fp8graph.numerics.groups.padded_group_bound`); 0 where a cast lays nothing out (``layout=False``)."""
+    return padded_group_bound(rows, groups, multiple) if layout else 0
+
+
+def layout_reference(x_fp8: torch.Tensor, offsets: torch.Tensor, multiple: int, layout: bool = True) -> torch.Tensor:
+    """What the ops' kernels lay out, by torch ops: the cast rows ``x_fp8`` (S, C) transposed with every group of
+    ``offsets`` zero-padded to ``multiple`` rows, (C, :func:`layout_rows`); (C, 0) without ``layout``."""
+    if not layout:
+        return x_fp8.new_empty((x_fp8.shape[1], 0))
+    sources, _ = padded_group_sources(offsets, x_fp8.shape[0], multiple)
+    return transpose_fp8(x_fp8, sources)
+
+
 def _reference(x_hp, offsets, multiple, power_2_scales, gather_index):
     _checked(x_hp, offsets, gather_index)
     rows_hp = x_hp if gather_index is None else x_hp[gather_index]
     x_fp8, scale = quantize_group_columns(rows_hp, offsets, _FP8, power_2_scales)
-    sources, _ = padded_group_sources(offsets, rows_hp.shape[0], multiple)
-    return transpose_fp8(x_fp8, sources), scale
+    return layout_reference(x_fp8, offsets, multiple), scale
 
 
 @torch.library.custom_op("fp8graph::quantize_group_columns_placed", mutates_args=())
@@ -377,8 +391,7 @@ def _rows_reference(x_hp, scale, offsets, multiple, gather_index):
     _checked(x_hp, offsets, gather_index, scale)
     rows_hp = (x_hp if gather_index is None else x_hp[gather_index]).contiguous()
     rows_fp8 = quantize(rows_hp, scale.reshape(()), _FP8)
-    sources, _ = padded_group_sources(offsets, rows_hp.shape[0], multiple)
-    return rows_fp8, transpose_fp8(rows_fp8, sources), group_block_amax(rows_hp, offsets, _BLOCK_COLUMNS)
+    return rows_fp8, layout_reference(rows_fp8, offsets, multiple), group_block_amax(rows_hp, offsets, _BLOCK_COLUMNS)
 
 
 @torch.library.custom_op("fp8graph::quantize_rows_placed", mutates_args=())
@@ -459,18 +472,12 @@ def weighted_rows_reference(x_hp: torch.Tensor, row_weights: torch.Tensor, other
     return rows_hp * row_weights.to(torch.float32)[:, None], dots
 
 
-def _no_layout(x_hp: torch.Tensor) -> torch.Tensor:
-    """The layout a cast without one returns: (C, 0)."""
-    return x_hp.new_empty((x_hp.shape[1], 0), dtype=_FP8)
-
-
 def _weighted_reference(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index, layout=True):
     _weighted_checked(x_hp, row_weights, other_hp, scale, offsets, gather_index)
     rows, dots = weighted_rows_reference(x_hp, row_weights, other_hp, gather_index)
     rows_fp8 = quantize(rows, scale.reshape(()), _FP8)
-    placed = transpose_fp8(rows_fp8, padded_group_sources(offsets, rows.shape[0], multiple)[0]) if layout else \
-        _no_layout(x_hp)
-    return rows_fp8, placed, group_block_amax(rows, offsets, _BLOCK_COLUMNS), dots
+    return (rows_fp8, layout_reference(rows_fp8, offsets, multiple, layout),
+            group_block_amax(rows, offsets, _BLOCK_COLUMNS), dots)
 
 
 @torch.library.custom_op("fp8graph::quantize_weighted_rows_placed", mutates_args=())
@@ -492,7 +499,7 @@ def quantize_weighted_rows_placed(x_hp: torch.Tensor, row_weights: torch.Tensor,
 def _(x_hp, row_weights, other_hp, scale, offsets, multiple, gather_index=None, layout=True):
     _weighted_checked(x_hp, row_weights, other_hp, scale, offsets, gather_index)
     rows = x_hp.shape[0] if gather_index is None else gather_index.shape[0]
-    padded_rows = padded_group_bound(rows, offsets.shape[0], multiple) if layout else 0
+    padded_rows = layout_rows(rows, offsets.shape[0], multiple, layout)
     return (x_hp.new_empty((rows, x_hp.shape[1]), dtype=_FP8),
             x_hp.new_empty((x_hp.shape[1], padded_rows), dtype=_FP8),
             x_hp.new_empty((offsets.shape[0] + 1, column_blocks(x_hp.shape[1])), dtype=torch.float32),
@@ -544,10 +551,10 @@ def _weighted_rowwise_reference(x_hp, row_weights, other_hp, row_scale, offsets,
     rows, dots = weighted_rows_reference(x_hp, row_weights, other_hp, gather_index)
     rows_fp8 = quantize(rows, row_scale[:, None], _FP8)
     if not layout:
-        return rows_fp8, _no_layout(x_hp), rows.new_empty((offsets.shape[0], 0)), dots
+        no_scales = rows.new_empty((offsets.shape[0], 0))
+        return rows_fp8, layout_reference(rows_fp8, offsets, multiple, False), no_scales, dots
     x_fp8, scale = quantize_group_columns(rows, offsets, _FP8, power_2_scales)
-    sources, _ = padded_group_sources(offsets, rows.shape[0], multiple)
-    return rows_fp8, transpose_fp8(x_fp8, sources), scale, dots
+    return rows_fp8, layout_reference(x_fp8, offsets, multiple), scale, dots
 
 
 @torch.library.custom_op("fp8graph::quantize_weighted_rows_rowwise", mutates_args=())
@@ -574,7 +581,7 @@ def quantize_weighted_rows_rowwise(x_hp: torch.Tensor, row_weights: torch.Tensor
 def _(x_hp, row_weights, other_hp, row_scale, offsets, multiple, power_2_scales, gather_index=None, layout=True):
     _weighted_rowwise_checked(x_hp, row_weights, other_hp, row_scale, offsets, gather_index)
     rows = row_weights.shape[0]
-    padded_rows = padded_group_bound(rows, offsets.shape[0], multiple) if layout else 0
+    padded_rows = layout_rows(rows, offsets.shape[0], multiple, layout)
     return (x_hp.new_empty((rows, x_hp.shape[1]), dtype=_FP8),
             x_hp.new_empty((x_hp.shape[1], padded_rows), dtype=_FP8),
             x_hp.new_empty((offsets.shape[0], x_hp.shape[1] if layout else 0), dtype=torch.float32),

@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import torch
 
+from fp8graph.kernels.group_columns import layout_reference, layout_rows
 from fp8graph.kernels.quantize_tiles import KernelLaunch, triton_available
-from fp8graph.kernels.transpose_fp8 import transpose_fp8
 from fp8graph.numerics.formats import fp8_max
-from fp8graph.numerics.groups import (group_block_amax, group_column_amax, padded_group_bound, padded_group_sources,
-                                      row_groups)
+from fp8graph.numerics.groups import group_block_amax, group_column_amax, padded_group_bound, row_groups
 from fp8graph.numerics.quantize import finite_magnitude, quantize
 
 __all__ = ["amax_blocks", "plan_swiglu_backward", "plan_swiglu_backward_rowwise", "swiglu_backward_amax",
@@ -94,18 +93,11 @@ def _amax_reference(gate_up_hp, grad_h_hp, offsets):
     return _blocked_amax(swiglu_backward_reference(gate_up_hp, grad_h_hp), offsets)
 
 
-def _laid_out(x_fp8: torch.Tensor, offsets: torch.Tensor, multiple: int, layout: bool) -> torch.Tensor:
-    """``x_fp8`` (S, C) laid out for grad_weight (C, P), or without ``layout`` the (C, 0) the ops return then."""
-    if not layout:
-        return x_fp8.new_empty((x_fp8.shape[1], 0))
-    return transpose_fp8(x_fp8, padded_group_sources(offsets, x_fp8.shape[0], multiple)[0])
-
-
 def _placed_reference(gate_up_hp, grad_h_hp, scale, offsets, multiple, layout=True):
     _checked("swiglu_backward_placed", gate_up_hp, grad_h_hp, offsets, scale)
     grad = swiglu_backward_reference(gate_up_hp, grad_h_hp)
     rows_fp8 = quantize(grad, scale.reshape(()), _FP8)
-    return rows_fp8, _laid_out(rows_fp8, offsets, multiple, layout), _blocked_amax(grad, offsets)
+    return rows_fp8, layout_reference(rows_fp8, offsets, multiple, layout), _blocked_amax(grad, offsets)
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -248,16 +240,12 @@ def swiglu_backward_placed(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, sc
     return _placed_reference(gate_up_hp, grad_h_hp, scale, offsets, multiple, layout)
 
 
-def _padded_rows(rows: int, offsets: torch.Tensor, multiple: int, layout: bool):
-    return padded_group_bound(rows, offsets.shape[0], multiple) if layout else 0
-
-
 @swiglu_backward_placed.register_fake
 def _(gate_up_hp, grad_h_hp, scale, offsets, multiple, layout=True):
     _checked("swiglu_backward_placed", gate_up_hp, grad_h_hp, offsets, scale)
     rows, width = grad_h_hp.shape
     return (gate_up_hp.new_empty((rows, 2 * width), dtype=_FP8),
-            gate_up_hp.new_empty((2 * width, _padded_rows(rows, offsets, multiple, layout)), dtype=_FP8),
+            gate_up_hp.new_empty((2 * width, layout_rows(rows, offsets.shape[0], multiple, layout)), dtype=_FP8),
             gate_up_hp.new_empty((offsets.shape[0] + 1, amax_blocks(width)), dtype=torch.float32))
 
 
@@ -299,9 +287,9 @@ def _rowwise_reference(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, 
     grad = swiglu_backward_reference(gate_up_hp, grad_h_hp)
     rows_fp8 = quantize(grad, row_scale[:, None], _FP8)
     if not layout:
-        return rows_fp8, _laid_out(rows_fp8, offsets, multiple, False)
+        return rows_fp8, layout_reference(rows_fp8, offsets, multiple, False)
     grouped_fp8 = quantize(grad, column_scale[row_groups(offsets, grad.shape[0])], _FP8)
-    return rows_fp8, _laid_out(grouped_fp8, offsets, multiple, True)
+    return rows_fp8, layout_reference(grouped_fp8, offsets, multiple)
 
 
 @torch.library.custom_op("fp8graph::swiglu_backward_rowwise_amax", mutates_args=())
@@ -345,7 +333,7 @@ def _(gate_up_hp, grad_h_hp, row_scale, column_scale, offsets, multiple, layout=
     _rowwise_checked("swiglu_backward_rowwise", gate_up_hp, grad_h_hp, offsets, row_scale, column_scale)
     rows, width = grad_h_hp.shape
     return (gate_up_hp.new_empty((rows, 2 * width), dtype=_FP8),
-            gate_up_hp.new_empty((2 * width, _padded_rows(rows, offsets, multiple, layout)), dtype=_FP8))
+            gate_up_hp.new_empty((2 * width, layout_rows(rows, offsets.shape[0], multiple, layout)), dtype=_FP8))
 
 
 @swiglu_backward_rowwise.register_kernel("cuda")
