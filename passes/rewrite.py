@@ -53,7 +53,7 @@ from torch._dynamo.utils import counters
 
 from fp8graph.targets.cache_hash import mark_cacheable
 from fp8graph.targets.gathered import gathered_fp8_target
-from fp8graph.targets.grouped import fuses_neighbours, grouped_fp8_target
+from fp8graph.targets.grouped import fuses_neighbours, grouped_fp8_target, takes_swiglu_source
 from fp8graph.targets.linear_tensorwise import linear_fp8_target, linears_fp8_target
 from fp8graph.targets.linear_tiled import linear_tiled_target
 from fp8graph.targets.matmul import matmul_fp8_target
@@ -219,8 +219,19 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
             call.meta.update(site.node.meta)
             mark_cacheable(call, target)
             outputs = [call]
+            if _fuses_swiglu(first):  # (silu(gate) * up, the GEMM's output): the SwiGLU in its place, the output in
+                # the GEMM's, for the next site to cast SwiGLU from (fp8graph.targets.grouped.takes_swiglu_source)
+                with graph.inserting_after(call):
+                    gemm_output = graph.call_function(operator.getitem, (call, 1))
+                    swiglu = graph.call_function(operator.getitem, (call, 0))
+                gemm_output.meta.update(site.node.meta)
+                gemm_output.meta.pop(DECISION_KEY, None)
+                call.meta.pop("example_value", None)
+                call.meta.pop("val", None)
+                replaced[site.node] = gemm_output
+                outputs = [swiglu]
     for decision, output in zip(group, outputs):
-        replaced[decision.site.node] = output
+        replaced.setdefault(decision.site.node, output)
         node = decision.site.node
         fused = (decision.site.swiglu_nodes if _fuses_swiglu(decision)
                  else decision.site.combine_nodes if _fuses_combine(decision) else ())
@@ -231,7 +242,7 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
             replaced[last] = output
             for computed_node in (last, *reversed(computed)):  # pure ops, each read only by the next
                 graph.erase_node(computed_node)
-        node.replace_all_uses_with(output)
+        node.replace_all_uses_with(replaced[node])
         graph.erase_node(node)
 
 
@@ -273,11 +284,29 @@ def _grouped_call(site: GroupedExpertSite, decision: Decision, graph, state, cac
                                 buffers.weight_cache if cache is not None else None, _fuses_swiglu(decision),
                                 site.combine_top_k if combine else 0)
     kwargs = {"row_weights": site.combine_weights, "permutation": site.combine_permutation} if combine else {}
+    # SwiGLU read by this site alone: cast from the first call's output, SwiGLU's value never stored (read again, it
+    # is stored anyway, and casting it as given reads fewer bytes than the output it came from).
+    source = _swiglu_source(site.input_node)
+    if source is not None and site.gather_source is None and set(site.input_node.users) == {site.node} \
+            and takes_swiglu_source(decision.recipe, decision.lowering):
+        kwargs["swiglu_source"] = source
     if site.gather_source is None:
         return target, (site.input_node, _weight_nk(graph, decision), site.offsets_node), kwargs
     # Sorted tokens gathered from the hidden states: the call casts the source rows, then gathers.
     return (target, (site.gather_source, _weight_nk(graph, decision), site.offsets_node),
             {"gather_index": site.gather_index, **kwargs})
+
+
+def _swiglu_source(input_node) -> torch.fx.Node | None:
+    """The GEMM's output whose SwiGLU ``input_node`` is, where an expert call that took SwiGLU returned both
+    (:func:`_rewrite`): ``getitem(call, 0)``'s ``getitem(call, 1)``; else None."""
+    if not (isinstance(input_node, torch.fx.Node) and input_node.op == "call_function"
+            and input_node.target is operator.getitem and input_node.args[1] == 0):
+        return None
+    call = input_node.args[0]
+    if not getattr(call.target, "swiglu", False):
+        return None
+    return next((user for user in call.users if user.target is operator.getitem and user.args[1] == 1), None)
 
 
 @_single_call.register

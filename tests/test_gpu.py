@@ -546,6 +546,34 @@ def test_the_swiglu_backward_cast_is_within_one_e4m3_step_of_its_reference_on_th
         assert torch.equal(rows_alone[0].cpu().view(torch.uint8), got[0].view(torch.uint8))
 
 
+def test_the_swiglu_forward_cast_is_inductors_fused_cast_byte_for_byte_on_the_gpu():
+    """``fp8graph::swiglu_forward_placed`` on CUDA (the Triton kernel, libdevice's exp, the hardware's conversion):
+    its rows byte for byte what Inductor's kernel for ``quantize(silu(gate) * up, scale)`` stores (the kernel it
+    replaces in the down projection's forward; a NaN's sign aside), within one E4M3 step of the CPU reference's, the placed layout byte
+    for byte its own rows laid out, the amaxes within fp32 rounding."""
+    from fp8graph.kernels.swiglu_forward import swiglu_forward_placed
+    from fp8graph.kernels.transpose_fp8 import transpose_fp8
+    from fp8graph.numerics.groups import padded_group_sources
+    from fp8graph.numerics.quantize import quantize
+    from fp8graph.targets.grouped import _swiglu
+    from scripts.e4m3_bytes import bytes_one_step_apart, e4m3_bytes
+
+    inductor_cast = torch.compile(lambda gate_up, scale: quantize(_swiglu(gate_up), scale, torch.float8_e4m3fn))
+    generator = torch.Generator().manual_seed(0)
+    for rows, width, sizes in ((4096, 768, [1000, 0, 3000]), (200, 70, [5, 100, 1, 50])):
+        gate_up = (torch.randn(rows, 2 * width, generator=generator) * 4).to(torch.bfloat16)
+        gate_up[3, 3] = float("inf")
+        offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        scale = torch.tensor(1.5)
+        expected = swiglu_forward_placed(gate_up, scale, offsets, 16)
+        got = [t.cpu() for t in swiglu_forward_placed(gate_up.cuda(), scale.cuda(), offsets.cuda(), 16)]
+        torch.testing.assert_close(got[2], expected[2], rtol=1e-6, atol=0)
+        assert bytes_one_step_apart(got[0], expected[0], (rows, width)) < 0.01 * got[0].numel()
+        assert torch.equal(e4m3_bytes(got[0]), e4m3_bytes(inductor_cast(gate_up.cuda(), scale.cuda()).cpu()))
+        sources, _ = padded_group_sources(offsets, rows, 16)
+        assert torch.equal(got[1].view(torch.uint8), transpose_fp8(got[0], sources).view(torch.uint8))
+
+
 def test_the_rowwise_swiglu_backward_casts_are_within_one_e4m3_step_of_their_reference_on_the_gpu():
     """``fp8graph::swiglu_backward_rowwise_amax`` and ``fp8graph::swiglu_backward_rowwise`` on CUDA: the row and
     group-column amaxes within fp32 rounding of the CPU reference's, and with the same scales each byte of the rows

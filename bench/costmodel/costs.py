@@ -213,7 +213,8 @@ def _earlier_record_steps(lengths: list[int], history_len: int, rows: int) -> in
 TRANSPOSED_STORE_OPS = ("transpose_fp8", "transpose_fp8_into_", "quantize_both_layouts", "quantize_both_layouts_into_",
                         "quantize_expert_columns", "quantize_expert_columns_into_", "quantize_group_columns_placed",
                         "quantize_rows_placed", "quantize_transposed", "quantize_weighted_rows_placed",
-                        "quantize_weighted_rows_rowwise", "swiglu_backward_placed", "swiglu_backward_rowwise")
+                        "quantize_weighted_rows_rowwise", "swiglu_backward_placed", "swiglu_backward_rowwise",
+                        "swiglu_forward_placed")
 
 
 # Of those, the casts that take ``layout=False`` (no grad_weight: the experts' weights frozen): their first output

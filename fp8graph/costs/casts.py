@@ -148,7 +148,7 @@ def _b(cast: float, plain: float, custom_op: float) -> KernelBytes:
     return KernelBytes(cast, plain, custom_op)
 
 
-# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-29T064506Z.json
+# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-29T115420Z.json
 # (Qwen3-30B-A3B's block at 256 and 1024 tokens an expert, where every site casts its weight again in the
 # backward, and at 2048, where gate_up keeps its copy from the forward; a step of one micro-batch cast per call,
 # sm_90, torch 2.13.0, triton 3.6.0: the three blocks are fitted, to the rates' rounding to 1/64 byte); of the
@@ -158,7 +158,9 @@ def _b(cast: float, plain: float, custom_op: float) -> KernelBytes:
 # expert width and the hidden size, not with both GEMMs' K + N the table's rate counts: of what a recipe adds to
 # BF16's bytes alone the table is worse on other blocks (DeepSeek-V3's delayed and row-wise furthest). Per
 # routed-token element, Inductor's plain kernels move fewer bytes than BF16's (an FP8 byte where BF16 stores two;
-# SwiGLU's and the combine's backward are fp8graph's ops); its FP8 casts are of the gathered input. Per weight
+# SwiGLU's and the combine's backward are fp8graph's ops); its FP8 casts are row-wise's of the gathered input and
+# SwiGLU's rows (the per-tensor recipes cast every routed-token operand in fp8graph's ops, SwiGLU's forward too,
+# fp8graph::swiglu_forward_placed, with current scaling's amax of it in Inductor's reduction). Per weight
 # element: the cast for the forward GEMM (3 bytes) and, in current scaling, the weight's amax (2) in Inductor's
 # kernels; row-wise casts along N for grad_input by fp8graph::quantize_expert_columns (3 bytes), the per-tensor
 # recipes cast again for it by fp8graph::quantize_transposed (3 bytes). A site that keeps the copy from the
@@ -166,10 +168,10 @@ def _b(cast: float, plain: float, custom_op: float) -> KernelBytes:
 # weight (3 bytes fewer).
 # Regenerated with the sweep.
 GROUPED_CAST_TRAFFIC: dict[str, GroupedCasts] = {
-    "current": GroupedCasts(_b(0.609375, -5.28125, 5.359375), _b(3.0, 2.015625, 3.015625), 34,
-                            _b(-3.03125, 0.015625, 1.03125)),
-    "delayed": GroupedCasts(_b(0.609375, -5.921875, 4.640625), _b(3.015625, 0.0, 3.03125), 28,
-                            _b(-3.03125, 0.015625, 1.015625)),
+    "current": GroupedCasts(_b(0.0, -5.28125, 5.84375), _b(3.0, 2.0, 3.015625), 30,
+                            _b(-2.984375, 0.03125, 1.015625)),
+    "delayed": GroupedCasts(_b(0.0, -5.921875, 5.125), _b(3.015625, 0.0, 3.03125), 24,
+                            _b(-3.0, 0.015625, 0.984375)),
     "rowwise": GroupedCasts(_b(1.09375, -5.359375, 5.171875), _b(3.015625, 0.015625, 3.03125), 18,
                             _b(0.0, 0.0, 0.0)),
 }

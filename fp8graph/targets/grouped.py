@@ -45,6 +45,7 @@ from fp8graph.kernels.group_columns import (  # (registers fp8graph::quantize_ro
 from fp8graph.kernels.quantize_transposed import (quantize_both_layouts, quantize_both_layouts_into_,
                                                   quantize_transposed)
 from fp8graph.kernels.swiglu_backward import swiglu_backward_reference
+from fp8graph.kernels.swiglu_forward import swiglu_forward_placed
 from fp8graph.numerics.formats import Role
 from fp8graph.numerics.groups import weight_copy_fits
 from fp8graph.numerics.quantize import (amax_to_scale, current_scale, finite_magnitude, quantize, quantize_current,
@@ -58,7 +59,7 @@ from fp8graph.targets.linear_tensorwise import record_health, record_states, tar
 from fp8graph.targets.partitioning import keep_for_backward, read_in_backward, saved_not_recomputed
 
 __all__ = ["ExpertWeightCopy", "GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "fuses_neighbours",
-           "grouped_fp8_target", "health_scales"]
+           "grouped_fp8_target", "health_scales", "takes_swiglu_source"]
 
 _FP8 = torch.float8_e4m3fn
 
@@ -153,14 +154,15 @@ class ExpertWeightCopy(NamedTuple):
 
 def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_index=None,
                          weight_copy: ExpertWeightCopy | None = None, placed_offsets: torch.Tensor | None = None,
-                         both_layouts: bool = False):
+                         both_layouts: bool = False, swiglu_source: torch.Tensor | None = None):
     """The forward casts with delayed scaling: the input's scale from row 0 of the history, expert e's from row
     1 + e; every row moves one step (new scales, histories rolled, this call's amaxes recorded) in one
     ``fp8graph::record_delayed_``. Returns the two casts as :func:`cast_rows` and :func:`cast_experts` do, the
     input's layout for grad_weight or None, and the weight's cast in grad_input's layout (E, K, N) or None: with
     ``placed_offsets`` (the groups' ends) the gathered input is cast by :func:`_cast_rows_placed`, its cast the
-    gathered rows (S, K), and the amaxes recorded are its; with ``both_layouts`` one kernel casts the weight into
-    both GEMMs' layouts and takes its amaxes (:func:`_transposed_for_grad_input`).
+    gathered rows (S, K), and the amaxes recorded are its; with ``swiglu_source`` too the input is SwiGLU of that
+    tensor, computed and cast by :func:`_cast_swiglu_placed`; with ``both_layouts`` one kernel casts the weight
+    into both GEMMs' layouts and takes its amaxes (:func:`_transposed_for_grad_input`).
 
     Through ``weight_copy``, a filling call also writes the weight's cast, its transpose and the scales into the
     copies; a reusing call casts only the input, takes the copy and the scales it was cast with, and records no
@@ -183,7 +185,9 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
                                  torch.as_strided(new_scales, (experts, 1), (1, 1), 1))  # 0-dim, (E, 1)
     inverse = new_scales.reciprocal()
     input_placed = None
-    if placed_offsets is not None:
+    if placed_offsets is not None and swiglu_source is not None:
+        input_fp8, input_placed, input_amaxes = _cast_swiglu_placed(swiglu_source, input_scale, placed_offsets)
+    elif placed_offsets is not None:
         input_fp8, input_placed, input_amaxes = _cast_rows_placed(input_hp, input_scale, placed_offsets, gather_index)
     else:
         input_fp8 = quantize(input_hp, input_scale, _FP8)
@@ -227,6 +231,25 @@ def _cast_rows_placed(input_hp: torch.Tensor, scale: torch.Tensor, offsets: torc
     Cast by Inductor, the kernel that gathers the rows writes the rows' cast and ``fp8graph::transpose_fp8`` reads
     it again to place it (``placed_for_grad_weight``): this reads the rows once for both."""
     return torch.ops.fp8graph.quantize_rows_placed(input_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, gather_index)
+
+
+def _cast_swiglu_placed(gate_up_hp: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This GEMM's input, ``silu(gate) * up`` of ``gate_up_hp``'s halves (the gate_up call's output, which only
+    SwiGLU reads), cast per tensor for both GEMMs that read it by the kernel that computes it
+    (``fp8graph::swiglu_forward_placed``): ``(rows_fp8 (S, I), input_placed (I, S'), amax (E + 1, I / 64))``. Cast
+    by Inductor, the kernel that computes SwiGLU stores the rows' cast and ``fp8graph::transpose_fp8`` reads it
+    again to place it (``placed_for_grad_weight``): this writes the layout from the same read."""
+    return swiglu_forward_placed(gate_up_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE)
+
+
+def takes_swiglu_source(recipe: Recipe, lowering: Lowering) -> bool:
+    """Whether an expert site whose input is SwiGLU of another site's output (``fuses_neighbours``: the gate_up
+    call returns that output too) takes that output, ``swiglu_source``, and casts its input from it by one kernel
+    for both GEMMs that read it (:func:`_cast_swiglu_placed`): the per-tensor recipes on the native path, one scale
+    for the rows and grad_weight's layout. Row-wise casts the layout a scale a group and column
+    (``fp8graph::quantize_group_columns_placed``)."""
+    return fuses_neighbours(recipe, lowering) and not recipe.tiled
 
 
 def _rows_placed_by_one_kernel(spec: GroupedSpec, gather_index, needs_grad_weight: bool) -> bool:
@@ -494,7 +517,7 @@ class _GroupedFP8(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_hp, weight_hp, offsets, spec: GroupedSpec, stats, grad_enabled: bool, state=None,
-                gather_index=None, weight_copy=None, row_weights=None, permutation=None):
+                gather_index=None, weight_copy=None, row_weights=None, permutation=None, swiglu_source=None):
         # With gather_index, input_hp is the (T, K) source and the GEMMs' rows are input_hp[gather_index] (S, K):
         # a row's cast does not depend on the other rows, so casting the T source rows and gathering FP8 bytes
         # gives the same FP8 rows (row-wise exactly; per tensor, the amax of the source, which is the rows'
@@ -505,7 +528,10 @@ class _GroupedFP8(torch.autograd.Function):
         with torch.autocast(input_hp.device.type, enabled=False):
             # The gathered rows cast, with grad_weight's layout (placed, below), by one kernel.
             cast_gathered = _rows_placed_by_one_kernel(spec, gather_index, needs_grad_weight)
-            placed_offsets = offsets if cast_gathered else None
+            # The input is SwiGLU of swiglu_source: computed and cast, with grad_weight's layout, by one kernel.
+            cast_swiglu = (swiglu_source is not None and needs_grad_weight and not spec.per_row
+                           and spec.lowering is Lowering.SCALED_MM)
+            placed_offsets = offsets if cast_gathered or cast_swiglu else None
             input_placed = None
             # A per-expert cast's copy for grad_input: written in the forward and saved, or cast in the backward.
             per_expert_copy = needs_grad_input and not spec.per_row and weight_copy is None
@@ -516,7 +542,8 @@ class _GroupedFP8(torch.autograd.Function):
             if spec.delayed:
                 (input_fp8, input_scale, input_inverse), (weight_fp8, weight_scale, weight_inverse), input_placed, \
                     weight_t_fp8 = cast_forward_delayed(input_hp, weight_hp, state, spec, gather_index, weight_copy,
-                                                        placed_offsets, both_layouts)
+                                                        placed_offsets, both_layouts,
+                                                        swiglu_source if cast_swiglu else None)
                 if weight_copy is not None:  # grad_input's layout, kept with the forward's
                     weight_t_fp8 = weight_copy.weight_t_fp8
                     weight_t_inverse = weight_inverse[:, :1].expand(experts, weight_hp.shape[2])
@@ -524,6 +551,12 @@ class _GroupedFP8(torch.autograd.Function):
                 if cast_gathered:
                     input_scale = current_scale(input_hp, _FP8, spec.power_2)  # of the T source rows, as ever
                     input_fp8, input_placed, _ = _cast_rows_placed(input_hp, input_scale, offsets, gather_index)
+                    input_inverse = input_scale.reciprocal().expand(input_fp8.shape[0])
+                elif cast_swiglu:
+                    # The amax by the ops SwiGLU was in the graph (Inductor fuses them into one reduction over
+                    # swiglu_source), then the one kernel that computes SwiGLU again and casts it.
+                    input_scale = current_scale(_swiglu(swiglu_source), _FP8, spec.power_2)
+                    input_fp8, input_placed, _ = _cast_swiglu_placed(swiglu_source, input_scale, offsets)
                     input_inverse = input_scale.reciprocal().expand(input_fp8.shape[0])
                 else:
                     input_fp8, input_scale, input_inverse = cast_rows(input_hp, spec)  # (S or T, K), along K
@@ -588,7 +621,10 @@ class _GroupedFP8(torch.autograd.Function):
                     saved_weight = (weight_t_fp8, weight_inverse[:, :1].expand(experts, weight_hp.shape[2]))
         kept_output = None  # the GEMM's output, kept for SwiGLU's backward or the routing weights' gradient
         if spec.swiglu:
+            # The GEMM's output is returned too, for the next expert site to compute and cast SwiGLU from it
+            # (takes_swiglu_source): that site then never reads SwiGLU's value, and its ops here go unused.
             kept_output, output = output, _swiglu(output)
+            ctx.mark_non_differentiable(kept_output)
         elif spec.combine_top_k:  # the output is read back only for the routing weights' gradient
             kept_output = output if ctx.needs_input_grad[9] else None
             output = _combine(output, row_weights, permutation, spec.combine_top_k)
@@ -600,10 +636,10 @@ class _GroupedFP8(torch.autograd.Function):
         # fp8graph.targets.partitioning).
         ctx.spec, ctx.stats, ctx.state = spec, stats, state
         ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
-        return output
+        return (output, kept_output) if spec.swiglu else output
 
     @staticmethod
-    def backward(ctx, grad_output_hp):  # (S, N)
+    def backward(ctx, grad_output_hp, *_):  # (S, N); with SwiGLU, none for the GEMM's output, returned unread
         (offsets, input_g_placed, input_g_inverse, weight_t_fp8, weight_t_inverse, gather_index, kept_output,
          row_weights, permutation) = ctx.saved_tensors
         spec: GroupedSpec = ctx.spec
@@ -663,7 +699,7 @@ class _GroupedFP8(torch.autograd.Function):
                 # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
                 grad_weight = grouped_scaled_gemm_weights(grad_output_g_placed, grad_output_g_inverse, input_g_placed,
                                                           input_g_inverse, offsets, ctx.weight_dtype, spec.lowering)
-        return grad_input, grad_weight, None, None, None, None, None, None, None, grad_row_weights, None
+        return grad_input, grad_weight, None, None, None, None, None, None, None, grad_row_weights, None, None
 
 
 def _one_buffer(x_fp8: torch.Tensor, spec: GroupedSpec) -> torch.Tensor:
@@ -704,7 +740,9 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     (where :func:`fuses_neighbours` says so) it returns ``silu(gate) * up`` of the output's halves (S, N / 2); with
     ``combine_top_k`` (where it says so) the experts' combine of the output (S / top_k, N),
     given ``row_weights`` (S, 1), each row's routing weight, and ``permutation`` (S,), the sort that ordered the
-    rows by expert (:func:`_combine`)."""
+    rows by expert (:func:`_combine`). A call with ``swiglu`` returns ``(silu(gate) * up, output)``, the GEMM's
+    output too (not differentiable); a site whose input is that SwiGLU takes the output as ``swiglu_source``
+    (where :func:`takes_swiglu_source` says so) and casts SwiGLU from it, never reading its input's values."""
     if (swiglu or combine_top_k) and not fuses_neighbours(recipe, lowering):
         raise ValueError(f"{recipe.name} on the {lowering.value} path leaves the ops next to an expert GEMM to "
                          "autograd (fuses_neighbours)")
@@ -715,8 +753,18 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
 
     def grouped_fp8(input_hp, weight_hp, offsets=None, stats=None, history=None, scale=None, grad_history=None,
                     grad_scale=None, gather_index=None, cached_weight=None, cached_weight_scale=None,
-                    cached_weight_t=None, cached_weight_t_scale=None, row_weights=None, permutation=None):
+                    cached_weight_t=None, cached_weight_t_scale=None, row_weights=None, permutation=None,
+                    swiglu_source=None):
         spec = GroupedSpec(recipe, lowering, update, swiglu, combine_top_k)
+        if swiglu_source is not None and (not takes_swiglu_source(recipe, lowering) or gather_index is not None
+                                          or offsets is None
+                                          or swiglu_source.shape != (input_hp.shape[0], 2 * input_hp.shape[1])):
+            raise ValueError(f"{grouped_fp8.__name__}: swiglu_source (S, 2 I), the output whose SwiGLU is the input "
+                             "(S, I), comes to a per-tensor recipe on the native path (takes_swiglu_source), "
+                             "with offsets and without a gather")
+        if swiglu and offsets is None:
+            raise ValueError(f"{grouped_fp8.__name__}: SwiGLU is taken into a grouped call with offsets, not a "
+                             "batch of experts")
         if bool(combine_top_k) != (row_weights is not None and permutation is not None):
             raise ValueError(f"{grouped_fp8.__name__}: the combine's routing weights and permutation come with a "
                              "target made for the combine (combine_top_k), and only with it")
@@ -736,6 +784,8 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
         if offsets is not None:
             # Positional: the arguments after state that the call has, each before it in place (None where absent).
             after_rows = ((copy or (None,))[0], row_weights, permutation) if combine_top_k else copy
+            if swiglu_source is not None:  # after every argument before it (_GroupedFP8 alone takes it)
+                after_rows = ((copy or (None,))[0], row_weights, permutation, swiglu_source)
             rows = (gather_index,) if gather_index is not None or after_rows else ()
             return function.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled(), state, *rows,
                                   *after_rows)

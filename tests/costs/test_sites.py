@@ -130,7 +130,7 @@ def test_what_cannot_be_modelled_is_refused_by_name():
         site_times(_linear(8, 64, 64), "fastest")
 
 
-SWEEP_RESULT = pathlib.Path(__file__).parents[2] / "bench/results/model-moe-2026-11-29T064506Z.json"
+SWEEP_RESULT = pathlib.Path(__file__).parents[2] / "bench/results/model-moe-2026-11-29T115420Z.json"
 
 
 def test_the_grouped_table_is_the_committed_sweeps_and_predicts_its_other_blocks():
@@ -139,8 +139,8 @@ def test_the_grouped_table_is_the_committed_sweeps_and_predicts_its_other_blocks
     2048 tokens an expert (its gate_up keeps it; fp8graph.numerics.groups.weight_copy_fits); the Triton bytes it
     predicts for the blocks' FP8 steps (BF16's plus what the recipe adds), against what the capture shows: within
     0.5% on the three Qwen3 blocks it is solved from (the rates rounded to 1/64 byte) and, held out, for Llama-4
-    Scout's experts within 4% (per tensor) and 6% (row-wise), and for DeepSeek-V3's within 3% (current), 25%
-    (delayed) and 23% (row-wise, whose per-group column scales grow with the tokens an expert). Row-wise's error in
+    Scout's experts within 4% (per tensor) and 6% (row-wise), and for DeepSeek-V3's within 3% (current), 26%
+    (delayed; 25.2% since SwiGLU's forward is cast by fp8graph::swiglu_forward_placed, 24.9% before) and 23% (row-wise, whose per-group column scales grow with the tokens an expert). Row-wise's error in
     bytes was 3% and 14% when Inductor cast its weights along N (2026-11-28's sweep); since
     fp8graph::quantize_expert_columns, the combine's and SwiGLU's backward (fp8graph::quantize_weighted_rows_rowwise,
     fp8graph::swiglu_backward_rowwise, 2026-11-29) moved most of its bytes into fp8graph's kernels, what is left
@@ -172,7 +172,7 @@ def test_the_grouped_table_is_the_committed_sweeps_and_predicts_its_other_blocks
             for capture in result["captures"]}
     bounds = {"Qwen3": dict.fromkeys(GROUPED_CAST_TRAFFIC, 0.005),
               "Llama-4": {"current": 0.04, "delayed": 0.02, "rowwise": 0.06},
-              "DeepSeek-V3": {"current": 0.03, "delayed": 0.25, "rowwise": 0.23}}
+              "DeepSeek-V3": {"current": 0.03, "delayed": 0.26, "rowwise": 0.23}}
     cast_bounds = {"Qwen3": dict.fromkeys(GROUPED_CAST_TRAFFIC, 0.005),
                    "Llama-4": {"current": 0.03, "delayed": 0.03, "rowwise": 0.06},
                    "DeepSeek-V3": {"current": 0.06, "delayed": 0.06, "rowwise": 0.40}}

@@ -287,6 +287,30 @@ def test_the_swiglu_backward_compiles_to_a_cubin_reading_rows_and_storing_bytes_
 
 
 @pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
+@pytest.mark.parametrize("rows, width, experts", [(262144, 768, 128), (200, 100, 3)], ids=["qwen3", "ragged"])
+def test_the_swiglu_forward_compiles_to_a_cubin_reading_rows_and_storing_bytes_as_vectors(rows, width, experts,
+                                                                                          capability):
+    """``fp8graph::swiglu_forward_placed`` (SwiGLU between two expert GEMMs, cast as the down projection's rows and
+    laid out for its grad_weight): a cubin without spills that reads gate and up as 16-byte vectors when the width
+    divides by 8, is launched with libdevice's exp (Inductor's, whose kernel it replaces), converts in hardware (saturating,
+    round to nearest even) and stores both layouts as vectors. Not proven here: its speed (``bench moe`` on a
+    GPU)."""
+    from fp8graph.kernels.swiglu_forward import plan_swiglu_forward
+
+    gate_up = torch.empty(rows, 2 * width, dtype=torch.bfloat16)
+    launch, *_ = plan_swiglu_forward(gate_up, torch.empty(()), torch.empty(experts, dtype=torch.int32))
+    assert launch.constexprs["SOFTWARE_ROUNDING"] is False and launch.constexprs["LIBDEVICE_EXP"] is True
+    compiled = compile_launch(launch, capability)
+    usage = resource_usage(compiled)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"registers spill to local memory: {usage}"
+    ptx = compiled.asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    if width % 8 == 0:
+        assert ptx.count("ld.global.v4.b32") >= 2, "gate and up are not read as 16-byte vectors"
+        assert ptx.count("st.global.v4.b32") >= 2, "bytes not stored as 16-byte vectors (both layouts)"
+
+
+@pytest.mark.parametrize("capability", GPU_CAPABILITIES.values(), ids=GPU_CAPABILITIES.keys())
 @pytest.mark.parametrize("shape, stored_transposed, both", [
     ((128, 1536, 2048), False, False), ((128, 2048, 768), False, False), ((128, 1536, 2048), True, False),
     ((3, 200, 100), False, False), ((128, 1536, 2048), False, True), ((128, 1536, 2048), True, True),

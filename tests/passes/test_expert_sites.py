@@ -4,6 +4,8 @@
     experts: sort, gather -> grouped_mm(gate_up) -> SwiGLU -> grouped_mm(down) -> scatter
 """
 
+import operator
+
 import pytest
 import torch
 
@@ -218,7 +220,9 @@ def _grouped_calls(backend) -> list[str]:
 def test_swiglu_between_the_expert_gemms_moves_into_the_first_call_on_the_native_path(monkeypatch, recipe):
     """``silu(gate) * up`` of the gate_up GEMM's halves, read by nothing else, becomes the first call's output on
     the native path of the per-tensor recipes: its backward computes SwiGLU's gradient and casts it in one kernel
-    (``fp8graph::swiglu_backward_placed``). The forward's ops are the same, so is its output, bit for bit; the
+    (``fp8graph::swiglu_backward_placed``), and the second call computes SwiGLU from the first's output and casts it
+    for both of its GEMMs in one kernel (``fp8graph::swiglu_forward_placed``): its output as close to fp32 eager's
+    (Inductor's C++ kernels round SwiGLU otherwise); row-wise's forward ops are the same, its output bit for bit. The
     gradients are SwiGLU's fp32 gradient cast, where the graph's own SwiGLU backward rounds to BF16 first: as close
     to fp32 eager's as those (SQNR within 1 dB, and 30 dB or more from each other; delayed scaling's grad history
     within 2%). Row-wise gives them too, its kernels casting the gradient a scale a row and a scale a group and
@@ -233,7 +237,8 @@ def test_swiglu_between_the_expert_gemms_moves_into_the_first_call_on_the_native
     # Eager in fp32 from the same BF16 values: a BF16 reference would favour the graph's SwiGLU backward, which
     # rounds its intermediates to BF16 as eager does.
     x_fp32 = x.float().requires_grad_()
-    reference_block.float()(x_fp32).pow(2).mean().backward()
+    reference_output = reference_block.float()(x_fp32)
+    reference_output.pow(2).mean().backward()
     reference = [x_fp32.grad, *(p.grad for p in reference_block.parameters())]
     results = []
     for fuse in (True, False):
@@ -258,7 +263,15 @@ def test_swiglu_between_the_expert_gemms_moves_into_the_first_call_on_the_native
     assert [name.endswith("_swiglu_scaled_mm") for name in fused_calls] == [True, False]
     assert [name.endswith("_combine2_scaled_mm") for name in fused_calls] == [False, True], fused_calls
     assert not any("swiglu" in name or "combine" in name for name in plain_calls)
-    assert torch.equal(fused, plain)
+    if recipe.tiled:  # the forward's ops are the graph's, moved into the first call
+        assert torch.equal(fused, plain)
+    else:
+        # The per-tensor recipes' second call computes SwiGLU in fp32 and casts it by its own kernel
+        # (fp8graph::swiglu_forward_placed, as Inductor's kernel does on the GPU, tests/test_gpu.py); Inductor's C++
+        # kernels here round it another way first. As close to fp32 eager's forward: measured (torch 2.13,
+        # 2026-11-29) current 42.7 dB apart.
+        assert sqnr_db(reference_output, fused) >= sqnr_db(reference_output, plain) - 1.0
+        assert sqnr_db(plain, fused) >= 35.0
     for name, ref, fused_grad, plain_grad in zip(["x", *(n for n, _ in block.named_parameters())], reference,
                                                  fused_grads, plain_grads):
         if ref is None:
@@ -266,9 +279,11 @@ def test_swiglu_between_the_expert_gemms_moves_into_the_first_call_on_the_native
         # Measured (torch 2.13, 2026-11-28): current 21.3 / 21.7 dB for x's gradient (33 dB apart), delayed
         # 20.3 / 20.3 (39 dB apart): FP8's rounding of two gradients a BF16 rounding apart, neither closer.
         # Row-wise (2026-11-29): gate_up's 21.1 / 21.3 dB, 29.9 apart (a power-of-2 scale a group and column
-        # flips a binade where the two gradients straddle one, doubling that column's rounding).
+        # flips a binade where the two gradients straddle one, doubling that column's rounding). With SwiGLU cast
+        # in fp32 by the second call's kernel (2026-11-29), delayed's gate_up 19.3 / 20.0 dB, 29.5 apart, and its
+        # down projection's 28.9 apart (grad_weight reads SwiGLU's two casts, rounded from differently rounded values).
         assert sqnr_db(ref, fused_grad) >= sqnr_db(ref, plain_grad) - 1.0, name
-        assert sqnr_db(plain_grad, fused_grad) >= (29.0 if recipe.tiled else 30.0), name
+        assert sqnr_db(plain_grad, fused_grad) >= 28.0, name
     for fused_buffer, plain_buffer in zip(fused_state, plain_state):  # the weights' FP8 copies, delayed's state
         if fused_buffer.dtype == torch.float32:
             torch.testing.assert_close(fused_buffer, plain_buffer, rtol=0.02, atol=0)
@@ -292,17 +307,20 @@ class _ExpertMLP(torch.nn.Module):
         activation = torch.nn.functional.silu(gate)
         h = up * activation if self.spelling == "up first" else activation * up
         y = torch._grouped_mm(h, self.down.transpose(-2, -1), offs=offsets)
-        read_again = {"silu read twice": activation, "up read twice": up, "output read twice": gate_up}
+        read_again = {"silu read twice": activation, "up read twice": up, "output read twice": gate_up,
+                      "swiglu read twice": h}
         return y + read_again[self.spelling].sum() if self.spelling in read_again else y
 
 
 @pytest.mark.parametrize("spelling, fused", [("method", True), ("torch.chunk", True), ("up first", True),
                                              ("silu read twice", False), ("up read twice", False),
-                                             ("output read twice", False)])
+                                             ("output read twice", False), ("swiglu read twice", True)])
 def test_swiglu_moves_into_the_call_only_where_nothing_else_reads_its_steps(monkeypatch, spelling, fused):
     """The activation is the first call's to return only when each node from the GEMM's output to the product
     is read by the next alone, in the spellings models use: the GEMM's output, ``up`` or ``silu(gate)`` read
-    again keeps autograd's SwiGLU in the graph."""
+    again keeps autograd's SwiGLU in the graph. The second call casts SwiGLU from the first call's output
+    (``swiglu_source``, the call's second output) where it alone reads SwiGLU; read again, SwiGLU's value is
+    stored anyway, and the second call casts it as given (computing it again would read the wider output)."""
     from gemm_rules import pretend_gpu
 
     torch.manual_seed(0)
@@ -312,6 +330,13 @@ def test_swiglu_moves_into_the_call_only_where_nothing_else_reads_its_steps(monk
     with pretend_gpu(monkeypatch):
         output = compiled(x, offsets)
     assert [name.endswith("_swiglu_scaled_mm") for name in _grouped_calls(backend)] == [fused, False]
+    *_, down = [n for gm in backend.graph_modules for n in gm.graph.nodes
+                if getattr(n.target, "__name__", "").startswith("fp8graph_grouped_")]
+    source = down.kwargs.get("swiglu_source")
+    assert (source is not None) is (fused and spelling != "swiglu read twice")
+    if source is not None:  # the first call's output, beside the SwiGLU the second call was given
+        assert source.target is operator.getitem and source.args[1] == 1
+        assert down.args[0].args == (source.args[0], 0)
     silu_left = any(n.target is torch.nn.functional.silu for gm in backend.graph_modules for n in gm.graph.nodes)
     assert silu_left is not fused
     assert output.shape == (48, 32) and output.isfinite().all()

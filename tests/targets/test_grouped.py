@@ -267,7 +267,8 @@ def test_the_rowwise_call_that_takes_swiglu_casts_its_gradient_as_autograds_swig
     for fused in (True, False):
         x_run, w_run = x.clone().requires_grad_(), w.clone().requires_grad_()
         if fused:
-            output = grouped_fp8_target(recipe, Lowering.SCALED_MM, swiglu=True)(x_run, w_run, offsets)
+            output, gate_up = grouped_fp8_target(recipe, Lowering.SCALED_MM, swiglu=True)(x_run, w_run, offsets)
+            assert not gate_up.requires_grad and gate_up.shape == (83, 96)  # the GEMM's output, for the next site
         else:
             output = _swiglu(grouped_fp8_target(recipe, Lowering.SCALED_MM)(x_run, w_run, offsets))
         output.backward(grad)
@@ -323,6 +324,7 @@ def test_frozen_experts_fused_neighbours_cast_the_gradient_for_grad_input_alone(
         state = (torch.zeros(5, 4), torch.ones(5), torch.zeros(1, 4), torch.ones(1)) if recipe.stateful else ()
         extra = {} if neighbour == "swiglu" else {"row_weights": weights_run, "permutation": permutation}
         output = fused(x_run, w_run, offsets, None, *state, **extra)
+        output = output[0] if neighbour == "swiglu" else output  # (SwiGLU, the GEMM's output)
         with _FusedBackwardCasts() as casts:
             output.backward(grad)
         results.append((x_run.grad, weights_run.grad))
@@ -335,6 +337,64 @@ def test_frozen_experts_fused_neighbours_cast_the_gradient_for_grad_input_alone(
         assert (trained_grad is None) == (frozen_grad is None)
         if trained_grad is not None:
             assert torch.equal(trained_grad, frozen_grad)
+
+
+class _OpsCalled(TorchDispatchMode):
+    """The fp8graph ops called, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fp8graph":
+            self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)], ids=str)
+def test_the_down_projection_casts_swiglu_from_the_gate_up_output_by_one_kernel_for_both_of_its_gemms(
+        monkeypatch, recipe):
+    """The down projection's call given ``swiglu_source`` (the gate_up call's output, which that call returns
+    beside SwiGLU) computes SwiGLU and casts it for its forward GEMM and grad_weight's layout by one kernel
+    (``fp8graph::swiglu_forward_placed``), with no layout pass of its own (``transpose_fp8``), and never reads its
+    input's values: given zeros in their place, its output, its weight's gradient and its input's are the call's
+    that casts SwiGLU as given, bit for bit (fp32, where both spell silu alike); with the experts frozen (no
+    grad_weight, no layout) it casts its input as given, as before. Delayed scaling records the same amaxes."""
+    torch.manual_seed(0)
+    offsets = torch.tensor([13, 13, 50, 80, 83], dtype=torch.int32)  # an empty expert; 3 rows in no group past it
+    gate_up = torch.randn(83, 96) * 2
+    w = torch.randn(5, 64, 48) * 0.3
+    grad = torch.randn(83, 64)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _read_scaled_grouped_mm)
+    down = grouped_fp8_target(recipe, Lowering.SCALED_MM)
+    for frozen in (False, True):
+        results, states, called = [], [], []
+        for from_source in (False, True):
+            h = _swiglu(gate_up)
+            # Zeros where the call must not read them: its weight frozen, it casts its input as given.
+            h_run = (torch.zeros_like(h) if from_source and not frozen else h).requires_grad_()
+            w_run = w.clone().requires_grad_(not frozen)
+            state = (torch.zeros(6, 4), torch.ones(6), torch.zeros(1, 4), torch.ones(1)) if recipe.stateful else ()
+            with _OpsCalled() as ops:
+                output = down(h_run, w_run, offsets, None, *state, **(
+                    {"swiglu_source": gate_up} if from_source else {}))
+                output.backward(grad)
+            results.append((output, w_run.grad, h_run.grad))
+            states.append(state)
+            called.append(ops.names)
+        fused = "swiglu_forward_placed" in called[1]
+        assert fused is not frozen and "swiglu_forward_placed" not in called[0], called
+        # The forward's layout pass gone (the backward lays out grad_output as before).
+        assert called[0].count("transpose_fp8") - called[1].count("transpose_fp8") == (0 if frozen else 1), called
+        for plain, from_source in zip(results[0], results[1]):
+            assert (plain is None) == (from_source is None)
+            if plain is not None and not (frozen and plain is results[0][0]):
+                assert torch.equal(plain, from_source)
+        for plain, from_source in zip(*states):
+            assert torch.equal(plain, from_source)
+    with pytest.raises(ValueError, match="swiglu_source .* comes to a per-tensor recipe on the native path"):
+        grouped_fp8_target(Float8RowwiseScaling(), Lowering.SCALED_MM)(h, w, offsets, swiglu_source=gate_up)
 
 
 def test_the_weights_copy_for_grad_input_is_kept_only_where_fp8s_saving_on_the_input_pays_for_it():
