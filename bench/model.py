@@ -361,11 +361,12 @@ def model_moe(args) -> dict:
     """bench moe's training step of one MoE block (models/moe.py), each contestant in a child process."""
     import importlib.util
 
-    from .moe import AUTO, DEFAULT, SWEEP, TORCHAO, UNCACHED, parse_contestant
+    from .moe import AUTO, DEFAULT, FIRST_GEMM_ONLY, SWEEP, TORCHAO, UNCACHED, parse_contestant
 
-    # The sweep judges policies.auto() too (FP8 only where the cost model says a site gains), and current
-    # scaling cast at every call (what gradient accumulation gains from the weights' kept copies).
-    default = [c for c in DEFAULT + ([*AUTO, UNCACHED] if args.sweep else [])
+    # The sweep judges policies.auto() too (FP8 only where the cost model says a site gains), current scaling
+    # cast at every call (what gradient accumulation gains from the weights' kept copies), and each recipe on the
+    # first expert GEMM alone (what the site model's table of each expert GEMM is solved from).
+    default = [c for c in DEFAULT + ([*AUTO, UNCACHED, *FIRST_GEMM_ONLY] if args.sweep else [])
                if c != TORCHAO or importlib.util.find_spec("torchao")]
     contestants = contestants_of(args.contestants, default, parse_contestant)
     if args.sweep:
@@ -415,6 +416,8 @@ def model_moe(args) -> dict:
             all("error" not in r for r in results):
         print("fp8graph/costs/casts.py's table of expert sites, from this sweep's kernels:")
         print(site_casts.grouped_table_source(site_casts.derive_grouped(result)))
+        if all(f"{recipe} gate_up only" in contestants for recipe in site_casts.GROUPED_RECIPES):
+            print(site_casts.stage_table_source(site_casts.derive_stages(result)))
     return result
 
 

@@ -71,7 +71,10 @@ AUTO = ("auto", "auto delayed")
 # gradient accumulation); timed here, where every step is one call outside a declaration, every call casts.
 # Current scaling with cache_weights=False has no buffers: what they cost.
 UNCACHED = "current uncached"
-KNOWN = ["bf16", *RECIPES, TORCHAO, *AUTO, *(f"{recipe} uncached" for recipe in RECIPES)]
+# A recipe on the expert MLP's first GEMM alone (gate_up; the down projection in BF16): the sweep's steps that
+# split what a recipe adds to a block between its two expert GEMMs (bench.costmodel.site_casts).
+FIRST_GEMM_ONLY = tuple(f"{recipe} gate_up only" for recipe in RECIPES)
+KNOWN = ["bf16", *RECIPES, TORCHAO, *AUTO, *(f"{recipe} uncached" for recipe in RECIPES), *FIRST_GEMM_ONLY]
 DEFAULT = ["bf16", "rowwise", "current", TORCHAO, "delayed"]
 DECODE_DEFAULT = ["bf16", "rowwise", "current", "delayed"]
 CONFIGS = ("bench", "tiny", "tiny-odd")  # models/moe.py's
@@ -213,7 +216,8 @@ def compile_block(block: torch.nn.Module, contestant: str, compiler, policy_gpu:
     """``block`` compiled as ``contestant`` (a base name): plain ``torch.compile`` for BF16 and torchao (whose
     conversion is done beforehand), ``fp8graph.compile`` with ``policies.auto()`` of the named recipe (current
     by default) for ``auto``, its sites timed on ``policy_gpu`` (``None``: the GPU this runs on), a recipe with
-    ``cache_weights=False`` for ``<recipe> uncached``, with the recipe's preset as the policy otherwise."""
+    ``cache_weights=False`` for ``<recipe> uncached``, a recipe on the first expert GEMM alone for ``<recipe>
+    gate_up only``, with the recipe's preset as the policy otherwise."""
     if contestant == "bf16" or contestant.startswith("torchao"):
         return torch.compile(block, backend=compiler)
     import fp8graph
@@ -229,7 +233,16 @@ def compile_block(block: torch.nn.Module, contestant: str, compiler, policy_gpu:
     if contestant.endswith(" uncached"):
         recipe = contestant.removesuffix(" uncached")
         return fp8graph.compile(block, policy=PRESETS[recipe], compiler=compiler, cache_weights=False)
+    if contestant in FIRST_GEMM_ONLY:
+        recipe = PRESETS[contestant.removesuffix(" gate_up only")]
+        return fp8graph.compile(block, policy=fp8graph.Policy(default=None, rules=[(first_expert_gemm, recipe)]),
+                                compiler=compiler)
     return fp8graph.compile(block, policy=PRESETS[contestant], compiler=compiler)
+
+
+def first_expert_gemm(path, module, site) -> bool:
+    """A policy predicate: the expert MLP's first GEMM (its output read by SwiGLU alone)."""
+    return site.expert_stage == 0
 
 
 def fp8_note(compiled, block) -> str:

@@ -123,6 +123,13 @@ class GroupedExpertSite(ExpertSite):
     combine_permutation: torch.fx.Node | None = None
     combine_top_k: int = 0
 
+    @property
+    def info(self) -> SiteInfo:
+        """:class:`Site`'s, with the GEMM's place in the expert MLP where SwiGLU or the combine reads its output
+        (the site model prices each place's casts apart: ``fp8graph.costs.casts.GROUPED_STAGE_CAST_TRAFFIC``)."""
+        stage = 0 if self.swiglu_nodes else 1 if self.combine_nodes else None
+        return dataclasses.replace(super().info, expert_stage=stage)
+
 
 @dataclasses.dataclass
 class GatheredExpertSite(ExpertSite):

@@ -175,12 +175,95 @@ def derive_grouped(result: dict) -> dict[str, dict]:
     return derived
 
 
+def derive_stages(result: dict) -> dict[str, tuple[dict, dict]]:
+    """Per recipe of a ``bench model moe --sweep`` result, :func:`derive_grouped`'s rates for each of the expert
+    MLP's two GEMMs apart: stage 0 (gate_up) from what ``<recipe> gate_up only`` (``bench.moe.FIRST_GEMM_ONLY``)
+    adds to BF16's block, stage 1 (the down projection) from what ``<recipe>`` adds beyond that, each per element
+    of its own GEMM (:func:`block_sites`), solved from :data:`GROUPED_CASES`; the kept form's rates from
+    :data:`KEPT_CASE` for the stage whose site keeps its weight's copy there, and the same rates for the other."""
+    shapes = {f"{shape['label']}, 1 micro-batch": shape for shape in result["spec"]["shapes"]}
+    captures = {capture["contestant"]: {case["case"]: case["rows"] for case in capture["cases"]}
+                for capture in result["captures"]}
+
+    def elements(case: str, stage: int) -> tuple[int, int, int]:
+        rows, k, n, experts = block_sites(shapes[case])[stage]
+        kept = weight_copy_fits(rows, experts, n, FP8_GEMM_DIM_MULTIPLE)
+        return rows * (k + n), experts * k * n, experts * k * n if kept else 0
+
+    from fp8graph.numerics.groups import weight_copy_fits
+    from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
+
+    derived = {}
+    for contestant in GROUPED_RECIPES:
+        first_only = captures[f"{contestant} gate_up only"]
+
+        def extra(case: str, stage: int) -> dict[str, float]:
+            first = _extra(first_only[case], captures["bf16"][case])
+            if stage == 0:
+                return first
+            both = _extra(captures[contestant][case], captures["bf16"][case])
+            return {key: both[key] - first[key] for key in both}
+
+        stages = []
+        for stage in (0, 1):
+            (a1, w1, k1), (a2, w2, k2) = (elements(case, stage) for case in GROUPED_CASES)
+            if k1 or k2:
+                raise ValueError(f"the stage table is solved from blocks where no site keeps its weight's copy "
+                                 f"({GROUPED_CASES})")
+            determinant = a1 * w2 - a2 * w1
+            extras = [extra(case, stage) for case in GROUPED_CASES]
+            activation = {kind: _per_64th((extras[0][kind] * w2 - extras[1][kind] * w1) / determinant)
+                          for kind in KERNEL_KINDS}
+            weight = {kind: _per_64th((a1 * extras[1][kind] - a2 * extras[0][kind]) / determinant)
+                      for kind in KERNEL_KINDS}
+            stages.append({"activation": tuple(activation.values()), "weight": tuple(weight.values()),
+                           "launches": extras[0]["launches"], "kept_weight": (0.0,) * len(KERNEL_KINDS)})
+        if contestant in KEEPS_WEIGHT_COPY:
+            keeping = [stage for stage in (0, 1) if elements(KEPT_CASE, stage)[2]]
+            if len(keeping) != 1:
+                raise ValueError(f"the kept form's stage rates need one stage keeping its copy at {KEPT_CASE}")
+            stage = keeping[0]
+            tokens, weights, kept_elements = elements(KEPT_CASE, stage)
+            kept_extra = extra(KEPT_CASE, stage)
+            kept = tuple(_per_64th((kept_extra[kind] - stages[stage]["activation"][i] * tokens
+                                    - stages[stage]["weight"][i] * weights) / kept_elements)
+                         for i, kind in enumerate(KERNEL_KINDS))
+            for entry in stages:
+                entry["kept_weight"] = kept
+        derived[contestant] = tuple(stages)
+    return derived
+
+
 def grouped_casts(derived: dict) -> "GroupedCasts":
     """:func:`derive_grouped`'s answer for one recipe as the table's entry."""
     from fp8graph.costs.casts import GroupedCasts, KernelBytes
 
     return GroupedCasts(KernelBytes(*derived["activation"]), KernelBytes(*derived["weight"]), derived["launches"],
                         KernelBytes(*derived["kept_weight"]))
+
+
+def stage_casts(derived: dict) -> "GroupedCasts":
+    """:func:`derive_stages`' answer for one recipe and stage as the stage table's entry."""
+    from dataclasses import replace
+
+    return replace(grouped_casts(derived), sites=1)
+
+
+def stage_table_source(derived: dict[str, tuple[dict, dict]]) -> str:
+    """``GROUPED_STAGE_CAST_TRAFFIC``'s Python source for :func:`derive_stages`' answer."""
+    def kernel_bytes(values):
+        return f"_b({', '.join(map(repr, values))})"
+
+    lines = ["GROUPED_STAGE_CAST_TRAFFIC: dict[str, tuple[GroupedCasts, GroupedCasts]] = {"]
+    for kind, stages in derived.items():
+        opening = f'    "{kind}": ('
+        for index, c in enumerate(stages):
+            indent = opening if index == 0 else " " * len(opening)
+            lines.append(f'{indent}GroupedCasts({kernel_bytes(c["activation"])}, {kernel_bytes(c["weight"])}, '
+                         f'{c["launches"]},')
+            lines.append(f'{" " * (len(indent) + len("GroupedCasts("))}{kernel_bytes(c["kept_weight"])}, sites=1)'
+                         + ("," if index == 0 else "),"))
+    return "\n".join(lines + ["}"])
 
 
 def grouped_table_source(derived: dict[str, dict]) -> str:

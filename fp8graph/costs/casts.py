@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["CAST_TRAFFIC", "CastKernels", "GROUPED_CAST_TRAFFIC", "GroupedCasts", "KernelBytes", "NO_BYTES", "OPERANDS",
-           "RecipeCasts"]
+__all__ = ["CAST_TRAFFIC", "CastKernels", "GROUPED_CAST_TRAFFIC", "GROUPED_STAGE_CAST_TRAFFIC", "GroupedCasts",
+           "KernelBytes", "NO_BYTES", "OPERANDS", "RecipeCasts"]
 
 OPERANDS = ("input", "weight", "grad_output")
 
@@ -142,13 +142,14 @@ class GroupedCasts:
     # (fp8graph.numerics.groups.weight_copy_fits), added to ``weight``: the forward casts it into both layouts by
     # one of fp8graph's kernels, no Inductor kernel casts it, and the backward casts nothing again.
     kept_weight: KernelBytes = NO_BYTES
+    sites: int = 2  # the expert GEMMs ``block_launches`` are of: both of a block's, or one (a stage's entry)
 
 
 def _b(cast: float, plain: float, custom_op: float) -> KernelBytes:
     return KernelBytes(cast, plain, custom_op)
 
 
-# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-29T115420Z.json
+# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-29T123806Z.json
 # (Qwen3-30B-A3B's block at 256 and 1024 tokens an expert, where every site casts its weight again in the
 # backward, and at 2048, where gate_up keeps its copy from the forward; a step of one micro-batch cast per call,
 # sm_90, torch 2.13.0, triton 3.6.0: the three blocks are fitted, to the rates' rounding to 1/64 byte); of the
@@ -174,4 +175,30 @@ GROUPED_CAST_TRAFFIC: dict[str, GroupedCasts] = {
                             _b(-3.0, 0.015625, 0.984375)),
     "rowwise": GroupedCasts(_b(1.09375, -5.359375, 5.171875), _b(3.015625, 0.015625, 3.03125), 18,
                             _b(0.0, 0.0, 0.0)),
+}
+
+
+# The same per-element rates for each of an expert MLP's two GEMMs apart (fp8graph.recipes.policy.SiteInfo's
+# expert_stage: 0 the first, gate_up, 1 the second, the down projection), from the same sweep
+# (bench.costmodel.site_casts.derive_stages): stage 0 from the steps with the recipe on gate_up alone (the down
+# projection in BF16), stage 1 from the steps with both sites in FP8 less those; per element of that GEMM's own
+# routed-token operands (M x (K + N)) and weight (E x K x N). The block table above averages the two; a site's
+# casts are not the block's average (current scaling's down projection carries the combine's backward cast,
+# SwiGLU's amax and its weight's casts), and a site decided by the average can lose where the block model says
+# it does. A stage that keeps no weight copy in the sweep takes the kept form's rates of the stage that does
+# (the same weight casts, per weight element).
+# Regenerated with the sweep.
+GROUPED_STAGE_CAST_TRAFFIC: dict[str, tuple[GroupedCasts, GroupedCasts]] = {
+    "current": (GroupedCasts(_b(0.0, -6.71875, 5.71875), _b(3.0, 2.0, 3.015625), 13,
+                             _b(-3.0, 0.015625, 1.0), sites=1),
+                GroupedCasts(_b(0.0, -3.4375, 6.0), _b(3.0, 2.015625, 3.03125), 17,
+                             _b(-3.0, 0.015625, 1.0), sites=1)),
+    "delayed": (GroupedCasts(_b(0.0, -6.859375, 4.4375), _b(3.015625, 0.0, 3.015625), 11,
+                             _b(-3.0, 0.0, 0.984375), sites=1),
+                GroupedCasts(_b(0.0, -4.71875, 6.0), _b(3.015625, 0.0, 3.03125), 13,
+                             _b(-3.0, 0.0, 0.984375), sites=1)),
+    "rowwise": (GroupedCasts(_b(0.4375, -6.015625, 5.140625), _b(3.015625, 0.0, 3.03125), 9,
+                             _b(0.0, 0.0, 0.0), sites=1),
+                GroupedCasts(_b(1.921875, -4.546875, 5.1875), _b(3.015625, 0.015625, 3.03125), 9,
+                             _b(0.0, 0.0, 0.0), sites=1)),
 }

@@ -9,7 +9,8 @@ For one linear site (``M`` tokens, ``K`` in, ``N`` out; an expert site: ``M`` so
     FP8    the same GEMMs at the recipe's FP8 rate, plus the casts: every kernel of
            fp8graph.costs.casts at Inductor's bandwidth (fp8graph's own kernels at copy bandwidth), never
            less than the launch floor each, and the small launches at the floor; an expert site in training,
-           its share of what the recipe adds to a MoE block (GROUPED_CAST_TRAFFIC; a site that keeps its
+           its share of what the recipe adds to a MoE block (GROUPED_CAST_TRAFFIC, or its own GEMM's where it
+           knows which of the expert MLP's GEMMs it is, GROUPED_STAGE_CAST_TRAFFIC; a site that keeps its
            weight's copy for grad_input from the forward, weight_copy_fits, with that form's rates): Inductor's
            FP8 casts at the GPU's cast rate, its other kernels' bytes over BF16's at its plain rate, fp8graph's
            ops at their transposed-store rate, as the block model prices each kernel by its kind
@@ -26,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from fp8graph.costs.casts import CAST_TRAFFIC, GROUPED_CAST_TRAFFIC, GroupedCasts, KernelBytes, RecipeCasts
+from fp8graph.costs.casts import (CAST_TRAFFIC, GROUPED_CAST_TRAFFIC, GROUPED_STAGE_CAST_TRAFFIC, GroupedCasts,
+                                  KernelBytes, RecipeCasts)
 from fp8graph.costs.gpus import GPU, gpu as gpu_named
 from fp8graph.recipes.policy import SiteInfo
 from fp8graph.numerics.groups import weight_copy_fits
@@ -95,12 +97,13 @@ def _kernel_bytes_us(moved: KernelBytes, elements: float, gpu: GPU) -> float:
 
 
 def _grouped_casts_us(casts: GroupedCasts, M: int, K: int, N: int, experts: int, gpu: GPU, kept: bool) -> float:
-    """One expert GEMM's share of a block's casts: its own elements' bytes, half the block's launches; ``kept``:
+    """One expert GEMM's share of a block's casts (or its stage's): its own elements' bytes, its share of the
+    launches; ``kept``:
     the site keeps its weight's copy for grad_input from the forward. fp8graph's ops on an expert GEMM store
     tiles transposed (grad_weight's placed operands, the weights' layouts)."""
     weight = casts.weight + casts.kept_weight if kept else casts.weight
     moved_us = _kernel_bytes_us(casts.activation, M * (K + N), gpu) + _kernel_bytes_us(weight, experts * K * N, gpu)
-    return max(moved_us, casts.block_launches / 2 * gpu.launch_floor_us)
+    return max(moved_us, casts.block_launches / casts.sites * gpu.launch_floor_us)
 
 
 def site_times(site: SiteInfo, recipe, gpu: "str | GPU" = "H100", training: bool = True,
@@ -147,6 +150,8 @@ def site_times(site: SiteInfo, recipe, gpu: "str | GPU" = "H100", training: bool
     else:  # FP8 operands, a BF16 output: about 1.3 bytes an element read and written
         fp8_gemm_us = _gemms_us(M, K, N, weights, fp8_rate, 4 / 3, rates, training)
     grouped = GROUPED_CAST_TRAFFIC.get(kind) if site.experts else None
+    if grouped is not None and site.expert_stage is not None and kind in GROUPED_STAGE_CAST_TRAFFIC:
+        grouped = GROUPED_STAGE_CAST_TRAFFIC[kind][site.expert_stage]  # its own GEMM's casts, not the block's
     if grouped is not None and training:
         # A symbolic M (dynamic=True) is modelled at ``tokens``, but the site cannot prove it fits: cast again.
         kept = getattr(recipe, "save_transposes", False) or (

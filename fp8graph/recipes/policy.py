@@ -43,6 +43,9 @@ class SiteInfo:
     (op ``grouped_mm``: E GEMMs over groups of M sorted tokens), else ``None``.
     ``gate`` is True for a mixture-of-experts router or shared-expert gate,
     which, like an activation matmul, only an explicit rule moves to FP8.
+    ``expert_stage`` is which GEMM of an expert MLP an expert site is: 0 the first
+    (its output read by SwiGLU alone), 1 the second (its output read by the
+    experts' combine alone), ``None`` where the graph does not say.
     """
 
     op: str
@@ -53,6 +56,7 @@ class SiteInfo:
     is_linear: bool = True
     experts: int | None = None
     gate: bool = False
+    expert_stage: int | None = None
 
 
 Predicate = Callable[[str, Union[torch.nn.Module, None], SiteInfo], bool]
@@ -253,14 +257,17 @@ def weight_orientations(module: torch.nn.Module | None, weight: torch.Tensor) ->
 
 
 class _BeforeTracing:
-    """A site as a rule sees it before tracing: reading ``M``, which only the traced graph knows, leaves the
-    rule undecided whatever the predicate answers (``site.M is not None and ...`` answers False here)."""
+    """A site as a rule sees it before tracing: reading ``M`` or ``expert_stage``, which only the traced graph
+    knows, leaves the rule undecided whatever the predicate answers (``site.M is not None and ...`` answers False
+    here)."""
+
+    TRACED = ("M", "expert_stage")
 
     def __init__(self, site: SiteInfo):
         self._site, self.read_tokens = site, False
 
     def __getattr__(self, name: str):
-        if name == "M":
+        if name in self.TRACED:
             self.read_tokens = True
         return getattr(self._site, name)
 

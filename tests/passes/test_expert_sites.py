@@ -330,6 +330,8 @@ def test_swiglu_moves_into_the_call_only_where_nothing_else_reads_its_steps(monk
     with pretend_gpu(monkeypatch):
         output = compiled(x, offsets)
     assert [name.endswith("_swiglu_scaled_mm") for name in _grouped_calls(backend)] == [fused, False]
+    # The site model's view: the first GEMM of an expert MLP where SwiGLU alone reads it (no combine here).
+    assert [d.site.info.expert_stage for d in backend.decisions] == [0 if fused else None, None]
     *_, down = [n for gm in backend.graph_modules for n in gm.graph.nodes
                 if getattr(n.target, "__name__", "").startswith("fp8graph_grouped_")]
     source = down.kwargs.get("swiglu_source")

@@ -195,6 +195,11 @@ def test_weight_recipes_before_tracing_read_conv1d_weights_as_in_by_out_and_leav
     on_m = Policy(default=None, rules=[(lambda path, module, site: site.M >= 4, delayed)])
     possible = resolve_weight(on_m, "fc", linear, linear.weight)
     assert possible.recipes == (delayed, None) and possible.undecided == ("rule 0 (<lambda>)",)
+    # Which GEMM of an expert MLP a site is, the traced graph alone knows too.
+    on_stage = Policy(default=None, rules=[(lambda path, module, site: site.expert_stage == 0, delayed)])
+    experts = nn.Parameter(torch.zeros(4, 256, 64))
+    possible = resolve_weight(on_stage, "experts", None, experts)
+    assert possible.recipes == (delayed, None) and possible.undecided == ("rule 0 (<lambda>)",)
 
 
 def test_a_delayed_rule_on_m_gets_its_state_and_is_decided_per_traced_site():
