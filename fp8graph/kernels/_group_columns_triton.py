@@ -72,6 +72,27 @@ def group_bounds(offsets_ptr, group, groups, rows, padded_rows, MULTIPLE: tl.con
 
 
 @triton.jit
+def placed_walk(padded_start, padded_end, MULTIPLE: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """``(base, bound, steps)``: a group's place in the padded layout, ``padded_start`` and ``padded_end``
+    written so that the compiler knows them multiples of MULTIPLE (the transposed stores are then 16-byte
+    vectors; a hint on the loaded values did not reach the stores), and the blocks of BLOCK_ROWS rows that walk
+    it, pads included."""
+    base = padded_start // MULTIPLE * MULTIPLE
+    bound = padded_end // MULTIPLE * MULTIPLE
+    return base, bound, (bound - base + BLOCK_ROWS - 1) // BLOCK_ROWS
+
+
+@triton.jit
+def store_placed(placed_ptr, bits, placed, bound, column, column_inside, padded_rows, BLOCK_ROWS: tl.constexpr):
+    """A block of cast rows ``bits`` (BLOCK_ROWS, columns), the block at ``placed`` of the walk
+    (:func:`placed_walk`), stored transposed into the layout (C, ``padded_rows``). 64-bit offsets (``column`` is
+    int64): C x ``padded_rows`` passes 2**31 bytes at a million rows of a 2048-wide expert."""
+    position = placed + tl.arange(0, BLOCK_ROWS)
+    inside = tl.trans((position < bound)[:, None] & column_inside[None, :])
+    tl.store(placed_ptr + column[:, None] * padded_rows + position[None, :], tl.trans(bits), mask=inside)
+
+
+@triton.jit
 def _load_rows(x_ptr, gather_ptr, row, present, column, column_inside, row_stride, GATHER: tl.constexpr):
     """Rows ``row`` of x (of ``x[gather[row]]`` with GATHER) at ``column``, in fp32; 0 where absent."""
     if GATHER:
@@ -115,11 +136,7 @@ def quantize_group_columns_placed_kernel(
         column_scale = _scale_of(amax, SCALE_KIND, FP8_MAX, FP8_MAX_EXPONENT)
         tl.store(scale_ptr + group * columns + column, column_scale, mask=column_inside & (group < groups))
 
-    # padded_start and padded_end themselves, written so that the compiler knows them multiples of MULTIPLE:
-    # the stores are then 16-byte vectors (a hint on the loaded values did not reach the stores).
-    base = padded_start // MULTIPLE * MULTIPLE
-    bound = padded_end // MULTIPLE * MULTIPLE
-    steps = (bound - base + BLOCK_ROWS - 1) // BLOCK_ROWS
+    base, bound, steps = placed_walk(padded_start, padded_end, MULTIPLE, BLOCK_ROWS)
     step = 0
     while step < steps:
         placed = base + step * BLOCK_ROWS
@@ -135,14 +152,14 @@ def quantize_group_columns_placed_kernel(
         if TENSOR_SCALE or LAYOUT:
             bits = _e4m3_bits(x * column_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
         if LAYOUT:
-            position = placed + tl.arange(0, BLOCK_ROWS)
-            inside = (position < bound)[:, None] & column_inside[None, :]
             if EXPERT_MAJOR:  # (E, C, N): each group's rows a block of their own, a column's bytes contiguous
+                position = placed + tl.arange(0, BLOCK_ROWS)
+                inside = (position < bound)[:, None] & column_inside[None, :]
                 placed_at = (x_t_fp8_ptr + base * columns + column[:, None] * (bound - base)
                              + (position - base)[None, :])
+                tl.store(placed_at, tl.trans(bits), mask=tl.trans(inside))
             else:
-                placed_at = x_t_fp8_ptr + column[:, None] * padded_rows + position[None, :]
-            tl.store(placed_at, tl.trans(bits), mask=tl.trans(inside))
+                store_placed(x_t_fp8_ptr, bits, placed, bound, column, column_inside, padded_rows, BLOCK_ROWS)
         if TENSOR_SCALE:  # the rows where they lie, and their magnitudes (a pad's zeros change no amax)
             max_bits = tl.maximum(max_bits, _magnitude_bits(x))
             tl.store(x_fp8_ptr + row[:, None] * columns + column[None, :], bits,

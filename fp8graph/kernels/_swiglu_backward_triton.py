@@ -25,7 +25,7 @@ kernels compute it; the cast is ``fp8graph.kernels._quantize_tiles_triton``'s (E
 import triton
 import triton.language as tl
 
-from fp8graph.kernels._group_columns_triton import group_bounds
+from fp8graph.kernels._group_columns_triton import group_bounds, placed_walk, store_placed
 from fp8graph.kernels._quantize_tiles_triton import _e4m3_bits, _magnitude_bits
 
 
@@ -66,10 +66,7 @@ def swiglu_backward_placed_kernel(
             up_scale = tl.load(column_table_ptr + group * (2 * width) + width + column, mask=column_inside, other=0.0)
         elif not ROWWISE:
             scale = tl.load(scale_ptr)
-        # Written so that the compiler knows them multiples of MULTIPLE: the transposed stores are then vectors.
-        base = padded_start // MULTIPLE * MULTIPLE
-        bound = padded_end // MULTIPLE * MULTIPLE
-        steps = (bound - base + BLOCK_ROWS - 1) // BLOCK_ROWS
+        base, bound, steps = placed_walk(padded_start, padded_end, MULTIPLE, BLOCK_ROWS)
         step = 0
         while step < steps:  # a while loop: the interpreter takes no loaded bounds in range()
             placed = base + step * BLOCK_ROWS
@@ -84,15 +81,10 @@ def swiglu_backward_placed_kernel(
             else:
                 gate_bits = _e4m3_bits(grad_gate * scale, FP8_MAX, SOFTWARE_ROUNDING)
                 up_bits = _e4m3_bits(grad_up * scale, FP8_MAX, SOFTWARE_ROUNDING)
-            if LAYOUT:
-                position = placed + tl.arange(0, BLOCK_ROWS)
-                inside = tl.trans((position < bound)[:, None] & column_inside[None, :])
-                # 64-bit offsets (column is int64): the up half's start, width x padded_rows, passes 2**31 bytes at
-                # a million rows of a 2048-wide expert.
-                tl.store(placed_ptr + column[:, None] * padded_rows + position[None, :], tl.trans(gate_bits),
-                         mask=inside)
-                tl.store(placed_ptr + (column + width)[:, None] * padded_rows + position[None, :],
-                         tl.trans(up_bits), mask=inside)
+            if LAYOUT:  # the up half's rows of the layout after the gate half's
+                store_placed(placed_ptr, gate_bits, placed, bound, column, column_inside, padded_rows, BLOCK_ROWS)
+                store_placed(placed_ptr, up_bits, placed, bound, column + width, column_inside, padded_rows,
+                             BLOCK_ROWS)
             if ROWWISE:
                 row_scale = tl.load(scale_ptr + row, mask=present, other=0.0)[:, None]
                 gate_bits = _e4m3_bits(grad_gate * row_scale, FP8_MAX, SOFTWARE_ROUNDING)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fp8graph.kernels._group_columns_triton import group_bounds
+from fp8graph.kernels._group_columns_triton import group_bounds, placed_walk, store_placed
 from fp8graph.kernels._quantize_tiles_triton import _e4m3_bits, _magnitude_bits
 
 
@@ -50,10 +50,7 @@ def swiglu_forward_placed_kernel(
     # The largest magnitudes so far, as fp32 bits, reduced across the block once, after the loop.
     bits_max = tl.zeros([BLOCK_ROWS, BLOCK_COLUMNS], dtype=tl.int32)
     scale = tl.load(scale_ptr)
-    # Written so that the compiler knows them multiples of MULTIPLE: the transposed stores are then vectors.
-    base = padded_start // MULTIPLE * MULTIPLE
-    bound = padded_end // MULTIPLE * MULTIPLE
-    steps = (bound - base + BLOCK_ROWS - 1) // BLOCK_ROWS
+    base, bound, steps = placed_walk(padded_start, padded_end, MULTIPLE, BLOCK_ROWS)
     step = 0
     while step < steps:  # a while loop: the interpreter takes no loaded bounds in range()
         placed = base + step * BLOCK_ROWS
@@ -61,11 +58,7 @@ def swiglu_forward_placed_kernel(
         present = row < end  # else a pad: zeros
         h = _swiglu(gate_up_ptr, row, present, column, column_inside, gate_up_stride, width, LIBDEVICE_EXP)
         bits = _e4m3_bits(h * scale, FP8_MAX, SOFTWARE_ROUNDING)
-        position = placed + tl.arange(0, BLOCK_ROWS)
-        inside = tl.trans((position < bound)[:, None] & column_inside[None, :])
-        # 64-bit offsets (column is int64): width x padded_rows passes 2**31 bytes at a million rows of a 2048-wide
-        # expert.
-        tl.store(placed_ptr + column[:, None] * padded_rows + position[None, :], tl.trans(bits), mask=inside)
+        store_placed(placed_ptr, bits, placed, bound, column, column_inside, padded_rows, BLOCK_ROWS)
         tl.store(rows_fp8_ptr + row[:, None] * width + column[None, :], bits,
                  mask=present[:, None] & column_inside[None, :])
         bits_max = tl.maximum(bits_max, _magnitude_bits(h))

@@ -54,7 +54,7 @@ from fp8graph.numerics.groups import (group_block_amax, padded_group_bound, padd
                                       quantize_group_columns)
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
-__all__ = ["column_blocks", "layout_reference", "layout_rows", "plan_quantize_expert_columns",
+__all__ = ["checked_groups", "column_blocks", "layout_reference", "layout_rows", "plan_quantize_expert_columns",
            "plan_quantize_group_columns_placed", "plan_quantize_rows_placed", "plan_quantize_weighted_rows_placed", "plan_quantize_weighted_rows_rowwise",
            "quantize_expert_columns", "quantize_expert_columns_into_", "quantize_group_columns_placed",
            "quantize_rows_placed", "quantize_weighted_rows_placed", "quantize_weighted_rows_rowwise",
@@ -77,21 +77,29 @@ def _name(tensor_scale: torch.Tensor | None, weighted: bool = False) -> str:
             "quantize_weighted_rows_placed" if weighted else "quantize_rows_placed")
 
 
+def checked_groups(name: str, offsets: torch.Tensor, scale: torch.Tensor | None = None,
+                   device: torch.device | None = None, max_groups: int | None = None) -> None:
+    """What every op that casts a grouped operand asks of its groups' ``offsets`` (a non-empty 1-D integer tensor,
+    at most ``max_groups`` long) and of its one ``scale`` where it takes one (a float32 value on ``device``)."""
+    if offsets.dim() != 1 or offsets.shape[0] == 0 or offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}'s offsets are a non-empty 1-D integer tensor, got {offsets.dtype} of shape "
+                         f"{tuple(offsets.shape)}")
+    if max_groups is not None and offsets.shape[0] > max_groups:
+        raise ValueError(f"{name} takes at most {max_groups} groups, got {offsets.shape[0]}")
+    if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device):
+        raise ValueError(f"{name}'s scale is one float32 value on {device}, got {scale.dtype} of shape "
+                         f"{tuple(scale.shape)} on {scale.device}")
+
+
 def _checked(x_hp: torch.Tensor, offsets: torch.Tensor, gather_index: torch.Tensor | None,
              tensor_scale: torch.Tensor | None = None, weighted: bool = False, name: str | None = None) -> None:
     name = name or _name(tensor_scale, weighted)
     if x_hp.dim() != 2 or not x_hp.dtype.is_floating_point or x_hp.element_size() == 1:
         raise ValueError(f"{name} casts a 2-D high-precision tensor, got {x_hp.dtype} of shape {tuple(x_hp.shape)}")
-    if offsets.dim() != 1 or offsets.shape[0] == 0 or offsets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}'s offsets are a non-empty 1-D integer tensor, got {offsets.dtype} of shape "
-                         f"{tuple(offsets.shape)}")
     if gather_index is not None and (gather_index.dim() != 1 or gather_index.dtype != torch.int64):
         raise ValueError(f"{name}'s gather_index is a 1-D int64 tensor, got {gather_index.dtype} of shape "
                          f"{tuple(gather_index.shape)}")
-    if tensor_scale is not None and (tensor_scale.numel() != 1 or tensor_scale.dtype != torch.float32
-                                     or tensor_scale.device != x_hp.device):
-        raise ValueError(f"{name}'s scale is one float32 value on {x_hp.device}, got {tensor_scale.dtype} of shape "
-                         f"{tuple(tensor_scale.shape)} on {tensor_scale.device}")
+    checked_groups(name, offsets, tensor_scale, x_hp.device)
 
 
 def _plan(x_hp: torch.Tensor, offsets: torch.Tensor, multiple: int, gather_index: torch.Tensor | None,

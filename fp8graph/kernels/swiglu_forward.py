@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8graph.kernels.group_columns import layout_reference, layout_rows
+from fp8graph.kernels.group_columns import checked_groups, layout_reference, layout_rows
 from fp8graph.kernels.quantize_tiles import KernelLaunch, triton_available
 from fp8graph.numerics.formats import fp8_max
 from fp8graph.numerics.groups import group_block_amax, padded_group_bound
@@ -41,14 +41,7 @@ def _checked(gate_up_hp: torch.Tensor, offsets: torch.Tensor, scale: torch.Tenso
             or gate_up_hp.shape[1] % 2:
         raise ValueError(f"{name}'s gate_up_hp is a 2-D high-precision tensor of an even width (S, 2 I), got "
                          f"{gate_up_hp.dtype} of shape {tuple(gate_up_hp.shape)}")
-    if offsets.dim() != 1 or offsets.shape[0] == 0 or offsets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}'s offsets are a non-empty 1-D integer tensor, got {offsets.dtype} of shape "
-                         f"{tuple(offsets.shape)}")
-    if offsets.shape[0] > _MAX_GROUPS:
-        raise ValueError(f"{name} takes at most {_MAX_GROUPS} groups, got {offsets.shape[0]}")
-    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != gate_up_hp.device:
-        raise ValueError(f"{name}'s scale is one float32 value on {gate_up_hp.device}, got {scale.dtype} of shape "
-                         f"{tuple(scale.shape)} on {scale.device}")
+    checked_groups(name, offsets, scale, gate_up_hp.device, _MAX_GROUPS)
 
 
 def swiglu_reference(gate_up_hp: torch.Tensor) -> torch.Tensor:
