@@ -54,8 +54,8 @@ from .side_effects import has_side_effects
 from .sites import ExpertSite, GatheredExpertSite, GroupedExpertSite
 from .unpermute import unpermuting
 
-__all__ = ["GROUPED_OP", "is_grouped_gemm", "mark_gates", "read_dense_experts", "read_gather", "read_gathered_experts",
-           "read_combine", "read_grouped", "read_swiglu"]
+__all__ = ["GROUPED_OP", "is_grouped_gemm", "mark_gates", "pair_expert_stages", "read_dense_experts", "read_gather",
+           "read_gathered_experts", "read_combine", "read_grouped", "read_swiglu"]
 
 GROUPED_OP = "grouped_mm"
 _GROUPED_FUNCTIONS = {torch._grouped_mm} | ({torch.nn.functional.grouped_mm}
@@ -324,6 +324,21 @@ def _reaches(node: torch.fx.Node, targets: set, hops: int, gemms: set) -> bool:
                     following.append(user)
         frontier = following
     return False
+
+
+def pair_expert_stages(sites) -> None:
+    """Give ``expert_stage`` to both GEMMs of an expert MLP where the graph has it whole: a first GEMM whose output
+    SwiGLU alone reads (``swiglu_nodes``), that SwiGLU the input of a second GEMM whose output the combine alone
+    reads (``combine_nodes``): 0 and 1. The site model's stage table was measured on that shape (the second
+    GEMM's casts with the first's SwiGLU fused into them); a site outside such a pair is priced by the block's
+    average."""
+    second_by_input = {site.input_node: site for site in sites
+                       if isinstance(site, GroupedExpertSite) and site.combine_nodes}
+    for first in sites:
+        if isinstance(first, GroupedExpertSite) and first.swiglu_nodes:
+            second = second_by_input.get(first.swiglu_nodes[-1])
+            if second is not None:
+                first.expert_stage, second.expert_stage = 0, 1
 
 
 def mark_gates(sites) -> None:

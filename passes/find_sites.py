@@ -35,7 +35,8 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from .expert_sites import (GROUPED_OP, is_grouped_gemm, mark_gates, read_combine, read_dense_experts, read_gather,
+from .expert_sites import (GROUPED_OP, is_grouped_gemm, mark_gates, pair_expert_stages, read_combine,
+                           read_dense_experts, read_gather,
                            read_gathered_experts, read_grouped, read_swiglu)
 from .sites import FusedCallSite, GroupedExpertSite, LinearSite, MatmulSite, Site
 from .expand_attention import MHA_ARGUMENTS, UNEXPANDED_KEY, attention_arguments, is_multi_head_attention
@@ -385,4 +386,5 @@ def find_sites(
                     _owned_by_a_child(site, subgraphs.top_node(parameter, graph_module), top_values, owner_paths)
                 sites.append(site)
     mark_gates(sites)
+    pair_expert_stages(sites)
     return sites

@@ -122,13 +122,15 @@ class GroupedExpertSite(ExpertSite):
     combine_weights: torch.fx.Node | None = None
     combine_permutation: torch.fx.Node | None = None
     combine_top_k: int = 0
+    # Which GEMM of an expert MLP the site is, where the graph has both as the site model's stage table measured
+    # them (passes.expert_sites.pair_expert_stages): 0 the first, 1 the second; None elsewhere.
+    expert_stage: int | None = None
 
     @property
     def info(self) -> SiteInfo:
-        """:class:`Site`'s, with the GEMM's place in the expert MLP where SwiGLU or the combine reads its output
-        (the site model prices each place's casts apart: ``fp8graph.costs.casts.GROUPED_STAGE_CAST_TRAFFIC``)."""
-        stage = 0 if self.swiglu_nodes else 1 if self.combine_nodes else None
-        return dataclasses.replace(super().info, expert_stage=stage)
+        """:class:`Site`'s, with the GEMM's place in the expert MLP (the site model prices each place's casts
+        apart: ``fp8graph.costs.casts.GROUPED_STAGE_CAST_TRAFFIC``)."""
+        return dataclasses.replace(super().info, expert_stage=self.expert_stage)
 
 
 @dataclasses.dataclass

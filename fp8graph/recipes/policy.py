@@ -43,9 +43,10 @@ class SiteInfo:
     (op ``grouped_mm``: E GEMMs over groups of M sorted tokens), else ``None``.
     ``gate`` is True for a mixture-of-experts router or shared-expert gate,
     which, like an activation matmul, only an explicit rule moves to FP8.
-    ``expert_stage`` is which GEMM of an expert MLP an expert site is: 0 the first
-    (its output read by SwiGLU alone), 1 the second (its output read by the
-    experts' combine alone), ``None`` where the graph does not say.
+    ``expert_stage`` is which GEMM of an expert MLP an expert site is, where the
+    graph has the MLP whole (the first GEMM's output read by SwiGLU alone, that
+    SwiGLU the second's input, the second's output read by the experts' combine
+    alone): 0 the first, 1 the second; ``None`` elsewhere.
     """
 
     op: str

@@ -574,7 +574,9 @@ class _GroupedFP8(torch.autograd.Function):
             if stats is not None:
                 # The cast as the forward GEMM reads it: where the gathered rows were cast, of those rows (each
                 # token top_k times; the same scale, so the same fractions under- and overflowing), else of the
-                # source rows. The gathered rows' BF16 values are read again for it: stats cost that read.
+                # source rows. The gathered rows' BF16 values are read again for it: stats cost that read. Cast from
+                # swiglu_source, the input's BF16 SwiGLU is read (and stored) for it, against the cast of SwiGLU in
+                # fp32: stats cost that too.
                 cast_hp = input_hp[gather_index] if cast_gathered else input_hp
                 record_health(stats, Role.INPUT, cast_hp, input_fp8, health_scales(input_scale), spec.recipe)
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
@@ -725,7 +727,7 @@ def _per_expert_row(scale: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
                        weight_cache: str | None = None, swiglu: bool = False, combine_top_k: int = 0
-                       ) -> Callable[..., torch.Tensor]:
+                       ) -> Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
     """The graph target for expert sites with ``recipe`` (one of :data:`EXPERT_GRANULARITIES`), named for it:
     ``grouped_fp8(input_hp (S, K), weight_hp (E, N, K), offsets (E,), stats=None, history=None, scale=None,
     grad_history=None, grad_scale=None)``, or, for ``torch.bmm`` over every expert (Llama-4), ``input_hp``

@@ -258,10 +258,12 @@ def test_swiglu_between_the_expert_gemms_moves_into_the_first_call_on_the_native
         calls.assert_every_rule_kept()
         monkeypatch.undo()
         results.append((_grouped_calls(backend), output, [x_run.grad, *(p.grad for p in block.parameters())],
-                        [b.clone() for b in block.buffers()]))
-    (fused_calls, fused, fused_grads, fused_state), (plain_calls, plain, plain_grads, plain_state) = results
+                        [b.clone() for b in block.buffers()], backend.decisions))
+    (fused_calls, fused, fused_grads, fused_state, _), (plain_calls, plain, plain_grads, plain_state, _) = results
     assert [name.endswith("_swiglu_scaled_mm") for name in fused_calls] == [True, False]
     assert [name.endswith("_combine2_scaled_mm") for name in fused_calls] == [False, True], fused_calls
+    # The site model's view of the whole expert MLP: each GEMM priced by its own stage's casts.
+    assert [d.site.info.expert_stage for d in results[0][4] if d.site.experts] == [0, 1]
     assert not any("swiglu" in name or "combine" in name for name in plain_calls)
     if recipe.tiled:  # the forward's ops are the graph's, moved into the first call
         assert torch.equal(fused, plain)
@@ -330,8 +332,8 @@ def test_swiglu_moves_into_the_call_only_where_nothing_else_reads_its_steps(monk
     with pretend_gpu(monkeypatch):
         output = compiled(x, offsets)
     assert [name.endswith("_swiglu_scaled_mm") for name in _grouped_calls(backend)] == [fused, False]
-    # The site model's view: the first GEMM of an expert MLP where SwiGLU alone reads it (no combine here).
-    assert [d.site.info.expert_stage for d in backend.decisions] == [0 if fused else None, None]
+    # The site model's view: no stage without the combine after the second GEMM (the stage table's shape).
+    assert [d.site.info.expert_stage for d in backend.decisions] == [None, None]
     *_, down = [n for gm in backend.graph_modules for n in gm.graph.nodes
                 if getattr(n.target, "__name__", "").startswith("fp8graph_grouped_")]
     source = down.kwargs.get("swiglu_source")
