@@ -121,25 +121,63 @@ def block_sites(shape: dict) -> list[tuple[int, int, int, int]]:
     return [(rows, hidden, 2 * width, experts), (rows, width, hidden, experts)]
 
 
-def block_elements(shape: dict) -> tuple[int, int]:
-    """A sweep block's (routed-token elements, expert-weight elements) over its two expert GEMMs, each
-    M x (K + N) and E x K x N."""
-    sites = block_sites(shape)
-    return sum(rows * (k + n) for rows, k, n, _ in sites), sum(experts * k * n for _, k, n, experts in sites)
-
-
-def kept_weight_elements(shape: dict) -> int:
-    """Expert-weight elements of the block's sites that keep their weight's copy for grad_input from the forward
-    (``fp8graph.numerics.groups.weight_copy_fits``, the rule the per-tensor recipes' sites follow)."""
+def site_elements(shape: dict) -> list[tuple[int, int, int]]:
+    """Each of a sweep block's two expert GEMMs' ``(routed-token elements M x (K + N), expert-weight elements E x
+    K x N, kept)``, ``kept`` its weight elements where the site keeps its weight's copy for grad_input from the
+    forward (``fp8graph.numerics.groups.weight_copy_fits``, the rule the per-tensor recipes' sites follow), else
+    0."""
     from fp8graph.numerics.groups import weight_copy_fits
     from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
 
-    return sum(experts * k * n for rows, k, n, experts in block_sites(shape)
-               if weight_copy_fits(rows, experts, n, FP8_GEMM_DIM_MULTIPLE))
+    return [(rows * (k + n), experts * k * n,
+             experts * k * n if weight_copy_fits(rows, experts, n, FP8_GEMM_DIM_MULTIPLE) else 0)
+            for rows, k, n, experts in block_sites(shape)]
+
+
+def block_elements(shape: dict) -> tuple[int, int]:
+    """A sweep block's (routed-token elements, expert-weight elements) over its two expert GEMMs."""
+    sites = site_elements(shape)
+    return sum(tokens for tokens, _, _ in sites), sum(weights for _, weights, _ in sites)
+
+
+def kept_weight_elements(shape: dict) -> int:
+    """Expert-weight elements of the block's sites that keep their weight's copy (:func:`site_elements`)."""
+    return sum(kept for _, _, kept in site_elements(shape))
 
 
 def _per_64th(value: float) -> float:
     return round(value * 64) / 64
+
+
+def _sweep(result: dict) -> tuple[dict, dict]:
+    """A sweep result's shapes by their one-micro-batch case, and each contestant's rows by case."""
+    shapes = {f"{shape['label']}, 1 micro-batch": shape for shape in result["spec"]["shapes"]}
+    captures = {capture["contestant"]: {case["case"]: case["rows"] for case in capture["cases"]}
+                for capture in result["captures"]}
+    return shapes, captures
+
+
+def _rates(extras: list[dict], elements: list[tuple[int, int]], kept_extra: dict | None = None,
+           kept_elements: tuple[int, int, int] = (0, 0, 0)) -> dict:
+    """Bytes per routed-token element and per weight element of each kind of kernel, and launches, from what two
+    blocks add (``extras``) over their ``(tokens, weights)`` elements: two equations, two unknowns a kind; with
+    ``kept_extra``, what a third block adds, the change per weight element of its ``kept`` elements of
+    ``kept_elements`` ``(tokens, weights, kept)`` beyond what those rates predict for it, else none."""
+    (a1, w1), (a2, w2) = elements
+    determinant = a1 * w2 - a2 * w1
+    activation, weight, kept = {}, {}, {}
+    for kind in KERNEL_KINDS:
+        e1, e2 = extras[0][kind], extras[1][kind]
+        activation[kind] = _per_64th((e1 * w2 - e2 * w1) / determinant)
+        weight[kind] = _per_64th((a1 * e2 - a2 * e1) / determinant)
+        if kept_extra is None:
+            kept[kind] = 0.0
+        else:
+            tokens, weights, kept_weights = kept_elements
+            residual = kept_extra[kind] - activation[kind] * tokens - weight[kind] * weights
+            kept[kind] = _per_64th(residual / kept_weights)
+    return {"activation": tuple(activation.values()), "weight": tuple(weight.values()),
+            "launches": extras[0]["launches"], "kept_weight": tuple(kept.values())}
 
 
 def derive_grouped(result: dict) -> dict[str, dict]:
@@ -148,30 +186,20 @@ def derive_grouped(result: dict) -> dict[str, dict]:
     :data:`GROUPED_CASES` (two equations, two unknowns per kind of kernel); for the recipes whose sites keep
     their weight's copy from the forward, the change per weight element of a site that keeps it, from what
     :data:`KEPT_CASE` moves beyond what those rates predict for it."""
-    shapes = {f"{shape['label']}, 1 micro-batch": shape for shape in result["spec"]["shapes"]}
-    captures = {capture["contestant"]: {case["case"]: case["rows"] for case in capture["cases"]}
-                for capture in result["captures"]}
-    (a1, w1), (a2, w2) = (block_elements(shapes[case]) for case in GROUPED_CASES)
-    kept_tokens, kept_weights = block_elements(shapes[KEPT_CASE])
-    kept_elements = kept_weight_elements(shapes[KEPT_CASE])
+    shapes, captures = _sweep(result)
+    elements = [block_elements(shapes[case]) for case in GROUPED_CASES]
+    kept_elements = (*block_elements(shapes[KEPT_CASE]), kept_weight_elements(shapes[KEPT_CASE]))
     # The two equations hold only where every site casts again, and the kept form's rates need a site that keeps.
-    if any(kept_weight_elements(shapes[case]) for case in GROUPED_CASES) or not kept_elements:
+    if any(kept_weight_elements(shapes[case]) for case in GROUPED_CASES) or not kept_elements[2]:
         raise ValueError(f"the grouped table is solved from blocks where no site keeps its weight's copy "
                          f"({GROUPED_CASES}) and one where a site does ({KEPT_CASE})")
-    determinant = a1 * w2 - a2 * w1
     derived = {}
     for contestant in GROUPED_RECIPES:
-        extras = [_extra(captures[contestant][case], captures["bf16"][case]) for case in GROUPED_CASES]
-        kept_extra = _extra(captures[contestant][KEPT_CASE], captures["bf16"][KEPT_CASE])
-        activation, weight, kept = {}, {}, {}
-        for kind in KERNEL_KINDS:
-            e1, e2 = extras[0][kind], extras[1][kind]
-            activation[kind] = _per_64th((e1 * w2 - e2 * w1) / determinant)
-            weight[kind] = _per_64th((a1 * e2 - a2 * e1) / determinant)
-            residual = kept_extra[kind] - activation[kind] * kept_tokens - weight[kind] * kept_weights
-            kept[kind] = _per_64th(residual / kept_elements) if contestant in KEEPS_WEIGHT_COPY else 0.0
-        derived[contestant] = {"activation": tuple(activation.values()), "weight": tuple(weight.values()),
-                               "launches": extras[0]["launches"], "kept_weight": tuple(kept.values())}
+        def extra(case):
+            return _extra(captures[contestant][case], captures["bf16"][case])
+
+        derived[contestant] = _rates([extra(case) for case in GROUPED_CASES], elements,
+                                     extra(KEPT_CASE) if contestant in KEEPS_WEIGHT_COPY else None, kept_elements)
     return derived
 
 
@@ -179,26 +207,19 @@ def derive_stages(result: dict) -> dict[str, tuple[dict, dict]]:
     """Per recipe of a ``bench model moe --sweep`` result, :func:`derive_grouped`'s rates for each of the expert
     MLP's two GEMMs apart: stage 0 (gate_up) from what ``<recipe> gate_up only`` (``bench.moe.FIRST_GEMM_ONLY``)
     adds to BF16's block, stage 1 (the down projection) from what ``<recipe>`` adds beyond that, each per element
-    of its own GEMM (:func:`block_sites`), solved from :data:`GROUPED_CASES`; the kept form's rates from
+    of its own GEMM (:func:`site_elements`), solved from :data:`GROUPED_CASES`; the kept form's rates from
     :data:`KEPT_CASE` for the stage whose site keeps its weight's copy there, and the same rates for the other."""
-    shapes = {f"{shape['label']}, 1 micro-batch": shape for shape in result["spec"]["shapes"]}
-    captures = {capture["contestant"]: {case["case"]: case["rows"] for case in capture["cases"]}
-                for capture in result["captures"]}
-
-    def elements(case: str, stage: int) -> tuple[int, int, int]:
-        rows, k, n, experts = block_sites(shapes[case])[stage]
-        kept = weight_copy_fits(rows, experts, n, FP8_GEMM_DIM_MULTIPLE)
-        return rows * (k + n), experts * k * n, experts * k * n if kept else 0
-
-    from fp8graph.numerics.groups import weight_copy_fits
-    from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
-
+    shapes, captures = _sweep(result)
+    if any(kept for case in GROUPED_CASES for _, _, kept in site_elements(shapes[case])):
+        raise ValueError(f"the stage table is solved from blocks where no site keeps its weight's copy "
+                         f"({GROUPED_CASES})")
+    keeping = [stage for stage, (_, _, kept) in enumerate(site_elements(shapes[KEPT_CASE])) if kept]
+    if len(keeping) != 1:
+        raise ValueError(f"the kept form's stage rates need one stage keeping its copy at {KEPT_CASE}")
     derived = {}
     for contestant in GROUPED_RECIPES:
-        first_only = captures[f"{contestant} gate_up only"]
-
         def extra(case: str, stage: int) -> dict[str, float]:
-            first = _extra(first_only[case], captures["bf16"][case])
+            first = _extra(captures[f"{contestant} gate_up only"][case], captures["bf16"][case])
             if stage == 0:
                 return first
             both = _extra(captures[contestant][case], captures["bf16"][case])
@@ -206,31 +227,13 @@ def derive_stages(result: dict) -> dict[str, tuple[dict, dict]]:
 
         stages = []
         for stage in (0, 1):
-            (a1, w1, k1), (a2, w2, k2) = (elements(case, stage) for case in GROUPED_CASES)
-            if k1 or k2:
-                raise ValueError(f"the stage table is solved from blocks where no site keeps its weight's copy "
-                                 f"({GROUPED_CASES})")
-            determinant = a1 * w2 - a2 * w1
-            extras = [extra(case, stage) for case in GROUPED_CASES]
-            activation = {kind: _per_64th((extras[0][kind] * w2 - extras[1][kind] * w1) / determinant)
-                          for kind in KERNEL_KINDS}
-            weight = {kind: _per_64th((a1 * extras[1][kind] - a2 * extras[0][kind]) / determinant)
-                      for kind in KERNEL_KINDS}
-            stages.append({"activation": tuple(activation.values()), "weight": tuple(weight.values()),
-                           "launches": extras[0]["launches"], "kept_weight": (0.0,) * len(KERNEL_KINDS)})
-        if contestant in KEEPS_WEIGHT_COPY:
-            keeping = [stage for stage in (0, 1) if elements(KEPT_CASE, stage)[2]]
-            if len(keeping) != 1:
-                raise ValueError(f"the kept form's stage rates need one stage keeping its copy at {KEPT_CASE}")
-            stage = keeping[0]
-            tokens, weights, kept_elements = elements(KEPT_CASE, stage)
-            kept_extra = extra(KEPT_CASE, stage)
-            kept = tuple(_per_64th((kept_extra[kind] - stages[stage]["activation"][i] * tokens
-                                    - stages[stage]["weight"][i] * weights) / kept_elements)
-                         for i, kind in enumerate(KERNEL_KINDS))
-            for entry in stages:
-                entry["kept_weight"] = kept
-        derived[contestant] = tuple(stages)
+            keeps = stage in keeping and contestant in KEEPS_WEIGHT_COPY
+            stages.append(_rates([extra(case, stage) for case in GROUPED_CASES],
+                                 [site_elements(shapes[case])[stage][:2] for case in GROUPED_CASES],
+                                 extra(KEPT_CASE, stage) if keeps else None,
+                                 site_elements(shapes[KEPT_CASE])[stage]))
+        kept = stages[keeping[0]]["kept_weight"]  # the same weight casts, per weight element, in either stage
+        derived[contestant] = tuple({**entry, "kept_weight": kept} for entry in stages)
     return derived
 
 

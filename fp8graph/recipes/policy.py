@@ -265,11 +265,11 @@ class _BeforeTracing:
     TRACED = ("M", "expert_stage")
 
     def __init__(self, site: SiteInfo):
-        self._site, self.read_tokens = site, False
+        self._site, self.read_traced = site, False
 
     def __getattr__(self, name: str):
         if name in self.TRACED:
-            self.read_tokens = True
+            self.read_traced = True
         return getattr(self._site, name)
 
 
@@ -288,7 +288,7 @@ def resolve_weight(policy: Policy, path: str, module: torch.nn.Module | None, we
                 verdict = _matches(pattern, path, module, None, probe)
             except Exception:  # noqa: BLE001 - a predicate that needs the traced site (M is None here)
                 verdict = None
-            verdicts.add(None if probe.read_tokens else verdict)
+            verdicts.add(None if probe.read_traced else verdict)
         if verdicts == {False}:
             continue
         rule_indices.append(index)

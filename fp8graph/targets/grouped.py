@@ -252,12 +252,13 @@ def takes_swiglu_source(recipe: Recipe, lowering: Lowering) -> bool:
     return fuses_neighbours(recipe, lowering) and not recipe.tiled
 
 
-def _rows_placed_by_one_kernel(spec: GroupedSpec, gather_index, needs_grad_weight: bool) -> bool:
-    """Whether the gathered input's one per-tensor cast is written for both GEMMs by :func:`_cast_rows_placed`:
-    on the native path, where grad_weight's GEMM reads its own layout of it. Without a gather the rows' cast
-    joins the kernel that produces them, and reading them again in high precision would cost more than laying
-    out the FP8 bytes (``placed_for_grad_weight``)."""
-    return (gather_index is not None and needs_grad_weight and not spec.per_row
+def _placed_by_one_kernel(spec: GroupedSpec, source, needs_grad_weight: bool) -> bool:
+    """Whether the input's one per-tensor cast is written for both GEMMs by one kernel that reads it from
+    ``source``: a gather's index (:func:`_cast_rows_placed`) or the output whose SwiGLU the input is
+    (:func:`_cast_swiglu_placed`); on the native path, where grad_weight's GEMM reads its own layout of it.
+    Otherwise the rows' cast joins the kernel that produces them, and reading them again in high precision would
+    cost more than laying out the FP8 bytes (``placed_for_grad_weight``)."""
+    return (source is not None and needs_grad_weight and not spec.per_row
             and spec.lowering is Lowering.SCALED_MM)
 
 
@@ -527,10 +528,9 @@ class _GroupedFP8(torch.autograd.Function):
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         with torch.autocast(input_hp.device.type, enabled=False):
             # The gathered rows cast, with grad_weight's layout (placed, below), by one kernel.
-            cast_gathered = _rows_placed_by_one_kernel(spec, gather_index, needs_grad_weight)
+            cast_gathered = _placed_by_one_kernel(spec, gather_index, needs_grad_weight)
             # The input is SwiGLU of swiglu_source: computed and cast, with grad_weight's layout, by one kernel.
-            cast_swiglu = (swiglu_source is not None and needs_grad_weight and not spec.per_row
-                           and spec.lowering is Lowering.SCALED_MM)
+            cast_swiglu = _placed_by_one_kernel(spec, swiglu_source, needs_grad_weight)
             placed_offsets = offsets if cast_gathered or cast_swiglu else None
             input_placed = None
             # A per-expert cast's copy for grad_input: written in the forward and saved, or cast in the backward.
@@ -784,13 +784,13 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
         copy = () if weight_cache is None else (ExpertWeightCopy.of(
             weight_hp, weight_cache, cached_weight, cached_weight_scale, cached_weight_t, cached_weight_t_scale),)
         if offsets is not None:
-            # Positional: the arguments after state that the call has, each before it in place (None where absent).
-            after_rows = ((copy or (None,))[0], row_weights, permutation) if combine_top_k else copy
-            if swiglu_source is not None:  # after every argument before it (_GroupedFP8 alone takes it)
-                after_rows = ((copy or (None,))[0], row_weights, permutation, swiglu_source)
-            rows = (gather_index,) if gather_index is not None or after_rows else ()
-            return function.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled(), state, *rows,
-                                  *after_rows)
+            # Positional, after state: up to the last the call has, each before it in place (None where absent;
+            # GroupedBlocks takes none past the copy).
+            after_state = [gather_index, (copy or (None,))[0], row_weights, permutation, swiglu_source]
+            while after_state and after_state[-1] is None:
+                after_state.pop()
+            return function.apply(input_hp, weight_hp, offsets, spec, stats, torch.is_grad_enabled(), state,
+                                  *after_state)
         experts, tokens, _ = input_hp.shape
         offsets = torch.arange(1, experts + 1, device=input_hp.device, dtype=torch.int32) * tokens
         output = function.apply(input_hp.reshape(experts * tokens, input_hp.shape[2]), weight_hp, offsets, spec,

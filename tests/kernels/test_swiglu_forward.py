@@ -11,8 +11,8 @@ import torch
 
 from fp8graph.kernels.quantize_tiles import triton_available
 from fp8graph.kernels.swiglu_forward import amax_blocks, swiglu_forward_placed
-from fp8graph.kernels.transpose_fp8 import transpose_fp8
-from fp8graph.numerics.groups import padded_group_bound, padded_group_sources, row_groups
+from fp8graph.kernels.group_columns import layout_reference
+from fp8graph.numerics.groups import padded_group_bound, row_groups
 from fp8graph.numerics.quantize import finite_magnitude, quantize
 from helpers import cases_checked_under_triton_interpreter
 
@@ -43,9 +43,8 @@ def test_the_op_is_swiglu_cast_as_rows_and_placed_with_each_groups_block_amaxes(
     assert (got != expected).float().mean() < 0.01
     assert rows_fp8.float()[~finite].isnan().all() and (~finite).sum() == 1
     assert rows_fp8.shape == (44, 100)
-    sources, _ = padded_group_sources(OFFSETS, 44, 16)
     assert placed.shape == (100, padded_group_bound(44, 4, 16)) and placed.is_contiguous()
-    assert torch.equal(placed.view(torch.uint8), transpose_fp8(rows_fp8, sources).view(torch.uint8))
+    assert torch.equal(placed.view(torch.uint8), layout_reference(rows_fp8, OFFSETS, 16).view(torch.uint8))
     # Each group's (and the rows in no group's) amax of each block of 64 columns (100: a block and a part), NaN
     # left out: their max is h's amax.
     groups = row_groups(OFFSETS, 44)

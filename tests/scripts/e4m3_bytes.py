@@ -20,3 +20,18 @@ def bytes_one_step_apart(got_fp8: torch.Tensor, expected_fp8: torch.Tensor, labe
     near = ((got - expected).abs() <= 1) & same_sign | ((got & 0x7F) + (expected & 0x7F) <= 1)
     assert bool(near.all()), (label, got[~near][:8], expected[~near][:8])
     return int((got != expected).sum())
+
+
+def placed_cast_checked(got, expected, offsets, label) -> int:
+    """A kernel's ``(rows_fp8, placed, amax)`` against its reference's: each part's shape; the rows each byte
+    within one E4M3 step (:func:`bytes_one_step_apart`); the placed layout byte for byte the kernel's own rows laid
+    out (``fp8graph.kernels.group_columns.layout_reference``, groups padded to 16 rows); the amaxes within fp32
+    rounding. Returns the rows' bytes that differ."""
+    from fp8graph.kernels.group_columns import layout_reference
+
+    for got_part, expected_part, part in zip(got, expected, ("rows", "placed", "amax")):
+        assert got_part.shape == expected_part.shape, (label, part)
+    got_rows, got_placed, got_amax = got
+    assert torch.equal(e4m3_bytes(got_placed), e4m3_bytes(layout_reference(got_rows, offsets, 16))), label
+    torch.testing.assert_close(got_amax, expected[2], rtol=1e-6, atol=0, msg=str(label))
+    return bytes_one_step_apart(got_rows, expected[0], label)
