@@ -45,17 +45,22 @@ The pass only reads the graph.
 from __future__ import annotations
 
 import operator
+from typing import Callable
 
 import torch
 import torch.fx
+
+from fp8graph.gemm.scaled_gemm import Lowering
+from fp8graph.numerics.groups import ExpertGemm, weight_copies_kept, weight_copy_fits
+from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE, NATIVE_GROUPED_GRANULARITIES
 
 from .node_values import argument, tensor_value
 from .side_effects import has_side_effects
 from .sites import ExpertSite, GatheredExpertSite, GroupedExpertSite
 from .unpermute import unpermuting
 
-__all__ = ["GROUPED_OP", "is_grouped_gemm", "mark_gates", "pair_expert_stages", "read_dense_experts", "read_gather",
-           "read_gathered_experts", "read_combine", "read_grouped", "read_swiglu"]
+__all__ = ["GROUPED_OP", "expert_mlps", "is_grouped_gemm", "mark_gates", "pair_expert_stages", "pool_weight_copies",
+           "read_dense_experts", "read_gather", "read_gathered_experts", "read_combine", "read_grouped", "read_swiglu"]
 
 GROUPED_OP = "grouped_mm"
 _GROUPED_FUNCTIONS = {torch._grouped_mm} | ({torch.nn.functional.grouped_mm}
@@ -326,19 +331,47 @@ def _reaches(node: torch.fx.Node, targets: set, hops: int, gemms: set) -> bool:
     return False
 
 
-def pair_expert_stages(sites) -> None:
-    """Give ``expert_stage`` to both GEMMs of an expert MLP where the graph has it whole: a first GEMM whose output
-    SwiGLU alone reads (``swiglu_nodes``), that SwiGLU the input of a second GEMM whose output the combine alone
-    reads (``combine_nodes``): 0 and 1. The site model's stage table was measured on that shape (the second
-    GEMM's casts with the first's SwiGLU fused into them); a site outside such a pair is priced by the block's
-    average."""
+def expert_mlps(sites) -> list[tuple[GroupedExpertSite, GroupedExpertSite]]:
+    """The expert MLPs the graph has whole, as ``(first, second)`` GEMM sites: a first GEMM whose output SwiGLU
+    alone reads (``swiglu_nodes``), that SwiGLU the input of a second GEMM whose output the combine alone reads
+    (``combine_nodes``)."""
     second_by_input = {site.input_node: site for site in sites
                        if isinstance(site, GroupedExpertSite) and site.combine_nodes}
-    for first in sites:
-        if isinstance(first, GroupedExpertSite) and first.swiglu_nodes:
-            second = second_by_input.get(first.swiglu_nodes[-1])
-            if second is not None:
-                first.expert_stage, second.expert_stage = 0, 1
+    return [(first, second_by_input[first.swiglu_nodes[-1]]) for first in sites
+            if isinstance(first, GroupedExpertSite) and first.swiglu_nodes
+            and first.swiglu_nodes[-1] in second_by_input]
+
+
+def pair_expert_stages(sites) -> None:
+    """Give ``expert_stage`` to both GEMMs of each of :func:`expert_mlps`: 0 and 1. The site model's stage table
+    was measured on that shape (the second GEMM's casts with the first's SwiGLU fused into them); a site outside
+    such a pair is priced by the block's average."""
+    for first, second in expert_mlps(sites):
+        first.expert_stage, second.expert_stage = 0, 1
+
+
+def pool_weight_copies(decisions, trained: Callable[[GroupedExpertSite], bool]) -> None:
+    """Set ``pooled_weight_copy`` on the expert GEMMs of an expert MLP (:func:`expert_mlps`) that keep their
+    weight's copy for grad_input only because the MLP's other GEMM saves enough on its input to pay for it
+    (``fp8graph.numerics.groups.weight_copies_kept``): both in FP8 on the native path, ``trained`` (their
+    input saved for grad_weight) and outside activation checkpointing (which saves neither). A recipe that saves
+    its transposes keeps its copies whatever they cost, and stays out of the pool."""
+    decision_of = {id(decision.site): decision for decision in decisions}
+
+    def pooled(decision) -> bool:
+        site = decision.site
+        return (decision.rewritten and decision.lowering is Lowering.SCALED_MM
+                and decision.recipe.granularity in NATIVE_GROUPED_GRANULARITIES
+                and not decision.recipe.save_transposes and site.checkpoint_region is None and trained(site))
+
+    for pair in expert_mlps([decision.site for decision in decisions]):
+        mlp = [decision_of[id(site)] for site in pair]
+        if not all(map(pooled, mlp)) or not isinstance(pair[0].M, int):
+            continue
+        gemms = [ExpertGemm(site.M, site.experts, site.N, site.K, copies_weight=not decision.recipe.tiled)
+                 for site, decision in zip(pair, mlp)]
+        for site, gemm, kept in zip(pair, gemms, weight_copies_kept(gemms, FP8_GEMM_DIM_MULTIPLE)):
+            site.pooled_weight_copy = kept and not weight_copy_fits(gemm, FP8_GEMM_DIM_MULTIPLE)
 
 
 def mark_gates(sites) -> None:

@@ -5,6 +5,7 @@
     find_sites              every linear and matmul node, read into linear form
     annotate                each site's decision (a recipe and its GEMM lowering, or why it stays) in node.meta
     group_sites             decided sites that read one input, one cast of it
+    expert_weight_copies    expert MLPs whose FP8 inputs save enough to keep both weights' copies for grad_input
     rewrite                 decided sites replaced by fp8graph's targets, their buffers threaded in
     unpermute               in graphs with FP8 expert GEMMs, the tokens' order restored by a gather whose
                             backward gathers too (not index_put into zeros)
@@ -36,6 +37,7 @@ from fp8graph.recipes.policy import Policy
 
 from .anchored_inputs import take_anchored_inputs
 from .expand_attention import expand_attention
+from .expert_sites import pool_weight_copies
 from .annotate import annotate_sites
 from .find_sites import find_sites
 from .group_sites import group_sites
@@ -214,6 +216,13 @@ def group(state: PassState) -> None:
     state.groups = group_sites(state.decisions, state.buffers.compatibility)
 
 
+def pool_copies(state: PassState) -> None:
+    """Expert MLPs whose FP8 inputs save enough to keep both weights' copies for grad_input: noted on the sites."""
+    trained = torch.is_grad_enabled()
+    pool_weight_copies(state.decisions, lambda site: trained and getattr(
+        state.value_of.get(site.weight_input), "requires_grad", False))
+
+
 def rewrite(state: PassState) -> None:
     """Decided sites replaced by fp8graph's targets, their buffers threaded in."""
     buffers = state.buffers
@@ -254,6 +263,7 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("find_sites", find),
     GraphPass("annotate", annotate),
     GraphPass("group_sites", group),
+    GraphPass("expert_weight_copies", pool_copies),
     GraphPass("rewrite", rewrite),
     GraphPass("unpermute", unpermute),
     GraphPass("check_gathered_weights", check_gathers),

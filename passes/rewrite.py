@@ -282,7 +282,7 @@ def _grouped_call(site: GroupedExpertSite, decision: Decision, graph, state, cac
     combine = _fuses_combine(decision)
     target = grouped_fp8_target(decision.recipe, decision.lowering, state is None or buffers.updates_state(site),
                                 buffers.weight_cache if cache is not None else None, _fuses_swiglu(decision),
-                                site.combine_top_k if combine else 0)
+                                site.combine_top_k if combine else 0, site.pooled_weight_copy)
     kwargs = {"row_weights": site.combine_weights, "permutation": site.combine_permutation} if combine else {}
     # SwiGLU read by this site alone: cast from the first call's output, SwiGLU's value never stored (read again, it
     # is stored anyway, and casting it as given reads fewer bytes than the output it came from).

@@ -73,12 +73,14 @@ def table_source(derived: dict[str, dict]) -> str:
 
 # --- expert sites: what a recipe adds to a MoE block, per routed-token element and per weight element -------
 
-# The two Qwen3-30B-A3B blocks of the sweep the grouped table is solved from (the same weights, 4x the tokens),
-# where every expert site casts its weight again in the backward; and the block whose sites that keep their
-# weight's copy from the forward (fp8graph.numerics.groups.weight_copy_fits: its gate_up) give that form's rates.
+# The three Qwen3-30B-A3B blocks of the sweep the grouped table is solved from (the same weights, 4x and 8x the
+# tokens): at 256 tokens an expert every expert site casts its weight again in the backward; at 1024 the down
+# projection keeps its weight's copy from the forward on what the two GEMMs' inputs save (gate_up's would not fit
+# beside it); at 2048 both keep theirs (fp8graph.numerics.groups.weight_copies_kept). Three blocks, three unknowns a
+# kind of kernel: bytes per routed-token element, per weight element and per element of a weight kept.
 GROUPED_CASES = ("Qwen3-30B-A3B, 1x4096, 256 tokens an expert, 1 micro-batch",
-                 "Qwen3-30B-A3B, 4x4096, 1024 tokens an expert, 1 micro-batch")
-KEPT_CASE = "Qwen3-30B-A3B, 8x4096, 2048 tokens an expert, 1 micro-batch"
+                 "Qwen3-30B-A3B, 4x4096, 1024 tokens an expert, 1 micro-batch",
+                 "Qwen3-30B-A3B, 8x4096, 2048 tokens an expert, 1 micro-batch")
 # The recipes whose rows the sweep holds (bench moe's), each against BF16's; the per-tensor ones keep the copy.
 GROUPED_RECIPES = ("current", "delayed", "rowwise")
 KEEPS_WEIGHT_COPY = ("current", "delayed")
@@ -124,25 +126,22 @@ def block_sites(shape: dict) -> list[tuple[int, int, int, int]]:
 def site_elements(shape: dict) -> list[tuple[int, int, int]]:
     """Each of a sweep block's two expert GEMMs' ``(routed-token elements M x (K + N), expert-weight elements E x
     K x N, kept)``, ``kept`` its weight elements where the site keeps its weight's copy for grad_input from the
-    forward (``fp8graph.numerics.groups.weight_copy_fits``, the rule the per-tensor recipes' sites follow), else
-    0."""
-    from fp8graph.numerics.groups import weight_copy_fits
+    forward (``fp8graph.numerics.groups.weight_copies_kept`` over the block's expert MLP, the rule the per-tensor
+    recipes' sites follow), else 0."""
+    from fp8graph.numerics.groups import ExpertGemm, weight_copies_kept
     from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
 
-    return [(rows * (k + n), experts * k * n,
-             experts * k * n if weight_copy_fits(rows, experts, n, FP8_GEMM_DIM_MULTIPLE) else 0)
-            for rows, k, n, experts in block_sites(shape)]
+    sites = block_sites(shape)
+    kept = weight_copies_kept([ExpertGemm(rows, experts, n, k) for rows, k, n, experts in sites],
+                              FP8_GEMM_DIM_MULTIPLE)
+    return [(rows * (k + n), experts * k * n, experts * k * n if keeps else 0)
+            for (rows, k, n, experts), keeps in zip(sites, kept)]
 
 
-def block_elements(shape: dict) -> tuple[int, int]:
-    """A sweep block's (routed-token elements, expert-weight elements) over its two expert GEMMs."""
-    sites = site_elements(shape)
-    return sum(tokens for tokens, _, _ in sites), sum(weights for _, weights, _ in sites)
-
-
-def kept_weight_elements(shape: dict) -> int:
-    """Expert-weight elements of the block's sites that keep their weight's copy (:func:`site_elements`)."""
-    return sum(kept for _, _, kept in site_elements(shape))
+def block_elements(shape: dict) -> tuple[int, int, int]:
+    """A sweep block's (routed-token elements, expert-weight elements, elements of weights kept) over its two
+    expert GEMMs (:func:`site_elements`)."""
+    return tuple(map(sum, zip(*site_elements(shape))))
 
 
 def _per_64th(value: float) -> float:
@@ -157,49 +156,37 @@ def _sweep(result: dict) -> tuple[dict, dict]:
     return shapes, captures
 
 
-def _rates(extras: list[dict], elements: list[tuple[int, int]], kept_extra: dict | None = None,
-           kept_elements: tuple[int, int, int] = (0, 0, 0)) -> dict:
-    """Bytes per routed-token element and per weight element of each kind of kernel, and launches, from what two
-    blocks add (``extras``) over their ``(tokens, weights)`` elements: two equations, two unknowns a kind; with
-    ``kept_extra``, what a third block adds, the change per weight element of its ``kept`` elements of
-    ``kept_elements`` ``(tokens, weights, kept)`` beyond what those rates predict for it, else none."""
-    (a1, w1), (a2, w2) = elements
-    determinant = a1 * w2 - a2 * w1
-    activation, weight, kept = {}, {}, {}
+def _rates(extras: list[dict], elements: list[tuple[int, int, int]], keeps: bool) -> dict:
+    """Bytes per routed-token element, per weight element and (where the recipe ``keeps`` weight copies) per
+    element of a weight whose copy is kept, of each kind of kernel, and launches, from what the blocks add
+    (``extras``) over their ``(tokens, weights, kept)`` elements: one equation a block, an unknown a column (the
+    first two blocks and two columns for a recipe that keeps no copy)."""
+    import numpy
+
+    unknowns = 3 if keeps else 2
+    system = numpy.array([row[:unknowns] for row in elements[:unknowns]], dtype=numpy.float64)
+    if abs(numpy.linalg.det(system / numpy.abs(system).max(axis=0))) < 1e-9:
+        raise ValueError(f"the blocks {elements[:unknowns]} do not tell the {unknowns} rates apart")
+    columns = {"activation": {}, "weight": {}, "kept_weight": {}}
     for kind in KERNEL_KINDS:
-        e1, e2 = extras[0][kind], extras[1][kind]
-        activation[kind] = _per_64th((e1 * w2 - e2 * w1) / determinant)
-        weight[kind] = _per_64th((a1 * e2 - a2 * e1) / determinant)
-        if kept_extra is None:
-            kept[kind] = 0.0
-        else:
-            tokens, weights, kept_weights = kept_elements
-            residual = kept_extra[kind] - activation[kind] * tokens - weight[kind] * weights
-            kept[kind] = _per_64th(residual / kept_weights)
-    return {"activation": tuple(activation.values()), "weight": tuple(weight.values()),
-            "launches": extras[0]["launches"], "kept_weight": tuple(kept.values())}
+        solved = numpy.linalg.solve(system, [extra[kind] for extra in extras[:unknowns]])
+        for name, value in zip(columns, [*solved, 0.0][:3]):
+            columns[name][kind] = _per_64th(float(value))
+    return {"activation": tuple(columns["activation"].values()), "weight": tuple(columns["weight"].values()),
+            "launches": extras[0]["launches"], "kept_weight": tuple(columns["kept_weight"].values())}
 
 
 def derive_grouped(result: dict) -> dict[str, dict]:
     """Per recipe of a ``bench model moe --sweep`` result: bytes per routed-token element and per weight
-    element (Inductor's kernels and custom ops apart) and launches a block adds over BF16's, solved from
-    :data:`GROUPED_CASES` (two equations, two unknowns per kind of kernel); for the recipes whose sites keep
-    their weight's copy from the forward, the change per weight element of a site that keeps it, from what
-    :data:`KEPT_CASE` moves beyond what those rates predict for it."""
+    element (Inductor's kernels and custom ops apart) and launches a block adds over BF16's, and for the recipes
+    whose sites keep their weight's copy from the forward the change per weight element of a site that keeps it,
+    solved from :data:`GROUPED_CASES` (:func:`_rates`)."""
     shapes, captures = _sweep(result)
     elements = [block_elements(shapes[case]) for case in GROUPED_CASES]
-    kept_elements = (*block_elements(shapes[KEPT_CASE]), kept_weight_elements(shapes[KEPT_CASE]))
-    # The two equations hold only where every site casts again, and the kept form's rates need a site that keeps.
-    if any(kept_weight_elements(shapes[case]) for case in GROUPED_CASES) or not kept_elements[2]:
-        raise ValueError(f"the grouped table is solved from blocks where no site keeps its weight's copy "
-                         f"({GROUPED_CASES}) and one where a site does ({KEPT_CASE})")
     derived = {}
     for contestant in GROUPED_RECIPES:
-        def extra(case):
-            return _extra(captures[contestant][case], captures["bf16"][case])
-
-        derived[contestant] = _rates([extra(case) for case in GROUPED_CASES], elements,
-                                     extra(KEPT_CASE) if contestant in KEEPS_WEIGHT_COPY else None, kept_elements)
+        extras = [_extra(captures[contestant][case], captures["bf16"][case]) for case in GROUPED_CASES]
+        derived[contestant] = _rates(extras, elements, contestant in KEEPS_WEIGHT_COPY)
     return derived
 
 
@@ -207,15 +194,9 @@ def derive_stages(result: dict) -> dict[str, tuple[dict, dict]]:
     """Per recipe of a ``bench model moe --sweep`` result, :func:`derive_grouped`'s rates for each of the expert
     MLP's two GEMMs apart: stage 0 (gate_up) from what ``<recipe> gate_up only`` (``bench.moe.FIRST_GEMM_ONLY``)
     adds to BF16's block, stage 1 (the down projection) from what ``<recipe>`` adds beyond that, each per element
-    of its own GEMM (:func:`site_elements`), solved from :data:`GROUPED_CASES`; the kept form's rates from
-    :data:`KEPT_CASE` for the stage whose site keeps its weight's copy there, and the same rates for the other."""
+    of its own GEMM (:func:`site_elements`), solved from :data:`GROUPED_CASES`. The blocks of ``gate_up only``
+    keep gate_up's copy where the whole MLP's do: at 2048 tokens an expert its own input pays for it."""
     shapes, captures = _sweep(result)
-    if any(kept for case in GROUPED_CASES for _, _, kept in site_elements(shapes[case])):
-        raise ValueError(f"the stage table is solved from blocks where no site keeps its weight's copy "
-                         f"({GROUPED_CASES})")
-    keeping = [stage for stage, (_, _, kept) in enumerate(site_elements(shapes[KEPT_CASE])) if kept]
-    if len(keeping) != 1:
-        raise ValueError(f"the kept form's stage rates need one stage keeping its copy at {KEPT_CASE}")
     derived = {}
     for contestant in GROUPED_RECIPES:
         def extra(case: str, stage: int) -> dict[str, float]:
@@ -225,15 +206,10 @@ def derive_stages(result: dict) -> dict[str, tuple[dict, dict]]:
             both = _extra(captures[contestant][case], captures["bf16"][case])
             return {key: both[key] - first[key] for key in both}
 
-        stages = []
-        for stage in (0, 1):
-            keeps = stage in keeping and contestant in KEEPS_WEIGHT_COPY
-            stages.append(_rates([extra(case, stage) for case in GROUPED_CASES],
-                                 [site_elements(shapes[case])[stage][:2] for case in GROUPED_CASES],
-                                 extra(KEPT_CASE, stage) if keeps else None,
-                                 site_elements(shapes[KEPT_CASE])[stage]))
-        kept = stages[keeping[0]]["kept_weight"]  # the same weight casts, per weight element, in either stage
-        derived[contestant] = tuple({**entry, "kept_weight": kept} for entry in stages)
+        derived[contestant] = tuple(
+            _rates([extra(case, stage) for case in GROUPED_CASES],
+                   [site_elements(shapes[case])[stage] for case in GROUPED_CASES], contestant in KEEPS_WEIGHT_COPY)
+            for stage in (0, 1))
     return derived
 
 

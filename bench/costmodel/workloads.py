@@ -180,8 +180,9 @@ def _moe_case(spec: dict, shape: dict) -> dict:
     label = shape["label"] or (f"{config['experts']} experts, top {config['top_k']}, hidden {config['hidden']}, "
                                f"expert width {config['expert_width']}, {shape['batch']}x{shape['sequence']}")
     case = _case(label, cap, note, _sgd_rows(block))
-    micro_batches.split(case)
-    _check_grouped_gemms(case, base, bool(spec.get("frozen_experts")))
+    frozen_experts = bool(spec.get("frozen_experts"))
+    micro_batches.split(case, frozen_experts=frozen_experts)
+    _check_grouped_gemms(case, base, frozen_experts)
     return case
 
 
@@ -233,12 +234,13 @@ class _MicroBatches:
             self._call("per call")
         return text
 
-    def split(self, case: dict, grouped: bool = True) -> None:
+    def split(self, case: dict, grouped: bool = True, frozen_experts: bool = False) -> None:
         """``rows`` become the first micro-batch's, ``reuse_rows`` a reusing one's and ``per_call_rows`` a
         one-micro-batch step's, where the step ran them: the graphs each call compiled, and the runs each added
         to graphs they share (a regional model's graphs without FP8 weights). A step of n micro-batches is
         ``rows`` once and ``reuse_rows`` n - 1 times, a step of one ``per_call_rows`` where there are
-        (``bench.model.accumulate``)."""
+        (``bench.model.accumulate``). ``grouped``: each checked for the MoE step's grouped GEMMs
+        (:func:`_check_grouped_gemms`, ``frozen_experts``: without grad_weight's)."""
         if len(self.runs) == 1:
             return
         phases = {kind: [] for kind in self.kinds}
@@ -261,9 +263,9 @@ class _MicroBatches:
         if "per call" in phases:
             case["per_call_rows"] = phases["per call"]
         if grouped:
-            _check_grouped_gemms({"rows": case["reuse_rows"]}, "the reusing micro-batch")
+            _check_grouped_gemms({"rows": case["reuse_rows"]}, "the reusing micro-batch", frozen_experts)
             if "per call" in phases:
-                _check_grouped_gemms({"rows": case["per_call_rows"]}, "the per-call micro-batch")
+                _check_grouped_gemms({"rows": case["per_call_rows"]}, "the per-call micro-batch", frozen_experts)
 
 
 def _runs(cap: capture.Capture) -> dict[str, int]:

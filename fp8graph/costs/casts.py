@@ -139,7 +139,7 @@ class GroupedCasts:
     weight: KernelBytes
     block_launches: int
     # Per weight element of a site that keeps its weight's copy for grad_input from the forward
-    # (fp8graph.numerics.groups.weight_copy_fits), added to ``weight``: the forward casts it into both layouts by
+    # (fp8graph.numerics.groups.weight_copies_kept), added to ``weight``: the forward casts it into both layouts by
     # one of fp8graph's kernels, no Inductor kernel casts it, and the backward casts nothing again.
     kept_weight: KernelBytes = NO_BYTES
     sites: int = 2  # the expert GEMMs ``block_launches`` are of: both of a block's, or one (a stage's entry)
@@ -149,10 +149,11 @@ def _b(cast: float, plain: float, custom_op: float) -> KernelBytes:
     return KernelBytes(cast, plain, custom_op)
 
 
-# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-29T123806Z.json
-# (Qwen3-30B-A3B's block at 256 and 1024 tokens an expert, where every site casts its weight again in the
-# backward, and at 2048, where gate_up keeps its copy from the forward; a step of one micro-batch cast per call,
-# sm_90, torch 2.13.0, triton 3.6.0: the three blocks are fitted, to the rates' rounding to 1/64 byte); of the
+# bench.costmodel.site_casts.derive_grouped of the committed sweep, bench/results/model-moe-2026-11-29T145954Z.json
+# (Qwen3-30B-A3B's block at 256 tokens an expert, where every site casts its weight again in the backward, 1024,
+# where the down projection keeps its copy from the forward, and 2048, where both keep theirs
+# (fp8graph.numerics.groups.weight_copies_kept); a step of one micro-batch cast per call, sm_90, torch 2.13.0,
+# triton 3.6.0: the three blocks are fitted, to the rates' rounding to 1/64 byte); of the
 # blocks it was not solved from, the FP8 steps' Triton bytes it predicts are within 6% of Llama-4 Scout's (whose
 # batched experts keep autograd's SwiGLU and combine) and within 26% of DeepSeek-V3's (tests/costs/test_sites.py).
 # SwiGLU's and the combine's backward are kernels of fp8graph's in all three recipes, whose bytes go with the
@@ -170,9 +171,9 @@ def _b(cast: float, plain: float, custom_op: float) -> KernelBytes:
 # Regenerated with the sweep.
 GROUPED_CAST_TRAFFIC: dict[str, GroupedCasts] = {
     "current": GroupedCasts(_b(0.0, -5.28125, 5.84375), _b(3.0, 2.0, 3.015625), 30,
-                            _b(-2.984375, 0.03125, 1.015625)),
+                            _b(-3.0, 0.0, 1.0)),
     "delayed": GroupedCasts(_b(0.0, -5.921875, 5.125), _b(3.015625, 0.0, 3.03125), 24,
-                            _b(-3.0, 0.015625, 0.984375)),
+                            _b(-3.0, 0.015625, 1.0)),
     "rowwise": GroupedCasts(_b(1.09375, -5.359375, 5.171875), _b(3.015625, 0.015625, 3.03125), 18,
                             _b(0.0, 0.0, 0.0)),
 }
@@ -185,18 +186,18 @@ GROUPED_CAST_TRAFFIC: dict[str, GroupedCasts] = {
 # routed-token operands (M x (K + N)) and weight (E x K x N). The block table above averages the two; a site's
 # casts are not the block's average (current scaling's down projection carries the combine's backward cast,
 # SwiGLU's amax and its weight's casts), and a site decided by the average can lose where the block model says
-# it does. A stage that keeps no weight copy in the sweep takes the kept form's rates of the stage that does
-# (the same weight casts, per weight element).
+# it does. Each stage's kept form is solved from its own blocks: gate_up keeps its copy at 2048 tokens an expert,
+# the down projection at 1024 and 2048.
 # Regenerated with the sweep.
 GROUPED_STAGE_CAST_TRAFFIC: dict[str, tuple[GroupedCasts, GroupedCasts]] = {
     "current": (GroupedCasts(_b(0.0, -6.71875, 5.71875), _b(3.0, 2.0, 3.015625), 13,
-                             _b(-3.0, 0.015625, 1.0), sites=1),
+                             _b(-3.0, 0.0, 1.0), sites=1),
                 GroupedCasts(_b(0.0, -3.4375, 6.0), _b(3.0, 2.015625, 3.03125), 17,
-                             _b(-3.0, 0.015625, 1.0), sites=1)),
+                             _b(-3.0, 0.0, 1.0), sites=1)),
     "delayed": (GroupedCasts(_b(0.0, -6.859375, 4.4375), _b(3.015625, 0.0, 3.015625), 11,
-                             _b(-3.0, 0.0, 0.984375), sites=1),
-                GroupedCasts(_b(0.0, -4.71875, 6.0), _b(3.015625, 0.0, 3.03125), 13,
-                             _b(-3.0, 0.0, 0.984375), sites=1)),
+                             _b(-3.0, 0.0, 1.0), sites=1),
+                GroupedCasts(_b(0.0, -4.71875, 6.0), _b(3.03125, 0.0, 3.03125), 13,
+                             _b(-3.0, 0.0, 1.0), sites=1)),
     "rowwise": (GroupedCasts(_b(0.4375, -6.015625, 5.140625), _b(3.015625, 0.0, 3.03125), 9,
                              _b(0.0, 0.0, 0.0), sites=1),
                 GroupedCasts(_b(1.921875, -4.546875, 5.1875), _b(3.015625, 0.015625, 3.03125), 9,

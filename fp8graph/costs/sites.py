@@ -11,7 +11,7 @@ For one linear site (``M`` tokens, ``K`` in, ``N`` out; an expert site: ``M`` so
            less than the launch floor each, and the small launches at the floor; an expert site in training,
            its share of what the recipe adds to a MoE block (GROUPED_CAST_TRAFFIC, or its own GEMM's where it
            knows which of the expert MLP's GEMMs it is, GROUPED_STAGE_CAST_TRAFFIC; a site that keeps its
-           weight's copy for grad_input from the forward, weight_copy_fits, with that form's rates): Inductor's
+           weight's copy for grad_input from the forward, _keeps_weight_copy, with that form's rates): Inductor's
            FP8 casts at the GPU's cast rate, its other kernels' bytes over BF16's at its plain rate, fp8graph's
            ops at their transposed-store rate, as the block model prices each kernel by its kind
 
@@ -31,7 +31,7 @@ from fp8graph.costs.casts import (CAST_TRAFFIC, GROUPED_CAST_TRAFFIC, GROUPED_ST
                                   KernelBytes, RecipeCasts)
 from fp8graph.costs.gpus import GPU, gpu as gpu_named
 from fp8graph.recipes.policy import SiteInfo
-from fp8graph.numerics.groups import weight_copy_fits
+from fp8graph.numerics.groups import ExpertGemm, weight_copies_kept, weight_copy_fits
 from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE, NATIVE_GROUPED_GRANULARITIES, PRESETS
 
 __all__ = ["SiteTimes", "site_times"]
@@ -40,6 +40,21 @@ _BF16_BYTES = 2
 # MXFP8's casts are not in the table (the cost model has no MXFP8 contestant): block scaling's are the
 # nearest, one read of each operand writing it and its transposed copy with a scale per 32 or 128 elements.
 _CASTS_STANDING_IN = {"mxfp8": "block", "mxfp8 saved-transposes": "block saved-transposes"}
+
+
+def _keeps_weight_copy(site: SiteInfo, M: int) -> bool:
+    """Whether a per-tensor expert site keeps its weight's copy for grad_input from the forward: where its own
+    input pays for it (``weight_copy_fits``), or, for a GEMM of a whole expert MLP (``expert_stage``), where the
+    MLP's inputs pay for it with the other GEMM in FP8 too, as the stage table measured them
+    (``weight_copies_kept``, the rule ``passes.expert_sites.pool_weight_copies`` applies): SwiGLU halves the
+    first GEMM's N into the second's K, and the second's N is the first's K."""
+    weights, K, N = site.experts, site.K, site.N
+    gemm = ExpertGemm(M, weights, N, K)
+    if site.expert_stage is None:
+        return weight_copy_fits(gemm, FP8_GEMM_DIM_MULTIPLE)
+    mlp = (gemm, ExpertGemm(M, weights, K, N // 2)) if site.expert_stage == 0 else (ExpertGemm(M, weights, 2 * K, N),
+                                                                                     gemm)
+    return weight_copies_kept(mlp, FP8_GEMM_DIM_MULTIPLE)[site.expert_stage]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +169,7 @@ def site_times(site: SiteInfo, recipe, gpu: "str | GPU" = "H100", training: bool
         grouped = GROUPED_STAGE_CAST_TRAFFIC[kind][site.expert_stage]  # its own GEMM's casts, not the block's
     if grouped is not None and training:
         # A symbolic M (dynamic=True) is modelled at ``tokens``, but the site cannot prove it fits: cast again.
-        kept = getattr(recipe, "save_transposes", False) or (
-            isinstance(site.M, int) and weight_copy_fits(M, weights, N, FP8_GEMM_DIM_MULTIPLE))
+        kept = getattr(recipe, "save_transposes", False) or (isinstance(site.M, int) and _keeps_weight_copy(site, M))
         casts_us = _grouped_casts_us(grouped, M, K, N, weights, rates, kept)
     else:  # dense sites; expert sites of the recipes the sweep did not model, or in inference: the dense casts
         sizes = {"input": M * K, "weight": weights * K * N, "grad_output": M * N}

@@ -19,13 +19,15 @@ So an operand of the weight-gradient GEMM is scaled per group and column
 
 from __future__ import annotations
 
+from typing import NamedTuple, Sequence
+
 import torch
 
 from fp8graph.numerics.quantize import amax_to_scale, finite_magnitude, quantize
 
 __all__ = ["group_block_amax", "group_column_amax", "group_padding", "padded_group_bound", "padded_group_offsets",
            "padded_group_rows", "padded_group_sources", "place_in_padded_groups", "quantize_group_columns", "row_groups",
-           "weight_copy_fits"]
+           "ExpertGemm", "weight_copies_kept", "weight_copy_fits"]
 
 
 def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -117,16 +119,63 @@ def padded_group_bound(rows: int, groups: int, multiple: int) -> int:
     return -(-(rows + groups * multiple) // multiple) * multiple
 
 
-def weight_copy_fits(routed_rows, experts: int, rows: int, multiple: int) -> bool:
-    """Whether a one-byte copy of an expert weight of ``experts`` x ``rows`` x K elements takes no more memory
-    than FP8 saves over BF16 on a grouped GEMM's input of ``routed_rows`` S rows of K: BF16 keeps them in 2
-    bytes, FP8 grad_weight's layout of them in 1, the groups padded to ``multiple`` (:func:`padded_group_bound`
-    rows), so it fits where ``2 S - padded rows >= experts x rows`` (on average ``rows + multiple`` tokens a
-    group or more). A symbolic S fits only where that is provable: no guard is made on it."""
+class ExpertGemm(NamedTuple):
+    """One trained expert GEMM in FP8, as :func:`weight_copy_fits` and :func:`weight_copies_kept` weigh it: its
+    input of ``routed_rows`` S rows of ``columns`` K, and its weight of ``experts`` x ``rows`` x K elements, of
+    which the forward may keep a one-byte copy for grad_input where ``copies_weight`` (a per-tensor recipe on the
+    native path; row-wise's input still saves its share)."""
+
+    routed_rows: object  # an int, or a SymInt where the tokens are symbolic
+    experts: int
+    rows: int
+    columns: int
+    copies_weight: bool = True
+
+
+_FP32 = 4  # bytes of a scale
+
+
+def _input_saving(gemm: ExpertGemm, multiple: int):
+    """Bytes FP8 keeps less than BF16 for the GEMM's backward, the weight's copy aside: BF16 keeps the S input
+    rows of K in 2 bytes, FP8 grad_weight's layout of them (:func:`padded_group_bound` rows) in 1, and each
+    expert's weight scale (fp32) for the backward's cast."""
+    padded = padded_group_bound(gemm.routed_rows, gemm.experts, multiple)
+    return gemm.columns * (2 * gemm.routed_rows - padded) - _FP32 * gemm.experts
+
+
+def _copy_bytes(gemm: ExpertGemm) -> int:
+    """The weight's copy for grad_input: one byte an element, and the inverse scale the forward GEMM reads, one
+    fp32 an expert and output row, tied to it (``fp8graph.targets.partitioning``)."""
+    return gemm.experts * gemm.rows * (gemm.columns + _FP32)
+
+
+def weight_copy_fits(gemm: ExpertGemm, multiple: int) -> bool:
+    """Whether the GEMM's weight copy (:func:`_copy_bytes`) takes no more memory than FP8 saves over BF16 on its
+    own input (:func:`_input_saving`): on average a little over ``rows + multiple`` tokens a group. A symbolic S
+    fits only where that is provable: no guard is made on it."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return statically_known_true(2 * routed_rows - padded_group_bound(routed_rows, experts, multiple)
-                                 >= experts * rows)
+    return gemm.copies_weight and statically_known_true(_input_saving(gemm, multiple) >= _copy_bytes(gemm))
+
+
+def weight_copies_kept(gemms: Sequence[ExpertGemm], multiple: int) -> tuple[bool, ...]:
+    """Which of one expert MLP's GEMMs keep their weight's copy for grad_input from the forward, so that the MLP
+    keeps no more bytes for its backward than BF16's does: what FP8 saves on all of their inputs pays for the
+    copies together. A GEMM whose own input pays for its copy keeps it (:func:`weight_copy_fits`); then, largest
+    first, each other copy that what is left still pays for. Qwen3-30B-A3B's down projection at 2048 tokens an
+    expert (N = 2048 needs a little over 2064 on its own) keeps its copy on what gate_up's input saves beyond
+    gate_up's copy. Where a routed-row count is symbolic, each GEMM pays for its own (no guard is made on the
+    sizes)."""
+    kept = [weight_copy_fits(gemm, multiple) for gemm in gemms]
+    if not all(isinstance(gemm.routed_rows, int) for gemm in gemms):
+        return tuple(kept)
+    copies = [_copy_bytes(gemm) for gemm in gemms]
+    left = sum(_input_saving(gemm, multiple) for gemm in gemms) - sum(
+        copy for copy, keeps in zip(copies, kept) if keeps)
+    for index in sorted(range(len(gemms)), key=lambda index: -copies[index]):
+        if gemms[index].copies_weight and not kept[index] and copies[index] <= left:
+            kept[index], left = True, left - copies[index]
+    return tuple(kept)
 
 
 def group_padding(offsets: torch.Tensor, padded_offsets: torch.Tensor, multiple: int, padded_rows: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ from fp8graph.kernels.quantize_transposed import (quantize_both_layouts, quantiz
 from fp8graph.kernels.swiglu_backward import swiglu_backward_reference
 from fp8graph.kernels.swiglu_forward import swiglu_forward_placed
 from fp8graph.numerics.formats import Role
-from fp8graph.numerics.groups import weight_copy_fits
+from fp8graph.numerics.groups import ExpertGemm, weight_copy_fits
 from fp8graph.numerics.quantize import (amax_to_scale, current_scale, finite_magnitude, quantize, quantize_current,
                                         row_amaxes, untracked)
 from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, FP8_GEMM_DIM_MULTIPLE, NATIVE_GROUPED_GRANULARITIES, Recipe
@@ -73,6 +73,9 @@ class GroupedSpec:
     update: bool = True  # delayed scaling: False in graphs without gradients, which read the stored scales
     swiglu: bool = False  # the call returns silu(gate) * up of its output's halves (fuses_neighbours)
     combine_top_k: int = 0  # else the call returns its output's combine, top_k rows a token (fuses_neighbours)
+    # The expert MLP's other GEMM saves enough on its input to pay for this one's weight copy as well
+    # (fp8graph.numerics.groups.weight_copies_kept, decided by passes.expert_sites.pool_weight_copies).
+    pooled_weight_copy: bool = False
 
     @property
     def delayed(self) -> bool:
@@ -434,15 +437,18 @@ def _recasts_weight(spec: GroupedSpec, routed_rows, weight_hp: torch.Tensor, nee
     (``fp8graph.targets.linear_tensorwise``), and where the copy is no larger than what FP8 saves on the site's own
     input over BF16, so that the site keeps no more bytes for its backward than BF16's does
     (``fp8graph.numerics.groups.weight_copy_fits``: BF16 keeps the ``routed_rows`` S rows of K elements in 2
-    bytes, FP8 grad_weight's layout of them, S + 16 E rows, in 1; on average at least N + 16 tokens an expert).
+    bytes, FP8 grad_weight's layout of them, S + 16 E rows, in 1, and the copy its inverse scales; on average a
+    little over N + 16 tokens an expert),
+    or where the expert MLP's other GEMM saves enough on its input to pay for both copies
+    (``spec.pooled_weight_copy``: ``weight_copies_kept``).
     Where an expert sees fewer the copy would outweigh the activations (at 256 tokens an expert, Qwen3-30B-A3B's
     block at 1 x 4096 tokens, twice BF16's whole step's bytes), and where the experts' weights are frozen BF16
     keeps no input at all: there it is cast again. A symbolic S counts only where it is provably large enough
     (no guard: the graph is not specialized on it). The emulation reads any layout: the partitioner chooses."""
     if spec.lowering is not Lowering.SCALED_MM or spec.recipe.save_transposes:
         return False
-    experts, rows, _ = weight_hp.shape
-    return not (needs_grad_weight and weight_copy_fits(routed_rows, experts, rows, FP8_GEMM_DIM_MULTIPLE))
+    return not (needs_grad_weight and (spec.pooled_weight_copy or weight_copy_fits(
+        ExpertGemm(routed_rows, *weight_hp.shape), FP8_GEMM_DIM_MULTIPLE)))
 
 
 def _cast_experts_transposed(weight_hp: torch.Tensor, scale: torch.Tensor, after: torch.Tensor
@@ -726,7 +732,8 @@ def _per_expert_row(scale: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
-                       weight_cache: str | None = None, swiglu: bool = False, combine_top_k: int = 0
+                       weight_cache: str | None = None, swiglu: bool = False, combine_top_k: int = 0,
+                       pooled_weight_copy: bool = False
                        ) -> Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
     """The graph target for expert sites with ``recipe`` (one of :data:`EXPERT_GRANULARITIES`), named for it:
     ``grouped_fp8(input_hp (S, K), weight_hp (E, N, K), offsets (E,), stats=None, history=None, scale=None,
@@ -744,7 +751,9 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     given ``row_weights`` (S, 1), each row's routing weight, and ``permutation`` (S,), the sort that ordered the
     rows by expert (:func:`_combine`). A call with ``swiglu`` returns ``(silu(gate) * up, output)``, the GEMM's
     output too (not differentiable); a site whose input is that SwiGLU takes the output as ``swiglu_source``
-    (where :func:`takes_swiglu_source` says so) and casts SwiGLU from it, never reading its input's values."""
+    (where :func:`takes_swiglu_source` says so) and casts SwiGLU from it, never reading its input's values. With
+    ``pooled_weight_copy`` a trained call keeps its weight's copy for grad_input from the forward whatever its own
+    size (:class:`GroupedSpec`: the expert MLP's other GEMM pays for it)."""
     if (swiglu or combine_top_k) and not fuses_neighbours(recipe, lowering):
         raise ValueError(f"{recipe.name} on the {lowering.value} path leaves the ops next to an expert GEMM to "
                          "autograd (fuses_neighbours)")
@@ -757,7 +766,7 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
                     grad_scale=None, gather_index=None, cached_weight=None, cached_weight_scale=None,
                     cached_weight_t=None, cached_weight_t_scale=None, row_weights=None, permutation=None,
                     swiglu_source=None):
-        spec = GroupedSpec(recipe, lowering, update, swiglu, combine_top_k)
+        spec = GroupedSpec(recipe, lowering, update, swiglu, combine_top_k, pooled_weight_copy)
         if swiglu_source is not None and (not takes_swiglu_source(recipe, lowering) or gather_index is not None
                                           or offsets is None
                                           or swiglu_source.shape != (input_hp.shape[0], 2 * input_hp.shape[1])):
@@ -801,10 +810,13 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     label = f"{label}_{weight_cache}_cached_weight" if weight_cache else label
     label = f"{label}_swiglu" if swiglu else label
     label = f"{label}_combine{combine_top_k}" if combine_top_k else label
+    label = f"{label}_pooled_copy" if pooled_weight_copy else label
     grouped_fp8.__name__ = target_name("grouped", label, lowering.value)
     grouped_fp8.recipe = recipe
     grouped_fp8.lowering = lowering
     grouped_fp8.weight_cache = weight_cache
     grouped_fp8.swiglu = swiglu
     grouped_fp8.combine_top_k = combine_top_k
-    return register_target(grouped_fp8, recipe, lowering, update, weight_cache, swiglu, combine_top_k)
+    grouped_fp8.pooled_weight_copy = pooled_weight_copy
+    return register_target(grouped_fp8, recipe, lowering, update, weight_cache, swiglu, combine_top_k,
+                           pooled_weight_copy)

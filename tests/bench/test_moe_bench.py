@@ -132,6 +132,28 @@ def test_a_graph_both_micro_batches_run_is_counted_once_in_each():
         stale.split({"rows": rows[:1]}, grouped=False)
 
 
+def test_each_micro_batch_of_frozen_experts_has_the_grouped_gemms_of_grad_input_alone():
+    """``split`` checks every micro-batch's expert GEMMs: six where the experts train (the forward's, grad_input's
+    and grad_weight's of both sites), four where they are frozen (``bench model moe --frozen-experts
+    --grad-accumulation 1 4``, whose reusing micro-batch has no grad_weight GEMM to find)."""
+    from bench.costmodel import workloads
+
+    def step(gemms: int) -> tuple[list[dict], object]:
+        rows = [{"graph": f"{graph}:forward", "kind": "gemm", "name": f"fp8 grouped {gemm}", "count": 1}
+                for graph in range(3) for gemm in range(gemms)]
+        return rows, workloads._MicroBatches(None, None, None, None, runs=[
+            {"0:forward": 1}, {"0:forward": 1, "1:forward": 1}, {"0:forward": 1, "1:forward": 1, "2:forward": 1}],
+            kinds=["first", "reuse", "per call"])
+
+    rows, micro_batches = step(4)
+    micro_batches.split({"rows": rows}, frozen_experts=True)
+    with pytest.raises(Exception, match="the reusing micro-batch: 4 grouped GEMMs .* expected 6"):
+        step(4)[1].split({"rows": rows})
+    with pytest.raises(Exception, match="the reusing micro-batch: 3 grouped GEMMs .* expected 4"):
+        rows, micro_batches = step(3)
+        micro_batches.split({"rows": rows}, frozen_experts=True)
+
+
 def _triton_bytes(case: dict, graph: str | None = None, key: str = "rows") -> tuple[int, int]:
     """Bytes the Triton kernels of ``case[key]`` read and write, in ``graph`` or in all of them."""
     kernels = [r for r in case[key] if r["kind"] == "triton" and graph in (None, r["graph"])]

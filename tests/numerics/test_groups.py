@@ -102,3 +102,44 @@ def test_rows_placed_in_padded_groups_write_zeros_only_where_a_group_reads_them(
                        - {padded_rows - 1})
     assert untouched and torch.isnan(padded[untouched].float()).all(), \
         "past the groups, only the moved rows and the unused pads' row are written"
+
+
+def _qwen3_mlp(tokens_an_expert: int, copies_weight: tuple[bool, bool] = (True, True)):
+    """Qwen3-30B-A3B's expert MLP (128 experts, hidden 2048, width 768) as its two GEMMs, gate_up and down."""
+    from fp8graph.numerics.groups import ExpertGemm
+
+    rows = 128 * tokens_an_expert
+    return [ExpertGemm(rows, 128, 1536, 2048, copies_weight[0]), ExpertGemm(rows, 128, 2048, 768, copies_weight[1])]
+
+
+def test_an_expert_mlps_inputs_pay_for_its_weights_copies_together():
+    """``weight_copies_kept``: a GEMM whose own input's saving over BF16 pays for its weight's copy keeps it
+    (``weight_copy_fits``); what the MLP's inputs save beyond those pays for others, the largest first. At
+    Qwen3-30B-A3B's proportions: 2048 tokens an expert, gate_up pays for its own and down's (which its own input
+    does not: N = 2048 needs a little over 2064 tokens an expert); 1024, the two inputs pay for down's alone (gate_up's,
+    the larger, does not fit: nor does a copy kept ahead of a larger one that would); 256, for neither. A GEMM that
+    copies no weight (row-wise) still gives its input's saving."""
+    from fp8graph.numerics.groups import weight_copies_kept, weight_copy_fits
+
+    assert [weight_copy_fits(gemm, 16) for gemm in _qwen3_mlp(2048)] == [True, False]
+    assert weight_copies_kept(_qwen3_mlp(2048), 16) == (True, True)
+    assert weight_copies_kept(_qwen3_mlp(1024), 16) == (False, True)
+    assert weight_copies_kept(_qwen3_mlp(256), 16) == (False, False)
+    assert weight_copies_kept(_qwen3_mlp(1024, (True, False)), 16) == (False, False)
+    assert weight_copies_kept(_qwen3_mlp(2048, (False, True)), 16) == (False, True)
+    # The bytes: gate_up's input saves 2048 x (2 S - P) less its 128 weight scales, its copy and scales take
+    # 128 x 1536 x (2048 + 4); down's input 768 x (2 S - P) - 512 against 128 x 2048 x (768 + 4).
+    rows = 128 * 2048
+    padded = rows + 128 * 16
+    left = 2048 * (2 * rows - padded) - 512 - 128 * 1536 * 2052 + 768 * (2 * rows - padded) - 512
+    assert left >= 128 * 2048 * 772 > 768 * (2 * rows - padded) - 512
+
+
+def test_a_symbolic_expert_mlp_pays_for_each_copy_by_its_own_input():
+    """No guard is made on a symbolic token count: each GEMM keeps its copy only where its own input provably pays."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fp8graph.numerics.groups import ExpertGemm, weight_copies_kept
+
+    rows = ShapeEnv().create_unbacked_symint()
+    assert weight_copies_kept([ExpertGemm(rows, 4, 64, 32), ExpertGemm(rows, 4, 32, 64)], 16) == (False, False)

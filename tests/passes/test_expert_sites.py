@@ -440,3 +440,35 @@ def test_the_combine_moves_into_the_last_call_only_where_nothing_else_reads_its_
         assert sqnr_db(plain_grad, fused_grad) >= 30.0, name
         if not fused:
             assert torch.equal(fused_grad, plain_grad), name
+
+
+@pytest.mark.parametrize("case", ["both in FP8", "down in BF16", "gate_up in BF16", "row-wise", "frozen experts",
+                                  "too few tokens"])
+def test_an_expert_mlps_inputs_pay_for_a_weights_copy_only_where_both_gemms_save_in_fp8(monkeypatch, case):
+    """``pool_weight_copies`` (the ``expert_weight_copies`` pass): Qwen3-30B-A3B's proportions scaled down (hidden
+    64, 4 experts, top 2, width 16), 64 tokens an expert, where gate_up's input pays for its own copy and, beyond it,
+    for down's. Only the down call is told its copy is paid for, and only where both GEMMs run in FP8 on the native
+    path and save their inputs for grad_weight: a GEMM kept in BF16 saves nothing over BF16; row-wise keeps no
+    copy; frozen experts keep no input; at 16 tokens an expert nothing pays."""
+    from gemm_rules import pretend_gpu
+
+    from fp8graph.models.moe import MoEBlock
+
+    torch.manual_seed(0)
+    block = MoEBlock(hidden=64, experts=4, top_k=2, expert_width=16).to(torch.bfloat16)
+    recipe = Float8RowwiseScaling() if case == "row-wise" else Float8CurrentScaling()
+    stage = {"down in BF16": 0, "gate_up in BF16": 1}.get(case)
+    policy = recipe if stage is None else fp8graph.Policy(
+        default=None, rules=[(lambda path, module, site: site.expert_stage == stage, recipe)])
+    if case == "frozen experts":
+        block.experts.requires_grad_(False)
+    tokens = 32 if case == "too few tokens" else 128
+    compiled, backend = compile_fp8(block, policy=policy)
+    with pretend_gpu(monkeypatch):
+        compiled(torch.randn(tokens, 64, dtype=torch.bfloat16, requires_grad=True)).float().sum().backward()
+    experts = [d for d in backend.decisions if isinstance(d.site, ExpertSite)]
+    assert [d.rewritten for d in experts] == [stage != 1, stage != 0]
+    assert [d.site.pooled_weight_copy for d in experts] == [False, case == "both in FP8"]
+    calls = _grouped_calls(backend)
+    assert len(calls) == sum(d.rewritten for d in experts)
+    assert ["_pooled_copy" in name for name in calls] == ([False, True] if case == "both in FP8" else [False] * len(calls))

@@ -399,19 +399,24 @@ def test_the_down_projection_casts_swiglu_from_the_gate_up_output_by_one_kernel_
 
 def test_the_weights_copy_for_grad_input_is_kept_only_where_fp8s_saving_on_the_input_pays_for_it():
     """``_recasts_weight``: the forward keeps an expert weight's copy for grad_input (one byte an (E, N, K)
-    element) where FP8's saving on the site's input over BF16 (S rows of K: 2 bytes each in BF16, 1 in grad_weight's
-    layout of S + 16 E rows) covers it, ``S >= E (N + 16)``; else, with frozen experts (BF16 keeps no input),
-    and for a symbolic S not provably large enough (no guard made), it is cast again in the backward. A recipe
-    that saves its transposes keeps it always; the emulation leaves it to the partitioner."""
+    element, and an fp32 inverse scale an expert and row) where FP8's saving on the site's input over BF16 (S rows
+    of K: 2 bytes each in BF16, 1 in grad_weight's layout of S + 16 E rows rounded up to 16, less an fp32 weight
+    scale an expert) covers it: ``K (2 S - P) - 4 E >= E N (K + 4)``; else, with frozen experts (BF16 keeps no
+    input), and for a symbolic S not provably large enough (no guard made), it is cast again in the backward, but
+    where the pass found the expert MLP's other GEMM pays for it (``pooled_weight_copy``). A recipe that saves its
+    transposes keeps it always; the emulation leaves it to the partitioner."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from fp8graph.targets.grouped import GroupedSpec, _recasts_weight
 
-    weight = torch.empty(4, 64, 32)  # E = 4, N = 64
+    weight = torch.empty(4, 64, 32)  # E = 4, N = 64, K = 32: the copy and its scales 4 x 64 x 36 = 9216 bytes
     native = GroupedSpec(Float8CurrentScaling(), Lowering.SCALED_MM)
-    assert _recasts_weight(native, 4 * (64 + 16) - 1, weight, True)
-    assert not _recasts_weight(native, 4 * (64 + 16), weight, True)
+    assert _recasts_weight(native, 360, weight, True)  # P = 432: 32 x 288 - 16 = 9200 bytes saved
+    assert not _recasts_weight(native, 361, weight, True)  # 32 x 290 - 16 = 9264
     assert _recasts_weight(native, 10 ** 6, weight, False)  # frozen experts
+    pooled = GroupedSpec(Float8CurrentScaling(), Lowering.SCALED_MM, pooled_weight_copy=True)
+    assert not _recasts_weight(pooled, 1, weight, True)
+    assert _recasts_weight(pooled, 10 ** 6, weight, False)  # frozen: BF16 keeps no input, so nothing pays
     saving = GroupedSpec(Float8CurrentScaling(save_transposes=True), Lowering.SCALED_MM)
     assert not _recasts_weight(saving, 1, weight, True)
     assert not _recasts_weight(GroupedSpec(DelayedScaling(), Lowering.EMULATED), 1, weight, True)
