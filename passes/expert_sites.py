@@ -352,7 +352,7 @@ def pair_expert_stages(sites) -> None:
 
 def pool_weight_copies(decisions, trained: Callable[[GroupedExpertSite], bool]) -> None:
     """Set ``pooled_weight_copy`` on the expert GEMMs of an expert MLP (:func:`expert_mlps`) that keep their
-    weight's copy for grad_input only because the MLP's other GEMM saves enough on its input to pay for it
+    weight's copy for grad_input only because what the MLP's two inputs save pays for it
     (``fp8graph.numerics.groups.weight_copies_kept``): both in FP8 on the native path, ``trained`` (their
     input saved for grad_weight) and outside activation checkpointing (which saves neither). A recipe that saves
     its transposes keeps its copies whatever they cost, and stays out of the pool."""
@@ -366,10 +366,10 @@ def pool_weight_copies(decisions, trained: Callable[[GroupedExpertSite], bool]) 
 
     for pair in expert_mlps([decision.site for decision in decisions]):
         mlp = [decision_of[id(site)] for site in pair]
-        if not all(map(pooled, mlp)) or not isinstance(pair[0].M, int):
+        if not all(map(pooled, mlp)) or not all(isinstance(site.M, int) for site in pair):  # symbolic: a string
             continue
-        gemms = [ExpertGemm(site.M, site.experts, site.N, site.K, copies_weight=not decision.recipe.tiled)
-                 for site, decision in zip(pair, mlp)]
+        gemms = [ExpertGemm(site.M, site.experts, out_features=site.N, in_features=site.K,
+                            per_tensor=not decision.recipe.tiled) for site, decision in zip(pair, mlp)]
         for site, gemm, kept in zip(pair, gemms, weight_copies_kept(gemms, FP8_GEMM_DIM_MULTIPLE)):
             site.pooled_weight_copy = kept and not weight_copy_fits(gemm, FP8_GEMM_DIM_MULTIPLE)
 

@@ -5,7 +5,7 @@
     find_sites              every linear and matmul node, read into linear form
     annotate                each site's decision (a recipe and its GEMM lowering, or why it stays) in node.meta
     group_sites             decided sites that read one input, one cast of it
-    expert_weight_copies    expert MLPs whose FP8 inputs save enough to keep both weights' copies for grad_input
+    expert_weight_copies    expert MLPs whose FP8 inputs together pay for weights' copies for grad_input
     rewrite                 decided sites replaced by fp8graph's targets, their buffers threaded in
     unpermute               in graphs with FP8 expert GEMMs, the tokens' order restored by a gather whose
                             backward gathers too (not index_put into zeros)
@@ -217,7 +217,7 @@ def group(state: PassState) -> None:
 
 
 def pool_copies(state: PassState) -> None:
-    """Expert MLPs whose FP8 inputs save enough to keep both weights' copies for grad_input: noted on the sites."""
+    """Expert MLPs whose FP8 inputs together pay for weights' copies for grad_input: noted on the sites."""
     trained = torch.is_grad_enabled()
     pool_weight_copies(state.decisions, lambda site: trained and getattr(
         state.value_of.get(site.weight_input), "requires_grad", False))

@@ -125,7 +125,7 @@ class GroupedExpertSite(ExpertSite):
     # Which GEMM of an expert MLP the site is, where the graph has both as the site model's stage table measured
     # them (passes.expert_sites.pair_expert_stages): 0 the first, 1 the second; None elsewhere.
     expert_stage: int | None = None
-    # Kept its weight's copy for grad_input from the forward only because the expert MLP's other GEMM pays for it
+    # Kept its weight's copy for grad_input from the forward only because the expert MLP's two inputs pay for it
     # (passes.expert_sites.pool_weight_copies, after the decisions).
     pooled_weight_copy: bool = False
 

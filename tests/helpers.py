@@ -12,6 +12,17 @@ import fp8graph
 from fp8graph.numerics import health
 
 
+class Checkpointed(torch.nn.Module):
+    """``module`` run under ``torch.utils.checkpoint`` (non-reentrant): one checkpoint region."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.module, x, use_reentrant=False)
+
+
 def compile_fp8(model, compiler="aot_eager", **kwargs):
     """``fp8graph.compile`` returning ``(compiled, backend)``."""
     compiled = fp8graph.compile(model, compiler=compiler, **kwargs)

@@ -132,8 +132,8 @@ def site_elements(shape: dict) -> list[tuple[int, int, int]]:
     from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
 
     sites = block_sites(shape)
-    kept = weight_copies_kept([ExpertGemm(rows, experts, n, k) for rows, k, n, experts in sites],
-                              FP8_GEMM_DIM_MULTIPLE)
+    kept = weight_copies_kept([ExpertGemm(rows, experts, out_features=n, in_features=k)
+                               for rows, k, n, experts in sites], FP8_GEMM_DIM_MULTIPLE)
     return [(rows * (k + n), experts * k * n, experts * k * n if keeps else 0)
             for (rows, k, n, experts), keeps in zip(sites, kept)]
 
@@ -161,17 +161,20 @@ def _rates(extras: list[dict], elements: list[tuple[int, int, int]], keeps: bool
     element of a weight whose copy is kept, of each kind of kernel, and launches, from what the blocks add
     (``extras``) over their ``(tokens, weights, kept)`` elements: one equation a block, an unknown a column (the
     first two blocks and two columns for a recipe that keeps no copy)."""
-    import numpy
+    import torch
 
     unknowns = 3 if keeps else 2
-    system = numpy.array([row[:unknowns] for row in elements[:unknowns]], dtype=numpy.float64)
-    if abs(numpy.linalg.det(system / numpy.abs(system).max(axis=0))) < 1e-9:
+    system = torch.tensor([row[:unknowns] for row in elements[:unknowns]], dtype=torch.float64)
+    # Each column scaled to its largest entry: a condition number that says whether the blocks tell the rates
+    # apart, whatever the elements' magnitudes.
+    if torch.linalg.cond(system / system.abs().amax(dim=0)) > 1e3:
         raise ValueError(f"the blocks {elements[:unknowns]} do not tell the {unknowns} rates apart")
     columns = {"activation": {}, "weight": {}, "kept_weight": {}}
     for kind in KERNEL_KINDS:
-        solved = numpy.linalg.solve(system, [extra[kind] for extra in extras[:unknowns]])
+        extra = torch.tensor([extra[kind] for extra in extras[:unknowns]], dtype=torch.float64)
+        solved = torch.linalg.solve(system, extra).tolist()
         for name, value in zip(columns, [*solved, 0.0][:3]):
-            columns[name][kind] = _per_64th(float(value))
+            columns[name][kind] = _per_64th(value)
     return {"activation": tuple(columns["activation"].values()), "weight": tuple(columns["weight"].values()),
             "launches": extras[0]["launches"], "kept_weight": tuple(columns["kept_weight"].values())}
 
@@ -194,9 +197,19 @@ def derive_stages(result: dict) -> dict[str, tuple[dict, dict]]:
     """Per recipe of a ``bench model moe --sweep`` result, :func:`derive_grouped`'s rates for each of the expert
     MLP's two GEMMs apart: stage 0 (gate_up) from what ``<recipe> gate_up only`` (``bench.moe.FIRST_GEMM_ONLY``)
     adds to BF16's block, stage 1 (the down projection) from what ``<recipe>`` adds beyond that, each per element
-    of its own GEMM (:func:`site_elements`), solved from :data:`GROUPED_CASES`. The blocks of ``gate_up only``
-    keep gate_up's copy where the whole MLP's do: at 2048 tokens an expert its own input pays for it."""
+    of its own GEMM (:func:`site_elements`), solved from :data:`GROUPED_CASES`. The difference is down's alone
+    only where ``gate_up only`` keeps gate_up's copy where the whole MLP does, which is checked: there gate_up's
+    own input pays for it."""
+    from fp8graph.numerics.groups import ExpertGemm, weight_copy_fits
+    from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
+
     shapes, captures = _sweep(result)
+    for case in GROUPED_CASES:
+        rows, k, n, experts = block_sites(shapes[case])[0]
+        alone = weight_copy_fits(ExpertGemm(rows, experts, out_features=n, in_features=k), FP8_GEMM_DIM_MULTIPLE)
+        if alone != bool(site_elements(shapes[case])[0][2]):
+            raise ValueError(f"{case}: gate_up keeps its copy with the down projection in FP8 and not alone (or the "
+                             "other way round): the steps with gate_up alone do not isolate the down projection")
     derived = {}
     for contestant in GROUPED_RECIPES:
         def extra(case: str, stage: int) -> dict[str, float]:

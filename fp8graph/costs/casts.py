@@ -155,7 +155,7 @@ def _b(cast: float, plain: float, custom_op: float) -> KernelBytes:
 # (fp8graph.numerics.groups.weight_copies_kept); a step of one micro-batch cast per call, sm_90, torch 2.13.0,
 # triton 3.6.0: the three blocks are fitted, to the rates' rounding to 1/64 byte); of the
 # blocks it was not solved from, the FP8 steps' Triton bytes it predicts are within 6% of Llama-4 Scout's (whose
-# batched experts keep autograd's SwiGLU and combine) and within 26% of DeepSeek-V3's (tests/costs/test_sites.py).
+# batched experts keep autograd's SwiGLU and combine) and within 33% of DeepSeek-V3's (tests/costs/test_sites.py).
 # SwiGLU's and the combine's backward are kernels of fp8graph's in all three recipes, whose bytes go with the
 # expert width and the hidden size, not with both GEMMs' K + N the table's rate counts: of what a recipe adds to
 # BF16's bytes alone the table is worse on other blocks (DeepSeek-V3's delayed and row-wise furthest). Per

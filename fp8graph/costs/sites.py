@@ -47,13 +47,16 @@ def _keeps_weight_copy(site: SiteInfo, M: int) -> bool:
     input pays for it (``weight_copy_fits``), or, for a GEMM of a whole expert MLP (``expert_stage``), where the
     MLP's inputs pay for it with the other GEMM in FP8 too, as the stage table measured them
     (``weight_copies_kept``, the rule ``passes.expert_sites.pool_weight_copies`` applies): SwiGLU halves the
-    first GEMM's N into the second's K, and the second's N is the first's K."""
-    weights, K, N = site.experts, site.K, site.N
-    gemm = ExpertGemm(M, weights, N, K)
+    first GEMM's N into the second's K, and the second's N is the first's K. A policy that puts the second GEMM
+    alone in FP8 is priced with a copy the pass would not keep (what the first's input saves is not there)."""
+    experts, K, N = site.experts, site.K, site.N
+    gemm = ExpertGemm(M, experts, out_features=N, in_features=K)
     if site.expert_stage is None:
         return weight_copy_fits(gemm, FP8_GEMM_DIM_MULTIPLE)
-    mlp = (gemm, ExpertGemm(M, weights, K, N // 2)) if site.expert_stage == 0 else (ExpertGemm(M, weights, 2 * K, N),
-                                                                                     gemm)
+    if site.expert_stage == 0:
+        mlp = (gemm, ExpertGemm(M, experts, out_features=K, in_features=N // 2))
+    else:
+        mlp = (ExpertGemm(M, experts, out_features=2 * K, in_features=N), gemm)
     return weight_copies_kept(mlp, FP8_GEMM_DIM_MULTIPLE)[site.expert_stage]
 
 

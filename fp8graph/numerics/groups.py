@@ -121,51 +121,54 @@ def padded_group_bound(rows: int, groups: int, multiple: int) -> int:
 
 class ExpertGemm(NamedTuple):
     """One trained expert GEMM in FP8, as :func:`weight_copy_fits` and :func:`weight_copies_kept` weigh it: its
-    input of ``routed_rows`` S rows of ``columns`` K, and its weight of ``experts`` x ``rows`` x K elements, of
-    which the forward may keep a one-byte copy for grad_input where ``copies_weight`` (a per-tensor recipe on the
-    native path; row-wise's input still saves its share)."""
+    input of ``routed_rows`` S rows of ``in_features`` K, and its weight of ``experts`` x ``out_features`` N x K
+    elements. ``per_tensor``: a per-tensor recipe on the native path, which keeps a scale an expert for the
+    weight and may keep a one-byte copy of it for grad_input; else row-wise, which keeps no copy and a scale a
+    group and column for its input's grad_weight layout."""
 
     routed_rows: object  # an int, or a SymInt where the tokens are symbolic
     experts: int
-    rows: int
-    columns: int
-    copies_weight: bool = True
+    out_features: int
+    in_features: int
+    per_tensor: bool = True
 
 
 _FP32 = 4  # bytes of a scale
 
 
-def _input_saving(gemm: ExpertGemm, multiple: int):
+def _input_saving(gemm: ExpertGemm, multiple: int) -> "int | torch.SymInt":
     """Bytes FP8 keeps less than BF16 for the GEMM's backward, the weight's copy aside: BF16 keeps the S input
-    rows of K in 2 bytes, FP8 grad_weight's layout of them (:func:`padded_group_bound` rows) in 1, and each
-    expert's weight scale (fp32) for the backward's cast."""
+    rows of K in 2 bytes, FP8 grad_weight's layout of them (:func:`padded_group_bound` rows) in 1, with its scales
+    for the backward (per tensor, each expert's weight scale; row-wise, the layout's scale a group and column)."""
     padded = padded_group_bound(gemm.routed_rows, gemm.experts, multiple)
-    return gemm.columns * (2 * gemm.routed_rows - padded) - _FP32 * gemm.experts
+    scales = gemm.experts * (1 if gemm.per_tensor else gemm.in_features)
+    return gemm.in_features * (2 * gemm.routed_rows - padded) - _FP32 * scales
 
 
 def _copy_bytes(gemm: ExpertGemm) -> int:
     """The weight's copy for grad_input: one byte an element, and the inverse scale the forward GEMM reads, one
     fp32 an expert and output row, tied to it (``fp8graph.targets.partitioning``)."""
-    return gemm.experts * gemm.rows * (gemm.columns + _FP32)
+    return gemm.experts * gemm.out_features * (gemm.in_features + _FP32)
 
 
 def weight_copy_fits(gemm: ExpertGemm, multiple: int) -> bool:
-    """Whether the GEMM's weight copy (:func:`_copy_bytes`) takes no more memory than FP8 saves over BF16 on its
-    own input (:func:`_input_saving`): on average a little over ``rows + multiple`` tokens a group. A symbolic S
+    """Whether the GEMM keeps a weight copy (a per-tensor one) that takes no more memory than FP8 saves over
+    BF16 on its own input (:func:`_copy_bytes` against :func:`_input_saving`): on average a little over
+    ``out_features + multiple`` tokens a group (Qwen3-30B-A3B's down projection, N = 2048: 2075). A symbolic S
     fits only where that is provable: no guard is made on it."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return gemm.copies_weight and statically_known_true(_input_saving(gemm, multiple) >= _copy_bytes(gemm))
+    return gemm.per_tensor and statically_known_true(_input_saving(gemm, multiple) >= _copy_bytes(gemm))
 
 
 def weight_copies_kept(gemms: Sequence[ExpertGemm], multiple: int) -> tuple[bool, ...]:
     """Which of one expert MLP's GEMMs keep their weight's copy for grad_input from the forward, so that the MLP
     keeps no more bytes for its backward than BF16's does: what FP8 saves on all of their inputs pays for the
     copies together. A GEMM whose own input pays for its copy keeps it (:func:`weight_copy_fits`); then, largest
-    first, each other copy that what is left still pays for. Qwen3-30B-A3B's down projection at 2048 tokens an
-    expert (N = 2048 needs a little over 2064 on its own) keeps its copy on what gate_up's input saves beyond
-    gate_up's copy. Where a routed-row count is symbolic, each GEMM pays for its own (no guard is made on the
-    sizes)."""
+    first, each other copy that what the inputs save beyond the copies kept still pays for. Qwen3-30B-A3B's down
+    projection at 2048 tokens an expert (which on its own would need 2075) keeps its copy on what both inputs
+    save beyond gate_up's copy. Where a routed-row count is symbolic, each GEMM pays for its own (no guard is made
+    on the sizes)."""
     kept = [weight_copy_fits(gemm, multiple) for gemm in gemms]
     if not all(isinstance(gemm.routed_rows, int) for gemm in gemms):
         return tuple(kept)
@@ -173,7 +176,7 @@ def weight_copies_kept(gemms: Sequence[ExpertGemm], multiple: int) -> tuple[bool
     left = sum(_input_saving(gemm, multiple) for gemm in gemms) - sum(
         copy for copy, keeps in zip(copies, kept) if keeps)
     for index in sorted(range(len(gemms)), key=lambda index: -copies[index]):
-        if gemms[index].copies_weight and not kept[index] and copies[index] <= left:
+        if gemms[index].per_tensor and not kept[index] and copies[index] <= left:
             kept[index], left = True, left - copies[index]
     return tuple(kept)
 

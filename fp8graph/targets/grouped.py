@@ -73,7 +73,7 @@ class GroupedSpec:
     update: bool = True  # delayed scaling: False in graphs without gradients, which read the stored scales
     swiglu: bool = False  # the call returns silu(gate) * up of its output's halves (fuses_neighbours)
     combine_top_k: int = 0  # else the call returns its output's combine, top_k rows a token (fuses_neighbours)
-    # The expert MLP's other GEMM saves enough on its input to pay for this one's weight copy as well
+    # What the expert MLP's two inputs save beyond the copies kept pays for this one's weight copy too
     # (fp8graph.numerics.groups.weight_copies_kept, decided by passes.expert_sites.pool_weight_copies).
     pooled_weight_copy: bool = False
 
@@ -439,7 +439,7 @@ def _recasts_weight(spec: GroupedSpec, routed_rows, weight_hp: torch.Tensor, nee
     (``fp8graph.numerics.groups.weight_copy_fits``: BF16 keeps the ``routed_rows`` S rows of K elements in 2
     bytes, FP8 grad_weight's layout of them, S + 16 E rows, in 1, and the copy its inverse scales; on average a
     little over N + 16 tokens an expert),
-    or where the expert MLP's other GEMM saves enough on its input to pay for both copies
+    or where what the expert MLP's two inputs save pays for this copy beside the others kept
     (``spec.pooled_weight_copy``: ``weight_copies_kept``).
     Where an expert sees fewer the copy would outweigh the activations (at 256 tokens an expert, Qwen3-30B-A3B's
     block at 1 x 4096 tokens, twice BF16's whole step's bytes), and where the experts' weights are frozen BF16
@@ -448,7 +448,7 @@ def _recasts_weight(spec: GroupedSpec, routed_rows, weight_hp: torch.Tensor, nee
     if spec.lowering is not Lowering.SCALED_MM or spec.recipe.save_transposes:
         return False
     return not (needs_grad_weight and (spec.pooled_weight_copy or weight_copy_fits(
-        ExpertGemm(routed_rows, *weight_hp.shape), FP8_GEMM_DIM_MULTIPLE)))
+        ExpertGemm(routed_rows, *weight_hp.shape), FP8_GEMM_DIM_MULTIPLE)))  # (E, N, K)
 
 
 def _cast_experts_transposed(weight_hp: torch.Tensor, scale: torch.Tensor, after: torch.Tensor
@@ -753,7 +753,7 @@ def grouped_fp8_target(recipe: Recipe, lowering: Lowering, update: bool = True,
     output too (not differentiable); a site whose input is that SwiGLU takes the output as ``swiglu_source``
     (where :func:`takes_swiglu_source` says so) and casts SwiGLU from it, never reading its input's values. With
     ``pooled_weight_copy`` a trained call keeps its weight's copy for grad_input from the forward whatever its own
-    size (:class:`GroupedSpec`: the expert MLP's other GEMM pays for it)."""
+    size (:class:`GroupedSpec`: the expert MLP's two inputs pay for it)."""
     if (swiglu or combine_top_k) and not fuses_neighbours(recipe, lowering):
         raise ValueError(f"{recipe.name} on the {lowering.value} path leaves the ops next to an expert GEMM to "
                          "autograd (fuses_neighbours)")

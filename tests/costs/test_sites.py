@@ -197,7 +197,8 @@ def test_the_grouped_table_is_the_committed_sweeps_and_predicts_its_other_blocks
                                + casts.kept_weight.cast * kept)
             # Where every weight keeps its copy (Qwen3's at 2048 tokens an expert) Inductor casts almost nothing
             # (4 MB of the router's and scales' kernels in current scaling): there 0.1% of BF16's bytes, not a ratio.
-            assert casts_predicted == pytest.approx(extra["cast"], rel=cast_bounds[block][kind], abs=1e-3 * bf16), \
+            near_nothing = 1e-3 * bf16 if kept == weights else 0
+            assert casts_predicted == pytest.approx(extra["cast"], rel=cast_bounds[block][kind], abs=near_nothing), \
                 (kind, case)
 
 
@@ -219,7 +220,7 @@ def test_each_expert_gemms_table_is_the_committed_sweeps_and_the_two_add_up_to_t
             for capture in result["captures"]}
     # Llama-4 Scout's batched experts keep autograd's SwiGLU and combine: their sites have no stage, and the site
     # model gives them the block's average.
-    bounds = {"Qwen3": 0.005, "DeepSeek-V3": 0.33}  # delayed's: 32.5%, as the block table's (above)
+    bounds = {"Qwen3": 0.005, "DeepSeek-V3": 0.33}  # delayed's: 32.5%, as the block table's 31.9% (above)
     for shape in result["spec"]["shapes"]:
         case = f"{shape['label']}, 1 micro-batch"
         bound = next((b for block, b in bounds.items() if shape["label"].startswith(block)), None)

@@ -104,12 +104,13 @@ def test_rows_placed_in_padded_groups_write_zeros_only_where_a_group_reads_them(
         "past the groups, only the moved rows and the unused pads' row are written"
 
 
-def _qwen3_mlp(tokens_an_expert: int, copies_weight: tuple[bool, bool] = (True, True)):
+def _qwen3_mlp(tokens_an_expert: int, per_tensor: tuple[bool, bool] = (True, True)):
     """Qwen3-30B-A3B's expert MLP (128 experts, hidden 2048, width 768) as its two GEMMs, gate_up and down."""
     from fp8graph.numerics.groups import ExpertGemm
 
     rows = 128 * tokens_an_expert
-    return [ExpertGemm(rows, 128, 1536, 2048, copies_weight[0]), ExpertGemm(rows, 128, 2048, 768, copies_weight[1])]
+    return [ExpertGemm(rows, 128, out_features=1536, in_features=2048, per_tensor=per_tensor[0]),
+            ExpertGemm(rows, 128, out_features=2048, in_features=768, per_tensor=per_tensor[1])]
 
 
 def test_an_expert_mlps_inputs_pay_for_its_weights_copies_together():
@@ -118,7 +119,8 @@ def test_an_expert_mlps_inputs_pay_for_its_weights_copies_together():
     Qwen3-30B-A3B's proportions: 2048 tokens an expert, gate_up pays for its own and down's (which its own input
     does not: N = 2048 needs a little over 2064 tokens an expert); 1024, the two inputs pay for down's alone (gate_up's,
     the larger, does not fit: nor does a copy kept ahead of a larger one that would); 256, for neither. A GEMM that
-    copies no weight (row-wise) still gives its input's saving."""
+    copies no weight (row-wise) still gives its input's saving, less its scales a group and column."""
+    from fp8graph.numerics import groups
     from fp8graph.numerics.groups import weight_copies_kept, weight_copy_fits
 
     assert [weight_copy_fits(gemm, 16) for gemm in _qwen3_mlp(2048)] == [True, False]
@@ -127,12 +129,16 @@ def test_an_expert_mlps_inputs_pay_for_its_weights_copies_together():
     assert weight_copies_kept(_qwen3_mlp(256), 16) == (False, False)
     assert weight_copies_kept(_qwen3_mlp(1024, (True, False)), 16) == (False, False)
     assert weight_copies_kept(_qwen3_mlp(2048, (False, True)), 16) == (False, True)
-    # The bytes: gate_up's input saves 2048 x (2 S - P) less its 128 weight scales, its copy and scales take
-    # 128 x 1536 x (2048 + 4); down's input 768 x (2 S - P) - 512 against 128 x 2048 x (768 + 4).
+    # The bytes: an input saves K (2 S - P) less its scales (fp32: 128 weight scales per tensor, 128 x K row-wise),
+    # a copy and its inverse scales take 128 N (K + 4).
     rows = 128 * 2048
     padded = rows + 128 * 16
-    left = 2048 * (2 * rows - padded) - 512 - 128 * 1536 * 2052 + 768 * (2 * rows - padded) - 512
-    assert left >= 128 * 2048 * 772 > 768 * (2 * rows - padded) - 512
+    gate_up, down = _qwen3_mlp(2048)
+    assert groups._input_saving(gate_up, 16) == 2048 * (2 * rows - padded) - 4 * 128
+    assert groups._input_saving(down._replace(per_tensor=False), 16) == 768 * (2 * rows - padded) - 4 * 128 * 768
+    assert groups._copy_bytes(down) == 128 * 2048 * (768 + 4)
+    # Down's own input pays for its copy from 2075 tokens an expert.
+    assert [weight_copy_fits(_qwen3_mlp(tokens)[1], 16) for tokens in (2074, 2075)] == [False, True]
 
 
 def test_a_symbolic_expert_mlp_pays_for_each_copy_by_its_own_input():
@@ -142,4 +148,5 @@ def test_a_symbolic_expert_mlp_pays_for_each_copy_by_its_own_input():
     from fp8graph.numerics.groups import ExpertGemm, weight_copies_kept
 
     rows = ShapeEnv().create_unbacked_symint()
-    assert weight_copies_kept([ExpertGemm(rows, 4, 64, 32), ExpertGemm(rows, 4, 32, 64)], 16) == (False, False)
+    mlp = [ExpertGemm(rows, 4, out_features=64, in_features=32), ExpertGemm(rows, 4, out_features=32, in_features=64)]
+    assert weight_copies_kept(mlp, 16) == (False, False)

@@ -15,7 +15,7 @@ from fp8graph import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, 
                       Policy)
 from fp8graph.models import build
 from fp8graph.models.zoo import build_zoo_model, zoo_inputs
-from helpers import compile_fp8
+from helpers import Checkpointed, compile_fp8
 
 
 def _moe(dtype=torch.bfloat16, **overrides):
@@ -211,7 +211,9 @@ def test_dynamic_token_counts_compile_once_with_a_symbolic_m():
 
 
 def _grouped_calls(backend) -> list[str]:
-    return [n.target.__name__ for gm in backend.graph_modules for n in gm.graph.nodes
+    """The expert calls' target names, in the graphs and in the bodies they call (a checkpoint's)."""
+    return [n.target.__name__ for gm in backend.graph_modules for module in gm.modules()
+            if isinstance(module, torch.fx.GraphModule) for n in module.graph.nodes
             if getattr(n.target, "__name__", "").startswith("fp8graph_grouped_")]
 
 
@@ -443,19 +445,21 @@ def test_the_combine_moves_into_the_last_call_only_where_nothing_else_reads_its_
 
 
 @pytest.mark.parametrize("case", ["both in FP8", "down in BF16", "gate_up in BF16", "row-wise", "frozen experts",
-                                  "too few tokens"])
+                                  "too few tokens", "checkpointed"])
 def test_an_expert_mlps_inputs_pay_for_a_weights_copy_only_where_both_gemms_save_in_fp8(monkeypatch, case):
     """``pool_weight_copies`` (the ``expert_weight_copies`` pass): Qwen3-30B-A3B's proportions scaled down (hidden
-    64, 4 experts, top 2, width 16), 64 tokens an expert, where gate_up's input pays for its own copy and, beyond it,
-    for down's. Only the down call is told its copy is paid for, and only where both GEMMs run in FP8 on the native
-    path and save their inputs for grad_weight: a GEMM kept in BF16 saves nothing over BF16; row-wise keeps no
-    copy; frozen experts keep no input; at 16 tokens an expert nothing pays."""
+    64, 4 experts, top 2, width 16), 64 tokens an expert, where gate_up's input pays for its own copy and the two
+    inputs together for down's. Only the down call is told its copy is paid for, and only where both GEMMs run in
+    FP8 on the native path and save their inputs for grad_weight: a GEMM kept in BF16 saves nothing over BF16;
+    row-wise keeps no copy; frozen experts keep no input; at 16 tokens an expert nothing pays; inside a
+    checkpoint region nothing is saved to pay with."""
     from gemm_rules import pretend_gpu
 
     from fp8graph.models.moe import MoEBlock
 
     torch.manual_seed(0)
     block = MoEBlock(hidden=64, experts=4, top_k=2, expert_width=16).to(torch.bfloat16)
+    model = Checkpointed(block) if case == "checkpointed" else block
     recipe = Float8RowwiseScaling() if case == "row-wise" else Float8CurrentScaling()
     stage = {"down in BF16": 0, "gate_up in BF16": 1}.get(case)
     policy = recipe if stage is None else fp8graph.Policy(
@@ -463,7 +467,7 @@ def test_an_expert_mlps_inputs_pay_for_a_weights_copy_only_where_both_gemms_save
     if case == "frozen experts":
         block.experts.requires_grad_(False)
     tokens = 32 if case == "too few tokens" else 128
-    compiled, backend = compile_fp8(block, policy=policy)
+    compiled, backend = compile_fp8(model, policy=policy)
     with pretend_gpu(monkeypatch):
         compiled(torch.randn(tokens, 64, dtype=torch.bfloat16, requires_grad=True)).float().sum().backward()
     experts = [d for d in backend.decisions if isinstance(d.site, ExpertSite)]

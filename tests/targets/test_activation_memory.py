@@ -124,6 +124,22 @@ def _moe_loss(output: torch.Tensor) -> torch.Tensor:
     return output.float().square().mean()
 
 
+def _steps_on_the_gpus_graph(monkeypatch, block, x, policy):
+    """``block`` compiled with ``policy`` on the GPU's graph (every GEMM checked against cuBLASLt's rules and
+    computed exactly): ``(bytes a step saves for its backward, [output, x's gradient, every parameter's gradient,
+    every buffer] after that step and a step of two forwards before one backward, the compiled block, the GEMM
+    calls)``. Two forwards before one backward: each backward casts with its own forward's scales (delayed
+    scaling's second forward casts with the scales the first recorded)."""
+    compiled = fp8graph.compile(block, policy=policy, compiler="aot_eager")
+    with pretend_gpu(monkeypatch) as calls:
+        saved = saved_for_backward_bytes(lambda: _moe_loss(compiled(x)), block.parameters())
+        output = compiled(x)
+        (_moe_loss(output) + _moe_loss(compiled(x))).backward()
+    calls.assert_every_rule_kept()
+    results = [output.detach(), x.grad, *(p.grad for p in block.parameters()), *(b.clone() for b in block.buffers())]
+    return saved, results, compiled, calls
+
+
 @pytest.fixture(scope="module")
 def moe_bf16_bytes() -> int:
     torch._dynamo.reset()
@@ -149,18 +165,11 @@ def test_expert_weights_are_cast_again_in_the_backward_to_the_same_bytes(monkeyp
     for save_transposes in (False, True):
         torch._dynamo.reset()
         block, x = _moe_block()
-        compiled = fp8graph.compile(block, policy=dataclasses.replace(recipe, save_transposes=save_transposes),
-                                    compiler="aot_eager")
-        with pretend_gpu(monkeypatch) as calls:
-            saved.append(saved_for_backward_bytes(lambda: _moe_loss(compiled(x)), block.parameters()))
-            # Two forwards before one backward: each backward casts with its own forward's scales (delayed
-            # scaling's second forward casts with the scales the first recorded).
-            output = compiled(x)
-            (_moe_loss(output) + _moe_loss(compiled(x))).backward()
-        calls.assert_every_rule_kept()
+        step_saved, step_results, _, calls = _steps_on_the_gpus_graph(
+            monkeypatch, block, x, dataclasses.replace(recipe, save_transposes=save_transposes))
         assert "_scaled_grouped_mm" in " ".join(calls.ops()), calls.ops()
-        results.append([output.detach(), x.grad, *(p.grad for p in block.parameters()),
-                        *(b.clone() for b in block.buffers())])
+        saved.append(step_saved)
+        results.append(step_results)
     (fp8, saving), (cast_again, kept) = saved, results
     assert len(cast_again) == len(kept) and all(torch.equal(a, b) for a, b in zip(cast_again, kept))
     # Measured (torch 2.13, 2026-11-28): BF16 87824 bytes; current 83264 (109856 with the copies saved, as every
@@ -199,14 +208,9 @@ def test_at_many_tokens_an_expert_the_weights_copy_is_kept_from_the_forward_with
         block, x = _moe_block(tokens=256)
         if cast_again:
             monkeypatch.setattr(grouped, "_recasts_weight", lambda *arguments: True)
-        compiled = fp8graph.compile(block, policy=recipe, compiler="aot_eager")
-        with pretend_gpu(monkeypatch) as calls:
-            saved.append(saved_for_backward_bytes(lambda: _moe_loss(compiled(x)), block.parameters()))
-            output = compiled(x)
-            (_moe_loss(output) + _moe_loss(compiled(x))).backward()
-        calls.assert_every_rule_kept()
-        results.append([output.detach(), x.grad, *(p.grad for p in block.parameters()),
-                        *(b.clone() for b in block.buffers())])
+        step_saved, step_results, _, _ = _steps_on_the_gpus_graph(monkeypatch, block, x, recipe)
+        saved.append(step_saved)
+        results.append(step_results)
     (kept, recast), (kept_results, recast_results) = saved, results
     assert len(kept_results) == len(recast_results)
     assert all(torch.equal(a, b) for a, b in zip(kept_results, recast_results))
@@ -224,7 +228,7 @@ def test_at_many_tokens_an_expert_the_weights_copy_is_kept_from_the_forward_with
 def test_an_expert_mlps_inputs_pay_for_the_copy_its_down_projection_cannot(monkeypatch, recipe):
     """Qwen3-30B-A3B's proportions scaled down (hidden 64, 4 experts, top 2, expert width 16: gate_up's N = 32,
     down's N = 64, the hidden size), 128 tokens, 64 an expert: gate_up's input pays for its own weight's copy,
-    down's does not, and what gate_up's saves beyond its copy pays for down's (``passes.expert_sites.
+    down's does not, and what the two inputs save beyond gate_up's copy pays for down's (``passes.expert_sites.
     pool_weight_copies``): the down call keeps its copy from the forward too, and only it is told so. The block then
     keeps down's copy and its inverse scales more than with the pool turned off, still less than BF16's block, and
     the output, every gradient and delayed scaling's state are bit for bit those of casting again (on the GPU's
@@ -247,16 +251,11 @@ def test_an_expert_mlps_inputs_pay_for_the_copy_its_down_projection_cannot(monke
         block, x = block_and_input()
         if not pooled:
             monkeypatch.setattr(pipeline, "pool_weight_copies", lambda *arguments: None)
-        compiled = fp8graph.compile(block, policy=recipe, compiler="aot_eager")
-        with pretend_gpu(monkeypatch) as calls:
-            saved.append(saved_for_backward_bytes(lambda: _moe_loss(compiled(x)), block.parameters()))
-            output = compiled(x)
-            (_moe_loss(output) + _moe_loss(compiled(x))).backward()
-        calls.assert_every_rule_kept()
+        step_saved, step_results, compiled, _ = _steps_on_the_gpus_graph(monkeypatch, block, x, recipe)
+        saved.append(step_saved)
+        results.append(step_results)
         calls_made.append([n.target.__name__ for gm in compiled.fp8graph_backend.graph_modules
                            for n in gm.graph.nodes if getattr(n.target, "__name__", "").startswith("fp8graph_grouped")])
-        results.append([output.detach(), x.grad, *(p.grad for p in block.parameters()),
-                        *(b.clone() for b in block.buffers())])
     (kept, unpooled), (kept_results, unpooled_results) = saved, results
     assert [["_pooled_copy" in name for name in names] for names in calls_made] == [[False, True], [False, False]]
     assert len(kept_results) == len(unpooled_results)
@@ -273,14 +272,7 @@ def test_inside_a_checkpoint_region_the_weights_copy_is_not_kept(monkeypatch):
     keeps its weight's copy from the forward outside one (above) keeps no copy across it, no more bytes than
     casting again in the backward, and computes the same gradients."""
     from fp8graph.targets import grouped
-
-    class Checkpointed(torch.nn.Module):
-        def __init__(self, block):
-            super().__init__()
-            self.block = block
-
-        def forward(self, x):
-            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+    from helpers import Checkpointed
 
     saved, results = [], []
     for cast_again in (False, True):
