@@ -123,19 +123,24 @@ def block_sites(shape: dict) -> list[tuple[int, int, int, int]]:
     return [(rows, hidden, 2 * width, experts), (rows, width, hidden, experts)]
 
 
+def _expert_gemms(shape: dict) -> list:
+    """:func:`block_sites` as the weight-copy rule weighs them (``fp8graph.numerics.groups.ExpertGemm``)."""
+    from fp8graph.numerics.groups import ExpertGemm
+
+    return [ExpertGemm(rows, experts, out_features=n, in_features=k) for rows, k, n, experts in block_sites(shape)]
+
+
 def site_elements(shape: dict) -> list[tuple[int, int, int]]:
     """Each of a sweep block's two expert GEMMs' ``(routed-token elements M x (K + N), expert-weight elements E x
     K x N, kept)``, ``kept`` its weight elements where the site keeps its weight's copy for grad_input from the
     forward (``fp8graph.numerics.groups.weight_copies_kept`` over the block's expert MLP, the rule the per-tensor
     recipes' sites follow), else 0."""
-    from fp8graph.numerics.groups import ExpertGemm, weight_copies_kept
+    from fp8graph.numerics.groups import weight_copies_kept
     from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
 
-    sites = block_sites(shape)
-    kept = weight_copies_kept([ExpertGemm(rows, experts, out_features=n, in_features=k)
-                               for rows, k, n, experts in sites], FP8_GEMM_DIM_MULTIPLE)
+    kept = weight_copies_kept(_expert_gemms(shape), FP8_GEMM_DIM_MULTIPLE)
     return [(rows * (k + n), experts * k * n, experts * k * n if keeps else 0)
-            for (rows, k, n, experts), keeps in zip(sites, kept)]
+            for (rows, k, n, experts), keeps in zip(block_sites(shape), kept)]
 
 
 def block_elements(shape: dict) -> tuple[int, int, int]:
@@ -200,13 +205,12 @@ def derive_stages(result: dict) -> dict[str, tuple[dict, dict]]:
     of its own GEMM (:func:`site_elements`), solved from :data:`GROUPED_CASES`. The difference is down's alone
     only where ``gate_up only`` keeps gate_up's copy where the whole MLP does, which is checked: there gate_up's
     own input pays for it."""
-    from fp8graph.numerics.groups import ExpertGemm, weight_copy_fits
+    from fp8graph.numerics.groups import weight_copy_fits
     from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE
 
     shapes, captures = _sweep(result)
     for case in GROUPED_CASES:
-        rows, k, n, experts = block_sites(shapes[case])[0]
-        alone = weight_copy_fits(ExpertGemm(rows, experts, out_features=n, in_features=k), FP8_GEMM_DIM_MULTIPLE)
+        alone = weight_copy_fits(_expert_gemms(shapes[case])[0], FP8_GEMM_DIM_MULTIPLE)
         if alone != bool(site_elements(shapes[case])[0][2]):
             raise ValueError(f"{case}: gate_up keeps its copy with the down projection in FP8 and not alone (or the "
                              "other way round): the steps with gate_up alone do not isolate the down projection")
