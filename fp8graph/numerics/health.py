@@ -17,9 +17,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from fp8graph.numerics.formats import saturation_threshold
-from fp8graph.numerics.quantize import amax
+from fp8graph.numerics.quantize import amax, finite_magnitude
 
 __all__ = ["HEALTH_METRICS", "StatsRow", "quantization_health", "sqnr_db"]
 
@@ -50,17 +51,24 @@ def quantization_health(
     x = x_hp.detach().to(torch.float32)
     x_q = x_fp8.to(torch.float32)
     scale = scale.detach().to(torch.float32)
+    if guard_or_false(x.numel() == 0):  # an empty batch: nothing was cast, so nothing lost
+        none = x.new_zeros(())
+        return torch.stack([none, scale if scale.dim() == 0 else none + 1, none, none, none + float("inf")])
     nonzero = x != 0
     underflow = (nonzero & (x_q == 0)).sum() / nonzero.sum().clamp(min=1)
     x_scaled = x * scale
     saturated = torch.isfinite(x_scaled) & (x_scaled.abs() > saturation_threshold(fp8_dtype))
-    overflow = saturated.sum() / max(x.numel(), 1)
+    overflow = saturated.sum() / torch.isfinite(x).sum().clamp(min=1)
     # The SQNR is invariant to one factor over the whole tensor: measured on x / amax, whose powers fit
     # fp32 however large x is (1e30 casts well, and its squares overflow fp32).
     finite_amax = amax(x)
     norm = torch.where(finite_amax > 0, finite_amax, torch.ones_like(finite_amax))
     sqnr = sqnr_db(x / norm, x_q / scale / norm)
-    return torch.stack([x.abs().amax(), scale.amin(), underflow.float(), overflow.float(), sqnr])
+    # The scale of the element holding the amax: an all-zero row or tile (a token whose loss is ignored) has the
+    # fallback scale 1, below every other, so the smallest scale would say nothing of the cast.
+    at_amax = finite_magnitude(x).reshape(-1).argmax().reshape(1)  # a tensor index: no host sync in the graph
+    scale_at_amax = scale.expand(x.shape).reshape(-1).gather(0, at_amax).reshape(())
+    return torch.stack([x.abs().amax(), scale_at_amax, underflow.float(), overflow.float(), sqnr])
 
 
 def sqnr_db(reference: torch.Tensor, actual: torch.Tensor) -> torch.Tensor:

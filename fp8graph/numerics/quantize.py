@@ -11,13 +11,15 @@ Conventions: ``scale`` multiplies a high-precision tensor into FP8 range
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from fp8graph.numerics.formats import fp8_max
 
-__all__ = ["amax", "amax_to_scale", "current_scale", "dequantize", "finite_magnitude", "quantize", "quantize_current",
-           "row_amaxes", "untracked"]
+__all__ = ["amax", "amax_to_scale", "current_scale", "dequantize", "finite_magnitude", "largest_amax", "quantize",
+           "quantize_current", "row_amaxes", "untracked"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny
 _FLOAT32_EXPONENT_MASK = 0x7F800000
 
 
@@ -65,7 +67,15 @@ def amax(x_hp: torch.Tensor) -> torch.Tensor:
     issue 143464; torchao's ``float8/inductor_utils.py`` makes the same
     rewrite.)
     """
-    return row_amaxes(x_hp).amax().to(torch.float32)
+    return largest_amax(row_amaxes(x_hp))
+
+
+def largest_amax(amaxes: torch.Tensor) -> torch.Tensor:
+    """The largest of partial amaxes (a row's, a group's) as a 0-dim fp32 tensor; 0 where there are none (a tensor
+    of no rows, e.g. an expert rank that got no tokens: nothing to fit, so the fallback scale)."""
+    if guard_or_false(amaxes.numel() == 0):
+        return amaxes.new_zeros((), dtype=torch.float32)
+    return amaxes.amax().to(torch.float32)
 
 
 def row_amaxes(x_hp: torch.Tensor) -> torch.Tensor:
@@ -91,13 +101,18 @@ def amax_to_scale(
     """
     amax_fp32 = amax_fp32.to(torch.float32)
     usable = torch.isfinite(amax_fp32) & (amax_fp32 > 0)
-    headroom = amax_fp32 * (2.0 ** margin) if margin else amax_fp32
     if fallback is None:
         # The fallback 1.0 is derived from a tensor, not a constant: Inductor's
         # freezing folds only computations of constants and tensors, never of
         # constructors, and this lets it fold a frozen weight's whole quantization.
         fallback = (~usable).to(torch.float32)
-    scale = torch.where(usable, (fp8_max(fp8_dtype) / headroom).clamp(max=_FLOAT32_MAX), fallback)
+    fitted = fp8_max(fp8_dtype) / amax_fp32
+    if margin:
+        # The margin applied to the scale, not the amax: amax * 2**margin overflows to inf for a large finite
+        # amax, and fp8_max / inf = 0 would cast the tensor to zeros and dequantize it to NaN. A power of two
+        # scales exactly, so every other scale is the same; the smallest normal fp32 is the floor.
+        fitted = (fitted * 2.0 ** -margin).clamp(min=_FLOAT32_TINY)
+    scale = torch.where(usable, fitted.clamp(max=_FLOAT32_MAX), fallback)
     if power_2_scales:
         # Drop the mantissa bits: the largest power of two <= scale. Bit
         # operations are exact where log2/floor/exp2 can round up. Scales are

@@ -52,7 +52,12 @@ class Tiling:
     scale_kind: ScaleKind
 
     def tile_cols(self, x: torch.Tensor) -> int:
-        return x.shape[1] if self.cols is None else self.cols
+        return self.width_of(x.shape[1])
+
+    def width_of(self, columns: int) -> int:
+        """A tile's columns in a tensor of ``columns`` columns: a row tile spans the row, at least one column (a
+        row of none, e.g. grad_weight's operand of an empty batch, is one tile of no elements)."""
+        return torch.sym_max(columns, 1) if self.cols is None else self.cols
 
     @property
     def is_square(self) -> bool:
@@ -174,7 +179,7 @@ def reference_quantize_tiles_and_transpose(
 
 def expand_scale(scale: torch.Tensor, tiling: Tiling, shape) -> torch.Tensor:
     """Each tile's scale repeated over its elements: shape ``shape`` (R, C')."""
-    cols = shape[1] if tiling.cols is None else tiling.cols
+    cols = tiling.width_of(shape[1])
     tiles = scale[:, None, :, None].expand(shape[0] // tiling.rows, tiling.rows, shape[1] // cols, cols)
     return tiles.reshape(shape)
 

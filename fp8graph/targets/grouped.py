@@ -36,6 +36,7 @@ import functools
 from typing import Callable, NamedTuple
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from fp8graph.gemm.grouped_gemm import (group_columns_for_grad_weight, grouped_scaled_gemm, grouped_scaled_gemm_weights,
                                         placed_for_grad_weight)
@@ -48,8 +49,8 @@ from fp8graph.kernels.swiglu_backward import swiglu_backward_reference
 from fp8graph.kernels.swiglu_forward import swiglu_forward_placed
 from fp8graph.numerics.formats import Role
 from fp8graph.numerics.groups import ExpertGemm, weight_copy_fits
-from fp8graph.numerics.quantize import (amax_to_scale, current_scale, finite_magnitude, quantize, quantize_current,
-                                        row_amaxes, untracked)
+from fp8graph.numerics.quantize import (amax_to_scale, current_scale, finite_magnitude, largest_amax, quantize,
+                                        quantize_current, row_amaxes, untracked)
 from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, FP8_GEMM_DIM_MULTIPLE, NATIVE_GROUPED_GRANULARITIES, Recipe
 from fp8graph.buffers.amax_reduction import amax_reduction
 from fp8graph.numerics.delayed_scaling import scale_from_history
@@ -349,13 +350,13 @@ def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, row
             new_scale = _grad_scale_delayed(state, spec, grad_hp)
             scale = new_scale[0]
         else:
-            scale = _scale(row_amax.amax(), spec)
+            scale = _scale(largest_amax(row_amax), spec)
         grad_fp8, placed, amaxes, dots = torch.ops.fp8graph.quantize_weighted_rows_placed(
             grad_hp, weights, rows_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, token_of_row, layout)
         if spec.delayed:
             _record_grad_amaxes(state, spec, amaxes.reshape(-1), new_scale)
         inverse = scale.reciprocal().expand(grad_fp8.shape[0])
-        placed_inverse = inverse[:1].expand(offsets.shape[0], columns)
+        placed_inverse = _each_group_column(inverse, offsets.shape[0], columns)
     grad_row_weights = dots.to(row_weights.dtype).reshape(row_weights.shape) if rows_hp is not None else None
     return grad_fp8, scale, inverse, placed, placed_inverse, grad_row_weights
 
@@ -391,7 +392,7 @@ def _cast_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, off
         grad_fp8, placed, _ = torch.ops.fp8graph.swiglu_backward_placed(gate_up_hp, grad_h_hp, scale, offsets,
                                                                          FP8_GEMM_DIM_MULTIPLE, layout)
     inverse = scale.reciprocal().expand(grad_fp8.shape[0])
-    return grad_fp8, scale, inverse, placed, inverse[:1].expand(experts, grad_fp8.shape[1])
+    return grad_fp8, scale, inverse, placed, _each_group_column(inverse, experts, grad_fp8.shape[1])
 
 
 def _cast_expert_columns(weight_hp: torch.Tensor, spec: GroupedSpec, after: torch.Tensor | None = None
@@ -475,6 +476,15 @@ def _transposed_for_grad_input(weight_fp8: torch.Tensor, weight_t_fp8: torch.Ten
     if spec.lowering is not Lowering.SCALED_MM:
         return weight_fp8.transpose(-2, -1), weight_inverse
     return weight_t_fp8, keep_for_backward(weight_inverse, weight_t_fp8)
+
+
+def _each_group_column(inverse_rows: torch.Tensor, groups: int, columns: int) -> torch.Tensor:
+    """A per-tensor inverse scale held a row (S,), as each group's and column's (groups, columns), which grad_weight's
+    GEMM reads. Without rows (an expert rank that got no tokens) every group is empty and grad_weight is zeros:
+    ones stand in for the scale no row holds."""
+    if guard_or_false(inverse_rows.shape[0] == 0):
+        return inverse_rows.new_ones(groups, columns)
+    return inverse_rows[:1].expand(groups, columns)
 
 
 def _placed_in_the_forward(input_fp8: torch.Tensor, input_inverse: torch.Tensor, offsets: torch.Tensor,
@@ -604,7 +614,7 @@ class _GroupedFP8(torch.autograd.Function):
                 else:
                     input_placed, input_inverse = _placed_in_the_forward(input_fp8, input_inverse, offsets, spec,
                                                                          input_placed)
-                    saved_input = (input_placed, input_inverse[:1].expand(experts, input_hp.shape[1]))
+                    saved_input = (input_placed, _each_group_column(input_inverse, experts, input_hp.shape[1]))
             weight_columns = None  # row-wise's cast along N for grad_input, where the forward writes it
             if needs_grad_input and weight_copy is None and spec.per_row and spec.recipe.save_transposes:
                 # Saved and tied to the forward GEMM's scales, else the partitioner casts it again from the weight
@@ -703,7 +713,8 @@ class _GroupedFP8(torch.autograd.Function):
                     grad_output_g_inverse = grad_output_g_scale.reciprocal()  # (E, N)
                 else:
                     grad_output_g_placed = placed_for_grad_weight(grad_output_fp8, offsets, spec.lowering)
-                    grad_output_g_inverse = grad_output_inverse[:1].expand(experts, grad_output_fp8.shape[1])
+                    grad_output_g_inverse = _each_group_column(grad_output_inverse, experts,
+                                                               grad_output_fp8.shape[1])
                 # grad_weight_e = grad_output_e^T . input_e  (E, N, K)
                 grad_weight = grouped_scaled_gemm_weights(grad_output_g_placed, grad_output_g_inverse, input_g_placed,
                                                           input_g_inverse, offsets, ctx.weight_dtype, spec.lowering)

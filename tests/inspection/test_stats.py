@@ -55,6 +55,31 @@ def test_a_non_finite_input_is_never_called_a_good_cast(bad):
     assert health[1] == pytest.approx(448 / x[x.isfinite()].abs().max().item(), rel=1e-6)  # the finite values' scale
 
 
+def test_a_row_cast_records_the_scale_of_the_row_holding_the_amax_whatever_rows_are_zero():
+    """An all-zero row (the gradient of a token whose loss is ignored) has the fallback scale 1, below the others:
+    the recorded scale is still that of the row holding the amax, as documented."""
+    from fp8graph.numerics.tiles import ScaleKind, Tiling, expand_scale, reference_quantize_tiles
+
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    x[5] = 0.0
+    tiling = Tiling(1, None, ScaleKind.POWER_2)
+    x_fp8, scale = reference_quantize_tiles(x, tiling)
+    recorded = quantization_health(x, x_fp8, expand_scale(scale, tiling, x_fp8.shape), E4M3)[1].item()
+    assert scale[5].item() == 1.0 and recorded == scale[x.abs().amax(dim=1).argmax()].item() > 1.0
+
+
+def test_overflow_is_a_fraction_of_the_finite_values():
+    x = torch.tensor([1000.0, 1.0, float("nan"), float("inf")])
+    scale = torch.tensor(1.0)
+    assert quantization_health(x, quantize(x, scale, E4M3), scale, E4M3)[3].item() == 0.5
+
+
+def test_an_empty_cast_lost_nothing():
+    x = torch.empty(0, 16)
+    health = quantization_health(x, x.to(E4M3), torch.tensor(4.0), E4M3).tolist()
+    assert health == [0.0, 4.0, 0.0, 0.0, float("inf")]
+
+
 def test_the_health_of_extreme_magnitudes_is_the_health_of_their_shape():
     """SQNR is scale-invariant; 2**100 casts as well as 1 (its squares overflow fp32, the measure must not).
     Powers of two: the scaled tensors, and so their casts, are the same bits."""

@@ -32,6 +32,37 @@ def test_scale_of_tiny_amax_is_clamped_to_float32_max():
     assert scale.item() == FLT_MAX
 
 
+@pytest.mark.parametrize("margin", [1, 2, 16])
+@pytest.mark.parametrize("amax_value", [2.0 ** -100, 1e-3, 1.0, 3.5, 1e6, 2.0 ** 100])
+def test_a_margin_divides_the_scale_by_its_power_of_two_exactly(margin, amax_value):
+    """In fp32's normal range 448 / (amax * 2**m) and (448 / amax) * 2**-m are the same number: a power of two
+    scales without rounding."""
+    amax_fp32 = torch.tensor(amax_value)
+    expected = 448.0 / (amax_fp32 * 2.0 ** margin)
+    assert amax_to_scale(amax_fp32, E4M3, margin=margin).item() == expected.item()
+
+
+@pytest.mark.parametrize("margin,amax_value", [(1, 2e38), (2, 1e38), (16, 1e34)])
+def test_a_margin_never_gives_a_large_finite_amax_a_zero_scale(margin, amax_value):
+    """amax * 2**margin overflows fp32 there: 448 / inf would be a scale of 0, a cast of zeros, and NaN once
+    dequantized. The scale stays positive, and the cast dequantizes to finite values within half an FP8 step
+    (a subnormal one, 2**-9, under a large margin)."""
+    amax_fp32 = torch.tensor(amax_value)
+    scale = amax_to_scale(amax_fp32, E4M3, margin=margin)
+    assert 0 < scale.item() <= 448 / amax_value
+    x = torch.tensor([amax_value, -amax_value / 3, 0.0])
+    error = (dequantize(quantize(x, scale, E4M3), scale).double() - x.double()).abs()
+    half_step = torch.maximum(x.double().abs() * 2.0 ** -4, torch.tensor(2.0 ** -10 / scale.double()))
+    assert (error <= half_step).all()
+
+
+def test_the_amax_of_no_values_is_zero_so_an_empty_batch_casts_with_the_fallback_scale():
+    x = torch.empty(0, 64)
+    assert amax(x).item() == 0.0 and amax(x).dtype == torch.float32
+    x_fp8, scale = quantize_current(x, E4M3)
+    assert x_fp8.shape == (0, 64) and scale.item() == 1.0
+
+
 @pytest.mark.parametrize("amax_value,expected", [
     (1.0, 256.0),      # 448 -> 256
     (448.0, 1.0),      # exactly 1

@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.numerics.health import sqnr_db
-from fp8graph.recipes.scaling import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling
+from fp8graph.recipes.scaling import (NATIVE_GROUPED_GRANULARITIES, DelayedScaling, Float8CurrentScaling,
+                                     Float8RowwiseScaling, MXFP8BlockScaling)
 from fp8graph.targets.grouped import _combine, _swiglu, grouped_fp8_target
 from helpers import group_bounds
 
@@ -104,6 +105,28 @@ def test_empty_experts_get_zero_weight_gradients():
     for recipe in RECIPES:
         _, _, grad_weight = _run(recipe, x, w, offsets, grad)
         assert torch.all(grad_weight[[1, 3]] == 0) and torch.all(grad_weight[[0, 2]] != 0)
+
+
+@pytest.mark.parametrize("lowering", [Lowering.EMULATED, Lowering.SCALED_MM], ids=["emulated", "native"])
+@pytest.mark.parametrize("recipe", [*RECIPES, DelayedScaling(amax_history_len=4)], ids=str)
+def test_an_expert_rank_that_got_no_tokens_gets_zeros(monkeypatch, recipe, lowering):
+    """Expert parallelism can route no token to a rank: S = 0 gives an empty output, an empty grad_input and zero
+    weight gradients; delayed scaling records an amax of 0 and keeps its scales (nothing to fit)."""
+    if lowering is Lowering.SCALED_MM:
+        if recipe.granularity not in NATIVE_GROUPED_GRANULARITIES:
+            pytest.skip(f"{recipe} has no native grouped GEMM")
+        monkeypatch.setattr(torch, "_scaled_grouped_mm", _read_scaled_grouped_mm)
+    offsets = torch.zeros(4, dtype=torch.int32)
+    x, w = torch.randn(0, 64, requires_grad=True), torch.randn(4, 96, 64, requires_grad=True)
+    state = (torch.zeros(5, 4), torch.ones(5), torch.zeros(1, 4), torch.ones(1)) if recipe.stateful else ()
+    output = grouped_fp8_target(recipe, lowering)(x, w, offsets, None, *state)
+    output.backward(torch.randn(0, 96))
+    assert output.shape == (0, 96) and x.grad.shape == (0, 64)
+    assert torch.equal(w.grad, torch.zeros_like(w))
+    if recipe.stateful:
+        history, scale, grad_history, grad_scale = state
+        assert torch.all(history[0] == 0) and torch.all(grad_history == 0)
+        assert torch.all(scale[:1] == 1) and torch.all(grad_scale == 1)
 
 
 def test_rowwise_beats_per_tensor_on_imbalanced_experts():

@@ -43,6 +43,14 @@ def test_hybrid_gaussian_sqnr_against_fp32():
     torch.testing.assert_close(fp8[3], reference[3], rtol=1e-5, atol=1e-5)
 
 
+def test_an_empty_batch_gives_empty_outputs_and_zero_weight_gradients():
+    """M = 0 (an empty micro-batch): the input's and grad_output's amax is 0, their scale the fallback 1."""
+    output, grad_input, grad_weight, grad_bias = _run(linear_fp8_target(HYBRID, Lowering.EMULATED),
+                                                      *_gaussian_case(M=0, K=64, N=32))
+    assert output.shape == (0, 32) and grad_input.shape == (0, 64)
+    assert torch.equal(grad_weight, torch.zeros(32, 64)) and torch.equal(grad_bias, torch.zeros(32))
+
+
 def test_e4m3_gradients_beat_e5m2_on_gaussian_data():
     case = _gaussian_case()
     reference = _run(torch.nn.functional.linear, *case)
