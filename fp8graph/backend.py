@@ -118,7 +118,7 @@ class FP8Backend:
 
     def run_passes(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> list[Decision]:
         """Rewrite ``gm`` in place (``fp8graph.passes.pipeline``); returns every site's decision."""
-        decisions, stats_written = run_passes(gm, example_inputs, self.pass_context)
+        decisions, stats_written, self._copies_written = run_passes(gm, example_inputs, self.pass_context)
         if torch.is_grad_enabled():
             self._claim_written_buffers(stats_written)
         for decision in decisions:
@@ -164,7 +164,8 @@ class FP8Backend:
         if self.instances is not None and self.policy.rules:  # without rules every instance resolves alike
             self.instances.guard(roots)
         decisions = self.run_passes(gm, example_inputs)
-        compiled = self._compile_graph(gm, example_inputs)
+        compiled = _saying_what_it_fills(self._compile_graph(gm, example_inputs), self._copies_written,
+                                         self.weight_cache)
         # Recorded only once compiling succeeded: Dynamo may abort a compile by
         # an exception raised inside it (e.g. to restart analysis with a
         # Python scalar specialized) and call the backend again.
@@ -212,6 +213,25 @@ def fp8_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     if unknown:
         raise ValueError(f"unknown fp8 backend option(s) {unknown}; known: {list(_OPTION_NAMES)}")
     return FP8Backend(mode=mode, **options)(gm, example_inputs)
+
+
+def _saying_what_it_fills(compiled, positions: list[int], cache: WeightCache):
+    """``compiled``, telling ``cache`` after each run which FP8 weight copies it wrote (the inputs at
+    ``positions``): the copies a later call may read (``WeightCache.written_by_a_run``). Told by the run, not the
+    trace: a graph serves every instance of a region, and a call that runs eagerly writes nothing."""
+    if not positions:
+        return compiled
+
+    def run(*args):
+        boxed = len(args) == 1 and isinstance(args[0], list)  # one list of inputs, which the call empties
+        inputs = args[0] if boxed else args
+        written = [inputs[position] for position in positions]
+        result = compiled(*args)
+        cache.written_by_a_run(written)
+        return result
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)  # called as Dynamo calls what it wraps
+    return run
 
 
 def _fills_tiled_copies_on_cpu(gm: torch.fx.GraphModule, example_inputs) -> bool:

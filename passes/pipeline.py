@@ -120,6 +120,7 @@ class PassState:
     sites: list = dataclasses.field(default_factory=list)  # find_sites
     decisions: list = dataclasses.field(default_factory=list)  # annotate
     groups: list = dataclasses.field(default_factory=list)  # group_sites
+    copies_written: list = dataclasses.field(default_factory=list)  # rewrite: input positions of the copies filled
 
 
 @dataclasses.dataclass
@@ -130,7 +131,7 @@ class AnchoredBuffers:
     state: dict  # id(delayed-state buffer) -> placeholder
     state_updated: set  # placeholders of the state a call updates (a training call of a training module)
     cache: dict  # id(FP8 weight copy) -> placeholder
-    weight_cache_mode: str  # "fill" or "reuse": a call does one or the other
+    cache_filled: set  # the placeholders of the copies this call fills; it reads the others
     state_by_weight: dict
     cache_by_weight: dict
     value_of: dict
@@ -142,6 +143,14 @@ class AnchoredBuffers:
         recipe, buffers = self.cache_by_weight.get(id(self.value_of.get(decision.site.weight_input)), (None, {}))
         nodes = {prefix: self.cache.get(id(buffer)) for prefix, buffer in buffers.items()}
         return nodes if nodes and None not in nodes.values() and recipe == decision.recipe else None
+
+    def cache_mode(self, decision) -> str | None:
+        """``"fill"`` or ``"reuse"``: what the call does with the decision's FP8 copies (a module's copies that the
+        declaration's fill did not write are filled by a call that reads the others); None without copies."""
+        nodes = self.cache_nodes(decision)
+        if nodes is None:
+            return None
+        return "fill" if any(node in self.cache_filled for node in nodes.values()) else "reuse"
 
     def state_nodes(self, site):
         entry = self.state_by_weight.get(id(self.value_of.get(site.weight_input)))
@@ -161,7 +170,7 @@ class AnchoredBuffers:
     def compatibility(self, decision) -> tuple:
         """Sites that share one cast of their input must carry the same kinds of buffers."""
         return (self.state_nodes(decision.site) is not None, self.updates_state(decision.site),
-                self.cache_nodes(decision) is not None)
+                self.cache_mode(decision))
 
 
 def take_anchors(state: PassState) -> None:
@@ -171,12 +180,12 @@ def take_anchors(state: PassState) -> None:
     # Delayed state a call updates (its module trains) or only reads (eval mode); without gradients, only reads.
     updating = take_anchored_inputs(gm, state_anchor)
     delayed = {id(value_of[n]): n for n in take_anchored_inputs(gm, state_read_anchor) + updating}
-    # A call fills the weights' FP8 copies or reuses them, never both: one kind of anchor per graph.
+    # Each module's FP8 weight copies are filled or read by the call (fp8graph.buffers.weight_cache's hooks).
     fill, reuse = take_anchored_inputs(gm, fill_anchor), take_anchored_inputs(gm, reuse_anchor)
     context = state.context
     state.buffers = AnchoredBuffers(
         stats=stats, state=delayed, state_updated=set(updating) if torch.is_grad_enabled() else set(),
-        cache={id(value_of[n]): n for n in fill + reuse}, weight_cache_mode="reuse" if reuse else "fill",
+        cache={id(value_of[n]): n for n in fill + reuse}, cache_filled=set(fill),
         state_by_weight=context.state.by_weight(), cache_by_weight=context.weight_cache.by_weight(),
         value_of=value_of, stats_collector=context.stats)
 
@@ -227,7 +236,11 @@ def rewrite(state: PassState) -> None:
     """Decided sites replaced by fp8graph's targets, their buffers threaded in."""
     buffers = state.buffers
     rewrite_sites(state.gm, buffers.stats_node, buffers.state_nodes, updates_state=buffers.updates_state,
-                  cache_nodes=buffers.cache_nodes, weight_cache=buffers.weight_cache_mode, groups=state.groups)
+                  cache_nodes=buffers.cache_nodes, cache_mode=buffers.cache_mode, groups=state.groups)
+    # The copies this graph writes: its FP8 sites took them (a copy no site took stays unwritten).
+    placeholders = [node for node in state.gm.graph.nodes if node.op == "placeholder"]
+    state.copies_written = [placeholders.index(node) for node in buffers.cache_filled
+                            if node.users and node.op == "placeholder"]
 
 
 def unpermute(state: PassState) -> None:
@@ -322,8 +335,9 @@ def _check_side_effects_kept(gm: torch.fx.GraphModule, before: list[list[torch.f
 
 
 def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], context: PassContext):
-    """Run :data:`PASSES` over ``gm`` in place; returns ``(decisions, stats buffers written)``: every site's
-    decision, and ``[(module path, buffer)]`` of the stats buffers the rewritten sites write."""
+    """Run :data:`PASSES` over ``gm`` in place; returns ``(decisions, stats buffers written, copies written)``:
+    every site's decision, ``[(module path, buffer)]`` of the stats buffers the rewritten sites write, and the
+    positions among the graph's inputs of the FP8 weight copies its sites fill."""
     state = PassState(gm, example_inputs, context, device=graph_device(example_inputs),
                       value_of=placeholder_values(gm, example_inputs))
     for graph_pass in PASSES:
@@ -332,4 +346,4 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], conte
         _check_side_effects_kept(gm, before, graph_pass.name)
     stats_written = [(d.site.path, state.value_of[node]) for d in state.decisions
                      if d.rewritten and (node := state.buffers.stats_node(d.site)) is not None]
-    return state.decisions, stats_written
+    return state.decisions, stats_written, state.copies_written

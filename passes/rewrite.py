@@ -90,7 +90,7 @@ def rewrite_sites(
     state_nodes: Callable[[Site], tuple[torch.fx.Node, ...] | None] = lambda site: None,
     updates_state: Callable[[Site], bool] = lambda site: True,
     cache_nodes: Callable[[Decision], tuple[torch.fx.Node, ...] | None] = lambda decision: None,
-    weight_cache: str | None = None,
+    cache_mode: Callable[[Decision], str | None] = lambda decision: None,
     groups: list[list[Decision]] = (),
 ) -> int:
     """Rewrite every site whose decision carries a recipe; returns how many.
@@ -100,13 +100,13 @@ def rewrite_sites(
     Delayed-scaling sites get their ``(history, scale, grad_history, grad_scale)`` placeholders from
     ``state_nodes(site)`` and update them where ``updates_state(site)``, else only read the scales.
     Sites whose weight has FP8 copies kept for their recipe get the copies'
-    placeholders from ``cache_nodes(decision)`` and ``weight_cache`` (``"fill"``
+    placeholders from ``cache_nodes(decision)``, and ``cache_mode(decision)`` (``"fill"``
     or ``"reuse"``) says what they do with them (see ``fp8graph.buffers.weight_cache``).
     The sites of each group of ``groups`` (``group_sites``) with more than one
     become one call; every other site a call of its own.
     """
     subgraphs = Subgraphs(gm)
-    buffers = _Buffers(subgraphs, stats_nodes, state_nodes, cache_nodes, updates_state, weight_cache)
+    buffers = _Buffers(subgraphs, stats_nodes, state_nodes, cache_nodes, updates_state, cache_mode)
     grouped = {id(d.site.node): group for group in groups if len(group) > 1 for d in group}
     rewritten = 0
     # A site's operands were read before any rewrite: one may be an earlier
@@ -136,8 +136,8 @@ def _with_replaced_operands(decision: Decision, replaced: dict) -> Decision:
 class _Buffers:
     """The buffer operands a site's call takes, lifted into the graph module it lives in."""
 
-    def __init__(self, subgraphs, stats_nodes, state_nodes, cache_nodes, updates_state, weight_cache):
-        self.subgraphs, self.updates_state, self.weight_cache = subgraphs, updates_state, weight_cache
+    def __init__(self, subgraphs, stats_nodes, state_nodes, cache_nodes, updates_state, cache_mode):
+        self.subgraphs, self.updates_state, self.cache_mode = subgraphs, updates_state, cache_mode
         self._stats_nodes, self._state_nodes, self._cache_nodes = stats_nodes, state_nodes, cache_nodes
 
     def _lift(self, nodes, gm):
@@ -171,7 +171,7 @@ def _linear_target(decision: Decision, state, cache, buffers: _Buffers, group: b
     in_checkpoint = updates and _prepare_checkpoint_region(decision.site)
     make = linears_fp8_target if group else linear_fp8_target
     return make(decision.recipe, decision.lowering, updates or state is None, in_checkpoint,
-                buffers.weight_cache if cache is not None else None)
+                buffers.cache_mode(decision) if cache is not None else None)
 
 
 def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers, replaced: dict) -> None:
@@ -266,7 +266,7 @@ def _single_call(site: LinearSite, decision: Decision, graph: torch.fx.Graph, st
     weight = _weight_nk(graph, decision)
     if decision.recipe.tiled:
         target = linear_tiled_target(decision.recipe, decision.lowering,
-                                     buffers.weight_cache if cache is not None else None)
+                                     buffers.cache_mode(decision) if cache is not None else None)
         return target, (site.input_node, weight, site.bias_node), {}
     target = _linear_target(decision, state, cache, buffers, group=False)
     return target, (site.input_node, weight, site.bias_node), {}
@@ -281,7 +281,7 @@ def _matmul_call(site: MatmulSite, decision: Decision, graph, state, cache, buff
 def _grouped_call(site: GroupedExpertSite, decision: Decision, graph, state, cache, buffers):
     combine = _fuses_combine(decision)
     target = grouped_fp8_target(decision.recipe, decision.lowering, state is None or buffers.updates_state(site),
-                                buffers.weight_cache if cache is not None else None, _fuses_swiglu(decision),
+                                buffers.cache_mode(decision) if cache is not None else None, _fuses_swiglu(decision),
                                 site.combine_top_k if combine else 0, site.pooled_weight_copy)
     kwargs = {"row_weights": site.combine_weights, "permutation": site.combine_permutation} if combine else {}
     # SwiGLU read by this site alone: cast from the first call's output, SwiGLU's value never stored (read again, it

@@ -99,6 +99,10 @@ def register_new_buffers(new_buffers: list[NewBuffer], if_taken: str) -> None:
     list) is refused before anything is added, naming it; ``if_taken`` says what to do."""
     seen: set[tuple[int, str]] = set()
     for new in new_buffers:
+        if new.name in new.module.__dict__.get(_DTYPES_ATTRIBUTE, {}):
+            raise ValueError(f"{new.path or '<root>'}.{new.name} already exists: an fp8graph.compile of another "
+                             "model that holds this module registered it; compile the model that holds the others, "
+                             "or a fresh copy of this one")
         if hasattr(new.module, new.name) or (id(new.module), new.name) in seen:
             raise ValueError(f"{new.path or '<root>'}.{new.name} already exists: {if_taken}")
         seen.add((id(new.module), new.name))

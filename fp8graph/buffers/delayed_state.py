@@ -94,10 +94,14 @@ def _split_three_role_state(module: torch.nn.Module, state_dict, prefix) -> None
 
 
 def _fill_missing_state(module: torch.nn.Module, state_dict, prefix, *args) -> None:
-    """Load-state-dict pre-hook: a checkpoint without FP8 state starts fresh histories."""
+    """Load-state-dict pre-hook: a checkpoint that holds a weight but not its FP8 state (one saved without
+    fp8graph) starts that weight's histories fresh. One that does not hold the weight (a partial load: an
+    adapter's weights, one layer) leaves its state as it is, and ``load_state_dict`` names what is missing."""
     _split_three_role_state(module, state_dict, prefix)
     for name, buffer in module.named_buffers(recurse=False):
-        if not name.startswith(STATE_PREFIXES) or prefix + name in state_dict:
+        state_prefix = max((p for p in STATE_PREFIXES if name.startswith(p)), key=len, default=None)
+        if state_prefix is None or prefix + name in state_dict \
+                or prefix + name[len(state_prefix):] not in state_dict:
             continue
         is_scale = name.startswith((SCALE_PREFIX, GRAD_SCALE_PREFIX))
         state_dict[prefix + name] = torch.ones_like(buffer) if is_scale else torch.zeros_like(buffer)

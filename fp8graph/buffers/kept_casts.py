@@ -82,17 +82,22 @@ class ReuseScope:
     @contextlib.contextmanager
     def declared(self):
         self._depth += 1
-        if self._depth == 1:
-            self._serial += 1
-            for callback in self.on_open:
-                callback()
         try:
+            if self._depth == 1:
+                self._serial += 1
+                for callback in self.on_open:  # may fail (out of memory for the copies): the block never opened
+                    callback()
             yield
         finally:
             self._depth -= 1
             if self._depth == 0:
                 for callback in self.on_close:
                     callback()
+
+    def __getstate__(self) -> dict:
+        # A copy of the model (copy.deepcopy, torch.save) taken inside a block is outside every block: the block
+        # that is open belongs to the original, and the copy's would otherwise never close.
+        return {**self.__dict__, "_depth": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +151,7 @@ def _user_model(model) -> torch.nn.Module:
 def weights_unchanged(model):
     """Declare ``model``'s weights unchanged inside the ``with`` block: the first call in it casts each weight
     to FP8 and keeps the casts, the others read them (gradient accumulation's micro-batches, an evaluation
-    loop, ``generate()``). Transformer Engine's ``is_first_microbatch``, as a scope.
+    loop). Transformer Engine's ``is_first_microbatch``, as a scope.
 
     Args:
         model: what ``fp8graph.compile`` returned, or the module it was given.

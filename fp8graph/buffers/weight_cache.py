@@ -85,6 +85,8 @@ class _Holder:
     def __init__(self, holder, name, owner, owner_name, recipe: Recipe, layout: dict[str, torch.Tensor]):
         self.holder, self.name, self.owner, self.owner_name = holder, name, owner, owner_name
         self.recipe, self.layout = recipe, layout
+        weight = self.weight
+        self.shape = None if weight is None else tuple(weight.shape)  # what the copies are laid out for
 
     @property
     def owns(self) -> bool:
@@ -93,6 +95,13 @@ class _Holder:
     @property
     def weight(self) -> torch.Tensor | None:
         return self.owner._parameters.get(self.owner_name)
+
+    @property
+    def held(self) -> torch.Tensor | None:
+        """The weight the holder holds, while it is the one the owner's copies are of: a tied weight untied
+        since (``holder.weight = nn.Parameter(...)``) has no copy, and its sites cast it at every call."""
+        held = self.holder._parameters.get(self.name)
+        return held if held is not None and held is self.weight else None
 
     def copies(self) -> dict[str, torch.Tensor]:
         return {prefix: getattr(self.owner, prefix + self.owner_name) for prefix in self.layout}
@@ -109,6 +118,8 @@ class WeightCache:
         self._filled_moving_state = False
         self._stamp_at_call: CastStamp | None = None
         self._moves_state_at_call = False
+        self._hooks: list[_CachedWeightsHook] = []
+        self._hook_of_buffer: dict[int, _CachedWeightsHook] = {}  # the copies' buffers while a declaration is open
         self._watch(scope)
 
     def _watch(self, scope: ReuseScope) -> None:
@@ -132,20 +143,21 @@ class WeightCache:
     def by_weight(self) -> dict[int, tuple[Recipe, dict[str, torch.Tensor]]]:
         """``{id(weight): (recipe, copies)}`` for the tensors the holding modules hold now: the recipe the copies
         serve (a site with another reads none), and the copies by prefix, in :func:`copy_layout`'s order."""
-        return {id(entry.holder._parameters[entry.name]): (entry.recipe, entry.copies()) for entry in self._holders
-                if entry.holder._parameters.get(entry.name) is not None}
+        return {id(entry.held): (entry.recipe, entry.copies()) for entry in self._holders if entry.held is not None}
 
     def layouts(self) -> dict[int, dict[str, torch.Tensor]]:
         """``{id(weight): layout}``: what each weight's copies hold (meta tensors), whether allocated or not."""
-        return {id(entry.holder._parameters[entry.name]): entry.layout for entry in self._holders
-                if entry.holder._parameters.get(entry.name) is not None}
+        return {id(entry.held): entry.layout for entry in self._holders if entry.held is not None}
 
     def _versions(self) -> tuple:
         """What identifies each weight's values as fp8graph sees them: the tensor, its version counter (every
-        in-place change autograd sees), and its storage, dtype and device (``param.data = ...`` and
-        ``model.to(...)`` swap them without a bump)."""
+        in-place change autograd sees), and where its values lie, its dtype and device (``param.data = ...``
+        and ``model.to(...)`` swap them without a bump; another view of the same storage moves its offset, shape
+        or strides). A weight gone from its module (pruned, parametrized) is identified as gone."""
         weights = [entry.weight for entry in self._holders if entry.owns]
-        return tuple((id(weight), weight._version, _storage_address(weight), weight.dtype, weight.device)
+        return tuple(None if weight is None else
+                     (id(weight), weight._version, _storage_address(weight), _data_address(weight), weight.shape,
+                      weight.stride(), weight.dtype, weight.device)
                      for weight in weights)
 
     def _moves_delayed_state(self) -> bool:
@@ -167,6 +179,8 @@ class WeightCache:
         serves = (self._filled is not None and self._filled.still_serves(self.scope, weights)
                   and (self._filled_moving_state or not self._moves_state_at_call))
         self.mode = REUSE if serves else FILL
+        if not serves:
+            self._forget_fills()
         self._stamp_at_call = CastStamp.now(self.scope, weights)
 
     def after_call(self) -> None:
@@ -178,15 +192,39 @@ class WeightCache:
     def invalidate(self) -> None:
         """Make the next call inside a declaration fill."""
         self._filled = None
+        self._forget_fills()
+
+    def _forget_fills(self) -> None:
+        """No module's copies hold a fill that serves: each is written again before it is read."""
+        for hook in self._hooks:
+            hook.filled, hook.written = False, set()
+
+    def written_by_a_run(self, buffers: list[torch.Tensor]) -> None:
+        """A compiled graph ran and wrote these copies (its FP8 sites' fills; the backend wraps each graph that
+        fills to say so): a module whose copies are all written now holds a fill that serves."""
+        for buffer in buffers:
+            hook = self._hook_of_buffer.get(id(buffer))
+            if hook is not None:
+                hook.written.add(id(buffer))
+                hook.filled = hook.written >= hook.buffer_ids
 
     def _allocate(self) -> None:
         """Give every copy its memory, zeros on its weight's device (a declaration opens)."""
         for entry in self._holders:
             weight = entry.weight
+            if entry.owns and weight is not None and tuple(weight.shape) != entry.shape:
+                raise ValueError(
+                    f"fp8graph.weights_unchanged: {entry.owner_name} of {type(entry.owner).__name__} is "
+                    f"{tuple(weight.shape)} now, its FP8 copies were laid out for {entry.shape} when the model "
+                    "was compiled: call fp8graph.compile(model) again after replacing a weight by one of another "
+                    "shape")
             if entry.owns and weight is not None:
                 for prefix, like in entry.layout.items():
                     entry.owner._buffers[prefix + entry.owner_name] = _zeros(like.shape, like.dtype, weight.device,
                                                                              like.stride())
+        for hook in self._hooks:
+            hook.buffer_ids = {id(getattr(owner, name)) for owner, names in hook.sources for name in names}
+        self._hook_of_buffer = {buffer: hook for hook in self._hooks for buffer in hook.buffer_ids}
         self.invalidate()
 
     def _release(self) -> None:
@@ -196,6 +234,7 @@ class WeightCache:
             if entry.owns and weight is not None:
                 for prefix, like in entry.layout.items():
                     entry.owner._buffers[prefix + entry.owner_name] = _placeholder(like, weight.device)
+        self._hook_of_buffer = {}
         self.invalidate()
 
 
@@ -207,9 +246,17 @@ class _CachedWeightsHook(AnchorHook):
         super().__init__("fill", [(owner, tuple(prefix + name for prefix in prefixes))
                                   for owner, name, prefixes in owners_and_names])
         self.cache = cache
+        # Whether compiled runs wrote all these copies since the cache last forgot its fills (written_by_a_run).
+        self.filled, self.written, self.buffer_ids = False, set(), set()
+        cache._hooks.append(self)
 
     def __call__(self, module: torch.nn.Module, args, output) -> None:
-        mode = self.cache.mode  # a branch Dynamo guards on: the three graphs differ
+        mode = self.cache.mode  # a branch Dynamo guards on: the graphs differ
+        if mode == REUSE and not self.filled:
+            # No compiled run of this declaration wrote these copies: the module was not called (a branch not
+            # taken), its sites stayed in high precision (a policy deciding by the token count), or the call ran
+            # eagerly. This call casts the weights and writes the copies, rather than read what they hold.
+            mode = FILL
         if mode != PER_CALL:
             buffers = [getattr(owner, name) for owner, names in self.sources for name in names]
             ANCHORS[mode](*buffers)
@@ -222,6 +269,13 @@ def _storage_address(weight: torch.Tensor) -> int | None:
     try:
         return weight.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor) has no storage of its own
+        return None
+
+
+def _data_address(weight: torch.Tensor) -> int | None:
+    try:
+        return weight.data_ptr()
+    except (RuntimeError, NotImplementedError):
         return None
 
 

@@ -288,6 +288,19 @@ def test_a_checkpoint_without_fp8_state_loads_with_fresh_state_and_a_notice(capl
     assert any("checkpoint has no up.fp8graph_grad_output_scale_weight" in r.getMessage() for r in caplog.records)
 
 
+def test_a_partial_load_leaves_the_state_of_weights_it_does_not_hold_and_names_it_missing():
+    """``load_state_dict(strict=False)`` of some tensors (an adapter's, one layer's): the trained state of every
+    weight the checkpoint does not hold stays, and its keys are reported missing as torch reports any."""
+    model = build("mlp", "tiny")
+    compiled = fp8graph.compile(model, policy=DelayedScaling(amax_history_len=4), compiler="aot_eager")
+    for _ in range(2):
+        compiled(torch.randn(8, 64)).sum().backward()
+    trained = {name: value.clone() for name, value in model.state_dict().items() if "fp8graph_" in name}
+    result = model.load_state_dict({"up.bias": torch.zeros_like(model.up.bias)}, strict=False)
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in trained.items())
+    assert set(trained) <= set(result.missing_keys)
+
+
 def test_a_checkpoint_with_the_three_roles_in_one_buffer_loads_split(caplog):
     """Checkpoints written before the grad_output row had buffers of its own keep (3, len) and (3,)."""
     model = build("mlp", "tiny")

@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from torch.nn.utils import prune
 
 import fp8graph
 from fp8graph.models import build
@@ -345,3 +346,90 @@ def test_outside_a_declaration_a_model_with_copies_computes_as_one_without():
     (loss, grads, reads), (per_call_loss, per_call_grads, _) = results
     assert torch.equal(loss, per_call_loss) and not any(reads)
     assert all(torch.equal(a, b) for a, b in zip(grads, per_call_grads, strict=True))
+
+
+def test_param_data_moved_to_another_view_of_the_same_storage_is_seen():
+    """Double buffering in one flat tensor: ``param.data`` moves to the other half of the same storage, with no
+    version bump and the same storage address; the next call casts the other half."""
+    model, x = _model("mlp")
+    per_call_model = copy.deepcopy(model)
+    compiled = fp8graph.compile(model, compiler="aot_eager")
+    per_call = fp8graph.compile(per_call_model, compiler="aot_eager", cache_weights=False)
+    weight, cache = model[0].weight, compiled.fp8graph_backend.weight_cache
+    flat = torch.cat([weight.data.reshape(-1), weight.data.reshape(-1) * 2])
+    weight.data = flat[:weight.numel()].view_as(weight)
+    with fp8graph.weights_unchanged(compiled), torch.no_grad():
+        compiled(x), compiled(x)
+        assert cache.mode == "reuse"
+        weight.data = flat[weight.numel():].view_as(weight)
+        per_call_model[0].weight.data = weight.data.clone()
+        assert torch.equal(compiled(x), per_call(x)) and cache.mode == "fill"
+
+
+def test_a_pruned_weight_inside_a_declaration_is_cast_at_every_call():
+    """``torch.nn.utils.prune`` moves the weight out of the module's parameters: it has no copy, and the call
+    computes as one casting per call."""
+    model, x = _model("mlp")
+    per_call_model = copy.deepcopy(model)
+    compiled = fp8graph.compile(model, compiler="aot_eager")
+    with torch.no_grad():
+        compiled(x)
+    for pruned in (model, per_call_model):
+        prune.l1_unstructured(pruned[0], "weight", amount=0.5)
+    per_call = fp8graph.compile(per_call_model, compiler="aot_eager", cache_weights=False)
+    with fp8graph.weights_unchanged(compiled), torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(x), per_call(x))
+
+
+def test_a_declaration_that_fails_to_open_leaves_none_open():
+    """Allocating the copies can fail (out of memory, which batch-size finders catch and retry): the model is
+    then outside every declaration, as before."""
+    model, x = _model("mlp")
+    compiled = fp8graph.compile(model, compiler="aot_eager")
+    scope = compiled.fp8graph_backend.weight_cache.scope
+
+    def out_of_memory():
+        raise RuntimeError("out of memory")
+
+    scope.on_open.insert(0, out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with fp8graph.weights_unchanged(compiled):
+            pass
+    scope.on_open.remove(out_of_memory)
+    assert not scope.open
+    with torch.no_grad():
+        compiled(x)
+    assert compiled.fp8graph_backend.weight_cache.mode == "per call"
+
+
+def test_a_copy_of_the_model_taken_inside_a_declaration_is_outside_every_declaration():
+    """``copy.deepcopy`` (an EMA or evaluation copy) inside a block: the copy's calls cast per call, so a later
+    ``param.data`` write to the copy, outside any block of its own, is read."""
+    model, x = _model("mlp")
+    compiled = fp8graph.compile(model, compiler="aot_eager")
+    with fp8graph.weights_unchanged(compiled), torch.no_grad():
+        compiled(x)
+        copied = copy.deepcopy(compiled)
+    copied_model = copied._orig_mod if hasattr(copied, "_orig_mod") else copied
+    assert not copied.fp8graph_backend.weight_cache.scope.open
+    copied_model[0].weight.data.mul_(2)
+    reference = fp8graph.compile(copy.deepcopy(copied_model), compiler="aot_eager", cache_weights=False)
+    with torch.no_grad():
+        assert torch.equal(copied(x), reference(x)) and copied.fp8graph_backend.weight_cache.mode == "per call"
+
+
+def test_a_weight_replaced_by_one_of_another_shape_is_refused_by_a_declaration_naming_it():
+    """A resized head: outside a block the call recompiles and casts per call; a block, whose copies were laid
+    out for the old shape, refuses to open and says to compile again."""
+    model, x = _model("mlp")
+    compiled = fp8graph.compile(model, compiler="aot_eager")
+    with torch.no_grad():
+        compiled(x)
+        model[2].weight = torch.nn.Parameter(torch.cat([model[2].weight, torch.randn(16, 128)]))
+        model[2].bias = torch.nn.Parameter(torch.cat([model[2].bias, torch.zeros(16)]))
+        assert compiled(x).shape == (16, 144)
+        with pytest.raises(ValueError, match=r"weight of Linear is \(144, 128\) now.*compile\(model\) again"):
+            with fp8graph.weights_unchanged(compiled):
+                pass
+    assert not compiled.fp8graph_backend.weight_cache.scope.open

@@ -419,6 +419,35 @@ def test_tied_weights_share_one_copy_and_each_recipe_keeps_its_own():
     assert torch.equal(outputs[0], outputs[1])
 
 
+def test_a_weight_untied_after_compiling_is_cast_at_every_call_and_never_served_the_others_copy():
+    """``b.weight = nn.Parameter(...)`` unties a weight the model was compiled with tied: b's sites read no copy
+    (the one kept is of a's weight), inside a declaration too, and see their weight's changes."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    model = Tied()
+    compiled = fp8graph.compile(model, compiler="aot_eager")
+    x = torch.randn(8, 64)
+    compiled(x)
+    model.b.weight = torch.nn.Parameter(model.a.weight.detach() * 3)
+    reference_model = copy.deepcopy(model)
+    reference = fp8graph.compile(reference_model, compiler="aot_eager", cache_weights=False)
+    with fp8graph.weights_unchanged(compiled), torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(x), reference(x))
+        model.b.weight.mul_(0.5)
+        reference_model.b.weight.mul_(0.5)
+        assert torch.equal(compiled(x), reference(x))
+
+
 def test_cache_weights_is_refused_where_it_cannot_work():
     with pytest.raises(ValueError, match="choose one"):
         fp8graph.compile(build("mlp", "tiny"), cache_weights=True, freeze_weights=True)
@@ -585,3 +614,57 @@ def test_a_fused_optimizer_step_refills_though_it_moves_no_version_counter():
     with torch.no_grad():
         assert torch.equal(output, fp8graph.compile(reference, compiler="aot_eager", cache_weights=False)(x))
 
+
+
+class _TwoHeads(torch.nn.Module):
+    """A body and two task heads, one picked per call: micro-batches of two tasks multiply different weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head_a, self.head_b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+
+    def forward(self, x, task: str):
+        h = torch.relu(self.body(x))
+        return self.head_a(h) if task == "a" else self.head_b(h)
+
+
+def _equal_to_casting_per_call(model, compiled, calls):
+    """Each call of ``calls`` ((args, mode expected)) inside one declaration, against the same model cast at
+    every call: outputs and the gradients of their sum bit for bit."""
+    reference_model = copy.deepcopy(model)
+    reference = fp8graph.compile(reference_model, compiler="aot_eager", cache_weights=False,
+                                 policy=compiled.fp8graph_backend.policy, dynamic=False)
+    cache = compiled.fp8graph_backend.weight_cache
+    with fp8graph.weights_unchanged(compiled):
+        for args, mode in calls:
+            output = compiled(*args)
+            assert cache.mode == mode
+            assert torch.equal(output, reference(*args)), (args[1:], mode)
+            output.sum().backward()
+            reference(*args).sum().backward()
+    for parameter, reference_parameter in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(parameter.grad, reference_parameter.grad)
+
+
+def test_a_module_the_declarations_fill_did_not_call_writes_its_copies_when_it_is_called():
+    """The first call of a declaration fills the copies of the weights it multiplies; a later call through a
+    module it did not call (another task's head) casts that module's weights and writes its copies, then reuses
+    them, where it would otherwise read copies never written (zeros, a scale of 0: NaN)."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    compiled = fp8graph.compile(model, compiler="aot_eager", dynamic=False)
+    x = torch.randn(8, 64)
+    _equal_to_casting_per_call(model, compiled, [((x, "a"), "fill"), ((x, "b"), "reuse"), ((x, "b"), "reuse"),
+                                                 ((x, "a"), "reuse")])
+
+
+def test_copies_a_fill_left_unwritten_because_its_sites_stayed_in_high_precision_are_never_read_unwritten():
+    """A policy deciding by the token count (as ``policies.auto()`` does) keeps a short call's sites in BF16: that
+    call's fill writes no copy, and a longer call, whose sites are in FP8, must not read them unwritten."""
+    policy = fp8graph.Policy(default=fp8graph.Float8CurrentScaling(),
+                             rules=[(lambda path, module, site: isinstance(site.M, int) and site.M < 32, None)])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    compiled = fp8graph.compile(model, policy=policy, compiler="aot_eager", dynamic=False)
+    short, long = torch.randn(8, 64), torch.randn(64, 64)
+    _equal_to_casting_per_call(model, compiled, [((short,), "fill"), ((long,), "reuse"), ((long,), "reuse")])
