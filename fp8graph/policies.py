@@ -127,8 +127,8 @@ class _ModelledBelow:
         return f"auto: {self._recipe.kind} modelled below {self._min_speedup}x of BF16 on {self.gpu.name}"
 
     def __call__(self, path: str, module, site: SiteInfo) -> "str | bool":
-        if site.K is None or site.N is None:
-            return False  # not a GEMM the model speaks to
+        if not (isinstance(site.K, int) and isinstance(site.N, int)):
+            return False  # not a GEMM shape the model speaks to (none, or two activations' symbolic sizes)
         times = site_times(site, self._recipe, self.gpu, training=True, tokens=self._tokens)
         if times.speedup >= self._min_speedup:
             return False
@@ -157,7 +157,7 @@ def _measured(measurements, recipe: str, min_speedup: float) -> Policy:
         return Policy(default=None, rules=[(no_measured_gain, None)])
 
     def below_measured_gain(path: str, module, site: SiteInfo) -> bool:
-        if site.K is None or site.N is None:
+        if not (isinstance(site.K, int) and isinstance(site.N, int)):
             return False  # not a GEMM shape the measurements speak to
         if isinstance(site.M, int):
             return site.M * site.K * site.N < threshold.size

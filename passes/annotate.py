@@ -186,9 +186,13 @@ def annotate_sites(
         entry = planned(site)
         if reason is None and entry is not None and entry.path == site.path \
                 and recipe not in entry.recipes.recipes:
-            raise AssertionError(f"{where}: traced, the policy gives it {recipe.name}, which the plan of "
-                                 f"{entry.qualified_name} ({entry.describe(policy)}) does not hold: the buffers "
-                                 "registered before tracing would not be the ones this site needs")
+            # The plan guessed the site before tracing (an nn.Linear's weight multiplied (N, K)); the graph
+            # multiplies it otherwise (x @ linear.weight), and a rule reading K or N decides otherwise.
+            reason = (f"traced, the policy gives it {recipe.name}, which the plan of {entry.qualified_name} "
+                      f"({entry.describe(policy)}) does not hold: the buffers registered before tracing are not "
+                      "the ones this site needs")
+            if policy.strict:
+                raise ValueError(f"{where}: {reason}")
         if reason is None and isinstance(site, ExpertSite):
             recipe = expert_recipe(recipe)  # what the expert GEMMs can run of it (E4M3 operands)
         decision = (

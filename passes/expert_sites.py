@@ -203,9 +203,17 @@ def read_gather(site: GroupedExpertSite) -> None:
     source_value, index_value, rows_value = tensor_value(source), tensor_value(index), tensor_value(gathered)
     if source_value is None or index_value is None or rows_value is None:
         return
-    if source_value.dim() == 2 and index_value.dim() == 1 and not index_value.is_floating_point() \
-            and index_value.dtype != torch.bool and source_value.dtype == rows_value.dtype:
-        site.gather_source, site.gather_index = source, index
+    if not (source_value.dim() == 2 and index_value.dim() == 1 and not index_value.is_floating_point()
+            and index_value.dtype != torch.bool and source_value.dtype == rows_value.dtype):
+        return
+    # The call gathers the rows where the GEMM is: nothing between may write the source or the index (an in-place
+    # op, a method call on a view), or it would read rows the gather did not.
+    between = gathered.next
+    while between is not site.node:
+        if has_side_effects(between):
+            return
+        between = between.next
+    site.gather_source, site.gather_index = source, index
 
 
 _CHUNKS = {torch.chunk, "chunk"}

@@ -80,8 +80,8 @@ def _op_name(node: torch.fx.Node) -> str | None:
     if node.op == "call_method":
         if node.target in _MATMUL_METHODS:
             return "mm" if node.target == "mm" else "matmul"
-        if node.target == "addmm":
-            return "addmm"
+        if node.target in ("addmm", "bmm", "baddbmm"):
+            return node.target
     return None
 
 
@@ -169,6 +169,12 @@ def _fill_linear_shapes(site: LinearSite) -> None:
     rows, columns = weight_value.shape
     site.N, site.K = (columns, rows) if site.weight_is_kn else (rows, columns)
     site.M = _rows(input_value.shape[:-1])
+    bias_value = tensor_value(site.bias_node) if site.bias_node is not None else None
+    if bias_value is not None and tuple(bias_value.shape) != (site.N,):
+        # addmm's added term, or F.linear's, may be any tensor that broadcasts (a residual (M, N)): the FP8
+        # linear adds a bias of N values and sums its gradient over the rows.
+        site.blocker = site.blocker or (f"added term of shape {tuple(bias_value.shape)} is not a bias of its "
+                                        f"{site.N} outputs")
 
 
 def _fill_operand_shapes(site: Site, left, right, right_is_nk: bool = False) -> None:
@@ -180,8 +186,10 @@ def _fill_operand_shapes(site: Site, left, right, right_is_nk: bool = False) -> 
     if right_value is None or left_value.dim() < 1 or right_value.dim() < 2:
         return
     site.M = _rows(left_value.shape[:-1])  # batch dims count as rows
-    site.K = left_value.shape[-1]
-    site.N = right_value.shape[-2] if right_is_nk else right_value.shape[-1]
+    # K and N of two activations may be symbolic too (attention's sequence length): as text, as M is, never a
+    # SymInt kept past the trace (the regional compiler hashes the shapes).
+    site.K = _rows(left_value.shape[-1:])
+    site.N = _rows(right_value.shape[-2:-1] if right_is_nk else right_value.shape[-1:])
 
 
 def _read_linear(where: dict, node: torch.fx.Node, params: _Parameters) -> Site:
@@ -244,7 +252,10 @@ def _read_matmul(where: dict, node: torch.fx.Node, params: _Parameters) -> Site:
 
 def _read_site(node: torch.fx.Node, op: str, params: _Parameters, path: str) -> Site:
     where = dict(node=node, op=op, path=path, module_type=module_type(node))
-    return _read_linear(where, node, params) if op == "linear" else _read_matmul(where, node, params)
+    site = _read_linear(where, node, params) if op == "linear" else _read_matmul(where, node, params)
+    if node.kwargs.get("out") is not None:  # the rewrite would drop the write into a tensor the graph holds
+        site.blocker = site.blocker or f"{op} writes its result into out="
+    return site
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,13 @@ def _is_arange_of(node, permutation: torch.fx.Node) -> bool:
     return end_value is not None and str(end_value) == str(length)
 
 
+def _rows_match(rows: torch.fx.Node, permutation: torch.fx.Node) -> bool:
+    """Whether ``rows`` has one row per entry of ``permutation`` (compared as text, as ``_is_arange_of``): the
+    backward scatters the gradient back through it, a row for each."""
+    rows_value, length = tensor_value(rows), tensor_value(permutation).shape[0]
+    return rows_value is not None and rows_value.dim() >= 1 and str(rows_value.shape[0]) == str(length)
+
+
 def _unpermutes(graph: torch.fx.Graph):
     """``(gather, permutation, inverse)`` of each gather by the inverse of a permutation (see the module's doc)."""
     order = {node: index for index, node in enumerate(graph.nodes)}
@@ -73,8 +80,9 @@ def _unpermutes(graph: torch.fx.Graph):
             continue
         readers = [user for user in inverse.users if user is not write]
         if any(not (user.op == "call_function" and user.target is operator.getitem and user.args[1] is inverse
-                    and order[user] > order[write]) for user in readers):
-            continue  # read some other way, or before it is written
+                    and order[user] > order[write] and _rows_match(user.args[0], permutation))
+               for user in readers):
+            continue  # read some other way, before it is written, or of rows the permutation does not order
         for gather in readers:
             yield gather, permutation, inverse
 

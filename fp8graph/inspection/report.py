@@ -69,7 +69,8 @@ class SiteRecord:
 
 def _modelled(site: SiteInfo, recipe: Recipe | None, gpu: "str | GPU | None") -> SiteTimes | None:
     """The site's modelled times in ``recipe`` (current scaling's when there is none to compare with)."""
-    if gpu is None or site.K is None or site.N is None or not isinstance(site.M, int) or 0 in (site.M, site.K, site.N):
+    if gpu is None or not all(isinstance(size, int) for size in (site.M, site.K, site.N)) \
+            or 0 in (site.M, site.K, site.N):
         return None
     return site_times(site, recipe if recipe is not None else "current", gpu)
 

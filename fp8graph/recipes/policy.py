@@ -258,11 +258,12 @@ def weight_orientations(module: torch.nn.Module | None, weight: torch.Tensor) ->
 
 
 class _BeforeTracing:
-    """A site as a rule sees it before tracing: reading ``M`` or ``expert_stage``, which only the traced graph
-    knows, leaves the rule undecided whatever the predicate answers (``site.M is not None and ...`` answers False
-    here)."""
+    """A site as a rule sees it before tracing: reading what only the traced graph knows (``M``,
+    ``expert_stage``, and what op multiplies the weight: ``op``, ``is_linear``, ``gate``, guessed here as a
+    linear that is no gate) leaves the rule undecided whatever the predicate answers (``site.M is not None and
+    ...`` answers False here)."""
 
-    TRACED = ("M", "expert_stage")
+    TRACED = ("M", "expert_stage", "op", "is_linear", "gate")
 
     def __init__(self, site: SiteInfo):
         self._site, self.read_traced = site, False

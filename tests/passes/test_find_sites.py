@@ -4,6 +4,8 @@ Each case is a module whose forward holds one GEMM; the test compiles it with
 the eager compiler and reads the decision the backend made.
 """
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -61,6 +63,12 @@ KEPT_CASES = {
     "activations": (lambda m, x: x @ x.t(), False, "activation x activation matmul"),
     "computed-weight": (lambda m, x: F.linear(x, m.weight * 2), False,
                         "weight is not a parameter"),
+    "residual-added": (lambda m, x: torch.addmm(x, x, m.weight), True,
+                       "added term of shape (32, 32) is not a bias of its 32 outputs"),
+    "row-added": (lambda m, x: torch.addmm(x[:, :1], x, m.weight), True,
+                  "added term of shape (32, 1) is not a bias of its 32 outputs"),
+    "2-d-bias": (lambda m, x: F.linear(x, m.weight, x), False,
+                 "added term of shape (32, 32) is not a bias of its 32 outputs"),
 }
 
 
@@ -77,6 +85,24 @@ def test_non_linear_gemms_are_kept_with_a_reason(name):
     assert fp8_target_count(backend.graph_modules[0]) == 0
 
 
+@pytest.mark.parametrize("op", [torch.mm, torch.matmul, lambda x, w, out: torch.addmm(w[0], x, w, out=out)],
+                         ids=["mm", "matmul", "addmm"])
+def test_a_gemm_writing_into_out_is_kept_and_its_write_kept(op):
+    """``out=`` writes a tensor the graph holds: rewritten, the write would go."""
+    weight = torch.nn.Parameter(torch.randn(32, 32))
+
+    def forward(x, out):
+        op(x, weight, out=out)
+        return out * 2
+
+    compiled, backend = compile_fp8(forward, compiler="eager")
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        assert torch.equal(compiled(x, torch.empty(16, 32)), forward(x, torch.empty(16, 32)))
+    [decision] = backend.decisions
+    assert not decision.rewritten and "writes its result into out=" in decision.reason
+
+
 def test_batched_attention_matmul_reports_its_shape():
     q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 16, 8)  # (B, heads, T, head_dim)
     compiled, backend = compile_fp8(lambda q, k: torch.matmul(q, k.transpose(-1, -2)), compiler="eager")
@@ -84,6 +110,49 @@ def test_batched_attention_matmul_reports_its_shape():
     [decision] = backend.decisions
     assert decision.reason == "activation x activation matmul (FP8 only when a policy rule names it)"
     assert (decision.site.M, decision.site.K, decision.site.N) == (2 * 4 * 16, 8, 16)
+
+
+@pytest.mark.parametrize("spelling", [
+    lambda q, k, c: torch.bmm(q, k.transpose(1, 2)), lambda q, k, c: q.bmm(k.transpose(1, 2)),
+    lambda q, k, c: torch.baddbmm(c, q, k.transpose(1, 2)), lambda q, k, c: c.baddbmm(q, k.transpose(1, 2)),
+], ids=["torch.bmm", "Tensor.bmm", "torch.baddbmm", "Tensor.baddbmm"])
+def test_batched_gemms_are_sites_however_they_are_spelled(spelling):
+    """A method call is the function's site: reported with its shape and reason, left as it is."""
+    q, k, c = torch.randn(4, 16, 32), torch.randn(4, 16, 32), torch.randn(4, 16, 16)
+    compiled, backend = compile_fp8(spelling, compiler="eager")
+    assert torch.equal(compiled(q, k, c), spelling(q, k, c))
+    [decision] = backend.decisions
+    assert decision.reason.startswith("activation x activation matmul")
+    assert (decision.site.M, decision.site.K, decision.site.N) == (4 * 16, 32, 16)
+
+
+class _TwoAttentionLayers(torch.nn.Module):
+    """Two equal layers (compiled as one region) whose attention scores multiply two activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            h = layer(x)
+            x = torch.softmax(h @ h.transpose(-1, -2), dim=-1) @ h
+        return x
+
+
+def test_a_symbolic_sequence_length_is_reported_as_text_and_keeps_every_site_bit_equal_to_torch_compile():
+    """With dynamic shapes the attention matmul's K or N is the sequence length, a symbol: reported as text, as
+    M is (the regional compiler hashes the shapes), and with every site kept the output is torch.compile's."""
+    torch.manual_seed(0)
+    model = _TwoAttentionLayers()
+    plain = torch.compile(copy.deepcopy(model), backend="aot_eager", dynamic=True)
+    compiled = fp8graph.compile(model, policy=fp8graph.Policy(default=None), compiler="aot_eager", dynamic=True)
+    for tokens in (16, 24):
+        x = torch.randn(2, tokens, 16)
+        assert torch.equal(compiled(x), plain(x))
+    shapes = {(d.site.K, d.site.N) for d in compiled.fp8graph_backend.decisions if d.site.op == "matmul"}
+    assert all(isinstance(size, (int, str)) for shape in shapes for size in shape)
+    assert any(isinstance(size, str) for shape in shapes for size in shape)
 
 
 @pytest.mark.parametrize("K,N,reason", [

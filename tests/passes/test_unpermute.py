@@ -50,8 +50,16 @@ def _permutation_changed_in_place(rows, keys):
     return rows[inverse], perm
 
 
+def _more_rows_than_the_permutation(rows, keys):  # padded rows: the backward must scatter a gradient per row
+    _, perm = torch.sort(keys[:-2])
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.shape[0])
+    return rows[inverse]
+
+
 @pytest.mark.parametrize("function, expected", [(_restore, 1), (_argsort_restore, 1), (_top_k_index, 0),
-                                                (_shorter_arange, 0), (_permutation_changed_in_place, 0)],
+                                                (_shorter_arange, 0), (_permutation_changed_in_place, 0),
+                                                (_more_rows_than_the_permutation, 0)],
                          ids=lambda case: getattr(case, "__name__", str(case)))
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_only_a_proven_inverse_permutation_is_rewritten(function, expected, dynamic):

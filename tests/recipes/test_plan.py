@@ -1,6 +1,7 @@
 """The plan: what a policy gives every weight, before anything is traced (``fp8graph.recipes.plan``)."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -85,17 +86,23 @@ def test_each_traced_site_is_joined_to_its_weights_plan_entry():
     assert all(d.recipe in d.planned.recipes.recipes for d in decisions if d.rewritten)
 
 
-def test_a_site_running_a_recipe_its_plan_does_not_hold_is_refused():
+def test_a_site_running_a_recipe_its_plan_does_not_hold_is_kept_with_the_reason_or_refused_when_strict():
     """Delayed state, weight copies and FSDP2's gathers were arranged from the plan: a traced site that would
-    run another recipe is an error naming the module, never a site without the buffers it needs."""
-    model = build("mlp", "tiny")
-    plan = Plan(model, Policy())
-    entry = plan.entry(model.up.weight)
-    plan._entries[id(model.up.weight)] = dataclasses.replace(
-        entry, recipes=dataclasses.replace(entry.recipes, recipes=(None,)))  # a plan that kept up
-    with pytest.raises(Exception, match=r"fp8graph: up \(linear\): traced, the policy gives it current\(HYBRID\), "
-                                        r"which the plan of up.weight"):
-        _compiled_decisions(model, Policy(), plan)
+    run another recipe stays in high precision saying so (an error naming the module under a strict policy),
+    never a site without the buffers it needs."""
+    for policy in (Policy(), Policy(strict=True)):
+        model = build("mlp", "tiny")
+        plan = Plan(model, policy)
+        entry = plan.entry(model.up.weight)
+        plan._entries[id(model.up.weight)] = dataclasses.replace(
+            entry, recipes=dataclasses.replace(entry.recipes, recipes=(None,)))  # a plan that kept up
+        reason = r"traced, the policy gives it current\(HYBRID\), which the plan of up.weight"
+        if policy.strict:
+            with pytest.raises(Exception, match=r"fp8graph: up \(linear\): " + reason):
+                _compiled_decisions(model, policy, plan)
+            continue
+        [up] = [decision for decision in _compiled_decisions(model, policy, plan) if decision.site.path == "up"]
+        assert not up.rewritten and re.search(reason, up.reason)
 
 
 def test_the_entry_holds_what_is_arranged_before_tracing():

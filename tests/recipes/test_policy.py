@@ -236,3 +236,48 @@ def test_two_history_lengths_a_weight_may_get_before_tracing_are_refused_naming_
                     rules=[(lambda path, module, site: site.M >= 4, fp8graph.DelayedScaling(amax_history_len=16))])
     with pytest.raises(ValueError, match=r"up: .* lengths \[16, 1024\] \(undecided: rule 0 \(<lambda>\)\)"):
         fp8graph.compile(build("mlp", "tiny"), policy=policy)
+
+
+def test_rules_on_what_only_the_traced_graph_knows_are_decided_per_site():
+    """A rule reading ``op`` or ``gate`` is undecided before tracing (the plan guesses every weight's site a
+    linear that is no gate) and decides each traced site: a router named by ``site.gate`` runs the rule's
+    recipe, and GPT-2's Conv1D sites are ``addmm``, not ``linear``."""
+    from fp8graph.models.moe import MoEBlock
+
+    e4m3 = Float8CurrentScaling(fp8_format=Format.E4M3)
+    torch.manual_seed(0)
+    block = MoEBlock(hidden=64, experts=16, top_k=2, expert_width=32).to(torch.bfloat16)
+    compiled = fp8graph.compile(block, policy=Policy(rules=[(lambda path, module, site: site.gate, e4m3)]),
+                                compiler="aot_eager")
+    compiled(torch.randn(2, 8, 64, dtype=torch.bfloat16))
+    [gate] = [d for d in compiled.fp8graph_backend.decisions if d.site.gate]
+    assert gate.recipe == e4m3
+    model = build("gpt2", "tiny")
+    compiled = fp8graph.compile(model, policy=Policy(rules=[(lambda path, module, site: site.op == "linear", None)]),
+                                compiler="aot_eager")
+    tokens = torch.randint(0, 250, (2, 16))
+    compiled(tokens, labels=tokens)
+    assert {d.site.op for d in compiled.fp8graph_backend.decisions if d.rewritten} == {"addmm"}
+
+
+def test_a_weight_multiplied_otherwise_than_the_plan_guessed_is_kept_with_the_reason_or_refused_when_strict():
+    """``x @ linear.weight`` multiplies an nn.Linear's (N, K) weight as (K, N): a rule on K decides the traced site
+    otherwise than the plan did, whose buffers would not serve it."""
+
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 128)
+
+        def forward(self, x):
+            return x @ self.lin.weight
+
+    rule = (lambda path, module, site: site.K == 128, Float8CurrentScaling(fp8_format=Format.E4M3))
+    compiled = fp8graph.compile(Parent(), policy=Policy(rules=[rule]), compiler="aot_eager")
+    x = torch.randn(8, 128)
+    assert torch.equal(compiled(x), x @ compiled.lin.weight)
+    [decision] = compiled.fp8graph_backend.decisions
+    assert not decision.rewritten and "which the plan of lin.weight" in decision.reason
+    strict = fp8graph.compile(Parent(), policy=Policy(rules=[rule], strict=True), compiler="aot_eager")
+    with pytest.raises(Exception, match="which the plan of lin.weight"):
+        strict(x)
