@@ -101,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
     dist.init_process_group("nccl" if use_cuda else "gloo")
     try:
         _train(args, use_cuda)
+        # Every rank done before any tears its group down: rank 0 writes and prints after the checkpoint, and a
+        # peer that closed its connections meanwhile aborted rank 0's gloo teardown now and then ("terminate
+        # called without an active exception", under load). Not on an error: the other ranks may never come.
+        dist.barrier()
     finally:
         # After _train's frame is gone: a DDP module destroyed after its process group hangs at exit.
         dist.destroy_process_group()
