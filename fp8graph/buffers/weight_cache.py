@@ -119,7 +119,8 @@ class WeightCache:
         self._stamp_at_call: CastStamp | None = None
         self._moves_state_at_call = False
         self._hooks: list[_CachedWeightsHook] = []
-        self._hook_of_buffer: dict[int, _CachedWeightsHook] = {}  # the copies' buffers while a declaration is open
+        # id(copy buffer) -> (hook, index of its weight among the hook's sources), while a declaration is open
+        self._hook_of_buffer: dict[int, tuple[_CachedWeightsHook, int]] = {}
         self._watch(scope)
 
     def _watch(self, scope: ReuseScope) -> None:
@@ -195,18 +196,19 @@ class WeightCache:
         self._forget_fills()
 
     def _forget_fills(self) -> None:
-        """No module's copies hold a fill that serves: each is written again before it is read."""
+        """No weight's copies hold a fill that serves: each is written again before it is read."""
         for hook in self._hooks:
-            hook.filled, hook.written = False, set()
+            hook.filled = [False] * len(hook.sources)
+            hook.written = [set() for _ in hook.sources]
 
     def written_by_a_run(self, buffers: list[torch.Tensor]) -> None:
         """A compiled graph ran and wrote these copies (its FP8 sites' fills; the backend wraps each graph that
-        fills to say so): a module whose copies are all written now holds a fill that serves."""
+        fills to say so): a weight whose copies are all written now holds a fill that serves."""
         for buffer in buffers:
-            hook = self._hook_of_buffer.get(id(buffer))
+            hook, index = self._hook_of_buffer.get(id(buffer), (None, None))
             if hook is not None:
-                hook.written.add(id(buffer))
-                hook.filled = hook.written >= hook.buffer_ids
+                hook.written[index].add(id(buffer))
+                hook.filled[index] = hook.written[index] >= hook.buffer_ids[index]
 
     def _allocate(self) -> None:
         """Give every copy its memory, zeros on its weight's device (a declaration opens)."""
@@ -223,8 +225,9 @@ class WeightCache:
                     entry.owner._buffers[prefix + entry.owner_name] = _zeros(like.shape, like.dtype, weight.device,
                                                                              like.stride())
         for hook in self._hooks:
-            hook.buffer_ids = {id(getattr(owner, name)) for owner, names in hook.sources for name in names}
-        self._hook_of_buffer = {buffer: hook for hook in self._hooks for buffer in hook.buffer_ids}
+            hook.buffer_ids = [{id(getattr(owner, name)) for name in names} for owner, names in hook.sources]
+        self._hook_of_buffer = {buffer: (hook, index) for hook in self._hooks
+                                for index, buffers in enumerate(hook.buffer_ids) for buffer in buffers}
         self.invalidate()
 
     def _release(self) -> None:
@@ -246,20 +249,22 @@ class _CachedWeightsHook(AnchorHook):
         super().__init__("fill", [(owner, tuple(prefix + name for prefix in prefixes))
                                   for owner, name, prefixes in owners_and_names])
         self.cache = cache
-        # Whether compiled runs wrote all these copies since the cache last forgot its fills (written_by_a_run).
-        self.filled, self.written, self.buffer_ids = False, set(), set()
+        # Per weight (each of ``sources``): whether compiled runs wrote all its copies since the cache last forgot
+        # its fills (WeightCache.written_by_a_run), which of them, and which buffers they are.
+        self.filled = [False] * len(self.sources)
+        self.written: list[set[int]] = [set() for _ in self.sources]
+        self.buffer_ids: list[set[int]] = [set() for _ in self.sources]
         cache._hooks.append(self)
 
     def __call__(self, module: torch.nn.Module, args, output) -> None:
         mode = self.cache.mode  # a branch Dynamo guards on: the graphs differ
-        if mode == REUSE and not self.filled:
-            # No compiled run of this declaration wrote these copies: the module was not called (a branch not
-            # taken), its sites stayed in high precision (a policy deciding by the token count), or the call ran
-            # eagerly. This call casts the weights and writes the copies, rather than read what they hold.
-            mode = FILL
-        if mode != PER_CALL:
-            buffers = [getattr(owner, name) for owner, names in self.sources for name in names]
-            ANCHORS[mode](*buffers)
+        if mode == PER_CALL:
+            return
+        for (owner, names), filled in zip(self.sources, self.filled):
+            # A weight no compiled run of this declaration wrote the copies of (its module was not called, its
+            # sites stayed in high precision then, as a policy deciding by the token count keeps a short call's,
+            # or the call ran eagerly) is cast and its copies written by this call, rather than read unwritten.
+            ANCHORS[FILL if mode == REUSE and not filled else mode](*(getattr(owner, name) for name in names))
 
 
 _REGISTERED_ATTRIBUTE = "_fp8graph_weight_cache"

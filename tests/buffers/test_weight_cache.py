@@ -668,3 +668,22 @@ def test_copies_a_fill_left_unwritten_because_its_sites_stayed_in_high_precision
     compiled = fp8graph.compile(model, policy=policy, compiler="aot_eager", dynamic=False)
     short, long = torch.randn(8, 64), torch.randn(64, 64)
     _equal_to_casting_per_call(model, compiled, [((short,), "fill"), ((long,), "reuse"), ((long,), "reuse")])
+
+
+def test_a_weight_whose_sites_stay_in_high_precision_does_not_stop_its_modules_other_weights_reusing():
+    """The experts module holds gate_up and down; a policy deciding by the token count keeps down in BF16, so
+    down's copies are never written. gate_up's are read from the second call on, and down is never read
+    unwritten: each weight's copies are filled or read on their own."""
+    torch.manual_seed(0)
+    block = MoEBlock(**CONFIGS["tiny"]).to(torch.bfloat16)
+    width = CONFIGS["tiny"]["expert_width"]
+    policy = fp8graph.Policy(rules=[(lambda path, module, site: site.M is not None and site.K == width, None)])
+    reference = fp8graph.compile(copy.deepcopy(block), policy=policy, compiler="aot_eager", cache_weights=False)
+    compiled = fp8graph.compile(block, policy=policy, compiler="aot_eager")
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    with fp8graph.weights_unchanged(compiled), torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(x), reference(x))
+    calls = [getattr(n.target, "__name__", "") for gm in compiled.fp8graph_backend.graph_modules
+             for n in gm.graph.nodes if getattr(n.target, "__name__", "").startswith("fp8graph_grouped_")]
+    assert [("_fill_" in name, "_reuse_" in name) for name in calls] == [(True, False), (False, True)]
