@@ -189,6 +189,17 @@ def _same_dtype_copy(node) -> bool:
         and before.device == after.device and len(node.users) == 1
 
 
+def _side_effects_between(first: torch.fx.Node, last: torch.fx.Node) -> bool:
+    """Whether a node strictly between ``first`` and ``last`` (in graph order) has side effects: a read moved from
+    one to the other could see what it wrote."""
+    between = first.next
+    while between is not last:
+        if has_side_effects(between):
+            return True
+        between = between.next
+    return False
+
+
 def read_gather(site: GroupedExpertSite) -> None:
     """Record the row gather ``site``'s input is (see the module's doc), if it is one only the site reads."""
     if site.offsets_node is None or site.blocker is not None:
@@ -208,12 +219,8 @@ def read_gather(site: GroupedExpertSite) -> None:
         return
     # The call gathers the rows where the GEMM is: nothing between may write the source or the index (an in-place
     # op, a method call on a view), or it would read rows the gather did not.
-    between = gathered.next
-    while between is not site.node:
-        if has_side_effects(between):
-            return
-        between = between.next
-    site.gather_source, site.gather_index = source, index
+    if not _side_effects_between(gathered, site.node):
+        site.gather_source, site.gather_index = source, index
 
 
 _CHUNKS = {torch.chunk, "chunk"}
@@ -306,11 +313,8 @@ def read_combine(site: GroupedExpertSite) -> None:
     if (dim if not isinstance(dim, (tuple, list)) or len(dim) != 1 else dim[0]) not in (1, -2) \
             or argument(total, 2, "keepdim") or argument(total, 3, "dtype") is not None:
         return
-    between = site.node.next
-    while between is not product:
-        if has_side_effects(between):
-            return
-        between = between.next
+    if _side_effects_between(site.node, product):
+        return
     site.combine_nodes = (product, gather, view, total)
     site.combine_weights, site.combine_permutation = weights, permutation
     site.combine_top_k = view_value.shape[1]

@@ -238,9 +238,8 @@ def rewrite(state: PassState) -> None:
     rewrite_sites(state.gm, buffers.stats_node, buffers.state_nodes, updates_state=buffers.updates_state,
                   cache_nodes=buffers.cache_nodes, cache_mode=buffers.cache_mode, groups=state.groups)
     # The copies this graph writes: its FP8 sites took them (a copy no site took stays unwritten).
-    placeholders = [node for node in state.gm.graph.nodes if node.op == "placeholder"]
-    state.copies_written = [placeholders.index(node) for node in buffers.cache_filled
-                            if node.users and node.op == "placeholder"]
+    position = {node: index for index, node in enumerate(state.gm.graph.find_nodes(op="placeholder"))}
+    state.copies_written = [position[node] for node in buffers.cache_filled if node.users and node in position]
 
 
 def unpermute(state: PassState) -> None:

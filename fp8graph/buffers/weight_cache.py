@@ -157,8 +157,8 @@ class WeightCache:
         or strides). A weight gone from its module (pruned, parametrized) is identified as gone."""
         weights = [entry.weight for entry in self._holders if entry.owns]
         return tuple(None if weight is None else
-                     (id(weight), weight._version, _storage_address(weight), _data_address(weight), weight.shape,
-                      weight.stride(), weight.dtype, weight.device)
+                     (id(weight), weight._version, *_addresses(weight), weight.shape, weight.stride(), weight.dtype,
+                      weight.device)
                      for weight in weights)
 
     def _moves_delayed_state(self) -> bool:
@@ -270,18 +270,12 @@ class _CachedWeightsHook(AnchorHook):
 _REGISTERED_ATTRIBUTE = "_fp8graph_weight_cache"
 
 
-def _storage_address(weight: torch.Tensor) -> int | None:
+def _addresses(weight: torch.Tensor) -> tuple[int | None, int | None]:
+    """Where the weight's storage begins and where its values do (a view's offset)."""
     try:
-        return weight.untyped_storage().data_ptr()
+        return weight.untyped_storage().data_ptr(), weight.data_ptr()
     except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor) has no storage of its own
-        return None
-
-
-def _data_address(weight: torch.Tensor) -> int | None:
-    try:
-        return weight.data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
+        return None, None
 
 
 def copy_layout(module: torch.nn.Module, param: torch.Tensor, recipe: Recipe, device=None) -> dict[str, torch.Tensor]:
