@@ -150,7 +150,7 @@ def quantize_group_columns_placed_kernel(
         if ROW_WEIGHTS:  # the row cast weighted
             x = x * tl.load(weights_ptr + row, mask=present, other=0.0).to(tl.float32)[:, None]
         if TENSOR_SCALE or LAYOUT:
-            bits = _e4m3_bits(x * column_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
+            bits = _e4m3_bits(x, column_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
         if LAYOUT:
             if EXPERT_MAJOR:  # (E, C, N): each group's rows a block of their own, a column's bytes contiguous
                 position = placed + tl.arange(0, BLOCK_ROWS)
@@ -167,7 +167,7 @@ def quantize_group_columns_placed_kernel(
         if ROW_SCALES:  # the rows where they lie, cast with their own scales
             row_scale = tl.load(row_scales_ptr + row, mask=present, other=0.0)
             tl.store(x_fp8_ptr + row[:, None] * columns + column[None, :],
-                     _e4m3_bits(x * row_scale[:, None], FP8_MAX, SOFTWARE_ROUNDING),
+                     _e4m3_bits(x, row_scale[:, None], FP8_MAX, SOFTWARE_ROUNDING),
                      mask=present[:, None] & column_inside[None, :])
         step += 1
     if TENSOR_SCALE:  # one amax a group and block of columns: a short partial for the record to finish

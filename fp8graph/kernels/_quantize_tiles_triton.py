@@ -97,10 +97,11 @@ def _round_to_e4m3_grid(x):
 
 
 @triton.jit
-def _e4m3_bits(x_scaled, FP8_MAX: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
-    """The E4M3 bytes (uint8) of ``x_scaled`` as ``fp8graph.numerics.quantize.quantize`` casts it."""
-    # E4M3 has no inf: +-inf becomes NaN (the saturating conversion would give +-448).
-    x_scaled = tl.where(tl.abs(x_scaled) == float("inf"), float("nan"), x_scaled)
+def _e4m3_bits(x, scale, FP8_MAX: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
+    """The E4M3 bytes (uint8) of ``x * scale`` as ``fp8graph.numerics.quantize.quantize`` casts it."""
+    # E4M3 has no inf: an inf of x becomes NaN (the saturating conversion would give +-448). A finite x whose
+    # product with the scale overflows fp32 saturates, as every finite value beyond the range does.
+    x_scaled = tl.where(tl.abs(x) == float("inf"), float("nan"), x * scale)
     if SOFTWARE_ROUNDING:
         x_saturated = tl.minimum(tl.maximum(x_scaled, -FP8_MAX), FP8_MAX)
         bits = _round_to_e4m3_grid(x_saturated).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
@@ -129,7 +130,7 @@ def quantize_row_tiles_kernel(x_ptr, x_fp8_ptr, scale_ptr, n_rows, n_cols, n_col
     x = tl.load(x_ptr + rows * stride_row + cols * stride_col, mask=(rows < n_rows) & (cols < n_cols),
                 other=0.0).to(tl.float32)
     scale = _scale_of(_amax_from_bits(_magnitude_bits(x), 2), SCALE_KIND, FP8_MAX, FP8_MAX_EXPONENT)
-    x_fp8_bits = _e4m3_bits(x * scale[:, :, None], FP8_MAX, SOFTWARE_ROUNDING)
+    x_fp8_bits = _e4m3_bits(x, scale[:, :, None], FP8_MAX, SOFTWARE_ROUNDING)
     tl.store(x_fp8_ptr + rows * n_cols_padded + cols, x_fp8_bits, mask=(rows < n_rows) & (cols < n_cols_padded))
     n_tiles = n_cols_padded // TILE_COLS
     tl.store(scale_ptr + row_ids * n_tiles + tile_ids, scale, mask=(row_ids < n_rows) & (tile_ids < n_tiles))
@@ -153,7 +154,7 @@ def quantize_rows_kernel(x_ptr, x_fp8_ptr, scale_ptr, n_rows, n_cols, stride_row
         in_bounds = (rows < n_rows) & (chunk_cols < n_cols)
         x = tl.load(x_ptr + rows * stride_row + chunk_cols * stride_col, mask=in_bounds, other=0.0).to(tl.float32)
         scale = _scale_of(_amax_from_bits(_magnitude_bits(x), 1), SCALE_KIND, FP8_MAX, FP8_MAX_EXPONENT)
-        tl.store(x_fp8_ptr + rows * n_cols + chunk_cols, _e4m3_bits(x * scale[:, None], FP8_MAX, SOFTWARE_ROUNDING),
+        tl.store(x_fp8_ptr + rows * n_cols + chunk_cols, _e4m3_bits(x, scale[:, None], FP8_MAX, SOFTWARE_ROUNDING),
                  mask=in_bounds)
     else:
         max_bits = tl.zeros([BLOCK_ROWS, CHUNK], dtype=tl.int32)
@@ -168,7 +169,7 @@ def quantize_rows_kernel(x_ptr, x_fp8_ptr, scale_ptr, n_rows, n_cols, stride_row
             cols = start + chunk_cols
             in_bounds = (rows < n_rows) & (cols < n_cols)
             x = tl.load(x_ptr + rows * stride_row + cols * stride_col, mask=in_bounds, other=0.0).to(tl.float32)
-            tl.store(x_fp8_ptr + rows * n_cols + cols, _e4m3_bits(x * scale[:, None], FP8_MAX, SOFTWARE_ROUNDING),
+            tl.store(x_fp8_ptr + rows * n_cols + cols, _e4m3_bits(x, scale[:, None], FP8_MAX, SOFTWARE_ROUNDING),
                      mask=in_bounds)
     tl.store(scale_ptr + row_ids, scale, mask=row_ids < n_rows)
 
@@ -219,7 +220,7 @@ def quantize_blocks_kernel(x_ptr, x_fp8_ptr, scale_ptr, x_t_fp8_ptr, scale_t_ptr
             cols = start + tl.arange(0, CHUNK)[None, :]
             x = tl.load(x_block + block_rows * stride_row + cols * stride_col,
                         mask=(block_rows < rows_left) & (cols < cols_left), other=0.0).to(tl.float32)
-            x_fp8_bits = _e4m3_bits(x * scale, FP8_MAX, SOFTWARE_ROUNDING)
+            x_fp8_bits = _e4m3_bits(x, scale, FP8_MAX, SOFTWARE_ROUNDING)
             if ROW_MAJOR:
                 tl.store(x_fp8_block + block_rows * n_cols_padded + cols, x_fp8_bits, mask=cols < padded_cols_left)
             if TRANSPOSED:  # C and R are multiples of BLOCK here
@@ -238,7 +239,7 @@ def quantize_blocks_kernel(x_ptr, x_fp8_ptr, scale_ptr, x_t_fp8_ptr, scale_t_ptr
                             mask=(rows < rows_left) & (block_cols < cols_left), other=0.0).to(tl.float32)
                 row_scale = _scale_of(_amax_from_bits(_magnitude_bits(x), 1), SCALE_KIND, FP8_MAX, FP8_MAX_EXPONENT)
                 tl.store(x_fp8_block + rows * n_cols_padded + block_cols,
-                         _e4m3_bits(x * row_scale[:, None], FP8_MAX, SOFTWARE_ROUNDING),
+                         _e4m3_bits(x, row_scale[:, None], FP8_MAX, SOFTWARE_ROUNDING),
                          mask=(rows < rows_left) & (block_cols < padded_cols_left))
                 tl.store(row_scale_block + row_ids * (n_cols_padded // BLOCK), row_scale, mask=row_ids < rows_left)
         if TRANSPOSED:  # 1 x BLOCK tiles along x's columns: the rows of x_t
@@ -250,5 +251,5 @@ def quantize_blocks_kernel(x_ptr, x_fp8_ptr, scale_ptr, x_t_fp8_ptr, scale_t_ptr
                             mask=(block_rows < rows_left) & (cols < cols_left), other=0.0).to(tl.float32)
                 col_scale = _scale_of(_amax_from_bits(_magnitude_bits(x), 0), SCALE_KIND, FP8_MAX, FP8_MAX_EXPONENT)
                 tl.store(x_t_fp8_block + cols * n_rows_padded + block_rows,
-                         _e4m3_bits(x * col_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING), mask=cols < cols_left)
+                         _e4m3_bits(x, col_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING), mask=cols < cols_left)
                 tl.store(col_scale_block + col_ids * (n_rows_padded // BLOCK), col_scale, mask=col_ids < cols_left)

@@ -34,7 +34,7 @@ def quantize_transposed_kernel(x_ptr, scale_ptr, x_t_ptr, x_fp8_ptr, amax_ptr, r
     inside = (row[:, None] < rows) & (column[None, :] < columns)
     x = tl.load(x_ptr + batch * batch_stride + row[:, None] * row_stride + column[None, :] * column_stride,
                 mask=inside, other=0.0).to(tl.float32)
-    bits = _e4m3_bits(x * tl.load(scale_ptr + batch), FP8_MAX, SOFTWARE_ROUNDING)
+    bits = _e4m3_bits(x, tl.load(scale_ptr + batch), FP8_MAX, SOFTWARE_ROUNDING)
     # Matrix b's transpose is (columns, rows), contiguous, the matrices one after the other.
     tl.store(x_t_ptr + batch * rows * columns + column[:, None] * rows + row[None, :], tl.trans(bits),
              mask=tl.trans(inside))

@@ -76,19 +76,19 @@ def swiglu_backward_placed_kernel(
                                                   gate_up_stride, grad_h_stride, width)
             if ROWWISE:  # the layout with the group's column scales; the rows below with their own
                 if LAYOUT:
-                    gate_bits = _e4m3_bits(grad_gate * gate_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
-                    up_bits = _e4m3_bits(grad_up * up_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
+                    gate_bits = _e4m3_bits(grad_gate, gate_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
+                    up_bits = _e4m3_bits(grad_up, up_scale[None, :], FP8_MAX, SOFTWARE_ROUNDING)
             else:
-                gate_bits = _e4m3_bits(grad_gate * scale, FP8_MAX, SOFTWARE_ROUNDING)
-                up_bits = _e4m3_bits(grad_up * scale, FP8_MAX, SOFTWARE_ROUNDING)
+                gate_bits = _e4m3_bits(grad_gate, scale, FP8_MAX, SOFTWARE_ROUNDING)
+                up_bits = _e4m3_bits(grad_up, scale, FP8_MAX, SOFTWARE_ROUNDING)
             if LAYOUT:  # the up half's rows of the layout after the gate half's
                 store_placed(placed_ptr, gate_bits, placed, bound, column, column_inside, padded_rows, BLOCK_ROWS)
                 store_placed(placed_ptr, up_bits, placed, bound, column + width, column_inside, padded_rows,
                              BLOCK_ROWS)
             if ROWWISE:
                 row_scale = tl.load(scale_ptr + row, mask=present, other=0.0)[:, None]
-                gate_bits = _e4m3_bits(grad_gate * row_scale, FP8_MAX, SOFTWARE_ROUNDING)
-                up_bits = _e4m3_bits(grad_up * row_scale, FP8_MAX, SOFTWARE_ROUNDING)
+                gate_bits = _e4m3_bits(grad_gate, row_scale, FP8_MAX, SOFTWARE_ROUNDING)
+                up_bits = _e4m3_bits(grad_up, row_scale, FP8_MAX, SOFTWARE_ROUNDING)
             stored = present[:, None] & column_inside[None, :]
             rows_at = rows_fp8_ptr + row[:, None] * (2 * width) + column[None, :]
             tl.store(rows_at, gate_bits, mask=stored)

@@ -57,7 +57,7 @@ def swiglu_forward_placed_kernel(
         row = start + (placed - base) + in_block
         present = row < end  # else a pad: zeros
         h = _swiglu(gate_up_ptr, row, present, column, column_inside, gate_up_stride, width, LIBDEVICE_EXP)
-        bits = _e4m3_bits(h * scale, FP8_MAX, SOFTWARE_ROUNDING)
+        bits = _e4m3_bits(h, scale, FP8_MAX, SOFTWARE_ROUNDING)
         store_placed(placed_ptr, bits, placed, bound, column, column_inside, padded_rows, BLOCK_ROWS)
         tl.store(rows_fp8_ptr + row[:, None] * width + column[None, :], bits,
                  mask=present[:, None] & column_inside[None, :])

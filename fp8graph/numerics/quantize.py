@@ -125,19 +125,23 @@ def amax_to_scale(
 def quantize(x_hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """Cast ``x_hp * scale`` to FP8, rounding to nearest even after saturating.
 
-    Finite values beyond the format's range saturate to +-max. Non-finite
-    values stay non-finite, as plain arithmetic would keep them: inf stays inf
-    in E5M2 and becomes NaN in E4M3, which has no inf (the bare CPU cast
-    would saturate it to 448 instead).
+    Finite values beyond the format's range saturate to +-max, those whose
+    product with the scale overflows fp32 too (a delayed scale from a history
+    of tiny amaxes). Non-finite values stay non-finite, as plain arithmetic
+    would keep them: inf stays inf in E5M2 and becomes NaN in E4M3, which has
+    no inf (the bare CPU cast would saturate it to 448 instead).
     """
     max_value = fp8_max(fp8_dtype)
-    x_scaled = x_hp.to(torch.float32) * scale
+    x_fp32 = x_hp.to(torch.float32)
+    x_scaled = x_fp32 * scale
     x_saturated = x_scaled.clamp(-max_value, max_value)  # NaN passes through clamp
+    # Non-finite by the input, not the product: a finite value times a finite scale that overflows saturates.
+    input_inf = torch.isinf(x_fp32)
     if fp8_dtype == torch.float8_e4m3fn:
         # NaN as (inf - inf), not a constant (see amax_to_scale); abs() clears its sign bit.
-        x_saturated = torch.where(torch.isinf(x_scaled), (x_scaled - x_scaled).abs(), x_saturated)
+        x_saturated = torch.where(input_inf, (x_scaled - x_scaled).abs(), x_saturated)
     else:
-        x_saturated = torch.where(torch.isinf(x_scaled), x_scaled, x_saturated)
+        x_saturated = torch.where(input_inf, x_scaled, x_saturated)
     return x_saturated.to(fp8_dtype)
 
 

@@ -227,6 +227,20 @@ def test_a_non_finite_value_records_the_amax_of_the_finite_ones_and_scaling_goes
     assert model.up.fp8graph_scale_weight[0].item() == pytest.approx(448 / x[x.isfinite()].abs().max().item())
 
 
+def test_a_value_far_above_a_history_of_tiny_amaxes_saturates_instead_of_becoming_nan():
+    """448 / 1e-37 overflows fp32, so the input's scale is fp32's largest, and a value above 1 times it overflows
+    the product: such values saturate, as every value beyond the range does."""
+    model = build("mlp", "tiny")
+    compiled = fp8graph.compile(model, policy=DelayedScaling(amax_history_len=2), compiler="aot_eager")
+    compiled(torch.randn(8, 64) * 1e-37).sum().backward()
+    x = torch.randn(8, 64, requires_grad=True)
+    out = compiled(x)
+    assert model.up.fp8graph_scale_weight[0].item() == torch.finfo(torch.float32).max  # the input's scale
+    assert (x.abs() > 1).any() and torch.isfinite(out).all()
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
 def test_a_zero_amax_keeps_the_previous_scale_and_training_continues():
     model = build("mlp", "tiny")
     recipe = DelayedScaling(amax_history_len=2, amax_compute_algo="most_recent")

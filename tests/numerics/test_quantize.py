@@ -88,6 +88,17 @@ def test_finite_values_beyond_range_saturate(fp8_dtype, fp8_max):
     assert quantize(x, torch.tensor(1.0), fp8_dtype).float().tolist() == [fp8_max, -fp8_max, fp8_max]
 
 
+@pytest.mark.parametrize("fp8_dtype,fp8_max", [(E4M3, 448.0), (E5M2, 57344.0)])
+def test_a_finite_value_whose_product_with_the_scale_overflows_saturates(fp8_dtype, fp8_max):
+    # A delayed scale from a history of tiny amaxes is fp32's largest: 2.0 times it overflows to inf.
+    x = torch.tensor([2.0, -3.0, 0.0, 1e-45])
+    scale = torch.tensor(FLT_MAX)
+    assert torch.isinf(x[0] * scale)
+    cast = quantize(x, scale, fp8_dtype).float()
+    assert cast[:2].tolist() == [fp8_max, -fp8_max]
+    assert not torch.isnan(cast).any()
+
+
 def test_non_finite_values_stay_non_finite():
     x = torch.tensor([float("inf"), -float("inf"), float("nan"), 2.0])
     e4m3 = quantize(x, torch.tensor(1.0), E4M3).float()

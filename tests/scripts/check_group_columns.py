@@ -42,16 +42,18 @@ for sizes, tail, columns in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 
         assert torch.equal(got_scale, expected_scale), label
         assert torch.equal(e4m3_bytes(got_fp8), e4m3_bytes(expected_fp8)), label
         cases += 1
-        # One scale for the tensor, a power of 2 or not; the largest values (up to about 2**8) saturate at 448.
-        scale = torch.tensor(4.0 if power_2 else 2.7, dtype=torch.float32)
-        expected = _rows_reference(x, scale, offsets, 16, index)
-        got = quantize_rows_placed_triton(x, scale, offsets, 16, index)
-        for got_part, expected_part, part in zip(got, expected, ("rows", "placed", "amax")):
-            assert got_part.shape == expected_part.shape, (label, part)
-            compared = ((e4m3_bytes(got_part), e4m3_bytes(expected_part)) if part != "amax"
-                        else (got_part, expected_part))
-            assert torch.equal(*compared), (label, part)
-        cases += 1
+        # One scale for the tensor, a power of 2 or not; the largest values (up to about 2**8) saturate at 448. With
+        # fp32's largest (delayed scaling's after a history of tiny amaxes) finite products overflow and saturate.
+        tensor_scales = [4.0 if power_2 else 2.7] + ([torch.finfo(torch.float32).max] if not power_2 else [])
+        for scale in (torch.tensor(value, dtype=torch.float32) for value in tensor_scales):
+            expected = _rows_reference(x, scale, offsets, 16, index)
+            got = quantize_rows_placed_triton(x, scale, offsets, 16, index)
+            for got_part, expected_part, part in zip(got, expected, ("rows", "placed", "amax")):
+                assert got_part.shape == expected_part.shape, (label, part)
+                compared = ((e4m3_bytes(got_part), e4m3_bytes(expected_part)) if part != "amax"
+                            else (got_part, expected_part))
+                assert torch.equal(*compared), (label, part)
+            cases += 1
         # Each row weighted (a zero, a negative, one that saturates the row's largest values); the dots with other
         # rows, where x's NaN and inf reach only the dots of the rows gathered from theirs.
         row_weights = torch.rand(rows, generator=generator).to(dtype)

@@ -4,7 +4,7 @@ for byte, and of ``fp8graph::quantize_both_layouts`` (both layouts byte for byte
 and without the amaxes, into new tensors and into given buffers): single matrices and batches, lengths not a
 multiple of the tile, one row, one column, BF16, fp16 and fp32, a row-strided slice, every other matrix of a batch,
 a transposed view (a weight stored the other way round), and values that test the cast (NaN, inf, zeros,
-subnormal-range magnitudes, values that saturate)."""
+subnormal-range magnitudes, values that saturate, products that overflow fp32)."""
 
 import torch
 
@@ -19,8 +19,9 @@ cases = 0
 for shape in [(64, 64), (130, 70), (1, 17), (17, 1), (3, 64, 128), (2, 70, 33), (5, 1, 16)]:
     batch = shape[0] if len(shape) == 3 else 1
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        # Magnitudes from 2**-12 to 2**6 across the columns read (the stored rows hold them twice).
         stored = torch.randn(2 * batch, shape[-2], 2 * shape[-1], generator=generator) * \
-            torch.logspace(-12, 6, 2 * shape[-1], base=2.0)
+            torch.logspace(-12, 6, shape[-1], base=2.0).repeat(2)
         stored[0, 0, 0], stored[-1, -1, -1], stored[0, -1, 0] = float("nan"), float("inf"), -float("inf")
         stored = stored.to(dtype)
         flipped = stored.transpose(-2, -1).contiguous().transpose(-2, -1)  # the same values, stored transposed
@@ -29,6 +30,8 @@ for shape in [(64, 64), (130, 70), (1, 17), (17, 1), (3, 64, 128), (2, 70, 33), 
                     flipped[:batch, :, :shape[-1]]]  # a transposed view
         scale = torch.rand(batch, generator=generator) * 4 + 0.01
         scale[0] = 448.0  # saturates the largest values
+        # fp32's largest (delayed scaling's after a history of tiny amaxes): finite products overflow and saturate.
+        scale[1:2] = torch.finfo(torch.float32).max
         for operand in operands:
             operand = operand if len(shape) == 3 else operand[0]
             matrix_scale = scale if len(shape) == 3 else scale[0]

@@ -49,6 +49,14 @@ for sizes, tail, width in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 0]
         compared += got[0].numel()
         got_rows, got_amax = got[0], got[2]
         cases += 1
+        # fp32's largest scale (delayed scaling's after a history of tiny amaxes): finite products overflow fp32
+        # and saturate.
+        overflowing = torch.tensor(torch.finfo(torch.float32).max)
+        got_overflowing = swiglu_backward_placed_triton(gate_up, grad_h, overflowing, offsets, 16)
+        differing += placed_cast_checked(got_overflowing, _placed_reference(gate_up, grad_h, overflowing, offsets, 16),
+                                         offsets, label)
+        compared += got_overflowing[0].numel()
+        cases += 1
         if dtype == torch.bfloat16:  # without the layout (the experts' weights frozen): the same rows and amaxes
             rows_alone = swiglu_backward_placed_triton(gate_up, grad_h, scale, offsets, 16, layout=False)
             assert rows_alone[1].shape == (2 * width, 0), label

@@ -1,7 +1,7 @@
 """Run by tests/kernels/test_swiglu_forward.py under TRITON_INTERPRET=1: the kernel of
 ``fp8graph::swiglu_forward_placed`` against the op's reference: groups of every size (empty, one row, ragged, a
 block and more), rows in no group, widths not a multiple of the block, row-strided operands, values that test the
-amax and the cast (NaN, inf, zeros, products that saturate). silu's exp is numpy's under the interpreter and
+amax and the cast (NaN, inf, zeros, products that saturate, products that overflow fp32). silu's exp is numpy's under the interpreter and
 torch's in the reference: each byte within one E4M3 step of the reference's (nearly all equal), the placed layout
 byte for byte the kernel's own rows laid out, the amaxes within fp32 rounding."""
 
@@ -28,8 +28,9 @@ for sizes, tail, width in [([5, 0, 70, 1], 0, 96), ([16, 16], 3, 64), ([0, 0, 0]
         if strided:  # the same values, each row inside a row twice as long
             gate_up = torch.cat([gate_up, torch.zeros_like(gate_up)], dim=1)[:, :2 * width]
         label = (sizes, tail, width, dtype, strided)
-        # The largest products (about 4 times 4 times 2**6) saturate at 448.
-        for scale in (torch.tensor(2.7), torch.tensor(2.0 ** -3)):
+        # The largest products (about 4 times 4 times 2**6) saturate at 448; with fp32's largest scale (delayed
+        # scaling's after a history of tiny amaxes) every finite product overflows fp32 and saturates too.
+        for scale in (torch.tensor(2.7), torch.tensor(2.0 ** -3), torch.tensor(torch.finfo(torch.float32).max)):
             expected = _reference(gate_up, scale, offsets, 16)
             got = swiglu_forward_placed_triton(gate_up, scale, offsets, 16)
             differing += placed_cast_checked(got, expected, offsets, label)
