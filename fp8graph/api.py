@@ -114,6 +114,12 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
         >>> compiled = fp8graph.compile(model, policy=fp8graph.Float8CurrentScaling())
         >>> loss = compiled(input_ids, labels=input_ids).loss
     """
+    for torch_only in ("options", "backend"):
+        if torch_only in torch_compile_kwargs:
+            raise TypeError(
+                f"fp8graph.compile: {torch_only}= is torch.compile's; fp8graph.compile takes the backend's options as "
+                f"its own arguments (policy=..., compiler=..., lowering=...), or call torch.compile(model, "
+                f"backend='fp8', options={{'policy': ...}})")
     options = dict(policy=policy, compiler=compiler, lowering=lowering, stats=stats, freeze_weights=freeze_weights,
                    cache_weights=cache_weights, regions=regions, fp8_all_gather=fp8_all_gather, **torch_compile_kwargs)
     mode = torch_compile_kwargs.pop("mode", None)

@@ -105,6 +105,10 @@ def auto(measurements=None, recipe: str = "current", min_speedup: float = 1.05, 
     """
     if recipe not in PRESETS:
         raise ValueError(f"fp8graph.policies.auto: recipe must be one of {sorted(PRESETS)}, got {recipe!r}")
+    if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not min_speedup > 0:
+        raise ValueError(f"fp8graph.policies.auto: min_speedup must be a positive number, got {min_speedup!r}")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"fp8graph.policies.auto: tokens must be a positive int, got {tokens!r}")
     if measurements is None:
         return _modelled(PRESETS[recipe], min_speedup, None if gpu is None else gpu_named(gpu), tokens)
     return _measured(measurements, recipe, min_speedup)
@@ -141,6 +145,32 @@ def _modelled(recipe: Recipe, min_speedup: float, gpu: "GPU | None", tokens: int
     return Policy(default=recipe, rules=[(_ModelledBelow(recipe, min_speedup, gpu, tokens), None)])
 
 
+class _NoMeasuredGain:
+    """auto()'s measured rule where no shape gained: keeps every site. A class, not a closure, so that a policy
+    (and a model compiled with it) pickles."""
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = name
+
+    def __call__(self, path: str, module, site: SiteInfo) -> bool:
+        return True
+
+
+class _BelowMeasuredGain:
+    """auto()'s measured rule: keeps a site whose GEMM is smaller than the smallest shape from which every larger
+    measured shape gained (``threshold``)."""
+
+    def __init__(self, name: str, threshold: _Shape) -> None:
+        self.__name__, self._threshold = name, threshold
+
+    def __call__(self, path: str, module, site: SiteInfo) -> bool:
+        if not (isinstance(site.K, int) and isinstance(site.N, int)):
+            return False  # not a GEMM shape the measurements speak to
+        if isinstance(site.M, int):
+            return site.M * site.K * site.N < self._threshold.size
+        return site.K * site.N < self._threshold.K * self._threshold.N
+
+
 def _measured(measurements, recipe: str, min_speedup: float) -> Policy:
     result = _load(measurements)
     shapes = _measured_shapes(result, recipe)
@@ -149,21 +179,10 @@ def _measured(measurements, recipe: str, min_speedup: float) -> Policy:
     source = f"bench linear on {environment.get('device', '?')}, {environment.get('date', '?')}"
 
     if threshold is None:
-        def no_measured_gain(path: str, module, site: SiteInfo) -> bool:
-            return True
-
-        no_measured_gain.__name__ = (f"auto: {recipe} reached {min_speedup}x of BF16 torch.compile at no "
-                                     f"measured shape ({source})")
-        return Policy(default=None, rules=[(no_measured_gain, None)])
-
-    def below_measured_gain(path: str, module, site: SiteInfo) -> bool:
-        if not (isinstance(site.K, int) and isinstance(site.N, int)):
-            return False  # not a GEMM shape the measurements speak to
-        if isinstance(site.M, int):
-            return site.M * site.K * site.N < threshold.size
-        return site.K * site.N < threshold.K * threshold.N
-
-    below_measured_gain.__name__ = (
+        rule = _NoMeasuredGain(f"auto: {recipe} reached {min_speedup}x of BF16 torch.compile at no measured shape "
+                               f"({source})")
+        return Policy(default=None, rules=[(rule, None)])
+    below_measured_gain = _BelowMeasuredGain(
         f"auto: M*K*N below {threshold.M}x{threshold.K}x{threshold.N}, the smallest shape from which "
-        f"{recipe} reached {min_speedup}x of BF16 torch.compile ({source})")
+        f"{recipe} reached {min_speedup}x of BF16 torch.compile ({source})", threshold)
     return Policy(default=PRESETS[recipe], rules=[(below_measured_gain, None)])

@@ -123,3 +123,11 @@ def test_an_empty_batch_returns_an_empty_result_as_eager_does(shape, compiler):
     assert reasons == {"an empty operand (M, K or N is 0): nothing to cast; the GEMM runs as in high precision"}
     report = fp8graph.explain(model, torch.randn(*shape))
     assert all("empty operand" in record.reason for record in report if record.path in ("up", "mid"))
+
+
+def test_torch_compiles_options_and_backend_given_to_fp8graph_compile_are_refused_saying_where_they_go():
+    model = build("mlp", "tiny")
+    for torch_only in ({"options": {"policy": fp8graph.Float8CurrentScaling()}}, {"backend": "fp8"}):
+        with pytest.raises(TypeError, match=r"fp8graph\.compile: (options|backend)= is torch\.compile's; "
+                                            r"fp8graph\.compile takes the backend's options as its own arguments"):
+            fp8graph.compile(model, compiler="aot_eager", **torch_only)

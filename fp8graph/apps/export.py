@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     policy = fp8graph.Policy(default=PRESETS[args.recipe], rules=[(pattern, None) for pattern in keep])
     compiled = fp8graph.compile(model.eval(), policy=policy, compiler="aot_eager")
     with torch.no_grad():  # the sites are decided when traced
-        compiled(torch.zeros(1, 16, dtype=torch.long))
+        compiled(torch.zeros(1, 16, dtype=torch.long), use_cache=False)  # a KV cache would compile each layer anew
     summary = fp8graph.save_fp8(compiled, args.out, format=args.format)
     print(summary)
     print(f"load it with: transformers.AutoModelForCausalLM.from_pretrained({args.out!r})")

@@ -155,11 +155,22 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _remove_earlier_weights(directory: str, written: set[str]) -> None:
+    """Remove the weight files of a checkpoint written there before that this one does not overwrite (as
+    ``save_pretrained`` does): transformers would load an earlier ``model.safetensors`` before a new index, and
+    a stale index would name shards that no longer hold its weights."""
+    for name in os.listdir(directory):
+        weights_file = name.startswith("model") and (name.endswith(".safetensors") or name.endswith(".safetensors.index.json"))
+        if weights_file and name not in written:
+            os.remove(os.path.join(directory, name))
+
+
 def _write_shards(tensors: dict[str, torch.Tensor], directory: str, max_shard_size) -> list[str]:
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    _remove_earlier_weights(directory, set(split.filename_to_tensors))
     for filename, keys in split.filename_to_tensors.items():
         save_file({key: tensors[key] for key in keys}, os.path.join(directory, filename), metadata={"format": "pt"})
     files = list(split.filename_to_tensors)
@@ -176,7 +187,8 @@ def save_fp8(compiled, directory: str, format: str | None = None, max_shard_size
 
     Args:
         compiled: what ``fp8graph.compile`` returned for a transformers model, called at least once.
-        directory: created if missing; its config.json and safetensors files are overwritten.
+        directory: created if missing; its config.json and weight files are replaced (an earlier checkpoint's
+            ``model*.safetensors`` and index there are removed).
         format: ``"fp8"`` (HuggingFace / DeepSeek-V3 fine-grained FP8) or ``"compressed-tensors"``; ``None``
             picks the first that holds every weight as trained (``fp8graph.export.formats``).
         max_shard_size: the largest safetensors file, as ``save_pretrained`` takes it.

@@ -30,7 +30,9 @@ one rank's shard, and the scales are gathered beside the bytes.
 
 A gather inside the backward (FSDP2 reshards after the forward and gathers again for the backward) sends
 the bytes the forward's gather sent: the forward's graph may read saved views of them, and by then the
-delayed history has moved. Inside ``fp8graph.weights_unchanged`` every recipe also sends them again at the
+delayed history has moved. Under delayed scaling each forward with gradients casts with the scale its history
+then gives, so two such forwards before one backward sent different casts, and a gather inside that backward
+cannot tell whose backward it serves: it is refused, naming the weight (:meth:`ShardCast._for_backward`). Inside ``fp8graph.weights_unchanged`` every recipe also sends them again at the
 next calls, the micro-batches of gradient accumulation: each weight's shard is cast once per declaration,
 unless it changed in a way fp8graph sees (its version counter moved, or a ``torch.optim.Optimizer`` stepped:
 a fused one writes the shard without moving the counter; ``fp8graph.buffers.kept_casts``). Outside one each
@@ -45,7 +47,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from fp8graph.buffers.delayed_state import HISTORY_PREFIX, SCALE_PREFIX, FORWARD_ROLES
+from fp8graph.buffers.delayed_state import GRAD_HISTORY_PREFIX, HISTORY_PREFIX, SCALE_PREFIX, FORWARD_ROLES
 from fp8graph.buffers.kept_casts import CastStamp, ReuseScope
 from fp8graph.fsdp.gathered_weight import GatheredFP8Weight, gathered_form
 from fp8graph.numerics.delayed_scaling import amax_from_history
@@ -135,6 +137,10 @@ class ShardCast:
         self.local, self.param_dtype, self.amaxes, self.calls = local, param_dtype, amaxes, calls
         self.fp8_dtype = recipe.fp8_dtype(Role.WEIGHT)
         self._last: _Cast | None = None
+        # Delayed scaling: the casts the forwards since the last backward sent with gradients enabled, and the
+        # version of the weight's grad_output history then (each backward of a call writes it).
+        self._awaiting_backward: list[_Cast] = []
+        self._grad_history_version = -1
 
     def weight_hp(self) -> torch.Tensor:
         """The shard as the graph would see it gathered: in ``param_dtype``."""
@@ -151,17 +157,47 @@ class ShardCast:
                              margin=recipe.margin, fallback=stored)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        resent = _resent(self._last, self.local, self.calls)
+        in_backward = torch._C._current_graph_task_id() != -1  # inside the autograd engine
+        resent = self._for_backward() if in_backward and self.recipe.stateful else None
+        if resent is None:
+            resent = _resent(self._last, self.local, self.calls)
         if resent is None:
             amax_fp32 = self.amaxes.amax_of(self)
             scale = self._scale(amax_fp32)
             shard_fp8 = quantize(self.weight_hp(), scale, self.fp8_dtype)
-            self._last = _Cast(self.calls.count, _stamp(self.local, self.calls), (shard_fp8.view(torch.uint8),),
-                               scale, amax_fp32)
-            return self._last.sent, (scale, amax_fp32)
+            resent = self._last = _Cast(self.calls.count, _stamp(self.local, self.calls),
+                                        (shard_fp8.view(torch.uint8),), scale, amax_fp32)
+        if not in_backward and self.recipe.stateful and torch.is_grad_enabled():
+            self._awaits_backward(resent)
         # A cast of an earlier call records no amax (delayed scaling: as a reused weight copy does).
         amax_fp32 = resent.amax if resent.call == self.calls.count else torch.zeros_like(resent.amax)
         return resent.sent, (resent.scale, amax_fp32)
+
+    def _grad_history(self) -> torch.Tensor:
+        return getattr(self.module, GRAD_HISTORY_PREFIX + self.name)
+
+    def _awaits_backward(self, cast: _Cast) -> None:
+        """Note that a forward with gradients sent ``cast``: its backward's gather must send it again. A backward
+        since the last such forward (it wrote the grad_output history) ran the backwards that waited."""
+        version = self._grad_history()._version
+        if version != self._grad_history_version:
+            self._awaiting_backward, self._grad_history_version = [], version
+        if all(cast is not waiting for waiting in self._awaiting_backward):
+            self._awaiting_backward.append(cast)
+
+    def _for_backward(self) -> _Cast | None:
+        """The cast the forwards awaiting a backward sent, which the backward's gather sends again: each call's
+        backward reads the bytes and the scale of its own forward. Two forwards that sent casts with different
+        scales (delayed scaling's history moved between them) leave a gather that cannot tell which backward it
+        serves: refused. None where no forward's cast still holds the weight as it is."""
+        waiting = [cast for cast in self._awaiting_backward if cast.stamp.weights == (self.local._version,)]
+        if any(not torch.equal(cast.scale, waiting[0].scale) for cast in waiting[1:]):
+            raise RuntimeError(
+                f"fp8graph: {self.path}: two forwards with gradients ran before a backward, and FSDP2 all-gathers "
+                f"the weight again for the backward; with delayed scaling each forward cast it with another scale, "
+                f"so the gather cannot send each backward its own forward's FP8 bytes. Run each call's backward "
+                f"before the next forward, or compile with fp8_all_gather=False")
+        return waiting[-1] if waiting else None
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         (gathered_bytes,) = outputs
@@ -194,6 +230,10 @@ class TiledShardCast:
         self.tiling = recipe.tiling(Role.WEIGHT)
         self.fp8_dtype = recipe.fp8_dtype(Role.WEIGHT)
         self._last: _Cast | None = None
+        # Delayed scaling: the casts the forwards since the last backward sent with gradients enabled, and the
+        # version of the weight's grad_output history then (each backward of a call writes it).
+        self._awaiting_backward: list[_Cast] = []
+        self._grad_history_version = -1
 
     def _cast(self, shard_hp: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The tensors the shard (N_s, K) sends, FP8 bytes as uint8:

@@ -289,6 +289,8 @@ def resolve_weight(policy: Policy, path: str, module: torch.nn.Module | None, we
                 verdict = _matches(pattern, path, module, None, probe)
             except Exception:  # noqa: BLE001 - a predicate that needs the traced site (M is None here)
                 verdict = None
+            if isinstance(verdict, str):  # a predicate's reason: a match (resolve's test), unless empty
+                verdict = bool(verdict)
             verdicts.add(None if probe.read_traced else verdict)
         if verdicts == {False}:
             continue

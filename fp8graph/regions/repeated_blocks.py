@@ -125,7 +125,7 @@ def find_blocks(model: torch.nn.Module, regions: object = AUTO) -> list[tuple[st
         return []
     if isinstance(regions, str) and regions == AUTO:
         return _auto_blocks(model)
-    if isinstance(regions, (str, type)):
+    if isinstance(regions, (str, type)) or not isinstance(regions, (list, tuple)):
         raise ValueError(f"regions must be 'auto', None, or a list of classes and path globs, got {regions!r}")
     return _explicit_blocks(model, regions)
 

@@ -182,6 +182,22 @@ def _weight(key: str, recipe, experts: bool = False, static: bool = False, dtype
                          torch.ones(()) if static else None)
 
 
+def test_an_export_over_an_earlier_checkpoint_replaces_its_weight_files(tmp_path):
+    """transformers loads a folder's model.safetensors before an index: an earlier export's must not stay."""
+    compiled, first, _, _ = _train_and_export("llama-delayed", str(tmp_path))
+    assert first.files == ["model.safetensors", "config.json"]
+    model = compiled._orig_mod
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(2)  # a weight kept in high precision: written as it is
+    resharded = fp8graph.save_fp8(compiled, str(tmp_path), max_shard_size="100KB")
+    assert len(resharded.files) > 3 and "model.safetensors" not in resharded.files
+    assert sorted(os.listdir(tmp_path)) == sorted(resharded.files)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight.float())
+    fp8graph.save_fp8(compiled, str(tmp_path))  # and back to one file: the shards and their index go
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+
+
 def test_a_format_refuses_what_it_cannot_hold_naming_the_weights():
     rowwise = _weight("a.q.weight", PRESETS["rowwise"])
     with pytest.raises(UnsupportedExport, match=r"row-wise scales .*compressed-tensors.*a\.q\.weight"):
@@ -247,3 +263,14 @@ def test_the_export_command_writes_a_transformers_checkpoint_as_fp8graph_would_t
         assert sqnr_db(original[key].float(), loaded.state_dict()[key]) > 25.0, key
     with pytest.raises(SystemExit):
         main(["export", str(tmp_path / "bf16"), str(tmp_path / "x"), "--recipe", "delayed"])  # scales from training
+
+
+def test_the_export_command_compiles_one_region_for_every_layer(tmp_path, caplog):
+    """Its call runs without a KV cache, which would tell the layers apart and compile each anew."""
+    from fp8graph.__main__ import main
+    from fp8graph.models import build
+
+    build("llama", "tiny", seed=0).save_pretrained(tmp_path / "bf16")  # two layers
+    with caplog.at_level("WARNING", logger="fp8graph"):
+        assert main(["export", str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--recipe", "current"]) == 0
+    assert "compiled again" not in caplog.text

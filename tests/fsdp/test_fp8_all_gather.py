@@ -258,6 +258,47 @@ def test_a_module_the_policy_keeps_gathers_in_high_precision_and_reshard_false_g
         assert all(torch.equal(grad, hp_step[name]) for name, grad in fp8_step.items())
 
 
+def _sharded_delayed(fp8_all_gather):
+    from torch.distributed.fsdp import fully_shard
+
+    model = build("llama", "tiny", seed=0)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, fp8graph.compile(model, policy=DelayedScaling(amax_history_len=4), compiler="aot_eager",
+                                   fp8_all_gather=fp8_all_gather)
+
+
+def _tokens(seed):
+    return torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_backward_gathers_its_own_forwards_cast_not_a_later_no_grad_calls(world_of_one):
+    """Delayed scaling: a call without gradients between a forward and its backward casts the weights with the
+    scale the moved history gives; the backward's gathers send the forward's bytes, so the gradients are the
+    high-precision gather's bit for bit."""
+    grads = []
+    for fp8_all_gather in (True, False):
+        model, compiled = _sharded_delayed(fp8_all_gather)
+        loss = compiled(_tokens(0), labels=_tokens(0)).loss
+        with torch.no_grad():
+            compiled(_tokens(1), labels=_tokens(1))
+        loss.backward()
+        grads.append({name: p.grad.to_local().clone() for name, p in model.named_parameters()})
+    assert all(torch.equal(grad, grads[1][name]) for name, grad in grads[0].items())
+
+
+def test_two_delayed_forwards_before_one_backward_are_refused_by_its_gather_naming_the_weight(world_of_one):
+    """Each forward cast the weights with its own scale (the history moved between them); the gather before their
+    backward cannot tell whose backward it serves."""
+    _, compiled = _sharded_delayed(True)
+    first = compiled(_tokens(0), labels=_tokens(0)).loss
+    second = compiled(_tokens(1), labels=_tokens(1)).loss
+    with pytest.raises(RuntimeError, match=r"fp8graph: model\.layers\.\d\.[\w.]+\.weight: two forwards with "
+                                           r"gradients ran before a backward.*fp8_all_gather=False"):
+        (first + second).backward()
+
+
 class _CountedQuantize:
     def __init__(self, quantize):
         self.quantize, self.calls = quantize, 0

@@ -40,6 +40,18 @@ def test_a_rule_on_the_token_count_leaves_the_weight_undecided_until_traced():
     assert entry.recipes.recipes == (Float8CurrentScaling(), None) and entry.recipes.undecided
 
 
+def test_a_predicate_giving_a_reason_decides_the_weight_before_tracing():
+    """A reason is a match, as for the traced site: the kept weight gets no delayed-scaling state."""
+    keep = (lambda path, module, site: "stays in BF16" if path == "mid" else False, None)
+    model = build("mlp", "tiny")
+    plan = Plan(model, Policy(default=DelayedScaling(), rules=[keep]))
+    mid, up = plan.entry(model.mid.weight), plan.entry(model.up.weight)
+    assert mid.recipes.recipes == (None,) and not mid.recipes.undecided and not mid.may_be_fp8
+    assert up.recipes.recipes == (DelayedScaling(),)
+    fp8graph.compile(model, policy=Policy(default=DelayedScaling(), rules=[keep]), compiler="aot_eager")
+    assert not any(name.startswith("mid.fp8graph_") for name in model.state_dict())
+
+
 def test_block_recipes_need_whole_tiles():
     plan = Plan(build("llama", "tiny"), Float8BlockScaling())  # hidden 64: not a multiple of 128
     q_proj = next(e for e in plan if e.qualified_name == "model.layers.0.self_attn.q_proj.weight")

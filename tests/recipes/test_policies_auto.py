@@ -8,6 +8,8 @@ committed H100 run.
 
 import json
 import pathlib
+import pickle
+import re
 
 import pytest
 import torch
@@ -65,6 +67,16 @@ def test_min_speedup_and_recipe_choose_the_rows():
     assert _recipe_for(rowwise, 16384, 4096, 4096) is None
 
 
+def test_a_measured_policy_pickles_with_its_rules_decisions():
+    """Its rules are objects, not closures: a compiled model's policy goes through torch.save."""
+    for policy in (auto(_measurements({(1024, 1024, 1024): 0.5, (16384, 4096, 4096): 1.3})),
+                   auto(_measurements({(1024, 1024, 1024): 0.5})), auto()):
+        copy = pickle.loads(pickle.dumps(policy))
+        assert copy.rule_label(0) == policy.rule_label(0)
+        for shape in [(1024, 1024, 1024), (16384, 4096, 4096)]:
+            assert _recipe_for(copy, *shape) == _recipe_for(policy, *shape)
+
+
 def test_no_gain_anywhere_keeps_every_site_in_high_precision():
     policy = auto(_measurements({(1024, 1024, 1024): 0.5, (16384, 4096, 4096): 0.99}))
     assert policy.default is None
@@ -100,9 +112,14 @@ def test_measurements_that_cannot_decide_are_refused(measurements, message):
         auto(measurements)
 
 
-def test_unknown_recipe_and_unreadable_file_are_refused(tmp_path):
+def test_unknown_recipe_bad_numbers_and_unreadable_file_are_refused(tmp_path):
     with pytest.raises(ValueError, match="recipe must be one of"):
         auto(_measurements(SMALL_LOSES), recipe="fastest")
+    for bad in ("1.1", 0, -1.0, True):
+        with pytest.raises(ValueError, match=f"min_speedup must be a positive number, got {re.escape(repr(bad))}"):
+            auto(min_speedup=bad)
+    with pytest.raises(ValueError, match="tokens must be a positive int, got 0"):
+        auto(tokens=0)
     with pytest.raises(ValueError, match="cannot read measurements"):
         auto(tmp_path / "missing.json")
 

@@ -99,8 +99,9 @@ def test_explicit_regions_take_classes_or_path_globs_and_refuse_what_matches_not
         find_blocks(model, ["decoder.*"])
     with pytest.raises(ValueError, match="must be an nn.Module subclass or a glob"):
         find_blocks(model, [3])
-    with pytest.raises(ValueError, match="regions must be 'auto', None, or a list"):
-        find_blocks(model, "model.layers.*")
+    for bad in ("model.layers.*", True, 5):
+        with pytest.raises(ValueError, match="regions must be 'auto', None, or a list"):
+            find_blocks(model, bad)
 
 
 def test_instances_the_policy_treats_differently_get_their_own_group():
