@@ -439,6 +439,22 @@ def _traces_with_freezing(forward):
     return forward_with_freezing
 
 
+@contextlib.contextmanager
+def _classes_restored(model):
+    """Give every module of ``model`` (None: none) back the class it had on entry, on exit."""
+    classes = {module: type(module) for module in model.modules()} if isinstance(model, torch.nn.Module) else {}
+    try:
+        yield
+    finally:
+        for module, cls in classes.items():
+            if type(module) is not cls:
+                module.__class__ = cls
+
+
+def _is_auto(regions) -> bool:
+    return isinstance(regions, str) and regions == AUTO
+
+
 def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu="H100", **kwargs) -> ExplainReport:
     """Trace ``model(*args, **kwargs)`` and report what fp8graph does with each site.
 
@@ -465,6 +481,10 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu
         gpu = costs.gpu(gpu)  # an unknown name fails here, before anything is traced
     compiled = _find_compiled(model)
     state = weight_cache = blocks = all_gather = None
+    if compiled is not None and (policy is not None or lowering != "auto" or not _is_auto(regions)):
+        raise ValueError("fp8graph.explain: this model was compiled by fp8graph.compile and is explained with its "
+                         "own policy, lowering and regions; policy=, lowering= and regions= are for an uncompiled "
+                         "model: explain a fresh one to try them")
     if compiled is not None:
         compiled_backend = vars(compiled)[_BACKEND_ATTRIBUTE]
         policy, lowering = compiled_backend.policy, compiled_backend.lowering
@@ -479,20 +499,22 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu
     policy = normalize_policy(policy)
     if blocks is None:  # explained as fp8graph.compile would compile it
         blocks = find_blocks(user_model, regions) if isinstance(user_model, torch.nn.Module) else []
-    backend, session = _make_backends(
-        dict(policy=policy, compiler="eager", lowering=lowering, model=user_model, state=state,
-             weight_cache=weight_cache), blocks, {})
-    root_backend = backend.root if session is not None else backend
-    if weight_cache is not None:  # explain's run fills the copies: they may be stale or empty
-        weight_cache.invalidate()
-        weight_cache.before_call()
-    graph_breaks_before = collections.Counter(counters["graph_break"])
-    with torch.no_grad(), session.active() if session is not None else contextlib.nullcontext():
-        if all_gather is not None:  # explain's run gathers as the compiled model's call without gradients does
-            all_gather.before_call()
-        if session is not None:  # called as the compiled model calls it
-            kwargs = _without_training_cache(user_model, _accepts_keyword(user_model, "use_cache"), kwargs)
-        torch.compile(model, backend=root_backend)(*args, **kwargs)
+    # An uncompiled model's blocks become regions for explain's run alone: their classes are given back after it.
+    with _classes_restored(user_model if compiled is None else None):
+        backend, session = _make_backends(
+            dict(policy=policy, compiler="eager", lowering=lowering, model=user_model, state=state,
+                 weight_cache=weight_cache), blocks, {})
+        root_backend = backend.root if session is not None else backend
+        if weight_cache is not None:  # explain's run fills the copies: they may be stale or empty
+            weight_cache.invalidate()
+            weight_cache.before_call()
+        graph_breaks_before = collections.Counter(counters["graph_break"])
+        with torch.no_grad(), session.active() if session is not None else contextlib.nullcontext():
+            if all_gather is not None:  # explain's run gathers as the compiled model's call without gradients does
+                all_gather.before_call()
+            if session is not None:  # called as the compiled model calls it
+                kwargs = _without_training_cache(user_model, _accepts_keyword(user_model, "use_cache"), kwargs)
+            torch.compile(model, backend=root_backend)(*args, **kwargs)
     graph_breaks = [reason for reason in
                     (collections.Counter(counters["graph_break"]) - graph_breaks_before).elements()
                     if not is_region_boundary(reason)]

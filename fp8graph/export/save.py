@@ -58,14 +58,26 @@ def _converted_by_loaders(path: str, module: torch.nn.Module) -> bool:
     return type(module) is torch.nn.Linear or path.endswith(".experts")
 
 
+def _owners(key: str, modules: dict[str, torch.nn.Module]) -> list[str]:
+    """The paths of every module holding the weight ``key`` names (more than one where it is tied)."""
+    path, name = key.rsplit(".", 1)
+    weight = getattr(modules[path], name)
+    return sorted(p for p, m in modules.items() if any(w is weight for w in m.parameters(recurse=False)))
+
+
 def _check_loaders_convert(weights: list[TrainedWeight], modules: dict[str, torch.nn.Module]) -> None:
     refused = [w.key for w in weights if not _converted_by_loaders(w.module_path, modules[w.module_path])]
     if refused:
+        described = []
+        for key in refused[:6]:
+            owners = _owners(key, modules)
+            described.append(key if len(owners) == 1 else f"{key} (tied: held by {', '.join(owners)})")
         raise ValueError(
             f"these FP8 weights are not held by an nn.Linear or an experts module, which are what FP8 loaders "
-            f"convert, so no checkpoint format can carry them: {', '.join(refused[:6])} (modules "
-            f"{sorted({type(modules[k.rsplit('.', 1)[0]]).__name__ for k in refused})}); keep them in high "
-            "precision with a policy rule to export")
+            f"convert, so no checkpoint format can carry them: {', '.join(described)} (modules "
+            f"{sorted({type(modules[k.rsplit('.', 1)[0]]).__name__ for k in refused})}); keep the modules whose "
+            "sites read them (a tied weight's: each module holding it) in high precision with a policy rule to "
+            "export")
 
 
 def _scale_grid(weight: TrainedWeight) -> torch.Tensor:

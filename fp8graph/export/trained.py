@@ -84,8 +84,9 @@ def cast_weight(weight_hp: torch.Tensor, recipe: Recipe, state_scales: torch.Ten
 def _backend_of(compiled):
     backend = getattr(compiled, "fp8graph_backend", None)
     if backend is None:
-        raise TypeError("fp8graph export needs the model fp8graph.compile returned (or torch.compile(..., "
-                        f"backend='fp8')'s), after at least one call; got {type(compiled).__name__}")
+        raise TypeError("fp8graph export needs the model fp8graph.compile returned, after at least one call (it "
+                        "keeps what each site ran; torch.compile(..., backend='fp8') keeps no such record): got "
+                        f"{type(compiled).__name__}")
     return backend
 
 

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from typing import Iterator
 
 import torch
 
-from fp8graph.recipes.policy import Policy, WeightRecipes, normalize_policy, resolve_weight, weight_orientations
+from fp8graph.recipes.policy import (Policy, WeightRecipes, _matches, normalize_policy, resolve_weight,
+                                     weight_orientations)
 from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, DelayedScaling, Recipe, misaligned
 
 __all__ = ["CACHE_WHERE_POSSIBLE", "Plan", "UNDECIDED", "WEIGHT_COPIES", "WeightEntry", "choose_weight_cache",
@@ -171,7 +173,16 @@ class Plan:
         self.weight_copies_reason = weight_copies_reason
         self._entries: dict[int, WeightEntry] = {}
         self._by_path: dict[str, list[WeightEntry]] = {}
+        # Modules without a weight of their own that rules name by path or class (an attention whose matmuls are
+        # sites): the rules are part of what the policy gives the subtree (signature), though no entry holds them.
+        self._rules_without_weights: dict[str, tuple[int, ...]] = {}
         for path, module in model.named_modules():
+            if not any(weight.dim() in (2, 3) for weight in module.parameters(recurse=False)):
+                rules = tuple(index for index, (pattern, _) in enumerate(self.policy.rules)
+                              if isinstance(pattern, (str, re.Pattern, type))
+                              and _matches(pattern, path, module, None, None))
+                if rules:
+                    self._rules_without_weights[path] = rules
             for name, weight in module.named_parameters(recurse=False):
                 if weight.dim() not in (2, 3) or id(weight) in self._entries:
                     continue  # a shared weight is planned once, by its first path, as named_parameters() names it
@@ -207,6 +218,8 @@ class Plan:
         if path not in self._signatures:
             start = len(path) + 1 if path else 0
             relative = tuple((e.path[start:], e.name, e.shape, e.recipes) for e in self.under(path))
+            relative += tuple((p[start:], rules) for p, rules in self._rules_without_weights.items()
+                              if not path or p == path or p.startswith(path + "."))
             self._signatures[path] = hashlib.sha1(repr(relative).encode()).hexdigest()[:12]
         return self._signatures[path]
 

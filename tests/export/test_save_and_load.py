@@ -233,6 +233,22 @@ def test_export_refuses_a_model_not_yet_called_and_a_weight_no_loader_converts(t
     assert os.listdir(tmp_path) == []
     with pytest.raises(TypeError, match="fp8graph export needs the model fp8graph.compile returned"):
         fp8graph.save_fp8(model, str(tmp_path))
+    by_string = torch.compile(model, backend="fp8", options={"compiler": "aot_eager"})
+    with pytest.raises(TypeError, match=r"torch\.compile\(\.\.\., backend='fp8'\) keeps no such record\): got "
+                                        r"OptimizedModule"):
+        fp8graph.save_fp8(by_string, str(tmp_path))
+
+
+def test_a_tied_head_in_fp8_is_refused_naming_every_module_holding_it(tmp_path):
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config)
+    compiled = fp8graph.compile(model, compiler="aot_eager")  # lm_head's site in FP8
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    compiled(tokens, labels=tokens).loss.backward()
+    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight \(tied: held by lm_head, model\.embed_tokens\)"
+                                         r".*each module holding it"):
+        fp8graph.save_fp8(compiled, str(tmp_path))
 
 
 def test_load_keeps_what_transformers_leaves_unconverted():

@@ -334,3 +334,21 @@ def test_each_site_carries_its_modelled_times_on_the_named_gpu():
     assert all(record.modelled is None for record in bare) and "us BF16 / FP8" not in str(bare)
     with pytest.raises(ValueError, match="no rates for GPU 'V100'"):
         fp8graph.explain(model, tokens, gpu="V100")
+
+
+def test_explain_of_a_compiled_model_refuses_settings_it_would_not_use():
+    """A compiled model is explained with its own policy, lowering and regions: one given would be ignored."""
+    model, tokens = build("llama", "tiny"), torch.randint(0, 250, (2, 16))
+    compiled = fp8graph.compile(model, compiler="aot_eager")
+    for setting in ({"policy": MIXED}, {"lowering": "emulated"}, {"regions": None}):
+        with pytest.raises(ValueError, match="explained with its own policy, lowering and regions"):
+            fp8graph.explain(compiled, tokens, **setting)
+    assert len(fp8graph.explain(compiled, tokens)) > 0
+
+
+def test_explain_of_an_uncompiled_model_leaves_its_modules_classes_as_they_were():
+    model = build("llama", "tiny")
+    classes = {path: type(module) for path, module in model.named_modules()}
+    report = fp8graph.explain(model, torch.randint(0, 250, (2, 16)))  # regions="auto": its layers are regions
+    assert report.graph_count > 1
+    assert {path: type(module) for path, module in model.named_modules()} == classes

@@ -104,6 +104,17 @@ def test_explicit_regions_take_classes_or_path_globs_and_refuse_what_matches_not
             find_blocks(model, bad)
 
 
+def test_a_rule_naming_one_blocks_weightless_submodule_gives_that_block_its_own_group():
+    """GPT-2's attention module holds no weight of its own, but its matmuls are sites a path rule may name."""
+    model = build("gpt2", "tiny")
+    policy = Policy(rules=[("transformer.h.0.attn", Float8CurrentScaling())])
+    groups = group_blocks(find_blocks(model), fp8graph.plan(model, policy))
+    assert [group.paths for group in groups] == [["transformer.h.0"], ["transformer.h.1"]]
+    report = fp8graph.explain(model, torch.randint(0, 100, (2, 16)), policy=policy)
+    matmuls = {record.path: record.recipe for record in report if record.path.endswith(".attn")}
+    assert matmuls == {"transformer.h.0.attn": Float8CurrentScaling(), "transformer.h.1.attn": None}
+
+
 def test_instances_the_policy_treats_differently_get_their_own_group():
     model = _llama(4)
     policy = Policy(default=Float8CurrentScaling(), rules=[("model.layers.0.*", None), ("*.3.mlp.*", None)])
