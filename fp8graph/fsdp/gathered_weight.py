@@ -147,9 +147,13 @@ class GatheredFP8Weight(torch.Tensor):
             # in which this computation survives (fp8graph.fsdp.graph_check).
             args, kwargs = tree_map_only(GatheredFP8Weight, GatheredFP8Weight.dequantized, (args, kwargs))
             return func(*args, **kwargs)
+        shapes = ", ".join(str(tuple(w.shape)) for w in weights)
         raise RuntimeError(
-            f"{func}: this weight was all-gathered in FP8 by fp8graph (FSDP2) and is read only by the FP8 sites of "
-            "the model fp8graph.compile returned. Call that model, or compile with fp8_all_gather=False.")
+            f"{func}: a weight of shape {shapes} was all-gathered in FP8 by fp8graph (FSDP2) and is read only by "
+            "the FP8 sites inside the compiled graphs of the model fp8graph.compile returned, but code outside them "
+            "read it: the model called uncompiled, or a module whose forward Dynamo ran eagerly (a torch.nn module "
+            "that is itself an FSDP2 unit, such as fully_shard on an nn.Linear or on the root of an nn.Sequential: "
+            "shard a module around it instead). Or compile with fp8_all_gather=False.")
 
 
 def is_gathered(tensor) -> bool:

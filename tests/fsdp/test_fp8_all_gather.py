@@ -380,6 +380,21 @@ def test_a_gathered_weight_read_outside_an_fp8_site_is_refused_naming_it(world_o
         model(torch.randn(32, 64))
 
 
+def test_a_torch_nn_module_that_is_its_own_fsdp2_unit_is_refused_saying_why(world_of_one):
+    """Dynamo runs the forward of an nn.Linear that is itself an FSDP2 unit eagerly, outside the graph whose FP8
+    sites read the gathered weight: the error names the weight's shape and that cause."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False))
+    for linear in model:
+        fully_shard(linear)
+    fully_shard(model)
+    compiled = fp8graph.compile(model, compiler="aot_eager")
+    with pytest.raises(RuntimeError, match=r"a weight of shape \((64, 64|32, 64)\) was all-gathered in FP8 .*\(a "
+                                           r"torch\.nn module that is itself an FSDP2 unit"):
+        compiled(torch.randn(32, 64))
+
+
 def test_a_model_sharded_after_compiling_gathers_in_high_precision_and_says_so(world_of_one, caplog):
     from torch.distributed.fsdp import fully_shard
 
