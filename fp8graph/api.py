@@ -17,7 +17,7 @@ from fp8graph.buffers.anchors import restore_buffer_dtypes
 from fp8graph.recipes.plan import CACHE_WHERE_POSSIBLE, Plan, choose_weight_cache, weight_copies_of
 from fp8graph.recipes.policy import normalize_policy
 from fp8graph.regions.regional_compile import BlockBackend, RegionalBackend, compile_regions, is_region_boundary
-from fp8graph.regions.repeated_blocks import AUTO, find_blocks, find_trunks, group_blocks, trunk_parts
+from fp8graph.regions.repeated_blocks import AUTO, find_blocks, find_trunks, group_blocks, is_auto, trunk_parts
 from fp8graph.buffers.delayed_state import register_delayed_state
 from fp8graph.inspection.report import ExplainReport, SiteRecord
 from fp8graph.passes.module_paths import module_paths_by_id
@@ -451,10 +451,6 @@ def _classes_restored(model):
                 module.__class__ = cls
 
 
-def _is_auto(regions) -> bool:
-    return isinstance(regions, str) and regions == AUTO
-
-
 def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu="H100", **kwargs) -> ExplainReport:
     """Trace ``model(*args, **kwargs)`` and report what fp8graph does with each site.
 
@@ -481,7 +477,7 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu
         gpu = costs.gpu(gpu)  # an unknown name fails here, before anything is traced
     compiled = _find_compiled(model)
     state = weight_cache = blocks = all_gather = None
-    if compiled is not None and (policy is not None or lowering != "auto" or not _is_auto(regions)):
+    if compiled is not None and (policy is not None or lowering != "auto" or not is_auto(regions)):
         raise ValueError("fp8graph.explain: this model was compiled by fp8graph.compile and is explained with its "
                          "own policy, lowering and regions; policy=, lowering= and regions= are for an uncompiled "
                          "model: explain a fresh one to try them")

@@ -172,7 +172,7 @@ def _remove_earlier_weights(directory: str, written: set[str]) -> None:
     ``save_pretrained`` does): transformers would load an earlier ``model.safetensors`` before a new index, and
     a stale index would name shards that no longer hold its weights."""
     for name in os.listdir(directory):
-        weights_file = name.startswith("model") and (name.endswith(".safetensors") or name.endswith(".safetensors.index.json"))
+        weights_file = name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json"))
         if weights_file and name not in written:
             os.remove(os.path.join(directory, name))
 

@@ -32,8 +32,8 @@ A gather inside the backward (FSDP2 reshards after the forward and gathers again
 the bytes the forward's gather sent: the forward's graph may read saved views of them, and by then the
 delayed history has moved. Under delayed scaling each forward with gradients casts with the scale its history
 then gives, so two such forwards before one backward sent different casts, and a gather inside that backward
-cannot tell whose backward it serves: it is refused, naming the weight (:meth:`ShardCast._for_backward`). Inside ``fp8graph.weights_unchanged`` every recipe also sends them again at the
-next calls, the micro-batches of gradient accumulation: each weight's shard is cast once per declaration,
+cannot tell whose backward it serves: it is refused, naming the weight (:meth:`ShardCast._for_backward`).
+Inside ``fp8graph.weights_unchanged`` every recipe also sends them again at the next calls, the micro-batches of gradient accumulation: each weight's shard is cast once per declaration,
 unless it changed in a way fp8graph sees (its version counter moved, or a ``torch.optim.Optimizer`` stepped:
 a fused one writes the shard without moving the counter; ``fp8graph.buffers.kept_casts``). Outside one each
 call casts its shards again. Delayed scaling's resent cast keeps the scale it was cast with and records no
@@ -230,10 +230,6 @@ class TiledShardCast:
         self.tiling = recipe.tiling(Role.WEIGHT)
         self.fp8_dtype = recipe.fp8_dtype(Role.WEIGHT)
         self._last: _Cast | None = None
-        # Delayed scaling: the casts the forwards since the last backward sent with gradients enabled, and the
-        # version of the weight's grad_output history then (each backward of a call writes it).
-        self._awaiting_backward: list[_Cast] = []
-        self._grad_history_version = -1
 
     def _cast(self, shard_hp: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The tensors the shard (N_s, K) sends, FP8 bytes as uint8:

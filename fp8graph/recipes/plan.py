@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from typing import Iterator
 
 import torch
 
-from fp8graph.recipes.policy import (Policy, WeightRecipes, _matches, normalize_policy, resolve_weight,
+from fp8graph.recipes.policy import (Policy, WeightRecipes, normalize_policy, resolve_weight, rules_naming,
                                      weight_orientations)
 from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, DelayedScaling, Recipe, misaligned
 
@@ -178,9 +177,7 @@ class Plan:
         self._rules_without_weights: dict[str, tuple[int, ...]] = {}
         for path, module in model.named_modules():
             if not any(weight.dim() in (2, 3) for weight in module.parameters(recurse=False)):
-                rules = tuple(index for index, (pattern, _) in enumerate(self.policy.rules)
-                              if isinstance(pattern, (str, re.Pattern, type))
-                              and _matches(pattern, path, module, None, None))
+                rules = rules_naming(self.policy, path, module)
                 if rules:
                     self._rules_without_weights[path] = rules
             for name, weight in module.named_parameters(recurse=False):

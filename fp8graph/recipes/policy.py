@@ -28,7 +28,7 @@ import torch
 from fp8graph.recipes.scaling import Float8CurrentScaling, Recipe
 
 __all__ = ["DEFAULT_RECIPE", "Policy", "Resolution", "SiteInfo", "WeightRecipes", "normalize_policy", "resolve",
-           "resolve_weight", "weight_experts", "weight_orientations"]
+           "resolve_weight", "rules_naming", "weight_experts", "weight_orientations"]
 
 DEFAULT_RECIPE = Float8CurrentScaling()
 
@@ -199,6 +199,13 @@ def _matches(pattern: Pattern, path: str, module: torch.nn.Module | None,
         return owner_type is not None and issubclass(owner_type, pattern)
     answer = pattern(path, module, site)
     return answer if isinstance(answer, str) else bool(answer)
+
+
+def rules_naming(policy: Policy, path: str, module: torch.nn.Module) -> tuple[int, ...]:
+    """The indices of ``policy``'s rules that name the module at ``path`` by its path or class (a predicate, which
+    needs a site, names none)."""
+    return tuple(index for index, (pattern, _) in enumerate(policy.rules)
+                 if isinstance(pattern, (str, re.Pattern, type)) and _matches(pattern, path, module, None, None))
 
 
 def resolve(policy: Policy, path: str, site: SiteInfo, module: torch.nn.Module | None = None,

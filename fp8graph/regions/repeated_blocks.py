@@ -35,7 +35,7 @@ import torch
 from fp8graph.recipes.plan import Plan
 from fp8graph.buffers.delayed_state import weight_candidates
 
-__all__ = ["BlockGroup", "find_blocks", "find_trunks", "group_blocks", "trunk_parts"]
+__all__ = ["BlockGroup", "find_blocks", "find_trunks", "group_blocks", "is_auto", "trunk_parts"]
 
 AUTO = "auto"
 
@@ -119,13 +119,18 @@ def _explicit_blocks(model: torch.nn.Module, regions: Iterable[object]) -> list[
     return _outermost(chosen)
 
 
+def is_auto(regions: object) -> bool:
+    """Whether ``regions`` asks for the blocks found by themselves (:data:`AUTO`)."""
+    return isinstance(regions, str) and regions == AUTO
+
+
 def find_blocks(model: torch.nn.Module, regions: object = AUTO) -> list[tuple[str, torch.nn.Module]]:
     """``(path, module)`` of every block instance ``regions`` selects in ``model``, in module order."""
     if regions is None or regions is False:
         return []
-    if isinstance(regions, str) and regions == AUTO:
+    if is_auto(regions):
         return _auto_blocks(model)
-    if isinstance(regions, (str, type)) or not isinstance(regions, (list, tuple)):
+    if not isinstance(regions, (list, tuple)):
         raise ValueError(f"regions must be 'auto', None, or a list of classes and path globs, got {regions!r}")
     return _explicit_blocks(model, regions)
 
