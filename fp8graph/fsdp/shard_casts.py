@@ -137,9 +137,12 @@ class ShardCast:
         self.local, self.param_dtype, self.amaxes, self.calls = local, param_dtype, amaxes, calls
         self.fp8_dtype = recipe.fp8_dtype(Role.WEIGHT)
         self._last: _Cast | None = None
-        # Delayed scaling: the casts the forwards since the last backward sent with gradients enabled, and the
+        # Delayed scaling: of the casts the forwards since the last backward sent with gradients enabled, the first
+        # and the latest (two casts at most, however many forwards run without a backward); on the scales' device,
+        # whether any of them has a scale other than the first's (compared without waiting for the device); and the
         # version of the weight's grad_output history then (each backward of a call writes it).
         self._awaiting_backward: list[_Cast] = []
+        self._scales_differ: torch.Tensor | None = None
         self._grad_history_version = -1
 
     def weight_hp(self) -> torch.Tensor:
@@ -178,26 +181,34 @@ class ShardCast:
 
     def _awaits_backward(self, cast: _Cast) -> None:
         """Note that a forward with gradients sent ``cast``: its backward's gather must send it again. A backward
-        since the last such forward (it wrote the grad_output history) ran the backwards that waited."""
+        since the last such forward (it wrote the grad_output history) ran the backwards that waited; a cast of
+        other weights (the version moved) leaves the earlier ones nothing to resend."""
         version = self._grad_history()._version
-        if version != self._grad_history_version:
-            self._awaiting_backward, self._grad_history_version = [], version
-        if all(cast is not waiting for waiting in self._awaiting_backward):
-            self._awaiting_backward.append(cast)
+        awaiting = self._awaiting_backward
+        if version != self._grad_history_version or (awaiting and awaiting[0].stamp.weights != cast.stamp.weights):
+            awaiting, self._scales_differ, self._grad_history_version = [], None, version
+        if any(cast is waiting for waiting in awaiting):
+            return
+        if awaiting:
+            differs = torch.ne(cast.scale, awaiting[0].scale).any()
+            self._scales_differ = differs if self._scales_differ is None else self._scales_differ | differs
+        self._awaiting_backward = awaiting[:1] + [cast]
 
     def _for_backward(self) -> _Cast | None:
         """The cast the forwards awaiting a backward sent, which the backward's gather sends again: each call's
         backward reads the bytes and the scale of its own forward. Two forwards that sent casts with different
         scales (delayed scaling's history moved between them) leave a gather that cannot tell which backward it
         serves: refused. None where no forward's cast still holds the weight as it is."""
-        waiting = [cast for cast in self._awaiting_backward if cast.stamp.weights == (self.local._version,)]
-        if any(not torch.equal(cast.scale, waiting[0].scale) for cast in waiting[1:]):
+        awaiting = self._awaiting_backward
+        if not awaiting or awaiting[-1].stamp.weights != (self.local._version,):
+            return None
+        if self._scales_differ is not None and bool(self._scales_differ):  # reads the device only after two forwards
             raise RuntimeError(
                 f"fp8graph: {self.path}: two forwards with gradients ran before a backward, and FSDP2 all-gathers "
                 f"the weight again for the backward; with delayed scaling each forward cast it with another scale, "
                 f"so the gather cannot send each backward its own forward's FP8 bytes. Run each call's backward "
                 f"before the next forward, or compile with fp8_all_gather=False")
-        return waiting[-1] if waiting else None
+        return awaiting[-1]
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         (gathered_bytes,) = outputs

@@ -288,6 +288,15 @@ def test_a_backward_gathers_its_own_forwards_cast_not_a_later_no_grad_calls(worl
     assert all(torch.equal(grad, grads[1][name]) for name, grad in grads[0].items())
 
 
+def test_forwards_without_a_backward_keep_two_casts_a_weight_at_most(world_of_one):
+    """An evaluation loop run with gradients enabled never calls backward: what awaits one stays bounded."""
+    model, compiled = _sharded_delayed(True)
+    for seed in range(5):
+        compiled(_tokens(seed), labels=_tokens(seed))
+    casts = [cast for _, cast in compiled.fp8graph_backend.all_gather.casts]
+    assert len(casts) == 14 and all(len(cast._awaiting_backward) == 2 for cast in casts)
+
+
 def test_two_delayed_forwards_before_one_backward_are_refused_by_its_gather_naming_the_weight(world_of_one):
     """Each forward cast the weights with its own scale (the history moved between them); the gather before their
     backward cannot tell whose backward it serves."""
