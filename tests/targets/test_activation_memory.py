@@ -26,7 +26,7 @@ from bench.memory import saved_for_backward_bytes
 from fp8graph import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling
 from fp8graph.models import build
 from fp8graph.models.moe import CONFIGS, MoEBlock
-from gemm_rules import pretend_gpu
+from gemm_rules import gpu_gemms, pretend_gpu
 
 _SHAPE = dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=1, num_attention_heads=8,
               num_key_value_heads=2, vocab_size=256)
@@ -43,11 +43,20 @@ def _model() -> torch.nn.Module:
 
 
 def _saved_bytes(compile_model) -> int:
+    """What one step of the model ``compile_model`` compiles saves for its backward. Its FP8 GEMMs run on the
+    GPU's rules' emulation (``gemm_rules.gpu_gemms``, exact in fp32): ATen's CPU ``_scaled_mm`` with one scale a
+    tensor is a scalar loop on some CPUs (8 s a 512 x 512 x 1792 GEMM on a Xeon with AVX-512 FP16, where
+    row-wise scales take 0.03 s). fp8graph's calls are held to cuBLASLt's rules on SM 9.0; torchao's are its own."""
     torch._dynamo.reset()
     model = _model()
     compiled = compile_model(model)
     tokens = torch.randint(0, _SHAPE["vocab_size"], (1, 512), generator=torch.Generator().manual_seed(0))
-    return saved_for_backward_bytes(lambda: compiled(tokens, labels=tokens).loss, model.parameters())
+    with gpu_gemms() as calls:
+        saved = saved_for_backward_bytes(lambda: compiled(tokens, labels=tokens).loss, model.parameters())
+    if hasattr(compiled, "fp8graph_backend"):
+        assert calls.calls, "no FP8 GEMM ran"
+        calls.assert_every_rule_kept()
+    return saved
 
 
 def _fp8(recipe):
