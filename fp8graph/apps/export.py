@@ -12,11 +12,12 @@ compile does not have: ``--recipe delayed`` is refused here).
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
 import fp8graph
-from fp8graph.export.formats import FORMATS
+from fp8graph.export.formats import FORMATS, UnsupportedExport
 from fp8graph.recipes.scaling import PRESETS
 
 
@@ -43,7 +44,11 @@ def run(args: argparse.Namespace) -> int:
     compiled = fp8graph.compile(model.eval(), policy=policy, compiler="aot_eager")
     with torch.no_grad():  # the sites are decided when traced
         compiled(torch.zeros(1, 16, dtype=torch.long), use_cache=False)  # a KV cache would compile each layer anew
-    summary = fp8graph.save_fp8(compiled, args.out, format=args.format)
+    try:
+        summary = fp8graph.save_fp8(compiled, args.out, format=args.format)
+    except UnsupportedExport as refused:
+        print(f"fp8graph export: {refused}", file=sys.stderr)
+        return 1
     print(summary)
     print(f"load it with: transformers.AutoModelForCausalLM.from_pretrained({args.out!r})")
     return 0

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from fp8graph.export.formats import CheckpointFormat, choose_format
+from fp8graph.export.formats import CheckpointFormat, UnsupportedExport, choose_format
 from fp8graph.export.trained import TrainedWeight, trained_weights
 from fp8graph.recipes.scaling import Granularity
 
@@ -194,6 +194,16 @@ def _write_shards(tensors: dict[str, torch.Tensor], directory: str, max_shard_si
     return files
 
 
+def _nothing_in_fp8(kept: dict[str, str]) -> str:
+    """Why a model with no weight in FP8 has no FP8 checkpoint: its weights grouped by the reason each stays."""
+    by_reason: dict[str, list[str]] = {}
+    for key, reason in kept.items():
+        by_reason.setdefault(reason, []).append(key)
+    lines = [f"  {reason}: {', '.join(keys[:4])}{f' and {len(keys) - 4} more' if len(keys) > 4 else ''}"
+             for reason, keys in by_reason.items()]
+    return "no weight of the model runs in FP8, so there is no FP8 checkpoint to write:\n" + "\n".join(lines)
+
+
 def save_fp8(compiled, directory: str, format: str | None = None, max_shard_size: int | str = "5GB") -> ExportSummary:
     """Write the FP8 weights ``compiled`` trains with, in a checkpoint format serving engines load.
 
@@ -209,12 +219,15 @@ def save_fp8(compiled, directory: str, format: str | None = None, max_shard_size
         An :class:`ExportSummary`; ``print()`` it.
 
     Raises:
-        UnsupportedExport: a weight the format cannot hold (named, with the reason); nothing is written.
+        UnsupportedExport: a weight the format cannot hold (named, with the reason), or no weight in FP8 (each
+            kept one's reason); nothing is written.
 
     Example:
         >>> fp8graph.save_fp8(compiled, "out/fp8_checkpoint")
     """
     weights, kept = trained_weights(compiled)
+    if not weights:
+        raise UnsupportedExport(_nothing_in_fp8(kept))
     model = getattr(compiled, "_orig_mod", compiled)
     if not hasattr(model, "config") or not hasattr(model.config, "to_dict"):
         raise TypeError(f"save_fp8 writes a transformers checkpoint: {type(model).__name__} has no config")

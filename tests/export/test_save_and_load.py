@@ -290,3 +290,16 @@ def test_the_export_command_compiles_one_region_for_every_layer(tmp_path, caplog
     with caplog.at_level("WARNING", logger="fp8graph"):
         assert main(["export", str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--recipe", "current"]) == 0
     assert "compiled again" not in caplog.text
+
+
+def test_an_export_with_no_weight_in_fp8_is_refused_with_each_reason(tmp_path, capsys):
+    """The tiny Llama's 64-wide weights are not whole 128x128 blocks: block scaling keeps every one, and an
+    FP8 checkpoint of it would hold no FP8 weight."""
+    from fp8graph.__main__ import main
+    from fp8graph.models import build
+
+    build("llama", "tiny", seed=0).save_pretrained(tmp_path / "bf16")
+    assert main(["export", str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--recipe", "block"]) == 1
+    error = capsys.readouterr().err
+    assert "no weight of the model runs in FP8" in error and "model.layers.0.self_attn.q_proj.weight" in error
+    assert "lm_head.weight" in error and not (tmp_path / "fp8").exists()
