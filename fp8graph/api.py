@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 from fp8graph import costs
 from fp8graph.backend import FP8Backend
 from fp8graph.buffers.anchors import restore_buffer_dtypes
+from fp8graph.compiled_module import make_compiled_fp8_module
 from fp8graph.recipes.plan import CACHE_WHERE_POSSIBLE, Plan, choose_weight_cache, weight_copies_of
 from fp8graph.recipes.policy import normalize_policy
 from fp8graph.regions.regional_compile import BlockBackend, RegionalBackend, compile_regions, is_region_boundary
@@ -22,6 +23,7 @@ from fp8graph.buffers.delayed_state import register_delayed_state
 from fp8graph.inspection.report import ExplainReport, SiteRecord
 from fp8graph.passes.module_paths import module_paths_by_id
 from fp8graph.inspection.report_html import graph_outline
+from fp8graph.inspection.skipped_frames import frames_skipped_since, unimplemented_now
 from fp8graph.inspection.stats import FP8Stats
 from fp8graph.buffers.kept_casts import reuse_scope_of
 from fp8graph.buffers.weight_cache import CopiesCannotServe, register_weight_cache
@@ -164,7 +166,7 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     wrappers = [
         _traces_the_root_hooks(compiled, user_model) if bare and (stats or policy.needs_state) else None,
         _runs_with_regions(session, user_model) if session is not None else None,
-        _checks_rules_at_first_call(backend) if isinstance(model, torch.nn.Module) and policy.rules else None,
+        _checks_at_first_call(backend, session is not None) if isinstance(model, torch.nn.Module) else None,
         _traces_with_freezing if freeze_weights else None,
         _chooses_weight_cache_mode(weight_cache) if weight_cache is not None else None,
         _gathers_in_fp8(all_gather) if all_gather is not None else None,
@@ -177,43 +179,8 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     backend.all_gather = all_gather
     object.__setattr__(compiled, "fp8graph_stats", collector)
     if isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule):
-        _make_compiled_fp8_module(compiled, user_model, options)
+        make_compiled_fp8_module(compiled, user_model, functools.partial(compile, **options))
     return compiled
-
-
-def _make_compiled_fp8_module(compiled, user_model, options: dict) -> None:
-    """Turn ``torch.compile``'s module into a :class:`CompiledFP8Module`: it copies by compiling again,
-    runs in FP8 inside an enclosing ``torch.compile``, and shows the user's forward's signature."""
-    object.__setattr__(compiled, "forward", _called_as_a_compiled_unit(compiled.forward, user_model))
-    object.__setattr__(compiled, "_fp8graph_options", options)
-    object.__setattr__(compiled, "__class__", CompiledFP8Module)
-    # torch.compile of a compiled module compiles the innermost callable this names (the user's
-    # forward, which would run in high precision): name one that refuses, saying what to do.
-    object.__setattr__(compiled, "_torchdynamo_orig_callable", _refuse_compiling_again)
-
-
-def _refuse_compiling_again(*args, **kwargs):
-    raise ValueError(
-        "torch.compile(fp8graph.compile(model)) would compile the model again without fp8graph and run it in high "
-        "precision: call fp8graph.compile's model directly (it is compiled), and give fp8graph.compile the "
-        "torch.compile options (mode=..., dynamic=..., fullgraph=...), which it passes on")
-
-
-class CompiledFP8Module(torch._dynamo.eval_frame.OptimizedModule):
-    """What :func:`compile` returns for an ``nn.Module``: ``torch.compile``'s wrapper, copied as it is.
-
-    ``torch.compile``'s wrapper pickles as its module and its compile settings,
-    never its compiled code. This one does the same with fp8graph's: a copy
-    (``copy.deepcopy``, ``pickle``, ``torch.save``) is ``fp8graph.compile`` of the
-    copied module with the options the original was compiled with. The module
-    brings its buffers (delayed-scaling state, stats buffers, FP8 weight copies)
-    and the hooks that anchor them, which the new compile adopts; the copy's
-    graphs compile at its first call, its stats rows start empty and its weight
-    copies are filled again before they are read.
-    """
-
-    def __reduce__(self):
-        return functools.partial(compile, **vars(self)["_fp8graph_options"]), (self._orig_mod,)
 
 
 def _check_options(model, compiler: str, stats: bool, freeze_weights: bool, cache_weights: bool, regions,
@@ -326,8 +293,9 @@ def _refuse_unmatched_rules(backend) -> bool:
     return bool(unmatched)
 
 
-def _checks_rules_at_first_call(backend):
-    """After the first call (which compiled every graph it ran), refuse or report rules that matched no site.
+def _checks_at_first_call(backend, with_regions: bool):
+    """After the first call (which compiled every graph it ran), refuse or report rules that matched no site, and
+    report the functions Dynamo ran eagerly (whose own GEMMs no graph holds).
 
     A strict policy raises ``ValueError`` naming the rules, as :func:`explain`
     does; otherwise the ``fp8graph`` logger warns once. Sites in graphs that
@@ -336,38 +304,31 @@ def _checks_rules_at_first_call(backend):
     def wrap(forward):
         checked = False
 
-        def forward_checking_rules(*args, **kwargs):
+        def forward_checking_first_call(*args, **kwargs):
             nonlocal checked
+            if checked:
+                return forward(*args, **kwargs)
+            before = unimplemented_now()
             output = forward(*args, **kwargs)
-            if not checked:
-                checked = True
-                if _refuse_unmatched_rules(backend):
-                    log.warning("fp8graph: policy rules that match no site: %s",
-                                ", ".join(_unmatched_rule_names(backend)))
+            checked = True
+            if _refuse_unmatched_rules(backend):
+                log.warning("fp8graph: policy rules that match no site: %s", ", ".join(_unmatched_rule_names(backend)))
+            skipped_frames = frames_skipped_since(before)
+            backend.frames_run_eagerly.extend(skipped_frames)
+            for skipped in skipped_frames:
+                log.warning("fp8graph: Dynamo ran %s eagerly (%s): a GEMM in that function's own code stays in high "
+                            "precision (the modules it calls compile on their own)%s", skipped.where, skipped.why,
+                            _REGIONS_IN_A_LOOP if with_regions else "")
             return output
 
-        return forward_checking_rules
+        return forward_checking_first_call
 
     return wrap
 
 
-def _called_as_a_compiled_unit(forward, user_model):
-    """The compiled model's outermost forward: what an enclosing ``torch.compile`` calls, and what
-    ``inspect.signature`` reads.
-
-    An enclosing ``torch.compile`` would trace through the model's own compiled
-    forward, which it inlines in high precision. Disabled for Dynamo, the call
-    breaks the enclosing graph; inside it fp8graph's compile of the model sets
-    its own backend again and runs the model in FP8. The signature is the user's forward's, so
-    callers that pick arguments by it (HuggingFace's ``Trainer`` drops the
-    dataset columns the model's forward does not name) see the model's.
-    """
-    def forward_fp8(*args, **kwargs):
-        return forward(*args, **kwargs)
-
-    forward_fp8.__signature__ = inspect.signature(user_model.forward)
-    return torch._dynamo.disable(forward_fp8, recursive=True,
-                                 reason="fp8graph.compile's model: it runs its own FP8 compile")
+# A model whose own forward calls its blocks in a loop: each region call is a graph break inside the loop.
+_REGIONS_IN_A_LOOP = ("; a forward that calls the model's repeated blocks in a loop breaks at each block (a region "
+                      "of its own): compile with regions=None to trace it whole")
 
 
 def _find_compiled(model):
@@ -504,7 +465,7 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu
         if weight_cache is not None:  # explain's run fills the copies: they may be stale or empty
             weight_cache.invalidate()
             weight_cache.before_call()
-        graph_breaks_before = collections.Counter(counters["graph_break"])
+        graph_breaks_before, unimplemented_before = collections.Counter(counters["graph_break"]), unimplemented_now()
         with torch.no_grad(), session.active() if session is not None else contextlib.nullcontext():
             if all_gather is not None:  # explain's run gathers as the compiled model's call without gradients does
                 all_gather.before_call()
@@ -514,6 +475,10 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu
     graph_breaks = [reason for reason in
                     (collections.Counter(counters["graph_break"]) - graph_breaks_before).elements()
                     if not is_region_boundary(reason)]
+    # A compiled model's first call met them (Dynamo skips a frame once, for every backend).
+    skipped_frames = (compiled_backend.frames_run_eagerly if compiled is not None else []) + \
+        frames_skipped_since(unimplemented_before)
+    graph_breaks += [f"ran eagerly: {skipped}" for skipped in dict.fromkeys(skipped_frames)]
     if backend.graph_count == 0:
         raise RuntimeError(
             f"Dynamo captured no graph of {type(model).__name__}: nothing to explain"

@@ -20,10 +20,12 @@ from typing import Sequence
 import torch
 import torch.fx
 
+from fp8graph.buffers.amax_reduction import sharded_over
 from fp8graph.buffers.anchors import converted_buffers
 from fp8graph.buffers.delayed_state import DelayedState
 from fp8graph.buffers.kept_casts import ReuseScope
 from fp8graph.buffers.weight_cache import WeightCache
+from fp8graph.fsdp.install import fsdp_mesh
 from fp8graph.gemm.scaled_gemm import LOWERING_CHOICES
 from fp8graph.passes.annotate import Decision
 from fp8graph.passes.module_paths import module_paths_by_id
@@ -105,6 +107,8 @@ class FP8Backend:
         self.decisions: list[Decision] = []
         self._buffer_frames: dict[int, int | None] = {}  # id(state or stats buffer) -> Dynamo frame id
         self.graph_modules: list[torch.fx.GraphModule] = []
+        # Functions Dynamo ran eagerly at the compiled model's first call (fp8graph.inspection.skipped_frames).
+        self.frames_run_eagerly: list = []
 
     def unmatched_rules(self) -> list[int]:
         """Indices of the policy's rules that matched no site in any graph compiled so far."""
@@ -163,9 +167,10 @@ class FP8Backend:
         roots = self.instances.roots(gm, placeholder_values(gm, example_inputs)) if self.instances else {}
         if self.instances is not None and self.policy.rules:  # without rules every instance resolves alike
             self.instances.guard(roots)
-        decisions = self.run_passes(gm, example_inputs)
-        compiled = _saying_what_it_fills(self._compile_graph(gm, example_inputs), self._copies_written,
-                                         self.weight_cache)
+        with sharded_over(fsdp_mesh(root) if root is not None else None):  # amaxes reduce over its groups
+            decisions = self.run_passes(gm, example_inputs)
+            compiled = _saying_what_it_fills(self._compile_graph(gm, example_inputs), self._copies_written,
+                                             self.weight_cache)
         # Recorded only once compiling succeeded: Dynamo may abort a compile by
         # an exception raised inside it (e.g. to restart analysis with a
         # Python scalar specialized) and call the backend again.

@@ -88,7 +88,7 @@ def test_no_module_of_the_benchmarks_imports_itself_back():
 STAGES = ["numerics", "kernels", "recipes", "costs", "gemm", "buffers", "fsdp", "targets", "passes", "inspection",
           "backend", "regions", "api", "export", "apps"]
 TOP_LEVEL_STAGE = {"fp8graph.policies": "costs", "fp8graph.backend": "backend", "fp8graph.instances": "backend",
-                   "fp8graph.api": "api",
+                   "fp8graph.api": "api", "fp8graph.compiled_module": "api",
                    "fp8graph.__main__": "apps"}
 
 

@@ -13,7 +13,7 @@ import torch
 
 import fp8graph
 from fp8graph import DelayedScaling, Policy
-from fp8graph.api import CompiledFP8Module
+from fp8graph.compiled_module import CompiledFP8Module
 
 OPTIONS = {
     "current": {},  # the weights' FP8 copies kept between calls (cache_weights="auto")
@@ -104,3 +104,24 @@ def test_flags_must_be_booleans(flag):
     allowed = "True, False or 'auto'" if flag == "cache_weights" else "True or False"
     with pytest.raises(TypeError, match=rf"{flag} must be {allowed}, got 'false'"):
         fp8graph.compile(_mlp(), **{flag: "false"})
+
+
+def test_the_state_dict_has_the_models_keys_and_loads_from_either_form():
+    model = _mlp()
+    compiled = fp8graph.compile(model, compiler="aot_eager", policy=OPTIONS["delayed"]["policy"])
+    compiled(torch.randn(16, 32)).sum().backward()
+    state = compiled.state_dict()
+    assert state.keys() == model.state_dict().keys()  # delayed scaling's amax history and scales included
+    assert any("fp8graph_amax_history" in key for key in state)
+    twin = fp8graph.compile(_mlp(), compiler="aot_eager", policy=OPTIONS["delayed"]["policy"])
+    with torch.no_grad():
+        twin(torch.randn(16, 32))
+    for saved in (state, {f"_orig_mod.{key}": value for key, value in state.items()}):  # torch.compile's keys
+        for value in twin._orig_mod.state_dict().values():  # detached views of the twin's tensors
+            value.zero_()
+        result = twin.load_state_dict(saved)
+        assert not result.missing_keys and not result.unexpected_keys
+        for key, value in twin._orig_mod.state_dict().items():
+            assert torch.equal(value, state[key]), key
+    with pytest.raises(RuntimeError, match="Missing key"):
+        twin.load_state_dict({})  # strict, as the model's own

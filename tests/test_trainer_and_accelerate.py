@@ -37,3 +37,46 @@ def test_accelerate_prepares_and_trains_the_compiled_model_in_fp8():
     assert torch.isfinite(loss)
     assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, weight_before)
     assert sum(decision.rewritten for decision in compiled.fp8graph_backend.decisions) == 14
+
+
+class _Bytes(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        ids = torch.randint(0, 250, (16,), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": ids, "labels": ids}
+
+
+def _trainer(compiled, output_dir, **arguments):
+    from transformers import Trainer, TrainingArguments
+
+    arguments = TrainingArguments(output_dir=output_dir, max_steps=2, per_device_train_batch_size=4, report_to=[],
+                                  use_cpu=True, **arguments)
+    return Trainer(model=compiled, args=arguments, train_dataset=_Bytes())
+
+
+def test_trainer_checkpoints_load_with_from_pretrained_and_resume(tmp_path):
+    """The Trainer saves ``model.state_dict()`` of the model it trains through ``save_pretrained``: its keys
+    must be the model's own for ``from_pretrained`` to load them, and resuming loads them back."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = build("llama", "tiny")
+    _trainer(fp8graph.compile(model, compiler="aot_eager"), str(tmp_path), save_strategy="steps",
+             save_steps=2).train()
+    trained = {name: value.clone() for name, value in model.state_dict().items()}
+    checkpoint = tmp_path / "checkpoint-2"
+
+    loaded = AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert loaded.state_dict().keys() == trained.keys()
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+
+    torch.manual_seed(1)
+    fresh = build("llama", "tiny")
+    assert not torch.equal(fresh.model.layers[0].mlp.up_proj.weight, trained["model.layers.0.mlp.up_proj.weight"])
+    _trainer(fp8graph.compile(fresh, compiler="aot_eager"), str(tmp_path / "resumed"),
+             save_strategy="no").train(resume_from_checkpoint=str(checkpoint))  # step 2 of 2: loads, trains none
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, trained[name]), name

@@ -29,7 +29,7 @@ from fp8graph.recipes.plan import UNDECIDED, Plan
 from fp8graph.recipes.policy import Policy, weight_orientations
 from fp8graph.recipes.scaling import misaligned
 
-__all__ = ["AllGatherPlan", "GatherRecord", "install_fp8_all_gather"]
+__all__ = ["AllGatherPlan", "GatherRecord", "fsdp_mesh", "install_fp8_all_gather"]
 
 log = logging.getLogger("fp8graph")
 
@@ -84,6 +84,12 @@ def _fsdp_params(model: torch.nn.Module):
             group = module._get_fsdp_state()._fsdp_param_group
             if group is not None:
                 yield group, group.fsdp_params
+
+
+def fsdp_mesh(model: torch.nn.Module):
+    """The device mesh ``fully_shard`` shards ``model`` over (1-D, or HSDP's 2-D), or ``None`` if it is not."""
+    group = next(_fsdp_params(model), (None,))[0]
+    return group.mesh_info.mesh if group is not None else None
 
 
 def _reason_not_fp8(plan: Plan, module, param, fsdp_param, group, options: dict):

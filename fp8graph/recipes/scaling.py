@@ -205,7 +205,7 @@ class DelayedScaling(_RecipeKind):
         amax_history_len: amaxes kept per role (>= 1).
         amax_compute_algo: ``"max"``, ``"most_recent"``, or a callable taking
             the history tensor (newest in slot 0) and returning an amax.
-        reduce_amax: max-reduce amaxes across the data-parallel group.
+        reduce_amax: max-reduce amaxes across the data-parallel group (``fp8graph.buffers.amax_reduction``).
         save_transposes: keep the backward's transposed FP8 copies from the forward, as for current scaling.
     """
 

@@ -295,6 +295,7 @@ class RegionalBackend:
     state = property(lambda self: self.root.state)
     weight_cache = property(lambda self: self.root.weight_cache)
     plan = property(lambda self: self.root.plan)
+    frames_run_eagerly = property(lambda self: self.root.frames_run_eagerly)
 
     @property
     def groups(self) -> list[BlockGroup]:

@@ -51,8 +51,20 @@ def _rank_main(rank, world_size, out_dir):
     state = {k: v for k, v in model.state_dict().items() if "fp8graph" in k}
     # explain finds the compiled model's policy through the DDP wrapper.
     explained = [(r.path, r.recipe and str(r.recipe)) for r in fp8graph.explain(ddp, local[0])]
-    torch.save({"losses": torch.stack(global_losses), "state": state, "explained": explained},
+    torch.save({"losses": torch.stack(global_losses), "state": state, "explained": explained,
+                "own_group_state": _trained_in_a_group_of_its_own(rank, world_size, local)},
                f"{out_dir}/rank{rank}.pt")
+
+
+def _trained_in_a_group_of_its_own(rank, world_size, local):
+    """Each rank a DDP of its own (process_group of one rank, as a pipeline stage's replicas would be): its amaxes
+    are reduced over that group, not over every rank."""
+    own = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank creates every group
+    model = build("mlp", "tiny", seed=0)
+    compiled = fp8graph.compile(model, policy=RECIPE, compiler="aot_eager")
+    ddp = torch.nn.parallel.DistributedDataParallel(compiled, process_group=own, broadcast_buffers=False)
+    _train(ddp, model, local[:1])
+    return {k: v for k, v in model.state_dict().items() if "fp8graph_amax_history" in k}
 
 
 def test_two_ranks_hold_identical_state_and_match_one_process(tmp_path):
@@ -62,6 +74,13 @@ def test_two_ranks_hold_identical_state_and_match_one_process(tmp_path):
     for key in rank0["state"]:
         assert torch.equal(rank0["state"][key], rank1["state"][key]), key
     assert rank0["explained"] == [("up", RECIPE.name), ("mid", RECIPE.name), ("head", None)]
+    # A DDP over a group of one rank reduces nothing: each rank's first input amax is its own half's.
+    for rank, saved in enumerate((rank0, rank1)):
+        local = _batches()[0][rank * GLOBAL_BATCH // 2:(rank + 1) * GLOBAL_BATCH // 2]
+        history = saved["own_group_state"]["up.fp8graph_amax_history_weight"]
+        assert history[0, 0] == local.abs().amax(), rank  # row 0: the input's amaxes, newest first
+    assert not torch.equal(rank0["own_group_state"]["up.fp8graph_amax_history_weight"][0],
+                           rank1["own_group_state"]["up.fp8graph_amax_history_weight"][0])
 
     model = build("mlp", "tiny", seed=0)
     compiled = fp8graph.compile(model, policy=RECIPE, compiler="aot_eager")

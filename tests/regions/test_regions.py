@@ -351,3 +351,51 @@ def test_a_warm_start_reuses_every_region_from_the_caches_and_another_policy_mis
     # precision, N=250) are the same graphs and hit.
     assert other.get("autograd_cache_miss") == 1 and other.get("autograd_cache_hit") == units - 1, other
     assert not torch.equal(e4m3_grad, grad)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _LoopingRoot(torch.nn.Module):
+    """Calls its blocks itself, in a loop, and multiplies by its embedding's weight in its own code (a tied head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 64)
+        self.layers = torch.nn.ModuleList([_Block(), _Block()])
+        self.head = torch.nn.Linear(64, 256)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x) + x @ self.embed.weight.T
+
+
+def test_a_root_that_loops_over_its_regions_is_run_eagerly_and_says_so(caplog):
+    """Each region call breaks the root's graph inside its loop, and Dynamo then runs the root's whole forward
+    eagerly: its own GEMM (the tied head's matmul) never reaches fp8graph. The first call warns, naming the
+    function and regions=None, which traces it whole; explain lists it."""
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    whole = fp8graph.compile(_LoopingRoot(), compiler="aot_eager", regions=None)  # first: Dynamo skips a code once
+    with caplog.at_level(logging.WARNING, logger="fp8graph"):
+        whole(ids)
+    assert "eagerly" not in caplog.text
+    assert [(d.site.path, d.rewritten) for d in whole.fp8graph_backend.decisions][-1] == ("embed", True)
+
+    regional = fp8graph.compile(_LoopingRoot(), compiler="aot_eager")
+    with caplog.at_level(logging.WARNING, logger="fp8graph"):
+        regional(ids)
+        regional(ids)
+    warnings = [r.getMessage() for r in caplog.records if "eagerly" in r.getMessage()]
+    assert len(warnings) == 1 and "forward (" in warnings[0] and "regions=None" in warnings[0]
+    assert "for/while loop" in warnings[0]
+    assert "embed" not in {d.site.path for d in regional.fp8graph_backend.decisions}
+    breaks = fp8graph.explain(regional, ids).graph_breaks
+    assert [b for b in breaks if b.startswith("ran eagerly: forward (")], breaks
