@@ -151,9 +151,8 @@ class GatheredFP8Weight(torch.Tensor):
         raise RuntimeError(
             f"{func}: a weight of shape {shapes} was all-gathered in FP8 by fp8graph (FSDP2) and is read only by "
             "the FP8 sites inside the compiled graphs of the model fp8graph.compile returned, but code outside them "
-            "read it: the model called uncompiled, or a module whose forward Dynamo ran eagerly (a torch.nn module "
-            "that is itself an FSDP2 unit, such as fully_shard on an nn.Linear or on the root of an nn.Sequential: "
-            "shard a module around it instead). Or compile with fp8_all_gather=False.")
+            "read it: the model called uncompiled, or a module whose forward Dynamo ran eagerly (the compiled "
+            "model's first call warns of each function it ran so). Or compile with fp8_all_gather=False.")
 
 
 def is_gathered(tensor) -> bool:

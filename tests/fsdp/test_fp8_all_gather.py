@@ -31,6 +31,7 @@ split between ranks, kept in high precision; the same bits on 4 shards), not ano
 """
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -389,19 +390,41 @@ def test_a_gathered_weight_read_outside_an_fp8_site_is_refused_naming_it(world_o
         model(torch.randn(32, 64))
 
 
-def test_a_torch_nn_module_that_is_its_own_fsdp2_unit_is_refused_saying_why(world_of_one):
-    """Dynamo runs the forward of an nn.Linear that is itself an FSDP2 unit eagerly, outside the graph whose FP8
-    sites read the gathered weight: the error names the weight's shape and that cause."""
+class _AroundASequential(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seq = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False))
+
+    def forward(self, x):
+        return self.seq(x) * 2
+
+
+@pytest.mark.parametrize("units", ["each linear", "a sequential inside the model's own module"])
+def test_torch_nn_modules_that_dynamo_runs_eagerly_gather_in_high_precision_saying_why(world_of_one, units):
+    """An FSDP2 unit's call breaks the graph that calls it, and Dynamo does not compile a torch.nn module's forward
+    as a frame of its own: the linears run eagerly, where a weight gathered in FP8 could not be read. They gather
+    in high precision, each with the reason, and the step computes what the unsharded model computes."""
     from torch.distributed.fsdp import fully_shard
 
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False))
-    for linear in model:
-        fully_shard(linear)
+    torch.manual_seed(0)
+    if units == "each linear":
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False))
+        reference, units_made, unit_paths = copy.deepcopy(model), list(model), ["0", "1"]
+    else:
+        model = _AroundASequential()
+        reference, units_made, unit_paths = copy.deepcopy(model), [model.seq], ["seq", "seq"]
+    for unit in units_made:
+        fully_shard(unit)
     fully_shard(model)
     compiled = fp8graph.compile(model, compiler="aot_eager")
-    with pytest.raises(RuntimeError, match=r"a weight of shape \((64, 64|32, 64)\) was all-gathered in FP8 .*\(a "
-                                           r"torch\.nn module that is itself an FSDP2 unit"):
-        compiled(torch.randn(32, 64))
+    x = torch.randn(32, 64)
+    output = compiled(x)
+    output.sum().backward()
+    records = compiled.fp8graph_backend.all_gather.records
+    assert [record.fp8 for record in records] == [False, False]
+    assert [record.reason.split("FSDP2 unit (")[1].split(")")[0] for record in records] == unit_paths
+    assert all("Dynamo runs its module eagerly" in record.reason for record in records)
+    torch.testing.assert_close(output, reference(x), rtol=0, atol=0)  # high precision: eager's result
 
 
 def test_a_model_sharded_after_compiling_gathers_in_high_precision_and_says_so(world_of_one, caplog):
