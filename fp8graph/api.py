@@ -328,7 +328,8 @@ def _checks_at_first_call(backend, with_regions: bool):
 
 # A model whose own forward calls its blocks in a loop: each region call is a graph break inside the loop.
 _REGIONS_IN_A_LOOP = ("; a forward that calls the model's repeated blocks in a loop breaks at each block (a region "
-                      "of its own): compile with regions=None to trace it whole")
+                      "of its own): compile with regions=None to trace it whole, in a new process or after "
+                      "torch._dynamo.reset() (Dynamo skips a function it skipped once for the rest of the process)")
 
 
 def _find_compiled(model):

@@ -21,6 +21,17 @@ def make_compiled_fp8_module(compiled, user_model, compile_again: functools.part
     # torch.compile of a compiled module compiles the innermost callable this names (the user's
     # forward, which would run in high precision): name one that refuses, saying what to do.
     object.__setattr__(compiled, "_torchdynamo_orig_callable", _refuse_compiling_again)
+    # Its load_state_dict, or a parent's reaching it, takes the model's own keys too: they go where the wrapper's are.
+    compiled._register_load_state_dict_pre_hook(_keys_under_the_wrapper)
+
+
+def _keys_under_the_wrapper(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                            error_msgs) -> None:
+    """``load_state_dict`` reaches the model through the wrapper's ``_orig_mod``: keys saved from the model itself
+    (``prefix + key``) are moved under ``prefix + "_orig_mod."``, where it looks."""
+    for key in [key for key in state_dict if key.startswith(prefix)
+                and not key.startswith(prefix + _WRAPPER_PREFIX)]:
+        state_dict[prefix + _WRAPPER_PREFIX + key.removeprefix(prefix)] = state_dict.pop(key)
 
 
 def _refuse_compiling_again(*args, **kwargs):
@@ -42,25 +53,13 @@ class CompiledFP8Module(torch._dynamo.eval_frame.OptimizedModule):
     graphs compile at its first call, its stats rows start empty and its weight
     copies are filled again before they are read.
 
-    Its state dict is the user's model's, with the model's own keys: code that
-    saves whatever model it trains (HuggingFace's ``Trainer`` passes
-    ``model.state_dict()`` to ``save_pretrained``) writes a checkpoint the
-    model's class loads. ``load_state_dict`` takes those keys, and the
-    ``_orig_mod.``-prefixed ones of ``torch.compile``'s wrapper.
+    Its ``state_dict()`` is ``torch.compile``'s: the model's keys under ``_orig_mod.``, which
+    ``torch.distributed.checkpoint`` requires of a compiled module. Its ``load_state_dict``, and a parent's
+    reaching it, also take the model's own keys, as the model's ``state_dict()`` writes them.
     """
 
     def __reduce__(self):
         return vars(self)["_fp8graph_compile_again"], (self._orig_mod,)
-
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        return self._orig_mod.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if state_dict and all(key.startswith(_WRAPPER_PREFIX) for key in state_dict):
-            # A checkpoint of torch.compile's wrapper (or of this one before it saved the model's own keys).
-            state_dict = type(state_dict)((key.removeprefix(_WRAPPER_PREFIX), value)
-                                          for key, value in state_dict.items())
-        return self._orig_mod.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 def _called_as_a_compiled_unit(forward, user_model):

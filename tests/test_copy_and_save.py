@@ -106,22 +106,46 @@ def test_flags_must_be_booleans(flag):
         fp8graph.compile(_mlp(), **{flag: "false"})
 
 
-def test_the_state_dict_has_the_models_keys_and_loads_from_either_form():
+def test_the_state_dict_is_torch_compiles_and_loads_from_either_form():
+    """``state_dict()`` keys the model's tensors under ``_orig_mod.``, as ``torch.compile``'s wrapper does (what
+    ``torch.distributed.checkpoint`` requires of a compiled module); ``load_state_dict`` takes those keys and the
+    model's own."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     model = _mlp()
     compiled = fp8graph.compile(model, compiler="aot_eager", policy=OPTIONS["delayed"]["policy"])
     compiled(torch.randn(16, 32)).sum().backward()
-    state = compiled.state_dict()
-    assert state.keys() == model.state_dict().keys()  # delayed scaling's amax history and scales included
-    assert any("fp8graph_amax_history" in key for key in state)
+    own = model.state_dict()  # delayed scaling's amax histories and scales included
+    assert any("fp8graph_amax_history" in key for key in own)
+    assert list(compiled.state_dict()) == [f"_orig_mod.{key}" for key in own]
+    assert get_model_state_dict(compiled).keys() == own.keys()
     twin = fp8graph.compile(_mlp(), compiler="aot_eager", policy=OPTIONS["delayed"]["policy"])
     with torch.no_grad():
         twin(torch.randn(16, 32))
-    for saved in (state, {f"_orig_mod.{key}": value for key, value in state.items()}):  # torch.compile's keys
+    for saved in (compiled.state_dict(), own):
         for value in twin._orig_mod.state_dict().values():  # detached views of the twin's tensors
             value.zero_()
         result = twin.load_state_dict(saved)
         assert not result.missing_keys and not result.unexpected_keys
         for key, value in twin._orig_mod.state_dict().items():
-            assert torch.equal(value, state[key]), key
+            assert torch.equal(value, own[key]), key
     with pytest.raises(RuntimeError, match="Missing key"):
         twin.load_state_dict({})  # strict, as the model's own
+
+
+def test_a_module_holding_the_compiled_model_saves_and_loads_it():
+    """A parent's state_dict has the compiled model's tensors under its name and ``_orig_mod.``; the parent's
+    load_state_dict takes those keys, and the model's own under the parent's name."""
+    parent, twin = torch.nn.Module(), torch.nn.Module()
+    parent.child = fp8graph.compile(_mlp(), compiler="aot_eager")
+    twin.child = fp8graph.compile(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                                      torch.nn.Linear(64, 32)), compiler="aot_eager")
+    state = parent.state_dict()
+    assert sorted(state) == [f"child._orig_mod.{key}" for key in ("0.bias", "0.weight", "2.bias", "2.weight")]
+    for saved in (state, {key.replace("_orig_mod.", ""): value for key, value in state.items()}):
+        for value in twin.state_dict().values():
+            value.zero_()
+        result = twin.load_state_dict(saved)
+        assert not result.missing_keys and not result.unexpected_keys
+        for key, value in twin.state_dict().items():
+            assert torch.equal(value, state[key]), key

@@ -56,9 +56,10 @@ def _trainer(compiled, output_dir, **arguments):
     return Trainer(model=compiled, args=arguments, train_dataset=_Bytes())
 
 
-def test_trainer_checkpoints_load_with_from_pretrained_and_resume(tmp_path):
-    """The Trainer saves ``model.state_dict()`` of the model it trains through ``save_pretrained``: its keys
-    must be the model's own for ``from_pretrained`` to load them, and resuming loads them back."""
+def test_trainer_checkpoints_resume_and_load_with_from_pretrained_given_the_key_mapping(tmp_path):
+    """The Trainer saves ``model.state_dict()`` of the model it trains through ``save_pretrained``: the compiled
+    model's keys, under ``_orig_mod.`` as ``torch.compile``'s are. Resuming loads them back;
+    ``from_pretrained`` loads them with ``key_mapping`` (docs/training-and-checkpoints.md)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -68,7 +69,7 @@ def test_trainer_checkpoints_load_with_from_pretrained_and_resume(tmp_path):
     trained = {name: value.clone() for name, value in model.state_dict().items()}
     checkpoint = tmp_path / "checkpoint-2"
 
-    loaded = AutoModelForCausalLM.from_pretrained(checkpoint)
+    loaded = AutoModelForCausalLM.from_pretrained(checkpoint, key_mapping={r"^_orig_mod\.": ""})
     assert loaded.state_dict().keys() == trained.keys()
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, trained[name]), name

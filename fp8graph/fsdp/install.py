@@ -77,44 +77,44 @@ class AllGatherPlan:
 
 
 def _fsdp_units(model: torch.nn.Module):
-    """``(unit, its FSDPParamGroup)`` of every module of ``model`` that ``fully_shard`` made a unit holding
-    parameters."""
+    """Every FSDPParamGroup of ``model``'s ``fully_shard`` units that hold parameters, once each (one
+    ``fully_shard`` of a list of modules makes them one unit: ``group.modules``)."""
     from torch.distributed.fsdp import FSDPModule
 
+    seen = set()
     for module in model.modules():
         if isinstance(module, FSDPModule):
             group = module._get_fsdp_state()._fsdp_param_group
-            if group is not None:
-                yield module, group
+            if group is not None and id(group) not in seen:
+                seen.add(id(group))
+                yield group
 
 
 def fsdp_mesh(model: torch.nn.Module):
     """The device mesh ``fully_shard`` shards ``model`` over (1-D, or HSDP's 2-D), or ``None`` if it is not."""
-    unit = next(_fsdp_units(model), None)
-    return unit[1].mesh_info.mesh if unit is not None else None
+    group = next(_fsdp_units(model), None)
+    return group.mesh_info.mesh if group is not None else None
 
 
-def _torch_nn_own(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s class is one of ``torch.nn``'s (seen through FSDP2's ``FSDP<class>`` subclass)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    defining = next(cls for cls in type(module).__mro__
-                    if not issubclass(FSDPModule, cls) and not issubclass(cls, FSDPModule))
-    return defining.__module__.startswith("torch.nn.")
+def _forward_is_torch_nns(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward is ``torch.nn``'s code (a subclass that keeps ``nn.Linear``'s forward too)."""
+    return getattr(type(module).forward, "__module__", "").startswith("torch.nn.")
 
 
-def _runs_eagerly(unit: torch.nn.Module, module: torch.nn.Module) -> bool:
+def _runs_eagerly(unit_modules, module: torch.nn.Module, parents: dict) -> bool:
     """Whether Dynamo runs ``module``'s forward outside the compiled graphs: an FSDP2 unit's call breaks the graph
-    that calls it, and a ``torch.nn`` module's forward is not a frame Dynamo compiles on its own, so a module that
-    is, with every module between it and its unit, ``torch.nn``'s own (``fully_shard`` on an ``nn.Linear``, or on
-    an ``nn.Sequential`` of them) runs eagerly. A user's module on the way is compiled, and what it calls with it."""
-    parents = {id(child): parent for parent in unit.modules() for child in parent.children()}
-    while True:
-        if not _torch_nn_own(module):
-            return False
-        if module is unit or id(module) not in parents:
+    that calls it, and ``torch.nn``'s code is not a frame Dynamo compiles on its own, so a module whose forward
+    is, with every module's between it and its unit (one of ``unit_modules``), ``torch.nn``'s (``fully_shard``
+    on an ``nn.Linear``, or on an ``nn.Sequential`` of them) runs eagerly. A user's forward on the way is
+    compiled, and what it calls with it. ``parents``: ``{id(module): its parent}`` over the model."""
+    units = {id(unit) for unit in unit_modules}
+    while _forward_is_torch_nns(module):
+        if id(module) in units:
             return True
+        if id(module) not in parents:
+            return False
         module = parents[id(module)]
+    return False
 
 
 def _reason_not_fp8(plan: Plan, module, param, fsdp_param, group, options: dict):
@@ -175,17 +175,17 @@ def install_fp8_all_gather(model: torch.nn.Module, policy: Policy, paths: dict[s
     plan = plan if plan is not None else Plan(model, policy)
     amaxes, calls = WeightAmaxes(), GatherCalls(scope)
     records, casts = [], []
-    for unit, group in _fsdp_units(model):
+    parents = {id(child): parent for parent in model.modules() for child in parent.children()}
+    for group in _fsdp_units(model):
         for fsdp_param in group.fsdp_params:
             module, name = fsdp_param._module_info.module, fsdp_param._module_info.param_name
             module_path = paths.get(str(id(module)), "")
             path = f"{module_path}.{name}" if module_path else name
             param = getattr(module, name)
             reason, recipe = _reason_not_fp8(plan, module, param, fsdp_param, group, options)
-            if reason is None and _runs_eagerly(unit, module):
-                unit_path = paths.get(str(id(unit)), "") or "the root"
-                reason, recipe = (f"Dynamo runs its module eagerly: it and every module up to its FSDP2 unit "
-                                  f"({unit_path}) are torch.nn's own (shard a module of your own around it)"), None
+            if reason is None and _runs_eagerly(group.modules, module, parents):
+                reason, recipe = ("Dynamo runs its module eagerly: its forward, and every module's up to its FSDP2 "
+                                  "unit, is torch.nn's code (shard a module of your own around it)"), None
             param_dtype = group.mp_policy.param_dtype or param.dtype  # what FSDP2 would gather
             high_precision_bytes = param.numel() * param_dtype.itemsize
             if reason is not None:

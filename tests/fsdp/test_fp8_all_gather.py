@@ -399,7 +399,12 @@ class _AroundASequential(torch.nn.Module):
         return self.seq(x) * 2
 
 
-@pytest.mark.parametrize("units", ["each linear", "a sequential inside the model's own module"])
+class _SubclassedLinear(torch.nn.Linear):
+    """nn.Linear's forward, in a class of the user's own."""
+
+
+@pytest.mark.parametrize("units", ["each linear", "a sequential inside the model's own module",
+                                   "each subclass of nn.Linear"])
 def test_torch_nn_modules_that_dynamo_runs_eagerly_gather_in_high_precision_saying_why(world_of_one, units):
     """An FSDP2 unit's call breaks the graph that calls it, and Dynamo does not compile a torch.nn module's forward
     as a frame of its own: the linears run eagerly, where a weight gathered in FP8 could not be read. They gather
@@ -409,10 +414,13 @@ def test_torch_nn_modules_that_dynamo_runs_eagerly_gather_in_high_precision_sayi
     torch.manual_seed(0)
     if units == "each linear":
         model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False))
-        reference, units_made, unit_paths = copy.deepcopy(model), list(model), ["0", "1"]
+        reference, units_made, paths = copy.deepcopy(model), list(model), ["0.weight", "1.weight"]
+    elif units == "each subclass of nn.Linear":
+        model = torch.nn.Sequential(_SubclassedLinear(64, 64, bias=False), _SubclassedLinear(64, 32, bias=False))
+        reference, units_made, paths = copy.deepcopy(model), list(model), ["0.weight", "1.weight"]
     else:
         model = _AroundASequential()
-        reference, units_made, unit_paths = copy.deepcopy(model), [model.seq], ["seq", "seq"]
+        reference, units_made, paths = copy.deepcopy(model), [model.seq], ["seq.0.weight", "seq.1.weight"]
     for unit in units_made:
         fully_shard(unit)
     fully_shard(model)
@@ -421,10 +429,26 @@ def test_torch_nn_modules_that_dynamo_runs_eagerly_gather_in_high_precision_sayi
     output = compiled(x)
     output.sum().backward()
     records = compiled.fp8graph_backend.all_gather.records
-    assert [record.fp8 for record in records] == [False, False]
-    assert [record.reason.split("FSDP2 unit (")[1].split(")")[0] for record in records] == unit_paths
+    assert [record.path for record in records] == paths and [record.fp8 for record in records] == [False, False]
     assert all("Dynamo runs its module eagerly" in record.reason for record in records)
     torch.testing.assert_close(output, reference(x), rtol=0, atol=0)  # high precision: eager's result
+
+
+def test_one_fully_shard_of_a_list_of_layers_is_one_unit_with_one_record_a_weight(world_of_one):
+    """``fully_shard([layer, ...])`` makes one unit of the layers: each weight is recorded once, and the layers'
+    linears (a user's module's forward calls them) gather in FP8."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = build("llama", "tiny", seed=0)
+    fully_shard(list(model.model.layers))
+    fully_shard(model)
+    compiled = fp8graph.compile(model, compiler="aot_eager")
+    tokens = torch.randint(0, 250, (2, 16))
+    compiled(tokens, labels=tokens).loss.backward()
+    records = compiled.fp8graph_backend.all_gather.records
+    assert len({record.path for record in records}) == len(records)
+    projections = [record for record in records if record.path.endswith("_proj.weight")]
+    assert len(projections) == 14 and all(record.fp8 for record in projections), projections
 
 
 def test_a_model_sharded_after_compiling_gathers_in_high_precision_and_says_so(world_of_one, caplog):
