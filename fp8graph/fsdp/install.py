@@ -64,7 +64,7 @@ class AllGatherPlan:
         model that was ``fully_shard``-ed only after compiling is reported: it gathers in high precision."""
         if self.first_call:
             self.first_call = False
-            if not self.records and next(_fsdp_units(self.model), None) is not None:
+            if not self.records and next(_param_groups(self.model), None) is not None:
                 log.warning("fp8graph: %s was fully_shard-ed after fp8graph.compile: FSDP2 gathers its weights in "
                             "high precision. fully_shard first, then compile, to gather them in FP8",
                             type(self.model).__name__)
@@ -76,9 +76,9 @@ class AllGatherPlan:
                 _attach(fsdp_param, cast)
 
 
-def _fsdp_units(model: torch.nn.Module):
-    """Every FSDPParamGroup of ``model``'s ``fully_shard`` units that hold parameters, once each (one
-    ``fully_shard`` of a list of modules makes them one unit: ``group.modules``)."""
+def _param_groups(model: torch.nn.Module):
+    """The FSDPParamGroup of each ``fully_shard`` unit of ``model`` that holds parameters, once (one ``fully_shard``
+    of a list of modules makes them one unit: ``group.modules``)."""
     from torch.distributed.fsdp import FSDPModule
 
     seen = set()
@@ -92,7 +92,7 @@ def _fsdp_units(model: torch.nn.Module):
 
 def fsdp_mesh(model: torch.nn.Module):
     """The device mesh ``fully_shard`` shards ``model`` over (1-D, or HSDP's 2-D), or ``None`` if it is not."""
-    group = next(_fsdp_units(model), None)
+    group = next(_param_groups(model), None)
     return group.mesh_info.mesh if group is not None else None
 
 
@@ -176,7 +176,7 @@ def install_fp8_all_gather(model: torch.nn.Module, policy: Policy, paths: dict[s
     amaxes, calls = WeightAmaxes(), GatherCalls(scope)
     records, casts = [], []
     parents = {id(child): parent for parent in model.modules() for child in parent.children()}
-    for group in _fsdp_units(model):
+    for group in _param_groups(model):
         for fsdp_param in group.fsdp_params:
             module, name = fsdp_param._module_info.module, fsdp_param._module_info.param_name
             module_path = paths.get(str(id(module)), "")
