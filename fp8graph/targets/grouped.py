@@ -158,7 +158,7 @@ class ExpertWeightCopy(NamedTuple):
 
 def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_index=None,
                          weight_copy: ExpertWeightCopy | None = None, placed_offsets: torch.Tensor | None = None,
-                         both_layouts: bool = False, swiglu_source: torch.Tensor | None = None):
+                         both_layouts: bool = False, swiglu_source: torch.Tensor | None = None, reduce=None):
     """The forward casts with delayed scaling: the input's scale from row 0 of the history, expert e's from row
     1 + e; every row moves one step (new scales, histories rolled, this call's amaxes recorded) in one
     ``fp8graph::record_delayed_``. Returns the two casts as :func:`cast_rows` and :func:`cast_experts` do, the
@@ -170,7 +170,8 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
 
     Through ``weight_copy``, a filling call also writes the weight's cast, its transpose and the scales into the
     copies; a reusing call casts only the input, takes the copy and the scales it was cast with, and records no
-    amax for the experts (zero: as Transformer Engine's cached weights, whose history slot stays empty)."""
+    amax for the experts (zero: as Transformer Engine's cached weights, whose history slot stays empty).
+    ``reduce``: the amaxes' reduction across data-parallel ranks, or None (``amax_reduction``)."""
     history, scale = state[0], state[1]  # (1 + E, len), (1 + E,)
     recipe = spec.recipe
     reuse = weight_copy is not None and weight_copy.mode == "reuse"
@@ -223,7 +224,7 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
         partials = [input_amaxes.reshape(-1), *weight_amaxes.unbind(0)]
         filling = weight_copy is not None and not reuse
         record_states([(history, scale)], [partials], new_scales[None].contiguous(),
-                      amax_reduction(recipe.reduce_amax), [weight_copy.scale] if filling else ())
+                      reduce, [weight_copy.scale] if filling else ())
     return ((input_fp8, input_scale, inverse[0].expand(input_fp8.shape[0])),
             (weight_fp8, weight_scale, inverse[1:, None].expand(experts, rows)), input_placed, weight_t_fp8)
 
@@ -273,17 +274,18 @@ def _grad_scale_delayed(state, spec: GroupedSpec, after: torch.Tensor) -> torch.
     return scale_from_history(history, scale, _FP8, spec.recipe.margin, spec.recipe.amax_compute_algo)
 
 
-def _record_grad_amaxes(state, spec: GroupedSpec, amaxes: torch.Tensor, new_scale: torch.Tensor) -> None:
-    """Move grad_output's history one step: ``amaxes`` this call's partials, ``new_scale`` (1,) its scale."""
+def _record_grad_amaxes(state, spec: GroupedSpec, amaxes: torch.Tensor, new_scale: torch.Tensor, reduce) -> None:
+    """Move grad_output's history one step: ``amaxes`` this call's partials, ``new_scale`` (1,) its scale, ``reduce``
+    the forward's amax reduction (:meth:`_GroupedFP8.forward`)."""
     if spec.update:
-        record_states([state[2:]], [[amaxes]], new_scale[None].contiguous(), amax_reduction(spec.recipe.reduce_amax))
+        record_states([state[2:]], [[amaxes]], new_scale[None].contiguous(), reduce)
 
 
-def _cast_grad_output_delayed(grad_output_hp, state, spec: GroupedSpec):
+def _cast_grad_output_delayed(grad_output_hp, state, spec: GroupedSpec, reduce):
     """grad_output's cast with delayed scaling, from its own history, read when this backward runs."""
     new_scale = _grad_scale_delayed(state, spec, grad_output_hp)
     grad_output_fp8 = quantize(grad_output_hp, new_scale[0], _FP8)
-    _record_grad_amaxes(state, spec, row_amaxes(grad_output_hp.detach()), new_scale)
+    _record_grad_amaxes(state, spec, row_amaxes(grad_output_hp.detach()), new_scale, reduce)
     return grad_output_fp8, new_scale[0], new_scale.reciprocal().expand(grad_output_hp.shape[0])
 
 
@@ -318,7 +320,7 @@ def _combine(rows_hp: torch.Tensor, row_weights: torch.Tensor, permutation: torc
 
 def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, rows_hp: torch.Tensor | None,
                            token_of_row: torch.Tensor, offsets: torch.Tensor, state, spec: GroupedSpec,
-                           layout: bool = True):
+                           layout: bool = True, reduce=None):
     """Through :func:`_combine`, given its gradient ``grad_hp`` (T, N): this GEMM's grad_output
     ``grad_hp[token_of_row] * row_weights`` (S, N) cast for both of its GEMMs, ``(grad_output_fp8 (S, N), scale,
     inverse (S,), placed (N, S'), placed_inverse (E, N), grad_row_weights (S, 1) or None)``: the rows grad_input's
@@ -354,7 +356,7 @@ def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, row
         grad_fp8, placed, amaxes, dots = torch.ops.fp8graph.quantize_weighted_rows_placed(
             grad_hp, weights, rows_hp, scale, offsets, FP8_GEMM_DIM_MULTIPLE, token_of_row, layout)
         if spec.delayed:
-            _record_grad_amaxes(state, spec, amaxes.reshape(-1), new_scale)
+            _record_grad_amaxes(state, spec, amaxes.reshape(-1), new_scale, reduce)
         inverse = scale.reciprocal().expand(grad_fp8.shape[0])
         placed_inverse = _each_group_column(inverse, offsets.shape[0], columns)
     grad_row_weights = dots.to(row_weights.dtype).reshape(row_weights.shape) if rows_hp is not None else None
@@ -362,7 +364,7 @@ def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, row
 
 
 def _cast_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, offsets: torch.Tensor, state,
-                          spec: GroupedSpec, layout: bool = True):
+                          spec: GroupedSpec, layout: bool = True, reduce=None):
     """The gradient of ``gate_up_hp`` (S, 2I) through :func:`_swiglu`, given ``grad_h_hp`` (S, I), cast for both of
     this GEMM's backward GEMMs: ``(grad_output_fp8 (S, 2I), scale, inverse (S,), placed (2I, S'), placed_inverse
     (E, 2I))``, the rows grad_input's GEMM reads and ``placed`` laid out for grad_weight's (as
@@ -385,7 +387,7 @@ def _cast_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, off
         new_scale = _grad_scale_delayed(state, spec, grad_h_hp)
         grad_fp8, placed, amaxes = torch.ops.fp8graph.swiglu_backward_placed(
             gate_up_hp, grad_h_hp, new_scale[0], offsets, FP8_GEMM_DIM_MULTIPLE, layout)
-        _record_grad_amaxes(state, spec, amaxes.reshape(-1), new_scale)
+        _record_grad_amaxes(state, spec, amaxes.reshape(-1), new_scale, reduce)
         scale = new_scale[0]
     else:
         scale = _scale(torch.ops.fp8graph.swiglu_backward_amax(gate_up_hp, grad_h_hp, offsets).amax(), spec)
@@ -555,11 +557,14 @@ class _GroupedFP8(torch.autograd.Function):
             recast_weight = per_expert_copy and _recasts_weight(spec, routed_rows, weight_hp, needs_grad_weight)
             both_layouts = per_expert_copy and not recast_weight and spec.lowering is Lowering.SCALED_MM
             weight_t_fp8 = None
+            # Resolved here, inside the data-parallel wrapper's forward, and reused by the backward (run eagerly,
+            # a backward runs outside that forward, where the wrapper's group is no longer known).
+            ctx.amax_reduce = amax_reduction(spec.recipe.reduce_amax) if spec.delayed else None
             if spec.delayed:
                 (input_fp8, input_scale, input_inverse), (weight_fp8, weight_scale, weight_inverse), input_placed, \
                     weight_t_fp8 = cast_forward_delayed(input_hp, weight_hp, state, spec, gather_index, weight_copy,
                                                         placed_offsets, both_layouts,
-                                                        swiglu_source if cast_swiglu else None)
+                                                        swiglu_source if cast_swiglu else None, ctx.amax_reduce)
                 if weight_copy is not None:  # grad_input's layout, kept with the forward's
                     weight_t_fp8 = weight_copy.weight_t_fp8
                     weight_t_inverse = weight_inverse[:, :1].expand(experts, weight_hp.shape[2])
@@ -670,19 +675,20 @@ class _GroupedFP8(torch.autograd.Function):
             if spec.swiglu:  # grad_output_hp is h's: the GEMM's grad_output is gate_up's, through SwiGLU
                 (grad_output_fp8, grad_output_scale, grad_output_inverse, grad_output_placed,
                  grad_output_g_inverse) = _cast_swiglu_backward(kept_output, grad_output_hp, offsets, ctx.state, spec,
-                                                                needs_grad_weight)
+                                                                needs_grad_weight, ctx.amax_reduce)
                 if ctx.stats is not None:  # the gradient in BF16 for its health record: stats cost its bytes
                     grad_output_hp = swiglu_backward_reference(kept_output, grad_output_hp).to(kept_output.dtype)
             elif spec.combine_top_k:  # grad_output_hp is the combine's (T, N): the GEMM's, through it
                 token_of_row = permutation // spec.combine_top_k
                 (grad_output_fp8, grad_output_scale, grad_output_inverse, grad_output_placed, grad_output_g_inverse,
                  grad_row_weights) = _cast_combine_backward(grad_output_hp, row_weights, kept_output, token_of_row,
-                                                            offsets, ctx.state, spec, needs_grad_weight)
+                                                            offsets, ctx.state, spec, needs_grad_weight,
+                                                            ctx.amax_reduce)
                 if ctx.stats is not None:  # the gradient in BF16 for its health record: stats cost its bytes
                     grad_output_hp = grad_output_hp[token_of_row] * row_weights
             else:
                 grad_output_fp8, grad_output_scale, grad_output_inverse = (  # along N
-                    _cast_grad_output_delayed(grad_output_hp, ctx.state, spec) if spec.delayed
+                    _cast_grad_output_delayed(grad_output_hp, ctx.state, spec, ctx.amax_reduce) if spec.delayed
                     else cast_rows(grad_output_hp, spec))
                 grad_output_fp8 = _one_buffer(grad_output_fp8, spec)  # grad_input's GEMM's, and grad_weight's layout's
             if ctx.stats is not None:

@@ -261,16 +261,16 @@ def _cast_current(spec: CallSpec, x_hp: torch.Tensor, role: Role) -> tuple[torch
 
 
 def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Sequence[torch.Tensor],
-                          members: Sequence[Member]):
+                          members: Sequence[Member], reduce):
     """The forward casts of delayed-scaling members: the shared input, then each weight.
 
     All members' input and weight rows move one step together: new scales from the histories,
     histories rolled, this call's amaxes recorded in slot 0, written into the buffers in place.
     Returns ``(input_fp8, input_scale, input_inverse_scale, [(weight_fp8, weight_scale, weight_inverse_scale,
     weight_hp), ...])``. The inverse scales are views of one tensor: their reciprocals are one kernel.
+    ``reduce``: the amaxes' reduction across data-parallel ranks, or None (:func:`_amax_reduction_now`).
     """
     recipe = spec.recipe
-    reduce = amax_reduction(recipe.reduce_amax)
     fp8_dtype = recipe.fp8_dtype(Role.INPUT)
     if recipe.fp8_dtype(Role.WEIGHT) != fp8_dtype:
         raise AssertionError("every Format casts input and weight to one FP8 dtype")
@@ -362,10 +362,17 @@ def _gathered_cast(weight: GatheredFP8Weight):
     return weight.fp8_data, weight.scale, weight.scale.reciprocal(), None
 
 
-def _cast_grad_outputs(spec: CallSpec, grad_outputs_hp: Sequence[torch.Tensor], members: Sequence[Member]):
+def _amax_reduction_now(spec: CallSpec):
+    """The amax reduction of a delayed-scaling call, resolved by its forward, which runs inside the data-parallel
+    wrapper's forward: its backward reuses it (run eagerly, a backward runs outside that forward, where the
+    wrapper's group is no longer known)."""
+    return amax_reduction(spec.recipe.reduce_amax) if spec.delayed else None
+
+
+def _cast_grad_outputs(spec: CallSpec, grad_outputs_hp: Sequence[torch.Tensor], members: Sequence[Member], reduce):
     """Each member's grad_output cast, ``[(grad_output_fp8, grad_output_scale, grad_output_inverse_scale), ...]``;
     with delayed scaling all members' grad_output rows move one step together (as
-    :func:`_cast_forward_delayed`'s rows)."""
+    :func:`_cast_forward_delayed`'s rows), their amaxes reduced by ``reduce`` (the forward's)."""
     recipe = spec.recipe
     if not spec.delayed:
         return [_cast_current(spec, grad, Role.GRAD_OUTPUT) for grad in grad_outputs_hp]
@@ -379,7 +386,7 @@ def _cast_grad_outputs(spec: CallSpec, grad_outputs_hp: Sequence[torch.Tensor], 
     if not spec.update:
         return casts
     record_states([member.grad_state for member in members], [[row_amaxes(grad.detach())] for grad in grad_outputs_hp],
-                   new_scales[:, None].contiguous(), amax_reduction(recipe.reduce_amax))
+                   new_scales[:, None].contiguous(), reduce)
     return casts
 
 
@@ -402,10 +409,11 @@ class _LinearsFP8(torch.autograd.Function):
         output_dtype = autocast_dtype(device_type) or input_hp_2d.dtype
         needs_grad_input = ctx.needs_input_grad[0]
         needs_grad_weight = [ctx.needs_input_grad[3 + i] for i in range(count)]
+        ctx.amax_reduce = _amax_reduction_now(spec)
         with torch.autocast(device_type, enabled=False):
             if spec.delayed:
                 input_fp8, input_scale, input_inverse_scale, weights = _cast_forward_delayed(
-                    spec, input_hp_2d, weights_hp, members)
+                    spec, input_hp_2d, weights_hp, members, ctx.amax_reduce)
             else:
                 input_fp8, input_scale, input_inverse_scale = _cast_current(spec, input_hp_2d, Role.INPUT)
                 weights = [_cast_weight_current(spec, w, m) for w, m in zip(weights_hp, members)]
@@ -461,7 +469,7 @@ class _LinearsFP8(torch.autograd.Function):
         needs_grad_input = ctx.needs_input_grad[0]
         grad_input, grad_weights, grad_biases = None, [None] * count, [None] * count
         with torch.autocast(grad_outputs_hp_2d[0].device.type, enabled=False):
-            casts = _cast_grad_outputs(spec, grad_outputs_hp_2d, ctx.members)
+            casts = _cast_grad_outputs(spec, grad_outputs_hp_2d, ctx.members, ctx.amax_reduce)
             for i, (member, grad_output_hp_2d, (grad_output_fp8, grad_output_scale, grad_output_inverse_scale)) in \
                     enumerate(zip(ctx.members, grad_outputs_hp_2d, casts)):
                 weight_fp8_t, weight_inverse_scale, weight_hp, weight_scale = saved_weights[4 * i:4 * i + 4]

@@ -58,13 +58,18 @@ def _rank_main(rank, world_size, out_dir):
 
 def _trained_in_a_group_of_its_own(rank, world_size, local):
     """Each rank a DDP of its own (process_group of one rank, as a pipeline stage's replicas would be): its amaxes
-    are reduced over that group, not over every rank."""
+    are reduced over that group, not over every rank, in the backward too, also where the backward runs eagerly,
+    outside the DDP's forward (``compiler="eager"``), and at expert GEMMs. Returns each run's delayed histories."""
     own = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank creates every group
-    model = build("mlp", "tiny", seed=0)
-    compiled = fp8graph.compile(model, policy=RECIPE, compiler="aot_eager")
-    ddp = torch.nn.parallel.DistributedDataParallel(compiled, process_group=own, broadcast_buffers=False)
-    _train(ddp, model, local[:1])
-    return {k: v for k, v in model.state_dict().items() if "fp8graph_amax_history" in k}
+    histories = {}
+    for name, compiler in (("mlp", "aot_eager"), ("mlp", "eager"), ("moe", "eager")):
+        dtype = torch.bfloat16 if name == "moe" else torch.float32  # grouped_mm multiplies BF16 only
+        model = build(name, "tiny", seed=0, dtype=dtype)
+        compiled = fp8graph.compile(model, policy=RECIPE, compiler=compiler)
+        ddp = torch.nn.parallel.DistributedDataParallel(compiled, process_group=own, broadcast_buffers=False)
+        _train(ddp, model, [x.reshape(-1, 8, 64).to(dtype) if name == "moe" else x for x in local[:1]])
+        histories[name, compiler] = {k: v for k, v in model.state_dict().items() if "amax_history" in k}
+    return histories
 
 
 def test_two_ranks_hold_identical_state_and_match_one_process(tmp_path):
@@ -74,13 +79,21 @@ def test_two_ranks_hold_identical_state_and_match_one_process(tmp_path):
     for key in rank0["state"]:
         assert torch.equal(rank0["state"][key], rank1["state"][key]), key
     assert rank0["explained"] == [("up", RECIPE.name), ("mid", RECIPE.name), ("head", None)]
-    # A DDP over a group of one rank reduces nothing: each rank's first input amax is its own half's.
-    for rank, saved in enumerate((rank0, rank1)):
-        local = _batches()[0][rank * GLOBAL_BATCH // 2:(rank + 1) * GLOBAL_BATCH // 2]
-        history = saved["own_group_state"]["up.fp8graph_amax_history_weight"]
-        assert history[0, 0] == local.abs().amax(), rank  # row 0: the input's amaxes, newest first
-    assert not torch.equal(rank0["own_group_state"]["up.fp8graph_amax_history_weight"][0],
-                           rank1["own_group_state"]["up.fp8graph_amax_history_weight"][0])
+    # A DDP over a group of one rank reduces nothing: each rank's first input amax is its own half's, and the
+    # ranks' grad_output amaxes differ (reduced over every rank, they would be equal).
+    dtypes = {"mlp": torch.float32, "moe": torch.bfloat16}
+    for run in (("mlp", "aot_eager"), ("mlp", "eager"), ("moe", "eager")):
+        for rank, saved in enumerate((rank0, rank1)):
+            local = _batches()[0][rank * GLOBAL_BATCH // 2:(rank + 1) * GLOBAL_BATCH // 2]
+            first = {"mlp": "up.fp8graph_amax_history_weight",
+                     "moe": "experts.fp8graph_amax_history_gate_up_proj"}[run[0]]
+            # row 0: the input's amaxes, newest first (the experts' input: the tokens, each gathered top_k times)
+            assert saved["own_group_state"][run][first][0, 0] == local.to(dtypes[run[0]]).abs().amax(), (run, rank)
+        grad_keys = [key for key in rank0["own_group_state"][run] if "grad_output" in key]
+        assert grad_keys, run
+        for key in grad_keys:
+            assert rank0["own_group_state"][run][key][0, 0] > 0, (run, key)
+            assert rank0["own_group_state"][run][key][0, 0] != rank1["own_group_state"][run][key][0, 0], (run, key)
 
     model = build("mlp", "tiny", seed=0)
     compiled = fp8graph.compile(model, policy=RECIPE, compiler="aot_eager")
