@@ -167,10 +167,11 @@ class FP8Backend:
         roots = self.instances.roots(gm, placeholder_values(gm, example_inputs)) if self.instances else {}
         if self.instances is not None and self.policy.rules:  # without rules every instance resolves alike
             self.instances.guard(roots)
-        with sharded_over(fsdp_mesh(root) if root is not None else None):  # amaxes reduce over its groups
+        mesh = fsdp_mesh(root) if root is not None else None
+        with sharded_over(mesh):  # amaxes reduce over its groups
             decisions = self.run_passes(gm, example_inputs)
-            compiled = _saying_what_it_fills(self._compile_graph(gm, example_inputs), self._copies_written,
-                                             self.weight_cache)
+            compiled = _saying_what_it_fills(_run_under(mesh, self.compiler, self._compile_graph(gm, example_inputs)),
+                                             self._copies_written, self.weight_cache)
         # Recorded only once compiling succeeded: Dynamo may abort a compile by
         # an exception raised inside it (e.g. to restart analysis with a
         # Python scalar specialized) and call the backend again.
@@ -218,6 +219,20 @@ def fp8_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     if unknown:
         raise ValueError(f"unknown fp8 backend option(s) {unknown}; known: {list(_OPTION_NAMES)}")
     return FP8Backend(mode=mode, **options)(gm, example_inputs)
+
+
+def _run_under(mesh, compiler: str, compiled):
+    """``compiled``, run inside :func:`sharded_over` ``mesh`` where ``compiler`` is ``"eager"``: its targets then
+    resolve their amax reductions when they run, after the trace's :func:`sharded_over` has ended (a traced
+    graph's reductions were resolved inside it)."""
+    if compiler != "eager" or mesh is None:
+        return compiled
+
+    def run(*args):
+        with sharded_over(mesh):
+            return compiled(*args)
+
+    return run
 
 
 def _saying_what_it_fills(compiled, positions: list[int], cache: WeightCache):

@@ -3,7 +3,7 @@ import pathlib
 
 # Each xdist worker gets its share of the cores: a thread each when 2 workers share 2 cores. With a thread per core
 # in every worker, OpenMP's threads spin while they wait and the workers take each other's CPU: tests/regions and
-# tests/test_training.py took a third longer that way (README.md, "Tests"). Set before torch loads, so the
+# tests/test_training.py took a third longer that way (docs/testing.md). Set before torch loads, so the
 # child processes the tests start inherit it too.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:

@@ -167,3 +167,19 @@ def test_instances_the_policy_treats_alike_share_one_graph_and_each_is_reported(
     layer_graphs = [gm for gm in backend.graph_modules if fp8_target_count(gm)]
     assert len(layer_graphs) == 1  # b ran the frame traced for a
     assert {d.site.path: d.rewritten for d in backend.decisions} == {"a.layer": True, "b.layer": True}
+
+
+def test_an_eagerly_run_graph_resolves_its_amax_reductions_under_the_mesh_its_trace_saw():
+    """``compiler="eager"`` runs the rewritten graph after the trace has ended, and its targets resolve their
+    amax reductions when they run (``fp8graph.buffers.amax_reduction``): it runs inside the FSDP2 mesh the trace
+    saw. A traced graph's reductions were resolved in the trace, and a graph of an unsharded model runs as it is."""
+    from fp8graph.backend import _run_under
+    from fp8graph.buffers import amax_reduction
+
+    def reads_the_mesh(*args):  # what a target running in the graph would see
+        return amax_reduction._fsdp_mesh.get()
+
+    assert _run_under("the model's mesh", "eager", reads_the_mesh)() == "the model's mesh"
+    assert amax_reduction._fsdp_mesh.get() is None
+    assert _run_under(None, "eager", reads_the_mesh) is reads_the_mesh
+    assert _run_under("the model's mesh", "aot_eager", reads_the_mesh) is reads_the_mesh

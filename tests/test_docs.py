@@ -69,7 +69,7 @@ EXEMPT = [
     (r"\.venv/bin/python -m bench decoder", "needs a CUDA GPU (the whole Llama-3-8B: about 40 GB); the test "
      "runs its --smoke form", ["tests/bench/test_bench_and_demo.py::test_decoder_benchmark_smoke_writes_raw_results"],
      "bench"),
-    (r"\.venv/bin/python -m bench zoo", "minutes of CPU (41 families, two dtypes, four compiles each) and writes "
+    (r"\.venv/bin/python -m bench zoo", "minutes of CPU (44 families, two dtypes, four compiles each) and writes "
      "into bench/results/; the suite runs the same checks per family in tests/test_zoo.py and the command's "
      "--smoke form on one family",
      ["tests/bench/test_bench_zoo.py::test_zoo_benchmark_smoke_writes_a_row_per_family_and_dtype",
@@ -161,7 +161,7 @@ def test_the_pages_are_the_documented_set():
     names = {page.name for page in PAGES if page.parent.name == "docs"}
     assert names == {"README.md", "recipes.md", "policies-and-inspection.md", "training-and-checkpoints.md",
                      "distributed.md", "benchmarks.md", "cost-model.md", "limits.md", "mixture-of-experts.md",
-                     "export-and-fine-tuning.md"}, names
+                     "export-and-fine-tuning.md", "testing.md"}, names
 
 
 # --- Python blocks --------------------------------------------------------------------------------

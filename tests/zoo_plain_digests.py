@@ -2,15 +2,16 @@
 
 The keep-all check (``fp8graph.models.zoo``) holds fp8graph keeping every site bit for bit equal to plain
 ``torch.compile``. Plain torch.compile's outputs are a function of the family's tiny config and inputs
-(models/zoo.py), torch, transformers and the CPU kernels ATen picks (its instruction set, vendor and AMX, the
-thread count): nothing of fp8graph. So their digest (``outputs_digest``) is kept in ``zoo_plain_digests.json`` under a hash
-of all of those; while it holds, the test compiles fp8graph's side only and compares digests, and any other
-digest compiles plain torch.compile again and names what differs. Written only with
-``FP8GRAPH_KEEP_CAPTURES=1`` (``scripts/keep-captures tests/test_zoo.py``).
+(models/zoo.py), torch, transformers and the CPU kernels ATen picks (its instruction set, vendor and AMX,
+the thread count): nothing of fp8graph. So their digest (``outputs_digest``) is kept in
+``zoo_plain_digests.json`` under a hash of all of those; while it holds, the test compiles fp8graph's side only
+and compares digests, and any other digest compiles plain torch.compile again and names what differs. Written
+only with ``FP8GRAPH_KEEP_CAPTURES=1`` (``scripts/keep-captures tests/test_zoo.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -26,20 +27,26 @@ from fp8graph.models import zoo
 PATH = pathlib.Path(__file__).with_name("zoo_plain_digests.json")
 
 
+@functools.cache
 def _cpu_vendor() -> str:
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), platform.machine())
+    """The CPU's vendor (``GenuineIntel``, ``AuthenticAMD``), else what ``platform`` says of the processor."""
+    try:
+        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux, or not readable
+        lines = []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")),
+                platform.processor() or platform.machine())
 
 
 def _environment() -> dict:
     # The CPU as far as it decides which ATen kernels run: the instruction set torch reports, the vendor (MKL's
-    # and oneDNN's fp32 GEMMs round otherwise on an Intel CPU than on an AMD one with the same AVX-512) and AMX
-    # (oneDNN's BF16 GEMMs use its tiles).
+    # and oneDNN's fp32 GEMMs round otherwise on an Intel CPU than on an AMD one at the same ATen capability,
+    # AVX512) and AMX (oneDNN's BF16 GEMMs use its tiles). A key that tells too little apart costs time only:
+    # a digest that does not match compiles plain torch.compile again.
     return {"torch": torch.__version__, "transformers": importlib.metadata.version("transformers"),
             "zoo": hashlib.sha256(pathlib.Path(zoo.__file__).read_bytes()).hexdigest(),
             "cpu": torch.backends.cpu.get_cpu_capability(), "vendor": _cpu_vendor(),
-            "amx": torch.cpu._is_amx_tile_supported(), "threads": torch.get_num_threads()}
+            "amx": getattr(torch.cpu, "_is_amx_tile_supported", lambda: None)(), "threads": torch.get_num_threads()}
 
 
 def _key(family: str, dtype: torch.dtype, batch: int, sequence: int) -> str:

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["amax_reduction", "data_parallel_groups", "sharded_over"]
+__all__ = ["amax_reduction", "call_amax_reduction", "data_parallel_groups", "sharded_over"]
 
 # The mesh ``fully_shard`` shards the model being traced over, if it is sharded (the backend sets it).
 _fsdp_mesh: contextvars.ContextVar = contextvars.ContextVar("fp8graph_fsdp_mesh", default=None)
@@ -91,3 +91,12 @@ def amax_reduction(requested: bool) -> Callable[[torch.Tensor], torch.Tensor] | 
 
     groups = [group for group in data_parallel_groups() if dist.get_world_size(group) > 1]
     return _max_across(groups) if groups else None
+
+
+def call_amax_reduction(spec):
+    """The reduction of one FP8 call's delayed-scaling amaxes (None for a recipe without state), resolved by the
+    call's forward, which runs inside the data-parallel wrapper's forward (and, traced or run by fp8graph's
+    ``eager`` compiler, inside :func:`sharded_over` the FSDP2 mesh). The call's backward reuses it: run eagerly,
+    a backward runs outside that forward, where the wrapper's group is no longer known. ``spec``: the call's
+    ``CallSpec`` or ``GroupedSpec``."""
+    return amax_reduction(spec.recipe.reduce_amax) if spec.delayed else None

@@ -60,7 +60,8 @@ def gathered_fp8_target(recipe: Recipe, lowering: Lowering) -> Callable[..., tor
                 if history is None:
                     raise ValueError(f"{recipe.name} on an expert GEMM needs the weight's delayed-scaling state")
                 (input_fp8, input_scale, input_inverse), (weight_fp8, weight_scale, weight_inverse), _, _ = \
-                    cast_forward_delayed(input_2d, weight_hp, (history, scale, grad_history, grad_scale), spec)
+                    cast_forward_delayed(input_2d, weight_hp, (history, scale, grad_history, grad_scale), spec,
+                                         reduce=None)  # records nothing (update=False)
             else:
                 input_fp8, input_scale, input_inverse = cast_rows(input_2d, spec)  # along K
                 weight_fp8, weight_scale, weight_inverse = cast_experts(weight_hp, spec)  # (E, N, K), along K

@@ -52,7 +52,7 @@ from fp8graph.numerics.groups import ExpertGemm, weight_copy_fits
 from fp8graph.numerics.quantize import (amax_to_scale, current_scale, finite_magnitude, largest_amax, quantize,
                                         quantize_current, row_amaxes, untracked)
 from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, FP8_GEMM_DIM_MULTIPLE, NATIVE_GROUPED_GRANULARITIES, Recipe
-from fp8graph.buffers.amax_reduction import amax_reduction
+from fp8graph.buffers.amax_reduction import call_amax_reduction
 from fp8graph.numerics.delayed_scaling import scale_from_history
 from fp8graph.targets.cache_hash import register_target
 from fp8graph.targets.grouped_blocks import GroupedBlocks
@@ -158,7 +158,7 @@ class ExpertWeightCopy(NamedTuple):
 
 def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_index=None,
                          weight_copy: ExpertWeightCopy | None = None, placed_offsets: torch.Tensor | None = None,
-                         both_layouts: bool = False, swiglu_source: torch.Tensor | None = None, reduce=None):
+                         both_layouts: bool = False, swiglu_source: torch.Tensor | None = None, *, reduce):
     """The forward casts with delayed scaling: the input's scale from row 0 of the history, expert e's from row
     1 + e; every row moves one step (new scales, histories rolled, this call's amaxes recorded) in one
     ``fp8graph::record_delayed_``. Returns the two casts as :func:`cast_rows` and :func:`cast_experts` do, the
@@ -171,7 +171,7 @@ def cast_forward_delayed(input_hp, weight_hp, state, spec: GroupedSpec, gather_i
     Through ``weight_copy``, a filling call also writes the weight's cast, its transpose and the scales into the
     copies; a reusing call casts only the input, takes the copy and the scales it was cast with, and records no
     amax for the experts (zero: as Transformer Engine's cached weights, whose history slot stays empty).
-    ``reduce``: the amaxes' reduction across data-parallel ranks, or None (``amax_reduction``)."""
+    ``reduce``: the amaxes' reduction across data-parallel ranks, or None (``call_amax_reduction``)."""
     history, scale = state[0], state[1]  # (1 + E, len), (1 + E,)
     recipe = spec.recipe
     reuse = weight_copy is not None and weight_copy.mode == "reuse"
@@ -320,7 +320,7 @@ def _combine(rows_hp: torch.Tensor, row_weights: torch.Tensor, permutation: torc
 
 def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, rows_hp: torch.Tensor | None,
                            token_of_row: torch.Tensor, offsets: torch.Tensor, state, spec: GroupedSpec,
-                           layout: bool = True, reduce=None):
+                           layout: bool = True, *, reduce):
     """Through :func:`_combine`, given its gradient ``grad_hp`` (T, N): this GEMM's grad_output
     ``grad_hp[token_of_row] * row_weights`` (S, N) cast for both of its GEMMs, ``(grad_output_fp8 (S, N), scale,
     inverse (S,), placed (N, S'), placed_inverse (E, N), grad_row_weights (S, 1) or None)``: the rows grad_input's
@@ -336,7 +336,8 @@ def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, row
     finite products): row-wise's row scales, and current scaling's tensor amax their max; delayed scaling's scale
     comes from its grad history, which records the amaxes the kernel returns. The weighted gradient is never
     stored in high precision. Without ``layout`` (no grad_weight: the experts' weights frozen) ``placed`` is
-    empty: the kernel stores the rows alone."""
+    empty: the kernel stores the rows alone. ``reduce``: the forward's amax reduction, which delayed scaling's
+    record uses."""
     weights = row_weights.reshape(-1)
     columns = grad_hp.shape[1]
     if spec.per_row or not spec.delayed:
@@ -364,7 +365,7 @@ def _cast_combine_backward(grad_hp: torch.Tensor, row_weights: torch.Tensor, row
 
 
 def _cast_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, offsets: torch.Tensor, state,
-                          spec: GroupedSpec, layout: bool = True, reduce=None):
+                          spec: GroupedSpec, layout: bool = True, *, reduce):
     """The gradient of ``gate_up_hp`` (S, 2I) through :func:`_swiglu`, given ``grad_h_hp`` (S, I), cast for both of
     this GEMM's backward GEMMs: ``(grad_output_fp8 (S, 2I), scale, inverse (S,), placed (2I, S'), placed_inverse
     (E, 2I))``, the rows grad_input's GEMM reads and ``placed`` laid out for grad_weight's (as
@@ -375,7 +376,8 @@ def _cast_swiglu_backward(gate_up_hp: torch.Tensor, grad_h_hp: torch.Tensor, off
     cast returns. Row-wise (``fp8graph::swiglu_backward_rowwise``, a scale a row for the rows and a scale a group
     and column for the layout): both amaxes from ``fp8graph::swiglu_backward_rowwise_amax``. The gradient is never
     stored in high precision. Without ``layout`` (no grad_weight: the experts' weights frozen) ``placed`` is
-    empty: the cast stores the rows alone."""
+    empty: the cast stores the rows alone. ``reduce``: the forward's amax reduction, which delayed scaling's
+    record uses."""
     experts = offsets.shape[0]
     if spec.per_row:
         row_amax, column_amax = torch.ops.fp8graph.swiglu_backward_rowwise_amax(gate_up_hp, grad_h_hp, offsets)
@@ -557,14 +559,12 @@ class _GroupedFP8(torch.autograd.Function):
             recast_weight = per_expert_copy and _recasts_weight(spec, routed_rows, weight_hp, needs_grad_weight)
             both_layouts = per_expert_copy and not recast_weight and spec.lowering is Lowering.SCALED_MM
             weight_t_fp8 = None
-            # Resolved here, inside the data-parallel wrapper's forward, and reused by the backward (run eagerly,
-            # a backward runs outside that forward, where the wrapper's group is no longer known).
-            ctx.amax_reduce = amax_reduction(spec.recipe.reduce_amax) if spec.delayed else None
+            ctx.amax_reduce = call_amax_reduction(spec)  # the backward's too
             if spec.delayed:
                 (input_fp8, input_scale, input_inverse), (weight_fp8, weight_scale, weight_inverse), input_placed, \
                     weight_t_fp8 = cast_forward_delayed(input_hp, weight_hp, state, spec, gather_index, weight_copy,
                                                         placed_offsets, both_layouts,
-                                                        swiglu_source if cast_swiglu else None, ctx.amax_reduce)
+                                                        swiglu_source if cast_swiglu else None, reduce=ctx.amax_reduce)
                 if weight_copy is not None:  # grad_input's layout, kept with the forward's
                     weight_t_fp8 = weight_copy.weight_t_fp8
                     weight_t_inverse = weight_inverse[:, :1].expand(experts, weight_hp.shape[2])
@@ -675,7 +675,7 @@ class _GroupedFP8(torch.autograd.Function):
             if spec.swiglu:  # grad_output_hp is h's: the GEMM's grad_output is gate_up's, through SwiGLU
                 (grad_output_fp8, grad_output_scale, grad_output_inverse, grad_output_placed,
                  grad_output_g_inverse) = _cast_swiglu_backward(kept_output, grad_output_hp, offsets, ctx.state, spec,
-                                                                needs_grad_weight, ctx.amax_reduce)
+                                                                needs_grad_weight, reduce=ctx.amax_reduce)
                 if ctx.stats is not None:  # the gradient in BF16 for its health record: stats cost its bytes
                     grad_output_hp = swiglu_backward_reference(kept_output, grad_output_hp).to(kept_output.dtype)
             elif spec.combine_top_k:  # grad_output_hp is the combine's (T, N): the GEMM's, through it
@@ -683,7 +683,7 @@ class _GroupedFP8(torch.autograd.Function):
                 (grad_output_fp8, grad_output_scale, grad_output_inverse, grad_output_placed, grad_output_g_inverse,
                  grad_row_weights) = _cast_combine_backward(grad_output_hp, row_weights, kept_output, token_of_row,
                                                             offsets, ctx.state, spec, needs_grad_weight,
-                                                            ctx.amax_reduce)
+                                                            reduce=ctx.amax_reduce)
                 if ctx.stats is not None:  # the gradient in BF16 for its health record: stats cost its bytes
                     grad_output_hp = grad_output_hp[token_of_row] * row_weights
             else:

@@ -77,7 +77,7 @@ import torch
 
 from fp8graph.targets.cache_hash import register_target
 from fp8graph.numerics.delayed_scaling import amax_from_history, scale_from_history
-from fp8graph.buffers.amax_reduction import amax_reduction
+from fp8graph.buffers.amax_reduction import call_amax_reduction
 from fp8graph.numerics.formats import ROLES, Role
 from fp8graph.numerics.health import quantization_health
 from fp8graph.kernels.delayed_record import finished_amax, record_delayed_
@@ -268,7 +268,7 @@ def _cast_forward_delayed(spec: CallSpec, input_hp: torch.Tensor, weights_hp: Se
     histories rolled, this call's amaxes recorded in slot 0, written into the buffers in place.
     Returns ``(input_fp8, input_scale, input_inverse_scale, [(weight_fp8, weight_scale, weight_inverse_scale,
     weight_hp), ...])``. The inverse scales are views of one tensor: their reciprocals are one kernel.
-    ``reduce``: the amaxes' reduction across data-parallel ranks, or None (:func:`_amax_reduction_now`).
+    ``reduce``: the amaxes' reduction across data-parallel ranks, or None (``call_amax_reduction``).
     """
     recipe = spec.recipe
     fp8_dtype = recipe.fp8_dtype(Role.INPUT)
@@ -362,13 +362,6 @@ def _gathered_cast(weight: GatheredFP8Weight):
     return weight.fp8_data, weight.scale, weight.scale.reciprocal(), None
 
 
-def _amax_reduction_now(spec: CallSpec):
-    """The amax reduction of a delayed-scaling call, resolved by its forward, which runs inside the data-parallel
-    wrapper's forward: its backward reuses it (run eagerly, a backward runs outside that forward, where the
-    wrapper's group is no longer known)."""
-    return amax_reduction(spec.recipe.reduce_amax) if spec.delayed else None
-
-
 def _cast_grad_outputs(spec: CallSpec, grad_outputs_hp: Sequence[torch.Tensor], members: Sequence[Member], reduce):
     """Each member's grad_output cast, ``[(grad_output_fp8, grad_output_scale, grad_output_inverse_scale), ...]``;
     with delayed scaling all members' grad_output rows move one step together (as
@@ -409,7 +402,7 @@ class _LinearsFP8(torch.autograd.Function):
         output_dtype = autocast_dtype(device_type) or input_hp_2d.dtype
         needs_grad_input = ctx.needs_input_grad[0]
         needs_grad_weight = [ctx.needs_input_grad[3 + i] for i in range(count)]
-        ctx.amax_reduce = _amax_reduction_now(spec)
+        ctx.amax_reduce = call_amax_reduction(spec)
         with torch.autocast(device_type, enabled=False):
             if spec.delayed:
                 input_fp8, input_scale, input_inverse_scale, weights = _cast_forward_delayed(

@@ -17,6 +17,11 @@ from gloo_ranks import spawn_ranks
 
 STEPS, GLOBAL_BATCH = 5, 16
 RECIPE = DelayedScaling(amax_history_len=4)
+# The runs on a DDP of a group of one rank: (model, compiler); the MoE block in BF16 (grouped_mm multiplies BF16
+# only), and each run's first history read, of the model's input.
+OWN_GROUP_RUNS = (("mlp", "aot_eager"), ("mlp", "eager"), ("moe", "eager"))
+DTYPES = {"mlp": torch.float32, "moe": torch.bfloat16}
+INPUT_HISTORY = {"mlp": "up.fp8graph_amax_history_weight", "moe": "experts.fp8graph_amax_history_gate_up_proj"}
 
 
 def _batches():
@@ -62,8 +67,8 @@ def _trained_in_a_group_of_its_own(rank, world_size, local):
     outside the DDP's forward (``compiler="eager"``), and at expert GEMMs. Returns each run's delayed histories."""
     own = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank creates every group
     histories = {}
-    for name, compiler in (("mlp", "aot_eager"), ("mlp", "eager"), ("moe", "eager")):
-        dtype = torch.bfloat16 if name == "moe" else torch.float32  # grouped_mm multiplies BF16 only
+    for name, compiler in OWN_GROUP_RUNS:
+        dtype = DTYPES[name]
         model = build(name, "tiny", seed=0, dtype=dtype)
         compiled = fp8graph.compile(model, policy=RECIPE, compiler=compiler)
         ddp = torch.nn.parallel.DistributedDataParallel(compiled, process_group=own, broadcast_buffers=False)
@@ -81,14 +86,11 @@ def test_two_ranks_hold_identical_state_and_match_one_process(tmp_path):
     assert rank0["explained"] == [("up", RECIPE.name), ("mid", RECIPE.name), ("head", None)]
     # A DDP over a group of one rank reduces nothing: each rank's first input amax is its own half's, and the
     # ranks' grad_output amaxes differ (reduced over every rank, they would be equal).
-    dtypes = {"mlp": torch.float32, "moe": torch.bfloat16}
-    for run in (("mlp", "aot_eager"), ("mlp", "eager"), ("moe", "eager")):
+    for run in OWN_GROUP_RUNS:
         for rank, saved in enumerate((rank0, rank1)):
-            local = _batches()[0][rank * GLOBAL_BATCH // 2:(rank + 1) * GLOBAL_BATCH // 2]
-            first = {"mlp": "up.fp8graph_amax_history_weight",
-                     "moe": "experts.fp8graph_amax_history_gate_up_proj"}[run[0]]
+            local = _batches()[0][rank * GLOBAL_BATCH // 2:(rank + 1) * GLOBAL_BATCH // 2].to(DTYPES[run[0]])
             # row 0: the input's amaxes, newest first (the experts' input: the tokens, each gathered top_k times)
-            assert saved["own_group_state"][run][first][0, 0] == local.to(dtypes[run[0]]).abs().amax(), (run, rank)
+            assert saved["own_group_state"][run][INPUT_HISTORY[run[0]]][0, 0] == local.abs().amax(), (run, rank)
         grad_keys = [key for key in rank0["own_group_state"][run] if "grad_output" in key]
         assert grad_keys, run
         for key in grad_keys:
