@@ -461,7 +461,7 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu
     with _classes_restored(user_model if compiled is None else None):
         backend, session = _make_backends(
             dict(policy=policy, compiler="eager", lowering=lowering, model=user_model, state=state,
-                 weight_cache=weight_cache), blocks, {})
+                 weight_cache=weight_cache, report_slow_sites=False), blocks, {})
         root_backend = backend.root if session is not None else backend
         if weight_cache is not None:  # explain's run fills the copies: they may be stale or empty
             weight_cache.invalidate()

@@ -25,11 +25,14 @@ from fp8graph.buffers.anchors import converted_buffers
 from fp8graph.buffers.delayed_state import DelayedState
 from fp8graph.buffers.kept_casts import ReuseScope
 from fp8graph.buffers.weight_cache import WeightCache
+from fp8graph.costs import running_gpu
 from fp8graph.fsdp.install import fsdp_mesh
 from fp8graph.gemm.scaled_gemm import LOWERING_CHOICES
 from fp8graph.passes.annotate import Decision
 from fp8graph.passes.module_paths import module_paths_by_id
 from fp8graph.passes.pipeline import PassContext, placeholder_values, run_passes
+from fp8graph.inspection.slow_sites import SlowSite, cuda_device_of, slow_sites
+from fp8graph.inspection.slow_sites import describe as describe_slow_sites
 from fp8graph.instances import InstanceSignatures, served_decisions
 from fp8graph.recipes.plan import Plan
 from fp8graph.recipes.policy import normalize_policy
@@ -77,7 +80,7 @@ class FP8Backend:
     records_served_instances = True
 
     def __init__(self, policy=None, compiler="inductor", lowering="auto", model=None, mode=None, stats=None,
-                 state=None, weight_cache=None, plan=None):
+                 state=None, weight_cache=None, plan=None, report_slow_sites=True):
         self.policy = normalize_policy(policy)
         if plan is not None and plan.policy != self.policy:
             raise ValueError("the plan was made for another policy than the backend's")
@@ -109,6 +112,10 @@ class FP8Backend:
         self.graph_modules: list[torch.fx.GraphModule] = []
         # Functions Dynamo ran eagerly at the compiled model's first call (fp8graph.inspection.skipped_frames).
         self.frames_run_eagerly: list = []
+        # Sites in FP8 modelled at several times their BF16 time on their GPU, each warned of once
+        # (fp8graph.inspection.slow_sites); explain shows every site's times instead.
+        self.report_slow_sites = report_slow_sites
+        self.slow_sites: list[SlowSite] = []
 
     def unmatched_rules(self) -> list[int]:
         """Indices of the policy's rules that matched no site in any graph compiled so far."""
@@ -175,13 +182,28 @@ class FP8Backend:
         # Recorded only once compiling succeeded: Dynamo may abort a compile by
         # an exception raised inside it (e.g. to restart analysis with a
         # Python scalar specialized) and call the backend again.
+        recorded = len(self.decisions)
         self.decisions.extend(decisions)
         if self.records_served_instances:
             for traced in roots:
                 for instance in self.instances.alike(traced):
                     self.decisions.extend(served_decisions(decisions, traced, instance, self.plan))
+        self._report_slow_sites(self.decisions[recorded:], example_inputs)
         self.graph_modules.append(gm)
         return compiled
+
+    def _report_slow_sites(self, decisions: list[Decision], example_inputs: Sequence[object]) -> None:
+        """Warn once of each site of a CUDA graph that the cost model puts at several times its BF16 time in
+        FP8 on the GPU it runs on (:mod:`fp8graph.inspection.slow_sites`)."""
+        device = cuda_device_of(example_inputs)
+        if device is None or not self.report_slow_sites:
+            return
+        reported = {slow.path for slow in self.slow_sites}
+        new = [slow for slow in slow_sites(decisions, running_gpu(device), torch.is_grad_enabled())
+               if slow.path not in reported]
+        if new:
+            self.slow_sites.extend(new)
+            log.warning(describe_slow_sites(new))
 
     def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]):
         if self.compiler == "eager":

@@ -224,6 +224,10 @@ class BlockBackend(FP8Backend):
                 "use_cache=False)", self.group.block_type.__name__, traced, first)
         return compiled
 
+    def _report_slow_sites(self, decisions: list[Decision], example_inputs) -> None:
+        """Each slow site under every instance's path: the region's graph runs for all of them."""
+        super()._report_slow_sites(_expand(decisions, self._pending[0], self.group, self.plan), example_inputs)
+
     def _traced_instance(self, decisions: list[Decision]) -> str:
         for decision in decisions:
             for path in self.group.paths:
@@ -312,6 +316,11 @@ class RegionalBackend:
         order = self._module_order
         # Module order, as a whole-model graph lists them; calls of one module keep their order.
         return sorted(decisions, key=lambda d: _order_key(d.site.path, order))
+
+    @property
+    def slow_sites(self) -> list:
+        """The root's and every region's (each site under every instance's path)."""
+        return self.root.slow_sites + [slow for backend in self.block_backends for slow in backend.slow_sites]
 
     @property
     def graph_modules(self) -> list[torch.fx.GraphModule]:
