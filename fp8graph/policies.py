@@ -17,7 +17,7 @@ import functools
 import json
 import pathlib
 
-from fp8graph.costs import GPU, gpu as gpu_named, running_gpu, site_times
+from fp8graph.costs import SYMBOLIC_TOKENS, GPU, gpu as gpu_named, running_gpu, site_times
 from fp8graph.recipes.policy import Policy, SiteInfo
 from fp8graph.recipes.scaling import PRESETS, Recipe
 
@@ -73,7 +73,7 @@ def _threshold(shapes: list[_Shape], min_speedup: float) -> _Shape | None:
 
 
 def auto(measurements=None, recipe: str = "current", min_speedup: float = 1.05, gpu: "str | GPU | None" = None,
-         tokens: int = 8192) -> Policy:
+         tokens: int = SYMBOLIC_TOKENS) -> Policy:
     """A policy that gives ``recipe`` to the linear and expert sites that gain from it.
 
     Args:

@@ -34,7 +34,11 @@ from fp8graph.recipes.policy import SiteInfo
 from fp8graph.numerics.groups import ExpertGemm, weight_copies_kept, weight_copy_fits
 from fp8graph.recipes.scaling import FP8_GEMM_DIM_MULTIPLE, NATIVE_GROUPED_GRANULARITIES, PRESETS
 
-__all__ = ["SiteTimes", "site_times"]
+__all__ = ["SYMBOLIC_TOKENS", "SiteTimes", "site_times"]
+
+# The token count a site whose M is symbolic (dynamic=True) is modelled at, where a caller gives none: what
+# policies.auto() decides such sites at, and what fp8graph.inspection.slow_sites judges them at.
+SYMBOLIC_TOKENS = 8192
 
 _BF16_BYTES = 2
 # MXFP8's casts are not in the table (the cost model has no MXFP8 contestant): block scaling's are the

@@ -8,8 +8,9 @@ times, in a warning on the ``fp8graph`` logger, and ``policies.auto()`` keeps th
 
 Only sites lowered to the GPU's native FP8 GEMM are judged: the cost model speaks of GPUs, not of the CPU's
 exact emulation, and a CUDA site without a native GEMM is refused before it gets here
-(``fp8graph.gemm.scaled_gemm.choose_lowering``). Nor is a site whose token count is symbolic
-(``dynamic=True``): nothing says how many tokens its calls will have.
+(``fp8graph.gemm.scaled_gemm.choose_lowering``). A site whose token count is symbolic (``dynamic=True``) is
+judged at :data:`fp8graph.costs.SYMBOLIC_TOKENS` tokens, as ``policies.auto()`` decides it: the more tokens,
+the more the faster GEMM saves, so a site slow there is slow at most token counts.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from fp8graph.costs import GPU, SiteTimes, site_times
+from fp8graph.costs import SYMBOLIC_TOKENS, GPU, SiteTimes, site_times
 from fp8graph.gemm.scaled_gemm import Lowering
 from fp8graph.passes.annotate import Decision
 from fp8graph.recipes.policy import SiteInfo
@@ -52,9 +53,9 @@ def slow_sites(decisions: Iterable[Decision], gpu: GPU, training: bool) -> list[
     for decision in decisions:
         site = decision.site.info
         if not decision.rewritten or decision.lowering is not Lowering.SCALED_MM \
-                or not all(isinstance(size, int) and size > 0 for size in (site.M, site.K, site.N)):
+                or not all(isinstance(size, int) and size > 0 for size in (site.K, site.N)) or site.M == 0:
             continue
-        times = site_times(site, decision.recipe, gpu, training=training)
+        times = site_times(site, decision.recipe, gpu, training=training, tokens=SYMBOLIC_TOKENS)
         if times.fp8_us >= SLOWDOWN_REPORTED * times.bf16_us:
             slow.append(SlowSite(decision.site.path or "<root>", site, times))
     return slow
@@ -62,12 +63,16 @@ def slow_sites(decisions: Iterable[Decision], gpu: GPU, training: bool) -> list[
 
 def describe(slow: Sequence[SlowSite]) -> str:
     """One warning's text for ``slow``: each site (the first few) with its modelled times, and what to do."""
-    named = "; ".join(f"{s.path} (M, K, N = {s.site.M}, {s.site.K}, {s.site.N}: {s.times.describe()})"
-                      for s in slow[:_NAMED])
+    named = "; ".join(f"{s.path} ({_shape(s)}: {s.times.describe()})" for s in slow[:_NAMED])
     more = f"; and {len(slow) - _NAMED} more" if len(slow) > _NAMED else ""
     return (f"fp8graph: {len(slow)} site(s) in FP8 are modelled at {SLOWDOWN_REPORTED:g}x their BF16 time or more, "
             f"too small to pay for their casts: {named}{more}. policies.auto() keeps such sites in high "
             "precision, or a policy rule can name them; fp8graph.explain(model, ...) shows every site's times")
+
+
+def _shape(slow: SlowSite) -> str:
+    tokens = slow.site.M if isinstance(slow.site.M, int) else f"{slow.site.M}, modelled at {slow.times.M}"
+    return f"M, K, N = {tokens}, {slow.site.K}, {slow.site.N}"
 
 
 def cuda_device_of(example_inputs: Sequence[object]) -> torch.device | None:

@@ -11,7 +11,8 @@ import fp8graph.backend
 from fp8graph.costs import site_times
 from fp8graph.costs.gpus import H100
 from fp8graph.gemm.scaled_gemm import Lowering
-from fp8graph.inspection.slow_sites import SLOWDOWN_REPORTED, slow_sites
+from fp8graph.costs import SYMBOLIC_TOKENS
+from fp8graph.inspection.slow_sites import SLOWDOWN_REPORTED, describe, slow_sites
 from fp8graph.passes.annotate import Decision
 from fp8graph.passes.sites import Site
 from fp8graph.recipes.scaling import Float8CurrentScaling
@@ -30,14 +31,23 @@ def test_only_native_fp8_sites_modelled_at_twice_their_bf16_time_or_more_are_slo
         small.site.info, CURRENT, H100).bf16_us
     assert site_times(large.site.info, CURRENT, H100).speedup > 1  # the model's gain: never reported
     not_judged = [_decision(32, 64, 128, lowering=Lowering.EMULATED),  # the CPU's exact emulation
-                  _decision(32, 64, 128, recipe=None),  # kept in high precision
-                  _decision("s0", 64, 128)]  # a symbolic token count: no M to model
+                  _decision(32, 64, 128, recipe=None)]  # kept in high precision
     (slow,) = slow_sites([small, large, *not_judged], H100, training=True)
     assert slow.path == "small" and slow.times == site_times(small.site.info, CURRENT, H100, training=True)
     assert slow.slowdown == pytest.approx(slow.times.fp8_us / slow.times.bf16_us) and slow.slowdown >= 2
     # an inference graph's forward alone is modelled so
     (forward,) = slow_sites([small], H100, training=False)
     assert forward.times == site_times(small.site.info, CURRENT, H100, training=False)
+
+
+def test_a_symbolic_token_count_is_judged_at_the_tokens_auto_decides_it_at():
+    """dynamic=True: a LoRA adapter's down projection (4096 to 16) is slow at SYMBOLIC_TOKENS tokens, a
+    4096-square projection is not; the warning says the count was symbolic and what it was modelled at."""
+    lora, square = _decision("s0", 4096, 16, path="lora_A"), _decision("s0", 4096, 4096, path="q_proj")
+    (slow,) = slow_sites([lora, square], H100, training=True)
+    assert slow.path == "lora_A" and slow.times.M == SYMBOLIC_TOKENS
+    assert slow.times == site_times(lora.site.info, CURRENT, H100, tokens=SYMBOLIC_TOKENS)
+    assert f"lora_A (M, K, N = s0, modelled at {SYMBOLIC_TOKENS}, 4096, 16: " in describe([slow])
 
 
 def test_a_cuda_graphs_small_sites_are_named_once_with_their_modelled_times(monkeypatch, caplog):
