@@ -30,9 +30,8 @@ from fp8graph.fsdp.install import fsdp_mesh
 from fp8graph.gemm.scaled_gemm import LOWERING_CHOICES
 from fp8graph.passes.annotate import Decision
 from fp8graph.passes.module_paths import module_paths_by_id
-from fp8graph.passes.pipeline import PassContext, placeholder_values, run_passes
-from fp8graph.inspection.slow_sites import SlowSite, cuda_device_of, slow_sites
-from fp8graph.inspection.slow_sites import describe as describe_slow_sites
+from fp8graph.passes.pipeline import PassContext, graph_device, placeholder_values, run_passes
+from fp8graph.inspection.slow_sites import SlowSite, casts_weights_per_call, slow_sites, warn_once
 from fp8graph.instances import InstanceSignatures, served_decisions
 from fp8graph.recipes.plan import Plan
 from fp8graph.recipes.policy import normalize_policy
@@ -112,7 +111,7 @@ class FP8Backend:
         self.graph_modules: list[torch.fx.GraphModule] = []
         # Functions Dynamo ran eagerly at the compiled model's first call (fp8graph.inspection.skipped_frames).
         self.frames_run_eagerly: list = []
-        # Sites in FP8 modelled at several times their BF16 time on their GPU, each warned of once
+        # Sites in FP8 modelled at several times their BF16 time on their GPU, warned of once a process
         # (fp8graph.inspection.slow_sites); explain shows every site's times instead.
         self.report_slow_sites = report_slow_sites
         self.slow_sites: list[SlowSite] = []
@@ -188,22 +187,27 @@ class FP8Backend:
             for traced in roots:
                 for instance in self.instances.alike(traced):
                     self.decisions.extend(served_decisions(decisions, traced, instance, self.plan))
-        self._report_slow_sites(self.decisions[recorded:], example_inputs)
         self.graph_modules.append(gm)
+        self._report_slow_sites(self.decisions[recorded:], example_inputs)
         return compiled
 
     def _report_slow_sites(self, decisions: list[Decision], example_inputs: Sequence[object]) -> None:
-        """Warn once of each site of a CUDA graph that the cost model puts at several times its BF16 time in
-        FP8 on the GPU it runs on (:mod:`fp8graph.inspection.slow_sites`)."""
-        device = cuda_device_of(example_inputs)
-        if device is None or not self.report_slow_sites:
+        """List, and warn once of, each site of a CUDA graph that the cost model puts at several times its BF16
+        time in FP8 on the GPU it runs on (:mod:`fp8graph.inspection.slow_sites`)."""
+        from torch._inductor import config as inductor_config
+
+        device = graph_device(example_inputs)
+        if device.type != "cuda" or not self.report_slow_sites or not casts_weights_per_call(
+                self.weight_cache.mode, torch.is_grad_enabled(), inductor_config.freezing):
             return
-        reported = {slow.path for slow in self.slow_sites}
-        new = [slow for slow in slow_sites(decisions, running_gpu(device), torch.is_grad_enabled())
-               if slow.path not in reported]
-        if new:
-            self.slow_sites.extend(new)
-            log.warning(describe_slow_sites(new))
+        listed = {slow.key for slow in self.slow_sites}
+        slow = slow_sites(self._judged_decisions(decisions), running_gpu(device), torch.is_grad_enabled())
+        self.slow_sites.extend(site for site in slow if site.key not in listed)
+        warn_once(slow, log)
+
+    def _judged_decisions(self, decisions: list[Decision]) -> list[Decision]:
+        """The decisions of a graph just compiled whose sites :meth:`_report_slow_sites` judges."""
+        return decisions
 
     def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]):
         if self.compiler == "eager":

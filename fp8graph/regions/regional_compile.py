@@ -224,9 +224,9 @@ class BlockBackend(FP8Backend):
                 "use_cache=False)", self.group.block_type.__name__, traced, first)
         return compiled
 
-    def _report_slow_sites(self, decisions: list[Decision], example_inputs) -> None:
-        """Each slow site under every instance's path: the region's graph runs for all of them."""
-        super()._report_slow_sites(_expand(decisions, self._pending[0], self.group, self.plan), example_inputs)
+    def _judged_decisions(self, decisions: list[Decision]) -> list[Decision]:
+        """Each site under every instance's path: the region's graph runs for all of them."""
+        return _expand(decisions, self._pending[0], self.group, self.plan)
 
     def _traced_instance(self, decisions: list[Decision]) -> str:
         for decision in decisions:
