@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 from fp8graph import costs
 from fp8graph.backend import FP8Backend
-from fp8graph.buffers.anchors import restore_buffer_dtypes
+from fp8graph.buffers.anchors import is_fp8graph_buffer, restore_buffer_dtypes
 from fp8graph.compiled_module import make_compiled_fp8_module
 from fp8graph.recipes.plan import CACHE_WHERE_POSSIBLE, Plan, choose_weight_cache, weight_copies_of
 from fp8graph.recipes.policy import normalize_policy
@@ -413,11 +413,40 @@ def _classes_restored(model):
                 module.__class__ = cls
 
 
+@contextlib.contextmanager
+def _model_state_kept(model):
+    """Give ``model``'s own buffers and the random number generators back, on exit, what they held on entry.
+
+    explain's run is a forward in the model's mode: in training mode it updates a BatchNorm's running statistics
+    and draws dropout masks, which a user explaining between training steps must not find changed. fp8graph's
+    own buffers are left as the run leaves them: it records no delayed-scaling state without gradients, and the
+    weight copies it fills are marked stale.
+    """
+    kept = []  # (module, name, the buffer, its values)
+    if isinstance(model, torch.nn.Module):
+        for module in model.modules():
+            kept += [(module, name, buffer, buffer.detach().clone()) for name, buffer in module._buffers.items()
+                     if buffer is not None and not is_fp8graph_buffer(module, name)]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, name, buffer, values in kept:
+                module._buffers[name] = buffer  # a forward that rebinds a buffer (a cache rebuilt) gets it back
+                buffer.copy_(values)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
 def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu="H100", **kwargs) -> ExplainReport:
     """Trace ``model(*args, **kwargs)`` and report what fp8graph does with each site.
 
     A model returned by :func:`compile` (also inside a DDP wrapper) is
-    explained with its own policy and lowering. The model runs once, without gradients, on the rewritten graph.
+    explained with its own policy and lowering. The model runs once, without gradients, on the rewritten graph;
+    its buffers (a BatchNorm's running statistics) and the random number generators are given back as they were.
     An uncompiled model is explained with the blocks ``regions`` selects (as
     :func:`compile` takes it); a compiled one with its own regions.
     Policy rules that match no site are listed in ``report.unmatched_rules``
@@ -458,7 +487,7 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu
     if blocks is None:  # explained as fp8graph.compile would compile it
         blocks = find_blocks(user_model, regions) if isinstance(user_model, torch.nn.Module) else []
     # An uncompiled model's blocks become regions for explain's run alone: their classes are given back after it.
-    with _classes_restored(user_model if compiled is None else None):
+    with _classes_restored(user_model if compiled is None else None), _model_state_kept(user_model):
         backend, session = _make_backends(
             dict(policy=policy, compiler="eager", lowering=lowering, model=user_model, state=state,
                  weight_cache=weight_cache, report_slow_sites=False), blocks, {})

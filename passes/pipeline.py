@@ -136,6 +136,16 @@ class AnchoredBuffers:
     cache_by_weight: dict
     value_of: dict
     stats_collector: object | None
+    # The node of the first site of each tiled-recipe weight (by id of its value), in graph order: in a graph that
+    # fills the copies, that call writes them and the weight's later calls read them (noted by ``annotate``).
+    first_tiled_call: dict = dataclasses.field(default_factory=dict)
+
+    def note_first_tiled_calls(self, decisions) -> None:
+        """Record the first call of each weight a tiled recipe runs (:attr:`first_tiled_call`)."""
+        for decision in decisions:
+            if decision.rewritten and decision.recipe.tiled and decision.site.has_weight:
+                self.first_tiled_call.setdefault(id(self.value_of.get(decision.site.weight_input)),
+                                                 decision.site.node)
 
     def cache_nodes(self, decision):
         """The placeholders of the FP8 copies of the decision's weight by prefix, if they serve its recipe, else
@@ -150,7 +160,15 @@ class AnchoredBuffers:
         nodes = self.cache_nodes(decision)
         if nodes is None:
             return None
-        return "fill" if any(node in self.cache_filled for node in nodes.values()) else "reuse"
+        if not any(node in self.cache_filled for node in nodes.values()):
+            return "reuse"
+        # A tiled call reads the copies it wrote (no second FP8 store of the weight), and its backward what it
+        # saved of them: a later call of the same weight writing them again (a layer called three times) would
+        # change what the first saved. One call writes; the others read what it wrote.
+        if decision.recipe.tiled and self.first_tiled_call.get(
+                id(self.value_of.get(decision.site.weight_input))) is not decision.site.node:
+            return "reuse"
+        return "fill"
 
     def state_nodes(self, site):
         entry = self.state_by_weight.get(id(self.value_of.get(site.weight_input)))
@@ -211,6 +229,7 @@ def annotate(state: PassState) -> None:
         lambda recipe, site: choose_lowering(device, context.lowering, recipe, form=site.form),
         context.modules_by_path, has_state=lambda site: buffers.state_nodes(site) is not None,
         planned=lambda site: planned_entry(context.plan, site, state.value_of))
+    buffers.note_first_tiled_calls(state.decisions)
 
 
 def planned_entry(plan: Plan | None, site, value_of: dict):

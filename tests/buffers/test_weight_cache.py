@@ -157,6 +157,40 @@ def test_tiled_recipes_keep_both_gemms_weight_casts_and_train_as_when_cast_at_ev
             copies_are_the_weights_casts()
 
 
+class _SharedThrice(torch.nn.Module):
+    """One Linear called three times a forward, on 3-D and 2-D inputs: a shared layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Linear(128, 128)
+
+    def forward(self, x):
+        tokens = self.shared(self.shared(x))  # (2, 16, 128)
+        return tokens.sum(0) + self.shared(tokens.flatten(0, 1)[:16])
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "block", "mxfp8"])
+def test_a_tiled_weight_called_three_times_a_forward_fills_its_copies_once(recipe):
+    """A filling graph's tiled calls read the copies they wrote and save them for the backward: each call of the
+    weight wrote them, and the third call's write changed what the first had saved (autograd refused the graph:
+    "modified by an inplace operation"). The first call writes; the others read. Bit for bit the losses and weights
+    of casting at every call."""
+    model = _SharedThrice()
+    cached_model = copy.deepcopy(model)
+    policy = PRESETS[recipe]
+
+    def train(model, compiled):
+        return _accumulate_on(model, compiled, lambda generator: torch.randn(2, 16, 128, generator=generator))
+
+    losses, _ = train(model, fp8graph.compile(model, policy=policy, compiler="aot_eager", cache_weights=False))
+    torch._dynamo.reset()
+    compiled = fp8graph.compile(cached_model, policy=policy, compiler="aot_eager", cache_weights=True)
+    cached_losses, reused = train(cached_model, compiled)
+    assert cached_losses == losses and reused == [False, True, True] * STEPS
+    for name, param in model.named_parameters():
+        assert torch.equal(dict(cached_model.named_parameters())[name], param), name
+
+
 @pytest.mark.parametrize("recipe", ["current", "rowwise", "mxfp8"])
 @pytest.mark.parametrize("weights", ["enk", "ekn"])
 def test_expert_weights_are_cast_once_per_step_and_train_as_when_cast_at_every_call(weights, recipe):

@@ -352,3 +352,26 @@ def test_explain_of_an_uncompiled_model_leaves_its_modules_classes_as_they_were(
     report = fp8graph.explain(model, torch.randint(0, 250, (2, 16)))  # regions="auto": its layers are regions
     assert report.graph_count > 1
     assert {path: type(module) for path, module in model.named_modules()} == classes
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_explain_leaves_a_training_models_buffers_and_random_state_as_they_were(compiled):
+    """explain's run is a forward in training mode: it updated a BatchNorm's running statistics and drew dropout
+    masks. Both are given back: the buffers bit for bit, the generator where it was (the next draw the same);
+    the model stays in training mode."""
+    net = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Dropout(0.5), nn.Linear(128, 64))
+    x = torch.randn(32, 64)
+    model = fp8graph.compile(net, compiler="aot_eager") if compiled else net
+    if compiled:
+        model(x).sum().backward()
+    norm = net[1]
+    before = {name: buffer.clone() for name, buffer in norm.named_buffers()}
+    torch.manual_seed(5)
+    report = fp8graph.explain(model, x)
+    after_explain = torch.rand(4)
+    torch.manual_seed(5)
+    assert torch.equal(after_explain, torch.rand(4))
+    assert len(report.rewritten) == 2 and model.training and norm.training
+    for name, buffer in norm.named_buffers():
+        assert torch.equal(buffer, before[name]), name
+    assert int(norm.num_batches_tracked) == (1 if compiled else 0)
