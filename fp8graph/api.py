@@ -316,6 +316,10 @@ def _checks_at_first_call(backend, with_regions: bool):
             skipped_frames = frames_skipped_since(before)
             backend.frames_run_eagerly.extend(skipped_frames)
             for skipped in skipped_frames:
+                if skipped.whole_call:
+                    log.warning("fp8graph: Dynamo ran %s eagerly (%s): nothing of it compiled, every site runs in "
+                                "high precision", skipped.where, skipped.why)
+                    continue
                 log.warning("fp8graph: Dynamo ran %s eagerly (%s): a GEMM in that function's own code stays in high "
                             "precision (the modules it calls compile on their own)%s", skipped.where, skipped.why,
                             _REGIONS_IN_A_LOOP if with_regions else "")
@@ -510,9 +514,13 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu
         frames_skipped_since(unimplemented_before)
     graph_breaks += [f"ran eagerly: {skipped}" for skipped in dict.fromkeys(skipped_frames)]
     if backend.graph_count == 0:
-        raise RuntimeError(
-            f"Dynamo captured no graph of {type(model).__name__}: nothing to explain"
-        )
+        # Dynamo counts a frame's skip once: a frame it gave up on earlier in the process (its recompile_limit
+        # reached by the models of one class compiled before) runs eagerly now without a new count.
+        ran_eagerly = "".join(f"; Dynamo ran {skipped} eagerly" for skipped in dict.fromkeys(skipped_frames)) or (
+            "; Dynamo ran it eagerly, likely a frame it gave up on earlier in this process (its recompile_limit "
+            "reached by the models of one class compiled before: torch._dynamo.reset() between models); "
+            "TORCH_LOGS=recompiles,graph_breaks says why")
+        raise RuntimeError(f"Dynamo captured no graph of {type(model).__name__}: nothing to explain{ran_eagerly}")
     _refuse_unmatched_rules(backend)
     unmatched = _unmatched_rule_names(backend)
     paths_by_id = module_paths_by_id(user_model) if isinstance(user_model, torch.nn.Module) else None

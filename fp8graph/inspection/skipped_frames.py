@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import torch._dynamo
 from torch._dynamo.utils import counters
 
 __all__ = ["SkippedFrame", "frames_skipped_since", "unimplemented_now"]
@@ -27,7 +28,15 @@ def unimplemented_now() -> collections.Counter:
 
 def _is_frame_skip(reason: str) -> bool:
     lowered = reason.lower()
-    return "skipping the frame" in lowered or "skipping frame" in lowered or "frame skipped" in lowered
+    return "skipping the frame" in lowered or "skipping frame" in lowered or "frame skipped" in lowered \
+        or _is_recompile_limit(reason)
+
+
+def _is_recompile_limit(reason: str) -> bool:
+    """Dynamo compiled the frame's code as often as ``torch._dynamo.config.recompile_limit`` lets it (each new
+    model of one class, or each instance a policy tells apart, is a compile of the same code) and runs it
+    eagerly from then on: the whole call, every site in high precision."""
+    return "recompile limit exceeded" in reason.lower()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +46,19 @@ class SkippedFrame:
 
     where: str
     why: str
+    whole_call: bool = False  # the frame of the compiled call itself (the recompile limit): nothing compiled
 
     def __str__(self) -> str:
         return f"{self.where} ({self.why})"
 
 
 def _skipped_frame(reason: str) -> SkippedFrame:
+    if _is_recompile_limit(reason):
+        limit = torch._dynamo.config.recompile_limit
+        return SkippedFrame("the call", f"Dynamo's recompile_limit ({limit}) reached: each model of one class "
+                            "compiled in this process, or each instance a policy tells apart, compiles the same "
+                            "code again; torch._dynamo.reset() between models, or a higher "
+                            "torch._dynamo.config.recompile_limit", whole_call=True)
     lines = [line.strip() for line in reason.splitlines() if line.strip()]
     where = next((line.split("frame skipped:", 1)[1].strip() for line in lines if "frame skipped:" in line),
                  "a function")
