@@ -308,7 +308,7 @@ def _checks_at_first_call(backend, with_regions: bool):
             nonlocal checked
             if checked:
                 return forward(*args, **kwargs)
-            before = unimplemented_now()
+            before, graphs_before = unimplemented_now(), backend.graph_count
             output = forward(*args, **kwargs)
             checked = True
             if _refuse_unmatched_rules(backend):
@@ -316,9 +316,9 @@ def _checks_at_first_call(backend, with_regions: bool):
             skipped_frames = frames_skipped_since(before)
             backend.frames_run_eagerly.extend(skipped_frames)
             for skipped in skipped_frames:
-                if skipped.whole_call:
-                    log.warning("fp8graph: Dynamo ran %s eagerly (%s): nothing of it compiled, every site runs in "
-                                "high precision", skipped.where, skipped.why)
+                if skipped.recompile_limit and backend.graph_count == graphs_before:  # the call's own frame
+                    log.warning("fp8graph: Dynamo ran the call eagerly (%s): nothing of it compiled, every site runs "
+                                "in high precision", skipped.why)
                     continue
                 log.warning("fp8graph: Dynamo ran %s eagerly (%s): a GEMM in that function's own code stays in high "
                             "precision (the modules it calls compile on their own)%s", skipped.where, skipped.why,
@@ -419,27 +419,37 @@ def _classes_restored(model):
 
 @contextlib.contextmanager
 def _model_state_kept(model):
-    """Give ``model``'s own buffers and the random number generators back, on exit, what they held on entry.
+    """Give ``model``'s own buffers the values they held on entry, and the random number generators their state,
+    on exit.
 
     explain's run is a forward in the model's mode: in training mode it updates a BatchNorm's running statistics
-    and draws dropout masks, which a user explaining between training steps must not find changed. fp8graph's
+    and draws dropout masks, which a user explaining between training steps must not find changed. Only the
+    buffers of modules in training mode are kept (by convention an eval-mode forward changes no buffer), and
+    only a buffer the run changed is written back: one saved for a backward still to run keeps its version
+    otherwise. A buffer the run rebound (a cache a forward rebuilds, with attributes
+    that describe it) is left as the run left it, as is an inference tensor (it keeps no version). fp8graph's
     own buffers are left as the run leaves them: it records no delayed-scaling state without gradients, and the
     weight copies it fills are marked stale.
     """
-    kept = []  # (module, name, the buffer, its values)
+    kept, seen = [], set()  # (module, name, the buffer, its version, its values)
     if isinstance(model, torch.nn.Module):
         for module in model.modules():
-            kept += [(module, name, buffer, buffer.detach().clone()) for name, buffer in module._buffers.items()
-                     if buffer is not None and not is_fp8graph_buffer(module, name)]
+            for name, buffer in module._buffers.items() if module.training else ():
+                if buffer is None or buffer.is_inference() or id(buffer) in seen or is_fp8graph_buffer(module, name):
+                    continue
+                seen.add(id(buffer))
+                kept.append((module, name, buffer, buffer._version, buffer.detach().clone()))
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
         yield
     finally:
         with torch.no_grad():
-            for module, name, buffer, values in kept:
-                module._buffers[name] = buffer  # a forward that rebinds a buffer (a cache rebuilt) gets it back
-                buffer.copy_(values)
+            for module, name, buffer, version, values in kept:
+                # A kernel may write a buffer without moving its version (BatchNorm's running statistics)
+                if module._buffers.get(name) is buffer and (buffer._version != version
+                                                            or not torch.equal(buffer, values)):
+                    buffer.copy_(values)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

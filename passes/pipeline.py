@@ -136,23 +136,40 @@ class AnchoredBuffers:
     cache_by_weight: dict
     value_of: dict
     stats_collector: object | None
-    # The node of the first site of each tiled-recipe weight (by id of its value), in graph order: in a graph that
-    # fills the copies, that call writes them and the weight's later calls read them (noted by ``annotate``).
-    first_tiled_call: dict = dataclasses.field(default_factory=dict)
+    # In a graph that fills the copies, the one call of each tiled-recipe weight (by id of its value) that writes
+    # and reads them (noted by ``annotate``); the weight's other calls there cast it themselves.
+    tiled_writer: dict = dataclasses.field(default_factory=dict)
 
-    def note_first_tiled_calls(self, decisions) -> None:
-        """Record the first call of each weight a tiled recipe runs (:attr:`first_tiled_call`)."""
+    def note_tiled_writers(self, decisions) -> None:
+        """Choose the call that fills each tiled weight's copies (:attr:`tiled_writer`): a filling call reads the
+        copies it wrote and saves them for its backward, so a second writer would change what the first saved
+        (a layer called three times: autograd refuses the graph), and a reader could run before the writer (a
+        call inside a checkpoint body, traced after the graph around it). One writes; the others cast the weight
+        as without copies."""
         for decision in decisions:
-            if decision.rewritten and decision.recipe.tiled and decision.site.has_weight:
-                self.first_tiled_call.setdefault(id(self.value_of.get(decision.site.weight_input)),
-                                                 decision.site.node)
+            if not (decision.rewritten and decision.recipe.tiled and decision.site.has_weight):
+                continue
+            nodes = self._copies(decision)
+            if nodes is not None and any(node in self.cache_filled for node in nodes.values()):
+                self.tiled_writer.setdefault(self._weight_id(decision), decision.site.node)
 
-    def cache_nodes(self, decision):
+    def _weight_id(self, decision) -> int:
+        return id(self.value_of.get(decision.site.weight_input))
+
+    def _copies(self, decision):
         """The placeholders of the FP8 copies of the decision's weight by prefix, if they serve its recipe, else
         None."""
-        recipe, buffers = self.cache_by_weight.get(id(self.value_of.get(decision.site.weight_input)), (None, {}))
+        recipe, buffers = self.cache_by_weight.get(self._weight_id(decision), (None, {}))
         nodes = {prefix: self.cache.get(id(buffer)) for prefix, buffer in buffers.items()}
         return nodes if nodes and None not in nodes.values() and recipe == decision.recipe else None
+
+    def cache_nodes(self, decision):
+        """The copies the decision's call takes (:meth:`_copies`): none for a tiled call of a filling graph that
+        another call of its weight writes them in (:meth:`note_tiled_writers`)."""
+        nodes = self._copies(decision)
+        if nodes is None or not decision.recipe.tiled or not any(node in self.cache_filled for node in nodes.values()):
+            return nodes
+        return nodes if self.tiled_writer.get(self._weight_id(decision)) is decision.site.node else None
 
     def cache_mode(self, decision) -> str | None:
         """``"fill"`` or ``"reuse"``: what the call does with the decision's FP8 copies (a module's copies that the
@@ -160,15 +177,7 @@ class AnchoredBuffers:
         nodes = self.cache_nodes(decision)
         if nodes is None:
             return None
-        if not any(node in self.cache_filled for node in nodes.values()):
-            return "reuse"
-        # A tiled call reads the copies it wrote (no second FP8 store of the weight), and its backward what it
-        # saved of them: a later call of the same weight writing them again (a layer called three times) would
-        # change what the first saved. One call writes; the others read what it wrote.
-        if decision.recipe.tiled and self.first_tiled_call.get(
-                id(self.value_of.get(decision.site.weight_input))) is not decision.site.node:
-            return "reuse"
-        return "fill"
+        return "fill" if any(node in self.cache_filled for node in nodes.values()) else "reuse"
 
     def state_nodes(self, site):
         entry = self.state_by_weight.get(id(self.value_of.get(site.weight_input)))
@@ -229,7 +238,7 @@ def annotate(state: PassState) -> None:
         lambda recipe, site: choose_lowering(device, context.lowering, recipe, form=site.form),
         context.modules_by_path, has_state=lambda site: buffers.state_nodes(site) is not None,
         planned=lambda site: planned_entry(context.plan, site, state.value_of))
-    buffers.note_first_tiled_calls(state.decisions)
+    buffers.note_tiled_writers(state.decisions)
 
 
 def planned_entry(plan: Plan | None, site, value_of: dict):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 
 import torch._dynamo
 from torch._dynamo.utils import counters
@@ -32,11 +33,26 @@ def _is_frame_skip(reason: str) -> bool:
         or _is_recompile_limit(reason)
 
 
+# Dynamo's reason when a frame's code was compiled as often as a limit lets it (torch 2.13's and its earlier
+# name: "Dynamo recompile limit exceeded", "Dynamo cache limit exceeded"; older: "recompile_limit reached").
+_RECOMPILE_LIMIT = re.compile(r"(recompile|cache) limit exceeded|recompile_limit reached", re.IGNORECASE)
+
+
 def _is_recompile_limit(reason: str) -> bool:
-    """Dynamo compiled the frame's code as often as ``torch._dynamo.config.recompile_limit`` lets it (each new
-    model of one class, or each instance a policy tells apart, is a compile of the same code) and runs it
-    eagerly from then on: the whole call, every site in high precision."""
-    return "recompile limit exceeded" in reason.lower()
+    """Dynamo compiled the frame's code as often as a limit lets it (each new model of one class, or each
+    instance a policy tells apart, is a compile of the same code) and runs it eagerly from then on."""
+    return bool(_RECOMPILE_LIMIT.search(reason))
+
+
+def _recompile_limit_why(reason: str) -> str:
+    """Which limit, at what value (as the reason says, else as the config holds it now), and what to do."""
+    limit_type = re.search(r"Limit type: (\w+)", reason)
+    limit_type = limit_type.group(1) if limit_type else "recompile_limit"
+    value = re.search(r"currently set to (\d+)", reason)
+    value = value.group(1) if value else getattr(torch._dynamo.config, limit_type, "?")
+    return (f"Dynamo's {limit_type} ({value}) reached: each model of one class compiled in this process, or each "
+            "instance a policy tells apart, compiles the same code again; torch._dynamo.reset() between models, "
+            f"or a higher torch._dynamo.config.{limit_type}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +62,7 @@ class SkippedFrame:
 
     where: str
     why: str
-    whole_call: bool = False  # the frame of the compiled call itself (the recompile limit): nothing compiled
+    recompile_limit: bool = False  # skipped for a recompile limit: the compiled call's own frame, if it got no graph
 
     def __str__(self) -> str:
         return f"{self.where} ({self.why})"
@@ -54,11 +70,7 @@ class SkippedFrame:
 
 def _skipped_frame(reason: str) -> SkippedFrame:
     if _is_recompile_limit(reason):
-        limit = torch._dynamo.config.recompile_limit
-        return SkippedFrame("the call", f"Dynamo's recompile_limit ({limit}) reached: each model of one class "
-                            "compiled in this process, or each instance a policy tells apart, compiles the same "
-                            "code again; torch._dynamo.reset() between models, or a higher "
-                            "torch._dynamo.config.recompile_limit", whole_call=True)
+        return SkippedFrame("a function", _recompile_limit_why(reason), recompile_limit=True)
     lines = [line.strip() for line in reason.splitlines() if line.strip()]
     where = next((line.split("frame skipped:", 1)[1].strip() for line in lines if "frame skipped:" in line),
                  "a function")

@@ -11,6 +11,7 @@ first-micro-batch caching, tests/buffers/test_kept_casts.py).
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -169,15 +170,50 @@ class _SharedThrice(torch.nn.Module):
         return tokens.sum(0) + self.shared(tokens.flatten(0, 1)[:16])
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "block", "mxfp8"])
-def test_a_tiled_weight_called_three_times_a_forward_fills_its_copies_once(recipe):
-    """A filling graph's tiled calls read the copies they wrote and save them for the backward: each call of the
-    weight wrote them, and the third call's write changed what the first had saved (autograd refused the graph:
-    "modified by an inplace operation"). The first call writes; the others read. Bit for bit the losses and weights
-    of casting at every call."""
-    model = _SharedThrice()
+class _CheckpointedFirst(torch.nn.Module):
+    """The shared Linear's first call inside a checkpoint body, which the graph's passes see after the graph
+    around it, its second after the body."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared, self.other = torch.nn.Linear(128, 128), torch.nn.Linear(128, 128)
+
+    def forward(self, x):
+        inner = torch.utils.checkpoint.checkpoint(lambda h: torch.relu(self.shared(h)), x, use_reentrant=False)
+        return self.shared(self.other(inner))
+
+
+class _BlockOnFewRows(torch.nn.Module):
+    """The shared Linear's first call in row-wise (the default), its second on 16 rows in block scaling (a rule):
+    the copies are block scaling's, which the first call does not read."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Linear(128, 128)
+
+    def forward(self, x):  # (2, 16, 128)
+        rows = self.shared(x.flatten(0, 1))  # 32 rows
+        return rows[:16] + self.shared(rows[:16])
+
+
+_FEW_ROWS_IN_BLOCKS = fp8graph.Policy(default=PRESETS["rowwise"], rules=[
+    (lambda path, module, site: isinstance(site.M, int) and site.M <= 16, PRESETS["block"])])
+
+
+@pytest.mark.parametrize("make, policy", [
+    (_SharedThrice, PRESETS["rowwise"]), (_SharedThrice, PRESETS["block"]), (_SharedThrice, PRESETS["mxfp8"]),
+    (_CheckpointedFirst, PRESETS["rowwise"]), (_BlockOnFewRows, _FEW_ROWS_IN_BLOCKS)],
+    ids=["thrice-rowwise", "thrice-block", "thrice-mxfp8", "checkpointed-first", "another-recipe-first"])
+def test_one_call_of_a_tiled_weight_fills_its_copies_whatever_the_order(make, policy):
+    """A filling graph's tiled call reads the copies it wrote and saves them for its backward. Every call of the
+    weight wrote them, and a third call's write changed what the first had saved (autograd refused the graph:
+    "modified by an inplace operation"); a call that only read them could run before the writer (the first call
+    inside a checkpoint body, which the passes see last) or the first call take another recipe's copies. One call
+    of the weight that takes the copies writes and reads them; the others cast the weight themselves. Bit for bit
+    the losses and weights of casting at every call."""
+    torch.manual_seed(0)
+    model = make()
     cached_model = copy.deepcopy(model)
-    policy = PRESETS[recipe]
 
     def train(model, compiled):
         return _accumulate_on(model, compiled, lambda generator: torch.randn(2, 16, 128, generator=generator))
@@ -187,6 +223,7 @@ def test_a_tiled_weight_called_three_times_a_forward_fills_its_copies_once(recip
     compiled = fp8graph.compile(cached_model, policy=policy, compiler="aot_eager", cache_weights=True)
     cached_losses, reused = train(cached_model, compiled)
     assert cached_losses == losses and reused == [False, True, True] * STEPS
+    assert all(math.isfinite(loss) for loss in losses)
     for name, param in model.named_parameters():
         assert torch.equal(dict(cached_model.named_parameters())[name], param), name
 

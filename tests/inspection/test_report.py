@@ -375,3 +375,33 @@ def test_explain_leaves_a_training_models_buffers_and_random_state_as_they_were(
     for name, buffer in norm.named_buffers():
         assert torch.equal(buffer, before[name]), name
     assert int(norm.num_batches_tracked) == (1 if compiled else 0)
+
+
+class _GainAndCache(nn.Module):
+    """A buffer the backward saves (``gain``) and a cache the forward rebuilds, with an attribute saying its
+    size, as HuggingFace's rotary embeddings once did."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+        self.register_buffer("gain", torch.rand(64) + 0.5)
+        self.cached_rows = 8
+        self.register_buffer("cache", torch.zeros(8, 64), persistent=False)
+
+    def forward(self, x):
+        if x.shape[0] > self.cached_rows:
+            self.cached_rows, self.cache = x.shape[0], torch.ones(x.shape[0], 64)
+        return self.linear(x) * self.gain + self.cache[: x.shape[0]]
+
+
+def test_explain_between_a_forward_and_its_backward_writes_back_only_what_it_changed():
+    """A buffer explain's run did not change keeps its version (the pending backward saved it); a cache the run
+    rebuilt stays as rebuilt, beside the attribute that describes it."""
+    model = _GainAndCache()
+    x = torch.randn(32, 64)
+    loss = model(x[:4]).sum()
+    fp8graph.explain(model, x)
+    loss.backward()  # autograd refuses a saved tensor whose version moved
+    assert model.linear.weight.grad is not None
+    assert model.cached_rows == 32 and model.cache.shape == (32, 64)
+    model(x).sum().backward()

@@ -38,10 +38,29 @@ def test_a_model_past_dynamos_recompile_limit_is_named_and_explain_says_why_it_s
         third = fp8graph.compile(_sequential(96), compiler="aot_eager")
         third(x)
     (skipped,) = frames_skipped_since(before)
-    assert skipped.whole_call and "recompile_limit (2) reached" in skipped.why
+    assert skipped.recompile_limit and "recompile_limit (2) reached" in skipped.why
     assert third.fp8graph_backend.decisions == [] and third.fp8graph_backend.frames_run_eagerly == [skipped]
     assert (f"Dynamo ran the call eagerly ({skipped.why}): nothing of it compiled, every site runs in high "
             "precision") in caplog.text
     with pytest.raises(RuntimeError, match=r"captured no graph of Sequential: nothing to explain; Dynamo ran it "
                                            r"eagerly, likely .*recompile_limit"):
         fp8graph.explain(_sequential(112), x)
+
+
+@pytest.mark.parametrize("reason, named", [
+    ("Dynamo recompile limit exceeded\n  Explanation: ... exceeding the accumulated_recompile_limit cache size limit "
+     "(currently set to 256). ...\n  Developer debug context: Limit type: accumulated_recompile_limit",
+     "Dynamo's accumulated_recompile_limit (256) reached"),
+    ("Dynamo cache limit exceeded\n  Explanation: ... exceeding the recompile_limit cache size limit.Giving up on "
+     "compiling ...\n  Developer debug context: Limit type: recompile_limit",
+     f"Dynamo's recompile_limit ({torch._dynamo.config.recompile_limit}) reached")])
+def test_each_limit_is_named_as_dynamo_names_it(reason, named):
+    """The limit the reason names, at the value it says (else the config's now), under torch's earlier wording
+    too."""
+    before = unimplemented_now()
+    with pytest.MonkeyPatch.context() as patch:
+        counts = type(before)(before)
+        counts[reason] += 1
+        patch.setitem(torch._dynamo.utils.counters, "unimplemented", counts)
+        (skipped,) = frames_skipped_since(before)
+    assert skipped.recompile_limit and skipped.why.startswith(named) and skipped.where == "a function"
