@@ -150,11 +150,15 @@ class AnchoredBuffers:
             if not (decision.rewritten and decision.recipe.tiled and decision.site.has_weight):
                 continue
             nodes = self._copies(decision)
-            if nodes is not None and any(node in self.cache_filled for node in nodes.values()):
+            if nodes is not None and self._fills(nodes):
                 self.tiled_writer.setdefault(self._weight_id(decision), decision.site.node)
 
     def _weight_id(self, decision) -> int:
         return id(self.value_of.get(decision.site.weight_input))
+
+    def _fills(self, nodes: dict) -> bool:
+        """Whether this graph's call writes the copies at ``nodes`` (the declaration's fill has not yet)."""
+        return any(node in self.cache_filled for node in nodes.values())
 
     def _copies(self, decision):
         """The placeholders of the FP8 copies of the decision's weight by prefix, if they serve its recipe, else
@@ -167,7 +171,7 @@ class AnchoredBuffers:
         """The copies the decision's call takes (:meth:`_copies`): none for a tiled call of a filling graph that
         another call of its weight writes them in (:meth:`note_tiled_writers`)."""
         nodes = self._copies(decision)
-        if nodes is None or not decision.recipe.tiled or not any(node in self.cache_filled for node in nodes.values()):
+        if nodes is None or not decision.recipe.tiled or not self._fills(nodes):
             return nodes
         return nodes if self.tiled_writer.get(self._weight_id(decision)) is decision.site.node else None
 
@@ -177,7 +181,7 @@ class AnchoredBuffers:
         nodes = self.cache_nodes(decision)
         if nodes is None:
             return None
-        return "fill" if any(node in self.cache_filled for node in nodes.values()) else "reuse"
+        return "fill" if self._fills(nodes) else "reuse"
 
     def state_nodes(self, site):
         entry = self.state_by_weight.get(id(self.value_of.get(site.weight_input)))
