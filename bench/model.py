@@ -32,7 +32,7 @@ import time
 
 from . import gpu_runs
 from .cli import contestants_of, positive
-from .costmodel import calibration, captures, costs, cubins, site_casts
+from .costmodel import calibration, captures, costs, cubins, peak_memory, site_casts
 from .targets import judge
 from .timing import markdown_table, project_commit, with_verdicts, write_result
 
@@ -148,6 +148,12 @@ def build_result(workload: str, spec: dict, results: list[dict], machine: costs.
     """The JSON a ``bench model`` run writes: per-contestant captures, and one summary row per (case,
     contestant) that the targets judge; ``summarize`` re-times the captures at ``machine``'s rates."""
     costs.summarize(results, machine)
+    for result in results:
+        for case in result.get("cases", []):
+            if "memory" in case:
+                memory = peak_memory.step_memory(case["memory"]["persistent"], case["memory"]["calls"],
+                                                 case.get("micro_batches", 1))
+                case["summary"].update(peak_gb=memory["peak_bytes"] / 1e9, saved_gb=memory["saved_bytes"] / 1e9)
     rows = []
     for result in results:
         if "error" in result:
@@ -176,6 +182,9 @@ def _add_ratios(rows: list[dict]) -> None:
         bf16 = next((r for r in rows if r.get("case") == row["case"] and r["contestant"] == "bf16"), None)
         if bf16 and _launches(bf16):
             row["launches_vs_bf16"] = _launches(row) / _launches(bf16)
+        for column in ("peak_gb", "saved_gb"):
+            if bf16 and bf16.get(column) and column in row:
+                row[f"{column.removesuffix('_gb')}_vs_bf16"] = row[column] / bf16[column]
 
 
 def _launches(row: dict) -> int:
@@ -228,6 +237,7 @@ def _step_table(rows: list[dict], machine: costs.Machine, digits: int, optimizer
     appears for each torchao baseline the run has (tensorwise for the decoder, the MoE one for moe)."""
     entries = [row for row in rows if "error" not in row]
     several = len({row["case"] for row in entries}) > 1
+    memory = any("peak_gb" in row for row in entries)
     baselines = [(key, name) for key, name in (("vs_torchao_tensorwise", "vs torchao tensorwise"),
                                                ("vs_torchao_moe_rowwise", "vs torchao moe rowwise"))
                  if any(key in row for row in entries)]
@@ -236,7 +246,8 @@ def _step_table(rows: list[dict], machine: costs.Machine, digits: int, optimizer
         "FP8 GB stored twice", "scattered GB",
         "tiny launches", f"Triton ms @{machine.copy_bandwidth / 1e12:.2f} TB/s",
         f"Triton ms @{machine.triton_bandwidth / 1e12:.2f} TB/s", "GEMM ms", *(["attention ms"] if attention else []),
-        "other extern ms", *(["SGD ms"] if optimizer else []), "step ms", "vs bf16", *(name for _, name in baselines)]
+        "other extern ms", *(["SGD ms"] if optimizer else []), "step ms", "vs bf16", *(name for _, name in baselines),
+        *(["peak GB", "saved GB"] if memory else [])]
     f = f"{{:.{digits}f}}".format
     table = []
     for s in entries:
@@ -247,12 +258,20 @@ def _step_table(rows: list[dict], machine: costs.Machine, digits: int, optimizer
             str(s["tiny_launches"]), f(s["triton_ms_copy"]),
             f(s["triton_ms"]), f(s["gemm_ms"]), *([f(s["attention_ms"])] if attention else []), f(s["other_ms"]),
             *([f(s["optimizer_ms"])] if optimizer else []), f(s["step_ms"]), _ratio(s, "vs_bf16"),
-            *(_ratio(s, key) for key, _ in baselines)])
+            *(_ratio(s, key) for key, _ in baselines),
+            *([_gb(s, "peak_gb", "peak_vs_bf16"), _gb(s, "saved_gb", "saved_vs_bf16")] if memory else [])])
     return markdown_table(columns, table)
 
 
 def _ratio(row: dict, key: str) -> str:
     return f"{row[key]:.2f}x" if key in row else "-"
+
+
+def _gb(row: dict, key: str, ratio: str) -> str:
+    """``1.23 (0.95x)``: GB, and over BF16's where the run has BF16."""
+    if key not in row:
+        return "-"
+    return f"{row[key]:.2f}" + (f" ({row[ratio]:.2f}x)" if ratio in row else "")
 
 
 def _quantize_table(result: dict, machine: costs.Machine) -> list[str]:
@@ -286,8 +305,11 @@ def _legend(m: costs.Machine) -> str:
             "gathering op's rows as gathered, the delayed record by its loop steps, segment_reduce as measured); "
             f"SGD: bench decoder's eager p.add_(p.grad). step ms: Triton at the {m.gpu}'s rate "
             "plus the rest, kernel time only (no CPU or launch overhead). vs: the baseline's step ms over this "
-            "one's. Differences in bytes, launches and structure are facts of the generated code; a few percent "
-            "of time are not (docs/cost-model.md).")
+            "one's. Peak GB: the step's most memory allocated at once, replayed from the allocations of the "
+            "wrappers Inductor generated, on top of the parameters, buffers and inputs (not the allocator's "
+            "rounding or workspaces); saved GB: the activations the backward receives (the step's inputs "
+            "excluded). Differences in bytes, launches and structure are facts of the generated code; a few "
+            "percent of time are not (docs/cost-model.md).")
 
 
 def top_kernels(result: dict, n: int) -> list[str]:
@@ -435,7 +457,7 @@ def accumulate(results: list[dict], micro_batches: list[int]) -> None:
         if "cases" not in result:
             continue
         result["cases"] = [{**{k: v for k, v in case.items() if k not in ("reuse_rows", "per_call_rows")},
-                            "case": _with_micro_batches(case["case"], n),
+                            "case": _with_micro_batches(case["case"], n), "micro_batches": n,
                             "rows": (case["per_call_rows"] if n == 1 and "per_call_rows" in case
                                      else _accumulated_rows(case["rows"], n, case.get("reuse_rows")))}
                            for case in result["cases"] for n in micro_batches]

@@ -26,6 +26,7 @@
     model_decoder  (modelled, ``bench model decoder``: bench decoder's step, at the --gpu's rates)
                FP8 GB stored twice                == 0 for every fp8graph recipe
                launches (Triton and custom ops)   <= 2x BF16's
+               peak memory, saved for backward    <= BF16's, one micro-batch a step
                step over BF16                     current >= 1.25x, delayed >= 1.32x
                step over torchao (same run)       current >= 1.05x tensorwise, delayed >= 1.10x tensorwise,
                                                   row-wise >= 1.08x torchao row-wise
@@ -34,6 +35,7 @@
                                                   >= 1.05x torchao's MoE training (row-wise), when it ran
     model_moe  (modelled, ``bench model moe``: the same step, at the --gpu's rates)
                FP8 GB stored twice                == 0 for every fp8graph recipe
+               peak memory, saved for backward    <= BF16's, one micro-batch a step
                row-wise step                      >= 1.25x BF16, >= 1.05x torchao moe rowwise (same run)
                the sweep (``--sweep``), best recipe: >= 1.20x BF16 and >= 1.15x torchao moe rowwise at 2048 or
                                                   more tokens an expert; >= 1.05x BF16 for Qwen3-30B-A3B at
@@ -288,6 +290,16 @@ def _compile_ratios(deep: bool):
     return measure
 
 
+def _modelled_memory(column: str):
+    """``column`` (a memory figure over BF16's) of a ``bench model`` result's fp8graph rows whose step is one
+    micro-batch: with several, kept weight casts are the point of the step."""
+    def measure(result):
+        for case, value in _modelled(column)(result):
+            if "micro-batches" not in case:
+                yield case, value
+    return measure
+
+
 def _modelled(column: str, recipes: tuple[str, ...] | None = None):
     """``column`` of a ``bench model`` result's fp8graph rows (of ``recipes`` only, if given), per case; rows
     without it (no torchao contestant in the run) are not judged."""
@@ -370,6 +382,10 @@ TARGETS = (
            _modelled("vs_torchao_tensorwise", ("delayed",))),
     Target("model_decoder", "row-wise: step over torchao row-wise (modelled)", 1.08, True,
            _modelled("vs_torchao_rowwise", ("rowwise",))),
+    Target("model_decoder", "peak memory over BF16, 1 micro-batch (modelled)", 1.00, False,
+           _modelled_memory("peak_vs_bf16")),
+    Target("model_decoder", "memory saved for backward over BF16, 1 micro-batch (modelled)", 1.00, False,
+           _modelled_memory("saved_vs_bf16")),
 )
 
 
@@ -519,6 +535,10 @@ MOE_TARGETS = (
     # A site FP8 would slow is kept: the policy is never slower than BF16.
     Target("model_moe", "policies.auto(): step over BF16 (modelled)", 1.00, True,
            _modelled("vs_bf16", ("auto", "auto delayed"))),
+    Target("model_moe", "peak memory over BF16, 1 micro-batch (modelled)", 1.00, False,
+           _modelled_memory("peak_vs_bf16")),
+    Target("model_moe", "memory saved for backward over BF16, 1 micro-batch (modelled)", 1.00, False,
+           _modelled_memory("saved_vs_bf16")),
     *_moe_step_targets("moe_block", "measured"),
     *_moe_step_targets("model_moe", "modelled"),
 )

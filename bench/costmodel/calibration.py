@@ -31,7 +31,7 @@ import tarfile
 import tempfile
 from typing import Callable
 
-from . import costs
+from . import costs, peak_memory
 from .costs import markdown, summarize
 from .costs import rows_from_json as rows_of
 
@@ -328,7 +328,7 @@ class Calibration:
         step against BF16's. Those runs recorded no profile."""
         from bench.gpu_runs import gpu_runs
 
-        table, lines = [], []
+        table, lines, memory_table = [], [], []
         for run in gpu_runs(pathlib.Path(self.results_dir)):
             if run.workload != "decoder" or run.commit == MEASURED_COMMIT:
                 continue
@@ -341,13 +341,15 @@ class Calibration:
             machine = costs.Machine.of(run.gpu)
             tokens = measured["batch"] * measured["sequence"]
             steps = {}
+            case = f"{run.file.removesuffix('.json')} ({run.gpu}, {run.commit})"
             for row, result in zip(timed, results):
                 if "error" in result:
                     lines.append(f"- {run.file} {row['contestant']}: not modelled: {result['error'][:300]}")
                     continue
                 steps[row["contestant"]] = (costs.summary(rows_of(result["cases"][0]), machine)["step_ms"],
                                             tokens / row["train_tokens_per_s"] * 1e3)
-            case = f"{run.file.removesuffix('.json')} ({run.gpu}, {run.commit})"
+                memory_table.append(self._memory("decoder-runs-memory", case, row["contestant"],
+                                                 result["cases"][0], row))
             for contestant, (model, wall) in steps.items():
                 self._compare("decoder-runs", case, contestant, "step ms (wall)", model, wall)
                 ratios = ("-", "-")
@@ -361,7 +363,27 @@ class Calibration:
                 *markdown(["run (GPU, fp8graph)", "contestant", "model step ms", "measured step ms (wall)", "error",
                            "model vs bf16", "measured vs bf16"], table), *lines, "",
                 "The measured step is the wall time of a timed step (CPU overhead included); the model counts "
-                "kernel time."]
+                "kernel time.", "", *self._memory_lines(memory_table)]
+
+    def _memory(self, section: str, case: str, contestant: str, modelled_case: dict, row: dict) -> list[str]:
+        """The modelled step's peak memory and saved activations (``bench.costmodel.peak_memory``, one micro-batch)
+        beside ``row``'s measured ``peak_memory_gb`` and ``saved_gb``: a row of :meth:`_memory_lines`' table."""
+        memory = peak_memory.step_memory(modelled_case["memory"]["persistent"], modelled_case["memory"]["calls"], 1)
+        peak, saved = memory["peak_bytes"] / 1e9, memory["saved_bytes"] / 1e9
+        self._compare(section, case, contestant, "peak GB", peak, row.get("peak_memory_gb"))
+        self._compare(section, case, contestant, "saved GB", saved, row.get("saved_gb"))
+        measured_peak = row.get("peak_memory_gb")
+        return [case, contestant, f"{peak:.2f}", "-" if measured_peak is None else f"{measured_peak:.2f}",
+                "-" if measured_peak is None else _pct(peak, measured_peak), f"{saved:.2f}",
+                "-" if row.get("saved_gb") is None else f"{row['saved_gb']:.2f}"]
+
+    @staticmethod
+    def _memory_lines(table: list[list[str]]) -> list[str]:
+        return ["Peak memory and memory saved for the backward, modelled (the wrappers' allocations replayed, one "
+                "micro-batch) and measured (torch.cuda.max_memory_allocated over the timed steps; bench.memory: the "
+                "storages autograd saves, parameters excluded, the step's input included):", "",
+                *markdown(["run (GPU, fp8graph)", "contestant", "model peak GB", "measured peak GB", "error",
+                           "model saved GB", "measured saved GB"], table)]
 
     def _kernel_matches(self, contestant, file, case, profile) -> list[str]:
         """The profile's largest Triton kernels beside the model's kernels of the same (index-stripped) name."""
@@ -406,7 +428,7 @@ class Calibration:
 
         runs = [run for run in gpu_runs(pathlib.Path(self.results_dir)) if run.workload == "moe"
                 and (files is None or run.file in files)]
-        table, lines = [], []
+        table, lines, memory_table = [], [], []
         for run in runs:
             measured = run.measured(pathlib.Path(self.results_dir))
             profiled = {row["contestant"]: row["profile"] for row in measured["rows"] if "profile" in row}
@@ -415,14 +437,17 @@ class Calibration:
                     "fp8graph_at": run.commit}  # the commit keeps each run's captures apart
             results = self._run_at(run.commit, [{**spec, "contestant": contestant} for contestant in profiled])
             machine = costs.Machine.of(run.gpu)
-            modelled = {}
+            modelled, memory = {}, []
+            case = f"{run.file.removesuffix('.json')} ({run.gpu}, {run.commit})"
             for contestant, result in zip(profiled, results):
                 if "error" in result:
                     lines.append(f"- {run.file} {contestant}: not modelled: {result['error'][:300]}")
                     continue
                 modelled[contestant] = moe_classes(rows_of(result["cases"][0]), machine)
+                row = next(row for row in measured["rows"] if row["contestant"] == contestant)
+                memory.append(self._memory("moe-memory", case, contestant, result["cases"][0], row))
             measured_classes = {contestant: measured_moe_classes(profile) for contestant, profile in profiled.items()}
-            case = f"{run.file.removesuffix('.json')} ({run.gpu}, {run.commit})"
+            memory_table += memory
             for contestant, model in modelled.items():
                 h = measured_classes[contestant]
                 for quantity in MOE_CLASSES:
@@ -440,7 +465,7 @@ class Calibration:
                            "model vs bf16", "measured vs bf16"], table), *lines, "",
                 "Classes: GEMM the (grouped) GEMMs; Triton Inductor's kernels and the custom ops' Triton kernels "
                 "(fp8graph's, torchao's: the profile names them as Triton); other ATen's kernels (routing, "
-                "segment_reduce, SGD), copies and memsets."]
+                "segment_reduce, SGD), copies and memsets.", "", *self._memory_lines(memory_table)]
 
 
 MOE_CLASSES = ("step", "GEMM", "Triton", "other")

@@ -8,7 +8,8 @@ argument), its extern calls (cuBLAS GEMMs, cuDNN attention, custom ops) and its 
 Hooks, all undone on exit:
   * ``TritonScheduling.define_kernel``: the bytes Inductor's own ``estimate_kernel_num_bytes`` counts for
     each kernel argument, split into read and written;
-  * ``GraphLowering.codegen``: the wrapper's source, and the extern kernels among the scheduler's nodes;
+  * ``GraphLowering.codegen``: the wrapper's source, the extern kernels among the scheduler's nodes, and the
+    bytes its buffers hold as the schedule runs (``peak_memory.graph_memory``);
   * ``AsyncCompile.triton`` / ``wait``: each kernel's final source is kept and a stub returned, so nothing is
     compiled or launched when the graph's module loads.
 """
@@ -19,6 +20,8 @@ import dataclasses
 import re
 
 import torch
+
+from . import peak_memory
 
 
 @dataclasses.dataclass
@@ -60,6 +63,7 @@ class GraphRecord:
     externs: list[ExternRecord] = dataclasses.field(default_factory=list)
     order: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # ("triton"|"extern"|"memset", name)
     runs: int = 0  # calls in the captured step: a regional graph runs once per layer
+    memory: "peak_memory.GraphMemory | None" = None
 
     @property
     def kind(self) -> str:
@@ -232,6 +236,33 @@ def _distinct_elements(node, shape: tuple[int, ...]) -> int | None:
     return distinct
 
 
+def _input_bytes(graph_lowering) -> dict[str, int]:
+    """Bytes of the storage each tensor input of the graph spans, by the name the wrapper gives it."""
+    from torch._inductor import ir
+
+    result = {}
+    for name, value in graph_lowering.graph_inputs.items():
+        if isinstance(value, ir.IRNode):
+            result[name] = peak_memory.storage_bytes(_shape(value), [_hint(s) for s in value.get_stride()],
+                                                     str(value.get_dtype()).replace("torch.", ""))
+    return result
+
+
+def _extern_output_bytes(record: GraphRecord) -> dict[str, list[int]]:
+    """Bytes of each output of each extern call, by the buffer the wrapper assigns its result to (calls that write
+    into a buffer allocated before them assign none and are not looked up)."""
+    return {extern.name: [peak_memory.storage_bytes(shape, _contiguous(shape), dtype) for shape, dtype in extern.outputs]
+            for extern in record.externs if extern.outputs}
+
+
+def _contiguous(shape: tuple[int, ...]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
 class Capture:
     active: "Capture | None" = None
 
@@ -291,6 +322,12 @@ class Capture:
                     print(f"capture: extern node {snode.get_name()} not recorded: {error!r}")
             record.order = _launch_order(record)
             _check_launches(record)
+            try:
+                record.memory = peak_memory.graph_memory(_call_body(record.wrapper), record.is_backward,
+                                                         _input_bytes(self_), _extern_output_bytes(record))
+            except ValueError as error:  # a graph without its bytes would hold no memory in the model: refuse
+                raise CaptureError(f"graph {record.index} ({record.kind}): its wrapper's allocations could not be "
+                                   f"replayed: {error}") from error
             return result
 
         self._patch(graph.GraphLowering, "codegen", codegen)

@@ -18,7 +18,7 @@ import time
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from . import capture, costs, fake_h100
+from . import capture, costs, fake_h100, peak_memory
 
 
 def _fp8graph_contestant(base: str) -> bool:
@@ -69,7 +69,8 @@ def _case(label: str, cap: capture.Capture, note: str = "", extra_rows=()) -> di
     rows = costs.rows_of(cap) + list(extra_rows)
     return {"case": label, "note": note, "rows": [dataclasses.asdict(r) for r in rows],
             "graphs": [{"index": g.index, "kind": g.kind, "runs": g.runs,
-                        "triton_kernels": len(g.kernels), "externs": len(g.externs)} for g in cap.graphs],
+                        "triton_kernels": len(g.kernels), "externs": len(g.externs),
+                        "memory": dataclasses.asdict(g.memory) if g.memory else None} for g in cap.graphs],
             "_capture": cap}
 
 
@@ -126,6 +127,7 @@ def decoder(spec: dict) -> list[dict]:
     label = f"{config.num_hidden_layers} layers, vocab {config.vocab_size}, {spec['batch']}x{spec['sequence']}"
     case = _case(label, cap, note, _sgd_rows(model))
     micro_batches.split(case, grouped=False)
+    case["memory"] = micro_batches.memory(peak_memory.persistent_bytes(model, tokens))
     _check_attention(case, model)
     return [case]
 
@@ -182,6 +184,7 @@ def _moe_case(spec: dict, shape: dict) -> dict:
     case = _case(label, cap, note, _sgd_rows(block))
     frozen_experts = bool(spec.get("frozen_experts"))
     micro_batches.split(case, frozen_experts=frozen_experts)
+    case["memory"] = micro_batches.memory(peak_memory.persistent_bytes(block, x))
     _check_grouped_gemms(case, base, frozen_experts)
     return case
 
@@ -266,6 +269,17 @@ class _MicroBatches:
             _check_grouped_gemms({"rows": case["reuse_rows"]}, "the reusing micro-batch", frozen_experts)
             if "per call" in phases:
                 _check_grouped_gemms({"rows": case["per_call_rows"]}, "the per-call micro-batch", frozen_experts)
+
+
+    def memory(self, persistent: int) -> dict:
+        """What lives through the step (``persistent``, bytes) and :func:`peak_memory.call_memory` of each call
+        the step ran (``first``, ``reuse``, ``per call``): the graphs it ran, as many times as it ran them."""
+        calls = {}
+        for kind, start, end in zip(self.kinds, [{}] + self.runs[:-1], self.runs):
+            graphs = [(graph.kind, end.get(label, 0) - start.get(label, 0), graph.memory)
+                      for graph in self.cap.graphs for label in [f"{graph.index}:{graph.kind}"]]
+            calls[kind] = peak_memory.call_memory([graph for graph in graphs if graph[1] > 0])
+        return {"persistent": persistent, "calls": calls}
 
 
 def _runs(cap: capture.Capture) -> dict[str, int]:

@@ -354,7 +354,8 @@ def test_the_model_against_every_recorded_gpu_run_of_the_moe_block():
     """Every recorded ``bench moe`` run (bench/results/gpu-runs.json) modelled at its commit with its GPU's rates
     (``bench model calibrate --only moe``). For the runs since 4b51eda, every contestant within docs/cost-model.md's
     tolerances (:func:`_moe_miss`) but for the misses it names, which must still miss (else they are dropped
-    here and there). The GEMMs within 20% on every H200 run."""
+    here and there). The GEMMs within 20% on every H200 run. Every run's peak memory within the memory
+    tolerances (:func:`_assert_peaks_within_tolerance`)."""
     calibrator = calibration.Calibration(str(RESULTS), _runner(), costs.Machine(), None)
     calibrator.moe()
     comparisons = [c for c in calibrator.comparisons if c.section == "moe"]
@@ -367,12 +368,26 @@ def test_the_model_against_every_recorded_gpu_run_of_the_moe_block():
     judged = [c for c in comparisons if c.case.split(" ")[0] in held]
     misses = {(c.case, c.contestant, c.quantity) for c in judged if _moe_miss(c, steps[(c.case, c.contestant)])}
     assert misses == MOE_KNOWN_MISSES
+    _assert_peaks_within_tolerance([c for c in calibrator.comparisons if c.section == "moe-memory"], runs=6)
+
+
+def _assert_peaks_within_tolerance(comparisons, runs: int) -> None:
+    """docs/cost-model.md's memory tolerances, on every recorded run that measured a peak: each contestant's
+    modelled peak within 10% of the measured one, and above or below BF16's as measured."""
+    peaks = [c for c in comparisons if c.quantity == "peak GB"]
+    assert len({c.case for c in peaks}) == runs, peaks
+    assert all(abs(c.error) <= 0.10 for c in peaks), [c for c in peaks if abs(c.error) > 0.10]
+    bf16 = {c.case: c for c in peaks if c.contestant == "bf16"}
+    for c in peaks:
+        if c.contestant != "bf16" and c.case in bf16:
+            assert (c.model > bf16[c.case].model) == (c.measured > bf16[c.case].measured), (c, bf16[c.case])
 
 
 def test_the_model_against_the_later_gpu_runs_of_the_decoder():
     """The recorded ``bench decoder`` runs since 1fda4ce's (wall time only: no profile), each modelled at its commit
     with its GPU's rates: BF16 within 10%, each FP8 win or loss against BF16 predicted as one; the H200's current
-    scaling and torchao ran faster than modelled (docs/cost-model.md), which must still show."""
+    scaling and torchao ran faster than modelled (docs/cost-model.md), which must still show. The peaks within the
+    memory tolerances."""
     calibrator = calibration.Calibration(str(RESULTS), _runner(), costs.Machine(), None)
     calibrator.decoder_runs()
     comparisons = [c for c in calibrator.comparisons if c.section == "decoder-runs"]
@@ -381,6 +396,7 @@ def test_the_model_against_the_later_gpu_runs_of_the_decoder():
     assert abs(steps["bf16"].error) <= 0.10
     assert all((c.model >= 1) == (c.measured >= 1) for c in comparisons if c.quantity == "vs bf16 (wall)")
     assert steps["current"].error > 0.10 and steps["torchao tensorwise"].error > 0.10
+    _assert_peaks_within_tolerance([c for c in calibrator.comparisons if c.section == "decoder-runs-memory"], runs=1)
 
 
 def test_a_gpu_run_is_shown_beside_the_committed_modelled_step():
