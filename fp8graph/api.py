@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -96,7 +97,9 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
             ``torch.compile`` does. Instances the policy treats differently
             get regions of their own. ``"auto"`` means ``None`` with
             ``freeze_weights``: Inductor's freezing folds each layer's
-            weights into its code, which then cannot serve another layer.
+            weights into its code, which then cannot serve another layer;
+            and with ``fullgraph=True``, which asks for one graph where each
+            region breaks the model's graph at its blocks.
             Each block instance gets a subclass of its class (same name) whose
             call enters the region while the compiled model runs and is the
             block's own call otherwise (see :mod:`fp8graph.regions.regional_compile`).
@@ -125,7 +128,8 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     options = dict(policy=policy, compiler=compiler, lowering=lowering, stats=stats, freeze_weights=freeze_weights,
                    cache_weights=cache_weights, regions=regions, fp8_all_gather=fp8_all_gather, **torch_compile_kwargs)
     mode = torch_compile_kwargs.pop("mode", None)
-    _check_options(model, compiler, stats, freeze_weights, cache_weights, regions, fp8_all_gather)
+    fullgraph = bool(torch_compile_kwargs.get("fullgraph", False))
+    _check_options(model, compiler, stats, freeze_weights, cache_weights, regions, fp8_all_gather, fullgraph)
     user_model = unwrap_data_parallel(model)
     policy = normalize_policy(policy)
     cache_weights, copies_reason = choose_weight_cache(user_model, cache_weights, freeze_weights, fp8_all_gather)
@@ -156,7 +160,7 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
     all_gather = install_fp8_all_gather(user_model, policy, module_paths_by_id(user_model),
                                         dict(stats=stats, cache_weights=cache_weights), scope, plan) \
         if fp8_all_gather and isinstance(user_model, torch.nn.Module) else None
-    blocks = find_blocks(user_model, None if freeze_weights else regions) \
+    blocks = find_blocks(user_model, None if freeze_weights or fullgraph else regions) \
         if isinstance(user_model, torch.nn.Module) else _no_blocks(regions)
     backend, session = _make_backends(
         dict(policy=policy, compiler=compiler, lowering=lowering, model=user_model, mode=mode, stats=collector,
@@ -184,7 +188,7 @@ def compile(model, policy=None, compiler: str = "inductor", lowering: str = "aut
 
 
 def _check_options(model, compiler: str, stats: bool, freeze_weights: bool, cache_weights: bool, regions,
-                   fp8_all_gather: bool = True) -> None:
+                   fp8_all_gather: bool = True, fullgraph: bool = False) -> None:
     for flag, value in (("stats", stats), ("freeze_weights", freeze_weights), ("cache_weights", cache_weights),
                         ("fp8_all_gather", fp8_all_gather)):
         if not isinstance(value, bool) and not (flag == "cache_weights" and value == CACHE_WHERE_POSSIBLE):
@@ -209,6 +213,10 @@ def _check_options(model, compiler: str, stats: bool, freeze_weights: bool, cach
     if freeze_weights and regions != AUTO and regions:
         raise ValueError("freeze_weights folds each layer's weights into its compiled code, which then cannot "
                          "serve the other instances of a region: use regions=None (or leave 'auto')")
+    if fullgraph and regions != AUTO and regions:
+        raise ValueError("fullgraph=True asks for the model as one graph, and regions compile each repeated block "
+                         "as a graph of its own, breaking the model's graph at every block: use regions=None (or "
+                         "leave 'auto')")
 
 
 def _check_buffers_reach_the_graph(model, user_model, policy, stats: bool, cache_weights: bool) -> bool:
@@ -256,29 +264,46 @@ def _runs_with_regions(session, user_model):
     ``use_cache=False``: its output has no ``past_key_values``. Calls in
     eval mode (inference, generation) are left as they are.
     """
-    takes_use_cache = _accepts_keyword(user_model, "use_cache")  # once, not on every call
+    use_cache = _use_cache_parameter(user_model)  # once, not on every call
 
     def wrap(forward):
         def forward_with_regions(*args, **kwargs):
             with session.active():
-                return forward(*args, **_without_training_cache(user_model, takes_use_cache, kwargs))
+                return forward(*args, **_without_training_cache(user_model, use_cache, args, kwargs))
 
         return forward_with_regions
 
     return wrap
 
 
-def _without_training_cache(user_model, takes_use_cache: bool, kwargs: dict) -> dict:
-    if takes_use_cache and user_model.training and "use_cache" not in kwargs:
-        return {**kwargs, "use_cache": False}
-    return kwargs
+def _without_training_cache(user_model, use_cache: "UseCache | None", args: tuple, kwargs: dict) -> dict:
+    """``kwargs`` with ``use_cache=False`` added where ``user_model`` trains and the call passed no ``use_cache``,
+    by name or by position."""
+    if use_cache is None or not user_model.training or "use_cache" in kwargs:
+        return kwargs
+    if use_cache.position is not None and len(args) > use_cache.position:
+        return kwargs
+    return {**kwargs, "use_cache": False}
 
 
-def _accepts_keyword(model, name: str) -> bool:
+@dataclasses.dataclass(frozen=True)
+class UseCache:
+    """A forward's ``use_cache`` parameter: where a call may pass it by position (``None``: by name only)."""
+    position: int | None
+
+
+def _use_cache_parameter(model) -> UseCache | None:
     try:
-        return name in inspect.signature(model.forward).parameters
+        parameters = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):  # a forward without a signature
-        return False
+        return None
+    for position, parameter in enumerate(parameters):
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            break  # later parameters are keyword-only
+        if parameter.name == "use_cache":
+            by_position = parameter.kind is not inspect.Parameter.KEYWORD_ONLY
+            return UseCache(position if by_position else None)
+    return next((UseCache(None) for parameter in parameters if parameter.name == "use_cache"), None)
 
 
 def _unmatched_rule_names(backend) -> list[str]:
@@ -514,7 +539,7 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu
             if all_gather is not None:  # explain's run gathers as the compiled model's call without gradients does
                 all_gather.before_call()
             if session is not None:  # called as the compiled model calls it
-                kwargs = _without_training_cache(user_model, _accepts_keyword(user_model, "use_cache"), kwargs)
+                kwargs = _without_training_cache(user_model, _use_cache_parameter(user_model), args, kwargs)
             torch.compile(model, backend=root_backend)(*args, **kwargs)
     graph_breaks = [reason for reason in
                     (collections.Counter(counters["graph_break"]) - graph_breaks_before).elements()

@@ -244,7 +244,19 @@ def fp8_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     unknown = sorted(set(options) - set(_OPTION_NAMES))
     if unknown:
         raise ValueError(f"unknown fp8 backend option(s) {unknown}; known: {list(_OPTION_NAMES)}")
-    return FP8Backend(mode=mode, **options)(gm, example_inputs)
+    policy = normalize_policy(options.get("policy"))
+    if policy.strict and policy.rules:
+        raise ValueError(
+            "a strict policy with rules needs fp8graph.compile(model, policy=...): strict=True raises for rules "
+            "that match no site, which only a whole call of the model can tell, and torch.compile(backend='fp8') "
+            "compiles each of its graphs on its own. fp8graph.explain(model, ...) lists the unmatched rules too")
+    backend = FP8Backend(mode=mode, **options)
+    compiled = backend(gm, example_inputs)
+    if backend.unmatched_rules():  # another graph of the model may hold their sites: not a warning
+        log.info("fp8graph: policy rules that match no site of this graph (torch.compile(backend='fp8') judges each "
+                 "graph on its own; fp8graph.compile checks the whole model after its first call): %s",
+                 ", ".join(policy.rule_label(i) for i in backend.unmatched_rules()))
+    return compiled
 
 
 def _run_under(mesh, compiler: str, compiled):

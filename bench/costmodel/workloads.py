@@ -120,7 +120,8 @@ def decoder(spec: dict) -> list[dict]:
     model = fake_h100.to_fake_cuda(model, mode).train()
     with mode:
         tokens = torch.zeros(spec["batch"], spec["sequence"], dtype=torch.long, device="cuda")
-    with capture.Capture() as cap, inductor_config.patch(settings), mode, compiled(base, model) as compiled_model:
+    with capture.Capture() as cap, inductor_config.patch(settings), mode, _one_sequence_a_row(), \
+            compiled(base, model) as compiled_model:
         micro_batches = _MicroBatches(cap, compiled_model, lambda: compiled_model(tokens, labels=tokens).loss, None)
         note = micro_batches.run(spec, lambda: _fp8_note(compiled_model, model))
     config = model.config
@@ -130,6 +131,33 @@ def decoder(spec: dict) -> list[dict]:
     case["memory"] = micro_batches.memory(peak_memory.persistent_bytes(model, tokens))
     _check_attention(case, model)
     return [case]
+
+
+@contextlib.contextmanager
+def _one_sequence_a_row():
+    """HuggingFace's masks, outside a traced graph, as bench decoder's real tokens make them.
+
+    Code that runs eagerly around compiled graphs (fp8graph's regions run the decoder's trunk eagerly) sees
+    FakeTensors here, and HuggingFace treats a FakeTensor as a trace: it keeps the position ids' packed-sequence
+    mask it cannot read, so SDPA gets an explicit causal mask and the keys and values with their heads repeated.
+    On the GPU, real position ids (0..S-1 on every row: bench passes no ``position_ids``) show one sequence a row,
+    HuggingFace returns no mask, and SDPA runs causal on the unrepeated keys and values. Under Dynamo's trace
+    HuggingFace's own answer is kept: it is the compiled graph's on the GPU too."""
+    from transformers import masking_utils
+    from transformers.utils.import_utils import is_fake_tensor
+
+    original = masking_utils.find_packed_sequence_indices
+
+    def find_packed_sequence_indices(position_ids):
+        if is_fake_tensor(position_ids) and not torch.compiler.is_compiling():
+            return None
+        return original(position_ids)
+
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 def moe(spec: dict) -> list[dict]:

@@ -170,6 +170,27 @@ def test_compile_holds_strict_policies_to_their_rules_at_the_first_call(caplog):
     assert caplog.text.count("policy rules that match no site: rule 0 ('nope.*')") == 1  # once, not per call
 
 
+def test_the_backend_string_refuses_a_strict_policy_with_rules_and_names_each_graph_s_unmatched_rules(caplog):
+    """``torch.compile(backend="fp8")`` compiles each graph on its own, so it cannot tell which rules match no site
+    of the model: a strict policy's rules are refused (they ran unchecked before), and a lenient one's unmatched
+    rules are logged for each graph at INFO, not as a warning (another graph may hold their sites)."""
+    x = torch.randn(4, 64)
+    strict = Policy(rules=[("nope.*", None)], strict=True)
+    with pytest.raises(Exception, match="a strict policy with rules needs fp8graph.compile"):
+        torch.compile(build("mlp", "tiny"), backend="fp8", options={"policy": strict, "compiler": "aot_eager"})(x)
+    torch._dynamo.reset()
+    strict_without_rules = Policy(default=E4M3, strict=True)  # strict about recipes a site cannot take: checkable
+    torch.compile(build("mlp", "tiny"), backend="fp8", options={"policy": strict_without_rules,
+                                                               "compiler": "aot_eager"})(x)
+    torch._dynamo.reset()
+    lenient = Policy(rules=[("nope.*", None), ("up", E4M3)])
+    with caplog.at_level(logging.INFO, logger="fp8graph"):
+        torch.compile(build("mlp", "tiny"), backend="fp8", options={"policy": lenient, "compiler": "aot_eager"})(x)
+    unmatched = [r for r in caplog.records if "match no site of this graph" in r.getMessage()]
+    assert len(unmatched) == 1 and unmatched[0].levelno == logging.INFO
+    assert "rule 0 ('nope.*')" in unmatched[0].getMessage() and "rule 1" not in unmatched[0].getMessage()
+
+
 def test_bare_backend_matches_class_rules_by_module_type():
     model = build("mlp", "tiny")
     policy = Policy(default=None, rules=[(nn.Linear, E4M3)])

@@ -308,6 +308,20 @@ def test_regions_refuse_frozen_weights_and_auto_compiles_them_whole():
     assert not hasattr(compiled.fp8graph_backend, "block_backends")
 
 
+def test_fullgraph_compiles_the_model_as_one_graph_and_refuses_regions_asked_for():
+    """Regions break the model's graph at each block; ``fullgraph=True`` asks for none (Dynamo refused the regions'
+    eager calls with a message about ``torch.compiler.disable`` before)."""
+    with pytest.raises(ValueError, match="fullgraph=True.*regions=None"):
+        fp8graph.compile(_llama(), compiler="aot_eager", fullgraph=True, regions=[LlamaDecoderLayer])
+    torch.manual_seed(0)
+    model, tokens = _llama(), torch.randint(0, 250, (2, 16))
+    expected = fp8graph.compile(copy.deepcopy(model), compiler="aot_eager", regions=None)(tokens, labels=tokens).loss
+    compiled = fp8graph.compile(model, compiler="aot_eager", fullgraph=True)
+    assert not hasattr(compiled.fp8graph_backend, "block_backends")
+    assert torch.equal(compiled(tokens, labels=tokens).loss, expected)
+    assert compiled.fp8graph_backend.graph_count == 1
+
+
 _STEP_IN_A_NEW_PROCESS = """
 import json, sys
 import torch
@@ -399,3 +413,30 @@ def test_a_root_that_loops_over_its_regions_is_run_eagerly_and_says_so(caplog):
     assert "embed" not in {d.site.path for d in regional.fp8graph_backend.decisions}
     breaks = fp8graph.explain(regional, ids).graph_breaks
     assert [b for b in breaks if b.startswith("ran eagerly: forward (")], breaks
+
+
+class _CachingBlocks(torch.nn.Module):
+    """Repeated blocks (regions) under a forward that takes ``use_cache``, by position or by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
+                                          for _ in range(2))
+
+    def forward(self, x, use_cache=False):
+        for block in self.blocks:
+            x = block(x)
+        return x * 2 if use_cache else x
+
+
+@pytest.mark.parametrize("passed", ["position", "name", "omitted"])
+def test_a_training_call_s_own_use_cache_is_kept_however_it_is_passed(passed):
+    """A training call gets ``use_cache=False`` only where it passed none: passed by position it must not be
+    given again by name (a TypeError before), and ``True`` stays ``True``."""
+    torch.manual_seed(0)
+    model, x = _CachingBlocks(), torch.randn(8, 64)
+    args, kwargs = {"position": ((x, True), {}), "name": ((x,), {"use_cache": True}), "omitted": ((x,), {})}[passed]
+    expected = fp8graph.compile(copy.deepcopy(model), compiler="aot_eager", regions=None)(*args, **kwargs)
+    compiled = fp8graph.compile(model, compiler="aot_eager")
+    assert torch.equal(compiled(*args, **kwargs), expected)
+    assert len(fp8graph.explain(model, *args, **kwargs).rewritten) == 2
