@@ -41,12 +41,12 @@ import torch
 
 from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
 from fp8graph.numerics.formats import Role
-from fp8graph.recipes.plan import Plan
+from fp8graph.recipes.plan import Plan, looked_up_or_convolved
 from fp8graph.recipes.policy import Policy, weight_experts
 from fp8graph.recipes.scaling import misaligned
 
 __all__ = ["FORWARD_ROLES", "GRAD_HISTORY_PREFIX", "GRAD_SCALE_PREFIX", "HISTORY_PREFIX", "SCALE_PREFIX",
-           "STATE_PREFIXES", "DelayedState", "SiteState", "forward_rows", "looked_up_or_convolved",
+           "STATE_PREFIXES", "DelayedState", "SiteState", "forward_rows",
            "register_delayed_state", "weight_candidates"]
 
 log = logging.getLogger("fp8graph")
@@ -107,11 +107,6 @@ def _fill_missing_state(module: torch.nn.Module, state_dict, prefix, *args) -> N
         state_dict[prefix + name] = torch.ones_like(buffer) if is_scale else torch.zeros_like(buffer)
         log.info("fp8graph: checkpoint has no %s%s; starting a fresh %s", prefix, name,
                  "scale (1)" if is_scale else "amax history (zeros)")
-
-
-def looked_up_or_convolved(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s weights are read by index or convolved: never a GEMM's weight."""
-    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag, torch.nn.modules.conv._ConvNd))
 
 
 def weight_candidates(module: torch.nn.Module):

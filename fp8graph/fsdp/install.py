@@ -21,7 +21,8 @@ import logging
 
 import torch
 
-from fp8graph.buffers.delayed_state import looked_up_or_convolved, weight_candidates
+from fp8graph.buffers.delayed_state import weight_candidates
+from fp8graph.recipes.plan import looked_up_or_convolved
 from fp8graph.buffers.kept_casts import ReuseScope
 from fp8graph.fsdp.shard_casts import (GatherCalls, ShardCast, TiledShardCast, WeightAmaxes, fp8_gathered_bytes,
                                       shard_row_multiple)

@@ -14,7 +14,7 @@ decide them, and what follows from them for everything arranged before tracing: 
 recipe its state is laid out for (``delayed``), the recipe of its kept FP8 copy (``cached``), the one
 recipe FSDP2 may gather it in (``decided``); a module's ``signature`` is its region group's key.
 Every weight of two or three dimensions is planned (linears, expert weights; an embedding's
-table too, which no site reads as a GEMM operand); vectors (norms, biases) are not.
+table too, which stays in high precision unless a linear shares it); vectors (norms, biases) are not.
 """
 
 from __future__ import annotations
@@ -30,7 +30,12 @@ from fp8graph.recipes.policy import (Policy, WeightRecipes, normalize_policy, re
 from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, DelayedScaling, Recipe, misaligned
 
 __all__ = ["CACHE_WHERE_POSSIBLE", "Plan", "UNDECIDED", "WEIGHT_COPIES", "WeightEntry", "choose_weight_cache",
-           "instance_path", "plan"]
+           "instance_path", "looked_up_or_convolved", "plan"]
+
+
+def looked_up_or_convolved(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s weights are read by index or convolved: never a GEMM's weight."""
+    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag, torch.nn.modules.conv._ConvNd))
 
 
 class _Undecided:
@@ -62,6 +67,8 @@ class WeightEntry:
     # Copies kept for every recipe that can keep them (cache_weights=True), not only where a fill costs no more
     # than casting at every call ("auto": see cached).
     copies_everywhere: bool = False
+    # Whether a GEMM may read it: False for a table only looked up or a kernel only convolved (no site, no copy).
+    multiplied: bool = True
 
     @property
     def qualified_name(self) -> str:
@@ -137,13 +144,15 @@ class WeightEntry:
         """How the weight's FP8 copy lives: ``"per call"`` (cast by each call that reads it, inside the graph),
         ``"cached"`` (kept between the calls of a ``fp8graph.weights_unchanged`` declaration),
         ``"frozen"`` (a constant cast once: ``freeze_weights=True``), or None when no site on it may run in FP8."""
-        if not self.may_be_fp8:
+        if not self.may_be_fp8 or not self.multiplied:
             return None
         if self.weight_copies == "cached" and self.cached is None:
             return "per call"  # no recipe it may take keeps one (per_call_reason)
         return self.weight_copies
 
     def describe(self, policy: Policy) -> str:
+        if not self.multiplied:
+            return "high precision: read by index or convolved, never a GEMM's operand"
         names = ", ".join("high precision" if r is None else str(r) if reason is None else f"{r} (kept: {reason})"
                           for r, reason in zip(self.recipes.recipes, self.misaligned))
         rules = ", ".join("default" if i is None else policy.rule_label(i) for i in self.recipes.rule_indices)
@@ -175,6 +184,10 @@ class Plan:
         # Modules without a weight of their own that rules name by path or class (an attention whose matmuls are
         # sites): the rules are part of what the policy gives the subtree (signature), though no entry holds them.
         self._rules_without_weights: dict[str, tuple[int, ...]] = {}
+        multiplied = {}  # id(weight) -> whether a module holding it may multiply it (a tied table is)
+        for module in model.modules():
+            for weight in module.parameters(recurse=False):
+                multiplied[id(weight)] = multiplied.get(id(weight), False) or not looked_up_or_convolved(module)
         for path, module in model.named_modules():
             if not any(weight.dim() in (2, 3) for weight in module.parameters(recurse=False)):
                 rules = rules_naming(self.policy, path, module)
@@ -186,7 +199,7 @@ class Plan:
                 recipes = resolve_weight(self.policy, path, module, weight)
                 entry = WeightEntry(path, name, tuple(weight.shape), recipes,
                                     tuple(_misaligned(recipe, module, weight) for recipe in recipes.recipes),
-                                    weight_copies, copies_everywhere)
+                                    weight_copies, copies_everywhere, multiplied[id(weight)])
                 self._entries[id(weight)] = entry
                 self._by_path.setdefault(path, []).append(entry)
         self._signatures: dict[str, str] = {}

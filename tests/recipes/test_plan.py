@@ -33,6 +33,20 @@ def test_each_weight_has_one_entry_with_its_recipes_rule_and_shape_reason():
         fp8graph.plan(lambda x: x)
 
 
+def test_a_table_only_looked_up_is_planned_in_high_precision_and_a_tied_one_as_its_linear():
+    """An embedding's table no GEMM reads: the plan said "FP8 copy cached" for it, and no copy was ever kept."""
+    untied = build("llama", "tiny", vocab_size=256)
+    rows = {entry.qualified_name: entry for entry in fp8graph.plan(untied)}
+    table = rows["model.embed_tokens.weight"]
+    assert table.describe(Policy()) == "high precision: read by index or convolved, never a GEMM's operand"
+    assert table.fp8_copy is None
+    assert rows["lm_head.weight"].fp8_copy == "cached"
+    tied = build("llama", "tiny", vocab_size=256)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    shared = {entry.qualified_name: entry for entry in fp8graph.plan(tied)}["model.embed_tokens.weight"]
+    assert shared.multiplied and shared.fp8_copy == "cached"  # lm_head multiplies it
+
+
 def test_a_rule_on_the_token_count_leaves_the_weight_undecided_until_traced():
     rule = (lambda path, module, site: site.M > 64, Float8CurrentScaling())
     plan = Plan(build("mlp", "tiny"), Policy(default=None, rules=[rule]))
