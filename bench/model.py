@@ -633,15 +633,19 @@ def compare_lines(measured: dict, measured_name: str, model_path: pathlib.Path |
         table.append([row["contestant"], f"{ours['step_ms']:.2f}", f"{kernel:.2f}" if kernel else "-",
                       f"{wall:.2f}", f"{int(round((ours['step_ms'] / reference - 1) * 100)):+d}%",
                       f"{ours['triton_ms']:.2f}", f"{triton:.2f}" if triton is not None else "-",
-                      f"{ours.get('vs_bf16', float('nan')):.2f}x", f"{speedup:.2f}x" if bf16 else "-"])
+                      f"{ours.get('vs_bf16', float('nan')):.2f}x", f"{speedup:.2f}x" if bf16 else "-",
+                      *(f"{value:.2f}" if value is not None else "-" for value in (
+                          ours.get("peak_gb"), row.get("peak_memory_gb"), ours.get("saved_gb"), row.get("saved_gb")))])
     ran = f", fp8graph at {run.commit}" if run else ""
     return [f"Modelled ({model_path.name}, project at {model.get('project_commit')}, at the {gpu}'s rates) against "
             f"measured ({measured_name}, {measured['environment']['device']}, torch {measured['environment']['torch']}"
             f"{ran}), ms per training step:", "",
             *markdown_table(["contestant", "model step", "measured kernel time", "measured wall", "error",
-                             "model Triton", "measured Triton", "model vs bf16", "measured vs bf16"], table), "",
+                             "model Triton", "measured Triton", "model vs bf16", "measured vs bf16", "model peak GB",
+                             "measured peak GB", "model saved GB", "measured saved GB"], table), "",
             "error: model step against the measured kernel time (profiled runs), else the wall time. The model "
-            "counts kernel time only; docs/cost-model.md says how close it came before."]
+            "counts kernel time only; docs/cost-model.md says how close it came before. Saved GB: the model's "
+            "leaves out the step's input, which the measured one counts when the backward keeps it."]
 
 
 def _retimed(model: dict, modelled: dict, machine: costs.Machine) -> dict:

@@ -401,15 +401,17 @@ def test_the_model_against_the_later_gpu_runs_of_the_decoder():
 
 def test_a_gpu_run_is_shown_beside_the_committed_modelled_step():
     """``scripts/gpu-run decoder`` prints its measurement beside the modelled step of the same
-    configuration (``bench model compare``): here a measured result written like bench decoder's."""
+    configuration (``bench model compare``), at the measuring GPU's rates, and its peak and saved memory beside
+    the modelled: here a measured result written like bench decoder's."""
     shape = {"config": "bench-8b-layer", "layers": 4, "batch": 1, "sequence": 4096}
     newest = json.loads(bench_model._newest_model(shape, RESULTS).read_text())
-    current = {"current": next(row for row in newest["rows"] if row["contestant"] == "current")}
-    modelled = bench_model._retimed(newest, current, costs.Machine.of("H100"))["current"]  # the measuring GPU's rates
+    current_row = next(row for row in newest["rows"] if row["contestant"] == "current")
+    modelled = bench_model._retimed(newest, {"current": current_row}, costs.Machine.of("H100"))["current"]
     modelled_ms = modelled["step_ms"]
     measured = {**shape, "environment": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"},
                 "rows": [{"contestant": "bf16", "train_tokens_per_s": 4096 / 0.05373},
                          {"contestant": "current", "train_tokens_per_s": 4096 / (modelled_ms / 1000),
+                          "peak_memory_gb": 6.5, "saved_gb": 1.75,
                           "profile": {"by_category_ms": {
                               "triton (fused elementwise/reduce/quantize)": modelled["triton_ms"],
                               "gemm fp8": modelled_ms - modelled["triton_ms"]}}}]}
@@ -419,6 +421,8 @@ def test_a_gpu_run_is_shown_beside_the_committed_modelled_step():
     current = next(line for line in lines if line.startswith("| current"))
     step = f"{modelled_ms:.2f}"
     assert f"| {step} | {step} |" in current and "+0%" in current  # the model's step against the profiled one
+    peak, saved = f"{current_row['peak_gb']:.2f}", f"{current_row['saved_gb']:.2f}"
+    assert current.endswith(f"| {peak} | 6.50 | {saved} | 1.75 |")  # the memory modelled beside the measured
     assert bench_model.compare_lines({**measured, "layers": 3}, "x", None, RESULTS)[0].startswith("no modelled")
 
 
