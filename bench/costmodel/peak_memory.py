@@ -32,6 +32,7 @@ _ITEM_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
                "int64": 8, "float64": 8, "complex64": 8}
 _ASSIGN = re.compile(r"^(\w+) = (.+)$")
 _EMPTY = re.compile(r"^empty_strided(?:_cuda)?\((\(.*?\)), (\(.*?\)), torch\.(\w+)")
+_UNPACKED = re.compile(r"^\(?\s*\w+\s*(?:,\s*\w+\s*)+,?\s*\)?\s*= (?!args$)")
 _ALIAS = re.compile(r"^(?:reinterpret_tensor\(|copy_if_misaligned\()?(\w+)(?:\[(\d+)\])?(?:\)|,.*\))?$")
 
 
@@ -105,6 +106,9 @@ def graph_memory(call_body: str, is_backward: bool, input_bytes: dict[str, int],
             break
         elif match := _ASSIGN.match(statement):
             _assign(match.group(1), match.group(2), names, extern_outputs, allocate, rebind)
+        elif _UNPACKED.match(statement):  # a partition's outputs (CUDA graphs): allocated out of sight
+            raise ValueError(f"{statement[:120]}: buffers unpacked from a call, allocated where the replay cannot "
+                             "see")
     if returned is None:
         raise ValueError("call returns nothing it allocated: its return statement was not found")
     end = sum(sizes.get(ref, 0) for ref in {ref for name in returned for ref in names.get(name, [])})

@@ -55,6 +55,9 @@ def test_a_buffer_the_replay_cannot_read_is_an_error_not_a_free_buffer():
     with pytest.raises(ValueError, match="dynamic shape"):
         peak_memory.graph_memory("def call(self, args):\n    buf0 = empty_strided_cuda((s0, 4), (4, 1), "
                                  "torch.float32)\n    return (buf0, )", False, {}, {})
+    with pytest.raises(ValueError, match="unpacked from a call"):  # a CUDA-graph partition's outputs
+        peak_memory.graph_memory("def call(self, args):\n    primals_1, = args\n    buf0, buf1 = "
+                                 "self.partitions[0](partition0_args)\n    return (buf0, )", False, {}, {})
     with pytest.raises(ValueError, match="return"):
         peak_memory.graph_memory("def call(self, args):\n    buf0 = empty_strided_cuda((4, ), (1, ), torch.int8)",
                                  False, {}, {})
