@@ -23,7 +23,7 @@ import torch
 from fp8graph.gemm.scaled_gemm import Lowering, NoNativeGemm
 from fp8graph.recipes.plan import WeightEntry
 from fp8graph.recipes.policy import Policy, Resolution, resolve
-from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, Recipe, expert_recipe, misaligned
+from fp8graph.recipes.scaling import Recipe, expert_recipe, misaligned, unsupported_on_experts
 from fp8graph.buffers.snapshots import CONTEXT_FN_KEY
 from fp8graph.targets.gathered import GATHERED_GRANULARITIES
 
@@ -116,9 +116,8 @@ def _matmul_refuses(site: MatmulSite, recipe: Recipe, has_state) -> str | None:
 @_refuses.register
 def _experts_refuse(site: ExpertSite, recipe: Recipe, has_state: Callable[[Site], bool]) -> str | None:
     """Expert GEMMs: the recipes their targets run, no delayed state in checkpoint regions, then as a linear."""
-    if recipe.granularity not in EXPERT_GRANULARITIES:
-        return (f"{recipe.name} on expert GEMMs is not supported yet: expert sites run row-wise, current, "
-                "delayed or MXFP8 scaling")
+    if (reason := unsupported_on_experts(recipe)) is not None:
+        return reason
     if isinstance(site, GatheredExpertSite) and recipe.granularity not in GATHERED_GRANULARITIES:
         return (f"{recipe.name} on the decode form of expert GEMMs (weights gathered per token) is not supported "
                 "yet: its FP8 GEMV takes row-wise, current or delayed scales")

@@ -298,7 +298,6 @@ class _MicroBatches:
             if "per call" in phases:
                 _check_grouped_gemms({"rows": case["per_call_rows"]}, "the per-call micro-batch", frozen_experts)
 
-
     def memory(self, persistent: int) -> dict:
         """What lives through the step (``persistent``, bytes) and :func:`peak_memory.call_memory` of each call
         the step ran (``first``, ``reuse``, ``per call``): the graphs it ran, as many times as it ran them."""

@@ -24,7 +24,8 @@ from typing import Callable, Iterable, Optional
 import torch
 
 __all__ = ["ANCHORS", "AnchorHook", "NewBuffer", "converted_buffers", "fill_anchor", "is_fp8graph_buffer",
-           "make_anchor", "register_new_buffers", "restore_buffer_dtypes", "reuse_anchor", "state_anchor",
+           "make_anchor", "register_new_buffers", "remove_buffer", "restore_buffer_dtypes", "reuse_anchor",
+           "state_anchor",
            "state_read_anchor", "stats_anchor"]
 
 # On each module that holds fp8graph buffers: {buffer name: the dtype it was registered with}. Module.to(dtype)
@@ -109,6 +110,13 @@ def register_new_buffers(new_buffers: list[NewBuffer], if_taken: str) -> None:
     for new in new_buffers:
         new.module.register_buffer(new.name, new.value, persistent=new.persistent)
         new.module.__dict__.setdefault(_DTYPES_ATTRIBUTE, {})[new.name] = new.value.dtype
+
+
+def remove_buffer(module: torch.nn.Module, name: str) -> None:
+    """Undo :func:`register_new_buffers` for ``module``'s buffer ``name``: the buffer and fp8graph's record of it
+    go, so that a later compile may register it again."""
+    delattr(module, name)
+    module.__dict__.get(_DTYPES_ATTRIBUTE, {}).pop(name, None)
 
 
 def is_fp8graph_buffer(module: torch.nn.Module, name: str) -> bool:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers
+from fp8graph.buffers.anchors import AnchorHook, NewBuffer, register_new_buffers, remove_buffer
 from fp8graph.numerics.formats import ROLES
 from fp8graph.numerics.health import HEALTH_METRICS
 
@@ -68,9 +68,10 @@ def register_stats_buffers(model: torch.nn.Module):
 
 
 def remove_stats_buffers(model: torch.nn.Module) -> None:
-    """Undo :func:`register_stats_buffers`: the hooks and the buffers go (compiled graphs recompile)."""
-    modules, hooks = model.__dict__.pop(_REGISTERED_ATTRIBUTE)
+    """Undo :func:`register_stats_buffers`: the hooks and the buffers go (compiled graphs recompile); a model
+    without them is left as it is."""
+    modules, hooks = model.__dict__.pop(_REGISTERED_ATTRIBUTE, ({}, []))
     for hook in hooks:
         hook.remove()
     for module in modules.values():
-        delattr(module, STATS_BUFFER)
+        remove_buffer(module, STATS_BUFFER)

@@ -139,6 +139,19 @@ class CompressedTensors(CheckpointFormat):
             return "MXFP8 (E8M0 scales per 32) is not a float-quantized strategy: export with format='fp8'"
         return None
 
+    def refusals(self, weights):
+        refusals = super().refusals(weights)
+        strategies = {w.granularity for w in weights if w.granularity in _CT_STRATEGY}
+        if Granularity.BLOCK in strategies and len(strategies) > 1:
+            # transformers' CompressedTensorsDequantize reads every dense module with one scheme, its first group's:
+            # per-tensor and per-channel scales broadcast alike, 128x128 block scales beside them cannot be read.
+            names = sorted({str(w.recipe) for w in weights})
+            refusals["transformers dequantizes a compressed-tensors checkpoint's modules with one scheme, which cannot "
+                     f"read 128x128 block scales beside another strategy's, and these weights were trained with "
+                     f"{', '.join(names)}: train the block-scaled and the other weights with one recipe"] = \
+                [w.key for w in weights]
+        return refusals
+
     def scale_tensor(self, weight, scale_inv):
         if weight.granularity is Granularity.TENSOR:
             return scale_inv.reshape(1).contiguous()  # compressed-tensors' "tensor" scale has shape (1,)

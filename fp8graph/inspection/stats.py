@@ -46,12 +46,16 @@ class FP8Stats:
         self.rows: list[StatsRow] = []
 
     def buffer_of(self, path: str) -> torch.Tensor | None:
-        """The stats buffer of the module at ``path`` (``None`` if the model has no such module)."""
+        """The stats buffer of the module at ``path`` (``None`` if the model has no such module, or after
+        :meth:`remove`)."""
         module = self.modules.get(path)
         return None if module is None else getattr(module, STATS_BUFFER)
 
     def record(self, step: int) -> list[StatsRow]:
         """Read what the compiled graphs wrote since the last record, as rows for ``step``."""
+        if not self.modules:
+            raise RuntimeError("fp8graph_stats: removed from the model (remove()), so nothing records; compile it "
+                               "again with stats=True to collect again")
         buffers = [getattr(module, STATS_BUFFER) for module in self.modules.values()]
         with torch.no_grad():
             values = torch.stack(buffers).to("cpu", torch.float64)  # one device-to-host copy
@@ -122,5 +126,7 @@ class FP8Stats:
         return save_health_figure(self.rows, path, role, highlight)
 
     def remove(self) -> None:
-        """Detach from the model: drop the hooks and the buffers (compiled graphs recompile)."""
+        """Detach from the model: drop the hooks and the buffers. The compiled model recompiles at its next call,
+        without stats; the rows recorded so far stay."""
         remove_stats_buffers(self.model)
+        self.modules = {}

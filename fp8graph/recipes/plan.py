@@ -27,7 +27,7 @@ import torch
 
 from fp8graph.recipes.policy import (Policy, WeightRecipes, normalize_policy, resolve_weight, rules_naming,
                                      weight_orientations)
-from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, DelayedScaling, Recipe, misaligned
+from fp8graph.recipes.scaling import EXPERT_GRANULARITIES, DelayedScaling, Recipe, misaligned, unsupported_on_experts
 
 __all__ = ["CACHE_WHERE_POSSIBLE", "Plan", "UNDECIDED", "WEIGHT_COPIES", "WeightEntry", "choose_weight_cache",
            "instance_path", "looked_up_or_convolved", "plan"]
@@ -60,7 +60,8 @@ class WeightEntry:
     name: str  # its attribute on that module
     shape: tuple[int, ...]
     recipes: WeightRecipes
-    # Beside each of recipes.recipes: why the weight's shape rules that recipe out (None: it does not).
+    # Beside each of recipes.recipes: why the weight's shape rules that recipe out, or for an expert weight why its
+    # GEMMs cannot run it (None: neither).
     misaligned: tuple[str | None, ...] = ()
     # How the compile asked FP8 weight copies to live (Plan's weight_copies); fp8_copy says what this one gets.
     weight_copies: str = "per call"
@@ -124,13 +125,10 @@ class WeightEntry:
         return None
 
     def _copyable(self) -> list[Recipe]:
-        """The recipes the policy may give the weight that could keep its copy: they fit its shape, cast it from
-        the weight and what the copy keeps, and, for an expert weight, its sites run them (block scaling's stay
-        in high precision: fp8graph.passes.annotate)."""
-        experts = len(self.shape) == 3
+        """The recipes the policy may give the weight that could keep its copy: they fit its shape (an expert
+        weight's, the recipes its sites run: ``misaligned``) and cast it from the weight and what the copy keeps."""
         return [recipe for recipe, shape_reason in zip(self.recipes.recipes, self.misaligned)
-                if recipe is not None and recipe.caches_weights and shape_reason is None
-                and (not experts or recipe.granularity in EXPERT_GRANULARITIES)]
+                if recipe is not None and recipe.caches_weights and shape_reason is None]
 
     def _fill_costs_more(self, recipe: Recipe) -> bool:
         """Whether ``"auto"`` casts the weight per call under ``recipe`` though a copy could be kept. Modelled on
@@ -265,9 +263,12 @@ def instance_path(path: str, template: str, instance: str) -> str | None:
 
 
 def _misaligned(recipe, module: torch.nn.Module, weight: torch.Tensor) -> str | None:
-    """Why ``weight``'s shape rules ``recipe`` out whichever way round its module multiplies it, or None."""
+    """Why ``weight``'s shape rules ``recipe`` out whichever way round its module multiplies it, or None; an expert
+    weight's (3-D), also why its expert GEMMs cannot run it."""
     if recipe is None:
         return None
+    if weight.dim() == 3 and (reason := unsupported_on_experts(recipe)) is not None:
+        return reason
     reasons = [misaligned(recipe, K=k, N=n) for n, k in weight_orientations(module, weight)]
     return None if None in reasons else reasons[0]
 

@@ -19,7 +19,7 @@ from fp8graph.numerics.tiles import ScaleKind, Tiling
 
 __all__ = ["EXPERT_GRANULARITIES", "FP8_GEMM_DIM_MULTIPLE", "DelayedScaling", "Granularity", "Float8BlockScaling",
            "Float8CurrentScaling", "Float8RowwiseScaling", "MXFP8BlockScaling", "NATIVE_GROUPED_GRANULARITIES",
-           "PRESETS", "Recipe", "TiledRecipe", "expert_recipe", "misaligned"]
+           "PRESETS", "Recipe", "TiledRecipe", "expert_recipe", "misaligned", "unsupported_on_experts"]
 
 # cuBLAS's FP8 GEMMs need the dimensions they do not reduce over, and K, to be multiples of 16.
 FP8_GEMM_DIM_MULTIPLE = 16
@@ -95,6 +95,15 @@ EXPERT_GRANULARITIES = frozenset({Granularity.TENSOR, Granularity.ROW, Granulari
 # Those whose expert GEMMs run torch._scaled_grouped_mm; MXFP8's are emulated block by block on every GPU
 # (fp8graph.targets.grouped_blocks): the targets choose the GEMM by it, the cost model its rate.
 NATIVE_GROUPED_GRANULARITIES = frozenset({Granularity.TENSOR, Granularity.ROW})
+
+
+def unsupported_on_experts(recipe: "Recipe") -> str | None:
+    """Why an expert GEMM (a 3-D weight) cannot run ``recipe``, or None: what ``passes.annotate`` keeps such a site
+    in high precision for, and what ``fp8graph.plan`` says of the weight before tracing."""
+    if recipe.granularity not in EXPERT_GRANULARITIES:
+        return (f"{recipe.name} on expert GEMMs is not supported yet: expert sites run row-wise, current, delayed "
+                "or MXFP8 scaling")
+    return None
 
 
 class _RecipeKind:

@@ -208,7 +208,15 @@ def test_a_format_refuses_what_it_cannot_hold_naming_the_weights():
     mixed = [_weight("a.q.weight", PRESETS["block"]), _weight("a.k.weight", PRESETS["current"])]
     with pytest.raises(UnsupportedExport, match="one block size and one activation scheme"):
         FORMATS["fp8"].check(mixed)
-    assert choose_format(mixed, None).name == "compressed-tensors"  # which holds a group per recipe
+    # compressed-tensors holds a group per recipe, but transformers reads every module with its first group's
+    # scheme: a checkpoint of 128x128 block scales beside another strategy's did not load back.
+    for other in ("current", "rowwise"):
+        with pytest.raises(UnsupportedExport, match=r"cannot read 128x128 block scales beside another.*a\.q\.weight"):
+            FORMATS["compressed-tensors"].check([mixed[0], _weight("a.k.weight", PRESETS[other])])
+    with pytest.raises(UnsupportedExport, match="no FP8 checkpoint format holds"):
+        choose_format(mixed, None)
+    per_tensor_and_rows = [_weight("a.q.weight", PRESETS["rowwise"]), _weight("a.k.weight", PRESETS["current"])]
+    assert choose_format(per_tensor_and_rows, None).name == "compressed-tensors"
     with pytest.raises(UnsupportedExport, match=r"MXFP8 .*format='fp8'"):
         FORMATS["compressed-tensors"].check([_weight("a.q.weight", PRESETS["mxfp8"])])
     for name in FORMATS:

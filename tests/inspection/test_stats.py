@@ -310,6 +310,27 @@ def test_sampling_stats_every_few_steps_with_a_second_compile():
     assert set(graphs_per_unit(fast.fp8graph_backend)) == set(graphs_per_unit(with_stats.fp8graph_backend)) == {1}
 
 
+def test_removed_stats_leave_a_model_that_trains_as_without_them_and_compiles_with_them_again():
+    """``remove()`` dropped the buffers, but the next call's recompile still asked for them (AttributeError), and
+    a new ``stats=True`` compile was refused as if another model held them."""
+    torch.manual_seed(0)
+    model, x = build("mlp", "tiny"), torch.randn(8, 64)
+    reference = fp8graph.compile(build("mlp", "tiny"), compiler="aot_eager")
+    reference.load_state_dict(model.state_dict())
+    compiled = fp8graph.compile(model, compiler="aot_eager", stats=True)
+    compiled(x).sum().backward()
+    assert compiled.fp8graph_stats.record(0)
+    compiled.fp8graph_stats.remove()
+    compiled.fp8graph_stats.remove()  # twice: nothing left to remove
+    assert not any(name.endswith(STATS_BUFFER) for name, _ in model.named_buffers())
+    assert torch.equal(compiled(x), reference(x))
+    with pytest.raises(RuntimeError, match=r"removed from the model \(remove\(\)\)"):
+        compiled.fp8graph_stats.record(1)
+    again = fp8graph.compile(model, compiler="aot_eager", stats=True)
+    again(x).sum().backward()
+    assert again.fp8graph_stats.record(2)
+
+
 class _ReachableByTwoPaths(torch.nn.Module):
     def __init__(self):
         super().__init__()

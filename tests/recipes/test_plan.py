@@ -47,6 +47,20 @@ def test_a_table_only_looked_up_is_planned_in_high_precision_and_a_tied_one_as_i
     assert shared.multiplied and shared.fp8_copy == "cached"  # lm_head multiplies it
 
 
+def test_an_expert_weight_is_planned_with_the_reason_its_gemms_cannot_run_the_recipe_the_trace_gives():
+    """Block scaling on expert GEMMs: the plan said the experts run it, and every expert site stayed in high
+    precision (``passes.annotate``), for the reason the plan now gives too."""
+    model = build("moe", "tiny", dtype=torch.bfloat16, hidden=128, expert_width=128)  # whole 128x128 tiles
+    block = Float8BlockScaling()
+    experts = [entry for entry in fp8graph.plan(model, block) if entry.path == "experts"]
+    assert len(experts) == 2 and not any(entry.may_be_fp8 for entry in experts)
+    sites = [record for record in fp8graph.explain(model, torch.randn(2, 8, 128).bfloat16(), policy=block)
+             if record.path == "experts"]
+    assert sites and not any(record.rewritten for record in sites)
+    for entry in experts:
+        assert entry.describe(Policy(default=block)) == f"{block} (kept: {sites[0].reason}) by default"
+
+
 def test_a_rule_on_the_token_count_leaves_the_weight_undecided_until_traced():
     rule = (lambda path, module, site: site.M > 64, Float8CurrentScaling())
     plan = Plan(build("mlp", "tiny"), Policy(default=None, rules=[rule]))
