@@ -276,7 +276,7 @@ def _runs_with_regions(session, user_model):
     return wrap
 
 
-def _without_training_cache(user_model, use_cache: "UseCache | None", args: tuple, kwargs: dict) -> dict:
+def _without_training_cache(user_model, use_cache: _UseCache | None, args: tuple, kwargs: dict) -> dict:
     """``kwargs`` with ``use_cache=False`` added where ``user_model`` trains and the call passed no ``use_cache``,
     by name or by position."""
     if use_cache is None or not user_model.training or "use_cache" in kwargs:
@@ -287,23 +287,19 @@ def _without_training_cache(user_model, use_cache: "UseCache | None", args: tupl
 
 
 @dataclasses.dataclass(frozen=True)
-class UseCache:
+class _UseCache:
     """A forward's ``use_cache`` parameter: where a call may pass it by position (``None``: by name only)."""
     position: int | None
 
 
-def _use_cache_parameter(model) -> UseCache | None:
+def _use_cache_parameter(model) -> _UseCache | None:
     try:
         parameters = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):  # a forward without a signature
         return None
-    for position, parameter in enumerate(parameters):
-        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
-            break  # later parameters are keyword-only
-        if parameter.name == "use_cache":
-            by_position = parameter.kind is not inspect.Parameter.KEYWORD_ONLY
-            return UseCache(position if by_position else None)
-    return next((UseCache(None) for parameter in parameters if parameter.name == "use_cache"), None)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return next((_UseCache(position if parameter.kind in positional else None)
+                 for position, parameter in enumerate(parameters) if parameter.name == "use_cache"), None)
 
 
 def _unmatched_rule_names(backend) -> list[str]:

@@ -251,16 +251,8 @@ def _input_bytes(graph_lowering) -> dict[str, int]:
 def _extern_output_bytes(record: GraphRecord) -> dict[str, list[int]]:
     """Bytes of each output of each extern call, by the buffer the wrapper assigns its result to (calls that write
     into a buffer allocated before them assign none and are not looked up)."""
-    return {extern.name: [peak_memory.storage_bytes(shape, _contiguous(shape), dtype) for shape, dtype in extern.outputs]
+    return {extern.name: [peak_memory.contiguous_bytes(shape, dtype) for shape, dtype in extern.outputs]
             for extern in record.externs if extern.outputs}
-
-
-def _contiguous(shape: tuple[int, ...]) -> list[int]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return strides[::-1]
 
 
 class Capture:

@@ -32,8 +32,8 @@ import re
 from bench.costmodel.coalescing import scattered_bytes
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1,
-               "float8_e5m2": 1, "float8_e8m0fnu": 1, "uint8": 1, "int8": 1, "bool": 1, "int32": 4, "int64": 8,
-               "float64": 8}
+               "float8_e5m2": 1, "float8_e8m0fnu": 1, "uint8": 1, "int8": 1, "bool": 1, "int16": 2, "int32": 4,
+               "int64": 8, "float64": 8, "complex64": 8}
 TINY_BYTES = 100_000  # a launch moving under 0.1 MB is all launch latency and tail on an H100
 
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
+
+from bench.costmodel.costs import DTYPE_BYTES
 
 # Inputs of a backward that stay alive after it: the parameters (and any input of the forward) and the incoming
 # gradients. Every other input is an activation the forward saved.
 _KEPT_INPUT_PREFIXES = ("primals_", "tangents_")
-_ITEM_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1,
-               "float8_e5m2": 1, "float8_e8m0fnu": 1, "uint8": 1, "int8": 1, "bool": 1, "int16": 2, "int32": 4,
-               "int64": 8, "float64": 8, "complex64": 8}
 _ASSIGN = re.compile(r"^(\w+) = (.+)$")
 _EMPTY = re.compile(r"^empty_strided(?:_cuda)?\((\(.*?\)), (\(.*?\)), torch\.(\w+)")
 _UNPACKED = re.compile(r"^\(?\s*\w+\s*(?:,\s*\w+\s*)+,?\s*\)?\s*= (?!args$)")
@@ -52,10 +52,15 @@ def storage_bytes(sizes, strides, dtype: str) -> int:
     return (1 + sum((size - 1) * abs(stride) for size, stride in zip(sizes, strides))) * _item_bytes(dtype)
 
 
+def contiguous_bytes(sizes, dtype: str) -> int:
+    """Bytes of a contiguous tensor of ``sizes``."""
+    return math.prod(sizes) * _item_bytes(dtype)
+
+
 def _item_bytes(dtype: str) -> int:
-    if dtype not in _ITEM_BYTES:
+    if dtype not in DTYPE_BYTES:
         raise ValueError(f"no element size for dtype {dtype}")
-    return _ITEM_BYTES[dtype]
+    return DTYPE_BYTES[dtype]
 
 
 def graph_memory(call_body: str, is_backward: bool, input_bytes: dict[str, int],

@@ -25,8 +25,7 @@ import torch
 
 __all__ = ["ANCHORS", "AnchorHook", "NewBuffer", "converted_buffers", "fill_anchor", "is_fp8graph_buffer",
            "make_anchor", "register_new_buffers", "remove_buffer", "restore_buffer_dtypes", "reuse_anchor",
-           "state_anchor",
-           "state_read_anchor", "stats_anchor"]
+           "state_anchor", "state_read_anchor", "stats_anchor"]
 
 # On each module that holds fp8graph buffers: {buffer name: the dtype it was registered with}. Module.to(dtype)
 # (and .half(), .bfloat16(), .double()) converts every floating-point buffer, fp8graph's included.

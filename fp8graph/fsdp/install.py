@@ -22,11 +22,10 @@ import logging
 import torch
 
 from fp8graph.buffers.delayed_state import weight_candidates
-from fp8graph.recipes.plan import looked_up_or_convolved
 from fp8graph.buffers.kept_casts import ReuseScope
 from fp8graph.fsdp.shard_casts import (GatherCalls, ShardCast, TiledShardCast, WeightAmaxes, fp8_gathered_bytes,
                                       shard_row_multiple)
-from fp8graph.recipes.plan import UNDECIDED, Plan
+from fp8graph.recipes.plan import UNDECIDED, Plan, looked_up_or_convolved
 from fp8graph.recipes.policy import Policy, weight_orientations
 from fp8graph.recipes.scaling import misaligned
 
