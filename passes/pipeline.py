@@ -139,6 +139,18 @@ class AnchoredBuffers:
     # In a graph that fills the copies, the one call of each tiled-recipe weight (by id of its value) that writes
     # and reads them (noted by ``annotate``); the weight's other calls there cast it themselves.
     tiled_writer: dict = dataclasses.field(default_factory=dict)
+    # The one FP8 site that writes each stats buffer (by id of the buffer), noted by ``annotate``.
+    stats_writer: dict = dataclasses.field(default_factory=dict)
+
+    def note_stats_writers(self, decisions) -> None:
+        """Choose the site that writes each module's stats (:attr:`stats_writer`): its last FP8 site in the graph.
+        A module with two sites (an experts module's gate_up and down GEMMs, a module called twice) has one buffer
+        of three rows; its forward rows come from the last site to run forward, but its grad_output row would come
+        from the last to run backward, the first site. One writer keeps the three rows of one GEMM."""
+        for decision in decisions:
+            buffer = self._stats_buffer(decision.site)
+            if decision.rewritten and id(buffer) in self.stats:
+                self.stats_writer[id(buffer)] = decision.site.node
 
     def note_tiled_writers(self, decisions) -> None:
         """Choose the call that fills each tiled weight's copies (:attr:`tiled_writer`): a filling call reads the
@@ -194,9 +206,13 @@ class AnchoredBuffers:
         nodes = self.state_nodes(site)
         return nodes is not None and nodes[0] in self.state_updated
 
+    def _stats_buffer(self, site):
+        return self.stats_collector.buffer_of(site.path) if self.stats_collector is not None else None
+
     def stats_node(self, site):
-        buffer = self.stats_collector.buffer_of(site.path) if self.stats_collector is not None else None
-        return self.stats.get(id(buffer))
+        """The stats placeholder ``site`` writes: its module's, if it is the module's writer (:meth:`note_stats_writers`)."""
+        buffer = self._stats_buffer(site)
+        return self.stats.get(id(buffer)) if self.stats_writer.get(id(buffer)) is site.node else None
 
     def compatibility(self, decision) -> tuple:
         """Sites that share one cast of their input must carry the same kinds of buffers."""
@@ -243,6 +259,7 @@ def annotate(state: PassState) -> None:
         context.modules_by_path, has_state=lambda site: buffers.state_nodes(site) is not None,
         planned=lambda site: planned_entry(context.plan, site, state.value_of))
     buffers.note_tiled_writers(state.decisions)
+    buffers.note_stats_writers(state.decisions)
 
 
 def planned_entry(plan: Plan | None, site, value_of: dict):

@@ -8,8 +8,9 @@ the graph) to :func:`stats_anchor`. Dynamo therefore lifts the buffers as
 graph inputs; the backend removes the anchors and hands each FP8 site the
 buffer of its module, whose forward writes the input and weight rows and
 whose backward writes the grad_output row, in place (AOTAutograd keeps input
-mutations, also from backward). A module called twice in one graph reports
-its last call; one whose sites land in two training graphs is refused (see
+mutations, also from backward). A module with two sites in one graph (called
+twice, an experts module's two GEMMs) reports its last site in all three rows
+(``AnchoredBuffers.note_stats_writers``); one whose sites land in two training graphs is refused (see
 ``FP8Backend._claim_written_buffers``). A module reachable by two paths
 reports under its first (``named_modules()``). Without ``stats=True`` none of this exists: no buffer, no
 hook, no extra graph node.

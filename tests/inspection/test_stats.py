@@ -348,3 +348,32 @@ def test_a_module_reachable_by_two_paths_reports_under_its_first_name():
     assert [d.site.path for d in compiled.fp8graph_backend.decisions] == ["a"]
     assert [(r.path, r.role) for r in compiled.fp8graph_stats.record(0)] == [
         ("a", role) for role in ("input", "weight", "grad_output")]
+
+
+class _CalledTwice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Module()
+        self.inner.square = torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, x):
+        return self.inner.square(torch.relu(self.inner.square(x)) * 4)
+
+
+def test_a_module_called_twice_reports_its_last_call_in_every_row():
+    """Forward rows come from the last call to run forward; grad_output too, though its backward runs first."""
+    model, x = _CalledTwice(), torch.randn(16, 32)
+    grad = torch.randn(16, 32)
+    calls = []
+    hook = model.inner.square.register_forward_hook(lambda module, args, output: calls.append(
+        (args[0].detach(), output)) or output.retain_grad())
+    (model(x) * grad).sum().backward()
+    hook.remove()
+    (first_input, first_output), (last_input, last_output) = calls
+    assert first_output.grad.abs().max().item() != pytest.approx(last_output.grad.abs().max().item(), rel=0.2)  # rows that differ
+
+    compiled = fp8graph.compile(model, compiler="aot_eager", stats=True)
+    (compiled(x) * grad).sum().backward()
+    rows = {r.role: r for r in compiled.fp8graph_stats.record(0) if r.path == "inner.square"}
+    assert rows["input"].amax == pytest.approx(last_input.abs().max().item(), rel=0.1)
+    assert rows["grad_output"].amax == pytest.approx(grad.abs().max().item(), rel=1e-6)  # the last call's output grad

@@ -206,27 +206,56 @@ def test_the_batched_mm_decode_form_is_an_expert_site_kept_with_its_reason():
 @pytest.mark.parametrize("recipe, native", [(Float8RowwiseScaling(), False), (Float8CurrentScaling(), False),
                                             (MXFP8BlockScaling(), False), (Float8CurrentScaling(), True)], ids=str)
 def test_expert_sites_record_their_fp8_health(monkeypatch, recipe, native):
-    """stats=True: the experts module's buffer holds the health of its expert GEMMs' casts (the module's two sites
-    share it: the later one's, the down projection, as for any module with two sites), at the call that casts the
-    expert weights and at the next, which reads their kept casts. On the native path (the GPU's graph, casting per
-    call) current scaling's calls take SwiGLU and the combine, whose gradients the stats read in BF16."""
+    """stats=True: the experts module's buffer holds the health of its expert GEMMs' casts, at the call that casts
+    the expert weights and at the next, which reads their kept casts. The module's two sites share one buffer: all
+    three rows are the later site's, the down projection's (its input, its weight, the gradient reaching its
+    output), never gate_up's gradient beside down's input. On the native path (the GPU's graph, casting per call)
+    current scaling's calls take SwiGLU and the combine, whose gradients the stats read in BF16."""
     from gemm_rules import pretend_gpu
 
     model, x = _moe()
+    grad = torch.randn(x.shape, dtype=torch.float32, generator=torch.Generator().manual_seed(1))
+    expected = _down_projection_amaxes(model, x, grad)
     compiled = fp8graph.compile(model, policy=recipe, compiler="aot_eager", stats=True)
     with pretend_gpu(monkeypatch) if native else fp8graph.weights_unchanged(compiled) as calls:
         for step in range(2):
-            compiled(x).float().pow(2).mean().backward()
+            (compiled(x).float() * grad).sum().backward()
             if not native:
                 assert compiled.fp8graph_backend.weight_cache.reuse == (step == 1)
             rows = {(r.path, r.role): r for r in compiled.fp8graph_stats.record(step=step)}
             for role in ("input", "weight", "grad_output"):
                 row = rows["experts", role]
-                assert row.sqnr_db > 25 and row.underflow < 0.05 and row.amax > 0, (step, role, row)
+                assert row.sqnr_db > 25 and row.underflow < 0.05, (step, role, row)
+                # The loss is linear: the gradient reaching down's output is the routing weights times ``grad``,
+                # as in eager; down's input is SwiGLU of an FP8 GEMM's output.
+                assert row.amax == pytest.approx(expected[role], rel=0.15 if role == "input" else 0.02), (step, role)
             assert ("gate", "input") not in rows, "the router stays in high precision"
     if native:
         calls.assert_every_rule_kept()
         assert [name.split("_")[-3] for name in _grouped_calls(compiled.fp8graph_backend)] == ["swiglu", "combine2"]
+
+
+def _down_projection_amaxes(model, x, grad) -> dict:
+    """Eager's amax of the down projection's input, weight and output gradient, by role; checked to differ from
+    gate_up's gradient, so that a row taken from the other GEMM is seen."""
+    gemms = []
+    original = type(model.experts)._grouped
+
+    def grouped(experts, x_hp, weight, offsets):
+        output = original(experts, x_hp, weight, offsets)
+        output.retain_grad()
+        gemms.append((x_hp, weight, output))
+        return output
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(model.experts), "_grouped", grouped)
+        (model(x).float() * grad).sum().backward()
+    model.zero_grad(set_to_none=True)
+    (_, _, gate_up_output), (down_input, down_weight, down_output) = gemms
+    amax = {"input": down_input.abs().max().item(), "weight": down_weight.abs().max().item(),
+            "grad_output": down_output.grad.abs().max().item()}
+    assert gate_up_output.grad.abs().max().item() != pytest.approx(amax["grad_output"], rel=0.2)
+    return amax
 
 
 def test_dynamic_token_counts_compile_once_with_a_symbolic_m():
