@@ -279,7 +279,12 @@ def _runs_with_regions(session, user_model):
 def _without_training_cache(user_model, use_cache: _UseCache | None, args: tuple, kwargs: dict) -> dict:
     """``kwargs`` with ``use_cache=False`` added where ``user_model`` trains and the call passed no ``use_cache``,
     by name or by position."""
-    if use_cache is None or not user_model.training or "use_cache" in kwargs:
+    return _without_cache(use_cache, args, kwargs) if user_model.training else kwargs
+
+
+def _without_cache(use_cache: _UseCache | None, args: tuple, kwargs: dict) -> dict:
+    """``kwargs`` with ``use_cache=False`` added where the call passed no ``use_cache``, by name or by position."""
+    if use_cache is None or "use_cache" in kwargs:
         return kwargs
     if use_cache.position is not None and len(args) > use_cache.position:
         return kwargs
@@ -290,6 +295,11 @@ def _without_training_cache(user_model, use_cache: _UseCache | None, args: tuple
 class _UseCache:
     """A forward's ``use_cache`` parameter: where a call may pass it by position (``None``: by name only)."""
     position: int | None
+
+
+def _on_meta(model) -> bool:
+    """Whether ``model``'s parameters are on the meta device (built there to be planned without memory)."""
+    return isinstance(model, torch.nn.Module) and any(p.is_meta for p in model.parameters())
 
 
 def _use_cache_parameter(model) -> _UseCache | None:
@@ -450,13 +460,14 @@ def _model_state_kept(model):
     otherwise. A buffer the run rebound (a cache a forward rebuilds, with attributes
     that describe it) is left as the run left it, as is an inference tensor (it keeps no version). fp8graph's
     own buffers are left as the run leaves them: it records no delayed-scaling state without gradients, and the
-    weight copies it fills are marked stale.
+    weight copies it fills are marked stale. A buffer on the meta device has no values to keep.
     """
     kept, seen = [], set()  # (module, name, the buffer, its version, its values)
     if isinstance(model, torch.nn.Module):
         for module in model.modules():
             for name, buffer in module._buffers.items() if module.training else ():
-                if buffer is None or buffer.is_inference() or id(buffer) in seen or is_fp8graph_buffer(module, name):
+                if (buffer is None or buffer.is_inference() or buffer.is_meta or id(buffer) in seen
+                        or is_fp8graph_buffer(module, name)):  # a meta buffer holds no values to keep
                     continue
                 seen.add(id(buffer))
                 kept.append((module, name, buffer, buffer._version, buffer.detach().clone()))
@@ -483,7 +494,8 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu
     explained with its own policy and lowering. The model runs once, without gradients, on the rewritten graph;
     its buffers (a BatchNorm's running statistics) and the random number generators are given back as they were.
     An uncompiled model is explained with the blocks ``regions`` selects (as
-    :func:`compile` takes it); a compiled one with its own regions.
+    :func:`compile` takes it); a compiled one with its own regions. A model on the meta device (planned without
+    its memory) is traced as one graph and without a KV cache (``use_cache=False``).
     Policy rules that match no site are listed in ``report.unmatched_rules``
     (a strict policy raises ``ValueError`` instead). Each site with a known GEMM shape carries its
     modelled kernel time per training call on ``gpu`` (``"H100"``, ``"H200"``, ``"B200"``, a
@@ -519,8 +531,15 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu
         model = model._orig_mod  # trace the user's module, not the wrapper of another compile
     user_model = unwrap_data_parallel(model)
     policy = normalize_policy(policy)
-    if blocks is None:  # explained as fp8graph.compile would compile it
-        blocks = find_blocks(user_model, regions) if isinstance(user_model, torch.nn.Module) else []
+    on_meta = _on_meta(user_model)
+    if on_meta and compiled is None and not (is_auto(regions) or regions is None or regions is False):
+        raise ValueError("fp8graph.explain: the model is on the meta device, and regions run the code between "
+                         "them eagerly, which reads values a meta tensor does not hold: explain it with "
+                         "regions='auto' or None (both trace the whole model there)")
+    if blocks is None:  # explained as fp8graph.compile would compile it; on meta as one graph (above)
+        blocks = find_blocks(user_model, regions) if isinstance(user_model, torch.nn.Module) and not on_meta else []
+    if on_meta:  # a KV cache made on meta holds tensors outside Dynamo's trace; the sites are the same without it
+        kwargs = _without_cache(_use_cache_parameter(user_model), args, kwargs)
     # An uncompiled model's blocks become regions for explain's run alone: their classes are given back after it.
     with _classes_restored(user_model if compiled is None else None), _model_state_kept(user_model):
         backend, session = _make_backends(

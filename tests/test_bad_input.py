@@ -131,3 +131,44 @@ def test_torch_compiles_options_and_backend_given_to_fp8graph_compile_are_refuse
         with pytest.raises(TypeError, match=r"fp8graph\.compile: (options|backend)= is torch\.compile's; "
                                             r"fp8graph\.compile takes the backend's options as its own arguments"):
             fp8graph.compile(model, compiler="aot_eager", **torch_only)
+
+
+def test_a_lazy_module_is_refused_naming_it_until_its_first_call():
+    """A LazyLinear's weight has no shape before its first call: compile, explain and plan say so and how to go
+    on; after one eager call the model compiles and trains."""
+    model = torch.nn.Sequential(torch.nn.LazyLinear(64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    x = torch.randn(8, 48)
+    for call in (lambda: fp8graph.compile(model, compiler="aot_eager"), lambda: fp8graph.explain(model, x),
+                 lambda: fp8graph.plan(model)):
+        with pytest.raises(ValueError, match=r"module '0' \(LazyLinear\) has parameters not initialized yet.*Call "
+                                             r"the model once on a batch"):
+            call()
+    model(x)  # the LazyLinear becomes a Linear (48 -> 64)
+    compiled = fp8graph.compile(model, compiler="aot_eager")
+    compiled(x).sum().backward()
+    assert model[0].weight.grad.shape == (64, 48)
+    assert [d.rewritten for d in compiled.fp8graph_backend.decisions] == [True, True]
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8RowwiseScaling()], ids=str)
+@pytest.mark.parametrize("name, example", [("mlp", lambda device: torch.zeros(8, 64, device=device, dtype=torch.bfloat16)),
+                                           ("llama", lambda device: torch.zeros(2, 16, dtype=torch.long,
+                                                                                device=device))])
+def test_a_model_on_the_meta_device_is_explained_as_the_same_model_with_memory(recipe, name, example):
+    """explain() of a model built on the meta device (a large model planned without its memory) runs its FP8
+    calls there (no autocast on meta) and decides every site as it does for the model in memory: a HuggingFace
+    model traced whole (its code between regions would read values) and without a KV cache."""
+    def report(device):
+        model = build(name, "tiny", device=device, dtype=torch.bfloat16)
+        assert {p.device.type for p in model.parameters()} == {device}
+        return [(r.path, r.op, r.M, r.K, r.N, r.rewritten, r.reason)
+                for r in fp8graph.explain(model, example(device), policy=recipe)]
+
+    on_meta = report("meta")
+    assert on_meta == report("cpu") and any(site[5] for site in on_meta)
+
+
+def test_explaining_a_meta_model_with_explicit_regions_is_refused_with_the_reason():
+    model = build("llama", "tiny", device="meta", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="meta device, and regions run the code between them eagerly"):
+        fp8graph.explain(model, torch.zeros(2, 16, dtype=torch.long, device="meta"), regions=["model.layers.*"])

@@ -161,6 +161,19 @@ class WeightEntry:
         return f"{names} by {rules}{undecided}{copy}"
 
 
+def _refuse_uninitialized_parameters(model: torch.nn.Module) -> None:
+    """A LazyModule's parameters have no shape until its first call: nothing can be decided for them (a recipe's
+    alignment, a copy's bytes, a delayed state's buffers), so the model is refused, naming them and the way out."""
+    lazy = [f"{path!r} ({type(module).__name__})" if path else f"the model ({type(module).__name__})"
+            for path, module in model.named_modules()
+            if any(torch.nn.parameter.is_lazy(p) for p in module.parameters(recurse=False))]
+    if lazy:
+        modules, have = ("module", "has") if len(lazy) == 1 else ("modules", "have")
+        raise ValueError(f"fp8graph: {modules} {', '.join(lazy)} {have} parameters not initialized yet: a LazyModule "
+                         "infers their shapes at its first call. Call the model once on a batch, then compile, "
+                         "explain or plan it")
+
+
 class Plan:
     """Every weight's :class:`WeightEntry` for one model and policy, computed once.
 
@@ -173,6 +186,7 @@ class Plan:
                  weight_copies_reason: str | None = None, copies_everywhere: bool = False):
         if weight_copies not in WEIGHT_COPIES:
             raise ValueError(f"weight_copies must be one of {WEIGHT_COPIES}, got {weight_copies!r}")
+        _refuse_uninitialized_parameters(model)
         self.policy = normalize_policy(policy)
         self.weight_copies = weight_copies
         # Why the compile keeps no copies between calls where its default would (choose_weight_cache), or None.

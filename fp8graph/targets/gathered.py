@@ -32,7 +32,7 @@ from fp8graph.numerics.formats import Role
 from fp8graph.recipes.scaling import Granularity, Recipe
 from fp8graph.targets.cache_hash import register_target
 from fp8graph.targets.grouped import GroupedSpec, cast_experts, cast_forward_delayed, cast_rows, health_scales
-from fp8graph.targets.linear_tensorwise import record_health, target_name
+from fp8graph.targets.linear_tensorwise import autocast_off, record_health, target_name
 
 __all__ = ["GATHERED_GRANULARITIES", "gathered_fp8_target"]
 
@@ -55,7 +55,7 @@ def gathered_fp8_target(recipe: Recipe, lowering: Lowering) -> Callable[..., tor
         spec = GroupedSpec(recipe, lowering, update=False)
         rows, weight_first = input_hp.shape[0], input_hp.shape[2] == 1  # (S, K, 1), or (S, 1, K)
         input_2d = input_hp.reshape(rows, weight_hp.shape[2])
-        with torch.autocast(input_hp.device.type, enabled=False):
+        with autocast_off(input_hp.device.type):
             if spec.delayed:
                 if history is None:
                     raise ValueError(f"{recipe.name} on an expert GEMM needs the weight's delayed-scaling state")

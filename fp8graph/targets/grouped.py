@@ -56,7 +56,7 @@ from fp8graph.buffers.amax_reduction import call_amax_reduction
 from fp8graph.numerics.delayed_scaling import scale_from_history
 from fp8graph.targets.cache_hash import register_target
 from fp8graph.targets.grouped_blocks import GroupedBlocks
-from fp8graph.targets.linear_tensorwise import record_health, record_states, target_name
+from fp8graph.targets.linear_tensorwise import autocast_off, record_health, record_states, target_name
 from fp8graph.targets.partitioning import keep_for_backward, read_in_backward, saved_not_recomputed
 
 __all__ = ["ExpertWeightCopy", "GroupedSpec", "cast_experts", "cast_forward_delayed", "cast_rows", "fuses_neighbours",
@@ -546,7 +546,7 @@ class _GroupedFP8(torch.autograd.Function):
         experts = weight_hp.shape[0]
         output_dtype = input_hp.dtype  # as torch._grouped_mm's
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
-        with torch.autocast(input_hp.device.type, enabled=False):
+        with autocast_off(input_hp.device.type):
             # The gathered rows cast, with grad_weight's layout (placed, below), by one kernel.
             cast_gathered = _placed_by_one_kernel(spec, gather_index, needs_grad_weight)
             # The input is SwiGLU of swiglu_source: computed and cast, with grad_weight's layout, by one kernel.
@@ -669,7 +669,7 @@ class _GroupedFP8(torch.autograd.Function):
         needs_grad_input, needs_grad_weight = ctx.needs_input_grad[:2]
         grad_input = grad_weight = grad_row_weights = None
         experts = offsets.shape[0]
-        with torch.autocast(grad_output_hp.device.type, enabled=False):
+        with autocast_off(grad_output_hp.device.type):
             # grad_weight's layout and its inverse scales (E, N), where the kernel that casts for grad_input writes it
             grad_output_placed = grad_output_g_inverse = None
             if spec.swiglu:  # grad_output_hp is h's: the GEMM's grad_output is gate_up's, through SwiGLU

@@ -21,7 +21,7 @@ from fp8graph.gemm.tiled_operands import expert_blocks
 from fp8graph.numerics.formats import Role
 from fp8graph.numerics.groups import place_in_padded_groups
 from fp8graph.numerics.tiles import Tiling, expand_scale, reference_dequantize_tiles, reference_quantize_tiles
-from fp8graph.targets.linear_tensorwise import record_health
+from fp8graph.targets.linear_tensorwise import autocast_off, record_health
 
 __all__ = ["GroupedBlocks"]
 
@@ -40,7 +40,7 @@ class GroupedBlocks(torch.autograd.Function):
             raise AssertionError("MXFP8's expert GEMMs take the gathered rows (blocks along K)")
         tiling = spec.recipe.tiling(Role.INPUT)
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
-        with torch.autocast(input_hp.device.type, enabled=False):
+        with autocast_off(input_hp.device.type):
             input_q = _blocks(input_hp, tiling, stats, Role.INPUT, spec.recipe)  # (S, K) along K
             weight_q, weight_t_q = _weight_casts(weight_hp, tiling, stats, spec.recipe, needs_grad_input, weight_copy)
             # output = input . weight_e^T  (S, N)
@@ -62,7 +62,7 @@ class GroupedBlocks(torch.autograd.Function):
         tiling = spec.recipe.tiling(Role.GRAD_OUTPUT)
         needs_grad_input, needs_grad_weight = ctx.needs_input_grad[:2]
         grad_input = grad_weight = None
-        with torch.autocast(grad_output_hp.device.type, enabled=False):
+        with autocast_off(grad_output_hp.device.type):
             if needs_grad_input:
                 grad_output_q = _blocks(grad_output_hp, tiling, ctx.stats, Role.GRAD_OUTPUT, spec.recipe)
                 # grad_input = grad_output . weight_e  (S, K)

@@ -69,6 +69,7 @@ written there and kept (``fp8graph.targets.partitioning``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Callable, NamedTuple, Sequence
@@ -90,17 +91,26 @@ from fp8graph.buffers.snapshots import state_snapshot
 from fp8graph.buffers.delayed_state import FORWARD_ROLES
 from fp8graph.fsdp.gathered_weight import GatheredFP8Weight, is_gathered
 
-__all__ = ["autocast_dtype", "linear_fp8_target", "linears_fp8_target", "record_health", "record_states",
-           "target_name"]
+__all__ = ["autocast_dtype", "autocast_off", "linear_fp8_target", "linears_fp8_target", "record_health",
+           "record_states", "target_name"]
 
 _INPUT, _WEIGHT = (FORWARD_ROLES.index(role) for role in FORWARD_ROLES)  # rows of the forward state
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype autocast gives matmuls on ``device_type``, or ``None`` outside autocast."""
-    if torch.is_autocast_enabled(device_type):
+    """The dtype autocast gives matmuls on ``device_type``, or ``None`` outside autocast (and on devices without
+    it: a model on the meta device, which ``fp8graph.explain`` traces without memory)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
+
+
+def autocast_off(device_type: str):
+    """Autocast turned off on ``device_type`` (an FP8 GEMM's operands keep the dtypes it casts them to); nothing
+    on a device without autocast (meta)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,7 +413,7 @@ class _LinearsFP8(torch.autograd.Function):
         needs_grad_input = ctx.needs_input_grad[0]
         needs_grad_weight = [ctx.needs_input_grad[3 + i] for i in range(count)]
         ctx.amax_reduce = call_amax_reduction(spec)
-        with torch.autocast(device_type, enabled=False):
+        with autocast_off(device_type):
             if spec.delayed:
                 input_fp8, input_scale, input_inverse_scale, weights = _cast_forward_delayed(
                     spec, input_hp_2d, weights_hp, members, ctx.amax_reduce)
@@ -461,7 +471,7 @@ class _LinearsFP8(torch.autograd.Function):
             input_fp8_t = spec.cast_again_transposed(input_hp_2d, input_scale, Role.INPUT, grad_outputs_hp_2d[0])
         needs_grad_input = ctx.needs_input_grad[0]
         grad_input, grad_weights, grad_biases = None, [None] * count, [None] * count
-        with torch.autocast(grad_outputs_hp_2d[0].device.type, enabled=False):
+        with autocast_off(grad_outputs_hp_2d[0].device.type):
             casts = _cast_grad_outputs(spec, grad_outputs_hp_2d, ctx.members, ctx.amax_reduce)
             for i, (member, grad_output_hp_2d, (grad_output_fp8, grad_output_scale, grad_output_inverse_scale)) in \
                     enumerate(zip(ctx.members, grad_outputs_hp_2d, casts)):

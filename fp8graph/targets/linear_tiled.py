@@ -54,7 +54,7 @@ import torch
 
 from fp8graph.fsdp.gathered_weight import GatheredFP8Weight, is_gathered
 from fp8graph.numerics.formats import Role
-from fp8graph.targets.linear_tensorwise import autocast_dtype, record_health, target_name
+from fp8graph.targets.linear_tensorwise import autocast_dtype, autocast_off, record_health, target_name
 from fp8graph.gemm.scaled_gemm import Lowering, tiled_scaled_gemm
 from fp8graph.gemm.tiled_operands import TiledOperand, cached_weight_operands, kernel_casts, quantize_both_ways
 from fp8graph.recipes.scaling import TiledRecipe
@@ -136,7 +136,7 @@ class _LinearTiled(torch.autograd.Function):
         # only where a gradient needs them: none under torch.no_grad(), which needs_input_grad
         # does not see (the caller passes the grad mode).
         needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
-        with torch.autocast(device_type, enabled=False):
+        with autocast_off(device_type):
             # (M, K), and (K, M') where the forward writes grad_weight's operand: with recipe.save_transposes, and
             # where fp8graph's kernel casts the input (which the backward could only cast from the input saved
             # in high precision, twice the bytes of its FP8 copy).
@@ -186,7 +186,7 @@ class _LinearTiled(torch.autograd.Function):
         needs_grad_input, needs_grad_weight, needs_grad_bias = ctx.needs_input_grad[:3]
         grad_input = grad_weight = grad_bias = None
         grad_tiling = recipe.tiling(Role.GRAD_OUTPUT)
-        with torch.autocast(grad_output_hp_2d.device.type, enabled=False):
+        with autocast_off(grad_output_hp_2d.device.type):
             if weight_row_scale is not None and needs_grad_input:
                 # A row-wise weight gathered in FP8: its row scales move to grad_output (see the module's doc).
                 grad_output_q, _ = quantize_both_ways(grad_output_hp_2d.float() / weight_row_scale, grad_tiling,

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from fp8graph.numerics.formats import Role
-from fp8graph.targets.linear_tensorwise import autocast_dtype, record_health, target_name
+from fp8graph.targets.linear_tensorwise import autocast_dtype, autocast_off, record_health, target_name
 from fp8graph.numerics.quantize import quantize_current
 from fp8graph.targets.cache_hash import register_target
 from fp8graph.recipes.scaling import Recipe
@@ -37,7 +37,7 @@ class _MatmulFP8(torch.autograd.Function):
     def forward(ctx, a_hp, b_hp, recipe: Recipe, stats):
         device_type = a_hp.device.type
         output_dtype = autocast_dtype(device_type) or torch.promote_types(a_hp.dtype, b_hp.dtype)
-        with torch.autocast(device_type, enabled=False):
+        with autocast_off(device_type):
             a_fp8, a_scale = quantize_current(a_hp, recipe.fp8_dtype(Role.INPUT), recipe.power_2_scales)
             b_fp8, b_scale = quantize_current(b_hp, recipe.fp8_dtype(Role.WEIGHT), recipe.power_2_scales)
             output = _fp8_matmul(a_fp8, a_scale, b_fp8, b_scale, output_dtype)
@@ -56,7 +56,7 @@ class _MatmulFP8(torch.autograd.Function):
         a_fp8, a_scale, b_fp8, b_scale = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
         grad_a = grad_b = None
-        with torch.autocast(grad_output_hp.device.type, enabled=False):
+        with autocast_off(grad_output_hp.device.type):
             grad_output_fp8, grad_output_scale = quantize_current(
                 grad_output_hp, recipe.fp8_dtype(Role.GRAD_OUTPUT), recipe.power_2_scales)
             if ctx.stats is not None:
