@@ -8,9 +8,9 @@ A decoder layer has two such groups: the attention's q, k and v projections,
 and the MLP's gate and up projections. Apart, each site casts the input
 itself: with current scaling Inductor then stores the same FP8 tensor once per
 GEMM, with delayed scaling each site has its own scale and every cast is a
-pass of its own. Only per-tensor recipes of linears (not expert GEMMs) group (their GEMMs share one input
-scale); sites group when they are rewritten linears of the same graph and
-checkpoint region with the same recipe, lowering and ``compatible`` key
+pass of its own. Linears group (not expert GEMMs), with per-tensor recipes (their GEMMs share one input
+scale) and tiled ones (one cast of the input in each layout, forward and backward); sites group when they are
+rewritten linears of the same graph and checkpoint region with the same recipe, lowering and ``compatible`` key
 (which buffers they carry), read the same input node through distinct
 weights, and have every operand defined before the first of them, where the
 group's call goes. The call computes the later members earlier than the user's
@@ -51,7 +51,7 @@ def group_sites(decisions: list[Decision],
     groups: dict[tuple, list[Decision]] = {}
     for decision in decisions:
         site = decision.site
-        if not decision.rewritten or type(site) is not LinearSite or decision.recipe.tiled:
+        if not decision.rewritten or type(site) is not LinearSite:
             continue
         key = (id(site.graph_module), site.input_node, id(site.checkpoint_region), decision.recipe,
                decision.lowering, compatible(decision))

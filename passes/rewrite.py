@@ -5,6 +5,7 @@
 
     before:  q = linear(x, w_q); k = linear(x, w_k); v = linear(x, w_v)     (a group, ``group_sites``)
     after:   qkv = fp8graph_linears_<recipe>(x, [w_q, w_k, w_v], [None, None, None]); q = qkv[0]; ...
+             (per-tensor and tiled recipes alike: one cast of x for the three GEMMs, and one of its transpose)
 
     before:  s = matmul(q, k_t)           | s = baddbmm(c, q, k_t)   (two activations, opted in by a rule)
     after:   s = fp8graph_matmul_<recipe>(q, k_t, None)  | s = fp8graph_matmul_<recipe>(q, k_t, c)
@@ -55,7 +56,7 @@ from fp8graph.targets.cache_hash import mark_cacheable
 from fp8graph.targets.gathered import gathered_fp8_target
 from fp8graph.targets.grouped import fuses_neighbours, grouped_fp8_target, takes_swiglu_source
 from fp8graph.targets.linear_tensorwise import linear_fp8_target, linears_fp8_target
-from fp8graph.targets.linear_tiled import linear_tiled_target
+from fp8graph.targets.linear_tiled import linear_tiled_target, linears_tiled_target
 from fp8graph.targets.matmul import matmul_fp8_target
 
 from fp8graph.buffers.snapshots import CONTEXT_FN_KEY, checkpoint_context_fn
@@ -67,9 +68,10 @@ from .subgraphs import Subgraphs
 
 __all__ = ["rewrite_sites"]
 
-# The keyword a group of linears (per-tensor recipes: one copy and its scale) takes
-# its members' copies under, a list each.
-_GROUP_KEYWORDS = {"cached_weight": "cached_weights", "cached_weight_scale": "cached_weight_scales"}
+# The keyword a group of linears takes its members' copies under, a list each (per-tensor recipes: one copy and
+# its scale; tiled ones also the transposed pair, but for square tiles).
+_GROUP_KEYWORDS = {"cached_weight": "cached_weights", "cached_weight_scale": "cached_weight_scales",
+                   "cached_weight_t": "cached_weights_t", "cached_weight_t_scale": "cached_weight_t_scales"}
 
 
 def _weight_nk(graph: torch.fx.Graph, decision: Decision) -> torch.fx.Node:
@@ -184,7 +186,9 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
         states = [buffers.state(d, gm) for d in group]
         caches = [buffers.cache(d, gm) for d in group]
         if len(group) > 1:
-            target = _linear_target(first, states[0], caches[0], buffers, group=True)
+            target = (linears_tiled_target(first.recipe, first.lowering,
+                                           buffers.cache_mode(first) if caches[0] is not None else None)
+                      if first.recipe.tiled else _linear_target(first, states[0], caches[0], buffers, group=True))
             args = (site.input_node, [_weight_nk(graph, d) for d in group], [d.site.bias_node for d in group])
             kwargs = {"stats": stats if any(n is not None for n in stats) else None}
             if states[0] is not None:

@@ -30,6 +30,12 @@ class TiledOperand:
         """The same quantization read the other way round (square tiles only)."""
         return TiledOperand(self.fp8.t(), self.scale.t(), self.tiling)
 
+    def laid_out(self) -> "TiledOperand":
+        """The bytes stored (rows, reduction), as a GEMM reads its second operand: an operand that several GEMMs
+        read is laid out once (each native GEMM would otherwise copy a transposed view for itself)."""
+        return TiledOperand(self.fp8.contiguous(), self.scale, self.tiling)
+
+
 
 def kernel_casts(x_hp: torch.Tensor, tiling: Tiling) -> bool:
     """Whether :func:`quantize_both_ways` casts ``x_hp`` with fp8graph's kernel (on CUDA, the tilings it
@@ -38,8 +44,8 @@ def kernel_casts(x_hp: torch.Tensor, tiling: Tiling) -> bool:
 
 
 def quantize_both_ways(x_hp: torch.Tensor, tiling: Tiling, along_rows: bool, along_columns: bool,
-                       use_kernel: bool | None = None, scales_read: Callable[[torch.Tensor], torch.Tensor] | None = None
-                       ) -> tuple[TiledOperand | None, TiledOperand | None]:
+                       use_kernel: bool | None = None, scales_read: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       laid_out_by_reader: bool = False) -> tuple[TiledOperand | None, TiledOperand | None]:
     """``x_hp`` (R, C) quantized along its rows (C reduced) and, transposed, along its columns (R reduced).
 
     On CUDA, tilings that fp8graph's kernel quantizes faster than Inductor's
@@ -49,7 +55,8 @@ def quantize_both_ways(x_hp: torch.Tensor, tiling: Tiling, along_rows: bool, alo
     row-major quantization transposed (bit for bit what a requantization gives).
     ``use_kernel`` overrides the choice (tests run the ops' CPU reference so). ``scales_read``: what Inductor's
     code casts with is ``scales_read(scale)`` (the same values; ``reference_quantize_tiles_by``); the kernel takes
-    none.
+    none. ``laid_out_by_reader``: Inductor's transposed cast is left for its reader to lay out once
+    (:meth:`TiledOperand.laid_out`), not realized in its own order first.
     """
     if use_kernel is None:
         use_kernel = kernel_casts(x_hp, tiling)
@@ -69,15 +76,20 @@ def quantize_both_ways(x_hp: torch.Tensor, tiling: Tiling, along_rows: bool, alo
     x_t_q = None
     if along_columns:
         x_t_q = (x_q.transposed() if tiling.is_square and x_q is not None
-                 else _inductor_quantized(x_hp.t(), tiling, scales_read))
+                 else _inductor_quantized(x_hp.t(), tiling, scales_read, one_for_every_reader=not laid_out_by_reader))
     return x_q, x_t_q
 
 
-def _inductor_quantized(x_hp: torch.Tensor, tiling: Tiling, scales_read) -> TiledOperand:
-    """``reference_quantize_tiles`` of ``x_hp``, its FP8 values one buffer however many GEMMs read them (q, k and v
-    quantize their shared input identically: one node once the graph's duplicates merge)."""
+def _inductor_quantized(x_hp: torch.Tensor, tiling: Tiling, scales_read, one_for_every_reader: bool = True
+                        ) -> TiledOperand:
+    """``reference_quantize_tiles`` of ``x_hp``. With ``one_for_every_reader``, its FP8 values are one buffer
+    however many GEMMs read them (q, k and v quantize their shared input identically: one node once the graph's
+    duplicates merge). Without, the values are left to their reader to lay out (a group of sites lays its shared
+    copy out once, :meth:`TiledOperand.laid_out`, where a buffer realized in the transposed view's own order
+    would be copied again)."""
     x_fp8, scale = reference_quantize_tiles_by(x_hp, tiling, scales_read)
-    return TiledOperand(one_buffer(x_fp8) if x_hp.device.type == "cuda" else x_fp8, scale, tiling)
+    shared = one_for_every_reader and x_hp.device.type == "cuda"
+    return TiledOperand(one_buffer(x_fp8) if shared else x_fp8, scale, tiling)
 
 
 def cached_weight_operands(weight_hp: torch.Tensor, recipe: TiledRecipe, use_kernel: bool | None = None

@@ -21,11 +21,17 @@ forward, ``grad_output`` and ``grad_output_t`` in the backward, and
 
 On CUDA the 1x128 and 128x128 tilings run fp8graph's kernel, which writes
 both layouts from one read (an input it casts keeps its transposed copy
-from the forward: cast again, it would be saved in high precision, twice
-its FP8 bytes); the others run Inductor's code, fused with the operand's
-producer (``fp8graph.kernels.quantize_tiles`` says which and why). A weight
-with square tiles (block scaling's 128x128) has the same tiles transposed,
-so both layouts share one quantization.
+from the forward: cast again by the kernel, it would be saved in high
+precision, twice its FP8 bytes; by Inductor's code, the step would be slower,
+docs/benchmarks.md, "Block scaling's kept input copies"); the others run
+Inductor's code, fused with the operand's producer
+(``fp8graph.kernels.quantize_tiles`` says which and why). A weight with
+square tiles (block scaling's 128x128) has the same tiles transposed, so both
+layouts share one quantization.
+
+Sites that read one input (q, k and v; gate and up) are one call
+(:func:`linears_tiled_target`, ``passes/group_sites.py``): the input is cast
+once in each layout for all of them, forward and backward.
 
 Under FSDP2 a weight may arrive all-gathered in FP8 already (``fp8graph.fsdp``),
 and is not cast again: block scaling's tiles serve both GEMMs; MXFP8 gathers
@@ -47,6 +53,7 @@ Only the weight-gradient output and the bias stay in high precision.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Callable
 
@@ -62,7 +69,7 @@ from fp8graph.targets.cache_hash import register_target
 from fp8graph.numerics.tiles import Tiling, e8m0_to_scale, expand_scale
 from fp8graph.targets.partitioning import keep_for_backward, read_in_backward, saved_not_recomputed
 
-__all__ = ["linear_tiled_target", "record_tiled_health"]
+__all__ = ["linear_tiled_target", "linears_tiled_target", "record_tiled_health"]
 
 
 def _gathered_operands(weight: GatheredFP8Weight, recipe: TiledRecipe, needs_grad_input: bool):
@@ -122,97 +129,131 @@ def _gemm(a: TiledOperand, b: TiledOperand, out_dtype, lowering, use_fast_accum=
                              use_fast_accum)
 
 
-class _LinearTiled(torch.autograd.Function):
-    """``output = input @ weight^T + bias`` on the (M, K) input: the output is the GEMM's own (M, N) result,
-    never a view, which user code may write into in place (see ``linear_tensorwise._LinearsFP8``)."""
+@dataclasses.dataclass(frozen=True)
+class _Member:
+    """One site of a call: its module's stats buffer, and its weight's kept copies ``(mode, copies)``."""
+
+    stats: torch.Tensor | None = None
+    weight_copy: tuple | None = None
+
+
+def _weight_operands(weight_hp, recipe: TiledRecipe, needs_grad_input: bool, weight_copy):
+    """``(weight_q (N, K), weight_t_q (K, N) or None, row_scale)``: the weight as FSDP2 gathered it, through its
+    kept copies, or cast here (the transposed layout only with ``recipe.save_transposes``: else the backward casts
+    it from the weight, which is kept anyway)."""
+    if is_gathered(weight_hp):  # FSDP2 gathered it cast (fp8graph.fsdp.shard_casts)
+        return _gathered_operands(weight_hp, recipe, needs_grad_input)
+    if weight_copy is not None:  # kept between calls (fp8graph.buffers.weight_cache)
+        weight_q, weight_t_q = _weight_through_copy(weight_hp, recipe, *weight_copy)
+        return weight_q, weight_t_q if needs_grad_input else None, None
+    saves = recipe.save_transposes
+    with _saved_if(saves):  # (N, K), and (K, N) where the forward writes grad_input's operand
+        weight_q, weight_t_q = quantize_both_ways(weight_hp, recipe.tiling(Role.WEIGHT), True,
+                                                  needs_grad_input and saves)
+    return weight_q, weight_t_q, None
+
+
+class _LinearsTiled(torch.autograd.Function):
+    """``outputs_i = input @ weight_i^T + bias_i`` for the members of one call, sites that read one (M, K) input
+    (``passes/group_sites.py``): the input is cast once for every member's GEMM, and in the backward once for
+    every weight gradient. Each output is its GEMM's own (M, N_i) result, never a view, which user code may write
+    into in place (see ``linear_tensorwise._LinearsFP8``)."""
 
     @staticmethod
-    def forward(ctx, input_hp_2d, weight_hp, bias_hp, recipe: TiledRecipe, lowering: Lowering, stats,
-                grad_enabled: bool, weight_copy=None):
+    def forward(ctx, input_hp_2d, recipe: TiledRecipe, lowering: Lowering, grad_enabled: bool,
+                members: tuple[_Member, ...], *weights_and_biases):
+        count = len(members)
+        weights_hp, biases_hp = weights_and_biases[:count], weights_and_biases[count:]
         device_type = input_hp_2d.device.type
         output_dtype = autocast_dtype(device_type) or input_hp_2d.dtype
-        input_tiling, weight_tiling = recipe.tiling(Role.INPUT), recipe.tiling(Role.WEIGHT)
-        # The gradient GEMMs' operands, quantized along M (input_t) and N (weight_t), are made
-        # only where a gradient needs them: none under torch.no_grad(), which needs_input_grad
-        # does not see (the caller passes the grad mode).
-        needs_grad_input, needs_grad_weight = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
+        input_tiling = recipe.tiling(Role.INPUT)
+        # The gradient GEMMs' operands, quantized along M (input_t) and N (weight_t), are made only where a
+        # gradient needs them: none under torch.no_grad(), which needs_input_grad does not see (the caller passes
+        # the grad mode).
+        needs_grad_input = grad_enabled and ctx.needs_input_grad[0]
+        needs_grad_weight = grad_enabled and any(ctx.needs_input_grad[5:5 + count])
+        saves = recipe.save_transposes
+        outputs, saved_weights = [], []
         with autocast_off(device_type):
-            # (M, K), and (K, M') where the forward writes grad_weight's operand: with recipe.save_transposes, and
-            # where fp8graph's kernel casts the input (which the backward could only cast from the input saved
-            # in high precision, twice the bytes of its FP8 copy).
-            saves = recipe.save_transposes
+            # (M, K), and (K, M') where the forward writes grad_weight's operand: with recipe.save_transposes,
+            # and where fp8graph's kernel casts the input, both layouts from one read (see the module's doc).
             input_recast = needs_grad_weight and not saves and not kernel_casts(input_hp_2d, input_tiling)
             with _saved_if(saves):
                 input_q, input_t_q = quantize_both_ways(input_hp_2d, input_tiling, True,
                                                         needs_grad_weight and not input_recast)
-            weight_row_scale = None
-            if is_gathered(weight_hp):  # FSDP2 gathered it cast (fp8graph.fsdp.shard_casts)
-                weight_q, weight_t_q, weight_row_scale = _gathered_operands(weight_hp, recipe, needs_grad_input)
-            elif weight_copy is not None:  # kept between calls (fp8graph.buffers.weight_cache)
-                weight_q, weight_t_q = _weight_through_copy(weight_hp, recipe, *weight_copy)
-                weight_t_q = weight_t_q if needs_grad_input else None
-            else:
-                # (N, K), and (K, N) where the forward writes grad_input's operand
-                with _saved_if(saves):
-                    weight_q, weight_t_q = quantize_both_ways(weight_hp, weight_tiling, True,
-                                                              needs_grad_input and saves)
-            if saves:  # tied to the forward GEMM's scales, so that the forward writes them (as MUST_SAVE keeps them)
-                kept = [x_t_q.fp8 for x_t_q in (input_t_q, weight_t_q) if x_t_q is not None]
-                input_q = TiledOperand(input_q.fp8, keep_for_backward(input_q.scale, *kept), input_q.tiling)
-            # Fast accumulation for the forward GEMM, as for per-tensor scaling.
-            output = _gemm(input_q, weight_q, output_dtype, lowering, use_fast_accum=True)
-            if bias_hp is not None:
-                output = output + bias_hp.to(output_dtype)
-            if stats is not None:
-                if is_gathered(weight_hp):
-                    raise AssertionError("stats=True gathers weights in high precision (fp8graph.fsdp.install)")
-                record_tiled_health(stats, Role.INPUT, input_hp_2d, input_q, recipe)
-                record_tiled_health(stats, Role.WEIGHT, weight_hp, weight_q, recipe)
-        # What the forward did not cast for the backward, the backward casts from high precision (the weight, a
-        # parameter, is kept anyway; the input as AOTAutograd's partitioner chooses: saved, or made again).
+            for member, weight_hp, bias_hp in zip(members, weights_hp, biases_hp):
+                weight_q, weight_t_q, weight_row_scale = _weight_operands(weight_hp, recipe, needs_grad_input,
+                                                                          member.weight_copy)
+                if saves:  # tied to the forward GEMM's scales, so that the forward writes them (as MUST_SAVE keeps)
+                    kept = [x_t_q.fp8 for x_t_q in (input_t_q, weight_t_q) if x_t_q is not None]
+                    input_q = TiledOperand(input_q.fp8, keep_for_backward(input_q.scale, *kept), input_q.tiling)
+                # Fast accumulation for the forward GEMM, as for per-tensor scaling.
+                output = _gemm(input_q, weight_q, output_dtype, lowering, use_fast_accum=True)
+                if bias_hp is not None:
+                    output = output + bias_hp.to(output_dtype)
+                if member.stats is not None:
+                    if is_gathered(weight_hp):
+                        raise AssertionError("stats=True gathers weights in high precision (fp8graph.fsdp.install)")
+                    record_tiled_health(member.stats, Role.INPUT, input_hp_2d, input_q, recipe)
+                    record_tiled_health(member.stats, Role.WEIGHT, weight_hp, weight_q, recipe)
+                outputs.append(output)
+                # What the forward did not cast for the backward, the backward casts from the weight, a
+                # parameter kept anyway.
+                weight_source = weight_hp if needs_grad_input and weight_t_q is None else None
+                saved_weights += [*_saved(weight_t_q), weight_row_scale, weight_source]
+        # The input as AOTAutograd's partitioner chooses: saved, or made again from what the backward keeps anyway.
         input_source = input_hp_2d if input_recast else None
-        weight_source = weight_hp if needs_grad_input and weight_t_q is None else None
-        ctx.save_for_backward(*_saved(input_t_q), *_saved(weight_t_q), weight_row_scale, input_source, weight_source)
-        ctx.recipe, ctx.lowering, ctx.stats = recipe, lowering, stats
-        ctx.input_dtype, ctx.weight_dtype = input_hp_2d.dtype, weight_hp.dtype
-        ctx.bias_dtype = None if bias_hp is None else bias_hp.dtype
-        return output  # (M, N)
+        ctx.save_for_backward(*_saved(input_t_q), input_source, *saved_weights)
+        ctx.recipe, ctx.lowering, ctx.members = recipe, lowering, members
+        ctx.input_dtype = input_hp_2d.dtype
+        ctx.weight_dtypes = [w.dtype for w in weights_hp]
+        ctx.bias_dtypes = [None if b is None else b.dtype for b in biases_hp]
+        return tuple(outputs)  # (M, N_i) each
 
     @staticmethod
-    def backward(ctx, grad_output_hp_2d):  # (M, N)
-        (input_t_fp8, input_t_scale, weight_t_fp8, weight_t_scale, weight_row_scale, input_source,
-         weight_source) = ctx.saved_tensors
+    def backward(ctx, *grad_outputs_hp_2d):  # (M, N_i) each
+        input_t_fp8, input_t_scale, input_source, *saved_weights = ctx.saved_tensors
         recipe: TiledRecipe = ctx.recipe
-        needs_grad_input, needs_grad_weight, needs_grad_bias = ctx.needs_input_grad[:3]
-        grad_input = grad_weight = grad_bias = None
-        grad_tiling = recipe.tiling(Role.GRAD_OUTPUT)
-        with autocast_off(grad_output_hp_2d.device.type):
-            if weight_row_scale is not None and needs_grad_input:
-                # A row-wise weight gathered in FP8: its row scales move to grad_output (see the module's doc).
-                grad_output_q, _ = quantize_both_ways(grad_output_hp_2d.float() / weight_row_scale, grad_tiling,
-                                                      True, False)
-                _, grad_output_t_q = quantize_both_ways(grad_output_hp_2d, grad_tiling, False, needs_grad_weight)
-            else:
-                # Along N for grad_input, along M (transposed) for grad_weight; one read where both are needed.
-                grad_output_q, grad_output_t_q = quantize_both_ways(
-                    grad_output_hp_2d, grad_tiling, needs_grad_input or ctx.stats is not None, needs_grad_weight)
-            if ctx.stats is not None:
-                record_tiled_health(ctx.stats, Role.GRAD_OUTPUT, grad_output_hp_2d, grad_output_q, recipe)
-            if needs_grad_input:
-                weight_t_q = (TiledOperand(weight_t_fp8, weight_t_scale, recipe.tiling(Role.WEIGHT))  # (K, N)
-                              if weight_source is None
-                              else _cast_in_backward(weight_source, recipe.tiling(Role.WEIGHT), grad_output_hp_2d))
-                grad_input = _gemm(grad_output_q, weight_t_q, ctx.input_dtype, ctx.lowering)  # (M, K)
-            if needs_grad_weight:
-                input_t_q = (TiledOperand(input_t_fp8, input_t_scale, recipe.tiling(Role.INPUT))  # (K, M')
-                             if input_source is None
-                             else _cast_in_backward(input_source, recipe.tiling(Role.INPUT), grad_output_hp_2d))
-                if grad_output_t_q.fp8.shape[1] != input_t_q.fp8.shape[1]:
-                    raise AssertionError("grad_output and input padded to different token counts")
-                grad_weight = _gemm(grad_output_t_q, input_t_q, ctx.weight_dtype, ctx.lowering)
-            if needs_grad_bias and ctx.bias_dtype is not None:
-                grad_bias = grad_output_hp_2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        count = len(ctx.members)
+        needs_grad_input = ctx.needs_input_grad[0]
+        grad_input, grad_weights, grad_biases = None, [None] * count, [None] * count
+        grad_tiling, weight_tiling = recipe.tiling(Role.GRAD_OUTPUT), recipe.tiling(Role.WEIGHT)
+        input_t_q = None
+        with autocast_off(grad_outputs_hp_2d[0].device.type):
+            for i, (member, grad_output_hp_2d) in enumerate(zip(ctx.members, grad_outputs_hp_2d)):
+                weight_t_fp8, weight_t_scale, weight_row_scale, weight_source = saved_weights[4 * i:4 * i + 4]
+                needs_grad_weight = ctx.needs_input_grad[5 + i]
+                if weight_row_scale is not None and needs_grad_input:
+                    # A row-wise weight gathered in FP8: its row scales move to grad_output (see the module's doc).
+                    grad_output_q, _ = quantize_both_ways(grad_output_hp_2d.float() / weight_row_scale, grad_tiling,
+                                                          True, False)
+                    _, grad_output_t_q = quantize_both_ways(grad_output_hp_2d, grad_tiling, False, needs_grad_weight)
+                else:
+                    # Along N for grad_input, along M (transposed) for grad_weight; one read where both are needed.
+                    grad_output_q, grad_output_t_q = quantize_both_ways(
+                        grad_output_hp_2d, grad_tiling, needs_grad_input or member.stats is not None,
+                        needs_grad_weight)
+                if member.stats is not None:
+                    record_tiled_health(member.stats, Role.GRAD_OUTPUT, grad_output_hp_2d, grad_output_q, recipe)
+                if needs_grad_input:
+                    weight_t_q = (TiledOperand(weight_t_fp8, weight_t_scale, weight_tiling)  # (K, N_i)
+                                  if weight_source is None
+                                  else _cast_in_backward(weight_source, weight_tiling, grad_output_hp_2d))
+                    term = _gemm(grad_output_q, weight_t_q, ctx.input_dtype, ctx.lowering)  # (M, K)
+                    grad_input = term if grad_input is None else grad_input + term
+                if needs_grad_weight:
+                    if input_t_q is None:  # (K, M'): cast and laid out once for every member's weight gradient
+                        input_t_q = (TiledOperand(input_t_fp8, input_t_scale, recipe.tiling(Role.INPUT))
+                                     if input_source is None
+                                     else _cast_in_backward(input_source, recipe.tiling(Role.INPUT),
+                                                            grad_output_hp_2d, use_kernel=False,
+                                                            laid_out_by_reader=True)).laid_out()
+                    if grad_output_t_q.fp8.shape[1] != input_t_q.fp8.shape[1]:
+                        raise AssertionError("grad_output and input padded to different token counts")
+                    grad_weights[i] = _gemm(grad_output_t_q, input_t_q, ctx.weight_dtypes[i], ctx.lowering)
+                if ctx.needs_input_grad[5 + count + i] and ctx.bias_dtypes[i] is not None:
+                    grad_biases[i] = grad_output_hp_2d.sum(0, dtype=torch.float32).to(ctx.bias_dtypes[i])
+        return grad_input, None, None, None, None, *grad_weights, *grad_biases
 
 
 def _saved_if(saves: bool):
@@ -222,7 +263,8 @@ def _saved_if(saves: bool):
     return saved_not_recomputed() if saves else contextlib.nullcontext()
 
 
-def _cast_in_backward(x_hp: torch.Tensor, tiling: Tiling, grad: torch.Tensor) -> TiledOperand:
+def _cast_in_backward(x_hp: torch.Tensor, tiling: Tiling, grad: torch.Tensor, use_kernel: bool | None = None,
+                      laid_out_by_reader: bool = False) -> TiledOperand:
     """``x_hp`` (R, C) cast along R and laid out (C, R'), in the backward that computes ``grad``: the bytes the
     forward's ``quantize_both_ways`` would have written (square tiles group the same elements either way round:
     their cast of ``x_hp`` transposed is the forward's tiles transposed, written in the layout the GEMM reads).
@@ -231,11 +273,18 @@ def _cast_in_backward(x_hp: torch.Tensor, tiling: Tiling, grad: torch.Tensor) ->
     (``fp8graph.targets.partitioning.read_in_backward``), the tiles' scales are read in the backward, so the cast
     and its layout run in the backward's kernels, from ``x_hp`` saved or made again there from what the backward
     keeps anyway (the amaxes too, or a few bytes a tile saved from the forward, as the partitioner chooses).
-    fp8graph's kernel computes its scales itself: it reads ``x_hp`` tied so, a weight, which is kept anyway."""
-    if kernel_casts(x_hp, tiling):
-        _, x_t_q = quantize_both_ways(read_in_backward(x_hp, grad), tiling, False, True)
+    fp8graph's kernel computes its scales itself: it reads ``x_hp`` tied so, which suits a weight, kept anyway;
+    an activation is cast by Inductor's code (``use_kernel=False``), which fuses with what makes it again (the
+    kernel, an opaque op, would have the partitioner save its operand in high precision).
+    ``laid_out_by_reader``: as ``quantize_both_ways`` takes it."""
+    if use_kernel is None:
+        use_kernel = kernel_casts(x_hp, tiling)
+    if use_kernel:
+        _, x_t_q = quantize_both_ways(read_in_backward(x_hp, grad), tiling, False, True, use_kernel=True)
     else:
-        _, x_t_q = quantize_both_ways(x_hp, tiling, False, True, scales_read=lambda scale: read_in_backward(scale, grad))
+        _, x_t_q = quantize_both_ways(x_hp, tiling, False, True, use_kernel=False,
+                                      scales_read=lambda scale: read_in_backward(scale, grad),
+                                      laid_out_by_reader=laid_out_by_reader)
     return x_t_q
 
 
@@ -252,29 +301,73 @@ def record_tiled_health(stats: torch.Tensor, role: Role, x_hp: torch.Tensor, x_q
     record_health(stats, role, x_hp, x_q.fp8[:, :columns], scale, recipe)
 
 
+def _group_members(count: int, stats, copies_by_keyword: dict, weight_cache: str | None) -> tuple[_Member, ...]:
+    """Each member's stats buffer and weight copies ``(mode, copies)`` from the call's lists (``None``: none)."""
+    stats = [None] * count if stats is None else list(stats)
+    lists = [copies for copies in copies_by_keyword.values() if copies is not None]
+    if (weight_cache is None) != (not lists):
+        raise ValueError("fp8graph: a tiled linear's FP8 weight copies and the cache's mode come together")
+    copies = list(zip(*lists)) if lists else [None] * count
+    return tuple(_Member(stats_buffer, None if member_copies is None else (weight_cache, tuple(member_copies)))
+                 for stats_buffer, member_copies in zip(stats, copies, strict=True))
+
+
+def _registered(target: Callable, kind: str, recipe: TiledRecipe, lowering: Lowering, weight_cache: str | None
+                ) -> Callable:
+    """``target`` named ``fp8graph_<kind>_<recipe>_<lowering>`` (and its copies' mode), its recipe and lowering
+    attached, registered (``cache_hash.register_target``)."""
+    label = recipe.name if weight_cache is None else f"{recipe.name}_{weight_cache}_cached_weight"
+    target.__name__ = target_name(kind, label, lowering.value)
+    target.recipe = recipe
+    target.lowering = lowering
+    target.weight_cache = weight_cache
+    target.reads_gathered_weights = True  # FSDP2's FP8-gathered weights (fp8graph.fsdp.graph_check)
+    return register_target(target, recipe, lowering, *([weight_cache] if weight_cache else []))
+
+
+@functools.cache
+def linears_tiled_target(recipe: TiledRecipe, lowering: Lowering,
+                         weight_cache: str | None = None) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The graph target for a group of sites that read one input, with a row-wise, block or MX ``recipe``.
+
+    Called as ``linears_tiled(input_hp, weights, biases, stats=None, cached_weights=None,
+    cached_weight_scales=None, cached_weights_t=None, cached_weight_t_scales=None)`` with one entry per site in
+    each list; returns the sites' outputs. With ``weight_cache`` (``"fill"`` or ``"reuse"``) the sites take
+    their weights' kept copies (``cached_weight_operands``: square tiles have no transposed pair) and write or
+    read them in place of casting the weights."""
+
+    def linears_tiled(input_hp, weights_hp, biases_hp, stats=None, cached_weights=None, cached_weight_scales=None,
+                      cached_weights_t=None, cached_weight_t_scales=None):
+        members = _group_members(len(weights_hp), stats, {"cached_weights": cached_weights,
+                                                          "cached_weight_scales": cached_weight_scales,
+                                                          "cached_weights_t": cached_weights_t,
+                                                          "cached_weight_t_scales": cached_weight_t_scales},
+                                 weight_cache)
+        input_hp_2d = input_hp.reshape(-1, input_hp.shape[-1])  # (M, K)
+        outputs_2d = _LinearsTiled.apply(input_hp_2d, recipe, lowering, torch.is_grad_enabled(), members,
+                                         *weights_hp, *biases_hp)
+        return tuple(output.reshape(*input_hp.shape[:-1], output.shape[-1]) for output in outputs_2d)
+
+    return _registered(linears_tiled, "linears", recipe, lowering, weight_cache)
+
+
 @functools.cache
 def linear_tiled_target(recipe: TiledRecipe, lowering: Lowering,
                         weight_cache: str | None = None) -> Callable[..., torch.Tensor]:
-    """The graph target for sites with a row-wise, block or MX ``recipe``, named for it. With ``weight_cache``
-    (``"fill"`` or ``"reuse"``) it takes the weight's kept copies as ``cached_weight``, ``cached_weight_scale``
-    and, but for square tiles, ``cached_weight_t`` and ``cached_weight_t_scale`` (``cached_weight_operands``),
-    and writes or reads them in place of casting the weight."""
+    """The graph target for a site with a row-wise, block or MX ``recipe``, named for it: one member of
+    :func:`linears_tiled_target`. With ``weight_cache`` (``"fill"`` or ``"reuse"``) it takes the weight's kept
+    copies as ``cached_weight``, ``cached_weight_scale`` and, but for square tiles, ``cached_weight_t`` and
+    ``cached_weight_t_scale`` (``cached_weight_operands``), and writes or reads them in place of casting the
+    weight."""
+    group = linears_tiled_target(recipe, lowering, weight_cache)
 
     def linear_tiled(input_hp, weight_hp, bias_hp=None, stats=None, cached_weight=None, cached_weight_scale=None,
                      cached_weight_t=None, cached_weight_t_scale=None):
-        if (weight_cache is None) != (cached_weight is None):
-            raise ValueError(f"{linear_tiled.__name__}: the weight's FP8 copies and the cache's mode come together")
-        copies = tuple(copy for copy in (cached_weight, cached_weight_scale, cached_weight_t, cached_weight_t_scale)
-                       if copy is not None)
-        input_hp_2d = input_hp.reshape(-1, input_hp.shape[-1])  # (M, K)
-        output = _LinearTiled.apply(input_hp_2d, weight_hp, bias_hp, recipe, lowering, stats, torch.is_grad_enabled(),
-                                    None if weight_cache is None else (weight_cache, copies))
-        return output.reshape(*input_hp.shape[:-1], output.shape[-1])
+        def one(value):
+            return None if value is None else [value]
 
-    label = recipe.name if weight_cache is None else f"{recipe.name}_{weight_cache}_cached_weight"
-    linear_tiled.__name__ = target_name("linear", label, lowering.value)
-    linear_tiled.recipe = recipe
-    linear_tiled.lowering = lowering
-    linear_tiled.weight_cache = weight_cache
-    linear_tiled.reads_gathered_weights = True  # FSDP2's FP8-gathered weights (fp8graph.fsdp.graph_check)
-    return register_target(linear_tiled, recipe, lowering, *([weight_cache] if weight_cache else []))
+        (output,) = group(input_hp, [weight_hp], [bias_hp], one(stats), one(cached_weight), one(cached_weight_scale),
+                          one(cached_weight_t), one(cached_weight_t_scale))
+        return output
+
+    return _registered(linear_tiled, "linear", recipe, lowering, weight_cache)

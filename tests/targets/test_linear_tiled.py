@@ -355,3 +355,43 @@ def test_a_weight_gathered_in_fp8_computes_what_its_own_casts_compute(recipe):
     reference = grad.double() @ weight_hp.double()
     folded_db, own_db = sqnr_db(reference, grad_input), sqnr_db(reference, own_grad_input)
     assert folded_db >= 27 and folded_db >= own_db - 0.1, (folded_db, own_db)
+
+
+# --- sites that read one input: one call -----------------------------------------------------
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_a_group_computes_what_its_members_compute_apart(recipe):
+    """``linears_tiled(x, [w1, w2], [b1, None])``: the input cast once for both GEMMs (and once for both weight
+    gradients), the same bytes each member casts apart, so outputs and gradients equal the members' calls bit for
+    bit (fp32: grad_input's two terms sum in either order alike)."""
+    from fp8graph.targets.linear_tiled import linears_tiled_target
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 40, 256, generator=generator)
+    w1, w2 = torch.randn(128, 256, generator=generator) / 16, torch.randn(256, 256, generator=generator) / 16
+    b1 = torch.randn(128, generator=generator)
+    grads = [torch.randn(3, 40, 128, generator=generator), torch.randn(3, 40, 256, generator=generator)]
+
+    def run(together: bool):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2, b1)]
+        x_, w1_, w2_, b1_ = leaves
+        if together:
+            outputs = linears_tiled_target(recipe, Lowering.EMULATED)(x_, [w1_, w2_], [b1_, None])
+        else:
+            single = linear_tiled_target(recipe, Lowering.EMULATED)
+            outputs = (single(x_, w1_, b1_), single(x_, w2_))
+        torch.autograd.backward(outputs, grads)
+        return [o.detach() for o in outputs] + [leaf.grad for leaf in leaves]
+
+    for got, expected in zip(run(True), run(False), strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_q_k_v_and_gate_up_of_a_tiled_recipe_are_one_call_each():
+    model = build("llama", "tiny")
+    compiled = fp8graph.compile(model, policy=Float8RowwiseScaling(), compiler="aot_eager", regions=None)
+    ids = torch.randint(0, 250, (2, 16))
+    compiled(ids, labels=ids).loss.backward()
+    (graph,) = compiled.fp8graph_backend.graph_modules
+    calls = [n for n in graph.graph.nodes if getattr(n.target, "__name__", "").startswith("fp8graph_linears_")]
+    assert [len(call.args[1]) for call in calls] == [3, 2] * model.config.num_hidden_layers
