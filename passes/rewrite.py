@@ -169,11 +169,15 @@ class _Buffers:
 
 
 def _linear_target(decision: Decision, state, cache, buffers: _Buffers, group: bool):
+    """The target of a linear site's call, or of its group's (``group``), by its recipe's kind."""
+    weight_cache = buffers.cache_mode(decision) if cache is not None else None
+    if decision.recipe.tiled:  # no delayed-scaling state: nothing to update or snapshot
+        make_tiled = linears_tiled_target if group else linear_tiled_target
+        return make_tiled(decision.recipe, decision.lowering, weight_cache)
     updates = state is not None and buffers.updates_state(decision.site)
     in_checkpoint = updates and _prepare_checkpoint_region(decision.site)
     make = linears_fp8_target if group else linear_fp8_target
-    return make(decision.recipe, decision.lowering, updates or state is None, in_checkpoint,
-                buffers.cache_mode(decision) if cache is not None else None)
+    return make(decision.recipe, decision.lowering, updates or state is None, in_checkpoint, weight_cache)
 
 
 def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers, replaced: dict) -> None:
@@ -186,9 +190,7 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Decision], buffers: _Buffers,
         states = [buffers.state(d, gm) for d in group]
         caches = [buffers.cache(d, gm) for d in group]
         if len(group) > 1:
-            target = (linears_tiled_target(first.recipe, first.lowering,
-                                           buffers.cache_mode(first) if caches[0] is not None else None)
-                      if first.recipe.tiled else _linear_target(first, states[0], caches[0], buffers, group=True))
+            target = _linear_target(first, states[0], caches[0], buffers, group=True)
             args = (site.input_node, [_weight_nk(graph, d) for d in group], [d.site.bias_node for d in group])
             kwargs = {"stats": stats if any(n is not None for n in stats) else None}
             if states[0] is not None:
@@ -268,10 +270,6 @@ def _fuses_combine(decision: Decision) -> bool:
 def _single_call(site: LinearSite, decision: Decision, graph: torch.fx.Graph, state, cache, buffers: _Buffers):
     """``(target, args, kwargs)`` of the FP8 call replacing one site of its kind, before its buffer operands."""
     weight = _weight_nk(graph, decision)
-    if decision.recipe.tiled:
-        target = linear_tiled_target(decision.recipe, decision.lowering,
-                                     buffers.cache_mode(decision) if cache is not None else None)
-        return target, (site.input_node, weight, site.bias_node), {}
     target = _linear_target(decision, state, cache, buffers, group=False)
     return target, (site.input_node, weight, site.bias_node), {}
 

@@ -36,7 +36,6 @@ class TiledOperand:
         return TiledOperand(self.fp8.contiguous(), self.scale, self.tiling)
 
 
-
 def kernel_casts(x_hp: torch.Tensor, tiling: Tiling) -> bool:
     """Whether :func:`quantize_both_ways` casts ``x_hp`` with fp8graph's kernel (on CUDA, the tilings it
     quantizes faster than Inductor's code: ``fp8graph.kernels.quantize_tiles.kernel_quantizes``)."""
