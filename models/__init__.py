@@ -37,7 +37,8 @@ def build(family: str, config: str = "tiny", seed: int = 0, device=None, dtype: 
     Args:
         device, dtype: where and in which dtype the parameters are created (a
             32-layer Llama-3-8B is built straight on the GPU in BF16, never in
-            fp32 on the host first).
+            fp32 on the host first). Without ``device``, torch's default device:
+            inside ``with torch.device("meta"):`` a model without memory.
         overrides: config fields to change, e.g. ``num_hidden_layers=8``.
     """
     module = _family(family)
@@ -48,7 +49,7 @@ def build(family: str, config: str = "tiny", seed: int = 0, device=None, dtype: 
     try:
         if dtype is not None:
             torch.set_default_dtype(dtype)
-        with torch.device(device or "cpu"):
+        with torch.device(device if device is not None else torch.get_default_device()):
             return module.build({**module.CONFIGS[config], **overrides})
     finally:
         torch.set_default_dtype(default_dtype)

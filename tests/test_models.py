@@ -111,3 +111,15 @@ def test_explain_leaves_what_the_process_compiled_before_it_alone():
     assert [r.path for r in report] == ["up", "mid", "head"]  # explain saw the graph the compiled model holds
     plain_function(torch.randn(4)), plain_model(x), fp8_model(x)
     assert counter.frame_count == frames and fp8_model.fp8graph_backend.graph_count == fp8_graphs
+
+
+@pytest.mark.parametrize("family", ["llama", "moe"])
+def test_build_honours_the_default_device_and_an_explicit_one(family):
+    """Without ``device``, ``build`` creates the parameters where torch's default device says: inside ``with
+    torch.device("meta")`` a model planned without memory, and on the CPU outside it; ``device`` overrides both."""
+    with torch.device("meta"):
+        on_meta = build(family, "tiny")
+        on_cpu = build(family, "tiny", device="cpu")
+    assert {p.device.type for p in on_meta.parameters()} == {"meta"}
+    assert {p.device.type for p in on_cpu.parameters()} == {"cpu"}
+    assert {p.device.type for p in build(family, "tiny").parameters()} == {"cpu"}
