@@ -25,6 +25,18 @@ import torch  # noqa: E402
 if _WORKERS > 1:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+# Python's full collections walk every object the process holds, torch's, transformers' and sympy's included
+# (millions): a test compiling a graph makes enough cyclic garbage to start one every few seconds. Frozen after the
+# imports every test needs, those objects are left out of the walk, and later generations are collected less often;
+# docs/testing.md has what it saves. Tests that need garbage gone call gc.collect() themselves.
+import gc  # noqa: E402
+
+import transformers  # noqa: E402,F401
+import fp8graph  # noqa: E402,F401
+
+gc.freeze()
+gc.set_threshold(10000, 20, 20)
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
