@@ -25,17 +25,7 @@ import torch  # noqa: E402
 if _WORKERS > 1:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-# Python's full collections walk every object the process holds, torch's, transformers' and sympy's included
-# (millions): a test compiling a graph makes enough cyclic garbage to start one every few seconds. Frozen after the
-# imports every test needs, those objects are left out of the walk, and later generations are collected less often;
-# docs/testing.md has what it saves. Tests that need garbage gone call gc.collect() themselves.
-import gc  # noqa: E402
-
-import transformers  # noqa: E402,F401
-import fp8graph  # noqa: E402,F401
-
-gc.freeze()
-gc.set_threshold(10000, 20, 20)
+import garbage_collection  # noqa: E402,F401  (Python's collector tuned for compiling: tests/garbage_collection.py)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -133,3 +123,14 @@ def fresh_dynamo():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forked_children_server():
+    """The tests' forkserver (``tests/forked.py``), started before any test: a test that runs a benchmark's child
+    in the worker (``bench.forked``) would otherwise start the one server a process has with the benchmarks'
+    preloads, and every later child of the worker would import the tests' own (gloo, the collector) again. Its
+    imports run in the server's process, beside the worker's."""
+    import forked
+
+    forked.context()

@@ -28,8 +28,9 @@ import tempfile
 from bench import forked as bench_forked
 
 # What every child imports anyway; each costs seconds (torch._dynamo alone about 3 s): what the benchmarks'
-# children preload, torch.distributed for the gloo ranks, and Inductor's CPU probe (inductor_cpu_isa).
-PRELOAD = [*bench_forked.PRELOAD, "torch.distributed", "inductor_cpu_isa"]
+# children preload, torch.distributed for the gloo ranks, and Inductor's CPU probe (inductor_cpu_isa); last, the
+# collector tuned for the children as for the workers, every import before it frozen (garbage_collection).
+PRELOAD = [*bench_forked.PRELOAD, "torch.distributed", "inductor_cpu_isa", "garbage_collection"]
 # Read once, when the server imports torch, triton or Inductor's config: a child cannot change them.
 IMPORT_TIME_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
                          "DNNL_MAX_CPU_ISA", "TRITON_INTERPRET", "TORCHINDUCTOR_VEC_ISA_OK", "TORCH_LOGS",
@@ -52,7 +53,26 @@ def context() -> multiprocessing.context.BaseContext:
         else:
             _context = multiprocessing.get_context("forkserver")
             _context.set_forkserver_preload(PRELOAD)
+            _start_server()
     return _context
+
+
+def _start_server() -> None:
+    """Start the forkserver with the tests' folder on its interpreter's path, through ``PYTHONPATH`` while it
+    starts: Python 3.11's server does not take the parent's ``sys.path`` (3.12's does), and skips a preloaded
+    module it cannot import without a word, so the tests' own modules of ``PRELOAD`` were never loaded there. A
+    server another module started first keeps its own preloads."""
+    from multiprocessing import forkserver
+
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *filter(None, [before])])
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def apply_environment(env: dict[str, str]) -> None:

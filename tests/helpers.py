@@ -78,7 +78,9 @@ _HEADER = "=== fp8graph interpreter check: "  # a line of its own before each sc
 # (or its traceback) after a line naming it.
 _RUN_EVERY_CHECK = f"""
 import contextlib, io, pathlib, runpy, sys, traceback
-sys.path.insert(0, {str(_SCRIPTS)!r})
+sys.path.insert(0, {str(_SCRIPTS.parent)!r})
+import garbage_collection  # the collector tuned as in the test workers
+sys.path[0] = {str(_SCRIPTS)!r}
 for path in sorted(pathlib.Path({str(_SCRIPTS)!r}).glob("check_*.py")):
     output = io.StringIO()
     status = "passed"
