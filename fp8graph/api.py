@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from fp8graph import costs
-from fp8graph.backend import FP8Backend
+from fp8graph.backend import DEFAULT_COMPILER, FP8Backend
 from fp8graph.buffers.anchors import is_fp8graph_buffer, restore_buffer_dtypes
 from fp8graph.compiled_module import make_compiled_fp8_module
 from fp8graph.recipes.plan import CACHE_WHERE_POSSIBLE, Plan, choose_weight_cache, weight_copies_of
@@ -49,7 +49,7 @@ def unwrap_data_parallel(model):
     return model
 
 
-def compile(model, policy=None, compiler: str = "inductor", lowering: str = "auto", stats: bool = False,
+def compile(model, policy=None, compiler: str = DEFAULT_COMPILER, lowering: str = "auto", stats: bool = False,
             freeze_weights: bool = False, cache_weights=CACHE_WHERE_POSSIBLE, regions=AUTO, fp8_all_gather: bool = True,
             **torch_compile_kwargs):
     """Compile ``model`` with its linear sites in FP8.
@@ -544,7 +544,9 @@ def explain(model, *args, policy=None, lowering: str = "auto", regions=AUTO, gpu
     with _classes_restored(user_model if compiled is None else None), _model_state_kept(user_model):
         backend, session = _make_backends(
             dict(policy=policy, compiler="eager", lowering=lowering, model=user_model, state=state,
-                 weight_cache=weight_cache, report_slow_sites=False), blocks, {})
+                 weight_cache=weight_cache, report_slow_sites=False,
+                 decide_for_compiler=compiled_backend.compiler if compiled is not None else DEFAULT_COMPILER),
+            blocks, {})
         root_backend = backend.root if session is not None else backend
         if weight_cache is not None:  # explain's run fills the copies: they may be stale or empty
             weight_cache.invalidate()

@@ -43,6 +43,7 @@ __all__ = ["FP8Backend", "fp8_backend"]
 log = logging.getLogger("fp8graph")
 
 COMPILERS = ("inductor", "aot_eager", "eager")
+DEFAULT_COMPILER = "inductor"
 _OPTION_NAMES = ("policy", "compiler", "lowering")
 
 
@@ -68,6 +69,8 @@ class FP8Backend:
             With policy rules, each graph is guarded on the plan signature of the modules its weights
             are read through (``fp8graph.instances``): instances the policy treats differently never
             share a compiled frame.
+        decide_for_compiler: the compiler whose graphs the decisions are made for, when it is not ``compiler``
+            (``explain`` runs with ``"eager"`` the graphs of a model compiled for another).
 
     Every graph's decisions are appended to ``self.decisions`` and each
     rewritten graph to ``self.graph_modules``. A graph traced for one instance of a module whose forward
@@ -78,8 +81,8 @@ class FP8Backend:
     # Regions report every instance of their groups themselves (fp8graph.regions.regional_compile).
     records_served_instances = True
 
-    def __init__(self, policy=None, compiler="inductor", lowering="auto", model=None, mode=None, stats=None,
-                 state=None, weight_cache=None, plan=None, report_slow_sites=True):
+    def __init__(self, policy=None, compiler=DEFAULT_COMPILER, lowering="auto", model=None, mode=None, stats=None,
+                 state=None, weight_cache=None, plan=None, report_slow_sites=True, decide_for_compiler=None):
         self.policy = normalize_policy(policy)
         if plan is not None and plan.policy != self.policy:
             raise ValueError("the plan was made for another policy than the backend's")
@@ -105,7 +108,8 @@ class FP8Backend:
         self.mode = mode
         self.stats = stats
         self.pass_context = PassContext(self.policy, lowering, self.paths_by_id, self.modules_by_path, self.state,
-                                        self.weight_cache, stats, self.plan)
+                                        self.weight_cache, stats, self.plan,
+                                        run_eagerly=(decide_for_compiler or compiler) == "eager")
         self.decisions: list[Decision] = []
         self._buffer_frames: dict[int, int | None] = {}  # id(state or stats buffer) -> Dynamo frame id
         self.graph_modules: list[torch.fx.GraphModule] = []

@@ -55,7 +55,7 @@ class Decision:
         return self.recipe is not None
 
 
-def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site], bool],
+def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site], bool], run_eagerly: bool,
                     policy_reason: str | None = None) -> str | None:
     """Why ``site`` stays in high precision although the policy gives it ``recipe`` (or none), else None;
     ``policy_reason``: what the rule that kept it said of it."""
@@ -71,7 +71,7 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
         if isinstance(site, MatmulSite):
             return "activation x activation matmul (FP8 only when a policy rule names it)"
         return policy_reason or "policy keeps it in high precision"
-    return _refuses(site, recipe, has_state)
+    return _refuses(site, recipe, has_state, run_eagerly)
 
 
 def _empty(site: Site) -> str | None:
@@ -81,14 +81,21 @@ def _empty(site: Site) -> str | None:
 
 
 @functools.singledispatch
-def _refuses(site: LinearSite, recipe: Recipe, has_state: Callable[[Site], bool]) -> str | None:
-    """Why a site of its kind cannot run ``recipe`` (None: it can). A linear: its shape and its state."""
+def _refuses(site: LinearSite, recipe: Recipe, has_state: Callable[[Site], bool], run_eagerly: bool) -> str | None:
+    """Why a site of its kind cannot run ``recipe`` (None: it can). A linear: its shape and its state.
+    ``run_eagerly``: the graph runs under fp8graph's ``eager`` compiler, without AOTAutograd."""
     if (reason := _empty(site)) is not None:
         return reason
     if recipe.stateful and site.checkpoint_region is not None \
             and CONTEXT_FN_KEY in site.checkpoint_region.meta:
         return ("delayed scaling in a torch.utils.checkpoint region with its own context_fn: its replayed "
                 "casts would need fp8graph's policy to save the state they read (fp8graph.buffers.snapshots)")
+    if recipe.stateful and site.checkpoint_region is not None and run_eagerly:
+        # Autograd then saves the state the region's casts read and the forward's update writes it in place:
+        # the backward's replay fails its version check ("modified by an inplace operation").
+        return ("delayed scaling in a torch.utils.checkpoint region under compiler='eager': its state snapshots "
+                "(fp8graph.buffers.snapshots) need AOTAutograd's functional graph; compiler='aot_eager' or "
+                "'inductor' run it in FP8")
     shape_reason = misaligned(recipe, K=site.K, N=site.N)
     if shape_reason is not None:
         return shape_reason
@@ -101,7 +108,7 @@ def _refuses(site: LinearSite, recipe: Recipe, has_state: Callable[[Site], bool]
 
 
 @_refuses.register
-def _matmul_refuses(site: MatmulSite, recipe: Recipe, has_state) -> str | None:
+def _matmul_refuses(site: MatmulSite, recipe: Recipe, has_state, run_eagerly: bool) -> str | None:
     """An activation matmul runs emulated (no cuBLAS shape constraint) in per-tensor recipes without state."""
     if (reason := _empty(site)) is not None:
         return reason
@@ -114,7 +121,8 @@ def _matmul_refuses(site: MatmulSite, recipe: Recipe, has_state) -> str | None:
 
 
 @_refuses.register
-def _experts_refuse(site: ExpertSite, recipe: Recipe, has_state: Callable[[Site], bool]) -> str | None:
+def _experts_refuse(site: ExpertSite, recipe: Recipe, has_state: Callable[[Site], bool],
+                    run_eagerly: bool) -> str | None:
     """Expert GEMMs: the recipes their targets run, no delayed state in checkpoint regions, then as a linear."""
     if (reason := unsupported_on_experts(recipe)) is not None:
         return reason
@@ -126,7 +134,7 @@ def _experts_refuse(site: ExpertSite, recipe: Recipe, has_state: Callable[[Site]
     if recipe.stateful and site.checkpoint_region is not None:
         return ("delayed scaling of expert GEMMs inside torch.utils.checkpoint is not supported yet (their state "
                 "would need the snapshots linears get: fp8graph.buffers.snapshots)")
-    return _refuses.dispatch(LinearSite)(site, recipe, has_state)
+    return _refuses.dispatch(LinearSite)(site, recipe, has_state, run_eagerly)
 
 
 def resolve_site(policy: Policy, site: Site, path: str | None = None,
@@ -142,6 +150,7 @@ def annotate_sites(
     modules_by_path: dict[str, torch.nn.Module] | None = None,
     has_state: Callable[[Site], bool] = lambda site: False,
     planned: Callable[[Site], WeightEntry | None] = lambda site: None,
+    run_eagerly: bool = False,
 ) -> list[Decision]:
     """Attach a decision to each site's node and return the decisions in order.
 
@@ -153,7 +162,8 @@ def annotate_sites(
     ``lowering_for(recipe, site)`` says how a recipe's GEMMs run on the
     graph's device (see ``fp8graph.gemm.scaled_gemm.choose_lowering``); where the
     device has no native GEMM for it (``NoNativeGemm``) the site stays in high
-    precision with that reason.
+    precision with that reason. ``run_eagerly``: the graph runs under fp8graph's ``eager`` compiler, without
+    AOTAutograd's functional graph.
 
     Raises:
         ValueError: under a strict policy, when a rule gives a recipe to a site
@@ -166,7 +176,7 @@ def annotate_sites(
         resolution = resolve_site(policy, site, module=module)
         recipe = resolution.recipe
         where = f"fp8graph: {site.path or '<root>'} ({site.op})"
-        reason = _reason_to_keep(site, recipe, has_state, resolution.reason)
+        reason = _reason_to_keep(site, recipe, has_state, run_eagerly, resolution.reason)
         site_lowering = None
         if reason is None:
             try:

@@ -63,6 +63,8 @@ class PassContext:
     weight_cache: WeightCache
     stats: object | None  # an FP8Stats: its buffer_of(path)
     plan: Plan | None = None  # every weight's plan (fp8graph.recipes.plan); None for a function
+    # The graph is run by fp8graph's "eager" compiler (no AOTAutograd), not traced again: annotate's business.
+    run_eagerly: bool = False
 
 
 def graph_device(example_inputs: Sequence[object]) -> torch.device:
@@ -257,7 +259,7 @@ def annotate(state: PassState) -> None:
         state.sites, context.policy,
         lambda recipe, site: choose_lowering(device, context.lowering, recipe, form=site.form),
         context.modules_by_path, has_state=lambda site: buffers.state_nodes(site) is not None,
-        planned=lambda site: planned_entry(context.plan, site, state.value_of))
+        planned=lambda site: planned_entry(context.plan, site, state.value_of), run_eagerly=context.run_eagerly)
     buffers.note_tiled_writers(state.decisions)
     buffers.note_stats_writers(state.decisions)
 

@@ -1,6 +1,7 @@
 """Sites inside torch.utils.checkpoint regions (HF gradient checkpointing) are found and rewritten."""
 
 import functools
+import math
 
 import pytest
 import torch
@@ -69,6 +70,23 @@ def test_delayed_scaling_inside_checkpoint_regions_records_each_amax_once():
     for name, rows in (("amax_history", 2), ("grad_output_amax_history", 1)):
         history = state[f"model.layers.1.mlp.down_proj.fp8graph_{name}_weight"]
         assert (history > 0).sum(dim=1).tolist() == [3] * rows
+
+
+def test_under_the_eager_compiler_delayed_sites_in_checkpoint_regions_are_kept_with_the_reason():
+    """Without AOTAutograd the state snapshots cannot hold: autograd saves the state the region's casts read, the
+    forward's update writes it in place, and the backward's replay failed its version check ("modified by an
+    inplace operation"). Those sites stay in high precision, saying why; the sites outside the regions (the
+    head) and explain of the compiled model decide as before."""
+    losses, _, decisions = _delayed_training(checkpointing=True, steps=2, compiler="eager")
+    inside = [d for d in decisions if d.site.in_subgraph]
+    assert len(inside) == 14 and not any(d.rewritten for d in inside)
+    assert all("checkpoint region under compiler='eager'" in d.reason for d in inside)
+    assert all(math.isfinite(loss) for loss in losses)
+    model = build("llama", "tiny")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = fp8graph.compile(model, policy=DelayedScaling(amax_history_len=4), compiler="aot_eager")
+    # explain traces with fp8graph's eager compiler, deciding as the compiled model's aot_eager does
+    assert not any("compiler='eager'" in (record.reason or "") for record in fp8graph.explain(compiled, TOKENS))
 
 
 @pytest.mark.inductor
