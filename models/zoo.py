@@ -384,10 +384,11 @@ def _loss_fp32(logits: torch.Tensor, labels: torch.Tensor, next_token: bool) -> 
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten()).item()
 
 
-def _fp8_against_eager(model: torch.nn.Module, inputs: dict, lr: float, next_token: bool) -> _FP8Run:
-    """One training step of fp8graph's default FP8 policy and of eager, from the same weights."""
+def _fp8_against_eager(model: torch.nn.Module, inputs: dict, lr: float, next_token: bool, compiler: str) -> _FP8Run:
+    """One training step of fp8graph's default FP8 policy, compiled by ``compiler``, and of eager, from the same
+    weights."""
     fp8_model, eager_model = copy.deepcopy(model), copy.deepcopy(model)
-    compiled = fp8graph.compile(fp8_model, compiler="aot_eager")
+    compiled = fp8graph.compile(fp8_model, compiler=compiler)
     called, hooks = _record_called_linears(eager_model)
     logits_eager, _ = _forward_backward(eager_model, inputs)
     for hook in hooks:
@@ -506,7 +507,8 @@ def train_against_eager(family: str, policy, steps: int = 50, dtype: torch.dtype
 
 
 def check_family(family: str, dtype: torch.dtype, batch: int = 2, sequence: int = 8, lr: float = 0.1,
-                 layers: int | None = None, plain_digest: str | None = None, **overrides) -> ZooResult:
+                 layers: int | None = None, plain_digest: str | None = None, fp8_compiler: str = "aot_eager",
+                 **overrides) -> ZooResult:
     """Run the keep-all, FP8 and coverage checks of ``family`` in ``dtype``; a check that raises is recorded
     in ``errors`` and the others still run.
 
@@ -517,6 +519,8 @@ def check_family(family: str, dtype: torch.dtype, batch: int = 2, sequence: int 
         plain_digest: the :func:`outputs_digest` plain torch.compile's keep-all outputs had in this
             environment, if known: keep-all outputs with that digest are equal to them without compiling
             plain torch.compile again (``result.plain_digest`` is set when it ran).
+        fp8_compiler: the compiler of the FP8 check (the keep-all check's is aot_eager, as plain's): fp8graph's
+            ``"eager"`` runs the same rewritten graph without AOTAutograd's trace, to the same bits.
     """
     start = time.perf_counter()
     result = ZooResult(family, str(dtype).removeprefix("torch."))
@@ -529,7 +533,7 @@ def check_family(family: str, dtype: torch.dtype, batch: int = 2, sequence: int 
         result.errors["keep-all"] = _error_line(error)
     try:
         next_token = FAMILIES[family].kind == "causal"
-        _record_fp8_run(result, model, _fp8_against_eager(model, inputs, lr, next_token))
+        _record_fp8_run(result, model, _fp8_against_eager(model, inputs, lr, next_token, fp8_compiler))
     except Exception as error:
         result.errors["fp8"] = _error_line(error)
     torch._dynamo.reset()

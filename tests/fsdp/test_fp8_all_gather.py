@@ -24,10 +24,12 @@ What must hold:
 - delayed-scaling state is identical on every rank, and equal to the high-precision gather's;
 - ``explain`` lists which weights were gathered in FP8, and why the others were not.
 
-The 2 ranks compile with aot_eager, as the CPU training app does, so AOTAutograd traces the gathered FP8
-weights; the 4 ranks with fp8graph's ``eager`` compiler (the same rewritten graph, run without AOTAutograd),
-which is what makes 4 ranks sharing this machine's 2 cores affordable: they add what only 4 ranks show (tiles
-split between ranks, kept in high precision; the same bits on 4 shards), not another compiler path.
+The 2 ranks compile the FP8 gathers with aot_eager, as the CPU training app does, so AOTAutograd traces the
+gathered FP8 weights; their high-precision references, and both gathers on 4 ranks, with fp8graph's ``eager``
+compiler (the same rewritten graph, run without AOTAutograd: bit for bit what aot_eager computes here). That is
+what makes these ranks sharing this machine's 2 cores affordable: the references need no AOTAutograd trace, and
+4 ranks add what only they show (tiles split between ranks, kept in high precision; the same bits on 4 shards),
+not another compiler path.
 """
 
 import contextlib
@@ -65,7 +67,7 @@ RUNS = {"per-tensor": _by_layer(Float8CurrentScaling(), DelayedScaling(amax_hist
 OVERRIDES = {"tiles": dict(hidden_size=512, intermediate_size=768)}
 LAYER_WEIGHTS = 7  # q, k, v, o, gate, up, down; lm_head (N=250) and the norms gather in high precision
 SPLIT_TILES = {2: [], 4: [f"model.layers.0.mlp.{name}.weight" for name in ("gate_proj", "up_proj")]}
-COMPILER = {2: "aot_eager", 4: "eager"}  # by world size: see the module's doc
+COMPILER = {2: "aot_eager", 4: "eager"}  # the FP8 gathers', by world size; the references' "eager": the module's doc
 TILE, MX_BLOCK = 128, 32
 # Row-wise against the high-precision gather (measured on 2 ranks, 2026-11-25: first-step gradients 44 dB and up,
 # the second loss within 6.3e-5).
@@ -112,7 +114,8 @@ def _train(run, fp8_all_gather, batches, compiler):
 
 def _rank(rank, world_size, out_dir):
     batches = _batches(rank, world_size)
-    results = {run: {gather: _train(run, gather, batches, COMPILER[world_size]) for gather in (True, False)}
+    results = {run: {gather: _train(run, gather, batches, COMPILER[world_size] if gather else "eager")
+                     for gather in (True, False)}
                for run in RUNS}
     if world_size == 2:
         model = build("llama", CONFIG, seed=0)

@@ -1,8 +1,9 @@
 """Regional compilation: each repeated block compiled once, every behaviour as in a whole-model compile.
 
 The reference for every numeric check is ``fp8graph.compile(..., regions=None)`` (one graph, the
-behaviour the rest of the suite pins) with the same initial weights and batches; with ``aot_eager``
-both run the same ATen ops, so losses, gradients and recipe state must agree exactly. What these
+behaviour the rest of the suite pins) with the same initial weights and batches, run by fp8graph's ``eager``
+compiler (``REFERENCE``): the regions' ``aot_eager`` and it run the same ATen ops, so losses, gradients and
+recipe state must agree exactly, and the reference costs no AOTAutograd trace. What these
 tests prove: which blocks become regions, that one compile serves every instance (graph counts),
 and that policies, state, stats, weight caches, checkpointing and reports stay per instance. They
 do not measure compile time (``python -m bench compile --deep`` does).
@@ -26,13 +27,17 @@ from fp8graph.regions.regional_compile import block_class
 from fp8graph.regions.repeated_blocks import find_blocks, group_blocks
 
 
+# The whole-model reference's compiler: the same rewritten graph and ATen ops as aot_eager, without its trace.
+REFERENCE = "eager"
+
+
 def _llama(layers=3):
     return build("llama", "tiny", num_hidden_layers=layers)
 
 
-def _train(model, steps=3, regions="auto", use_cache=None, **kwargs):
+def _train(model, steps=3, regions="auto", use_cache=None, compiler="aot_eager", **kwargs):
     """Losses, and the model's state after ``steps`` SGD steps on fixed batches."""
-    compiled = fp8graph.compile(model, compiler="aot_eager", regions=regions, **kwargs)
+    compiled = fp8graph.compile(model, compiler=compiler, regions=regions, **kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = TextBatches(batch_size=2, seq_len=16, vocab_size=250, seed=0)
     losses = []
@@ -50,7 +55,7 @@ def _train(model, steps=3, regions="auto", use_cache=None, **kwargs):
 def _same_training(policy=None, layers=3, **kwargs):
     """Train regional and whole-model copies; assert they agree; return the regional compile."""
     regional, losses, state = _train(_llama(layers), policy=policy, **kwargs)
-    _, whole_losses, whole_state = _train(_llama(layers), regions=None, policy=policy, **kwargs)
+    _, whole_losses, whole_state = _train(_llama(layers), regions=None, compiler=REFERENCE, policy=policy, **kwargs)
     assert losses == whole_losses
     assert state.keys() == whole_state.keys()
     for name in state:
@@ -184,7 +189,7 @@ def test_delayed_scaling_state_stays_per_instance_and_matches_the_whole_model_co
 
 def test_stats_are_collected_per_instance():
     regional, _, _ = _train(_llama(), stats=True)
-    whole, _, _ = _train(_llama(), stats=True, regions=None)
+    whole, _, _ = _train(_llama(), stats=True, regions=None, compiler=REFERENCE)
     rows, whole_rows = regional.fp8graph_stats.record(step=3), whole.fp8graph_stats.record(step=3)
     assert {row.path for row in rows} >= {f"model.layers.{i}.mlp.down_proj" for i in range(3)}
     assert rows == whole_rows
@@ -194,7 +199,7 @@ def test_weight_cache_fills_and_reuses_per_instance():
     model = _llama()
     compiled = fp8graph.compile(model, compiler="aot_eager", cache_weights=True)
     reference = _llama()
-    whole = fp8graph.compile(reference, compiler="aot_eager", cache_weights=True, regions=None)
+    whole = fp8graph.compile(reference, compiler=REFERENCE, cache_weights=True, regions=None)
     tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(1))
     with fp8graph.weights_unchanged(compiled), fp8graph.weights_unchanged(whole):
         for _ in range(3):  # fill, then reuse twice
@@ -218,6 +223,8 @@ def test_huggingface_gradient_checkpointing_runs_inside_the_regions():
         return model
 
     regional, losses, state = _train(checkpointed(_llama()), policy=DelayedScaling(amax_history_len=4))
+    # The reference under aot_eager too: the eager compiler keeps delayed-scaling sites in checkpoint regions in
+    # high precision (their state snapshots need AOTAutograd: docs/limits.md).
     _, whole_losses, whole_state = _train(checkpointed(_llama()), regions=None,
                                           policy=DelayedScaling(amax_history_len=4))
     assert losses == whole_losses
@@ -267,7 +274,7 @@ def test_a_training_call_builds_no_kv_cache_and_an_inference_cache_still_gets_fp
     assert "compiled again for model.layers.1" in caplog.text
     reference = _llama(layers).eval()
     reference.load_state_dict(model.state_dict())
-    whole = fp8graph.compile(reference, compiler="aot_eager", regions=None)
+    whole = fp8graph.compile(reference, compiler=REFERENCE, regions=None)
     with torch.no_grad():
         assert torch.equal(logits, whole(tokens, use_cache=True).logits)
 
@@ -315,7 +322,7 @@ def test_fullgraph_compiles_the_model_as_one_graph_and_refuses_regions_asked_for
         fp8graph.compile(_llama(), compiler="aot_eager", fullgraph=True, regions=[LlamaDecoderLayer])
     torch.manual_seed(0)
     model, tokens = _llama(), torch.randint(0, 250, (2, 16))
-    expected = fp8graph.compile(copy.deepcopy(model), compiler="aot_eager", regions=None)(tokens, labels=tokens).loss
+    expected = fp8graph.compile(copy.deepcopy(model), compiler=REFERENCE, regions=None)(tokens, labels=tokens).loss
     compiled = fp8graph.compile(model, compiler="aot_eager", fullgraph=True)
     assert not hasattr(compiled.fp8graph_backend, "block_backends")
     assert torch.equal(compiled(tokens, labels=tokens).loss, expected)
@@ -436,7 +443,7 @@ def test_a_training_call_s_own_use_cache_is_kept_however_it_is_passed(passed):
     torch.manual_seed(0)
     model, x = _CachingBlocks(), torch.randn(8, 64)
     args, kwargs = {"position": ((x, True), {}), "name": ((x,), {"use_cache": True}), "omitted": ((x,), {})}[passed]
-    expected = fp8graph.compile(copy.deepcopy(model), compiler="aot_eager", regions=None)(*args, **kwargs)
+    expected = fp8graph.compile(copy.deepcopy(model), compiler=REFERENCE, regions=None)(*args, **kwargs)
     compiled = fp8graph.compile(model, compiler="aot_eager")
     assert torch.equal(compiled(*args, **kwargs), expected)
     assert len(fp8graph.explain(model, *args, **kwargs).rewritten) == 2
