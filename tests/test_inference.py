@@ -66,10 +66,10 @@ def test_freeze_weights_needs_inductor():
         fp8graph.compile(build("mlp", "tiny"), compiler="aot_eager", freeze_weights=True)
 
 
-def _train_then_infer(model, x, **kwargs):
+def _train_then_infer(model, x, compiler="inductor", **kwargs):
     """Two training steps, then one inference call on inputs of another range; its output and stats."""
     torch._dynamo.reset()
-    compiled = fp8graph.compile(model, compiler="inductor", stats=True, **kwargs)
+    compiled = fp8graph.compile(model, compiler=compiler, stats=True, **kwargs)
     for _ in range(2):
         compiled(x).sum().backward()
     compiled.fp8graph_stats.record(0)
@@ -90,10 +90,11 @@ def test_frozen_graphs_keep_stats_and_delayed_scales(recipe):
     frozen_model = copy.deepcopy(model)
     # Both cast the weights at every call: a kept copy would hold the first call's cast, whose delayed scale
     # is the empty history's (the weights never change here), where the frozen graph casts with the last one's.
-    output, rows = _train_then_infer(model, x, policy=recipe, cache_weights=False)
+    output, rows = _train_then_infer(model, x, compiler="eager", policy=recipe, cache_weights=False)
     frozen_output, frozen_rows = _train_then_infer(frozen_model, x, policy=recipe, freeze_weights=True)
+    # The reference runs the unfrozen graph with fp8graph's eager compiler (no Inductor compile of its own).
     # Freezing folds the weight's amax, scale and cast into constants computed by ATen when
-    # compiling, where the unfrozen graph computes them in Inductor's kernel: the fp32 scale
+    # compiling, where the frozen graph's other casts run in Inductor's kernels: an fp32 scale
     # may differ in its last bit (measured on an AVX2 CPU: outputs within 1.5e-7, exact on
     # AVX-512), far below FP8's own error. A scale or stat that did not reach its site would
     # be off by whole percents.
