@@ -1,5 +1,6 @@
 """The tests' forked children (``tests/forked.py``) start from a server that imported all of ``PRELOAD``."""
 
+import gc
 import json
 import os
 
@@ -14,6 +15,4 @@ def test_a_forked_child_has_every_preloaded_module_and_the_workers_collector():
     completed = forked.run_python(["-c", code, *forked.PRELOAD], cwd=os.getcwd(), timeout=120, check=True)
     missing, threshold, frozen = json.loads(completed.stdout.splitlines()[-1])
     assert missing == [] and frozen, completed.stdout
-    import gc
-
     assert tuple(threshold) == gc.get_threshold()

@@ -75,8 +75,8 @@ def test_delayed_scaling_inside_checkpoint_regions_records_each_amax_once():
 def test_under_the_eager_compiler_delayed_sites_in_checkpoint_regions_are_kept_with_the_reason():
     """Without AOTAutograd the state snapshots cannot hold: autograd saves the state the region's casts read, the
     forward's update writes it in place, and the backward's replay failed its version check ("modified by an
-    inplace operation"). Those sites stay in high precision, saying why; the sites outside the regions (the
-    head) and explain of the compiled model decide as before."""
+    inplace operation"). Those sites stay in high precision, saying why, and training runs; explain of a model
+    compiled with aot_eager decides as that compiler does."""
     losses, _, decisions = _delayed_training(checkpointing=True, steps=2, compiler="eager")
     inside = [d for d in decisions if d.site.in_subgraph]
     assert len(inside) == 14 and not any(d.rewritten for d in inside)
