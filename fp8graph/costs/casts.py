@@ -76,11 +76,12 @@ CAST_TRAFFIC: dict[str, RecipeCasts] = {
         _k("grad_output", True, False, 2, 4.0, 3.0),
     ), small_launches=2, small_backward_launches=2),
     "block": RecipeCasts((
-        _k("input", False, True, 1, 2.0, 2.0625),
+        _k("input", False, True, 1, 2.0, 1.03125),
+        _k("input", True, True, 1, 2.0, 1.03125),
         _k("weight", False, True, 1, 2.0, 1.0),
         _k("weight", True, True, 1, 2.0, 1.0),
         _k("grad_output", True, True, 1, 2.0, 2.0625),
-    ), small_launches=6, small_backward_launches=3),
+    ), small_launches=6, small_backward_launches=4),
     "current saved-transposes": RecipeCasts((
         _k("input", False, False, 2, 4.0, 2.0),
         _k("weight", False, False, 2, 4.0, 2.0),

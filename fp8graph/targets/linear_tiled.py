@@ -16,16 +16,18 @@ forward, ``grad_output`` and ``grad_output_t`` in the backward, and
     save_transposes=False (default)   in the backward, from the weight (kept anyway) and from the input,
                                       which AOTAutograd's partitioner saves or makes again from what the
                                       backward keeps anyway: a step keeps no FP8 copy for its backward
-                                      (but an input fp8graph's kernel casts, below)
     save_transposes=True              in the forward, saved in FP8: the backward reads no weight
 
 On CUDA the 1x128 and 128x128 tilings run fp8graph's kernel, which writes
-both layouts from one read (an input it casts keeps its transposed copy
-from the forward: cast again by the kernel, it would be saved in high
-precision, twice its FP8 bytes; by Inductor's code, the step would be slower,
-docs/benchmarks.md, "Block scaling's kept input copies"); the others run
+both layouts from one read where both are cast together; the others run
 Inductor's code, fused with the operand's producer
-(``fp8graph.kernels.quantize_tiles`` says which and why). A weight with
+(``fp8graph.kernels.quantize_tiles`` says which and why). An input the kernel
+casts again in the backward is made again there where the forward made it
+by fusible ops (an RMSNorm's output, SwiGLU's), from what the backward keeps
+anyway (``fp8graph.targets.partitioning``): the kernel is an opaque op, and
+the partitioner would otherwise save the input in high precision, twice the
+bytes of the FP8 copy (docs/benchmarks.md, "Block scaling's kept input
+copies"). A weight with
 square tiles (block scaling's 128x128) has the same tiles transposed, so both
 layouts share one quantization.
 
@@ -175,9 +177,9 @@ class _LinearsTiled(torch.autograd.Function):
         saves = recipe.save_transposes
         outputs, saved_weights = [], []
         with autocast_off(device_type):
-            # (M, K), and (K, M') where the forward writes grad_weight's operand: with recipe.save_transposes,
-            # and where fp8graph's kernel casts the input, both layouts from one read (see the module's doc).
-            input_recast = needs_grad_weight and not saves and not kernel_casts(input_hp_2d, input_tiling)
+            # (M, K), and (K, M') where the forward writes grad_weight's operand (recipe.save_transposes): else
+            # the backward casts it again (see the module's doc).
+            input_recast = needs_grad_weight and not saves
             with _saved_if(saves):
                 input_q, input_t_q = quantize_both_ways(input_hp_2d, input_tiling, True,
                                                         needs_grad_weight and not input_recast)
@@ -246,8 +248,7 @@ class _LinearsTiled(torch.autograd.Function):
                         input_t_q = (TiledOperand(input_t_fp8, input_t_scale, recipe.tiling(Role.INPUT))
                                      if input_source is None
                                      else _cast_in_backward(input_source, recipe.tiling(Role.INPUT),
-                                                            grad_output_hp_2d, use_kernel=False,
-                                                            laid_out_by_reader=True)).laid_out()
+                                                            grad_output_hp_2d, laid_out_by_reader=True)).laid_out()
                     if grad_output_t_q.fp8.shape[1] != input_t_q.fp8.shape[1]:
                         raise AssertionError("grad_output and input padded to different token counts")
                     grad_weights[i] = _gemm(grad_output_t_q, input_t_q, ctx.weight_dtypes[i], ctx.lowering)
@@ -273,10 +274,9 @@ def _cast_in_backward(x_hp: torch.Tensor, tiling: Tiling, grad: torch.Tensor, us
     (``fp8graph.targets.partitioning.read_in_backward``), the tiles' scales are read in the backward, so the cast
     and its layout run in the backward's kernels, from ``x_hp`` saved or made again there from what the backward
     keeps anyway (the amaxes too, or a few bytes a tile saved from the forward, as the partitioner chooses).
-    fp8graph's kernel computes its scales itself: it reads ``x_hp`` tied so, which suits a weight, kept anyway;
-    an activation is cast by Inductor's code (``use_kernel=False``), which fuses with what makes it again (the
-    kernel, an opaque op, would have the partitioner save its operand in high precision).
-    ``laid_out_by_reader``: as ``quantize_both_ways`` takes it."""
+    fp8graph's kernel computes its scales itself: it reads ``x_hp`` tied so; a weight is kept anyway, an
+    activation made by fusible ops is made again for it (``fp8graph.targets.partitioning``). Inductor's code
+    fuses with what makes ``x_hp`` again. ``laid_out_by_reader``: as ``quantize_both_ways`` takes it."""
     if use_kernel is None:
         use_kernel = kernel_casts(x_hp, tiling)
     if use_kernel:

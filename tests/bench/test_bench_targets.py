@@ -198,11 +198,28 @@ def test_decoder_rowwise_is_held_to_torchao_rowwise():
     assert not any(target.startswith("per-tensor") for target, _ in verdicts)
     saved = verdicts["memory saved for backward over torchao's (tensorwise or row-wise, as the recipe)", "rowwise"]
     assert saved["measured"] == pytest.approx(8 / 7)
-    # A recipe torchao has no counterpart of is not held to torchao's memory.
+    # Block scaling, which torchao's float8 training does not offer, is held to torchao's finest: row-wise.
     block = _verdicts(_decoder_result(_decoder_row("bf16", 1000, 40.0, 10.0, 60, 20),
-                                      _decoder_row("block", 1100, 38.0, 8.0, 90, 10),
-                                      _decoder_row("torchao tensorwise", 1150, 37.0, 7.0, 70, 15)))
-    assert not any(target.startswith("memory saved for backward over torchao") for target, _ in block)
+                                      _decoder_row("block", 1100, 38.0, 6.0, 90, 10),
+                                      _decoder_row("torchao tensorwise", 1150, 37.0, 5.0, 70, 15),
+                                      _decoder_row("torchao rowwise", 1150, 37.0, 7.0, 70, 15)))
+    saved = block["memory saved for backward over torchao's (tensorwise or row-wise, as the recipe)", "block"]
+    assert saved["measured"] == pytest.approx(6 / 7) and saved["met"]
+
+
+def test_the_modelled_decoder_holds_each_recipes_saved_memory_to_torchaos_scaling_the_same_way():
+    case = "4 layers, vocab 32000, 1x4096"
+    rows = [{"contestant": name, "case": case, "saved_gb": saved} for name, saved in (
+        ("bf16", 2.6), ("current", 1.7), ("rowwise", 1.9), ("block", 1.7), ("torchao tensorwise", 1.8),
+        ("torchao rowwise", 1.8))]
+    rows.append({"contestant": "current", "case": f"{case}, 4 micro-batches", "saved_gb": 9.0})
+    what = "memory saved for backward over torchao's (tensorwise or row-wise, as the recipe), 1 micro-batch (modelled)"
+    verdicts = {case: v for (target, case), v in _verdicts({"workload": "model_decoder", "rows": rows}).items()
+                if target == what}
+    assert set(verdicts) == {f"{name} ({case})" for name in ("current", "rowwise", "block")}
+    assert verdicts[f"current ({case})"]["met"] and verdicts[f"block ({case})"]["met"]
+    assert verdicts[f"rowwise ({case})"]["measured"] == pytest.approx(1.9 / 1.8)
+    assert not verdicts[f"rowwise ({case})"]["met"]
 
 
 def test_decoder_without_torchao_or_cuda_memory_skips_those_targets():

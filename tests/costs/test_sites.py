@@ -23,16 +23,17 @@ def _linear(M, K, N, experts=None):
     return SiteInfo("grouped_mm" if experts else "linear", M, K, N, torch.bfloat16, experts=experts)
 
 
-MODELLED_LINEAR = pathlib.Path(__file__).parents[2] / "bench/results/model-linear-2026-11-28T014158Z.json"
+MODELLED_LINEAR = pathlib.Path(__file__).parents[2] / "bench/results/model-linear-2026-11-30T221619Z.json"
 
 
 def test_the_site_model_is_the_cost_models_linear_step():
     """bench model linear's committed step (kernels Inductor generated for sm_90 on the fake H100, torch
-    2.13, 2026-11-28), each recipe's speedup over BF16: the site model, built from the per-element traffic of
-    those kernels (at 16384x4096x14336), within 1.5% at the three 16384-token shapes but one: row-wise at
+    2.13, 2026-11-30), each recipe's speedup over BF16: the site model, built from the per-element traffic of
+    those kernels (at 16384x4096x14336), within 1.5% at the three 16384-token shapes but two: row-wise at
     16384x14336x4096, -4.9%, where Inductor fuses its casts (the backward's of the input among them) into 7
-    kernels, 9 at the table's shape; within 25% at the small one, where every kernel is at its 3 us launch
-    floor and the site model sums the floors per operand, not per kernel."""
+    kernels, 9 at the table's shape; delayed scaling, +1.6% to +2.8%, whose state record the cost model times by
+    its loop steps (since 2026-11-28) and the site model by its bytes; within 25% at the small one, where every
+    kernel is at its 3 us launch floor and the site model sums the floors per operand, not per kernel."""
     result = json.loads(MODELLED_LINEAR.read_text())
     rows = [row for row in result["rows"] if row["contestant"] != "bf16"]
     assert {row["contestant"] for row in rows} == set(CAST_TRAFFIC) and len(rows) == 32
@@ -40,7 +41,8 @@ def test_the_site_model_is_the_cost_models_linear_step():
         M, K, N = map(int, row["case"].split("x"))
         times = site_times(_linear(M, K, N), recipe_of(row["contestant"]))
         fused_apart = row["contestant"] == "rowwise" and row["case"] == "16384x14336x4096"
-        tolerance = 0.05 if fused_apart else 0.015 if M == 16384 else 0.25
+        delayed = row["contestant"].startswith("delayed")
+        tolerance = 0.05 if fused_apart else 0.03 if delayed and M == 16384 else 0.015 if M == 16384 else 0.25
         assert times.speedup == pytest.approx(row["vs_bf16"], rel=tolerance), row["case"]
 
 

@@ -42,11 +42,12 @@ def _model() -> torch.nn.Module:
     return build("llama", "bench-8b-layer", dtype=torch.bfloat16, **_SHAPE)
 
 
-def _saved_bytes(compile_model) -> int:
-    """What one step of the model ``compile_model`` compiles saves for its backward. Its FP8 GEMMs run on the
-    GPU's rules' emulation (``gemm_rules.gpu_gemms``, exact in fp32): ATen's CPU ``_scaled_mm`` with one scale a
-    tensor is a scalar loop on some CPUs (8 s a 512 x 512 x 1792 GEMM on a Xeon with AVX-512 FP16, where
-    row-wise scales take 0.03 s). fp8graph's calls are held to cuBLASLt's rules on SM 9.0; torchao's are its own."""
+def _step(compile_model) -> tuple[int, torch.nn.Module]:
+    """What one step of the model ``compile_model`` compiles saves for its backward, and the model after it (its
+    gradients). Its FP8 GEMMs run on the GPU's rules' emulation (``gemm_rules.gpu_gemms``, exact in fp32): ATen's
+    CPU ``_scaled_mm`` with one scale a tensor is a scalar loop on some CPUs (8 s a 512 x 512 x 1792 GEMM on a
+    Xeon with AVX-512 FP16, where row-wise scales take 0.03 s). fp8graph's calls are held to cuBLASLt's rules on
+    SM 9.0; torchao's are its own."""
     torch._dynamo.reset()
     model = _model()
     compiled = compile_model(model)
@@ -56,7 +57,11 @@ def _saved_bytes(compile_model) -> int:
     if hasattr(compiled, "fp8graph_backend"):
         assert calls.calls, "no FP8 GEMM ran"
         calls.assert_every_rule_kept()
-    return saved
+    return saved, model
+
+
+def _saved_bytes(compile_model) -> int:
+    return _step(compile_model)[0]
 
 
 def _fp8(recipe):
@@ -111,14 +116,89 @@ def test_delayed_scaling_saves_no_more_than_torchao_and_less_than_bf16(bf16_byte
     assert saving - fp8 >= _fp8_weight_bytes()  # the weights' transposed copies, and the inputs'
 
 
-def test_rowwise_scaling_saves_no_more_than_torchao_rowwise_and_less_than_bf16(bf16_bytes):
-    fp8, torchao = _saved_bytes(_fp8(Float8RowwiseScaling())), _saved_bytes(_torchao("rowwise"))
+@pytest.fixture(scope="module")
+def torchao_rowwise_bytes() -> int:
+    return _saved_bytes(_torchao("rowwise"))
+
+
+def test_rowwise_scaling_saves_no_more_than_torchao_rowwise_and_less_than_bf16(bf16_bytes, torchao_rowwise_bytes):
+    fp8, torchao = _saved_bytes(_fp8(Float8RowwiseScaling())), torchao_rowwise_bytes
     saving = _saved_bytes(_fp8(Float8RowwiseScaling(save_transposes=True)))
     # Measured (torch 2.13, 2026-11-28): 7.24 MB, torchao's 7.50, BF16's 10.65 (0.68x); with the transposed copies
     # saved 12.78 MB (before 2026-11-28 the inputs' copies were saved always: 9.22 MB).
     assert fp8 <= torchao + _SCALARS, (fp8, torchao)
     assert fp8 < 0.75 * bf16_bytes, (fp8, bf16_bytes)
     assert saving - fp8 >= _fp8_weight_bytes()  # the weights' copies along N, and the inputs' along M
+
+
+def test_block_scaling_where_its_kernel_casts_saves_no_more_than_torchao_rowwise(monkeypatch, bf16_bytes,
+                                                                                  torchao_rowwise_bytes):
+    """On CUDA fp8graph's kernel casts block scaling's 1x128 input tiles (forced here, as on an SM 9.0 GPU: on the
+    CPU the op runs its plain-torch reference, the same bytes). The kernel is an opaque op, so left to itself the
+    partitioner would save each input it casts again in the backward in BF16 (as much as BF16's step saves);
+    fp8graph's joint-graph pass has it make the RMSNorm's and SwiGLU's outputs again there from what the backward
+    keeps anyway (``fp8graph.targets.partitioning``). The gradients are bit for bit those of Inductor's code
+    casting (the CPU's path)."""
+    from fp8graph.targets import partitioning
+
+    block = _fp8(Float8BlockScaling())
+    with pretend_gpu(monkeypatch):
+        inductor_casts, inductor_model = _step(block)
+        _force_the_tile_kernel(monkeypatch)
+        kernel_casts, kernel_model = _step(block)
+        monkeypatch.setattr(partitioning, "_mark_kernel_cast_inputs_made_again", lambda graph: None)
+        unmarked, _ = _step(block)
+    # Measured (torch 2.13, 2026-11-30): 7.24 MB with the kernel and with Inductor's code, torchao row-wise's 7.50,
+    # BF16's 10.65; 10.65 without the pass's marks.
+    assert kernel_casts <= torchao_rowwise_bytes + _SCALARS, (kernel_casts, torchao_rowwise_bytes)
+    assert kernel_casts < 0.75 * bf16_bytes, (kernel_casts, bf16_bytes)
+    assert unmarked > torchao_rowwise_bytes, (unmarked, torchao_rowwise_bytes)
+    assert kernel_casts == inductor_casts
+    for (name, kernel_p), inductor_p in zip(kernel_model.named_parameters(), inductor_model.parameters(), strict=True):
+        assert torch.equal(kernel_p.grad, inductor_p.grad), name
+
+
+def _force_the_tile_kernel(monkeypatch) -> None:
+    """fp8graph's kernel casts the tilings it casts on CUDA (on the CPU its op runs the plain-torch reference: the
+    same bytes)."""
+    from fp8graph.gemm import tiled_operands
+    from fp8graph.kernels.quantize_tiles import kernel_quantizes
+    from fp8graph.targets import linear_tiled
+
+    casts = lambda x_hp, tiling: kernel_quantizes(tiling)  # noqa: E731 - as on CUDA
+    monkeypatch.setattr(tiled_operands, "kernel_casts", casts)
+    monkeypatch.setattr(linear_tiled, "kernel_casts", casts)
+
+
+def test_block_scaling_keeps_the_fp8_copy_of_an_input_nothing_else_in_its_backward_reads(monkeypatch):
+    """Two linears in a row: the second's input is the first's GEMM output, which no other op of the backward
+    reads and no elementwise op makes again. fp8graph's joint-graph pass has the kernel cast it both ways in the
+    forward and the transposed FP8 copy kept, one byte an element and its tiles' scales, where the partitioner
+    would save it in BF16 (``fp8graph.targets.partitioning``). The first linear's input is the graph's own,
+    saved in BF16 either way. The gradients are bit for bit those of Inductor's code casting."""
+    from fp8graph.targets import partitioning
+
+    def step():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False),
+                                    torch.nn.Linear(512, 384, bias=False)).to(torch.bfloat16)
+        x = torch.randn(384, 256, dtype=torch.bfloat16, requires_grad=True)
+        compiled = fp8graph.compile(model, policy=Float8BlockScaling(), compiler="aot_eager", lowering="scaled_mm")
+        saved = saved_for_backward_bytes(lambda: compiled(x).float().square().mean(), model.parameters())
+        return saved, [*(p.grad for p in model.parameters()), x.grad]
+
+    with pretend_gpu(monkeypatch):
+        inductor_casts, inductor_grads = step()
+        _force_the_tile_kernel(monkeypatch)
+        kept, kernel_grads = step()
+        monkeypatch.setattr(partitioning, "_cast_both_ways_in_forward", lambda *arguments: None)
+        saved_in_bf16, _ = step()
+    tokens, width = 384, 512  # the second linear's input
+    copy_bytes = tokens * width + width * (tokens // 128) * 4  # FP8, and an fp32 scale a 1x128 tile along tokens
+    assert saved_in_bf16 - kept == 2 * tokens * width - copy_bytes, (saved_in_bf16, kept)
+    assert saved_in_bf16 == inductor_casts
+    assert all(torch.equal(a, b) for a, b in zip(kernel_grads, inductor_grads, strict=True))
 
 
 def _moe_block(tokens: int = 64) -> tuple[torch.nn.Module, torch.Tensor]:
