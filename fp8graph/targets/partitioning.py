@@ -152,7 +152,7 @@ def _mark_kernel_cast_inputs_made_again(graph: torch.fx.Graph) -> None:
     made again there where an elementwise op made it (marked ``PREFER_RECOMPUTE``), else cast in the forward in
     both layouts by one kernel and its transposed copy kept (see the module's doc)."""
     cast, tie = torch.ops.fp8graph.quantize_tiles.default, torch.ops.fp8graph.depends_on.default
-    backward = _backward_nodes(graph)
+    backward = None  # the backward's nodes, walked only for a graph that casts such an input
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not cast:
             continue
@@ -167,6 +167,7 @@ def _mark_kernel_cast_inputs_made_again(graph: torch.fx.Graph) -> None:
             continue
         if not isinstance(made, torch.fx.Node) or made.op == "placeholder":
             continue  # a weight, kept anyway, or an activation the graph is handed, which the partitioner saves
+        backward = _backward_nodes(graph) if backward is None else backward
         if _read_in_backward_otherwise(made, tied, backward):
             continue  # saved anyway (attention's output, which its backward reads): cast again at no memory
         forward = next((user for user in source.users if user.target is cast and user.args[0] is source
@@ -249,9 +250,9 @@ def _pointwise(node) -> bool:
 
 
 class JointGraphMarks(ChainedGraphPass):
-    """Joint-graph pass (Inductor's ``joint_custom_pre_pass``) that marks nodes for the partitioner: delayed
-    scaling's state saved without the version check, and the activations fp8graph's tile kernel casts again in
-    the backward made again there (see the module's doc)."""
+    """Joint-graph pass (Inductor's ``joint_custom_pre_pass``) that prepares the graph for the partitioner:
+    delayed scaling's state saved without the version check, and each activation fp8graph's tile kernel casts
+    again in the backward made again there, or cast both ways in the forward (see the module's doc)."""
 
     def run(self, graph: torch.fx.Graph) -> None:
         _mark_state_buffers_unchecked(graph)
