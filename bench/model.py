@@ -182,7 +182,7 @@ def _add_ratios(rows: list[dict]) -> None:
         bf16 = next((r for r in rows if r.get("case") == row["case"] and r["contestant"] == "bf16"), None)
         if bf16 and _launches(bf16):
             row["launches_vs_bf16"] = _launches(row) / _launches(bf16)
-        for column in ("peak_gb", "saved_gb"):
+        for column in ("peak_gb", "saved_gb", "outside_gemm_gb"):
             if bf16 and bf16.get(column) and column in row:
                 row[f"{column.removesuffix('_gb')}_vs_bf16"] = row[column] / bf16[column]
 
@@ -243,7 +243,7 @@ def _step_table(rows: list[dict], machine: costs.Machine, digits: int, optimizer
                  if any(key in row for row in entries)]
     columns = (["case"] if several else []) + [
         "contestant", "Triton launches (distinct)", "custom-op launches", "Triton GB read", "GB written",
-        "FP8 GB stored twice", "scattered GB",
+        "GB outside GEMMs", "FP8 GB stored twice", "scattered GB",
         "tiny launches", f"Triton ms @{machine.copy_bandwidth / 1e12:.2f} TB/s",
         f"Triton ms @{machine.triton_bandwidth / 1e12:.2f} TB/s", "GEMM ms", *(["attention ms"] if attention else []),
         "other extern ms", *(["SGD ms"] if optimizer else []), "step ms", "vs bf16", *(name for _, name in baselines),
@@ -254,7 +254,8 @@ def _step_table(rows: list[dict], machine: costs.Machine, digits: int, optimizer
         table.append(([s["case"]] if several else []) + [
             s["contestant"], f"{s['triton_launches']} ({s['triton_kernels']})", str(s.get("other_externs", 0)),
             f(s["triton_read_gb"]),
-            f(s["triton_written_gb"]), f(s["duplicate_written_gb"]), f(s.get("triton_scattered_gb", 0.0)),
+            f(s["triton_written_gb"]), _gb(s, "outside_gemm_gb", "outside_gemm_vs_bf16"),
+            f(s["duplicate_written_gb"]), f(s.get("triton_scattered_gb", 0.0)),
             str(s["tiny_launches"]), f(s["triton_ms_copy"]),
             f(s["triton_ms"]), f(s["gemm_ms"]), *([f(s["attention_ms"])] if attention else []), f(s["other_ms"]),
             *([f(s["optimizer_ms"])] if optimizer else []), f(s["step_ms"]), _ratio(s, "vs_bf16"),

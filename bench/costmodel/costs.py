@@ -118,10 +118,23 @@ class Row:
     serial_steps: int = 0  # an extern kernel bound by dependent loop steps, not bytes (MEASURED_EXTERN_STEP_US)
     group_rows: float = 0.0  # a grouped GEMM's tokens a group, on average (its rate depends on them)
     lays_out_nothing: bool = False  # an op of TRANSPOSED_STORE_OPS whose layout came out empty (layout=False)
+    regathered: int = 0  # of read, a GATHERING_OPS launch's source rows read again (a token's top_k times, less one)
 
     @property
     def bytes(self) -> int:
         return self.read + self.written
+
+
+# The rows that move bytes outside the GEMMs, attention and the optimizer: Inductor's kernels and the custom ops (a
+# recipe's casts, and BF16's own routing, norms and activations). Memsets move none.
+OUTSIDE_GEMM_KINDS = ("triton", "extern")
+
+
+def counted_once(row: Row) -> int:
+    """``row``'s bytes with each operand counted once, as Inductor counts its own kernels' (a gather's source once,
+    however many times it reads a row): the one count that sets fp8graph's gathering ops beside Inductor's gathers.
+    Time prices the gathered rows (:data:`GATHERING_OPS`)."""
+    return row.bytes - row.regathered
 
 
 # An FP8 cast kernel of Inductor's: the cast saturates, so its name lists clamp among the ops it fused.
@@ -275,6 +288,7 @@ def summary(rows: list[Row], machine: Machine) -> dict:
         "other_externs": sum(r.count for r in other),
         "other_ms": total(other, lambda r: time_us(r, machine)) / 1e3,
         "optimizer_ms": total(of("optimizer"), lambda r: time_us(r, machine)) / 1e3,
+        "outside_gemm_gb": total([r for r in rows if r.kind in OUTSIDE_GEMM_KINDS], counted_once) / 1e9,
     }
     rest = result["gemm_ms"] + result["attention_ms"] + result["other_ms"] + result["optimizer_ms"]
     result["step_ms"] = result["triton_ms"] + rest  # Triton kernels at the H100-calibrated rate
@@ -352,14 +366,16 @@ def _extern_row(graph: str, extern) -> Row:
     operand_bytes = [(_numel(s) if n is None else min(n, _numel(s))) * DTYPE_BYTES.get(d, 4)
                      for (s, d), n in zip(extern.inputs, elements)]
     gathered = _gathered_read(extern) if op in GATHERING_OPS else None
+    regathered = 0
     if gathered is not None:  # the gathered rows in place of the source's
+        regathered = max(gathered - operand_bytes[0], 0)
         operand_bytes[0] = gathered
     read = sum(operand_bytes)
     written = sum(_numel(s) * DTYPE_BYTES.get(d, 4) for s, d in [*extern.outputs, *getattr(extern, "mutated", ())])
     shapes = [s for s, _ in extern.inputs]
     dtypes = [d for _, d in extern.inputs]
     row = Row(graph, "extern", kernel, " ".join("x".join(map(str, s)) + f":{d}" for s, d in extern.inputs),
-              read=read, written=written,
+              read=read, written=written, regathered=regathered,
               largest_numel=max((_numel(s) for s, _ in [*extern.inputs, *extern.outputs]), default=0))
     if op in MEASURED_EXTERN_STEP_US:
         row.serial_steps = record_delayed_steps(extern)

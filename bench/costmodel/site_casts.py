@@ -8,7 +8,7 @@ Every kernel that is not a GEMM is counted against the operand of its largest te
 
 from __future__ import annotations
 
-from bench.costmodel.costs import TINY_BYTES, Row, fp8_cast
+from bench.costmodel.costs import OUTSIDE_GEMM_KINDS, TINY_BYTES, Row, fp8_cast
 
 SHAPE = (16384, 4096, 14336)  # M, K, N: input, weight and grad_output of three different sizes
 
@@ -102,7 +102,7 @@ def _extra(rows: list[dict], baseline: list[dict]) -> dict[str, float]:
     def totals(selection):
         moved = dict.fromkeys((*KERNEL_KINDS, "launches"), 0)
         for row in selection:
-            if row["kind"] in ("gemm", "attention", "optimizer", "memset"):
+            if row["kind"] not in OUTSIDE_GEMM_KINDS:
                 continue
             moved[_kernel_kind(row)] += (row["read"] + row["written"]) * row["count"]
             moved["launches"] += row["count"]

@@ -602,6 +602,11 @@ class _GroupedFP8(torch.autograd.Function):
                 record_health(stats, Role.INPUT, cast_hp, input_fp8, health_scales(input_scale), spec.recipe)
                 record_health(stats, Role.WEIGHT, weight_hp, weight_fp8, _per_expert_row(weight_scale), spec.recipe)
             if gather_index is not None and not cast_gathered:
+                if spec.per_row:
+                    # The source's cast realized first: its kernel reduces each row for the scale, and Inductor
+                    # would store the scaled rows in fp32 and convert them in the gather, four bytes an element
+                    # written and gathered where FP8 takes one. A per-tensor cast is pointwise: the gather casts.
+                    input_fp8 = _one_buffer(input_fp8, spec)
                 input_fp8, input_inverse = _gather_rows(input_fp8, gather_index), input_inverse[gather_index]
             input_fp8 = _one_buffer(input_fp8, spec)  # the forward GEMM's, and (per tensor) grad_weight's layout's
             saved_input = saved_weight = (None, None)

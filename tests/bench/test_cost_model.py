@@ -43,6 +43,13 @@ def test_a_step_is_its_kernels_at_the_machines_rates():
     assert summary["triton_ms"] == pytest.approx(2 * 3e9 / 2.2e12 * 1e3 + 10 * 3e-3)
     assert summary["gemm_ms"] == pytest.approx(1.0) and summary["other_ms"] == pytest.approx(1.0)
     assert summary["step_ms"] == pytest.approx(summary["triton_ms"] + 2.0)
+    # Outside the GEMMs: Inductor's kernels and the custom ops, each launch's bytes.
+    assert summary["outside_gemm_gb"] == pytest.approx(2 * 3.0 + 10 * 104e-9 + 3.0, rel=1e-9)
+    # A gathering op's source rows read again are timed, and not counted among the bytes: Inductor counts its own
+    # gathers' sources once.
+    gather = costs.summary([_row(kind="extern", name="gather", read=3_000_000_000, written=1_000_000_000,
+                                 regathered=2_000_000_000)], machine)
+    assert gather["outside_gemm_gb"] == pytest.approx(2.0) and gather["other_ms"] == pytest.approx(4e9 / 3e12 * 1e3)
 
 
 def test_the_same_kernels_in_another_order_model_the_same_step_to_the_last_bit():

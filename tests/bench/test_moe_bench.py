@@ -231,6 +231,9 @@ def test_grad_weight_s_operands_are_laid_out_by_one_pass_each(steps):
     [rows_placed] = [r for r in steps["current"]["rows"] if r["kind"] == "extern" and "quantize_rows_placed" in r["name"]]
     assert rows_placed["read"] == S * hidden * 2 + S * 8 + 4 + experts * 4
     assert rows_placed["written"] == S * hidden + padded_rows * hidden + (experts + 1) * -(-hidden // 64) * 4
+    # Of those reads, the source's rows read again (a token's top_k times, less one): where bytes are counted as
+    # Inductor counts its own gathers (the source once), they are not.
+    assert rows_placed["regathered"] == (S - TOKENS) * hidden * 2
     # fp8graph::swiglu_backward_placed: gate_up's BF16 output (S, 2 width) and h's gradient (S, width), the scale and
     # the offsets read; the gradient's FP8 rows, their placed copy and each group's amaxes (a block of 64 columns of
     # each half) written.
@@ -244,6 +247,7 @@ def test_grad_weight_s_operands_are_laid_out_by_one_pass_each(steps):
                   if r["kind"] == "extern" and "quantize_weighted_rows_placed" in r["name"]]
     assert weighted["read"] == S * hidden * 2 + S * 8 + S * 2 + S * hidden * 2 + 4 + experts * 4
     assert weighted["written"] == S * hidden + padded_rows * hidden + (experts + 1) * -(-hidden // 64) * 4 + S * 4
+    assert weighted["regathered"] == (S - TOKENS) * hidden * 2
     placed = [r for r in steps["rowwise"]["rows"] if r["kind"] == "extern"]
     assert [r for r in placed if "transpose_fp8" in r["name"]] == []
     # fp8graph::quantize_weighted_rows_rowwise: the combine's gradient as quantize_weighted_rows_placed reads it,
@@ -480,6 +484,20 @@ def test_the_gathered_tokens_are_cast_on_the_way_and_never_stored_in_bf16(steps)
     assert len(source_amax) == 1 and len(gather_cast) == 1, [(r["name"], r["read"], r["written"]) for r in forward]
     assert not any(r["written"] == S * hidden * 2 for r in forward if r["kind"] == "triton"), \
         "gathered rows stored in BF16"
+
+
+def test_rowwise_gathers_the_fp8_bytes_of_its_rows_not_their_scaled_values_in_fp32(steps):
+    """Row-wise casts the TOKENS source rows, a scale a row, before the S sorted rows are gathered: the cast stores
+    the FP8 bytes and the row scales, and the gather reads those bytes (and the index). Left to itself, Inductor
+    folded the FP8 conversion into the gather and stored the scaled rows in fp32: four bytes an element written,
+    and gathered, where FP8 takes one."""
+    forward = [r for r in steps["rowwise"]["rows"] if r["graph"].endswith("forward") and r["kind"] == "triton"]
+    tokens, hidden = TOKENS, TINY["hidden"]
+    casts = [r for r in forward if "amax" in r["name"] and "index" not in r["name"] and r["read"] == tokens * hidden * 2]
+    gathers = [r for r in forward if "index" in r["name"] and "sum" not in r["name"] and r["written"] == S * hidden]
+    assert len(casts) == 1 and len(gathers) == 1, [(r["name"], r["read"], r["written"]) for r in forward]
+    assert casts[0]["written"] == tokens * hidden + tokens * 4
+    assert gathers[0]["read"] == tokens * hidden + S * 8
 
 
 @pytest.mark.parametrize("contestant", ["current", "delayed", "rowwise"])

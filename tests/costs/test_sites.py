@@ -133,7 +133,7 @@ def test_what_cannot_be_modelled_is_refused_by_name():
         site_times(_linear(8, 64, 64), "fastest")
 
 
-SWEEP_RESULT = pathlib.Path(__file__).parents[2] / "bench/results/model-moe-2026-11-29T145954Z.json"
+SWEEP_RESULT = pathlib.Path(__file__).parents[2] / "bench/results/model-moe-2026-12-01T005146Z.json"
 
 
 def test_the_grouped_table_is_the_committed_sweeps_and_predicts_its_other_blocks():
