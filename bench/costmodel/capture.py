@@ -51,6 +51,9 @@ class ExternRecord:
     # index broadcast over a row for scatter_reduce; None where unknown (then the shape's count).
     input_elements: list[int | None] | None = None
     mutated: list[tuple[tuple[int, ...], str]] = dataclasses.field(default_factory=list)  # operands written in place
+    # SDPA's is_causal (None for ops without one): a causal call skips the tiles above the diagonal, a call with an
+    # explicit mask computes every tile.
+    is_causal: bool | None = None
 
 
 @dataclasses.dataclass
@@ -212,7 +215,21 @@ def _extern_record(snode) -> ExternRecord:
         [out for out in (getattr(node, "outputs", None) or []) if isinstance(out, ir.IRNode)]
     outputs = [(_shape(out), str(out.get_dtype()).replace("torch.", "")) for out in candidates
                if not isinstance(getattr(out, "layout", None), (ir.MultiOutputLayout, ir.NoneLayout))]
-    return ExternRecord(node.get_name(), kernel, inputs, outputs, elements, mutated_operands)
+    return ExternRecord(node.get_name(), kernel, inputs, outputs, elements, mutated_operands, _is_causal(node))
+
+
+def _is_causal(node) -> bool | None:
+    """The ``is_causal`` argument an extern call was made with (cuDNN attention, forward and backward), None
+    when its op has none."""
+    schema = getattr(getattr(node, "op_overload", None), "_schema", None)
+    names = [argument.name for argument in schema.arguments] if schema is not None else []
+    if "is_causal" not in names or not hasattr(node, "unflatten_args"):
+        return None
+    args, kwargs = node.unflatten_args(node.inputs, node.constant_args)
+    position = names.index("is_causal")
+    if "is_causal" in kwargs:
+        return bool(kwargs["is_causal"])
+    return bool(args[position] if position < len(args) else schema.arguments[position].default_value)
 
 
 def _name_of(node) -> str | None:

@@ -8,7 +8,8 @@ Triton kernel (Inductor's)   bytes read + written, as Inductor's ``estimate_kern
 GEMM (cuBLAS, extern)        FLOPs at a rate per operand type and scaling, or its bytes at copy bandwidth;
                              a grouped GEMM (a MoE's experts) 2 S K N FLOPs summed over its groups, at a
                              grouped rate.
-attention (cuDNN SDPA)       FLOPs (4 B H Sq Sk D forward, 2.5x that backward) at a fitted rate.
+attention (cuDNN SDPA)       FLOPs (4 B H Sq Sk D forward, 2.5x that backward; the triangle of them for a call
+                             with is_causal, every tile for one given a mask) at a fitted rate.
 other extern (custom ops)    operand bytes at copy bandwidth: what a custom kernel really achieves is unknown;
                              an ATen kernel a GPU measured far below it (MEASURED_EXTERN_BANDWIDTH) at
                              the bandwidth measured (a gathering op's rows as gathered, GATHERING_OPS);
@@ -81,7 +82,9 @@ class Machine:
     fp8_flops: float = _h100(_GPU_RATES["fp8_flops"])  # FP8 tensorwise
     fp8_rowwise_flops: float = _h100(_GPU_RATES["fp8_rowwise_flops"])
     fp8_blockwise_flops: float = _h100(_GPU_RATES["fp8_blockwise_flops"])
-    attention_flops: float = 290e12  # cuDNN flash fwd+bwd, causal counted as full: 12.5-13.4 ms (4 layers)
+    # cuDNN flash fwd+bwd on the FLOPs it computes: fitted to the H100's decoder profiles, whose calls were given
+    # HuggingFace's causal mask as a tensor (every tile computed): 12.5-13.4 ms (4 layers)
+    attention_flops: float = 290e12
     grouped_bf16_flops: float = _h100(_GPU_RATES["grouped_bf16_flops"])
     grouped_fp8_flops: float = _h100(_GPU_RATES["grouped_fp8_flops"])
     grouped_bf16_flops_large: float = _h100(_GPU_RATES["grouped_bf16_flops_large"])
@@ -400,10 +403,19 @@ def _extern_row(graph: str, extern) -> Row:
         row.detail = f"{row.gemm} {f'{batch}x' if batch > 1 else ''}{m}x{k}x{n}"
     elif any(word in op for word in ("attention", "sdpa", "flash", "cudnn")):
         (b, h, sq, d), sk = shapes[0], shapes[1][-2]
+        causal = bool(getattr(extern, "is_causal", None)) and sq == sk
         row.kind = "attention"
-        row.flops = 4.0 * b * h * sq * sk * d * (2.5 if "backward" in op else 1.0)
-        row.detail = f"B{b} H{h} S{sq}x{sk} D{d}"
+        row.flops = (4.0 * b * h * sq * sk * d * (2.5 if "backward" in op else 1.0)
+                     * (causal_fraction(sq) if causal else 1.0))
+        row.detail = f"B{b} H{h} S{sq}x{sk} D{d}" + (" causal" if causal else "")
     return row
+
+
+def causal_fraction(sequence: int) -> float:
+    """The share of a square attention's FLOPs a causal call computes: the triangle on and below the diagonal. A
+    call with ``is_causal`` skips the tiles above it; one given the causal mask as a tensor (HuggingFace's, under
+    Dynamo on torch < 2.14) computes every tile and masks them."""
+    return (sequence + 1) / (2 * sequence)
 
 
 def grouped_gemm_flops(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, str]:

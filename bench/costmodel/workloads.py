@@ -121,7 +121,7 @@ def decoder(spec: dict) -> list[dict]:
     with mode:
         tokens = torch.zeros(spec["batch"], spec["sequence"], dtype=torch.long, device="cuda")
     with capture.Capture() as cap, inductor_config.patch(settings), mode, _one_sequence_a_row(), \
-            compiled(base, model) as compiled_model:
+            _masks_materialized_under_dynamo(), compiled(base, model) as compiled_model:
         micro_batches = _MicroBatches(cap, compiled_model, lambda: compiled_model(tokens, labels=tokens).loss, None)
         note = micro_batches.run(spec, lambda: _fp8_note(compiled_model, model))
     config = model.config
@@ -142,7 +142,7 @@ def _one_sequence_a_row():
     mask it cannot read, so SDPA gets an explicit causal mask and the keys and values with their heads repeated.
     On the GPU, real position ids (0..S-1 on every row: bench passes no ``position_ids``) show one sequence a row,
     HuggingFace returns no mask, and SDPA runs causal on the unrepeated keys and values. Under Dynamo's trace
-    HuggingFace's own answer is kept: it is the compiled graph's on the GPU too."""
+    HuggingFace's own answer is kept (``_masks_materialized_under_dynamo`` makes it the GPU's)."""
     from transformers import masking_utils
     from transformers.utils.import_utils import is_fake_tensor
 
@@ -158,6 +158,27 @@ def _one_sequence_a_row():
         yield
     finally:
         masking_utils.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def _masks_materialized_under_dynamo():
+    """HuggingFace's causal mask under Dynamo's trace as the GPU machine's torch (2.11) makes it: a tensor.
+
+    HuggingFace leaves the mask out (SDPA runs with ``is_causal`` on the unrepeated keys and values) only where
+    ``torch.compiler.is_exporting()`` is False. Dynamo answered True to it under a plain ``torch.compile`` until
+    pytorch#176499 (merged 2026-03-10; transformers#48975 says the same of every torch before 2.14), so on the
+    GPU machine a whole-model ``torch.compile`` hands SDPA the causal mask as a tensor and the keys and values
+    with their heads repeated, and cuDNN computes every tile. This CPU's torch 2.13.0 reads the flag as it is, and
+    its trace would leave the mask out. Code that runs eagerly (the trunk around fp8graph's regions) leaves it
+    out on the GPU too (``_one_sequence_a_row``)."""
+    from transformers import masking_utils
+
+    original = masking_utils.is_torchdynamo_exporting
+    masking_utils.is_torchdynamo_exporting = torch.compiler.is_compiling
+    try:
+        yield
+    finally:
+        masking_utils.is_torchdynamo_exporting = original
 
 
 def moe(spec: dict) -> list[dict]:
