@@ -61,10 +61,14 @@ SAVED_TRANSPOSES = tuple(f"{name} saved-transposes" for name in ("current", "del
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 CONFIGS = ("bench-8b-layer", "llama3-8b")
 
-# "bf16 per-block": plain torch.compile of each decoder layer (layer.compile(), torchtitan's way), the
-# like-for-like reference of fp8graph's regional compile; "current whole": fp8graph with regions=None.
+# "bf16 per-block": plain torch.compile of each decoder layer (layer.compile(), torchtitan's way);
+# "fp8graph bf16": fp8graph's own compile with every site kept in BF16 (its regions and the graphs around them,
+# bit-equal to torch.compile's): the like-for-like reference of its recipes, whose step over this one's is what
+# FP8 itself gains (a whole-model torch.compile of a HuggingFace decoder on torch < 2.14 materializes the causal
+# mask, the trunk fp8graph's regions leave eager does not: docs/benchmarks.md); "current whole": fp8graph with
+# regions=None.
 KNOWN = ["bf16", *RECIPES, *SAVED_TRANSPOSES, *(f"torchao {name}" for name in TORCHAO_RECIPES), "bf16 per-block",
-         "current whole"]
+         "fp8graph bf16", "current whole"]
 # Inductor settings a contestant's name may switch, each worth a measurement for quantization-heavy graphs:
 # reductions spread over all SMs, horizontal fusion of independent kernels, loop reordering after fusion.
 INDUCTOR_SETTINGS = {"cooperative_reductions": "triton.cooperative_reductions", "combo_kernels": "combo_kernels",
@@ -109,6 +113,9 @@ def _compile(model, contestant: str, compiler: str, freeze_weights: bool = False
         for layer in model.model.layers:
             layer.compile(backend=compiler)
         return model
+    if contestant == "fp8graph bf16":
+        return fp8graph.compile(model, policy=fp8graph.Policy(default=None), compiler=compiler,
+                                freeze_weights=freeze_weights)
     if contestant == "current whole":
         return fp8graph.compile(model, policy=RECIPES["current"], compiler=compiler, freeze_weights=freeze_weights,
                                 regions=None)

@@ -156,11 +156,37 @@ def test_decoder_contestant_names_carry_inductor_settings_and_bad_ones_are_refus
         "delayed", {"triton.cooperative_reductions": True, "combo_kernels": True})
     # The like-for-like references of regional compilation.
     assert parse_contestant("bf16 per-block") == ("bf16 per-block", {})
+    assert parse_contestant("fp8graph bf16") == ("fp8graph bf16", {})
     assert parse_contestant("current whole +combo_kernels") == ("current whole", {"combo_kernels": True})
     with pytest.raises(ValueError, match="unknown contestant 'currant'"):
         parse_contestant("currant +combo_kernels")
     with pytest.raises(ValueError, match="unknown Inductor setting 'fast'"):
         parse_contestant("current +fast")
+
+
+def test_fp8graphs_bf16_reference_is_its_own_compile_with_every_site_kept():
+    """``fp8graph bf16``, the like-for-like reference of fp8graph's recipes, compiles through fp8graph (its regions)
+    and keeps every site in BF16: its loss and gradients equal plain ``torch.compile``'s bit for bit."""
+    import copy
+
+    import torch
+
+    from bench.decoder import _compile
+    from fp8graph.models import build
+
+    model = build("llama", "tiny", dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    tokens = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(0))
+    compiled = _compile(model, "fp8graph bf16", "aot_eager")
+    loss = compiled(tokens, labels=tokens).loss
+    loss.backward()
+    decisions = compiled.fp8graph_backend.decisions
+    assert decisions and not any(decision.rewritten for decision in decisions)
+    expected = torch.compile(reference, backend="aot_eager")(tokens, labels=tokens).loss
+    expected.backward()
+    assert torch.equal(loss, expected)
+    for (name, parameter), (_, reference_parameter) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(parameter.grad, reference_parameter.grad), name
 
 
 @pytest.mark.parametrize("config,layers,expected", [("bench-8b-layer", None, 4), ("bench-8b-layer", 6, 6),
