@@ -164,6 +164,25 @@ def test_decoder_contestant_names_carry_inductor_settings_and_bad_ones_are_refus
         parse_contestant("current +fast")
 
 
+def test_the_decoder_benchmark_shows_each_step_over_fp8graphs_bf16_where_it_ran():
+    """FP8's own gain: a recipe's step over ``fp8graph bf16``'s (the same graphs, every site in BF16), beside the
+    step over whole-model BF16; no such column when that contestant did not run or failed."""
+    from bench.decoder import add_ratios
+
+    def row(contestant, tokens_per_s):
+        return {"contestant": contestant, "train_tokens_per_s": tokens_per_s, "compile_cold_s": 1.0, "saved_gb": 1.0}
+
+    rows = [row("bf16", 100.0), row("fp8graph bf16", 115.0), row("current", 138.0), {"contestant": "delayed",
+                                                                                      "error": "died"}]
+    add_ratios(rows)
+    assert rows[2]["train_speedup_vs_bf16_compile"] == pytest.approx(1.38)
+    assert rows[2]["train_speedup_vs_fp8graph_bf16"] == pytest.approx(1.2)
+    assert rows[1]["train_speedup_vs_fp8graph_bf16"] == 1.0 and "train_speedup_vs_fp8graph_bf16" not in rows[3]
+    without = [row("bf16", 100.0), row("current", 138.0), {"contestant": "fp8graph bf16", "error": "died"}]
+    add_ratios(without)
+    assert all("train_speedup_vs_fp8graph_bf16" not in r for r in without)
+
+
 def test_fp8graphs_bf16_reference_is_its_own_compile_with_every_site_kept():
     """``fp8graph bf16``, the like-for-like reference of fp8graph's recipes, compiles through fp8graph (its regions)
     and keeps every site in BF16: its loss and gradients equal plain ``torch.compile``'s bit for bit."""
