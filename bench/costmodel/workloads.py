@@ -160,6 +160,12 @@ def _one_sequence_a_row():
         masking_utils.find_packed_sequence_indices = original
 
 
+# The torch of the GPU machine whose steps the model reproduces (its software, beside the fake H100's hardware):
+# what HuggingFace decides under its Dynamo differs from this CPU's torch 2.13.0 (_masks_materialized_under_dynamo).
+GPU_TORCH = (2, 11)
+_DYNAMO_READS_IS_EXPORTING = (2, 13)  # pytorch#176499: in this CPU's torch 2.13.0 (transformers#48975 says 2.14)
+
+
 @contextlib.contextmanager
 def _masks_materialized_under_dynamo():
     """HuggingFace's causal mask under Dynamo's trace as the GPU machine's torch (2.11) makes it: a tensor.
@@ -173,6 +179,9 @@ def _masks_materialized_under_dynamo():
     out on the GPU too (``_one_sequence_a_row``)."""
     from transformers import masking_utils
 
+    if GPU_TORCH >= _DYNAMO_READS_IS_EXPORTING:
+        yield
+        return
     original = masking_utils.is_torchdynamo_exporting
     masking_utils.is_torchdynamo_exporting = torch.compiler.is_compiling
     try:
