@@ -646,7 +646,22 @@ def compare_lines(measured: dict, measured_name: str, model_path: pathlib.Path |
                              "measured peak GB", "model saved GB", "measured saved GB"], table), "",
             "error: model step against the measured kernel time (profiled runs), else the wall time. The model "
             "counts kernel time only; docs/cost-model.md says how close it came before. Saved GB: the model's "
-            "leaves out the step's input, which the measured one counts when the backward keeps it."]
+            "leaves out the step's input, which the measured one counts when the backward keeps it.",
+            *_fp8_own_gain(modelled, measured_rows)]
+
+
+def _fp8_own_gain(modelled: dict, measured_rows: list[dict]) -> list[str]:
+    """Each contestant's step over ``fp8graph bf16``'s (the same graphs with every site in BF16: what FP8 itself
+    gains), modelled beside measured, where both have that contestant."""
+    reference = "fp8graph bf16"
+    measured = {row["contestant"]: row["train_tokens_per_s"] for row in measured_rows}
+    if reference not in modelled or reference not in measured:
+        return []
+    gains = [f"{contestant} {modelled[reference]['step_ms'] / ours['step_ms']:.2f}x / "
+             f"{measured[contestant] / measured[reference]:.2f}x"
+             for contestant, ours in modelled.items() if contestant not in (reference, "bf16") and contestant in measured]
+    return ["", f"What FP8 itself gains, each step over {reference}'s (the same graphs, every site in BF16), model / "
+                f"measured: {', '.join(gains)}."]
 
 
 def _retimed(model: dict, modelled: dict, machine: costs.Machine) -> dict:

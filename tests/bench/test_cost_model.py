@@ -462,6 +462,25 @@ def test_the_model_against_the_later_gpu_runs_of_the_decoder():
             assert abs(c.error) <= 0.02, c
 
 
+def test_a_gpu_run_shows_what_fp8_itself_gains_beside_the_model():
+    """Where a measured ``bench decoder`` run has ``fp8graph bf16`` (the same graphs with every site in BF16),
+    ``bench model compare`` shows each recipe's step over it, modelled beside measured; without it, no such line."""
+    shape = {"config": "bench-8b-layer", "layers": 4, "batch": 1, "sequence": 4096}
+    newest = json.loads(bench_model._newest_model(shape, RESULTS).read_text())
+    rows = {row["contestant"]: row for row in newest["rows"]}
+    modelled = bench_model._retimed(newest, {c: rows[c] for c in ("bf16", "fp8graph bf16", "current")},
+                                    costs.Machine.of("H200"))
+    expected = modelled["fp8graph bf16"]["step_ms"] / modelled["current"]["step_ms"]
+    measured = {**shape, "environment": {"device": "NVIDIA H200", "torch": "2.11.0+cu130"},
+                "rows": [{"contestant": "bf16", "train_tokens_per_s": 100.0},
+                         {"contestant": "fp8graph bf16", "train_tokens_per_s": 115.0},
+                         {"contestant": "current", "train_tokens_per_s": 138.0}]}
+    lines = bench_model.compare_lines(measured, "decoder-test.json", None, RESULTS)
+    assert lines[-1].startswith("What FP8 itself gains") and f"current {expected:.2f}x / 1.20x" in lines[-1]
+    measured["rows"] = [row for row in measured["rows"] if row["contestant"] != "fp8graph bf16"]
+    assert not any("itself gains" in line for line in bench_model.compare_lines(measured, "d.json", None, RESULTS))
+
+
 def test_a_gpu_run_is_shown_beside_the_committed_modelled_step():
     """``scripts/gpu-run decoder`` prints its measurement beside the modelled step of the same
     configuration (``bench model compare``), at the measuring GPU's rates, and its peak and saved memory beside
