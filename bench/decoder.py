@@ -61,14 +61,15 @@ SAVED_TRANSPOSES = tuple(f"{name} saved-transposes" for name in ("current", "del
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 CONFIGS = ("bench-8b-layer", "llama3-8b")
 
+# fp8graph's own compile with every site kept in BF16 (its regions and the graphs around them, bit-equal to
+# torch.compile's): the like-for-like reference of its recipes, whose step over this one's is what FP8 itself gains
+# (a whole-model torch.compile of a HuggingFace decoder on the GPU machine's torch 2.11, before pytorch#176499,
+# materializes the causal mask; the trunk fp8graph's regions leave eager does not: docs/benchmarks.md).
+SAME_GRAPHS_BF16 = "fp8graph bf16"
 # "bf16 per-block": plain torch.compile of each decoder layer (layer.compile(), torchtitan's way);
-# "fp8graph bf16": fp8graph's own compile with every site kept in BF16 (its regions and the graphs around them,
-# bit-equal to torch.compile's): the like-for-like reference of its recipes, whose step over this one's is what
-# FP8 itself gains (a whole-model torch.compile of a HuggingFace decoder on torch < 2.14 materializes the causal
-# mask, the trunk fp8graph's regions leave eager does not: docs/benchmarks.md); "current whole": fp8graph with
-# regions=None.
+# "current whole": fp8graph with regions=None.
 KNOWN = ["bf16", *RECIPES, *SAVED_TRANSPOSES, *(f"torchao {name}" for name in TORCHAO_RECIPES), "bf16 per-block",
-         "fp8graph bf16", "current whole"]
+         SAME_GRAPHS_BF16, "current whole"]
 # Inductor settings a contestant's name may switch, each worth a measurement for quantization-heavy graphs:
 # reductions spread over all SMs, horizontal fusion of independent kernels, loop reordering after fusion.
 INDUCTOR_SETTINGS = {"cooperative_reductions": "triton.cooperative_reductions", "combo_kernels": "combo_kernels",
@@ -113,7 +114,7 @@ def _compile(model, contestant: str, compiler: str, freeze_weights: bool = False
         for layer in model.model.layers:
             layer.compile(backend=compiler)
         return model
-    if contestant == "fp8graph bf16":
+    if contestant == SAME_GRAPHS_BF16:
         return fp8graph.compile(model, policy=fp8graph.Policy(default=None), compiler=compiler,
                                 freeze_weights=freeze_weights)
     if contestant == "current whole":
@@ -308,10 +309,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Each measured row over BF16's (``rows[0]``), and its training step over ``fp8graph bf16``'s where that
-    was measured: the same graphs with every site in BF16, so the ratio is what FP8 itself gains."""
+    """Each measured row over BF16's (``rows[0]``), and its training step over :data:`SAME_GRAPHS_BF16`'s where
+    that was measured: the same graphs with every site in BF16, so the ratio is what FP8 itself gains."""
     baseline = rows[0]
-    same_graphs = next((r for r in rows if r["contestant"] == "fp8graph bf16" and "error" not in r), None)
+    same_graphs = next((r for r in rows if r["contestant"] == SAME_GRAPHS_BF16 and "error" not in r), None)
     for row in (r for r in rows if "error" not in r):
         row["train_speedup_vs_bf16_compile"] = row["train_tokens_per_s"] / baseline["train_tokens_per_s"]
         if "prefill_tokens_per_s" in row and "prefill_tokens_per_s" in baseline:

@@ -651,15 +651,17 @@ def compare_lines(measured: dict, measured_name: str, model_path: pathlib.Path |
 
 
 def _fp8_own_gain(modelled: dict, measured_rows: list[dict]) -> list[str]:
-    """Each contestant's step over ``fp8graph bf16``'s (the same graphs with every site in BF16: what FP8 itself
-    gains), modelled beside measured, where both have that contestant."""
-    reference = "fp8graph bf16"
+    """Each contestant's step over ``bench.decoder.SAME_GRAPHS_BF16``'s (the same graphs with every site in BF16:
+    what FP8 itself gains), modelled beside measured, where both have that contestant."""
+    # Imported here, not with the module: bench.decoder loads fp8graph, which bench model's other commands need not.
+    from .decoder import SAME_GRAPHS_BF16 as reference
     measured = {row["contestant"]: row["train_tokens_per_s"] for row in measured_rows}
     if reference not in modelled or reference not in measured:
         return []
     gains = [f"{contestant} {modelled[reference]['step_ms'] / ours['step_ms']:.2f}x / "
              f"{measured[contestant] / measured[reference]:.2f}x"
-             for contestant, ours in modelled.items() if contestant not in (reference, "bf16") and contestant in measured]
+             for contestant, ours in modelled.items()
+             if contestant not in (reference, "bf16") and contestant in measured]
     return ["", f"What FP8 itself gains, each step over {reference}'s (the same graphs, every site in BF16), model / "
                 f"measured: {', '.join(gains)}."]
 

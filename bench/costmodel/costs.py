@@ -414,7 +414,7 @@ def _extern_row(graph: str, extern) -> Row:
 def causal_fraction(sequence: int) -> float:
     """The share of a square attention's FLOPs a causal call computes: the triangle on and below the diagonal. A
     call with ``is_causal`` skips the tiles above it; one given the causal mask as a tensor (HuggingFace's, under
-    Dynamo on torch < 2.14) computes every tile and masks them."""
+    Dynamo before pytorch#176499: the GPU machine's torch 2.11) computes every tile and masks them."""
     return (sequence + 1) / (2 * sequence)
 
 
