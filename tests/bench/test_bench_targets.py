@@ -222,6 +222,23 @@ def test_the_modelled_decoder_holds_each_recipes_saved_memory_to_torchaos_scalin
     assert not verdicts[f"rowwise ({case})"]["met"]
 
 
+def test_the_modelled_decoder_holds_the_per_tensor_recipes_to_the_measured_steps_targets():
+    """Where no GPU measured the step, current and delayed are judged on the model against the measured step's
+    bounds (>= 1.45x BF16, >= 1.20x torchao tensorwise); row-wise and block are not per-tensor recipes."""
+    case = "4 layers, vocab 32000, 1x4096"
+    rows = [{"contestant": name, "case": case, "vs_bf16": vs_bf16, "vs_torchao_tensorwise": vs_torchao}
+            for name, vs_bf16, vs_torchao in (("bf16", 1.0, 0.9), ("current", 1.30, 1.19), ("delayed", 1.46, 1.21),
+                                              ("rowwise", 1.5, 1.3), ("torchao tensorwise", 1.1, 1.0))]
+    verdicts = _verdicts({"workload": "model_decoder", "rows": rows})
+    over_bf16 = {case: v for (target, case), v in verdicts.items() if target == "per-tensor: step over BF16 (modelled)"}
+    over_torchao = {case: v for (target, case), v in verdicts.items()
+                    if target == "per-tensor: step over torchao tensorwise (modelled)"}
+    assert set(over_bf16) == set(over_torchao) == {f"current ({case})", f"delayed ({case})"}
+    assert not over_bf16[f"current ({case})"]["met"] and over_bf16[f"current ({case})"]["missed_by"] == pytest.approx(0.15)
+    assert over_bf16[f"delayed ({case})"]["met"] and over_torchao[f"delayed ({case})"]["met"]
+    assert not over_torchao[f"current ({case})"]["met"]
+
+
 def test_decoder_without_torchao_or_cuda_memory_skips_those_targets():
     verdicts = _verdicts(_decoder_result(
         _decoder_row("bf16", 1000, None, 10.0, 60, 20),
