@@ -467,7 +467,7 @@ def test_a_gpu_run_shows_what_fp8_itself_gains_beside_the_model():
     ``bench model compare`` shows each recipe's step over it, modelled beside measured; without it, no such line."""
     shape = {"config": "bench-8b-layer", "layers": 4, "batch": 1, "sequence": 4096}
     newest = json.loads(bench_model._newest_model(shape, RESULTS).read_text())
-    rows = {row["contestant"]: row for row in newest["rows"]}
+    rows = bench_model.peer_rows(newest, shape)  # one micro-batch a step, as the measured run steps
     modelled = bench_model._retimed(newest, {c: rows[c] for c in ("bf16", "fp8graph bf16", "current")},
                                     costs.Machine.of("H200"))
     expected = modelled["fp8graph bf16"]["step_ms"] / modelled["current"]["step_ms"]
@@ -487,7 +487,7 @@ def test_a_gpu_run_is_shown_beside_the_committed_modelled_step():
     the modelled: here a measured result written like bench decoder's."""
     shape = {"config": "bench-8b-layer", "layers": 4, "batch": 1, "sequence": 4096}
     newest = json.loads(bench_model._newest_model(shape, RESULTS).read_text())
-    current_row = next(row for row in newest["rows"] if row["contestant"] == "current")
+    current_row = bench_model.peer_rows(newest, shape)["current"]  # one micro-batch a step
     modelled = bench_model._retimed(newest, {"current": current_row}, costs.Machine.of("H100"))["current"]
     modelled_ms = modelled["step_ms"]
     measured = {**shape, "environment": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"},
