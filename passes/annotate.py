@@ -27,12 +27,11 @@ from fp8graph.recipes.scaling import Recipe, expert_recipe, misaligned, unsuppor
 from fp8graph.buffers.snapshots import CONTEXT_FN_KEY
 from fp8graph.targets.gathered import GATHERED_GRANULARITIES
 
-from .sites import ExpertSite, GatheredExpertSite, LinearSite, MatmulSite, Site
+from .sites import REPLACEABLE_DTYPES, ExpertSite, GatheredExpertSite, LinearSite, MatmulSite, Site
 
 __all__ = ["DECISION_KEY", "Decision", "annotate_sites"]
 
 DECISION_KEY = "fp8graph_decision"
-_REPLACEABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +64,7 @@ def _reason_to_keep(site: Site, recipe: Recipe | None, has_state: Callable[[Site
         return site.blocker
     if site.dtype == torch.float64:
         return "float64 stays in high precision"
-    if site.dtype not in _REPLACEABLE_DTYPES:
+    if site.dtype not in REPLACEABLE_DTYPES:
         return f"dtype {site.dtype} is not a 16- or 32-bit float"
     if recipe is None:
         if isinstance(site, MatmulSite):

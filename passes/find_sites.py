@@ -27,6 +27,7 @@ precision, with the reason. The pass only reads the graph.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import operator
@@ -35,10 +36,12 @@ from typing import Sequence
 import torch
 import torch.fx
 
+from fp8graph.recipes.scaling import misaligned
+
 from .expert_sites import (GROUPED_OP, is_grouped_gemm, mark_gates, pair_expert_stages, read_combine,
                            read_dense_experts, read_gather,
                            read_gathered_experts, read_grouped, read_swiglu)
-from .sites import FusedCallSite, GroupedExpertSite, LinearSite, MatmulSite, Site
+from .sites import REPLACEABLE_DTYPES, FusedCallSite, GroupedExpertSite, LinearSite, MatmulSite, Site
 from .expand_attention import MHA_ARGUMENTS, UNEXPANDED_KEY, attention_arguments, is_multi_head_attention
 from .module_paths import module_path, module_type
 from .node_values import argument, tensor_value
@@ -398,4 +401,25 @@ def find_sites(
                 sites.append(site)
     mark_gates(sites)
     pair_expert_stages(sites)
+    _count_input_readers(sites)
     return sites
+
+
+def _count_input_readers(sites: list[Site]) -> None:
+    """Each plain linear site's ``input_readers``: the plain linears of its graph and checkpoint region (the sites
+    ``passes.group_sites`` may cast one input for) that read the same input node. Sites that cannot run in FP8
+    whatever the recipe (a ``blocker``, a dimension no FP8 GEMM takes, a dtype fp8graph leaves alone) and gates
+    (kept in high precision unless a rule names them) share no cast."""
+    readers = collections.Counter(_input_key(site) for site in sites if _shares_input(site))
+    for site in sites:
+        if _shares_input(site):
+            site.input_readers = readers[_input_key(site)]
+
+
+def _shares_input(site: Site) -> bool:
+    return (type(site) is LinearSite and site.blocker is None and site.gate is None and site.input_node is not None
+            and site.dtype in REPLACEABLE_DTYPES and misaligned(None, K=site.K, N=site.N) is None)
+
+
+def _input_key(site: Site) -> tuple:
+    return id(site.graph_module), id(site.checkpoint_region), site.input_node

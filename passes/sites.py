@@ -25,7 +25,11 @@ import torch.fx
 
 from fp8graph.recipes.policy import SiteInfo
 
-__all__ = ["ExpertSite", "FusedCallSite", "GatheredExpertSite", "GroupedExpertSite", "LinearSite", "MatmulSite", "Site"]
+__all__ = ["REPLACEABLE_DTYPES", "ExpertSite", "FusedCallSite", "GatheredExpertSite", "GroupedExpertSite", "LinearSite",
+           "MatmulSite", "Site"]
+
+# The dtypes a site may be in to run in FP8; float64 and the rest stay as they are (passes.annotate).
+REPLACEABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass
@@ -55,6 +59,9 @@ class Site:
     graph_module: torch.fx.GraphModule | None = None
     in_subgraph: bool = False
     checkpoint_region: torch.fx.GraphModule | None = None  # body of the enclosing torch.utils.checkpoint
+    # The linear sites of its graph and checkpoint region that read its input, itself included (find_sites):
+    # one cast of the input serves all of them (passes.group_sites), each charged its share by the cost model.
+    input_readers: int = 1
 
     # A router or shared-expert gate: why only a rule naming it moves it to FP8 (passes.expert_sites.mark_gates;
     # DeepSeek-V3's router is a matmul site, its weight cast in the graph).
@@ -66,7 +73,7 @@ class Site:
     def info(self) -> SiteInfo:
         """What a policy rule sees of the site besides its module."""
         return SiteInfo(op=self.op, M=self.M, K=self.K, N=self.N, dtype=self.dtype, is_linear=self.has_weight,
-                        experts=self.experts, gate=self.gate is not None)
+                        experts=self.experts, gate=self.gate is not None, input_readers=self.input_readers)
 
     def with_operands(self, replaced: dict[torch.fx.Node, torch.fx.Node]) -> "Site":
         """A copy whose operands (not its own node) replaced since it was read are looked up in ``replaced``."""

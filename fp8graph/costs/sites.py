@@ -8,7 +8,9 @@ For one linear site (``M`` tokens, ``K`` in, ``N`` out; an expert site: ``M`` so
            its operands' bytes at copy bandwidth or the GEMM floor
     FP8    the same GEMMs at the recipe's FP8 rate, plus the casts: every kernel of
            fp8graph.costs.casts at Inductor's bandwidth (fp8graph's own kernels at copy bandwidth), never
-           less than the launch floor each, and the small launches at the floor; an expert site in training,
+           less than the launch floor each, and the small launches at the floor; the input's kernels divided
+           among the linear sites that read it (``SiteInfo.input_readers``: q, k and v, gate and up), which one
+           cast serves when they run in one recipe (as if all of them do); an expert site in training,
            its share of what the recipe adds to a MoE block (GROUPED_CAST_TRAFFIC, or its own GEMM's where it
            knows which of the expert MLP's GEMMs it is, GROUPED_STAGE_CAST_TRAFFIC; a site that keeps its
            weight's copy for grad_input from the forward, _keeps_weight_copy, with that form's rates): Inductor's
@@ -179,6 +181,7 @@ def site_times(site: SiteInfo, recipe, gpu: "str | GPU" = "H100", training: bool
         kept = getattr(recipe, "save_transposes", False) or (isinstance(site.M, int) and _keeps_weight_copy(site, M))
         casts_us = _grouped_casts_us(grouped, M, K, N, weights, rates, kept)
     else:  # dense sites; expert sites of the recipes the sweep did not model, or in inference: the dense casts
-        sizes = {"input": M * K, "weight": weights * K * N, "grad_output": M * N}
+        # One cast of a shared input serves every linear reading it (passes.group_sites): each pays its share.
+        sizes = {"input": M * K / max(site.input_readers, 1), "weight": weights * K * N, "grad_output": M * N}
         casts_us = _casts_us(casts, sizes, rates, training)
     return SiteTimes(rates.name, kind, M, bf16_us, fp8_gemm_us, casts_us, emulated)

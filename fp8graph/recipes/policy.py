@@ -47,6 +47,10 @@ class SiteInfo:
     graph has the MLP whole (the first GEMM's output read by SwiGLU alone, that
     SwiGLU the second's input, the second's output read by the experts' combine
     alone): 0 the first, 1 the second; ``None`` elsewhere.
+    ``input_readers`` is how many linear sites of its graph read its input, itself
+    included (q, k and v: 3; gate and up: 2): fp8graph casts a shared input once for
+    all of them in one recipe (``passes.group_sites``), and the cost model charges
+    each site its share of that cast.
     """
 
     op: str
@@ -58,6 +62,7 @@ class SiteInfo:
     experts: int | None = None
     gate: bool = False
     expert_stage: int | None = None
+    input_readers: int = 1
 
 
 Predicate = Callable[[str, Union[torch.nn.Module, None], SiteInfo], bool]
@@ -266,11 +271,11 @@ def weight_orientations(module: torch.nn.Module | None, weight: torch.Tensor) ->
 
 class _BeforeTracing:
     """A site as a rule sees it before tracing: reading what only the traced graph knows (``M``,
-    ``expert_stage``, and what op multiplies the weight: ``op``, ``is_linear``, ``gate``, guessed here as a
-    linear that is no gate) leaves the rule undecided whatever the predicate answers (``site.M is not None and
+    ``expert_stage``, ``input_readers``, and what op multiplies the weight: ``op``, ``is_linear``, ``gate``,
+    guessed here as a linear that is no gate) leaves the rule undecided whatever the predicate answers (``site.M is not None and
     ...`` answers False here)."""
 
-    TRACED = ("M", "expert_stage", "op", "is_linear", "gate")
+    TRACED = ("M", "expert_stage", "input_readers", "op", "is_linear", "gate")
 
     def __init__(self, site: SiteInfo):
         self._site, self.read_traced = site, False

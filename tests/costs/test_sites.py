@@ -55,6 +55,23 @@ def test_bf16_is_three_gemms_at_the_bf16_rate_and_inference_one():
     assert inference.fp8_casts_us < training.fp8_casts_us  # no grad_output cast
 
 
+def test_linears_reading_one_input_share_its_casts():
+    """One cast of a shared input serves q, k and v (passes.group_sites): each site pays its share of the input's
+    kernels, in every recipe, and nothing else changes (above each kernel's launch floor). At the H200's rates a
+    key projection alone pays more for its casts than FP8's GEMMs save; with its share of the input's, less."""
+    def casts(recipe, readers, gpu_name="H100"):
+        site = dataclasses.replace(_linear(16384, 4096, 1024), input_readers=readers)
+        return site_times(site, recipe, gpu_name)
+
+    for recipe in CAST_TRAFFIC:
+        alone, two, four = (casts(recipe, readers).fp8_casts_us for readers in (1, 2, 4))
+        assert (alone - two) / (alone - four) == pytest.approx((1 - 1 / 2) / (1 - 1 / 4)), recipe
+        assert casts(recipe, 3).fp8_gemm_us == casts(recipe, 1).fp8_gemm_us
+        assert casts(recipe, 3).bf16_us == casts(recipe, 1).bf16_us
+    key_alone, key_of_three = casts("current", 1, "H200"), casts("current", 3, "H200")
+    assert key_alone.speedup < 1 < key_of_three.speedup
+
+
 def test_every_recipe_kind_has_casts_for_each_operand_it_casts():
     for kind, casts in CAST_TRAFFIC.items():
         assert {kernels.operand for kernels in casts.kernels} == set(OPERANDS), kind

@@ -238,3 +238,33 @@ def test_a_gemm_of_a_childs_weight_run_by_its_parent_is_named_after_the_child():
     report = fp8graph.explain(model, torch.randn(2, 32, 8))
     assert sorted((row.path, row.reason) for row in report) == [
         ("0", "parameter is the left operand"), ("0.dt_proj", "parameter is the left operand")]
+
+
+class _SharedInputs(nn.Module):
+    """q, k and v read one input; so do gate and up; o reads its own, and a projection with N=40 (never FP8) reads
+    q's input too."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(32, 16), nn.Linear(32, 32)
+        self.gate, self.up, self.odd = nn.Linear(32, 64), nn.Linear(32, 64), nn.Linear(32, 40)
+
+    def forward(self, x):
+        h = self.o(self.q(x) + torch.cat([self.k(x), self.v(x)], -1)) + self.odd(x)[..., :32]
+        return self.gate(h) * self.up(h)
+
+
+def test_each_linear_knows_how_many_linears_read_its_input():
+    """What the cost model divides a shared input's casts by (one cast serves the group, passes.group_sites): the
+    linears that read the same input node and can run in FP8; the policy sees it in SiteInfo."""
+    seen = {}
+
+    def record(path, module, site):
+        seen[path] = site.input_readers
+        return False
+
+    compiled, backend = compile_fp8(_SharedInputs(), compiler="eager", policy=fp8graph.Policy(rules=[(record, None)]))
+    compiled(torch.randn(4, 32))
+    readers = {d.site.path: d.site.input_readers for d in backend.decisions}
+    assert readers == {"q": 3, "k": 3, "v": 3, "o": 1, "odd": 1, "gate": 2, "up": 2}
+    assert seen == readers
