@@ -221,6 +221,23 @@ def test_expert_sites_are_decided_at_the_rates_of_the_gpu_given():
         assert tuple(resolve(policy, "experts", site).recipe for site in (gate_up, down)) == wanted, gpu
 
 
+def test_a_dense_llamas_attention_is_kept_in_bf16_at_the_h200s_rates_and_not_at_the_h100s():
+    """docs/limits.md's advice for dense models on an H200: Llama-3-8B's projections at 4096 tokens, current scaling,
+    each priced with its share of a shared input's cast (q, k and v read one; gate and up another). At the H200's
+    rates (its FP8 casts' fitted to the MoE block) auto keeps q, k, v and o in BF16; at the H100's, which model
+    the H200's dense steps within 3% (docs/cost-model.md), it gives q and o FP8. Both give the MLP and lm_head FP8."""
+    shapes = {"q": (4096, 4096, 3), "k": (4096, 1024, 3), "o": (4096, 4096, 1), "gate": (4096, 14336, 2),
+              "down": (14336, 4096, 1), "lm_head": (4096, 32000, 1)}
+
+    def in_fp8(gpu):
+        policy = auto(gpu=gpu)
+        return {name for name, (K, N, readers) in shapes.items() if resolve(policy, name, SiteInfo(
+            "linear", 4096, K, N, torch.bfloat16, input_readers=readers)).recipe is not None}
+
+    assert in_fp8("H200") == {"gate", "down", "lm_head"}
+    assert in_fp8("H100") == {"q", "o", "gate", "down", "lm_head"}
+
+
 def test_auto_asks_for_the_gpu_when_it_decides_a_site_not_when_it_is_made(monkeypatch):
     """Making the policy initialises no CUDA (a process may make it, then fork workers that use CUDA): the device
     is asked at the first site decided, at compile time, and once."""
