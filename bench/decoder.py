@@ -47,6 +47,7 @@ from fp8graph.models import build
 from fp8graph.recipes import PRESETS
 
 from . import forked
+from .auto_policy import AUTO, auto_policy
 from .cli import positive, require_cuda
 from .memory import saved_for_backward_bytes
 from .profile import CATEGORIES, profile_steps
@@ -69,7 +70,7 @@ SAME_GRAPHS_BF16 = "fp8graph bf16"
 # "bf16 per-block": plain torch.compile of each decoder layer (layer.compile(), torchtitan's way);
 # "current whole": fp8graph with regions=None.
 KNOWN = ["bf16", *RECIPES, *SAVED_TRANSPOSES, *(f"torchao {name}" for name in TORCHAO_RECIPES), "bf16 per-block",
-         SAME_GRAPHS_BF16, "current whole"]
+         SAME_GRAPHS_BF16, "current whole", *AUTO]
 # Inductor settings a contestant's name may switch, each worth a measurement for quantization-heavy graphs:
 # reductions spread over all SMs, horizontal fusion of independent kernels, loop reordering after fusion.
 INDUCTOR_SETTINGS = {"cooperative_reductions": "triton.cooperative_reductions", "combo_kernels": "combo_kernels",
@@ -109,13 +110,18 @@ def _swap_in_torchao(model, contestant: str) -> None:
         module_filter_fn=lambda module, name: module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
-def _compile(model, contestant: str, compiler: str, freeze_weights: bool = False):
+def _compile(model, contestant: str, compiler: str, freeze_weights: bool = False, policy_gpu: str | None = None):
+    """``model`` compiled as ``contestant``; an ``auto`` one's sites timed on ``policy_gpu`` (``None``: the GPU this
+    runs on)."""
     if contestant == "bf16 per-block":
         for layer in model.model.layers:
             layer.compile(backend=compiler)
         return model
     if contestant == SAME_GRAPHS_BF16:
         return fp8graph.compile(model, policy=fp8graph.Policy(default=None), compiler=compiler,
+                                freeze_weights=freeze_weights)
+    if contestant in AUTO:
+        return fp8graph.compile(model, policy=auto_policy(contestant, policy_gpu), compiler=compiler,
                                 freeze_weights=freeze_weights)
     if contestant == "current whole":
         return fp8graph.compile(model, policy=RECIPES["current"], compiler=compiler, freeze_weights=freeze_weights,

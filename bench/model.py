@@ -364,6 +364,7 @@ def _finish(result: dict, args) -> dict:
 def model_decoder(args) -> dict:
     import importlib.util
 
+    from .auto_policy import AUTO
     from .decoder import parse_contestant
 
     default = FP8GRAPH + (TORCHAO if importlib.util.find_spec("torchao") else [])
@@ -373,7 +374,10 @@ def model_decoder(args) -> dict:
             "source": args.source, "cubin": args.cubin, "grad_accumulation": args.grad_accumulation}
     print(f"decoder ({args.config}{f', {args.layers} layers' if args.layers else ''}, {args.batch}x{args.sequence} "
           f"tokens): {len(contestants)} contestants, one process each", file=sys.stderr)
-    results = children(args)([{**spec, "contestant": c} for c in contestants])
+    # policies.auto() decides its sites at the rates of the --gpu named (a rate option given does not reach it).
+    gpu = machine_of(args).gpu
+    results = children(args)([{**spec, "contestant": c,
+                               **({"policy_gpu": gpu} if parse_contestant(c)[0] in AUTO else {})} for c in contestants])
     accumulate(results, args.grad_accumulation)
     case = next((c["case"] for r in results for c in r.get("cases", [])), "")
     return _finish(build_result("decoder", spec, results, machine_of(args),
@@ -544,9 +548,9 @@ def model_compare(args) -> None:
 
 
 def _newest_model(measured: dict, results: pathlib.Path) -> pathlib.Path | None:
-    """The newest modelled result of the measured run's workload and configuration: bench moe's block (same
-    config, batch and tokens, no overrides, the experts frozen or not alike; the newest that models every measured
-    contestant, if one does) or bench decoder's stack (same config and layers)."""
+    """The newest modelled result of the measured run's workload and configuration (the newest that models every
+    measured contestant, if one does): bench moe's block (same config, batch and tokens, no overrides, the experts
+    frozen or not alike) or bench decoder's stack (same config and layers)."""
     if measured.get("workload") == "moe_block":
         matching = []
         for path in sorted(results.glob("model-moe-*.json"), reverse=True):
@@ -558,17 +562,23 @@ def _newest_model(measured: dict, results: pathlib.Path) -> pathlib.Path | None:
                     (measured.get("config"), measured.get("batch"), measured.get("sequence"))
                     and not spec.get("overrides")) or _sweep_case(model, measured):
                 matching.append(path)
-                if {row.get("contestant") for row in measured.get("rows", [])} <= {
-                        row.get("contestant") for row in model["rows"]}:
+                if _models_every_contestant(model, measured):
                     return path
         return matching[0] if matching else None
+    matching = []
     for path in sorted(results.glob("model-decoder-*.json"), reverse=True):
         model = json.loads(path.read_text())
         cases = {row["case"] for row in model["rows"] if "case" in row}  # "4 layers, vocab 32000, 1x4096"
         if (model["spec"].get("config") == measured.get("config")
                 and any(case.startswith(f"{measured.get('layers')} layers,") for case in cases)):
-            return path
-    return None
+            matching.append(path)
+            if _models_every_contestant(model, measured):
+                return path
+    return matching[0] if matching else None
+
+
+def _models_every_contestant(model: dict, measured: dict) -> bool:
+    return {row.get("contestant") for row in measured.get("rows", [])} <= {row.get("contestant") for row in model["rows"]}
 
 
 def _same_experts(spec: dict, measured: dict) -> bool:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import pathlib
 import time
@@ -46,6 +45,7 @@ import torch
 from torch._inductor import config as inductor_config
 
 from . import forked
+from .auto_policy import AUTO, auto_policy
 from .cli import contestants_of, positive, require_cuda
 
 __all__ = ["AUTO", "DEFAULT", "UNCACHED", "KNOWN", "SWEEP", "SweepShape", "parse_contestant", "swap_in_torchao",
@@ -64,8 +64,6 @@ TORCHAO = "torchao moe rowwise"
 # torchao 0.18 leaves the padding to its users (Float8TrainingOpConfig's pad_token_groups_for_grouped_mm=True
 # asserts "not yet supported"); torchtitan pads to set_token_group_alignment_size_m(16) for FP8 row-wise.
 TORCHAO_GROUP_ALIGNMENT = 16
-# fp8graph.policies.auto() with current and with delayed scaling: FP8 only on the sites the cost model says gain.
-AUTO = ("auto", "auto delayed")
 # Every fp8graph contestant has buffers for its weights' FP8 casts (cache_weights="auto"), used inside
 # fp8graph.weights_unchanged: cast once per declaration, read by the step's other micro-batches (the cost model's
 # gradient accumulation); timed here, where every step is one call outside a declaration, every call casts.
@@ -224,12 +222,7 @@ def compile_block(block: torch.nn.Module, contestant: str, compiler, policy_gpu:
     from fp8graph.recipes import PRESETS
 
     if contestant in AUTO:
-        recipe = contestant.removeprefix("auto").strip() or "current"
-        # An earlier commit's auto() (the calibration and --fp8graph-at model one) may take no gpu at all: it
-        # decided at the H100's rates, and so it is modelled.
-        takes_gpu = "gpu" in inspect.signature(fp8graph.policies.auto).parameters
-        policy = fp8graph.policies.auto(recipe=recipe, **({"gpu": policy_gpu} if policy_gpu and takes_gpu else {}))
-        return fp8graph.compile(block, policy=policy, compiler=compiler)
+        return fp8graph.compile(block, policy=auto_policy(contestant, policy_gpu), compiler=compiler)
     if contestant.endswith(" uncached"):
         recipe = contestant.removesuffix(" uncached")
         return fp8graph.compile(block, policy=PRESETS[recipe], compiler=compiler, cache_weights=False)

@@ -208,6 +208,25 @@ def test_fp8graphs_bf16_reference_is_its_own_compile_with_every_site_kept():
         assert torch.equal(parameter.grad, reference_parameter.grad), name
 
 
+def test_the_decoders_auto_contestants_decide_at_the_gpu_they_are_given():
+    """``auto`` and ``auto delayed`` compile with ``policies.auto()`` of their recipe, their sites timed on the GPU
+    named (the cost model's --gpu) and each kept site's reason naming it; the tiny model's GEMMs gain nothing."""
+    import torch
+
+    from bench.decoder import _compile, parse_contestant
+    from fp8graph.models import build
+
+    tokens = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(0))
+    for contestant, recipe in (("auto", "current"), ("auto delayed", "delayed")):
+        assert parse_contestant(contestant) == (contestant, {})
+        compiled = _compile(build("llama", "tiny"), contestant, "aot_eager", policy_gpu="H200")
+        compiled(tokens, labels=tokens).loss.backward()
+        decisions = compiled.fp8graph_backend.decisions
+        assert decisions and not any(decision.rewritten for decision in decisions)
+        linears = [decision for decision in decisions if decision.site.op == "linear"]
+        assert linears and all(f"{recipe} " in d.reason and "on H200, modelled" in d.reason for d in linears)
+
+
 @pytest.mark.parametrize("config,layers,expected", [("bench-8b-layer", None, 4), ("bench-8b-layer", 6, 6),
                                                      ("llama3-8b", None, 32)])
 def test_the_decoder_benchmark_builds_the_layers_it_is_asked_for(config, layers, expected):

@@ -462,19 +462,36 @@ def test_the_model_against_the_later_gpu_runs_of_the_decoder():
             assert abs(c.error) <= 0.02, c
 
 
+def test_compare_takes_the_newest_modelled_result_that_has_every_measured_contestant(tmp_path):
+    """A later modelled run of a few contestants (``bench model decoder --contestants auto``) must not leave a GPU
+    run's other contestants without their model: compare takes the newest result that models all of them, and
+    the newest of the configuration where none does."""
+    def write(name, contestants):
+        (tmp_path / name).write_text(json.dumps({"spec": {"config": "bench-8b-layer"}, "rows": [
+            {"contestant": c, "case": "4 layers, vocab 32000, 1x4096"} for c in contestants]}))
+
+    write("model-decoder-2026-12-01T000000Z.json", ["bf16", "current", "torchao tensorwise"])
+    write("model-decoder-2026-12-02T000000Z.json", ["bf16", "auto"])
+    measured = {"config": "bench-8b-layer", "layers": 4,
+                "rows": [{"contestant": "bf16"}, {"contestant": "current"}, {"contestant": "torchao tensorwise"}]}
+    assert bench_model._newest_model(measured, tmp_path).name == "model-decoder-2026-12-01T000000Z.json"
+    measured["rows"].append({"contestant": "block"})
+    assert bench_model._newest_model(measured, tmp_path).name == "model-decoder-2026-12-02T000000Z.json"
+
+
 def test_a_gpu_run_shows_what_fp8_itself_gains_beside_the_model():
     """Where a measured ``bench decoder`` run has ``fp8graph bf16`` (the same graphs with every site in BF16),
     ``bench model compare`` shows each recipe's step over it, modelled beside measured; without it, no such line."""
     shape = {"config": "bench-8b-layer", "layers": 4, "batch": 1, "sequence": 4096}
-    newest = json.loads(bench_model._newest_model(shape, RESULTS).read_text())
-    rows = bench_model.peer_rows(newest, shape)  # one micro-batch a step, as the measured run steps
-    modelled = bench_model._retimed(newest, {c: rows[c] for c in ("bf16", "fp8graph bf16", "current")},
-                                    costs.Machine.of("H200"))
-    expected = modelled["fp8graph bf16"]["step_ms"] / modelled["current"]["step_ms"]
     measured = {**shape, "environment": {"device": "NVIDIA H200", "torch": "2.11.0+cu130"},
                 "rows": [{"contestant": "bf16", "train_tokens_per_s": 100.0},
                          {"contestant": "fp8graph bf16", "train_tokens_per_s": 115.0},
                          {"contestant": "current", "train_tokens_per_s": 138.0}]}
+    newest = json.loads(bench_model._newest_model(measured, RESULTS).read_text())  # the one compare takes
+    rows = bench_model.peer_rows(newest, shape)  # one micro-batch a step, as the measured run steps
+    modelled = bench_model._retimed(newest, {c: rows[c] for c in ("bf16", "fp8graph bf16", "current")},
+                                    costs.Machine.of("H200"))
+    expected = modelled["fp8graph bf16"]["step_ms"] / modelled["current"]["step_ms"]
     lines = bench_model.compare_lines(measured, "decoder-test.json", None, RESULTS)
     assert lines[-1].startswith("What FP8 itself gains") and f"current {expected:.2f}x / 1.20x" in lines[-1]
     measured["rows"] = [row for row in measured["rows"] if row["contestant"] != "fp8graph bf16"]
@@ -486,7 +503,8 @@ def test_a_gpu_run_is_shown_beside_the_committed_modelled_step():
     configuration (``bench model compare``), at the measuring GPU's rates, and its peak and saved memory beside
     the modelled: here a measured result written like bench decoder's."""
     shape = {"config": "bench-8b-layer", "layers": 4, "batch": 1, "sequence": 4096}
-    newest = json.loads(bench_model._newest_model(shape, RESULTS).read_text())
+    newest = json.loads(bench_model._newest_model(
+        {**shape, "rows": [{"contestant": "bf16"}, {"contestant": "current"}]}, RESULTS).read_text())
     current_row = bench_model.peer_rows(newest, shape)["current"]  # one micro-batch a step
     modelled = bench_model._retimed(newest, {"current": current_row}, costs.Machine.of("H100"))["current"]
     modelled_ms = modelled["step_ms"]
