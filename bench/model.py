@@ -375,12 +375,13 @@ def model_decoder(args) -> dict:
     print(f"decoder ({args.config}{f', {args.layers} layers' if args.layers else ''}, {args.batch}x{args.sequence} "
           f"tokens): {len(contestants)} contestants, one process each", file=sys.stderr)
     # policies.auto() decides its sites at the rates of the --gpu named (a rate option given does not reach it).
-    gpu = machine_of(args).gpu
+    machine = machine_of(args)
     results = children(args)([{**spec, "contestant": c,
-                               **({"policy_gpu": gpu} if parse_contestant(c)[0] in AUTO else {})} for c in contestants])
+                               **({"policy_gpu": machine.gpu} if parse_contestant(c)[0] in AUTO else {})}
+                              for c in contestants])
     accumulate(results, args.grad_accumulation)
     case = next((c["case"] for r in results for c in r.get("cases", [])), "")
-    return _finish(build_result("decoder", spec, results, machine_of(args),
+    return _finish(build_result("decoder", spec, results, machine,
                                 f"bench decoder's training step ({args.config}: {case})"), args)
 
 
@@ -551,34 +552,33 @@ def _newest_model(measured: dict, results: pathlib.Path) -> pathlib.Path | None:
     """The newest modelled result of the measured run's workload and configuration (the newest that models every
     measured contestant, if one does): bench moe's block (same config, batch and tokens, no overrides, the experts
     frozen or not alike) or bench decoder's stack (same config and layers)."""
-    if measured.get("workload") == "moe_block":
-        matching = []
-        for path in sorted(results.glob("model-moe-*.json"), reverse=True):
-            model = json.loads(path.read_text())
-            spec = model["spec"]
-            if not _same_experts(spec, measured):
-                continue
-            if ((spec.get("config"), spec.get("batch"), spec.get("sequence")) ==
-                    (measured.get("config"), measured.get("batch"), measured.get("sequence"))
-                    and not spec.get("overrides")) or _sweep_case(model, measured):
-                matching.append(path)
-                if _models_every_contestant(model, measured):
-                    return path
-        return matching[0] if matching else None
+    block = measured.get("workload") == "moe_block"
     matching = []
-    for path in sorted(results.glob("model-decoder-*.json"), reverse=True):
+    for path in sorted(results.glob("model-moe-*.json" if block else "model-decoder-*.json"), reverse=True):
         model = json.loads(path.read_text())
-        cases = {row["case"] for row in model["rows"] if "case" in row}  # "4 layers, vocab 32000, 1x4096"
-        if (model["spec"].get("config") == measured.get("config")
-                and any(case.startswith(f"{measured.get('layers')} layers,") for case in cases)):
+        if _models_block(model, measured) if block else _models_stack(model, measured):
             matching.append(path)
-            if _models_every_contestant(model, measured):
+            if {row.get("contestant") for row in measured.get("rows", [])} <= {
+                    row.get("contestant") for row in model["rows"]}:
                 return path
     return matching[0] if matching else None
 
 
-def _models_every_contestant(model: dict, measured: dict) -> bool:
-    return {row.get("contestant") for row in measured.get("rows", [])} <= {row.get("contestant") for row in model["rows"]}
+def _models_block(model: dict, measured: dict) -> bool:
+    """Whether a modelled ``bench model moe`` result has the measured block: its spec's, or a sweep case's."""
+    spec = model["spec"]
+    if not _same_experts(spec, measured):
+        return False
+    return ((spec.get("config"), spec.get("batch"), spec.get("sequence")) ==
+            (measured.get("config"), measured.get("batch"), measured.get("sequence"))
+            and not spec.get("overrides")) or _sweep_case(model, measured) is not None
+
+
+def _models_stack(model: dict, measured: dict) -> bool:
+    """Whether a modelled ``bench model decoder`` result has the measured stack: same config and layers."""
+    cases = {row["case"] for row in model["rows"] if "case" in row}  # "4 layers, vocab 32000, 1x4096"
+    return (model["spec"].get("config") == measured.get("config")
+            and any(case.startswith(f"{measured.get('layers')} layers,") for case in cases))
 
 
 def _same_experts(spec: dict, measured: dict) -> bool:

@@ -95,16 +95,6 @@ def _check_attention(case: dict, model) -> None:
                                    "H100's SDPA patch (fake_h100._use_cudnn_attention) no longer applies")
 
 
-def _decoder_compile(spec: dict):
-    """bench decoder's way of compiling a contestant, an ``auto`` one's sites timed at the spec's ``policy_gpu``
-    (calibration runs earlier commits, whose ``_compile`` takes no ``policy_gpu`` and has no ``auto``)."""
-    from bench.decoder import _compile
-
-    if "policy_gpu" not in spec:
-        return _compile
-    return functools.partial(_compile, policy_gpu=spec["policy_gpu"])
-
-
 def decoder(spec: dict) -> list[dict]:
     """bench decoder's training step: the model zoo's Llama, batch x sequence tokens,
     ``loss = model(tokens, labels=tokens).loss; loss.backward()`` then an eager SGD step."""
@@ -112,7 +102,7 @@ def decoder(spec: dict) -> list[dict]:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bench.decoder import _swap_in_torchao, parse_contestant
+    from bench.decoder import _compile, _swap_in_torchao, parse_contestant
     from fp8graph.models import llama as zoo  # the zoo's configs (calibration: as the measured commit had them)
 
     base, settings = parse_contestant(spec["contestant"])
@@ -130,8 +120,9 @@ def decoder(spec: dict) -> list[dict]:
     model = fake_h100.to_fake_cuda(model, mode).train()
     with mode:
         tokens = torch.zeros(spec["batch"], spec["sequence"], dtype=torch.long, device="cuda")
+    compile_model = functools.partial(_compile, policy_gpu=spec.get("policy_gpu"))  # an auto contestant's --gpu
     with capture.Capture() as cap, inductor_config.patch(settings), mode, _one_sequence_a_row(), \
-            _masks_materialized_under_dynamo(), compiled(base, model, _decoder_compile(spec)) as compiled_model:
+            _masks_materialized_under_dynamo(), compiled(base, model, compile_model) as compiled_model:
         micro_batches = _MicroBatches(cap, compiled_model, lambda: compiled_model(tokens, labels=tokens).loss, None)
         note = micro_batches.run(spec, lambda: _fp8_note(compiled_model, model))
     config = model.config

@@ -272,8 +272,8 @@ def weight_orientations(module: torch.nn.Module | None, weight: torch.Tensor) ->
 class _BeforeTracing:
     """A site as a rule sees it before tracing: reading what only the traced graph knows (``M``,
     ``expert_stage``, ``input_readers``, and what op multiplies the weight: ``op``, ``is_linear``, ``gate``,
-    guessed here as a linear that is no gate) leaves the rule undecided whatever the predicate answers (``site.M is not None and
-    ...`` answers False here)."""
+    guessed here as a linear that is no gate) leaves the rule undecided whatever the predicate answers
+    (``site.M is not None and ...`` answers False here)."""
 
     TRACED = ("M", "expert_stage", "input_readers", "op", "is_linear", "gate")
 
